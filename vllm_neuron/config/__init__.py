@@ -1,0 +1,1 @@
+"""Engine configuration: option objects, CLI flags <-> LLM kwargs, bucket lists (buckets.py)."""

@@ -1,0 +1,321 @@
+"""Every environment variable vllm_neuron reads, in one place.
+
+Values are read lazily, each time they are accessed (`envs.VLLM_NEURON_BACKEND`), so that a
+process sees the environment it was started with and tests can monkeypatch os.environ.
+Names and defaults are the seeds' (configuration reference, "Environment variables").
+
+Parsing rules, for every variable:
+* unset or empty -> the default;
+* booleans accept 0/1/true/false (any case); anything else is a ValueError naming the variable;
+* a malformed or out-of-range number is a ValueError naming the variable.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from vllm_neuron.logger import init_logger, warning_once
+
+logger = init_logger(__name__)
+
+_TRUE = ("1", "true")
+_FALSE = ("0", "false")
+
+
+def _raw(name: str) -> str | None:
+    value = os.environ.get(name)
+    if value is None or value.strip() == "":
+        return None
+    return value.strip()
+
+
+def _bool(name: str, default: bool = False) -> bool:
+    raw = _raw(name)
+    if raw is None:
+        return default
+    low = raw.lower()
+    if low in _TRUE:
+        return True
+    if low in _FALSE:
+        return False
+    raise ValueError(f"{name}={raw!r} is not a boolean; valid values: 0, 1, true, false")
+
+
+def _int(name: str, default: int | None = None, minimum: int | None = None) -> int | None:
+    raw = _raw(name)
+    if raw is None:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not an integer") from None
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name}={value} must be >= {minimum}")
+    return value
+
+
+def _float(
+    name: str,
+    default: float | None = None,
+    minimum: float | None = None,
+    maximum: float | None = None,
+    min_exclusive: bool = False,
+) -> float | None:
+    raw = _raw(name)
+    if raw is None:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not a number") from None
+    if value != value or value in (float("inf"), float("-inf")):
+        raise ValueError(f"{name}={raw!r} must be a finite number")
+    if minimum is not None and (value <= minimum if min_exclusive else value < minimum):
+        op = ">" if min_exclusive else ">="
+        raise ValueError(f"{name}={value} must be {op} {minimum}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{name}={value} must be <= {maximum}")
+    return value
+
+
+def _str(name: str, default: str | None = None) -> str | None:
+    raw = _raw(name)
+    return default if raw is None else raw
+
+
+# ---------------------------------------------------------------------------------------------
+# Compilation and caching
+# ---------------------------------------------------------------------------------------------
+
+BACKEND_NATIVE = "native"
+BACKEND_EAGER = "eager"
+_NATIVE_ALIASES = ("neuron_native", "neuron")
+
+
+def _backend() -> str:
+    """VLLM_NEURON_BACKEND: the compilation route.
+
+    Unset, "neuron_native" or "neuron" -> "native" (torch.compile with static shapes, the
+    default). "eager" -> run the same graphs uncompiled (our addition). "vllm_neuron" selects
+    the deprecated XLA route on Neuron; there is no XLA route here, so it is an error rather
+    than a silent switch. Any other value logs a warning and selects "native" (seeds).
+    """
+    raw = _raw("VLLM_NEURON_BACKEND")
+    if raw is None or raw in _NATIVE_ALIASES:
+        return BACKEND_NATIVE
+    if raw == BACKEND_EAGER:
+        return BACKEND_EAGER
+    if raw == "vllm_neuron":
+        raise ValueError(
+            "VLLM_NEURON_BACKEND='vllm_neuron' selects the deprecated XLA route, which is not "
+            "available here; valid values: neuron_native (or neuron, or unset) for the native "
+            "torch.compile route, eager for uncompiled graphs"
+        )
+    warning_once(
+        logger,
+        "VLLM_NEURON_BACKEND=%r is not a valid value (valid: neuron_native, neuron, eager); "
+        "selecting the native route",
+        raw,
+    )
+    return BACKEND_NATIVE
+
+
+def _use_v2_model_runner() -> bool | None:
+    """VLLM_USE_V2_MODEL_RUNNER: unset -> None (automatic: MRv2 for supported dense
+    configurations, MRv1 otherwise), "0" -> False (force MRv1), "1" -> True (force MRv2)."""
+    raw = _raw("VLLM_USE_V2_MODEL_RUNNER")
+    if raw is None:
+        return None
+    if raw == "0":
+        return False
+    if raw == "1":
+        return True
+    raise ValueError(
+        f"VLLM_USE_V2_MODEL_RUNNER={raw!r} is not valid; valid values: unset (automatic), "
+        "0 (Model Runner V1), 1 (Model Runner V2)"
+    )
+
+
+def _cache_root() -> str:
+    # Not vLLM's ~/.cache/vllm: our compile artifacts are not vLLM's, and sharing the folder
+    # with an installed vLLM would mix two incompatible caches.
+    return os.path.expanduser(_str("VLLM_CACHE_ROOT") or os.path.join("~", ".cache", "vllm_neuron"))
+
+
+def _log_level() -> str:
+    """VLLM_NEURON_LOG_LEVEL, upper-cased; DEBUG, INFO, WARNING, ERROR or CRITICAL."""
+    raw = (_str("VLLM_NEURON_LOG_LEVEL") or "INFO").upper()
+    if raw == "WARN":
+        raw = "WARNING"
+    valid = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+    if raw not in valid:
+        raise ValueError(f"VLLM_NEURON_LOG_LEVEL={raw!r} is not valid; valid values: {', '.join(valid)}")
+    return raw
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    name: str
+    read: Callable[[], Any]
+    doc: str
+
+
+_VARS: dict[str, EnvVar] = {
+    v.name: v
+    for v in (
+        # -- compilation and caching --
+        EnvVar("VLLM_NEURON_BACKEND", _backend, _backend.__doc__ or ""),
+        EnvVar(
+            "NEURON_COMPILED_ARTIFACTS",
+            lambda: _str("NEURON_COMPILED_ARTIFACTS"),
+            "Folder of compiled graphs: loaded when valid artifacts exist, filled otherwise. "
+            "Takes precedence over $VLLM_CACHE_ROOT/compiled_artifacts.",
+        ),
+        EnvVar(
+            "VLLM_NEURON_CPU_COMPILE",
+            lambda: _bool("VLLM_NEURON_CPU_COMPILE"),
+            "Compile-only mode: fill the compile cache for NEURON_PLATFORM_TARGET_OVERRIDE "
+            "without that device being present. Default 0.",
+        ),
+        EnvVar(
+            "NEURON_PLATFORM_TARGET_OVERRIDE",
+            lambda: _str("NEURON_PLATFORM_TARGET_OVERRIDE"),
+            "Target device type for compile-only mode; required when VLLM_NEURON_CPU_COMPILE=1.",
+        ),
+        EnvVar(
+            "NEURON_LIBTORCH_PARALLEL_COMPILE_WORKERS",
+            lambda: _int("NEURON_LIBTORCH_PARALLEL_COMPILE_WORKERS", None, minimum=1),
+            "Number of graphs compiled in parallel during warm-up (unset: the compiler's choice).",
+        ),
+        EnvVar(
+            "NEURON_LIBTORCH_REMOTE_CACHE",
+            lambda: _str("NEURON_LIBTORCH_REMOTE_CACHE"),
+            "Shared (NFS-style) folder consulted after the local compile cache and filled with "
+            "new artifacts, so that other nodes skip compilation.",
+        ),
+        EnvVar(
+            "NEURON_LIBTORCH_DISABLE_COMPILE_CACHE",
+            lambda: _bool("NEURON_LIBTORCH_DISABLE_COMPILE_CACHE"),
+            "Disable the compile cache entirely: recompile every graph on every start. Default 0.",
+        ),
+        EnvVar(
+            "NEURON_LIBTORCH_COMPILATION_TIMEOUT",
+            lambda: _int("NEURON_LIBTORCH_COMPILATION_TIMEOUT", None, minimum=1),
+            "Timeout in seconds for compiling one graph (unset: no timeout).",
+        ),
+        EnvVar(
+            "VLLM_NEURON_DISABLE_WARMUP_COMPILE",
+            lambda: _bool("VLLM_NEURON_DISABLE_WARMUP_COMPILE"),
+            "Treat a compile-cache miss during warm-up as a fatal error (all graphs must be "
+            "pre-compiled). Default 0.",
+        ),
+        EnvVar(
+            "VLLM_CACHE_ROOT",
+            _cache_root,
+            "Root folder for caches; default ~/.cache/vllm_neuron (the seeds' ~/.cache/vllm is "
+            "vLLM's own and is not shared with it).",
+        ),
+        # -- runtime and execution --
+        EnvVar(
+            "VLLM_NEURON_CPU_MODE",
+            lambda: _bool("VLLM_NEURON_CPU_MODE"),
+            "Force the CPU device even when an accelerator is present (development/testing). "
+            "Default 0.",
+        ),
+        EnvVar("VLLM_NEURON_LOG_LEVEL", _log_level, _log_level.__doc__ or ""),
+        EnvVar(
+            "VLLM_NEURON_DISABLE_NKI_KERNELS",
+            lambda: _bool("VLLM_NEURON_DISABLE_NKI_KERNELS"),
+            "Disable the project's custom kernels, forcing the plain torch paths. Default 0.",
+        ),
+        EnvVar(
+            "VLLM_NEURON_ATTN_MASK_TORCH",
+            lambda: _bool("VLLM_NEURON_ATTN_MASK_TORCH"),
+            "Build the decode attention mask with plain torch ops instead of the custom mask "
+            "kernel. Default 0.",
+        ),
+        EnvVar("VLLM_USE_V2_MODEL_RUNNER", _use_v2_model_runner, _use_v2_model_runner.__doc__ or ""),
+        # -- memory management --
+        EnvVar(
+            "VLLM_NEURON_KV_GMU_BUDGET_CAP_FRACTION",
+            lambda: _float(
+                "VLLM_NEURON_KV_GMU_BUDGET_CAP_FRACTION", 0.30, minimum=0.0, maximum=1.0,
+                min_exclusive=True,
+            ),
+            "Fractional cap of the total budget for default KV sizing, in (0, 1]. Default 0.30. "
+            "Headroom mode bypasses it.",
+        ),
+        EnvVar(
+            "VLLM_NEURON_RESERVED_HEADROOM_GIB",
+            lambda: _float("VLLM_NEURON_RESERVED_HEADROOM_GIB", None, minimum=0.0),
+            "Explicit reserve per worker in GiB; when set (zero included) KV sizing uses "
+            "headroom mode: gpu_memory_utilization treated as 1.0 and no fractional cap.",
+        ),
+        EnvVar(
+            "VLLM_NEURON_MIN_KV_BUDGET_GIB",
+            lambda: _float("VLLM_NEURON_MIN_KV_BUDGET_GIB", 1.0, minimum=0.0),
+            "Minimum KV budget in GiB; start-up fails fast below it. Default 1.0.",
+        ),
+        # -- metrics --
+        EnvVar(
+            "PROMETHEUS_MULTIPROC_DIR",
+            lambda: _str("PROMETHEUS_MULTIPROC_DIR"),
+            "prometheus_client multiprocess folder; unset: the metrics module creates a "
+            "temporary one. Wipe it between server restarts.",
+        ),
+    )
+}
+
+ALL_VARIABLES: tuple[str, ...] = tuple(_VARS)
+
+
+def __getattr__(name: str) -> Any:
+    var = _VARS.get(name)
+    if var is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return var.read()
+
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + list(_VARS))
+
+
+def doc(name: str) -> str:
+    """The documentation line of one variable."""
+    if name not in _VARS:
+        raise ValueError(f"unknown environment variable {name!r}; known: {', '.join(_VARS)}")
+    return _VARS[name].doc
+
+
+def compile_cache_dir() -> str:
+    """Folder of the compile cache: NEURON_COMPILED_ARTIFACTS when set, else
+    $VLLM_CACHE_ROOT/compiled_artifacts (VLLM_CACHE_ROOT defaults to ~/.cache/vllm_neuron)."""
+    explicit = _str("NEURON_COMPILED_ARTIFACTS")
+    if explicit is not None:
+        return os.path.abspath(os.path.expanduser(explicit))
+    return os.path.join(_cache_root(), "compiled_artifacts")
+
+
+def cpu_compile_target() -> str | None:
+    """Target of compile-only mode: None when VLLM_NEURON_CPU_COMPILE is off; the value of
+    NEURON_PLATFORM_TARGET_OVERRIDE when on (ValueError when it is then missing)."""
+    if not _bool("VLLM_NEURON_CPU_COMPILE"):
+        return None
+    target = _str("NEURON_PLATFORM_TARGET_OVERRIDE")
+    if target is None:
+        raise ValueError(
+            "NEURON_PLATFORM_TARGET_OVERRIDE is required when VLLM_NEURON_CPU_COMPILE=1 "
+            "(the device type to compile for, e.g. cpu or cuda)"
+        )
+    return target
+
+
+def describe() -> dict[str, Any]:
+    """Parsed values of the variables that are set in the environment, for the start-up log.
+
+    Raises the variable's ValueError when one of them is malformed, so that a bad value is
+    reported at start-up rather than the first time it is read.
+    """
+    return {name: var.read() for name, var in _VARS.items() if _raw(name) is not None}

@@ -1,0 +1,253 @@
+"""KV cache memory budget: the seeds' Memory management formulas, plus the probes they need.
+
+Two modes, chosen by VLLM_NEURON_RESERVED_HEADROOM_GIB:
+
+default (unset):
+    device: total_budget = int(device_total * gpu_memory_utilization)
+            available    = max(min(max(total_budget - model_weight_bytes, 0),
+                                   int(total_budget * cap_fraction)), 0)
+    CPU:    the same, applied to this worker's share of host available memory
+            (host_available / local_workers) with no weight subtraction: loaded weights are
+            already reflected in host available memory.
+headroom (set, zero included): gpu_memory_utilization treated as 1.0, no fractional cap.
+    device: available = max(device_total - model_weight_bytes - headroom_bytes, 0)
+    CPU:    available = max(host_available / local_workers - headroom_bytes, 0)
+
+A budget below VLLM_NEURON_MIN_KV_BUDGET_GIB fails fast with the arithmetic in the message.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from vllm_neuron import envs
+
+GIB = 1 << 30
+MODE_DEFAULT = "default"
+MODE_HEADROOM = "headroom"
+
+_FROM_ENV: Any = object()
+
+
+def _gib(n: float) -> str:
+    return f"{n / GIB:.2f} GiB"
+
+
+@dataclass(frozen=True)
+class KVBudget:
+    """The outcome of one budget computation, with the inputs that produced it.
+
+    total_bytes is the memory the budget is taken from: the device's total memory, or on CPU
+    this worker's share of host available memory.
+    """
+
+    mode: str
+    on_cpu: bool
+    total_bytes: int
+    weights_bytes: int
+    gpu_memory_utilization: float
+    cap_fraction: float | None
+    headroom_bytes: int | None
+    available_bytes: int
+
+    def describe(self) -> str:
+        """The arithmetic as one line, for the start-up log and error messages."""
+        where = "host available / local_workers" if self.on_cpu else "device total"
+        if self.mode == MODE_HEADROOM:
+            weights = "" if self.on_cpu else f" - weights {_gib(self.weights_bytes)}"
+            return (
+                f"KV budget (headroom mode, gpu_memory_utilization=1.0, no cap): "
+                f"{where} {_gib(self.total_bytes)}{weights} - headroom "
+                f"{_gib(self.headroom_bytes or 0)} (VLLM_NEURON_RESERVED_HEADROOM_GIB) = "
+                f"{_gib(self.available_bytes)}"
+            )
+        budget = int(self.total_bytes * self.gpu_memory_utilization)
+        cap = int(budget * (self.cap_fraction or 0.0))
+        weights = "" if self.on_cpu else f" - weights {_gib(self.weights_bytes)}"
+        return (
+            f"KV budget (default mode): total_budget = {where} {_gib(self.total_bytes)} x "
+            f"gpu_memory_utilization {self.gpu_memory_utilization} = {_gib(budget)}; "
+            f"available = min(total_budget{weights}, total_budget x "
+            f"VLLM_NEURON_KV_GMU_BUDGET_CAP_FRACTION {self.cap_fraction} = {_gib(cap)}) = "
+            f"{_gib(self.available_bytes)}"
+        )
+
+
+def kv_budget(
+    *,
+    on_cpu: bool,
+    total_bytes: int,
+    model_weight_bytes: int,
+    gpu_memory_utilization: float,
+    local_workers: int = 1,
+    cap_fraction: float | None = _FROM_ENV,
+    headroom_gib: float | None = _FROM_ENV,
+    min_kv_budget_gib: float = _FROM_ENV,
+) -> KVBudget:
+    """Compute the KV budget of one worker (see the module docstring).
+
+    on_cpu: total_bytes is host available memory (shared by `local_workers`); otherwise it is
+    the device's total memory and model_weight_bytes is subtracted. The last three arguments
+    default to VLLM_NEURON_KV_GMU_BUDGET_CAP_FRACTION, VLLM_NEURON_RESERVED_HEADROOM_GIB and
+    VLLM_NEURON_MIN_KV_BUDGET_GIB. Raises ValueError ("KV cache budget below minimum
+    threshold ...") when the result is below the minimum.
+    """
+    if cap_fraction is _FROM_ENV:
+        cap_fraction = envs.VLLM_NEURON_KV_GMU_BUDGET_CAP_FRACTION
+    if headroom_gib is _FROM_ENV:
+        headroom_gib = envs.VLLM_NEURON_RESERVED_HEADROOM_GIB
+    if min_kv_budget_gib is _FROM_ENV:
+        min_kv_budget_gib = envs.VLLM_NEURON_MIN_KV_BUDGET_GIB
+    if not 0.0 < gpu_memory_utilization <= 1.0:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+    if local_workers < 1:
+        raise ValueError(f"local_workers must be >= 1, got {local_workers}")
+    if total_bytes < 0 or model_weight_bytes < 0:
+        raise ValueError("total_bytes and model_weight_bytes must be >= 0")
+
+    total = total_bytes // local_workers if on_cpu else total_bytes
+    weights = 0 if on_cpu else model_weight_bytes
+    if headroom_gib is not None:
+        if headroom_gib < 0:
+            raise ValueError(f"VLLM_NEURON_RESERVED_HEADROOM_GIB must be >= 0, got {headroom_gib}")
+        headroom = int(headroom_gib * GIB)
+        available = max(total - weights - headroom, 0)
+        budget = KVBudget(MODE_HEADROOM, on_cpu, total, model_weight_bytes, 1.0, None, headroom, available)
+    else:
+        if cap_fraction is None or not 0.0 < cap_fraction <= 1.0:
+            raise ValueError(f"VLLM_NEURON_KV_GMU_BUDGET_CAP_FRACTION must be in (0, 1], got {cap_fraction}")
+        total_budget = int(total * gpu_memory_utilization)
+        available = max(min(max(total_budget - weights, 0), int(total_budget * cap_fraction)), 0)
+        budget = KVBudget(
+            MODE_DEFAULT, on_cpu, total, model_weight_bytes, gpu_memory_utilization, cap_fraction, None, available
+        )
+    _check_minimum(budget, min_kv_budget_gib)
+    return budget
+
+
+def _check_minimum(budget: KVBudget, min_kv_budget_gib: float) -> None:
+    minimum = int(min_kv_budget_gib * GIB)
+    if budget.available_bytes >= minimum:
+        return
+    head = (
+        f"KV cache budget below minimum threshold: {_gib(budget.available_bytes)} < "
+        f"VLLM_NEURON_MIN_KV_BUDGET_GIB={min_kv_budget_gib} GiB. {budget.describe()}. "
+    )
+    if budget.mode == MODE_HEADROOM:
+        weights = 0 if budget.on_cpu else budget.weights_bytes
+        max_headroom = budget.total_bytes - weights - minimum
+        if max_headroom >= 0:
+            # Rounded down so that the suggested value really satisfies the minimum.
+            fix = (
+                f"The maximum VLLM_NEURON_RESERVED_HEADROOM_GIB that satisfies the minimum is "
+                f"{math.floor(max_headroom / GIB * 100) / 100:.2f}"
+            )
+        else:
+            fix = (
+                "No VLLM_NEURON_RESERVED_HEADROOM_GIB value satisfies the minimum: even 0 leaves "
+                f"{_gib(max(budget.total_bytes - weights, 0))}"
+            )
+        raise ValueError(
+            head + fix + ". Decrease VLLM_NEURON_RESERVED_HEADROOM_GIB (do not increase it: that "
+            "makes the KV budget smaller), or lower VLLM_NEURON_MIN_KV_BUDGET_GIB only when a "
+            "smaller KV cache is valid for the workload."
+        )
+    raise ValueError(
+        head + "Increase gpu_memory_utilization or VLLM_NEURON_KV_GMU_BUDGET_CAP_FRACTION, set "
+        "VLLM_NEURON_RESERVED_HEADROOM_GIB for headroom sizing, or lower "
+        "VLLM_NEURON_MIN_KV_BUDGET_GIB only when a smaller KV cache is valid for the workload."
+    )
+
+
+def kv_cache_bytes_per_block(
+    num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype_bytes: int
+) -> int:
+    """Bytes of one KV block across all layers: K and V, each [block_size, kv_heads, head_dim].
+    num_kv_heads is the count held by this worker (after TP sharding)."""
+    for name, v in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
+                    ("block_size", block_size), ("dtype_bytes", dtype_bytes)):
+        if v <= 0:
+            raise ValueError(f"{name} must be positive, got {v}")
+    return 2 * num_layers * num_kv_heads * head_dim * block_size * dtype_bytes
+
+
+def num_blocks_from_budget(
+    available_bytes: int,
+    bytes_per_block: int,
+    *,
+    max_model_len: int | None = None,
+    block_size: int | None = None,
+) -> int:
+    """Number of KV blocks that fit the budget. With max_model_len and block_size, ValueError
+    when not even one request of max_model_len tokens fits."""
+    if bytes_per_block <= 0:
+        raise ValueError(f"bytes_per_block must be positive, got {bytes_per_block}")
+    blocks = max(available_bytes, 0) // bytes_per_block
+    if max_model_len is not None and block_size is not None:
+        needed = -(-max_model_len // block_size)
+        if blocks < needed:
+            max_len = blocks * block_size
+            raise ValueError(
+                f"To serve at least one request with max_model_len={max_model_len}, "
+                f"{needed} KV blocks ({_gib(needed * bytes_per_block)}) are needed, but the KV "
+                f"budget ({_gib(available_bytes)}) holds only {blocks}. The largest max_model_len "
+                f"this budget supports is {max_len}; decrease max_model_len or enlarge the budget."
+            )
+    return blocks
+
+
+def host_available_bytes(meminfo_path: str = "/proc/meminfo") -> int:
+    """Host available memory (MemAvailable of /proc/meminfo), in bytes."""
+    try:
+        with open(meminfo_path) as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    # No /proc (non-Linux): free physical pages is the closest portable figure.
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def device_total_bytes(device: Any) -> int:
+    """Total memory of a torch device: cuda via torch.cuda.mem_get_info; cpu: MemTotal."""
+    import torch
+
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        index = dev.index if dev.index is not None else torch.cuda.current_device()
+        return int(torch.cuda.mem_get_info(index)[1])
+    if dev.type == "cpu":
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    raise ValueError(f"device type {dev.type!r} is not supported; valid values: cpu, cuda")
+
+
+def kv_budget_for_device(
+    device: Any, *, model_weight_bytes: int, gpu_memory_utilization: float, local_workers: int = 1
+) -> KVBudget:
+    """Probe the device (or host) and compute the budget, environment variables applied."""
+    import torch
+
+    if torch.device(device).type == "cpu":
+        return kv_budget(
+            on_cpu=True, total_bytes=host_available_bytes(), model_weight_bytes=model_weight_bytes,
+            gpu_memory_utilization=gpu_memory_utilization, local_workers=local_workers,
+        )
+    return kv_budget(
+        on_cpu=False, total_bytes=device_total_bytes(device), model_weight_bytes=model_weight_bytes,
+        gpu_memory_utilization=gpu_memory_utilization, local_workers=local_workers,
+    )
+
+
+def capacity_summary(num_blocks: int, block_size: int, max_model_len: int) -> str:
+    """Start-up line: blocks, tokens, and how many max_model_len requests fit at once."""
+    tokens = num_blocks * block_size
+    per_request = -(-max_model_len // block_size)
+    concurrency = num_blocks / per_request
+    return (
+        f"KV cache: {num_blocks} blocks of {block_size} tokens = {tokens} tokens; maximum "
+        f"concurrency for {max_model_len} tokens per request: {concurrency:.2f}x"
+    )
