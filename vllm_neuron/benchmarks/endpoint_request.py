@@ -1,0 +1,169 @@
+"""One streamed request to an OpenAI-compatible server, timed chunk by chunk.
+
+Works with any server that speaks the OpenAI streaming protocol (ours, vLLM, llama.cpp's
+llama-server): server-sent events `data: {...}` ending with `data: [DONE]`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+BACKENDS = ("openai", "openai-chat")
+# Kept short in results: a server may answer an error with a whole HTML page.
+_MAX_ERROR_CHARS = 2000
+
+
+@dataclass
+class RequestInput:
+    """What to send: one prompt to one endpoint."""
+
+    api_url: str
+    model: str
+    prompt: str
+    prompt_len: int
+    output_len: int
+    chat: bool = False
+    ignore_eos: bool = False
+    # Sampling options and anything from --extra-body; merged last into the JSON body.
+    extra_body: dict[str, Any] = field(default_factory=dict)
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class RequestOutput:
+    """What came back and when. Times are seconds (perf_counter clock)."""
+
+    success: bool = False
+    generated_text: str = ""
+    # From the server's usage chunk; None when the server sent none.
+    output_tokens: int | None = None
+    prompt_len: int = 0
+    ttft: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    # perf_counter of each content chunk, for the peak-throughput buckets.
+    chunk_times: list[float] = field(default_factory=list)
+    latency: float = 0.0
+    start_time: float = 0.0
+    error: str = ""
+
+
+def build_payload(req: RequestInput) -> dict[str, Any]:
+    """The JSON body: streaming with a usage chunk, max_tokens = the wanted output length."""
+    body: dict[str, Any] = {"model": req.model, "stream": True,
+                            "stream_options": {"include_usage": True}}
+    if req.chat:
+        body["messages"] = [{"role": "user", "content": req.prompt}]
+        # Newer servers read max_completion_tokens, older ones (llama-server) max_tokens.
+        body["max_completion_tokens"] = req.output_len
+        body["max_tokens"] = req.output_len
+    else:
+        body["prompt"] = req.prompt
+        body["max_tokens"] = req.output_len
+    if req.ignore_eos:
+        # Only when wanted: strict servers reject fields they do not know.
+        body["ignore_eos"] = True
+    body.update(req.extra_body)
+    return body
+
+
+def _chunk_text(chunk: dict[str, Any], chat: bool) -> str:
+    choices = chunk.get("choices") or []
+    if not choices:
+        return ""
+    choice = choices[0]
+    if not chat:
+        return choice.get("text") or ""
+    delta = choice.get("delta") or {}
+    # Reasoning models stream their thinking first; those are output tokens too.
+    return (delta.get("content") or delta.get("reasoning_content")
+            or delta.get("reasoning") or "")
+
+
+def _error_text(payload: Any) -> str:
+    if isinstance(payload, dict) and isinstance(payload.get("error"), dict):
+        return str(payload["error"].get("message") or payload["error"])
+    if isinstance(payload, dict) and "error" in payload:
+        return str(payload["error"])
+    return str(payload)
+
+
+async def send_request(client: httpx.AsyncClient, req: RequestInput) -> RequestOutput:
+    """Send one streaming request and time it; never raises, failures are in the output.
+
+    TTFT is the time to the first chunk that carries text, ITL the gaps between such chunks
+    (role-only and usage chunks carry no token), latency the time until the stream ended.
+    """
+    out = RequestOutput(prompt_len=req.prompt_len)
+    headers = {"Content-Type": "application/json", **req.headers}
+    start = time.perf_counter()
+    out.start_time = start
+    last = start
+    text_parts: list[str] = []
+    try:
+        async with client.stream("POST", req.api_url, json=build_payload(req),
+                                 headers=headers) as resp:
+            if resp.status_code != 200:
+                body = (await resp.aread()).decode("utf-8", errors="replace")
+                try:
+                    detail = _error_text(json.loads(body))
+                except ValueError:
+                    detail = body
+                out.error = f"HTTP {resp.status_code}: {detail}"[:_MAX_ERROR_CHARS]
+                return out
+            async for line in resp.aiter_lines():
+                line = line.strip()
+                # SSE comments (":"), event names and blank separators carry no data.
+                if not line.startswith("data:"):
+                    continue
+                data = line[len("data:"):].strip()
+                if data == "[DONE]":
+                    break
+                now = time.perf_counter()
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    out.error = ("error in stream: " + _error_text(chunk))[:_MAX_ERROR_CHARS]
+                    return out
+                text = _chunk_text(chunk, req.chat)
+                if text:
+                    if not out.chunk_times:
+                        out.ttft = now - start
+                    else:
+                        out.itl.append(now - last)
+                    last = now
+                    out.chunk_times.append(now)
+                    text_parts.append(text)
+                usage = chunk.get("usage")
+                if isinstance(usage, dict) and usage.get("completion_tokens") is not None:
+                    out.output_tokens = int(usage["completion_tokens"])
+        out.latency = time.perf_counter() - start
+        out.generated_text = "".join(text_parts)
+        if not out.chunk_times:
+            out.error = "the stream carried no generated text, so no TTFT could be measured"
+            return out
+        out.success = True
+    except Exception as e:  # noqa: BLE001 - any failure of one request is data, not a crash
+        out.error = f"{type(e).__name__}: {e}"[:_MAX_ERROR_CHARS]
+        out.generated_text = "".join(text_parts)
+    return out
+
+
+async def fetch_first_model(client: httpx.AsyncClient, base_url: str,
+                            headers: dict[str, str]) -> str:
+    """The first model id from GET {base_url}/v1/models, as vLLM's bench does by default."""
+    url = f"{base_url}/v1/models"
+    try:
+        resp = await client.get(url, headers=headers)
+        resp.raise_for_status()
+        data = resp.json()
+    except (httpx.HTTPError, ValueError) as e:
+        raise RuntimeError(f"Could not list models at {url} (is the server running and is "
+                           f"--base-url / --host / --port right?): {e}") from e
+    models = data.get("data") if isinstance(data, dict) else None
+    if not models:
+        raise RuntimeError(f"{url} lists no models; pass --model")
+    return str(models[0]["id"])
