@@ -1,0 +1,155 @@
+"""EngineConfig: every engine option, with vLLM's names, validated where it enters.
+
+The offline `LLM(**kwargs)` and `vllm-neuron serve --flags` both build this object, so a flag and a
+keyword argument mean the same thing. Options for features that are not built yet are refused with
+"not supported yet" rather than ignored.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm_neuron.config.device import DEVICE_CHOICES, DTYPE_CHOICES
+from vllm_neuron.model.neuron_config import AdditionalConfig, NeuronConfig, parse_additional_config
+
+KV_CACHE_DTYPES = ("auto",)
+DEFAULT_MAX_NUM_SEQS = 16
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 512
+
+
+def _not_supported(option: str, value: Any, hint: str = "") -> ValueError:
+    return ValueError(f"{option}={value!r} is not supported yet by vllm-neuron{': ' + hint if hint else ''}")
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None  # HF directory or .gguf file; None: the bundled SmolLM2-135M-Instruct
+    tokenizer: str | None = None
+    served_model_name: str | list[str] | None = None
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
+    max_num_batched_tokens: int | None = None  # None: min(512, max_model_len)
+    block_size: int = 32
+    num_gpu_blocks_override: int | None = None
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    enforce_eager: bool = False
+    dtype: str = "auto"
+    seed: int = 0
+    device: str = "auto"
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    enable_expert_parallel: bool = False
+    kv_cache_dtype: str = "auto"
+    async_scheduling: bool | None = None
+    max_logprobs: int = 20
+    enable_prompt_embeds: bool = False
+    speculative_config: dict | str | None = None
+    kv_transfer_config: dict | str | None = None
+    chat_template: str | None = None
+    trust_remote_code: bool = False  # accepted for vLLM compatibility; no remote code is ever run
+    disable_log_stats: bool = False
+    additional_config: dict | str | AdditionalConfig | None = None
+    # Filled by validate()
+    neuron: AdditionalConfig = field(default=None, init=False, repr=False)  # type: ignore[assignment]
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
+        names = {f.name for f in dataclasses.fields(cls) if f.init}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise ValueError(f"unknown engine option(s) {unknown}; valid options: {sorted(names)}")
+        cfg = cls(**kwargs)
+        cfg.validate_static()
+        return cfg
+
+    def validate_static(self) -> None:
+        """Checks that need no model: types, ranges, features not built yet."""
+        def positive(name: str, allow_none: bool = False) -> None:
+            v = getattr(self, name)
+            if v is None and allow_none:
+                return
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+
+        for name in ("max_num_seqs", "block_size", "tensor_parallel_size", "data_parallel_size", "max_logprobs"):
+            positive(name)
+        for name in ("max_model_len", "max_num_batched_tokens", "num_gpu_blocks_override"):
+            positive(name, allow_none=True)
+        if self.device not in DEVICE_CHOICES:
+            raise ValueError(f"device={self.device!r} is not valid; choose one of {list(DEVICE_CHOICES)}")
+        if isinstance(self.dtype, str) and self.dtype not in DTYPE_CHOICES:
+            raise ValueError(f"dtype={self.dtype!r} is not valid; choose one of {list(DTYPE_CHOICES)}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.block_size not in (8, 16, 32, 64, 128):
+            raise ValueError(f"block_size={self.block_size} is not valid; choose one of [8, 16, 32, 64, 128]")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise _not_supported("kv_cache_dtype", self.kv_cache_dtype, "only 'auto' (the model dtype) for now")
+        if self.tensor_parallel_size != 1:
+            raise _not_supported("tensor_parallel_size", self.tensor_parallel_size, "only 1 for now")
+        if self.data_parallel_size != 1:
+            raise _not_supported("data_parallel_size", self.data_parallel_size, "only 1 for now")
+        if self.enable_expert_parallel:
+            raise _not_supported("enable_expert_parallel", True, "no MoE model is supported yet")
+        if self.async_scheduling:
+            raise _not_supported("async_scheduling", True, "steps run synchronously for now")
+        if self.enable_prompt_embeds:
+            raise _not_supported("enable_prompt_embeds", True)
+        if self.speculative_config:
+            raise _not_supported("speculative_config", self.speculative_config)
+        if self.kv_transfer_config:
+            raise _not_supported("kv_transfer_config", self.kv_transfer_config)
+        if not isinstance(self.additional_config, AdditionalConfig):
+            self.additional_config = parse_additional_config(self.additional_config)
+        if self.additional_config.encoder_neuron_config is not None:
+            raise _not_supported("encoder_neuron_config", "...", "no multimodal model is supported yet")
+        if self.additional_config.mm_language_model_only:
+            raise _not_supported("mm_language_model_only", True, "no multimodal model is supported yet")
+        nc = self.additional_config.neuron_config
+        if nc.quantization is not None:
+            raise _not_supported("neuron_config.quantization", nc.quantization)
+        if nc.kv_segment_size_buckets is not None:
+            raise _not_supported("neuron_config.kv_segment_size_buckets", nc.kv_segment_size_buckets,
+                                 "segmented prefill splits prompts by max_num_batched_tokens without it")
+        if nc.fp8_packed_kv or nc.gk_decode:
+            raise _not_supported("neuron_config.fp8_packed_kv/gk_decode", True)
+
+    def finalize(self, model_max_len: int) -> NeuronConfig:
+        """Fills the model-dependent defaults and resolves the bucket lists."""
+        if self.max_model_len is None:
+            self.max_model_len = model_max_len
+        elif self.max_model_len > model_max_len:
+            raise ValueError(
+                f"max_model_len={self.max_model_len} is larger than the model's maximum context "
+                f"({model_max_len}, max_position_embeddings)")
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = min(DEFAULT_MAX_NUM_BATCHED_TOKENS, self.max_model_len)
+        nc = self.additional_config.neuron_config.resolved(
+            max_num_batched_tokens=self.max_num_batched_tokens, max_num_seqs=self.max_num_seqs,
+            max_model_len=self.max_model_len, block_size=self.block_size,
+            enable_expert_parallel=self.enable_expert_parallel,
+            tensor_parallel_size=self.tensor_parallel_size, data_parallel_size=self.data_parallel_size,
+            kv_transfer_config=self.kv_transfer_config)
+        if self.max_model_len % self.block_size:
+            # Context buckets are whole blocks; the largest one is max_model_len.
+            raise ValueError(f"max_model_len={self.max_model_len} must be a multiple of block_size={self.block_size}")
+        self.additional_config = dataclasses.replace(self.additional_config, neuron_config=nc)
+        return nc
+
+    @property
+    def neuron_config(self) -> NeuronConfig:
+        return self.additional_config.neuron_config
+
+    def served_names(self, model_path: str) -> list[str]:
+        if self.served_model_name is None:
+            return [self.model or model_path]
+        if isinstance(self.served_model_name, str):
+            return [self.served_model_name]
+        return list(self.served_model_name)
+
+    def to_json(self) -> str:
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
+        return json.dumps(d, default=str)

@@ -1,0 +1,201 @@
+"""Continuous-batching scheduler: each step is a prefill batch or a decode batch, never both.
+
+Policy:
+* Prefill batches take partially prefilled requests first, then waiting ones in arrival order, up to
+  `max_num_batched_tokens` tokens; a longer prompt is split over steps (segmented prefill). Cached
+  prefix blocks are skipped.
+* After a prefill step, if any request is ready to decode, the next step is a decode step, so a
+  stream of arriving prompts cannot starve running decodes.
+* When KV blocks run out during decode, the newest running request is preempted: its blocks are freed
+  and it is recomputed later (its full blocks usually come back as prefix-cache hits). Prefill never
+  preempts; it waits for blocks. Startup guarantees one request of max_model_len always fits, so this
+  never deadlocks and never drops a request.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from vllm_neuron.core.kv_cache_manager import KVCacheManager
+from vllm_neuron.core.request import Request, RequestStatus
+from vllm_neuron.core.stop_checker import check_stop
+from vllm_neuron.step import ModelRunnerOutput, NewRequestData, ScheduledChunk, SchedulerOutput
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    block_size: int
+    num_blocks: int
+    enable_prefix_caching: bool = True
+    # Largest total of already-cached context tokens one prefill batch may attend to (the largest
+    # prefill context bucket).
+    max_prefill_context_tokens: int | None = None
+
+
+@dataclass
+class FinishedRequest:
+    request: Request
+    finish_reason: str
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.kv = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in admission order; the last is preempted first
+        self._finished_ids: list[str] = []  # to tell the runner
+        self._sent_to_runner: set[str] = set()
+        self._last_kind: str | None = None
+        self.num_preemptions = 0
+
+    # -- requests in and out -------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_request(self, req_id: str, reason: str = "abort") -> Request | None:
+        """Ends a request from outside (abort, or a stop string found by the detokenizer)."""
+        req = self.requests.get(req_id)
+        if req is None or req.status.finished:
+            return None
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self._free(req, RequestStatus.from_finish_reason(reason))
+        return req
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    # -- one step --------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput | None:
+        decodable = [r for r in self.running if not r.is_prefilling]
+        want_prefill = bool(self.waiting) or any(r.is_prefilling for r in self.running)
+        out = None
+        if want_prefill and not (self._last_kind == "prefill" and decodable):
+            out = self._schedule_prefill()
+        if out is None and decodable:
+            out = self._schedule_decode()
+        if out is None and want_prefill:
+            out = self._schedule_prefill()
+        if out is not None:
+            self._last_kind = out.kind
+            out.finished_req_ids, self._finished_ids = self._finished_ids, []
+        return out
+
+    def _schedule_prefill(self) -> SchedulerOutput | None:
+        cfg = self.config
+        budget = cfg.max_num_batched_tokens
+        ctx_budget = cfg.max_prefill_context_tokens or cfg.max_model_len
+        chunks: list[ScheduledChunk] = []
+        new: list[NewRequestData] = []
+        candidates = [r for r in self.running if r.is_prefilling] + list(self.waiting)
+        for req in candidates:
+            if budget == 0:
+                break
+            admitted = req.status == RequestStatus.RUNNING
+            if not admitted and len(self.running) >= cfg.max_num_seqs:
+                break
+            cached = [] if admitted else self.kv.find_cached_prefix(req)
+            start = req.num_computed_tokens if admitted else len(cached) * cfg.block_size
+            if start + 0 > ctx_budget:
+                break
+            if start > ctx_budget - sum(c.start_pos for c in chunks):
+                break  # FCFS: later requests wait rather than overtake
+            n = min(req.num_tokens - start, budget)
+            if not admitted:
+                req.num_computed_tokens = start
+            if not self.kv.allocate(req, n, cached):
+                if not admitted:
+                    req.num_computed_tokens = 0
+                break
+            if not admitted:
+                self.waiting.remove(req)
+                self.running.append(req)
+                req.status = RequestStatus.RUNNING
+                if req.num_cached_tokens < 0:
+                    req.num_cached_tokens = start
+                if req.request_id not in self._sent_to_runner:
+                    self._sent_to_runner.add(req.request_id)
+                    new.append(NewRequestData(req.request_id, req.prompt_token_ids, req.sampling_params,
+                                              req.eos_token_id))
+            tokens = req.all_token_ids[start:start + n]
+            chunks.append(ScheduledChunk(req.request_id, tokens, start, list(self.kv.block_table(req.request_id)),
+                                         sample=start + n == req.num_tokens))
+            budget -= n
+        if not chunks:
+            return None
+        return SchedulerOutput("prefill", chunks, new)
+
+    def _schedule_decode(self) -> SchedulerOutput | None:
+        scheduled: list[Request] = []
+        for req in list(self.running):
+            if req.status != RequestStatus.RUNNING or req.is_prefilling:
+                continue
+            while not self.kv.allocate(req, 1):
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is req:
+                    break
+            if req.status == RequestStatus.RUNNING:
+                scheduled.append(req)
+        if not scheduled:
+            return None
+        chunks = [ScheduledChunk(r.request_id, [r.all_token_ids[-1]], r.num_tokens - 1,
+                                 list(self.kv.block_table(r.request_id)), sample=True) for r in scheduled]
+        return SchedulerOutput("decode", chunks)
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.kv.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    # -- results -----------------------------------------------------------------------------------
+    def update(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[FinishedRequest]:
+        """Records computed tokens and sampled ones; returns the requests that finished."""
+        finished = []
+        for chunk in sched.chunks:
+            req = self.requests.get(chunk.req_id)
+            if req is None or req.status != RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            req.num_computed_tokens = chunk.start_pos + len(chunk.token_ids)
+            self.kv.cache_computed_blocks(req)
+            for tok in result.sampled.get(chunk.req_id, ()):
+                req.output_token_ids.append(tok)
+                stop = check_stop(req.output_token_ids, req.sampling_params, req.eos_token_id,
+                                  req.num_prompt_tokens, self.config.max_model_len)
+                if stop is not None:
+                    req.stop_reason = stop[1]
+                    self.running.remove(req)
+                    self._free(req, RequestStatus.from_finish_reason(stop[0]))
+                    finished.append(FinishedRequest(req, stop[0]))
+                    break
+        return finished
+
+    def _free(self, req: Request, status: RequestStatus) -> None:
+        req.status = status
+        self.kv.free(req)
+        del self.requests[req.request_id]
+        if req.request_id in self._sent_to_runner:
+            self._sent_to_runner.discard(req.request_id)
+            self._finished_ids.append(req.request_id)

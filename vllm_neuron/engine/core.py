@@ -1,0 +1,93 @@
+"""EngineCore: builds the model runner and the scheduler, then runs schedule -> execute -> update."""
+from __future__ import annotations
+
+import time
+
+from vllm_neuron import envs
+from vllm_neuron.config import buckets as B
+from vllm_neuron.config.device import resolve_device, resolve_dtype
+from vllm_neuron.config.engine_config import EngineConfig
+from vllm_neuron.core.request import Request
+from vllm_neuron.core.scheduler import Scheduler, SchedulerConfig
+from vllm_neuron.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
+from vllm_neuron.logger import init_logger
+from vllm_neuron.model.loader import Checkpoint, load_checkpoint
+from vllm_neuron.worker import memory
+from vllm_neuron.worker.model_runner import ModelRunner
+
+logger = init_logger(__name__)
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, checkpoint: Checkpoint | None = None) -> None:
+        t0 = time.perf_counter()
+        self.config = config
+        self.ckpt = checkpoint or load_checkpoint(config.model)
+        nc = config.finalize(self.ckpt.hf_config.max_position_embeddings)
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        backend = "eager" if config.enforce_eager else envs.VLLM_NEURON_BACKEND
+        logger.info("Engine config: model=%s device=%s dtype=%s max_model_len=%d max_num_seqs=%d "
+                    "max_num_batched_tokens=%d block_size=%d prefix_caching=%s sampling=%s",
+                    self.ckpt.path, self.device, self.dtype, config.max_model_len, config.max_num_seqs,
+                    config.max_num_batched_tokens, config.block_size, config.enable_prefix_caching,
+                    "on-device" if nc.on_device_sampling else "CPU")
+        env = envs.describe()
+        if env:
+            logger.info("Environment: %s", env)
+        logger.info("Buckets:\n%s", B.format_bucket_table(nc.num_batched_tokens_buckets, nc.num_seqs_buckets,
+                                                          nc.context_buckets))
+        self.runner = ModelRunner(config, self.ckpt, self.device, self.dtype, backend)
+        self.load_stats = self.runner.load_model()
+        self.num_blocks = self.runner.num_blocks(self.load_stats.nbytes)
+        self.runner.init_kv_cache(self.num_blocks)
+        logger.info(memory.capacity_summary(self.num_blocks - 1, config.block_size, config.max_model_len))
+        self.compiler = self.runner.warmup()
+        self.scheduler = Scheduler(SchedulerConfig(
+            max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=config.max_model_len, block_size=config.block_size, num_blocks=self.num_blocks,
+            enable_prefix_caching=config.enable_prefix_caching,
+            max_prefill_context_tokens=max(nc.context_buckets)))
+        self.startup_seconds = time.perf_counter() - t0
+        logger.info("Engine ready in %.1f s (%d graphs, %d compiled, %d from cache)", self.startup_seconds,
+                    len(self.compiler.records), self.compiler.num_compiled,
+                    len(self.compiler.records) - self.compiler.num_compiled)
+
+    def add_request(self, req: EngineCoreRequest) -> None:
+        self.scheduler.add_request(Request(req.request_id, req.prompt_token_ids, req.sampling_params,
+                                           req.eos_token_id, arrival_time=req.arrival_time))
+
+    def abort_requests(self, req_ids: list[str], reason: str = "abort") -> None:
+        for rid in req_ids:
+            self.scheduler.finish_request(rid, reason)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> EngineCoreOutputs:
+        sched = self.scheduler.schedule()
+        if sched is None:
+            return EngineCoreOutputs(stats=self._stats(None, None))
+        result = self.runner.execute(sched)
+        reqs = {c.req_id: self.scheduler.requests.get(c.req_id) for c in sched.chunks}
+        finished = {f.request.request_id: f for f in self.scheduler.update(sched, result)}
+        outputs = []
+        for rid, toks in result.sampled.items():
+            req = reqs.get(rid)
+            if req is None:
+                continue
+            lp = result.logprobs.get(rid)
+            fin = finished.get(rid)
+            outputs.append(EngineCoreOutput(
+                rid, list(toks), [lp.entries] if lp is not None else None,
+                finish_reason=fin.finish_reason if fin else None,
+                stop_reason=req.stop_reason if fin else None, num_cached_tokens=max(req.num_cached_tokens, 0)))
+        return EngineCoreOutputs(outputs, self._stats(sched, result))
+
+    def _stats(self, sched, result) -> SchedulerStats:
+        s = self.scheduler
+        return SchedulerStats(
+            num_running=s.num_running, num_waiting=s.num_waiting, kv_cache_usage=s.kv.usage,
+            prefix_queries=s.kv.prefix_queries, prefix_hits=s.kv.prefix_hits, num_preemptions=s.num_preemptions,
+            step_kind=sched.kind if sched else "", bucket_name=result.bucket_name if result else "",
+            num_padding=result.num_padding if result else 0, num_tokens=sched.num_tokens if sched else 0)

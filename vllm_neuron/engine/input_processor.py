@@ -1,0 +1,120 @@
+"""Prompts and sampling parameters in, validated EngineCoreRequests out (one per completion when n > 1)."""
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from vllm_neuron.engine.messages import EngineCoreRequest
+from vllm_neuron.model.neuron_config import OnDeviceSamplingConfig
+from vllm_neuron.sampling_params import SamplingParams
+
+# generation_config.json keys that vLLM takes as default sampling parameters.
+_GEN_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def child_request_id(index: int, request_id: str) -> str:
+    return f"{index}_{request_id}"
+
+
+class InputProcessor:
+    def __init__(self, tokenizer: Any, max_model_len: int, generation_config: Mapping[str, Any],
+                 odsc: OnDeviceSamplingConfig | None, max_logprobs: int, vocab_size: int) -> None:
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.odsc = odsc
+        self.max_logprobs = max_logprobs
+        self.vocab_size = vocab_size
+        self.eos_token_id = tokenizer.eos_token_id
+        eos = generation_config.get("eos_token_id")
+        eos_list = eos if isinstance(eos, list) else ([eos] if eos is not None else [])
+        if self.eos_token_id is None and eos_list:
+            self.eos_token_id = eos_list[0]
+        # Further EOS ids of the generation config stop generation like stop_token_ids (as in vLLM).
+        self.extra_eos_ids = [e for e in eos_list if e != self.eos_token_id]
+        self.generation_defaults = {k: generation_config[k] for k in _GEN_DEFAULT_KEYS if k in generation_config}
+
+    def default_sampling_params(self) -> SamplingParams:
+        """vLLM's default: the model's generation_config, then on-device sampling defaults."""
+        kwargs = dict(self.generation_defaults)
+        if self.odsc is not None:
+            kwargs.update(self.odsc.request_defaults())
+        return SamplingParams(**kwargs)
+
+    def tokenize_prompt(self, prompt: Any) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
+        if isinstance(prompt, Mapping):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                if prompt.get("multi_modal_data"):
+                    raise ValueError("multi_modal_data is not supported by this model")
+                return prompt["prompt"], self.tokenizer.encode(prompt["prompt"], add_special_tokens=True)
+            if "prompt_embeds" in prompt:
+                raise ValueError("prompt_embeds requires enable_prompt_embeds, which is not supported yet")
+            raise ValueError(f"a prompt dict needs 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}")
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            return None, list(prompt)
+        raise ValueError(f"prompt must be a string, a list of token ids or a prompt dict, got {type(prompt).__name__}")
+
+    def process(self, request_id: str, prompt: Any, params: SamplingParams) -> tuple[str | None, list[int],
+                                                                                     list[EngineCoreRequest]]:
+        text, ids = self.tokenize_prompt(prompt)
+        self.validate(ids, params)
+        params = params.clone()
+        if params.max_tokens is None:
+            params.max_tokens = self.max_model_len - len(ids)
+        if self.extra_eos_ids and not params.ignore_eos:
+            params.stop_token_ids = list(dict.fromkeys(list(params.stop_token_ids) + self.extra_eos_ids))
+        if params.bad_words:
+            params._bad_words_token_ids = self._bad_words_ids(params.bad_words)
+        now = time.monotonic()
+        if params.n == 1:
+            return text, ids, [EngineCoreRequest(request_id, ids, params, self.eos_token_id, now)]
+        reqs = []
+        for i in range(params.n):
+            child = dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + i)
+            reqs.append(EngineCoreRequest(child_request_id(i, request_id), ids, child, self.eos_token_id, now))
+        return text, ids, reqs
+
+    def validate(self, ids: list[int], params: SamplingParams) -> None:
+        if not ids:
+            raise ValueError("The decoder prompt cannot be empty")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"Token id {bad[0]} is out of vocabulary (vocab size {self.vocab_size})")
+        n = len(ids)
+        if n >= self.max_model_len:
+            raise ValueError(
+                f"The decoder prompt (length {n}) is longer than the maximum model length of "
+                f"{self.max_model_len}. Make sure that `max_model_len` is no smaller than the number of "
+                f"text tokens plus the number of tokens to generate.")
+        if params.max_tokens is not None and n + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+                f"requested {n + params.max_tokens} tokens ({n} in the messages, {params.max_tokens} in the "
+                f"completion). Please reduce the length of the messages or completion.")
+        if params.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs is not supported yet")
+        if params.logprobs is not None and params.logprobs > self.max_logprobs:
+            raise ValueError(f"Requested sample logprobs of {params.logprobs}, which is greater than "
+                             f"max allowed: {self.max_logprobs}")
+        if params.structured_outputs is not None:
+            raise ValueError("structured_outputs is not supported yet")
+        for t in list(params.logit_bias or ()) + list(params.allowed_token_ids or ()):
+            if not 0 <= t < self.vocab_size:
+                raise ValueError(f"token id {t} in logit_bias/allowed_token_ids is out of vocabulary "
+                                 f"(vocab size {self.vocab_size})")
+        if self.odsc is not None:
+            self.odsc.check_request(params.temperature)
+
+    def _bad_words_ids(self, words: list[str]) -> list[list[int]]:
+        out = []
+        for w in words:
+            for variant in (w, " " + w.lstrip()):
+                ids = self.tokenizer.encode(variant, add_special_tokens=False)
+                if ids and ids not in out:
+                    out.append(ids)
+        return out

@@ -1,0 +1,55 @@
+"""LLMEngine: the synchronous, in-process engine behind the offline `LLM`.
+
+Input processing, the EngineCore step loop and output processing in one thread; the same parts
+serve the API server with the core in its own process.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from vllm_neuron.config.engine_config import EngineConfig
+from vllm_neuron.engine.core import EngineCore
+from vllm_neuron.engine.input_processor import InputProcessor
+from vllm_neuron.engine.output_processor import OutputProcessor
+from vllm_neuron.model.loader import load_checkpoint, load_tokenizer
+from vllm_neuron.outputs import RequestOutput
+from vllm_neuron.sampling_params import SamplingParams
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        ckpt = load_checkpoint(config.model)
+        self.checkpoint = ckpt
+        self.tokenizer = load_tokenizer(config.tokenizer or ckpt, config.chat_template)
+        self.core = EngineCore(config, ckpt)
+        self.input_processor = InputProcessor(
+            self.tokenizer, config.max_model_len, ckpt.generation_config,
+            config.neuron_config.on_device_sampling_config, config.max_logprobs, ckpt.hf_config.vocab_size)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.last_stats = None
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> "LLMEngine":
+        return cls(EngineConfig.from_kwargs(**kwargs))
+
+    def add_request(self, request_id: str, prompt: Any, params: SamplingParams) -> None:
+        text, ids, reqs = self.input_processor.process(request_id, prompt, params)
+        self.output_processor.add_request(request_id, text, ids, params, reqs)
+        for r in reqs:
+            self.core.add_request(r)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        self.core.abort_requests(self.output_processor.engine_ids(request_id))
+        return self.output_processor.abort(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.core.has_unfinished()
+
+    def step(self) -> list[RequestOutput]:
+        outs = self.core.step()
+        self.last_stats = outs.stats
+        results, to_abort = self.output_processor.process(outs.outputs)
+        if to_abort:
+            self.core.abort_requests(to_abort, "stop")
+        return results

@@ -1,0 +1,53 @@
+"""Messages between the front end (input/output processing) and the EngineCore.
+
+Plain dataclasses, so they can be sent over a socket as msgpack when the core runs in its own process.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm_neuron.sampling_params import SamplingParams
+
+
+@dataclass
+class EngineCoreRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: int | None
+    arrival_time: float
+
+
+@dataclass
+class EngineCoreOutput:
+    request_id: str
+    new_token_ids: list[int]
+    # Per new token: [(token_id, logprob, rank)], the sampled token first; None if not asked.
+    new_logprobs: list[list[tuple[int, float, int]]] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class SchedulerStats:
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_queries: int = 0  # cumulative, in tokens
+    prefix_hits: int = 0
+    num_preemptions: int = 0  # cumulative
+    step_kind: str = ""
+    bucket_name: str = ""
+    num_padding: int = 0
+    num_tokens: int = 0
+
+
+@dataclass
+class EngineCoreOutputs:
+    outputs: list[EngineCoreOutput] = field(default_factory=list)
+    stats: SchedulerStats | None = None

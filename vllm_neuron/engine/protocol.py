@@ -1,0 +1,72 @@
+"""The contract between the HTTP layer and the engine: what a server may ask of an engine client.
+
+The OpenAI server codes against `EngineClient` only; `AsyncLLM` (engine process over ZMQ) implements it,
+and tests may implement it with a fake. Nothing here knows about blocks or tensors.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass
+from typing import Any, TypedDict, Union
+
+from vllm_neuron.outputs import RequestOutput
+from vllm_neuron.sampling_params import SamplingParams
+
+
+class TextPrompt(TypedDict, total=False):
+    prompt: str
+    multi_modal_data: dict[str, Any]
+
+
+class TokensPrompt(TypedDict, total=False):
+    prompt_token_ids: list[int]
+    prompt: str  # optional original text, echoed back in outputs
+
+
+PromptType = Union[str, list[int], TextPrompt, TokensPrompt]
+
+
+class EngineDeadError(RuntimeError):
+    """The engine process died; every request in flight fails with this."""
+
+
+@dataclass
+class ModelInfo:
+    model_path: str  # what was loaded (dir or .gguf file)
+    max_model_len: int
+    eos_token_id: int | None
+
+
+class EngineClient(ABC):
+    """What the OpenAI server needs from an engine."""
+
+    model_info: ModelInfo
+    tokenizer: Any  # a transformers PreTrainedTokenizerFast
+
+    @abstractmethod
+    def generate(
+        self, prompt: PromptType, sampling_params: SamplingParams, request_id: str
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """Yields RequestOutputs as tokens arrive, per sampling_params.output_kind (CUMULATIVE: full text
+        so far; DELTA: only the new text/tokens; FINAL_ONLY: one output at the end). The last one has
+        finished=True. Raises ValueError for invalid input (prompt longer than max_model_len, ...) before
+        the first output; EngineDeadError if the engine dies. Cancelling the consumer aborts the request."""
+
+    @abstractmethod
+    async def abort(self, request_id: str) -> None:
+        """Aborts a request; its KV blocks are freed. Unknown ids are ignored."""
+
+    @property
+    @abstractmethod
+    def is_ready(self) -> bool:
+        """True once warm-up and compilation have finished."""
+
+    @property
+    @abstractmethod
+    def errored(self) -> bool:
+        """True if the engine process died."""
+
+    @abstractmethod
+    async def check_health(self) -> None:
+        """Raises EngineDeadError if the engine is dead."""

@@ -1,0 +1,97 @@
+"""The offline `LLM`: vLLM's Python API over the in-process engine."""
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm import tqdm
+
+from vllm_neuron.config.engine_config import EngineConfig
+from vllm_neuron.engine.llm_engine import LLMEngine
+from vllm_neuron.outputs import RequestOutput
+from vllm_neuron.sampling_params import RequestOutputKind, SamplingParams
+
+
+class LLM:
+    """`LLM(model=None, **engine_options)`: model is a HF directory or a .gguf file (None: the bundled
+    SmolLM2-135M-Instruct). Engine options take vLLM's names (max_model_len, max_num_seqs,
+    max_num_batched_tokens, block_size, num_gpu_blocks_override, enable_prefix_caching, enforce_eager,
+    dtype, seed, device, additional_config={"neuron_config": {...}}, ...)."""
+
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        self.llm_engine = LLMEngine(EngineConfig.from_kwargs(model=model, **kwargs))
+        self._counter = itertools.count()
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        return self.llm_engine.input_processor.default_sampling_params()
+
+    def generate(self, prompts: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """prompts: a string, a list of strings, a list of token ids, a list of such lists, or prompt
+        dicts ({"prompt": ...} / {"prompt_token_ids": [...]})."""
+        prompts = self._as_prompt_list(prompts)
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
+        if isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling_params")
+        ids = []
+        try:
+            for prompt, p in zip(prompts, params):
+                rid = str(next(self._counter))
+                if p.output_kind != RequestOutputKind.FINAL_ONLY:
+                    p = p.clone()
+                    p.output_kind = RequestOutputKind.FINAL_ONLY
+                self.llm_engine.add_request(rid, prompt, p)
+                ids.append(rid)
+            return self._run(ids, use_tqdm)
+        except BaseException:
+            for rid in ids:
+                self.llm_engine.abort_request(rid)
+            raise
+
+    def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
+             use_tqdm: bool = True, chat_template: str | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """One conversation (a list of {"role", "content"} dicts) or a list of conversations."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        tok = self.get_tokenizer()
+        prompts = []
+        for conv in convs:
+            ids = tok.apply_chat_template(conv, tokenize=True, add_generation_prompt=add_generation_prompt,
+                                          continue_final_message=continue_final_message,
+                                          chat_template=chat_template, **(chat_template_kwargs or {}))
+            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+                ids = ids["input_ids"]
+            prompts.append({"prompt_token_ids": list(ids)})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _as_prompt_list(self, prompts: Any) -> list[Any]:
+        if isinstance(prompts, (str, dict)):
+            return [prompts]
+        prompts = list(prompts)
+        if prompts and all(isinstance(t, int) for t in prompts):
+            return [prompts]  # one prompt given as token ids
+        return prompts
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        done: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm or None, unit="req")
+        out_tokens = 0
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+                    out_tokens += sum(len(c.token_ids) for c in out.outputs)
+                    bar.update(1)
+                    bar.set_postfix_str(f"output: {out_tokens / max(bar.format_dict['elapsed'], 1e-9):.1f} tok/s")
+        bar.close()
+        return [done[i] for i in ids]

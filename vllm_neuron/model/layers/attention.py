@@ -1,0 +1,108 @@
+"""Paged attention over a per-layer KV cache, in two static-shape forms.
+
+The cache of one layer is a pair of tensors [num_slots, kv_heads, head_dim] (slot = block * block_size
++ offset). Keeping one tensor per layer matters: writing through views of one big cache makes inductor
+copy the whole cache per layer (FACTS.md).
+
+* Prefill (T padded tokens, C padded context slots): the new K/V are written at `slot_mapping`; each
+  token attends to the context slots of its own sequence (already in the cache: prefix-cache hits and
+  earlier segments) plus the new tokens of its sequence up to its own position.
+* Decode (B padded sequences, context bucket C): the new K/V are written, then each sequence's K/V is
+  gathered through its block table to [B, kv, C, D]; query heads of one KV head are folded into the
+  query-length axis of SDPA (faster on CPU than enable_gqa or repeat_interleave, FACTS.md).
+
+Masks are built once per step by the model (`prefill_mask` / `decode_mask`) and shared by all layers.
+Padding rows always see at least one finite key, so no NaN is ever produced or written.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step attention inputs; every field is a tensor of a bucket-determined shape."""
+
+    slot_mapping: torch.Tensor  # [N] where each new token's K/V goes
+    mask: torch.Tensor  # prefill: [T, C + T] bool; decode: [B, 1, 1, C] bool
+    context_slots: torch.Tensor | None = None  # prefill only: [C] (None when C == 0)
+    block_tables: torch.Tensor | None = None  # decode only: [B, C // block_size]
+
+    @property
+    def is_decode(self) -> bool:
+        return self.block_tables is not None
+
+
+def prefill_mask(
+    positions: torch.Tensor,  # [T]
+    query_seq: torch.Tensor,  # [T] sequence index of each token, -1 for padding
+    context_seq: torch.Tensor | None,  # [C] sequence index of each context slot, -2 for padding
+) -> torch.Tensor:
+    same = query_seq[None, :] == query_seq[:, None]
+    causal = positions[None, :] <= positions[:, None]
+    new_part = same & causal
+    if context_seq is None:
+        return new_part
+    ctx_part = context_seq[None, :] == query_seq[:, None]
+    return torch.cat([ctx_part, new_part], dim=1)
+
+
+def decode_mask(seq_lens: torch.Tensor, context_len: int) -> torch.Tensor:
+    """[B, 1, 1, C]: key j is visible to sequence b iff j < seq_lens[b] (which counts the new token)."""
+    idx = torch.arange(context_len, device=seq_lens.device)
+    return (idx[None, :] < seq_lens[:, None])[:, None, None, :]
+
+
+def write_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor
+) -> None:
+    k_cache.index_copy_(0, slots, k.to(k_cache.dtype))
+    v_cache.index_copy_(0, slots, v.to(v_cache.dtype))
+
+
+def paged_attention(
+    q: torch.Tensor,  # [N, H, D]
+    k: torch.Tensor,  # [N, kv, D]
+    v: torch.Tensor,  # [N, kv, D]
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Returns [N, H * D]."""
+    write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+    if meta.is_decode:
+        return _decode(q, k_cache, v_cache, meta, scale)
+    return _prefill(q, k, v, k_cache, v_cache, meta, scale)
+
+
+def _prefill(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    t, h, d = q.shape
+    kv = k.shape[1]
+    if meta.context_slots is not None:
+        k = torch.cat([k_cache[meta.context_slots].to(q.dtype), k], dim=0)
+        v = torch.cat([v_cache[meta.context_slots].to(q.dtype), v], dim=0)
+    g = h // kv
+    # Fold the g query heads sharing a KV head into the query-length axis: [kv, g * T, D].
+    qf = q.view(t, kv, g, d).permute(1, 2, 0, 3).reshape(kv, g * t, d)
+    mask = meta.mask.repeat(g, 1)  # rows ordered (group, token) like qf
+    out = F.scaled_dot_product_attention(
+        qf, k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale
+    )  # [kv, g * T, D]
+    return out.view(kv, g, t, d).permute(2, 0, 1, 3).reshape(t, h * d)
+
+
+def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    b, h, d = q.shape
+    kv = k_cache.shape[1]
+    tables = meta.block_tables
+    nblk = tables.shape[1]
+    block_size = meta.mask.shape[-1] // nblk
+    kc = k_cache.view(-1, block_size, kv, d)[tables].view(b, nblk * block_size, kv, d).transpose(1, 2)
+    vc = v_cache.view(-1, block_size, kv, d)[tables].view(b, nblk * block_size, kv, d).transpose(1, 2)
+    qf = q.view(b, kv, h // kv, d)
+    out = F.scaled_dot_product_attention(qf, kc.to(q.dtype), vc.to(q.dtype), attn_mask=meta.mask, scale=scale)
+    return out.reshape(b, h * d)

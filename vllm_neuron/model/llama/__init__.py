@@ -1,0 +1,3 @@
+from vllm_neuron.model.llama.model import LlamaForCausalLM
+
+__all__ = ["LlamaForCausalLM"]

@@ -1,0 +1,66 @@
+"""What one engine step asks of the workers and what comes back.
+
+These dataclasses cross from the scheduler (core/) to the model runner (worker/), possibly over a
+process boundary, so they hold plain Python values only.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from vllm_neuron.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """Sent once, the first time a request is scheduled; the runner keeps its sampling state."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: int | None
+
+
+@dataclass
+class ScheduledChunk:
+    req_id: str
+    token_ids: list[int]  # tokens whose K/V this step computes
+    start_pos: int  # position of token_ids[0]; tokens before it are already in the cache
+    block_ids: list[int]  # the request's whole block table
+    sample: bool  # whether this step samples the request's next token
+
+
+@dataclass
+class SchedulerOutput:
+    kind: Literal["prefill", "decode"]
+    chunks: list[ScheduledChunk]
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    finished_req_ids: list[str] = field(default_factory=list)  # runner drops their state
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.chunks)
+
+    @property
+    def num_context_tokens(self) -> int:
+        return sum(c.start_pos for c in self.chunks)
+
+    @property
+    def max_seq_len(self) -> int:
+        return max((c.start_pos + len(c.token_ids) for c in self.chunks), default=0)
+
+
+@dataclass
+class StepLogprobs:
+    """Per sampled token: (token_id, logprob, rank) entries, the sampled token first."""
+
+    entries: list[tuple[int, float, int]]
+
+
+@dataclass
+class ModelRunnerOutput:
+    # req_id -> sampled token ids this step (one, or none for a prefill chunk that does not sample)
+    sampled: dict[str, list[int]]
+    logprobs: dict[str, StepLogprobs] = field(default_factory=dict)
+    bucket_name: str = ""
+    num_padding: int = 0  # padded tokens (prefill) or padded sequences (decode)

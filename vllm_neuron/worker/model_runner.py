@@ -1,0 +1,209 @@
+"""Model Runner V1: loads the model, owns the KV cache and the per-bucket graphs, runs steps.
+
+Every step picks the smallest bucket that fits, pads the host-built inputs to it and runs that
+bucket's graph: model forward, logits of the sampled rows and in-graph sampling, all inside one
+compiled function per bucket.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from vllm_neuron.config import buckets as B
+from vllm_neuron.config.engine_config import EngineConfig
+from vllm_neuron.logger import init_logger
+from vllm_neuron.model.layers.attention import AttentionMetadata, decode_mask, prefill_mask
+from vllm_neuron.model.layers.sampler import greedy_in_graph, sample_in_graph
+from vllm_neuron.model.loader import Checkpoint
+from vllm_neuron.model.registry import resolve_model_class
+from vllm_neuron.step import ModelRunnerOutput, SchedulerOutput
+from vllm_neuron.worker import memory
+from vllm_neuron.worker.compilation import GraphCompiler, cache_key_parts, mark_kv_dynamic
+from vllm_neuron.worker.input_builder import build_decode_inputs, build_prefill_inputs
+from vllm_neuron.worker.sampling import SamplingStates
+
+logger = init_logger(__name__)
+
+
+@dataclass
+class LoadStats:
+    seconds: float
+    nbytes: int
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, checkpoint: Checkpoint, device: torch.device, dtype: torch.dtype,
+                 backend: str) -> None:
+        self.config = config
+        self.ckpt = checkpoint
+        self.device = device
+        self.dtype = dtype
+        self.backend = backend  # "native" or "eager"
+        nc = config.neuron_config
+        self.block_size = config.block_size
+        self.prefill_buckets = nc.num_batched_tokens_buckets
+        self.decode_buckets = nc.num_seqs_buckets
+        self.context_buckets = nc.context_buckets
+        self.odsc = nc.on_device_sampling_config
+        self.sampling = SamplingStates(self.odsc, config.seed)
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.model = None
+        self.compiler: GraphCompiler | None = None
+
+    # -- set-up ----------------------------------------------------------------------------------
+    def load_model(self) -> LoadStats:
+        cls = resolve_model_class(self.ckpt.hf_config)
+        t0 = time.perf_counter()
+        prev = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+        try:
+            with torch.device(self.device):
+                model = cls(self.ckpt.hf_config)
+        finally:
+            torch.set_default_dtype(prev)
+        nbytes = model.load_weights(tqdm(self.ckpt.iter_weights(self.dtype), desc="Loading weights",
+                                         unit="tensor", leave=False, disable=None))
+        self.model = model.eval().requires_grad_(False)
+        stats = LoadStats(time.perf_counter() - t0, nbytes)
+        logger.info("Loaded %s (%s) in %.1f s: %.1f MiB of weights on %s as %s", type(model).__name__,
+                    self.ckpt.path, stats.seconds, nbytes / 2**20, self.device, self.dtype)
+        return stats
+
+    def num_blocks(self, weight_bytes: int) -> int:
+        """Total KV blocks (block 0 is the null block)."""
+        layers, kv_heads, head_dim = self.model.kv_cache_spec()
+        per_block = memory.kv_cache_bytes_per_block(layers, kv_heads, head_dim, self.block_size,
+                                                    torch.finfo(self.dtype).bits // 8)
+        needed = -(-self.config.max_model_len // self.block_size) + 1
+        if self.config.num_gpu_blocks_override is not None:
+            n = self.config.num_gpu_blocks_override
+            if n < needed:
+                raise ValueError(
+                    f"num_gpu_blocks_override={n} cannot hold one request of max_model_len="
+                    f"{self.config.max_model_len} ({needed} blocks of {self.block_size} tokens, one of them "
+                    f"reserved); raise num_gpu_blocks_override or lower max_model_len")
+            return n
+        budget = memory.kv_budget_for_device(self.device, model_weight_bytes=weight_bytes,
+                                             gpu_memory_utilization=self.config.gpu_memory_utilization)
+        logger.info("KV budget: %s", budget.describe())
+        n = memory.num_blocks_from_budget(budget.available_bytes, per_block,
+                                          max_model_len=self.config.max_model_len + self.block_size,
+                                          block_size=self.block_size)
+        return n
+
+    def init_kv_cache(self, num_blocks: int) -> None:
+        _, kv_heads, head_dim = self.model.kv_cache_spec()
+        shape = (num_blocks * self.block_size, kv_heads, head_dim)
+        self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                           torch.zeros(shape, dtype=self.dtype, device=self.device))
+                          for _ in range(self.model.kv_cache_spec()[0])]
+        mark_kv_dynamic(self.kv_caches)
+
+    def graph_names(self) -> list[tuple[str, str, int, int]]:
+        """(name, kind, size, context) for every graph warm-up compiles."""
+        out = []
+        ctx_prefill = [0] + (self.context_buckets if self._prefill_needs_context() else [])
+        for t in self.prefill_buckets:
+            for c in ctx_prefill:
+                out.append((B.bucket_name("prefill", t, c or None), "prefill", t, c))
+        many = len(self.context_buckets) > 1
+        for b in self.decode_buckets:
+            for c in self.context_buckets:
+                out.append((B.bucket_name("decode", b, c if many else None), "decode", b, c))
+        return out
+
+    def _prefill_needs_context(self) -> bool:
+        return self.config.enable_prefix_caching or self.config.max_model_len > self.config.max_num_batched_tokens
+
+    def warmup(self) -> GraphCompiler:
+        graph_opts = {"odsc": repr(self.odsc), "block_size": self.block_size, "backend": self.backend}
+        self.compiler = GraphCompiler(cache_key_parts(self.ckpt.hf_config.to_dict(), self.dtype, self.device,
+                                                      self.config.tensor_parallel_size, graph_opts),
+                                      backend=self.backend)
+        self._prefill_fn = self.compiler.compile(self._prefill_graph)
+        self._decode_fn = self.compiler.compile(self._decode_graph)
+        graphs = self.graph_names()
+        logger.info("Warm-up: %d graphs (%s route); compile cache %s", len(graphs), self.backend, self.compiler.dir)
+        for name, kind, size, ctx in tqdm(graphs, desc="Compiling buckets", unit="graph", disable=None):
+            if kind == "prefill":
+                self.compiler.warm(name, lambda: self._run_prefill([], size, ctx))
+            else:
+                self.compiler.warm(name, lambda: self._run_decode([], size, ctx))
+        return self.compiler
+
+    # -- graphs ----------------------------------------------------------------------------------
+    def _sample(self, logits, temperature, top_k, top_p, uniform):
+        if self.odsc is None:
+            return None
+        if self.odsc.all_greedy:
+            return greedy_in_graph(logits)
+        return sample_in_graph(logits, temperature, top_k, top_p, uniform, self.odsc.top_k)
+
+    def _prefill_graph(self, input_ids, positions, slot_mapping, query_seq, context_slots, context_seq,
+                       logits_indices, temperature, top_k, top_p, uniform, kv_caches):
+        meta = AttentionMetadata(slot_mapping, prefill_mask(positions, query_seq, context_seq), context_slots)
+        hidden = self.model(input_ids, positions, kv_caches, meta)
+        logits = self.model.compute_logits(hidden[logits_indices]).float()
+        return self._sample(logits, temperature, top_k, top_p, uniform), logits
+
+    def _decode_graph(self, input_ids, positions, slot_mapping, block_tables, seq_lens,
+                      temperature, top_k, top_p, uniform, kv_caches):
+        meta = AttentionMetadata(slot_mapping, decode_mask(seq_lens, block_tables.shape[1] * self.block_size),
+                                 block_tables=block_tables)
+        hidden = self.model(input_ids, positions, kv_caches, meta)
+        logits = self.model.compute_logits(hidden).float()
+        return self._sample(logits, temperature, top_k, top_p, uniform), logits
+
+    def _t(self, a: np.ndarray | None) -> torch.Tensor | None:
+        return None if a is None else torch.from_numpy(a).to(self.device, non_blocking=True)
+
+    def _run_prefill(self, chunks, num_tokens: int, num_context: int):
+        rows = min(self.config.max_num_seqs, num_tokens)
+        x = build_prefill_inputs(chunks, num_tokens, num_context, rows, self.block_size)
+        s = self.sampling.graph_tensors([c.req_id for c in chunks], rows)
+        with torch.inference_mode():
+            return self._prefill_fn(self._t(x.input_ids), self._t(x.positions), self._t(x.slot_mapping),
+                                    self._t(x.query_seq), self._t(x.context_slots), self._t(x.context_seq),
+                                    self._t(x.logits_indices), self._t(s["temperature"]), self._t(s["top_k"]),
+                                    self._t(s["top_p"]), self._t(s["uniform"]), self.kv_caches)
+
+    def _run_decode(self, chunks, batch: int, context: int):
+        x = build_decode_inputs(chunks, batch, context, self.block_size)
+        s = self.sampling.graph_tensors([c.req_id for c in chunks], batch)
+        with torch.inference_mode():
+            return self._decode_fn(self._t(x.input_ids), self._t(x.positions), self._t(x.slot_mapping),
+                                   self._t(x.block_tables), self._t(x.seq_lens), self._t(s["temperature"]),
+                                   self._t(s["top_k"]), self._t(s["top_p"]), self._t(s["uniform"]),
+                                   self.kv_caches)
+
+    # -- one step --------------------------------------------------------------------------------
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        for rid in sched.finished_req_ids:
+            self.sampling.remove(rid)
+        for data in sched.new_requests:
+            self.sampling.add(data)
+        chunks = sched.chunks
+        if sched.kind == "prefill":
+            n = sched.num_tokens
+            size = B.select_bucket(self.prefill_buckets, n)
+            ctx = sched.num_context_tokens
+            context = B.select_bucket(self.context_buckets, ctx) if ctx else 0
+            tokens, logits = self._run_prefill(chunks, size, context)
+            name, padding = B.bucket_name("prefill", size, context or None), size - n
+        else:
+            size = B.select_bucket(self.decode_buckets, len(chunks))
+            context = B.select_bucket(self.context_buckets, sched.max_seq_len)
+            tokens, logits = self._run_decode(chunks, size, context)
+            many = len(self.context_buckets) > 1
+            name, padding = B.bucket_name("decode", size, context if many else None), size - len(chunks)
+        rows = [(i, c.req_id) for i, c in enumerate(chunks) if c.sample]
+        sampled, logprobs = {}, {}
+        if rows:
+            idx = [i for i, _ in rows]
+            sub_tokens = tokens[idx] if tokens is not None else None
+            sampled, logprobs = self.sampling.finalize([r for _, r in rows], sub_tokens, logits[idx])
+        return ModelRunnerOutput(sampled, logprobs, bucket_name=name, num_padding=padding)

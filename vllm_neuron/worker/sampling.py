@@ -1,0 +1,96 @@
+"""Per-request sampling state on the worker, and the split between in-graph and host sampling.
+
+Rows whose parameters the in-graph sampler covers (greedy / temperature / top-k / top-p) take the
+graph's token; rows that need more (penalties, min_p, logit bias, min_tokens, logprobs, bad words,
+allowed tokens) or all rows under CPU sampling go through `host_sample` on the graph's logits.
+Seeded requests own a torch.Generator, so their tokens do not depend on their batch neighbours.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from vllm_neuron.model.neuron_config import OnDeviceSamplingConfig
+from vllm_neuron.sampling_params import SAMPLING_EPS
+from vllm_neuron.step import NewRequestData, StepLogprobs
+from vllm_neuron.worker.host_sampler import HostSamplingRow, host_sample
+
+
+@dataclass
+class RequestState:
+    data: NewRequestData
+    output_token_ids: list[int] = field(default_factory=list)
+    generator: torch.Generator | None = None
+    on_host: bool = False
+
+    @property
+    def params(self):
+        return self.data.sampling_params
+
+
+class SamplingStates:
+    def __init__(self, odsc: OnDeviceSamplingConfig | None, seed: int) -> None:
+        self.odsc = odsc
+        self.rng = torch.Generator().manual_seed(seed)
+        self.states: dict[str, RequestState] = {}
+
+    def add(self, data: NewRequestData) -> None:
+        p = data.sampling_params
+        gen = torch.Generator().manual_seed(p.seed) if p.seed is not None else None
+        on_host = self.odsc is None or p.needs_host_sampling
+        self.states[data.req_id] = RequestState(data, generator=gen, on_host=on_host)
+
+    def remove(self, req_id: str) -> None:
+        self.states.pop(req_id, None)
+
+    def graph_tensors(self, req_ids: list[str], rows: int) -> dict[str, np.ndarray]:
+        """Per-row sampling inputs of the graph; padded rows are greedy."""
+        temp = np.zeros(rows, np.float32)
+        top_k = np.zeros(rows, np.int64)
+        top_p = np.ones(rows, np.float32)
+        uniform = np.zeros(rows, np.float32)
+        if self.odsc is None or self.odsc.all_greedy:
+            return {"temperature": temp, "top_k": top_k, "top_p": top_p, "uniform": uniform}
+        unseeded = []
+        for i, rid in enumerate(req_ids):
+            st = self.states[rid]
+            p = st.params
+            if st.on_host or p.temperature < SAMPLING_EPS:
+                continue
+            temp[i], top_k[i], top_p[i] = p.temperature, self.odsc.effective_top_k(p.top_k), p.top_p
+            if st.generator is not None:
+                uniform[i] = torch.rand(1, generator=st.generator).item()
+            else:
+                unseeded.append(i)
+        if unseeded:
+            uniform[unseeded] = torch.rand(len(unseeded), generator=self.rng).numpy()
+        return {"temperature": temp, "top_k": top_k, "top_p": top_p, "uniform": uniform}
+
+    def finalize(self, req_ids: list[str], graph_tokens: torch.Tensor | None, logits: torch.Tensor
+                 ) -> tuple[dict[str, list[int]], dict[str, StepLogprobs]]:
+        """Tokens for the rows in req_ids (row i = req_ids[i]), host-sampling the rows that need it."""
+        host_rows = [i for i, rid in enumerate(req_ids) if self.states[rid].on_host]
+        tokens = graph_tokens.tolist() if graph_tokens is not None else [None] * len(req_ids)
+        logprobs: dict[str, StepLogprobs] = {}
+        if host_rows:
+            rows = []
+            for i in host_rows:
+                st = self.states[req_ids[i]]
+                p = st.params
+                stop_ids = list(p.stop_token_ids or ())
+                if st.data.eos_token_id is not None and not p.ignore_eos:
+                    stop_ids.append(st.data.eos_token_id)
+                rows.append(HostSamplingRow(p, st.data.prompt_token_ids, st.output_token_ids, st.generator,
+                                            stop_ids, p._bad_words_token_ids or ()))
+            res = host_sample(logits[host_rows].float().cpu(), rows)
+            for j, i in enumerate(host_rows):
+                tokens[i] = res.token_ids[j]
+                if res.logprobs[j] is not None:
+                    logprobs[req_ids[i]] = StepLogprobs(res.logprobs[j])
+        sampled = {}
+        for rid, tok in zip(req_ids, tokens):
+            self.states[rid].output_token_ids.append(tok)
+            sampled[rid] = [tok]
+        return sampled, logprobs
