@@ -1,0 +1,1 @@
+"""Entry points: the offline LLM, the `vllm-neuron` command and the OpenAI-compatible server."""

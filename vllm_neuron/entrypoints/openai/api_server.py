@@ -1,0 +1,166 @@
+"""The OpenAI-compatible HTTP app: routes, API-key check, error handlers, and a uvicorn runner.
+
+`build_app` wires an `EngineClient` into a FastAPI app; it starts nothing. `serve_http` runs the
+app with uvicorn and returns when the server shuts down (SIGINT/SIGTERM included), so that the
+caller can stop the engine afterwards.
+"""
+from __future__ import annotations
+
+import hmac
+import signal
+import socket
+from types import FrameType
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from vllm_neuron import metrics
+from vllm_neuron.engine.protocol import EngineClient
+from vllm_neuron.entrypoints.openai.errors import error_response, install_exception_handlers, parse_json_body
+from vllm_neuron.entrypoints.openai.serving_chat import OpenAIServingChat
+from vllm_neuron.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from vllm_neuron.entrypoints.openai.serving_engine import load_chat_template
+from vllm_neuron.entrypoints.openai.serving_models import OpenAIServingModels
+from vllm_neuron.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
+from vllm_neuron.logger import init_logger
+from vllm_neuron.version import __version__
+
+logger = init_logger(__name__)
+
+
+class ApiKeyMiddleware:
+    """Requires `Authorization: Bearer KEY` on every /v1 route; /health, /metrics, /version,
+    /tokenize and /detokenize stay open, as in vLLM. Pure ASGI so streaming is untouched."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self._expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] not in ("http", "websocket") or scope.get("method") == "OPTIONS":
+            await self.app(scope, receive, send)
+            return
+        path = scope.get("path", "")
+        root = scope.get("root_path", "")
+        if root and path.startswith(root):
+            path = path[len(root):]
+        if path == "/v1" or path.startswith("/v1/"):
+            given = b""
+            for name, value in scope.get("headers", []):
+                if name.lower() == b"authorization":
+                    given = value
+                    break
+            if not hmac.compare_digest(given, self._expected):
+                response = error_response("Unauthorized: a valid `Authorization: Bearer <api key>` header is "
+                                          "required.", 401)
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def build_app(engine: EngineClient, *, served_model_names: list[str], api_key: str | None = None,
+              chat_template: str | None = None, max_logprobs: int = 20, return_tokens_as_token_ids: bool = False,
+              record_request_metrics: bool = True, allowed_origins: list[str] | None = None) -> FastAPI:
+    """The OpenAI-compatible app serving `engine` under `served_model_names` (the first one is the
+    default and the metrics' model_name label).
+
+    chat_template: a Jinja template or a path to one; overrides the tokenizer's.
+    max_logprobs: cap on logprobs/top_logprobs/prompt_logprobs (-1: the whole vocabulary).
+    record_request_metrics: the HTTP layer records the per-request series (see vllm_neuron.metrics).
+    """
+    if max_logprobs < -1:
+        raise ValueError(f"max_logprobs must be -1 (no cap) or >= 0, got {max_logprobs}")
+    models = OpenAIServingModels(served_model_names, engine.model_info.model_path, engine.model_info.max_model_len)
+    metrics.configure(models.default_name)
+    kwargs: dict[str, Any] = dict(max_logprobs=max_logprobs, chat_template=load_chat_template(chat_template),
+                                  return_tokens_as_token_ids=return_tokens_as_token_ids,
+                                  record_metrics=record_request_metrics)
+    completion = OpenAIServingCompletion(engine, models, **kwargs)
+    chat = OpenAIServingChat(engine, models, **kwargs)
+    tokenization = OpenAIServingTokenization(engine, models, **kwargs)
+    version = __version__
+
+    app = FastAPI(title="vllm-neuron OpenAI-compatible server", version=version)
+    if api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    # Added last, so outermost: CORS preflights are answered before the key check.
+    app.add_middleware(CORSMiddleware, allow_origins=allowed_origins or ["*"], allow_credentials=False,
+                       allow_methods=["*"], allow_headers=["*"])
+    install_exception_handlers(app)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if engine.errored:
+            return error_response("The engine is dead.", 503)
+        if not engine.is_ready:
+            return error_response("The server is not ready yet: warm-up and compilation are in progress.", 503)
+        try:
+            await engine.check_health()
+        except Exception as e:  # any failure of the health check means not healthy
+            return error_response(f"The engine is unhealthy: {e}", 503)
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def show_version() -> JSONResponse:
+        return JSONResponse({"version": version})
+
+    @app.get("/metrics")
+    async def show_metrics() -> Response:
+        return Response(content=metrics.metrics_response_body(), media_type=metrics.CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def show_models() -> JSONResponse:
+        return JSONResponse(content=models.list_models().model_dump())
+
+    @app.post("/v1/completions")
+    async def create_completion(raw_request: Request) -> Response:
+        data = parse_json_body(await raw_request.body())
+        return await completion.create_completion(data, raw_request)
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(raw_request: Request) -> Response:
+        data = parse_json_body(await raw_request.body())
+        return await chat.create_chat_completion(data, raw_request)
+
+    @app.post("/tokenize")
+    async def tokenize(raw_request: Request) -> JSONResponse:
+        data = parse_json_body(await raw_request.body())
+        return JSONResponse(content=tokenization.tokenize(data).model_dump(exclude_none=True))
+
+    @app.post("/detokenize")
+    async def detokenize(raw_request: Request) -> JSONResponse:
+        data = parse_json_body(await raw_request.body())
+        return JSONResponse(content=tokenization.detokenize(data).model_dump())
+
+    app.state.engine = engine
+    app.state.served_model_names = models.served_model_names
+    return app
+
+
+class _Server(uvicorn.Server):
+    """uvicorn re-raises a captured SIGINT/SIGTERM after shutting down, which would kill the caller
+    before it can stop the engine; here a signal only ends the serve loop."""
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self.should_exit and sig == signal.SIGINT:
+            self.force_exit = True
+        else:
+            self.should_exit = True
+
+
+def create_server(app: FastAPI, host: str, port: int, log_level: str = "info",
+                  **uvicorn_kwargs: Any) -> uvicorn.Server:
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, **uvicorn_kwargs)
+    return _Server(config)
+
+
+async def serve_http(app: FastAPI, host: str, port: int, log_level: str = "info", *,
+                     sock: socket.socket | None = None, **uvicorn_kwargs: Any) -> None:
+    """Serves `app` until shutdown (signal or server.should_exit); returns afterwards.
+    `sock`: an already bound socket (then host/port are only informative)."""
+    server = create_server(app, host, port, log_level, **uvicorn_kwargs)
+    await server.serve(sockets=[sock] if sock is not None else None)

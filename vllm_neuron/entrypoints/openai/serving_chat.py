@@ -1,0 +1,242 @@
+"""/v1/chat/completions: chat template -> token ids -> engine, streamed or not, in vLLM's shape."""
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from vllm_neuron.engine.protocol import TokensPrompt
+from vllm_neuron.entrypoints.openai.errors import BadRequestError, from_exception
+from vllm_neuron.entrypoints.openai.protocol import (
+    ChatCompletionLogProb,
+    ChatCompletionLogProbs,
+    ChatCompletionLogProbsContent,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionResponseChoice,
+    ChatCompletionResponseStreamChoice,
+    ChatCompletionStreamResponse,
+    ChatMessage,
+    DeltaMessage,
+    UsageInfo,
+    random_uuid,
+)
+from vllm_neuron.entrypoints.openai.serving_engine import (
+    SSE_DONE,
+    ChoiceAccumulator,
+    OpenAIServing,
+    RequestTracker,
+    check_unsupported_fields,
+    parse_request,
+    prompt_logprobs_json,
+    render_chat,
+    run_until_disconnect,
+    sse,
+)
+from vllm_neuron.outputs import Logprob
+from vllm_neuron.sampling_params import SamplingParams
+
+_ROLE = "assistant"
+
+
+@dataclass
+class _Ctx:
+    req: ChatCompletionRequest
+    model: str
+    request_id: str
+    prompt_ids: list[int]
+    prompt_text: str
+    echo_text: str | None
+    created: int
+    arrival: float
+
+
+def check_generation_prompt_flags(data: dict[str, Any]) -> None:
+    if data.get("continue_final_message") and data.get("add_generation_prompt"):
+        raise BadRequestError("Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+                              param="continue_final_message")
+
+
+class OpenAIServingChat(OpenAIServing):
+    async def create_chat_completion(self, data: dict[str, Any], raw_request: Request) -> Response:
+        arrival = time.monotonic()
+        check_unsupported_fields(data, set(ChatCompletionRequest.model_fields), chat=True)
+        check_generation_prompt_flags(data)
+        req = parse_request(ChatCompletionRequest, data)
+        model = self.models.resolve(req.model)
+        self.check_engine()
+        if req.stream_options is not None and not req.stream:
+            raise BadRequestError("Stream options can only be defined when `stream=True`.", param="stream_options")
+        if req.top_logprobs and not req.logprobs:
+            raise BadRequestError("when using `top_logprobs`, `logprobs` must be set to true.", param="top_logprobs")
+        self.check_logprobs_cap(req.top_logprobs, "top_logprobs")
+        self.check_logprobs_cap(req.prompt_logprobs, "prompt_logprobs")
+        if req.stream and req.prompt_logprobs:
+            raise BadRequestError("`prompt_logprobs` are not available when `stream=True`.", param="prompt_logprobs")
+        if req.n is not None and req.n < 1:
+            raise BadRequestError(f"n must be at least 1, got {req.n}.", param="n")
+
+        text = render_chat(self.tokenizer, req.messages, template=req.chat_template or self.chat_template,
+                           add_generation_prompt=req.add_generation_prompt,
+                           continue_final_message=req.continue_final_message,
+                           template_kwargs=self._template_kwargs(req), documents=req.documents)
+        # The template writes the special tokens itself: no second BOS unless asked for.
+        prompt_ids = self.encode(text, req.add_special_tokens)
+        if req.truncate_prompt_tokens is not None:
+            keep = self.max_model_len if req.truncate_prompt_tokens == -1 else req.truncate_prompt_tokens
+            if keep < 1:
+                raise BadRequestError("truncate_prompt_tokens must be -1 or at least 1.",
+                                      param="truncate_prompt_tokens")
+            prompt_ids = prompt_ids[:keep] if req.truncation_side == "right" else prompt_ids[-keep:]
+        if req.max_completion_tokens is not None:
+            requested, param = req.max_completion_tokens, "max_completion_tokens"
+        else:
+            requested, param = req.max_tokens, "max_tokens"
+        max_tokens = self.resolve_max_tokens(len(prompt_ids), requested, param)
+        sp = self.build_sampling_params(req, max_tokens=max_tokens,
+                                        logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+                                        prompt_logprobs=req.prompt_logprobs)
+        echo_text = None
+        if req.echo:
+            last = req.messages[-1] if req.messages else {}
+            if last.get("role") == _ROLE and isinstance(last.get("content"), str):
+                echo_text = last["content"]
+        ctx = _Ctx(req, model, f"chatcmpl-{req.request_id or random_uuid()}", prompt_ids, text, echo_text,
+                   int(time.time()), arrival)
+        if req.stream:
+            return StreamingResponse(self._stream(ctx, sp), media_type="text/event-stream")
+        result = await run_until_disconnect(self._full(ctx, sp), raw_request)
+        if result is None:
+            return Response(status_code=499)
+        return JSONResponse(content=result.model_dump())
+
+    @staticmethod
+    def _template_kwargs(req: ChatCompletionRequest) -> dict[str, Any]:
+        kwargs = dict(req.chat_template_kwargs or {})
+        if req.reasoning_effort is not None:
+            kwargs.setdefault("reasoning_effort", req.reasoning_effort)
+        return kwargs
+
+    def _engine_prompt(self, ctx: _Ctx) -> TokensPrompt:
+        return TokensPrompt(prompt_token_ids=ctx.prompt_ids, prompt=ctx.prompt_text)
+
+    def _logprobs(self, token_ids: list[int], steps: list[dict[int, Logprob]], num_top: int,
+                  as_ids: bool) -> ChatCompletionLogProbs:
+        content = []
+        for k, tid in enumerate(token_ids):
+            step = steps[k] if k < len(steps) else None
+            lp = step.get(tid) if step is not None else None
+            tok = self.token_str(tid, lp, as_ids)
+            top = []
+            for t, alt in self.top_entries(step, num_top) if step is not None else ():
+                s = self.token_str(t, alt, as_ids)
+                top.append(ChatCompletionLogProb(token=s, logprob=self.clamp(alt.logprob),
+                                                 bytes=list(s.encode("utf-8", errors="replace"))))
+            # Every field passed explicitly: streamed chunks are dumped with exclude_unset.
+            content.append(ChatCompletionLogProbsContent(
+                token=tok, logprob=self.clamp(lp.logprob) if lp is not None else -9999.0,
+                bytes=list(tok.encode("utf-8", errors="replace")), top_logprobs=top))
+        return ChatCompletionLogProbs(content=content)
+
+    async def _full(self, ctx: _Ctx, sp: SamplingParams) -> ChatCompletionResponse:
+        req = ctx.req
+        tracker = RequestTracker(self, ctx.arrival)
+        choices = {j: ChoiceAccumulator() for j in range(sp.n)}
+        prompt_lps = None
+        error: BaseException | None = None
+        try:
+            async for res in self.generate(tracker, self._engine_prompt(ctx), sp, ctx.request_id,
+                                           len(ctx.prompt_ids)):
+                if res.prompt_logprobs is not None and prompt_lps is None:
+                    prompt_lps = res.prompt_logprobs
+                for o in res.outputs:
+                    choices[o.index].add(o)
+        except Exception as e:
+            error = e
+            raise
+        finally:
+            tracker.close(error)
+        as_ids = bool(req.return_tokens_as_token_ids)
+        out, completion_tokens = [], 0
+        for j, c in sorted(choices.items()):
+            completion_tokens += len(c.token_ids)
+            text = "".join(c.text)
+            if ctx.echo_text:
+                text = ctx.echo_text + text
+            logprobs = None
+            if req.logprobs:
+                logprobs = self._logprobs(c.token_ids, c.logprobs, req.top_logprobs or 0, as_ids)
+            out.append(ChatCompletionResponseChoice(
+                index=j, message=ChatMessage(role=_ROLE, content=text), logprobs=logprobs,
+                finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                token_ids=c.token_ids if req.return_token_ids else None))
+        prompt_tokens = len(ctx.prompt_ids)
+        return ChatCompletionResponse(
+            id=ctx.request_id, created=ctx.created, model=ctx.model, choices=out,
+            usage=UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                            total_tokens=prompt_tokens + completion_tokens),
+            prompt_logprobs=prompt_logprobs_json(prompt_lps) if req.prompt_logprobs is not None else None,
+            prompt_token_ids=ctx.prompt_ids if req.return_token_ids else None)
+
+    def _chunk(self, ctx: _Ctx, choices: list[ChatCompletionResponseStreamChoice],
+               usage: UsageInfo | None = None) -> str:
+        chunk = ChatCompletionStreamResponse(id=ctx.request_id, object="chat.completion.chunk",
+                                             created=ctx.created, model=ctx.model, choices=choices)
+        if usage is not None:
+            chunk.usage = usage
+        return sse(chunk, exclude_unset=True)
+
+    async def _stream(self, ctx: _Ctx, sp: SamplingParams) -> AsyncIterator[str]:
+        req = ctx.req
+        opts = req.stream_options
+        include_usage = bool(opts and opts.include_usage)
+        continuous = include_usage and bool(opts.continuous_usage_stats)
+        as_ids = bool(req.return_tokens_as_token_ids)
+        prompt_tokens = len(ctx.prompt_ids)
+        tokens = [0] * sp.n
+
+        def usage(j: int | None = None) -> UsageInfo:
+            done = sum(tokens) if j is None else tokens[j]
+            return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=done, total_tokens=prompt_tokens + done)
+
+        tracker = RequestTracker(self, ctx.arrival)
+        error: Exception | None = None
+        try:
+            for j in range(sp.n):
+                yield self._chunk(ctx, [ChatCompletionResponseStreamChoice(
+                    index=j, delta=DeltaMessage(role=_ROLE, content=""), logprobs=None, finish_reason=None)],
+                    usage(j) if continuous else None)
+                if ctx.echo_text:
+                    yield self._chunk(ctx, [ChatCompletionResponseStreamChoice(
+                        index=j, delta=DeltaMessage(content=ctx.echo_text), logprobs=None, finish_reason=None)],
+                        usage(j) if continuous else None)
+            finished: set[int] = set()
+            async for res in self.generate(tracker, self._engine_prompt(ctx), sp, ctx.request_id, prompt_tokens):
+                for o in res.outputs:
+                    ids = list(o.token_ids)
+                    if o.index in finished or (not o.text and not ids and o.finish_reason is None):
+                        continue
+                    if o.finish_reason is not None:
+                        finished.add(o.index)
+                    tokens[o.index] += len(ids)
+                    logprobs = self._logprobs(ids, list(o.logprobs or []), req.top_logprobs or 0, as_ids) \
+                        if req.logprobs else None
+                    choice = ChatCompletionResponseStreamChoice(
+                        index=o.index, delta=DeltaMessage(content=o.text), logprobs=logprobs,
+                        finish_reason=o.finish_reason, stop_reason=o.stop_reason)
+                    if req.return_token_ids:
+                        choice.token_ids = ids
+                    yield self._chunk(ctx, [choice], usage(o.index) if continuous else None)
+            if include_usage:
+                yield self._chunk(ctx, [], usage())
+        except Exception as e:
+            error = e
+        finally:
+            tracker.close(error)
+        if error is not None:
+            yield sse(from_exception(error))
+        yield SSE_DONE

@@ -1,0 +1,276 @@
+"""/v1/completions: one or more prompts (text or token ids), streamed or not, in vLLM's shape."""
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from vllm_neuron.engine.protocol import TokensPrompt
+from vllm_neuron.entrypoints.openai.errors import BadRequestError, from_exception
+from vllm_neuron.entrypoints.openai.protocol import (
+    CompletionLogProbs,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionResponseChoice,
+    CompletionResponseStreamChoice,
+    CompletionStreamResponse,
+    UsageInfo,
+    random_uuid,
+)
+from vllm_neuron.entrypoints.openai.serving_engine import (
+    SSE_DONE,
+    ChoiceAccumulator,
+    OpenAIServing,
+    RequestTracker,
+    check_unsupported_fields,
+    merge_async_iterators,
+    parse_request,
+    prompt_logprobs_json,
+    run_until_disconnect,
+    sse,
+)
+from vllm_neuron.outputs import Logprob, PromptLogprobs
+
+_DEFAULT_MAX_TOKENS = 16  # vLLM's and OpenAI's default for this endpoint
+
+
+@dataclass
+class _Prompt:
+    token_ids: list[int]
+    text: str | None
+
+
+class OpenAIServingCompletion(OpenAIServing):
+    async def create_completion(self, data: dict[str, Any], raw_request: Request) -> Response:
+        arrival = time.monotonic()
+        check_unsupported_fields(data, set(CompletionRequest.model_fields), chat=False)
+        if data.get("max_tokens", 0) is None:
+            data = {**data, "max_tokens": _DEFAULT_MAX_TOKENS}  # vLLM reads null as the default
+        req = parse_request(CompletionRequest, data)
+        model = self.models.resolve(req.model)
+        self.check_engine()
+        if req.stream_options is not None and not req.stream:
+            raise BadRequestError("Stream options can only be defined when `stream=True`.", param="stream_options")
+        self.check_logprobs_cap(req.logprobs, "logprobs")
+        self.check_logprobs_cap(req.prompt_logprobs, "prompt_logprobs")
+        if req.stream and req.prompt_logprobs:
+            raise BadRequestError("`prompt_logprobs` are not available when `stream=True`.", param="prompt_logprobs")
+        prompts = self._prompts(req)
+        echo_only = bool(req.echo) and req.max_tokens == 0
+        requested = 1 if echo_only else req.max_tokens
+        for p in prompts:
+            self.resolve_max_tokens(len(p.token_ids), requested, "max_tokens")
+        prompt_logprobs = req.prompt_logprobs
+        if prompt_logprobs is None and req.echo and req.logprobs is not None:
+            prompt_logprobs = req.logprobs
+        sp = self.build_sampling_params(req, max_tokens=requested, logprobs=req.logprobs,
+                                        prompt_logprobs=prompt_logprobs)
+        request_id = f"cmpl-{req.request_id or random_uuid()}"
+        ctx = _Ctx(req, model, request_id, prompts, echo_only, int(time.time()), arrival)
+        if req.stream:
+            return StreamingResponse(self._stream(ctx, sp), media_type="text/event-stream")
+        result = await run_until_disconnect(self._full(ctx, sp), raw_request)
+        if result is None:
+            return Response(status_code=499)
+        return JSONResponse(content=result.model_dump())
+
+    def _prompts(self, req: CompletionRequest) -> list[_Prompt]:
+        raw = req.prompt
+        empty = BadRequestError("Either prompt or prompt_embeds must be provided and non-empty.", param="prompt")
+        if raw is None or raw == "" or raw == []:
+            raise empty
+        if isinstance(raw, str):
+            items: list[Any] = [raw]
+        elif all(isinstance(t, int) for t in raw):
+            items = [list(raw)]
+        else:
+            items = list(raw)
+        prompts = []
+        for item in items:
+            if isinstance(item, str):
+                if not item:
+                    raise empty
+                prompts.append(_Prompt(self.encode(item, req.add_special_tokens), item))
+            else:
+                if not item:
+                    raise empty
+                self.check_token_ids(item, "prompt")
+                prompts.append(_Prompt(list(item), None))
+        if req.truncate_prompt_tokens is not None:
+            keep = self.max_model_len if req.truncate_prompt_tokens == -1 else req.truncate_prompt_tokens
+            if keep < 1:
+                raise BadRequestError("truncate_prompt_tokens must be -1 or at least 1.",
+                                      param="truncate_prompt_tokens")
+            for p in prompts:
+                if len(p.token_ids) > keep:
+                    ids = p.token_ids[:keep] if req.truncation_side == "right" else p.token_ids[-keep:]
+                    p.token_ids, p.text = ids, None
+        return prompts
+
+    def _engine_prompt(self, p: _Prompt) -> TokensPrompt:
+        prompt = TokensPrompt(prompt_token_ids=p.token_ids)
+        if p.text is not None:
+            prompt["prompt"] = p.text
+        return prompt
+
+    def _prompt_text(self, p: _Prompt) -> str:
+        return p.text if p.text is not None else self.tokenizer.decode(p.token_ids)
+
+    def _logprobs(self, token_ids: list[int], steps: list[dict[int, Logprob] | None], num_top: int,
+                  initial_offset: int, as_ids: bool) -> CompletionLogProbs:
+        # Every field passed explicitly: streamed chunks are dumped with exclude_unset.
+        out = CompletionLogProbs(text_offset=[], token_logprobs=[], tokens=[], top_logprobs=[])
+        last_len = 0
+        for k, tid in enumerate(token_ids):
+            step = steps[k] if k < len(steps) else None
+            lp = step.get(tid) if step is not None else None
+            tok = self.token_str(tid, lp, as_ids)
+            if step is None:
+                out.token_logprobs.append(None)
+                out.top_logprobs.append(None)
+            else:
+                out.token_logprobs.append(self.clamp(lp.logprob) if lp is not None else None)
+                top = {self.token_str(t, entry, as_ids): self.clamp(entry.logprob)
+                       for t, entry in self.top_entries(step, num_top)}
+                if lp is not None:
+                    top.setdefault(tok, self.clamp(lp.logprob))  # vLLM lists the sampled token too
+                out.top_logprobs.append(top)
+            out.tokens.append(tok)
+            out.text_offset.append(initial_offset if k == 0 else out.text_offset[-1] + last_len)
+            last_len = len(tok)
+        return out
+
+    def _generators(self, ctx: _Ctx, sp, tracker: RequestTracker) -> list[AsyncIterator]:
+        return [self.generate(tracker, self._engine_prompt(p), sp, f"{ctx.request_id}-{i}", len(p.token_ids))
+                for i, p in enumerate(ctx.prompts)]
+
+    async def _full(self, ctx: _Ctx, sp) -> CompletionResponse:
+        req, n = ctx.req, sp.n
+        tracker = RequestTracker(self, ctx.arrival)
+        choices = {(i, j): ChoiceAccumulator() for i in range(len(ctx.prompts)) for j in range(n)}
+        prompt_lps: dict[int, PromptLogprobs] = {}
+        error: BaseException | None = None
+        try:
+            async for i, res in merge_async_iterators(*self._generators(ctx, sp, tracker)):
+                if res.prompt_logprobs is not None and i not in prompt_lps:
+                    prompt_lps[i] = res.prompt_logprobs
+                for o in res.outputs:
+                    choices[(i, o.index)].add(o)
+        except Exception as e:
+            error = e
+            raise
+        finally:
+            tracker.close(error)
+        as_ids = bool(req.return_tokens_as_token_ids)
+        out_choices, completion_tokens = [], 0
+        for (i, j), c in sorted(choices.items()):
+            p = ctx.prompts[i]
+            text, ids, steps = "".join(c.text), c.token_ids, list(c.logprobs)
+            finish, stop_reason = c.finish_reason, c.stop_reason
+            if ctx.echo_only:
+                text, ids, steps, finish, stop_reason = "", [], [], "length", None
+            completion_tokens += len(ids)
+            logprobs = None
+            if req.echo:
+                prompt_text = self._prompt_text(p)
+                if req.logprobs is not None:
+                    plp = list(prompt_lps.get(i) or [None] * len(p.token_ids))
+                    logprobs = self._logprobs(p.token_ids + ids, plp + steps, req.logprobs, 0, as_ids)
+                text = prompt_text + text
+            elif req.logprobs is not None:
+                logprobs = self._logprobs(ids, steps, req.logprobs, 0, as_ids)
+            out_choices.append(CompletionResponseChoice(
+                index=i * n + j, text=text, logprobs=logprobs, finish_reason=finish, stop_reason=stop_reason,
+                token_ids=ids if req.return_token_ids else None,
+                prompt_token_ids=p.token_ids if req.return_token_ids else None,
+                prompt_logprobs=prompt_logprobs_json(prompt_lps.get(i)) if req.prompt_logprobs is not None
+                else None))
+        prompt_tokens = sum(len(p.token_ids) for p in ctx.prompts)
+        usage = UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                          total_tokens=prompt_tokens + completion_tokens)
+        return CompletionResponse(id=ctx.request_id, created=ctx.created, model=ctx.model, choices=out_choices,
+                                  usage=usage)
+
+    async def _stream(self, ctx: _Ctx, sp) -> AsyncIterator[str]:
+        req, n = ctx.req, sp.n
+        opts = req.stream_options
+        include_usage = bool(opts and opts.include_usage)
+        continuous = include_usage and bool(opts.continuous_usage_stats)
+        as_ids = bool(req.return_tokens_as_token_ids)
+        tracker = RequestTracker(self, ctx.arrival)
+        sent_chars: dict[tuple[int, int], int] = {}
+        tokens: dict[tuple[int, int], int] = {}
+        finished: set[tuple[int, int]] = set()
+        error: Exception | None = None
+        try:
+            async for i, res in merge_async_iterators(*self._generators(ctx, sp, tracker)):
+                p = ctx.prompts[i]
+                for o in res.outputs:
+                    key = (i, o.index)
+                    if key in finished:
+                        continue
+                    if o.finish_reason is not None:
+                        finished.add(key)
+                    text, ids, steps = o.text, list(o.token_ids), list(o.logprobs or [])
+                    finish, stop_reason = o.finish_reason, o.stop_reason
+                    if ctx.echo_only:
+                        text, ids, steps = "", [], []
+                        finish, stop_reason = ("length", None) if finish is not None else (None, None)
+                    prefix_ids: list[int] = []
+                    prefix_steps: list[dict[int, Logprob] | None] = []
+                    if req.echo and key not in sent_chars:
+                        text = self._prompt_text(p) + text
+                        prefix_ids = p.token_ids
+                        prefix_steps = list(res.prompt_logprobs or [None] * len(p.token_ids))
+                    if not text and not ids and finish is None and key in sent_chars:
+                        continue
+                    offset = sent_chars.get(key, 0)
+                    sent_chars[key] = offset + len(text)
+                    tokens[key] = tokens.get(key, 0) + len(ids)
+                    logprobs = None
+                    if req.logprobs is not None:
+                        logprobs = self._logprobs(prefix_ids + ids, prefix_steps + steps, req.logprobs, offset,
+                                                  as_ids)
+                    choice = CompletionResponseStreamChoice(
+                        index=i * n + o.index, text=text, logprobs=logprobs, finish_reason=finish,
+                        stop_reason=stop_reason)
+                    if req.return_token_ids:
+                        choice.token_ids = ids
+                        if prefix_ids or offset == 0:
+                            choice.prompt_token_ids = p.token_ids
+                    chunk = CompletionStreamResponse(id=ctx.request_id, object="text_completion",
+                                                     created=ctx.created, model=ctx.model, choices=[choice])
+                    if continuous:
+                        chunk.usage = UsageInfo(prompt_tokens=len(p.token_ids), completion_tokens=tokens[key],
+                                                total_tokens=len(p.token_ids) + tokens[key])
+                    yield sse(chunk, exclude_unset=True)
+            if include_usage:
+                prompt_tokens = sum(len(p.token_ids) for p in ctx.prompts)
+                completion_tokens = sum(tokens.values())
+                chunk = CompletionStreamResponse(
+                    id=ctx.request_id, object="text_completion", created=ctx.created, model=ctx.model, choices=[],
+                    usage=UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                                    total_tokens=prompt_tokens + completion_tokens))
+                yield sse(chunk, exclude_unset=True, exclude_none=True)
+        except Exception as e:
+            error = e
+        finally:
+            tracker.close(error)
+        if error is not None:
+            yield sse(from_exception(error))
+        yield SSE_DONE
+
+
+@dataclass
+class _Ctx:
+    req: CompletionRequest
+    model: str
+    request_id: str
+    prompts: list[_Prompt]
+    echo_only: bool
+    created: int
+    arrival: float

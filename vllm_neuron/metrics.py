@@ -1,0 +1,301 @@
+"""Prometheus metrics: vLLM's `vllm:*` series and the seeds' `vllm_neuron:*` series.
+
+prometheus_client runs in multiprocess mode: every process (API server, EngineCore, workers)
+writes its samples to mmap files under PROMETHEUS_MULTIPROC_DIR and the API server's /metrics
+handler (`metrics_response_body`) aggregates them with MultiProcessCollector. The folder is
+created here, at import, when the variable is unset; child processes inherit it through the
+environment. Wipe it between server restarts (a fresh temporary folder is used when unset).
+
+Callers pass plain numbers and strings only; nothing here knows about requests or tensors.
+Call `configure(model_name, rank_id)` once per process before recording: it fixes the labels.
+
+Who records what (exactly one owner per series, or counts double):
+
+    engine (scheduler side, once per step)      record_step(...)
+        vllm:num_requests_running / num_requests_waiting / kv_cache_usage_perc (gauges)
+        vllm:prefix_cache_queries / prefix_cache_hits / num_preemptions (counters)
+    engine (model runner, driver rank, per step) record_padding(...), record_execution(...),
+                                                 record_async_sync_fallback()
+    workers (each rank, at start-up)            record_compilation_time(...), record_model_load(...)
+    server launcher (once, when ready)          record_startup_time(...)
+    API server (per request, from the stream it serves; see RequestTimer)
+        vllm:prompt_tokens / generation_tokens / request_success (counters)
+        vllm:time_to_first_token_seconds / inter_token_latency_seconds /
+        e2e_request_latency_seconds / request_prompt_tokens / request_generation_tokens
+    The engine must NOT record the per-request series: the HTTP layer sees every token because
+    it asks the engine for DELTA outputs, and records them through RequestTimer.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+import threading
+import time
+from typing import Literal
+
+from vllm_neuron import envs
+from vllm_neuron.logger import init_logger, warning_once
+
+logger = init_logger(__name__)
+
+# prometheus_client picks its value class (mmap-backed or in-memory) from this variable when it
+# is imported, so the folder must exist in the environment first.
+if envs.PROMETHEUS_MULTIPROC_DIR is None:
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="vllm_neuron_prometheus_")
+MULTIPROC_DIR: str = os.environ["PROMETHEUS_MULTIPROC_DIR"]
+os.makedirs(MULTIPROC_DIR, exist_ok=True)
+
+import prometheus_client  # noqa: E402
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, multiprocess, values  # noqa: E402
+
+# If something imported prometheus_client before the variable was set, its value class is the
+# in-memory one; metrics created below must write to the shared files instead.
+values.ValueClass = values.get_value_class()
+
+CONTENT_TYPE: str = prometheus_client.CONTENT_TYPE_LATEST
+
+# Bucket boundaries are vLLM's, so dashboards built for vLLM read ours unchanged.
+_TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
+_ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0]
+_E2E_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
+_TOKEN_COUNT_BUCKETS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000,
+                        50000, 100000, 200000]
+_SEQS_PADDING_BUCKETS = [0, 1, 2, 4, 8, 16, 32, 64, 128, 256]
+_TOKENS_PADDING_BUCKETS = [0] + [2 ** i for i in range(0, 17)]
+
+_M = ["model_name"]
+_MB = ["model_name", "bucket_name"]
+_MBR = ["model_name", "bucket_name", "rank_id"]
+_MR = ["model_name", "rank_id"]
+
+# registry=None: the series live only in the multiprocess files; /metrics builds a fresh registry
+# from them, so nothing is exposed twice and a second import cannot collide.
+# Gauges: "livesum" adds the values of live processes (one per DP replica); "livemax" keeps the
+# fullest pool; start-up gauges are set once per process, so "max" survives that process' exit.
+NUM_REQUESTS_RUNNING = Gauge("vllm:num_requests_running", "Number of requests in model execution batches.",
+                             _M, registry=None, multiprocess_mode="livesum")
+NUM_REQUESTS_WAITING = Gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
+                             _M, registry=None, multiprocess_mode="livesum")
+KV_CACHE_USAGE = Gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
+                       _M, registry=None, multiprocess_mode="livemax")
+PREFIX_CACHE_QUERIES = Counter("vllm:prefix_cache_queries",
+                               "Prefix cache queries, in terms of number of queried tokens.", _M, registry=None)
+PREFIX_CACHE_HITS = Counter("vllm:prefix_cache_hits",
+                            "Prefix cache hits, in terms of number of cached tokens.", _M, registry=None)
+NUM_PREEMPTIONS = Counter("vllm:num_preemptions", "Cumulative number of preemptions from the engine.",
+                          _M, registry=None)
+PROMPT_TOKENS = Counter("vllm:prompt_tokens", "Number of prefill tokens processed.", _M, registry=None)
+GENERATION_TOKENS = Counter("vllm:generation_tokens", "Number of generation tokens processed.",
+                            _M, registry=None)
+REQUEST_SUCCESS = Counter("vllm:request_success", "Count of successfully processed requests.",
+                          ["model_name", "finished_reason"], registry=None)
+TIME_TO_FIRST_TOKEN = Histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                                _M, registry=None, buckets=_TTFT_BUCKETS)
+INTER_TOKEN_LATENCY = Histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+                                _M, registry=None, buckets=_ITL_BUCKETS)
+E2E_REQUEST_LATENCY = Histogram("vllm:e2e_request_latency_seconds",
+                                "Histogram of e2e request latency in seconds.", _M, registry=None,
+                                buckets=_E2E_BUCKETS)
+REQUEST_PROMPT_TOKENS = Histogram("vllm:request_prompt_tokens", "Number of prefill tokens processed.",
+                                  _M, registry=None, buckets=_TOKEN_COUNT_BUCKETS)
+REQUEST_GENERATION_TOKENS = Histogram("vllm:request_generation_tokens", "Number of generation tokens processed.",
+                                      _M, registry=None, buckets=_TOKEN_COUNT_BUCKETS)
+
+NUM_SEQS_PADDING = Histogram("vllm_neuron:num_seqs_padding", "Padded batch lines per model execution.",
+                             _MB, registry=None, buckets=_SEQS_PADDING_BUCKETS)
+NUM_BATCHED_TOKENS_PADDING = Histogram("vllm_neuron:num_batched_tokens_padding",
+                                       "Padded token positions per model execution.", _MB, registry=None,
+                                       buckets=_TOKENS_PADDING_BUCKETS)
+NEFF_EXECUTION_COUNT = Counter("vllm_neuron:neff_execution_count", "Compiled-graph executions, by bucket.",
+                               _MB, registry=None)
+ASYNC_SYNC_FALLBACKS = Counter("vllm_neuron:async_sync_fallbacks",
+                               "Steps where async scheduling fell back to a synchronous step.", _M, registry=None)
+STARTUP_TIME = Gauge("vllm_neuron:startup_time_seconds", "Total server startup time.", _M, registry=None,
+                     multiprocess_mode="max")
+COMPILATION_TIME = Gauge("vllm_neuron:compilation_time_seconds", "Graph compilation time, by bucket.",
+                         _MBR, registry=None, multiprocess_mode="max")
+MODEL_LOAD_TIME = Gauge("vllm_neuron:model_load_time_seconds", "Weight load time (host to device).",
+                        _MR, registry=None, multiprocess_mode="max")
+MODEL_LOAD_SIZE = Gauge("vllm_neuron:model_load_size_bytes", "Weight size transferred to device.",
+                        _MR, registry=None, multiprocess_mode="max")
+
+# Every series name as exposed (counters gain _total), for docs and tests.
+SERIES_NAMES: tuple[str, ...] = (
+    "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+    "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:num_preemptions_total",
+    "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:request_success_total",
+    "vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds",
+    "vllm:e2e_request_latency_seconds", "vllm:request_prompt_tokens", "vllm:request_generation_tokens",
+    "vllm_neuron:num_seqs_padding", "vllm_neuron:num_batched_tokens_padding",
+    "vllm_neuron:neff_execution_count_total", "vllm_neuron:async_sync_fallbacks_total",
+    "vllm_neuron:startup_time_seconds", "vllm_neuron:compilation_time_seconds",
+    "vllm_neuron:model_load_time_seconds", "vllm_neuron:model_load_size_bytes",
+)
+
+_lock = threading.Lock()
+_model_name: str | None = None
+_rank_id: str = "0"
+
+
+def configure(model_name: str, rank_id: int = 0) -> None:
+    """Sets this process' `model_name` label (the served model name) and `rank_id` (local rank).
+
+    Also creates the label sets that are known up front, so that /metrics lists the vLLM series
+    with a 0 value before the first request (dashboards and scrapers expect them).
+    """
+    global _model_name, _rank_id
+    if not isinstance(model_name, str) or not model_name:
+        raise ValueError(f"model_name must be a non-empty string, got {model_name!r}")
+    if not isinstance(rank_id, int) or rank_id < 0:
+        raise ValueError(f"rank_id must be a non-negative int, got {rank_id!r}")
+    with _lock:
+        _model_name = model_name
+        _rank_id = str(rank_id)
+    for metric in (NUM_REQUESTS_RUNNING, NUM_REQUESTS_WAITING, KV_CACHE_USAGE, PREFIX_CACHE_QUERIES,
+                   PREFIX_CACHE_HITS, NUM_PREEMPTIONS, PROMPT_TOKENS,
+                   GENERATION_TOKENS, TIME_TO_FIRST_TOKEN, INTER_TOKEN_LATENCY, E2E_REQUEST_LATENCY,
+                   REQUEST_PROMPT_TOKENS, REQUEST_GENERATION_TOKENS, ASYNC_SYNC_FALLBACKS):
+        metric.labels(model_name)
+    for reason in ("stop", "length", "abort", "error"):
+        REQUEST_SUCCESS.labels(model_name, reason)
+
+
+def _name() -> str:
+    if _model_name is None:
+        warning_once(logger, "metrics recorded before vllm_neuron.metrics.configure(); "
+                             "model_name label is 'unknown'")
+        return "unknown"
+    return _model_name
+
+
+# ---- engine side -------------------------------------------------------------------------------
+
+def record_step(*, num_running: int, num_waiting: int, kv_cache_usage: float,
+                prefix_cache_queries: int = 0, prefix_cache_hits: int = 0,
+                num_preemptions: int = 0) -> None:
+    """Once per engine step, by the scheduler: queue sizes, KV usage (fraction in [0, 1]) and the
+    step's increments of prefix-cache queried/hit tokens and preemptions."""
+    name = _name()
+    NUM_REQUESTS_RUNNING.labels(name).set(num_running)
+    NUM_REQUESTS_WAITING.labels(name).set(num_waiting)
+    KV_CACHE_USAGE.labels(name).set(kv_cache_usage)
+    if prefix_cache_queries:
+        PREFIX_CACHE_QUERIES.labels(name).inc(prefix_cache_queries)
+    if prefix_cache_hits:
+        PREFIX_CACHE_HITS.labels(name).inc(prefix_cache_hits)
+    if num_preemptions:
+        NUM_PREEMPTIONS.labels(name).inc(num_preemptions)
+
+
+def record_padding(kind: Literal["seqs", "tokens"], bucket_name: str, padding: int) -> None:
+    """Padding of one model execution in bucket `bucket_name` (e.g. "decode_b8"): "seqs" counts
+    padded batch lines, "tokens" padded token positions. Driver rank only."""
+    if kind == "seqs":
+        NUM_SEQS_PADDING.labels(_name(), bucket_name).observe(padding)
+    elif kind == "tokens":
+        NUM_BATCHED_TOKENS_PADDING.labels(_name(), bucket_name).observe(padding)
+    else:
+        raise ValueError(f"kind must be one of 'seqs', 'tokens'; got {kind!r}")
+
+
+def record_execution(bucket_name: str, count: int = 1) -> None:
+    """`count` executions of the compiled graph of `bucket_name`. Driver rank only."""
+    NEFF_EXECUTION_COUNT.labels(_name(), bucket_name).inc(count)
+
+
+def record_async_sync_fallback() -> None:
+    """One step where async scheduling fell back to a synchronous step (batch changed)."""
+    ASYNC_SYNC_FALLBACKS.labels(_name()).inc()
+
+
+def record_compilation_time(bucket_name: str, seconds: float) -> None:
+    """Compile (or cache load) time of one bucket's graph, on this rank."""
+    COMPILATION_TIME.labels(_name(), bucket_name, _rank_id).set(seconds)
+
+
+def record_model_load(seconds: float, size_bytes: int) -> None:
+    """Weight load time and bytes moved to the device, on this rank."""
+    MODEL_LOAD_TIME.labels(_name(), _rank_id).set(seconds)
+    MODEL_LOAD_SIZE.labels(_name(), _rank_id).set(size_bytes)
+
+
+def record_startup_time(seconds: float) -> None:
+    """Total start-up time, from process start until the server reports ready."""
+    STARTUP_TIME.labels(_name()).set(seconds)
+
+
+# ---- API server side ---------------------------------------------------------------------------
+
+def record_first_token(ttft_s: float, prompt_tokens: int) -> None:
+    name = _name()
+    TIME_TO_FIRST_TOKEN.labels(name).observe(ttft_s)
+    PROMPT_TOKENS.labels(name).inc(prompt_tokens)
+
+
+def record_new_tokens(num_tokens: int, itl_s: float | None) -> None:
+    """`num_tokens` generated tokens that arrived together; `itl_s` the time since the previous
+    arrival (None for the first one)."""
+    name = _name()
+    if num_tokens:
+        GENERATION_TOKENS.labels(name).inc(num_tokens)
+    if itl_s is not None:
+        INTER_TOKEN_LATENCY.labels(name).observe(itl_s)
+
+
+def record_request_finished(*, finish_reason: str, e2e_s: float, prompt_tokens: int,
+                            generation_tokens: int) -> None:
+    """End of a request: finish_reason is "stop", "length", "abort" or "error"."""
+    name = _name()
+    REQUEST_SUCCESS.labels(name, finish_reason).inc()
+    E2E_REQUEST_LATENCY.labels(name).observe(e2e_s)
+    REQUEST_PROMPT_TOKENS.labels(name).observe(prompt_tokens)
+    REQUEST_GENERATION_TOKENS.labels(name).observe(generation_tokens)
+
+
+class RequestTimer:
+    """Per-request timing from the stream the API server serves: call `on_tokens` for each engine
+    output that carries new tokens, then `finish` exactly once."""
+
+    def __init__(self, prompt_tokens: int, arrival: float | None = None) -> None:
+        self.arrival = time.monotonic() if arrival is None else arrival
+        self.prompt_tokens = prompt_tokens
+        self.generation_tokens = 0
+        self._last: float | None = None
+        self._finished = False
+
+    def on_tokens(self, num_tokens: int) -> None:
+        if num_tokens <= 0:
+            return
+        now = time.monotonic()
+        if self._last is None:
+            record_first_token(now - self.arrival, self.prompt_tokens)
+            record_new_tokens(num_tokens, None)
+        else:
+            record_new_tokens(num_tokens, now - self._last)
+        self._last = now
+        self.generation_tokens += num_tokens
+
+    def finish(self, finish_reason: str) -> None:
+        if self._finished:
+            return
+        self._finished = True
+        record_request_finished(finish_reason=finish_reason, e2e_s=time.monotonic() - self.arrival,
+                                prompt_tokens=self.prompt_tokens, generation_tokens=self.generation_tokens)
+
+
+# ---- exposition --------------------------------------------------------------------------------
+
+def metrics_response_body() -> bytes:
+    """Prometheus text of every process' samples (what /metrics returns)."""
+    registry = CollectorRegistry()
+    multiprocess.MultiProcessCollector(registry, path=MULTIPROC_DIR)
+    return prometheus_client.generate_latest(registry)
+
+
+def mark_process_dead(pid: int) -> None:
+    """Drops the live-gauge files of an exited process (engine or worker) so that its last
+    queue sizes stop counting; call from the parent when a child process exits."""
+    multiprocess.mark_process_dead(pid, path=MULTIPROC_DIR)
