@@ -49,9 +49,12 @@ class EngineCore:
             enable_prefix_caching=config.enable_prefix_caching,
             max_prefill_context_tokens=max(nc.context_buckets)))
         self.startup_seconds = time.perf_counter() - t0
-        logger.info("Engine ready in %.1f s (%d graphs, %d compiled, %d from cache)", self.startup_seconds,
-                    len(self.compiler.records), self.compiler.num_compiled,
-                    len(self.compiler.records) - self.compiler.num_compiled)
+        if backend == "eager":
+            logger.info("Engine ready in %.1f s (eager)", self.startup_seconds)
+        else:
+            logger.info("Engine ready in %.1f s (%d graphs: %d compiled, %d loaded from the compile cache)",
+                        self.startup_seconds, len(self.compiler.records), self.compiler.num_compiled,
+                        len(self.compiler.records) - self.compiler.num_compiled)
 
     def add_request(self, req: EngineCoreRequest) -> None:
         self.scheduler.add_request(Request(req.request_id, req.prompt_token_ids, req.sampling_params,

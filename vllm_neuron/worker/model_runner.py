@@ -35,6 +35,16 @@ class LoadStats:
     nbytes: int
 
 
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Zeroed KV memory. On CPU it comes from calloc through numpy, so the OS maps zero pages lazily
+    and a multi-GiB cache costs nothing until used (torch.zeros would touch every page at start)."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    bits = torch.finfo(dtype).bits
+    raw = np.zeros(shape, dtype={16: np.int16, 32: np.int32, 64: np.int64}[bits])
+    return torch.from_numpy(raw).view(dtype)
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, checkpoint: Checkpoint, device: torch.device, dtype: torch.dtype,
                  backend: str) -> None:
@@ -98,8 +108,7 @@ class ModelRunner:
     def init_kv_cache(self, num_blocks: int) -> None:
         _, kv_heads, head_dim = self.model.kv_cache_spec()
         shape = (num_blocks * self.block_size, kv_heads, head_dim)
-        self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                           torch.zeros(shape, dtype=self.dtype, device=self.device))
+        self.kv_caches = [(_zeros(shape, self.dtype, self.device), _zeros(shape, self.dtype, self.device))
                           for _ in range(self.model.kv_cache_spec()[0])]
         mark_kv_dynamic(self.kv_caches)
 
@@ -127,6 +136,10 @@ class ModelRunner:
         self._prefill_fn = self.compiler.compile(self._prefill_graph)
         self._decode_fn = self.compiler.compile(self._decode_graph)
         graphs = self.graph_names()
+        if self.backend == "eager":
+            logger.info("Eager execution (enforce_eager or VLLM_NEURON_BACKEND=eager): %d bucket graphs run "
+                        "uncompiled; nothing to warm up", len(graphs))
+            return self.compiler
         logger.info("Warm-up: %d graphs (%s route); compile cache %s", len(graphs), self.backend, self.compiler.dir)
         for name, kind, size, ctx in tqdm(graphs, desc="Compiling buckets", unit="graph", disable=None):
             if kind == "prefill":

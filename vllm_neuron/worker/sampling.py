@@ -80,7 +80,7 @@ class SamplingStates:
                 st = self.states[req_ids[i]]
                 p = st.params
                 stop_ids = list(p.stop_token_ids or ())
-                if st.data.eos_token_id is not None and not p.ignore_eos:
+                if st.data.eos_token_id is not None:  # min_tokens holds EOS back even with ignore_eos
                     stop_ids.append(st.data.eos_token_id)
                 rows.append(HostSamplingRow(p, st.data.prompt_token_ids, st.output_token_ids, st.generator,
                                             stop_ids, p._bad_words_token_ids or ()))
