@@ -1,0 +1,69 @@
+"""Shared pytest setup: CPU only unless GPU tests are asked for, 2 torch threads, tiny local models.
+
+GPUs are hidden (CUDA_VISIBLE_DEVICES="") so that `--device auto` code under test runs on CPU like
+on the 2-core dev machines. They stay visible when `VLLM_NEURON_TEST_GPU=1` is set or the run
+selects GPU tests (`pytest -m gpu`); tests marked `gpu` are skipped when no CUDA device is visible.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _ROOT not in sys.path:  # `from tests.model_factory import ...` without pytest's pythonpath
+    sys.path.insert(0, _ROOT)
+
+
+def _gpu_requested(config: pytest.Config) -> bool:
+    if os.environ.get("VLLM_NEURON_TEST_GPU") == "1":
+        return True
+    markexpr = (config.getoption("markexpr", default="") or "").replace(" ", "")
+    return "gpu" in markexpr and "notgpu" not in markexpr
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Before the first `import torch` of any test module: CUDA reads this when it initializes.
+    if not _gpu_requested(config):
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    import torch
+
+    torch.set_num_threads(2)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    reason = "needs a CUDA device (none visible; run with -m gpu or VLLM_NEURON_TEST_GPU=1 on a GPU host)"
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(pytest.mark.skip(reason=reason))
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer_dir() -> str:
+    """Directory with the SmolLM2 tokenizer (save_pretrained of the bundled GGUF's tokenizer)."""
+    from tests import model_factory
+
+    return model_factory.smollm2_tokenizer_dir()
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """HF directory of the default tiny Llama (model_factory.make_tiny_llama defaults, fp32, seed 0).
+    Its transformers twin is model_factory.build_tiny_llama()."""
+    from tests import model_factory
+
+    return model_factory.make_tiny_llama(str(tmp_path_factory.mktemp("tiny_llama")))
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_gguf(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """F32 GGUF file of the same default tiny Llama (llama.cpp layout, SmolLM2 tokenizer metadata)."""
+    from tests import model_factory
+
+    return model_factory.make_tiny_gguf(str(tmp_path_factory.mktemp("tiny_gguf")))

@@ -1,0 +1,319 @@
+"""Tiny random-weight Llama checkpoints with the SmolLM2 tokenizer, built locally (no downloads).
+
+    from tests.model_factory import make_tiny_llama, make_tiny_gguf, build_tiny_llama
+
+Every builder is deterministic in its arguments: `build_tiny_llama(**kw)` returns the very model that
+`make_tiny_llama(path, **kw)` / `make_tiny_gguf(path, **kw)` wrote, so tests compare against it.
+
+The SmolLM2 tokenizer is converted from the bundled GGUF once per machine and cached under
+$VLLM_NEURON_TEST_CACHE (default ~/.cache/vllm_neuron_test): the conversion takes seconds.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+import shutil
+import tempfile
+from typing import Any
+
+import numpy as np
+import torch
+
+SMOLLM2_VOCAB_SIZE = 49152
+BOS_ID, EOS_ID = 1, 2  # <|im_start|>, <|im_end|>
+CACHE_ENV = "VLLM_NEURON_TEST_CACHE"
+_GGUF_TOKENIZER_JSON = "gguf_tokenizer_metadata.json"
+_GGUF_TOKENIZER_KEYS = (
+    "tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.tokens", "tokenizer.ggml.token_type",
+    "tokenizer.ggml.merges", "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id",
+    "tokenizer.ggml.unknown_token_id", "tokenizer.ggml.padding_token_id",
+    "tokenizer.ggml.add_bos_token", "tokenizer.ggml.add_space_prefix", "tokenizer.chat_template",
+)
+
+
+def _cache_root() -> str:
+    root = os.environ.get(CACHE_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "vllm_neuron_test")
+    os.makedirs(root, exist_ok=True)
+    return root
+
+
+@functools.lru_cache(maxsize=None)
+def smollm2_tokenizer_dir() -> str:
+    """A directory with the bundled SmolLM2 tokenizer saved by save_pretrained (+ its GGUF metadata)."""
+    import transformers
+
+    from vllm_neuron.model.loader import bundled_model_path, load_tokenizer
+    from vllm_neuron.model.loader.gguf_loader import open_gguf
+
+    gguf_path = bundled_model_path()
+    key = f"smollm2_tokenizer-{os.stat(gguf_path).st_size}-tf{transformers.__version__}"
+    root = _cache_root()
+    final = os.path.join(root, key)
+    if os.path.isfile(os.path.join(final, _GGUF_TOKENIZER_JSON)):
+        return final
+    tmp = tempfile.mkdtemp(dir=root, prefix=key + ".tmp-")
+    try:
+        load_tokenizer(gguf_path).save_pretrained(tmp)
+        reader = open_gguf(gguf_path)
+        meta = {k: reader.fields[k].contents() for k in _GGUF_TOKENIZER_KEYS if k in reader.fields}
+        # Written last: its presence marks a complete directory.
+        with open(os.path.join(tmp, _GGUF_TOKENIZER_JSON), "w", encoding="utf-8") as f:
+            json.dump(meta, f)
+        # Atomic publish; when a concurrent test process won the race, keep its copy.
+        os.rename(tmp, final)
+    except OSError:
+        if not os.path.isfile(os.path.join(final, _GGUF_TOKENIZER_JSON)):
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def tiny_llama_config(
+    *,
+    num_hidden_layers: int = 2,
+    hidden_size: int = 64,
+    intermediate_size: int = 128,
+    num_attention_heads: int = 4,
+    num_key_value_heads: int = 2,
+    max_position_embeddings: int = 1024,
+    tie_word_embeddings: bool = False,
+    rope_theta: float = 10000.0,
+    rope_scaling: dict | None = None,
+    **extra: Any,
+):
+    """A LlamaConfig with the SmolLM2 vocabulary and special tokens. `rope_scaling` is a
+    transformers rope dict without theta, e.g. {"rope_type": "llama3", "factor": 8.0, ...}."""
+    from transformers import LlamaConfig
+
+    rope: dict[str, Any] = {"rope_type": "default"}
+    if rope_scaling:
+        rope = dict(rope_scaling)
+        rope.setdefault("rope_type", rope.pop("type", "default"))
+    rope["rope_theta"] = float(rope_theta)
+    extra.setdefault("vocab_size", SMOLLM2_VOCAB_SIZE)
+    extra.setdefault("bos_token_id", BOS_ID)
+    extra.setdefault("eos_token_id", EOS_ID)
+    extra.setdefault("pad_token_id", EOS_ID)
+    return LlamaConfig(
+        architectures=["LlamaForCausalLM"],
+        num_hidden_layers=num_hidden_layers,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_key_value_heads,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=tie_word_embeddings,
+        rope_parameters=rope,
+        **extra,
+    )
+
+
+def build_tiny_llama(*, dtype: torch.dtype = torch.float32, seed: int = 0, **config_kwargs: Any):
+    """A transformers LlamaForCausalLM with seeded random weights, in eval mode.
+
+    Weights are drawn at unit scale (std 1/sqrt(fan_in), embeddings std 1) rather than transformers'
+    std 0.02 so activations and logits are O(1) and greedy choices are decisive; norm weights are
+    perturbed away from 1 so that a swapped or missing norm is detectable.
+    """
+    from transformers import GenerationConfig, LlamaForCausalLM
+
+    config = tiny_llama_config(**config_kwargs)
+    model = LlamaForCausalLM(config)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            if p.ndim == 1:
+                p.copy_(1.0 + 0.2 * noise)
+            elif "embed_tokens" in name:
+                p.copy_(noise)
+            else:
+                p.copy_(noise / math.sqrt(p.shape[1]))
+    model.generation_config = GenerationConfig(bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=EOS_ID)
+    return model.to(dtype).eval()
+
+
+def make_tiny_llama(
+    path: str,
+    *,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    shard: bool = False,
+    generation_config: dict | None = None,
+    **config_kwargs: Any,
+) -> str:
+    """Writes a Hugging Face directory (config.json, safetensors, generation_config.json, SmolLM2
+    tokenizer files) of build_tiny_llama(dtype=dtype, seed=seed, **config_kwargs). `shard` splits
+    the weights over several files with an index; `generation_config` adds fields (e.g. temperature)."""
+    model = build_tiny_llama(dtype=dtype, seed=seed, **config_kwargs)
+    os.makedirs(path, exist_ok=True)
+    model.save_pretrained(path, max_shard_size="4MB" if shard else "50GB")
+    if generation_config:
+        # Merged into the JSON directly: GenerationConfig refuses e.g. temperature without do_sample.
+        gen_path = os.path.join(path, "generation_config.json")
+        with open(gen_path, encoding="utf-8") as f:
+            gen = json.load(f)
+        gen.update(generation_config)
+        with open(gen_path, "w", encoding="utf-8") as f:
+            json.dump(gen, f, indent=2)
+    tok_dir = smollm2_tokenizer_dir()
+    for name in os.listdir(tok_dir):
+        if name != _GGUF_TOKENIZER_JSON:
+            shutil.copy(os.path.join(tok_dir, name), os.path.join(path, name))
+    return path
+
+
+# HF name pieces -> llama.cpp names; written independently of the loader's map so tests check it.
+_HF_TO_GGUF_LAYER = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+_HF_TO_GGUF_GLOBAL = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+
+
+def _gguf_name(hf_name: str) -> str:
+    if hf_name in _HF_TO_GGUF_GLOBAL:
+        return _HF_TO_GGUF_GLOBAL[hf_name]
+    _, _, idx, rest = hf_name.split(".", 3)  # model.layers.N.rest
+    return f"blk.{idx}.{_HF_TO_GGUF_LAYER[rest]}"
+
+
+def _llamacpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    # llama.cpp's convert_hf_to_gguf: interleave the two rotary halves of each head.
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _llama3_rope_freqs(rope: dict, head_dim: int) -> np.ndarray:
+    theta, factor = rope["rope_theta"], rope["factor"]
+    low, high = rope.get("low_freq_factor", 1.0), rope.get("high_freq_factor", 4.0)
+    old_ctx = rope.get("original_max_position_embeddings", 8192)
+    out = []
+    for i in range(0, head_dim, 2):
+        wavelen = 2 * math.pi * theta ** (i / head_dim)
+        if wavelen < old_ctx / high:
+            out.append(1.0)
+        elif wavelen > old_ctx / low:
+            out.append(factor)
+        else:
+            smooth = (old_ctx / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
+
+
+def _add_weight(writer, name: str, w: np.ndarray, dtype: torch.dtype, quant: str | None) -> None:
+    import gguf
+
+    if w.ndim == 1 or (dtype == torch.float32 and quant is None):
+        writer.add_tensor(name, w.astype(np.float32))  # llama.cpp keeps norms in F32
+    elif quant is not None:
+        qtype = gguf.GGMLQuantizationType[quant]
+        writer.add_tensor(name, gguf.quants.quantize(w.astype(np.float32), qtype), raw_dtype=qtype)
+    elif dtype == torch.float16:
+        writer.add_tensor(name, w.astype(np.float16))
+    elif dtype == torch.bfloat16:
+        raw = torch.from_numpy(w).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint8)
+        writer.add_tensor(name, raw, raw_dtype=gguf.GGMLQuantizationType.BF16)
+    else:
+        raise ValueError(f"make_tiny_gguf: dtype must be float32, float16 or bfloat16, got {dtype}")
+
+
+def make_tiny_gguf(
+    path: str,
+    *,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    quant: str | None = None,
+    tokenizer: bool = True,
+    **config_kwargs: Any,
+) -> str:
+    """Writes build_tiny_llama(seed=seed, **config_kwargs) as a llama.cpp-style GGUF file (Q/K
+    permuted, SmolLM2 tokenizer metadata, llama3 rope scaling as a rope_freqs tensor) and returns
+    its path. `path` is the .gguf file, or a directory to hold tiny-llama.gguf. Matrices are stored
+    as `dtype` (float32/float16/bfloat16) or, with `quant` (e.g. "Q8_0"), quantized.
+    `tokenizer=False` leaves out the tokenizer metadata: GGUFReader then opens the file in
+    milliseconds instead of the seconds it spends parsing 49k tokens and merges."""
+    import gguf
+
+    file = path if path.endswith(".gguf") else os.path.join(path, "tiny-llama.gguf")
+    os.makedirs(os.path.dirname(os.path.abspath(file)), exist_ok=True)
+    model = build_tiny_llama(dtype=torch.float32, seed=seed, **config_kwargs)
+    cfg = model.config
+    rope = dict(cfg.rope_parameters)
+    head_dim = cfg.head_dim
+
+    w = gguf.GGUFWriter(file, "llama")
+    w.add_name("tiny-llama")
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    if head_dim != cfg.hidden_size // cfg.num_attention_heads:
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+    w.add_rope_freq_base(rope["rope_theta"])
+    w.add_rope_dimension_count(head_dim)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_vocab_size(cfg.vocab_size)
+    w.add_file_type(gguf.LlamaFileType.ALL_F32 if quant is None and dtype == torch.float32
+                    else gguf.LlamaFileType.GUESSED)
+    kind = rope.get("rope_type", "default")
+    if kind == "linear":
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(rope["factor"])
+    elif kind == "yarn":
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    elif kind == "llama3":
+        w.add_tensor("rope_freqs.weight", _llama3_rope_freqs(rope, head_dim))
+    elif kind != "default":
+        raise ValueError(f"make_tiny_gguf: rope_type {kind!r} not supported (default, linear, yarn, llama3)")
+
+    w.add_bos_token_id(cfg.bos_token_id)  # special ids are cheap: always written
+    w.add_eos_token_id(cfg.eos_token_id)
+    w.add_pad_token_id(cfg.pad_token_id)
+    if tokenizer:
+        with open(os.path.join(smollm2_tokenizer_dir(), _GGUF_TOKENIZER_JSON), encoding="utf-8") as f:
+            tok = json.load(f)
+        w.add_tokenizer_model(tok["tokenizer.ggml.model"])
+        w.add_tokenizer_pre(tok["tokenizer.ggml.pre"])
+        w.add_token_list(tok["tokenizer.ggml.tokens"])
+        w.add_token_types(tok["tokenizer.ggml.token_type"])
+        w.add_token_merges(tok["tokenizer.ggml.merges"])
+        w.add_unk_token_id(tok["tokenizer.ggml.unknown_token_id"])
+        w.add_add_bos_token(tok["tokenizer.ggml.add_bos_token"])
+        w.add_add_space_prefix(tok["tokenizer.ggml.add_space_prefix"])
+        w.add_chat_template(tok["tokenizer.chat_template"])
+
+    for name, t in model.state_dict().items():
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        arr = t.detach().numpy()
+        if name.endswith("q_proj.weight"):
+            arr = _llamacpp_permute(arr, cfg.num_attention_heads)
+        elif name.endswith("k_proj.weight"):
+            arr = _llamacpp_permute(arr, cfg.num_key_value_heads)
+        _add_weight(w, _gguf_name(name), np.ascontiguousarray(arr), dtype, quant)
+
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return file

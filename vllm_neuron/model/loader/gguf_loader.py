@@ -1,0 +1,339 @@
+"""GGUF files (llama.cpp format): metadata -> transformers config, tensors -> HF names and layouts.
+
+Only the `llama` architecture is mapped (SmolLM2, Llama 2/3.x, Mistral-style files). Quantized
+tensors are dequantized to float32 with `gguf.quants`; Q/K projections are un-permuted back from
+llama.cpp's rotary layout so that every tensor equals what transformers would hold.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import re
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, GGUFReader
+from gguf.quants import dequantize
+from transformers import LlamaConfig
+
+SUPPORTED_ARCHITECTURES = ("llama",)
+
+_GLOBAL_TENSORS = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+# Consumed by the config (llama3 rope scaling), not a model parameter.
+_CONFIG_ONLY_TENSORS = {"rope_freqs.weight"}
+# blk.N.<suffix> -> model.layers.N.<hf suffix>, and which head count un-permutes it (None: as stored)
+_LAYER_TENSORS = {
+    "attn_norm.weight": ("input_layernorm.weight", None),
+    "ffn_norm.weight": ("post_attention_layernorm.weight", None),
+    "attn_q.weight": ("self_attn.q_proj.weight", "q"),
+    "attn_q.bias": ("self_attn.q_proj.bias", "q"),
+    "attn_k.weight": ("self_attn.k_proj.weight", "kv"),
+    "attn_k.bias": ("self_attn.k_proj.bias", "kv"),
+    "attn_v.weight": ("self_attn.v_proj.weight", None),
+    "attn_v.bias": ("self_attn.v_proj.bias", None),
+    "attn_output.weight": ("self_attn.o_proj.weight", None),
+    "attn_output.bias": ("self_attn.o_proj.bias", None),
+    "ffn_gate.weight": ("mlp.gate_proj.weight", None),
+    "ffn_up.weight": ("mlp.up_proj.weight", None),
+    "ffn_down.weight": ("mlp.down_proj.weight", None),
+}
+_LAYER_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
+
+
+@functools.lru_cache(maxsize=4)
+def _cached_reader(path: str, mtime_ns: int, size: int) -> GGUFReader:
+    return GGUFReader(path)
+
+
+def open_gguf(path: str) -> GGUFReader:
+    """A GGUFReader for `path`, shared per file version: parsing a 49k-token vocabulary takes seconds."""
+    st = os.stat(path)
+    try:
+        return _cached_reader(os.path.abspath(path), st.st_mtime_ns, st.st_size)
+    except (ValueError, OSError) as e:
+        raise ValueError(f"Cannot read GGUF file {path}: {e}") from e
+
+
+def _meta(reader: GGUFReader, key: str, default: Any = None) -> Any:
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def _require(reader: GGUFReader, key: str, path: str) -> Any:
+    value = _meta(reader, key)
+    if value is None:
+        raise ValueError(f"GGUF file {path} lacks the metadata key '{key}'")
+    return value
+
+
+def _architecture(reader: GGUFReader, path: str) -> str:
+    arch = _meta(reader, "general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"GGUF file {path} has architecture {arch!r}; supported GGUF architectures: "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)}. Use a Hugging Face directory for other models."
+        )
+    return arch
+
+
+def _tensor_names(reader: GGUFReader) -> set[str]:
+    return {t.name for t in reader.tensors}
+
+
+def _llama3_from_rope_freqs(
+    factors: np.ndarray, theta: float, head_dim: int, orig_ctx: int | None, path: str
+) -> dict[str, Any]:
+    """Recover Llama 3.1 rope scaling from llama.cpp's per-frequency `rope_freqs` tensor.
+
+    The factors fix only two wavelength thresholds, A = original_ctx / low_freq_factor (longer
+    waves are divided by `factor`) and B = original_ctx / high_freq_factor (shorter waves are
+    kept), with a smooth blend between. original_ctx is taken from the metadata (else from A) and
+    the two freq factors are solved for; the result is checked by recomputing the factors.
+    """
+    factors = np.asarray(factors, dtype=np.float64).reshape(-1)
+    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    if factors.shape[0] != inv_freq.shape[0]:
+        raise ValueError(
+            f"GGUF file {path}: rope_freqs has {factors.shape[0]} entries, expected {inv_freq.shape[0]}"
+        )
+    factor = float(factors.max())
+    if factor <= 1 + 1e-6:
+        return {"rope_type": "default", "rope_theta": theta}
+    wavelen = 2 * math.pi / inv_freq
+    kept = factors <= 1 + 1e-6
+    scaled = factors >= factor * (1 - 1e-6)
+    medium = ~kept & ~scaled
+    w_kept = wavelen[kept].max() if kept.any() else 0.0
+    w_scaled = wavelen[scaled].min() if scaled.any() else math.inf
+    # In the blend, 1/wavelen = (1 - s) / A + s / B with s the smoothing weight.
+    s = (1 / factors[medium] - 1 / factor) / (1 - 1 / factor)
+    candidates: list[tuple[float, float]] = []
+    if medium.sum() >= 2:
+        coeffs = np.stack([1 - s, s], axis=1)
+        (inv_a, inv_b), *_ = np.linalg.lstsq(coeffs, 1 / wavelen[medium], rcond=None)
+        candidates.append((1 / inv_a, 1 / inv_b))
+    elif medium.sum() == 1:
+        # One equation, two unknowns: try a few A above the blended wave and solve for B.
+        wm, sm = float(wavelen[medium][0]), float(s[0])
+        for a in (math.sqrt(wm * min(w_scaled, 16 * wm)), wm * (1 + 0.1 * sm), wm * (1 + 0.01 * sm)):
+            candidates.append((a, sm / (1 / wm - (1 - sm) / a)))
+    elif w_kept > 0 and math.isfinite(w_scaled):
+        candidates.append((w_kept ** (1 / 3) * w_scaled ** (2 / 3), w_kept ** (2 / 3) * w_scaled ** (1 / 3)))
+    elif w_kept > 0:
+        candidates.append((4 * w_kept, 2 * w_kept))
+    else:
+        candidates.append((w_scaled / 2, w_scaled / 4))
+    for a, b in candidates:
+        # Without metadata, low_freq_factor = 1 (every Llama 3.x) makes original_ctx = A.
+        old_ctx = int(orig_ctx) if orig_ctx else max(1, round(a))
+        for digits in (6, 17):  # prefer round numbers (Llama 3.1: 1.0 and 4.0) when they fit
+            params = {
+                "rope_type": "llama3",
+                "rope_theta": theta,
+                "factor": factor,
+                "low_freq_factor": float(f"{old_ctx / a:.{digits}g}"),
+                "high_freq_factor": float(f"{old_ctx / b:.{digits}g}"),
+                "original_max_position_embeddings": old_ctx,
+            }
+            if np.allclose(_llama3_factors(params, inv_freq), factors, rtol=1e-5, atol=1e-6):
+                return params
+    raise ValueError(
+        f"GGUF file {path}: its rope_freqs tensor does not match Llama 3 rope scaling; this "
+        f"rope scaling is not supported"
+    )
+
+
+def _llama3_factors(params: dict[str, Any], inv_freq: np.ndarray) -> np.ndarray:
+    old_ctx = params["original_max_position_embeddings"]
+    low, high, factor = params["low_freq_factor"], params["high_freq_factor"], params["factor"]
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    out = 1.0 / ((1 - smooth) / factor + smooth)
+    out = np.where(wavelen < old_ctx / high, 1.0, out)
+    return np.where(wavelen > old_ctx / low, factor, out)
+
+
+def _rope_parameters(reader: GGUFReader, arch: str, head_dim: int, path: str) -> dict[str, Any]:
+    theta = float(_meta(reader, f"{arch}.rope.freq_base", 10000.0))
+    rope_dim = _meta(reader, f"{arch}.rope.dimension_count")
+    if rope_dim is not None and int(rope_dim) != head_dim:
+        raise ValueError(
+            f"GGUF file {path}: partial rotary embeddings ({arch}.rope.dimension_count={rope_dim}, "
+            f"head_dim={head_dim}) are not supported"
+        )
+    scaling = _meta(reader, f"{arch}.rope.scaling.type")
+    factor = _meta(reader, f"{arch}.rope.scaling.factor")
+    orig_ctx = _meta(reader, f"{arch}.rope.scaling.original_context_length")
+    rope_freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if rope_freqs is not None:
+        return _llama3_from_rope_freqs(
+            _to_torch(rope_freqs).float().numpy(), theta, head_dim, orig_ctx, path
+        )
+    if scaling in (None, "none") or factor in (None, 1.0):
+        return {"rope_type": "default", "rope_theta": theta}
+    if scaling == "linear":
+        return {"rope_type": "linear", "rope_theta": theta, "factor": float(factor)}
+    if scaling == "yarn":
+        params: dict[str, Any] = {"rope_type": "yarn", "rope_theta": theta, "factor": float(factor)}
+        if orig_ctx is not None:
+            params["original_max_position_embeddings"] = int(orig_ctx)
+        for gguf_key, hf_key in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow"),
+                                 ("attn_factor", "attention_factor")):
+            value = _meta(reader, f"{arch}.rope.scaling.{gguf_key}")
+            if value is not None:
+                params[hf_key] = float(value)
+        return params
+    raise ValueError(
+        f"GGUF file {path}: {arch}.rope.scaling.type={scaling!r} is not supported "
+        f"(supported: none, linear, yarn, and llama3 via a rope_freqs tensor)"
+    )
+
+
+def gguf_config(path: str) -> LlamaConfig:
+    """A transformers config built from the file's metadata (never transformers' GGUF guesswork:
+    its llama mapping drops rope scaling)."""
+    reader = open_gguf(path)
+    arch = _architecture(reader, path)
+    names = _tensor_names(reader)
+    hidden = int(_require(reader, f"{arch}.embedding_length", path))
+    heads = int(_require(reader, f"{arch}.attention.head_count", path))
+    kv_heads = int(_meta(reader, f"{arch}.attention.head_count_kv", heads))
+    head_dim = int(_meta(reader, f"{arch}.attention.key_length", hidden // heads))
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    if tokens is not None:
+        vocab = len(tokens.data)
+    else:
+        vocab = int(_meta(reader, f"{arch}.vocab_size", 0)) or int(
+            next(t for t in reader.tensors if t.name == "token_embd.weight").shape[1]
+        )
+    ids = {
+        k: int(_meta(reader, f"tokenizer.ggml.{g}_token_id"))
+        for k, g in (("bos_token_id", "bos"), ("eos_token_id", "eos"), ("pad_token_id", "padding"))
+        if _meta(reader, f"tokenizer.ggml.{g}_token_id") is not None
+    }
+    return LlamaConfig(
+        architectures=["LlamaForCausalLM"],
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=int(_require(reader, f"{arch}.feed_forward_length", path)),
+        num_hidden_layers=int(_require(reader, f"{arch}.block_count", path)),
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=int(_meta(reader, f"{arch}.context_length", 2048)),
+        rms_norm_eps=float(_meta(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_parameters=_rope_parameters(reader, arch, head_dim, path),
+        tie_word_embeddings="output.weight" not in names,
+        attention_bias="blk.0.attn_q.bias" in names,
+        mlp_bias=False,
+        **ids,
+    )
+
+
+_SAMPLING_KEYS = {
+    "general.sampling.temp": "temperature",
+    "general.sampling.top_k": "top_k",
+    "general.sampling.top_p": "top_p",
+    "general.sampling.min_p": "min_p",
+    "general.sampling.penalty_repeat": "repetition_penalty",
+}
+
+
+def gguf_generation_config(path: str) -> dict[str, Any]:
+    """What a generation_config.json would hold: special token ids and any recommended sampling."""
+    reader = open_gguf(path)
+    out: dict[str, Any] = {}
+    for g, hf in (("bos", "bos_token_id"), ("eos", "eos_token_id"), ("padding", "pad_token_id")):
+        value = _meta(reader, f"tokenizer.ggml.{g}_token_id")
+        if value is not None:
+            out[hf] = int(value)
+    for key, hf in _SAMPLING_KEYS.items():
+        value = _meta(reader, key)
+        if value is not None:
+            out[hf] = value
+    return out
+
+
+def hf_tensor_name(gguf_name: str) -> tuple[str, str | None]:
+    """(HF parameter name, un-permute kind 'q'/'kv'/None) for a GGUF tensor name."""
+    if gguf_name in _GLOBAL_TENSORS:
+        return _GLOBAL_TENSORS[gguf_name], None
+    m = _LAYER_RE.match(gguf_name)
+    if m and m.group(2) in _LAYER_TENSORS:
+        suffix, kind = _LAYER_TENSORS[m.group(2)]
+        return f"model.layers.{m.group(1)}.{suffix}", kind
+    raise ValueError(f"GGUF tensor {gguf_name!r} has no Hugging Face Llama equivalent")
+
+
+def unpermute_rotary(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Undo llama.cpp's Q/K row permutation (it interleaves the two rotary halves of each head)."""
+    out = w.shape[0]
+    return (
+        w.reshape(n_head, out // n_head // 2, 2, *w.shape[1:])
+        .transpose(1, 2)
+        .reshape(w.shape)
+        .contiguous()
+    )
+
+
+def _yield_dtype(qtype: GGMLQuantizationType) -> torch.dtype:
+    if qtype == GGMLQuantizationType.F16:
+        return torch.float16
+    if qtype == GGMLQuantizationType.BF16:
+        return torch.bfloat16
+    return torch.float32  # F32 as stored; quantized types dequantize to float32
+
+
+def _to_torch(t: Any) -> torch.Tensor:
+    shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists dims fastest-first
+    qtype = t.tensor_type
+    if qtype == GGMLQuantizationType.F32:
+        return torch.from_numpy(np.array(t.data, dtype=np.float32)).reshape(shape)
+    if qtype == GGMLQuantizationType.F16:
+        return torch.from_numpy(np.array(t.data, dtype=np.float16)).reshape(shape)
+    if qtype == GGMLQuantizationType.BF16:
+        raw = np.ascontiguousarray(t.data).view(np.int16).copy()
+        return torch.from_numpy(raw).view(torch.bfloat16).reshape(shape)
+    try:
+        arr = dequantize(t.data, qtype)
+    except NotImplementedError as e:
+        raise ValueError(f"GGUF tensor {t.name}: type {qtype.name} cannot be dequantized") from e
+    return torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32)).reshape(shape)
+
+
+def iter_gguf_weights(
+    path: str, config: LlamaConfig, dtype: torch.dtype | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) for every parameter tensor of the file, dequantized and un-permuted."""
+    reader = open_gguf(path)
+    _architecture(reader, path)
+    heads = {"q": config.num_attention_heads, "kv": config.num_key_value_heads}
+    for t in reader.tensors:
+        if t.name in _CONFIG_ONLY_TENSORS:
+            continue
+        name, kind = hf_tensor_name(t.name)
+        w = _to_torch(t)
+        if kind is not None:
+            w = unpermute_rotary(w, heads[kind])
+        if dtype is not None and w.dtype != dtype:
+            w = w.to(dtype)
+        yield name, w
+
+
+def gguf_weight_bytes(path: str, dtype: torch.dtype | None = None) -> int:
+    """Bytes of the tensors iter_gguf_weights(path, ..., dtype) yields, computed from the header."""
+    reader = open_gguf(path)
+    total = 0
+    for t in reader.tensors:
+        if t.name in _CONFIG_ONLY_TENSORS:
+            continue
+        itemsize = dtype.itemsize if dtype is not None else _yield_dtype(t.tensor_type).itemsize
+        total += int(t.n_elements) * itemsize
+    return total
