@@ -20,7 +20,16 @@ class LLM:
     dtype, seed, device, additional_config={"neuron_config": {...}}, ...)."""
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
-        self.llm_engine = LLMEngine(EngineConfig.from_kwargs(model=model, **kwargs))
+        self._init(EngineConfig.from_kwargs(model=model, **kwargs))
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> "LLM":
+        llm = cls.__new__(cls)
+        llm._init(config)
+        return llm
+
+    def _init(self, config: EngineConfig) -> None:
+        self.llm_engine = LLMEngine(config)
         self._counter = itertools.count()
 
     def get_tokenizer(self):

@@ -1,0 +1,198 @@
+"""AsyncLLM: the API server's engine client. Input and output processing run here, in the server's
+event loop; the EngineCore runs in its own (spawned) process behind two ZMQ sockets, so the HTTP loop
+never runs the model.
+"""
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import os
+import pickle
+import shutil
+import tempfile
+from collections.abc import AsyncGenerator
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from vllm_neuron import metrics
+from vllm_neuron.config.engine_config import EngineConfig
+from vllm_neuron.engine.core_proc import run_engine_core
+from vllm_neuron.engine.input_processor import InputProcessor
+from vllm_neuron.engine.output_processor import OutputProcessor
+from vllm_neuron.engine.protocol import EngineClient, EngineDeadError, ModelInfo, PromptType
+from vllm_neuron.logger import init_logger
+from vllm_neuron.model.loader import load_checkpoint, load_tokenizer
+from vllm_neuron.outputs import RequestOutput
+from vllm_neuron.sampling_params import SamplingParams
+
+logger = init_logger(__name__)
+
+
+class AsyncLLM(EngineClient):
+    def __init__(self, config: EngineConfig, model_name: str | None = None) -> None:
+        ckpt = load_checkpoint(config.model)
+        nc = config.finalize(ckpt.hf_config.max_position_embeddings)  # bad options fail here, before spawning
+        self.config = config
+        self.tokenizer = load_tokenizer(config.tokenizer or ckpt, config.chat_template)
+        self.input_processor = InputProcessor(self.tokenizer, config.max_model_len, ckpt.generation_config,
+                                              nc.on_device_sampling_config, config.max_logprobs,
+                                              ckpt.hf_config.vocab_size)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.model_info = ModelInfo(ckpt.path, config.max_model_len, self.input_processor.eos_token_id)
+        self.model_name = model_name or config.served_names(ckpt.path)[0]
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._ready = False
+        self._dead: str | None = None
+        self._handler: asyncio.Task | None = None
+        self.startup_info: dict[str, Any] = {}
+
+        self._ipc_dir = tempfile.mkdtemp(prefix="vllm_neuron_ipc_")
+        in_addr, out_addr = (f"ipc://{os.path.join(self._ipc_dir, n)}" for n in ("in", "out"))
+        self._sync_ctx = zmq.Context()
+        self._input = self._sync_ctx.socket(zmq.PUSH)
+        self._input.bind(in_addr)
+        self._async_ctx = zmq.asyncio.Context()
+        self._output = self._async_ctx.socket(zmq.PULL)
+        self._output.bind(out_addr)
+        self.proc = multiprocessing.get_context("spawn").Process(
+            target=run_engine_core, args=(config, in_addr, out_addr, self.model_name), name="EngineCore", daemon=True)
+        self.proc.start()
+        logger.info("EngineCore process started (pid %d)", self.proc.pid)
+
+    # -- EngineClient -----------------------------------------------------------------------------
+    @property
+    def is_ready(self) -> bool:
+        return self._ready and self._dead is None
+
+    @property
+    def errored(self) -> bool:
+        return self._dead is not None
+
+    @property
+    def dead_reason(self) -> str | None:
+        return self._dead
+
+    async def check_health(self) -> None:
+        if self._dead is not None:
+            raise EngineDeadError(f"the engine process died: {self._dead}")
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        return self.input_processor.default_sampling_params()
+
+    async def generate(self, prompt: PromptType, sampling_params: SamplingParams,
+                       request_id: str) -> AsyncGenerator[RequestOutput, None]:
+        self._ensure_handler()
+        await self.check_health()
+        if request_id in self._queues:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text, ids, reqs = self.input_processor.process(request_id, prompt, sampling_params)
+        q: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = q
+        self.output_processor.add_request(request_id, text, ids, sampling_params, reqs)
+        for r in reqs:
+            self._send(("add", r))
+        finished = False
+        try:
+            while True:
+                item = await q.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._queues.pop(request_id, None)
+            if not finished:  # consumer went away (client disconnect) or the engine died
+                self._abort_now(request_id)
+
+    async def abort(self, request_id: str) -> None:
+        self._abort_now(request_id)
+
+    # -- internals ---------------------------------------------------------------------------------
+    def _abort_now(self, request_id: str) -> None:
+        ids = self.output_processor.engine_ids(request_id)
+        if ids and self._dead is None:
+            self._send(("abort", ids))
+        self.output_processor.abort(request_id)
+        q = self._queues.pop(request_id, None)
+        if q is not None:
+            q.put_nowait(asyncio.CancelledError(f"request {request_id} aborted"))
+
+    def _send(self, msg: Any) -> None:
+        self._input.send(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
+
+    def _ensure_handler(self) -> None:
+        if self._handler is None or self._handler.done():
+            self._handler = asyncio.get_running_loop().create_task(self._output_loop())
+
+    async def start(self) -> None:
+        """Starts reading engine outputs (call from the server's event loop)."""
+        self._ensure_handler()
+
+    async def wait_until_ready(self, timeout: float | None = None) -> None:
+        self._ensure_handler()
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        while not self._ready:
+            await self.check_health()
+            if deadline is not None and loop.time() > deadline:
+                raise TimeoutError("engine did not become ready in time")
+            await asyncio.sleep(0.05)
+
+    async def _output_loop(self) -> None:
+        while self._dead is None:
+            if not await self._output.poll(200):
+                if not self.proc.is_alive():
+                    self._mark_dead(f"process exited with code {self.proc.exitcode}")
+                continue
+            kind, payload = pickle.loads(await self._output.recv())
+            if kind == "outputs":
+                self._dispatch(payload)
+            elif kind == "ready":
+                self._ready = True
+                self.startup_info = payload
+                logger.info("Engine ready (startup %.1f s, %d KV blocks)", payload["startup_seconds"],
+                            payload["num_blocks"])
+            elif kind == "dead":
+                self._mark_dead(payload)
+
+    def _dispatch(self, outs) -> None:
+        results, to_abort = self.output_processor.process(outs.outputs)
+        if to_abort:
+            self._send(("abort", to_abort, "stop"))
+        for res in results:
+            q = self._queues.get(res.request_id)
+            if q is not None:
+                q.put_nowait(res)
+
+    def _mark_dead(self, reason: str) -> None:
+        if self._dead is not None:
+            return
+        self._dead = reason
+        logger.error("EngineCore is dead: %s", reason)
+        err = EngineDeadError(f"the engine process died: {reason}")
+        for q in self._queues.values():
+            q.put_nowait(err)
+
+    def shutdown(self) -> None:
+        if self.proc.is_alive():
+            try:
+                self._send(("shutdown",))
+            except zmq.ZMQError:
+                pass
+            self.proc.join(timeout=10)
+            if self.proc.is_alive():
+                self.proc.terminate()
+                self.proc.join(timeout=5)
+        if self.proc.pid is not None:
+            metrics.mark_process_dead(self.proc.pid)
+        if self._handler is not None:
+            self._handler.cancel()
+        self._input.close(linger=0)
+        self._output.close(linger=0)
+        self._sync_ctx.term()
+        self._async_ctx.term()
+        shutil.rmtree(self._ipc_dir, ignore_errors=True)

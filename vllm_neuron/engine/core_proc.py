@@ -1,0 +1,94 @@
+"""The EngineCore process: receives requests over ZMQ, steps the engine, sends outputs back.
+
+Messages are pickled tuples ("add", EngineCoreRequest) / ("abort", [ids]) / ("shutdown",) in, and
+("ready", info) / ("outputs", EngineCoreOutputs) / ("dead", message) out. The loop blocks on the input
+socket only when no request is unfinished, so an idle engine costs nothing.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import traceback
+from typing import Any
+
+import zmq
+
+from vllm_neuron.config.engine_config import EngineConfig
+from vllm_neuron.logger import init_logger
+
+logger = init_logger(__name__)
+
+
+def _send(sock: zmq.Socket, msg: Any) -> None:
+    sock.send(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL), copy=False)
+
+
+def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, model_name: str) -> None:
+    """Process entry point (spawned)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the API server process owns Ctrl-C and tells us
+    ctx = zmq.Context()
+    inp = ctx.socket(zmq.PULL)
+    inp.connect(input_addr)
+    out = ctx.socket(zmq.PUSH)
+    out.connect(output_addr)
+    try:
+        from vllm_neuron import metrics
+        from vllm_neuron.engine.core import EngineCore
+
+        metrics.configure(model_name)
+        core = EngineCore(config)
+        for rec in core.compiler.records:
+            metrics.record_compilation_time(rec.name, rec.seconds)
+        metrics.record_model_load(core.load_stats.seconds, core.load_stats.nbytes)
+        _send(out, ("ready", {"pid": os.getpid(), "startup_seconds": core.startup_seconds,
+                              "num_blocks": core.num_blocks}))
+        _loop(core, inp, out, metrics)
+    except Exception as e:  # noqa: BLE001 - the client must learn why the engine died
+        logger.error("EngineCore died: %s\n%s", e, traceback.format_exc())
+        _send(out, ("dead", f"{type(e).__name__}: {e}"))
+    finally:
+        inp.close(linger=0)
+        out.close(linger=1000)
+        ctx.term()
+
+
+def _loop(core, inp: zmq.Socket, out: zmq.Socket, metrics) -> None:
+    prev = [0, 0, 0]  # cumulative prefix queries, hits, preemptions already recorded
+    poller = zmq.Poller()
+    poller.register(inp, zmq.POLLIN)
+    while True:
+        timeout = 0 if core.has_unfinished() else None
+        while poller.poll(timeout):
+            msg = pickle.loads(inp.recv())
+            kind = msg[0]
+            if kind == "add":
+                try:
+                    core.add_request(msg[1])
+                except ValueError as e:  # duplicate id etc.: fail that request only
+                    from vllm_neuron.engine.messages import EngineCoreOutput, EngineCoreOutputs
+
+                    logger.warning("request %s rejected: %s", msg[1].request_id, e)
+                    _send(out, ("outputs", EngineCoreOutputs([EngineCoreOutput(msg[1].request_id, [],
+                                                                               finish_reason="abort")])))
+            elif kind == "abort":
+                core.abort_requests(msg[1], msg[2] if len(msg) > 2 else "abort")
+            elif kind == "shutdown":
+                return
+            timeout = 0
+        if not core.has_unfinished():
+            continue
+        outs = core.step()
+        s = outs.stats
+        if s is not None:
+            cur = [s.prefix_queries, s.prefix_hits, s.num_preemptions]
+            metrics.record_step(num_running=s.num_running, num_waiting=s.num_waiting,
+                                kv_cache_usage=s.kv_cache_usage, prefix_cache_queries=cur[0] - prev[0],
+                                prefix_cache_hits=cur[1] - prev[1], num_preemptions=cur[2] - prev[2])
+            prev = cur
+            if s.bucket_name:
+                metrics.record_execution(s.bucket_name)
+                metrics.record_padding("tokens" if s.step_kind == "prefill" else "seqs", s.bucket_name,
+                                       s.num_padding)
+        if outs.outputs or s is not None:
+            _send(out, ("outputs", outs))

@@ -1,0 +1,50 @@
+"""`vllm-neuron serve`: the API server process plus one EngineCore process."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import time
+
+from vllm_neuron.config.arg_utils import engine_config_from_args
+from vllm_neuron.logger import init_logger
+
+logger = init_logger(__name__)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    t0 = time.perf_counter()
+    config = engine_config_from_args(args)
+    api_key = args.api_key or os.environ.get("VLLM_API_KEY")
+    return asyncio.run(_serve(config, args, api_key, t0))
+
+
+async def _serve(config, args: argparse.Namespace, api_key: str | None, t0: float) -> int:
+    from vllm_neuron import metrics
+    from vllm_neuron.engine.async_llm import AsyncLLM
+    from vllm_neuron.entrypoints.openai.api_server import build_app, serve_http
+
+    engine = AsyncLLM(config)
+    try:
+        names = config.served_names(engine.model_info.model_path)
+        app = build_app(engine, served_model_names=names, api_key=api_key, chat_template=config.chat_template,
+                        max_logprobs=config.max_logprobs, allowed_origins=args.allowed_origins)
+        await engine.start()
+
+        async def _announce_ready() -> None:
+            try:
+                await engine.wait_until_ready()
+            except Exception:  # noqa: BLE001 - the engine's own error is already logged
+                return
+            seconds = time.perf_counter() - t0
+            metrics.record_startup_time(seconds)
+            logger.info("Server ready in %.1f s: http://%s:%d/v1 (model %s)", seconds, args.host, args.port,
+                        names[0])
+
+        ready_task = asyncio.create_task(_announce_ready())
+        logger.info("Serving on http://%s:%d; /health is 503 until warm-up finishes", args.host, args.port)
+        await serve_http(app, args.host, args.port, args.uvicorn_log_level)
+        ready_task.cancel()
+    finally:
+        engine.shutdown()
+    return 0
