@@ -70,9 +70,13 @@ def test_prefix_counters_count_prompt_tokens_looked_up_and_found():
     prompt = list(range(10))  # 2 full blocks + 2
     prefill(kv, req("a", prompt))
     assert (kv.prefix_queries, kv.prefix_hits) == (0, 0)
-    kv.find_cached_prefix(req("b", prompt))
+    b = req("b", prompt)
+    hit = kv.find_cached_prefix(b)
+    assert (kv.prefix_queries, kv.prefix_hits) == (0, 0)  # a lookup alone is not counted: b may wait
+    kv.record_prefix_lookup(b, hit)
     assert (kv.prefix_queries, kv.prefix_hits) == (10, 8)
-    kv.find_cached_prefix(req("c", [50] + prompt[1:]))  # first block differs: no hit at all
+    c = req("c", [50] + prompt[1:])  # first block differs: no hit at all
+    kv.record_prefix_lookup(c, kv.find_cached_prefix(c))
     assert (kv.prefix_queries, kv.prefix_hits) == (20, 8)
 
 

@@ -226,8 +226,6 @@ def test_fcfs_small_request_does_not_overtake_blocked_one():
     assert_all_blocks_free(s)
 
 
-@pytest.mark.xfail(strict=True, reason="bug: find_cached_prefix counts prefix_queries/hits on every admission "
-                   "attempt, so a request that waits for blocks is counted once per retry (vLLM #43736)")
 def test_prefix_counters_count_a_waiting_request_once():
     # 11 usable blocks; "a" ends up holding 5. "big" (9 blocks, the first 2 shared with "a") needs 7
     # new ones, so its first admission attempt fails and it waits until "a" finishes.

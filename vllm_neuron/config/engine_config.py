@@ -16,6 +16,7 @@ from vllm_neuron.model.neuron_config import AdditionalConfig, NeuronConfig, pars
 
 KV_CACHE_DTYPES = ("auto",)
 DEFAULT_MAX_NUM_SEQS = 16
+BUNDLED_MODEL_NAME = "SmolLM2-135M-Instruct"  # served name of the bundled model (no MODEL given)
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 512
 
 
@@ -145,7 +146,7 @@ class EngineConfig:
 
     def served_names(self, model_path: str) -> list[str]:
         if self.served_model_name is None:
-            return [self.model or model_path]
+            return [self.model or BUNDLED_MODEL_NAME]
         if isinstance(self.served_model_name, str):
             return [self.served_model_name]
         return list(self.served_model_name)

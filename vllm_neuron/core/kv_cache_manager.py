@@ -43,9 +43,13 @@ class KVCacheManager:
             if b is None:
                 break
             blocks.append(b)
-        self.prefix_queries += len(tokens)
-        self.prefix_hits += len(blocks) * self.block_size
         return blocks
+
+    def record_prefix_lookup(self, request: Request, cached_blocks: list[int]) -> None:
+        """Counts one admitted request's lookup (not every retry while it waited for blocks)."""
+        if self.enable_caching:
+            self.prefix_queries += request.num_tokens
+            self.prefix_hits += len(cached_blocks) * self.block_size
 
     def can_allocate(self, request: Request, num_new_tokens: int, cached_blocks: list[int] = ()) -> bool:
         held = len(self.req_blocks.get(request.request_id, ())) + len(cached_blocks)

@@ -114,8 +114,6 @@ class Scheduler:
                 break
             cached = [] if admitted else self.kv.find_cached_prefix(req)
             start = req.num_computed_tokens if admitted else len(cached) * cfg.block_size
-            if start + 0 > ctx_budget:
-                break
             if start > ctx_budget - sum(c.start_pos for c in chunks):
                 break  # FCFS: later requests wait rather than overtake
             n = min(req.num_tokens - start, budget)
@@ -126,6 +124,7 @@ class Scheduler:
                     req.num_computed_tokens = 0
                 break
             if not admitted:
+                self.kv.record_prefix_lookup(req, cached)
                 self.waiting.remove(req)
                 self.running.append(req)
                 req.status = RequestStatus.RUNNING

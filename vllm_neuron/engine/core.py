@@ -87,6 +87,9 @@ class EngineCore:
                 stop_reason=req.stop_reason if fin else None, num_cached_tokens=max(req.num_cached_tokens, 0)))
         return EngineCoreOutputs(outputs, self._stats(sched, result))
 
+    def idle_stats(self) -> SchedulerStats:
+        return self._stats(None, None)
+
     def _stats(self, sched, result) -> SchedulerStats:
         s = self.scheduler
         return SchedulerStats(

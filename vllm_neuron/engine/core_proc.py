@@ -54,41 +54,58 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, mod
 
 
 def _loop(core, inp: zmq.Socket, out: zmq.Socket, metrics) -> None:
-    prev = [0, 0, 0]  # cumulative prefix queries, hits, preemptions already recorded
     poller = zmq.Poller()
     poller.register(inp, zmq.POLLIN)
+    recorder = _StatsRecorder(metrics)
     while True:
         timeout = 0 if core.has_unfinished() else None
+        handled = False
         while poller.poll(timeout):
             msg = pickle.loads(inp.recv())
-            kind = msg[0]
-            if kind == "add":
-                try:
-                    core.add_request(msg[1])
-                except ValueError as e:  # duplicate id etc.: fail that request only
-                    from vllm_neuron.engine.messages import EngineCoreOutput, EngineCoreOutputs
-
-                    logger.warning("request %s rejected: %s", msg[1].request_id, e)
-                    _send(out, ("outputs", EngineCoreOutputs([EngineCoreOutput(msg[1].request_id, [],
-                                                                               finish_reason="abort")])))
-            elif kind == "abort":
-                core.abort_requests(msg[1], msg[2] if len(msg) > 2 else "abort")
-            elif kind == "shutdown":
+            if msg[0] == "shutdown":
                 return
-            timeout = 0
+            _handle(core, out, msg)
+            handled, timeout = True, 0
         if not core.has_unfinished():
+            if handled:  # aborts free blocks: the gauges must say so even when nothing runs
+                recorder.record(core.idle_stats())
             continue
         outs = core.step()
-        s = outs.stats
-        if s is not None:
-            cur = [s.prefix_queries, s.prefix_hits, s.num_preemptions]
-            metrics.record_step(num_running=s.num_running, num_waiting=s.num_waiting,
-                                kv_cache_usage=s.kv_cache_usage, prefix_cache_queries=cur[0] - prev[0],
-                                prefix_cache_hits=cur[1] - prev[1], num_preemptions=cur[2] - prev[2])
-            prev = cur
-            if s.bucket_name:
-                metrics.record_execution(s.bucket_name)
-                metrics.record_padding("tokens" if s.step_kind == "prefill" else "seqs", s.bucket_name,
-                                       s.num_padding)
-        if outs.outputs or s is not None:
+        recorder.record(outs.stats)
+        if outs.outputs:
             _send(out, ("outputs", outs))
+
+
+def _handle(core, out: zmq.Socket, msg: tuple) -> None:
+    if msg[0] == "add":
+        try:
+            core.add_request(msg[1])
+        except ValueError as e:  # e.g. a duplicate id: fail that request only
+            from vllm_neuron.engine.messages import EngineCoreOutput, EngineCoreOutputs
+
+            logger.warning("request %s rejected: %s", msg[1].request_id, e)
+            _send(out, ("outputs", EngineCoreOutputs([EngineCoreOutput(msg[1].request_id, [],
+                                                                       finish_reason="abort")])))
+    elif msg[0] == "abort":
+        core.abort_requests(msg[1], msg[2] if len(msg) > 2 else "abort")
+
+
+class _StatsRecorder:
+    """Turns the scheduler's cumulative counters into the per-step increments metrics expects."""
+
+    def __init__(self, metrics) -> None:
+        self.metrics = metrics
+        self.prev = (0, 0, 0)
+
+    def record(self, s) -> None:
+        if s is None:
+            return
+        cur = (s.prefix_queries, s.prefix_hits, s.num_preemptions)
+        self.metrics.record_step(num_running=s.num_running, num_waiting=s.num_waiting,
+                                 kv_cache_usage=s.kv_cache_usage, prefix_cache_queries=cur[0] - self.prev[0],
+                                 prefix_cache_hits=cur[1] - self.prev[1], num_preemptions=cur[2] - self.prev[2])
+        self.prev = cur
+        if s.bucket_name:
+            self.metrics.record_execution(s.bucket_name)
+            self.metrics.record_padding("tokens" if s.step_kind == "prefill" else "seqs", s.bucket_name,
+                                        s.num_padding)

@@ -8,8 +8,10 @@ functions uncompiled. The cache has two layers:
   The key covers what the seeds list under "What triggers recompilation": library versions, the
   model's config and our model code, bucket-independent graph options, dtype, device type and TP
   degree. `VLLM_NEURON_DISABLE_WARMUP_COMPILE=1` makes a bucket missing from the manifest fatal.
-The KV cache's slot dimension is marked dynamic so a different KV size (memory-based sizing varies
-between starts) does not miss the cache; every other dimension is static.
+Every shape is static, the KV cache's included: a dynamic slot dimension makes inductor copy the
+whole cache on every in-place write (24 ms per layer and step measured). So the manifest also records
+the KV size it was compiled for, and a restart reuses that size when it fits the memory budget
+(memory-based sizing varies a little between starts).
 """
 from __future__ import annotations
 
@@ -95,8 +97,12 @@ class GraphCompiler:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.manifest_path = self.dir / "manifest.json"
         self.manifest: dict[str, Any] = {}
+        self.manifest_num_blocks: int | None = None
         if not self.disabled and self.manifest_path.exists():
-            self.manifest = json.loads(self.manifest_path.read_text()).get("buckets", {})
+            saved = json.loads(self.manifest_path.read_text())
+            self.manifest = saved.get("buckets", {})
+            self.manifest_num_blocks = saved.get("num_blocks")
+        self.num_blocks: int | None = None
         if self.backend == "native":
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(inductor_dir)
             import torch._dynamo
@@ -110,6 +116,14 @@ class GraphCompiler:
                 torch._inductor.config.force_disable_caches = True
         with open(self.dir / "key.json", "w") as f:
             json.dump(self.key_parts, f, indent=1, sort_keys=True, default=str)
+
+    def set_num_blocks(self, num_blocks: int) -> None:
+        """The KV size the graphs are compiled for; a different size than the manifest's invalidates it."""
+        if self.manifest_num_blocks is not None and self.manifest_num_blocks != num_blocks:
+            logger.info("KV cache size changed (%d -> %d blocks): every bucket recompiles",
+                        self.manifest_num_blocks, num_blocks)
+            self.manifest = {}
+        self.num_blocks = num_blocks
 
     def compile(self, fn: Callable) -> Callable:
         if self.backend == "eager":
@@ -144,20 +158,11 @@ class GraphCompiler:
         if self.disabled:
             return
         tmp = self.manifest_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"key": self.key, "buckets": self.manifest}, indent=1, sort_keys=True))
+        tmp.write_text(json.dumps({"key": self.key, "num_blocks": self.num_blocks, "buckets": self.manifest},
+                                  indent=1, sort_keys=True))
         os.replace(tmp, self.manifest_path)
 
     @property
     def num_compiled(self) -> int:
         """Buckets compiled from scratch in this process (not served by the cache)."""
         return sum(1 for r in self.records if not r.cache_hit) if self.backend == "native" else 0
-
-
-def mark_kv_dynamic(kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    if not kv_caches:
-        return
-    import torch._dynamo
-
-    for k, v in kv_caches:
-        torch._dynamo.mark_dynamic(k, 0)
-        torch._dynamo.mark_dynamic(v, 0)

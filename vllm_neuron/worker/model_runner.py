@@ -22,7 +22,7 @@ from vllm_neuron.model.loader import Checkpoint
 from vllm_neuron.model.registry import resolve_model_class
 from vllm_neuron.step import ModelRunnerOutput, SchedulerOutput
 from vllm_neuron.worker import memory
-from vllm_neuron.worker.compilation import GraphCompiler, cache_key_parts, mark_kv_dynamic
+from vllm_neuron.worker.compilation import GraphCompiler, cache_key_parts
 from vllm_neuron.worker.input_builder import build_decode_inputs, build_prefill_inputs
 from vllm_neuron.worker.sampling import SamplingStates
 
@@ -78,6 +78,7 @@ class ModelRunner:
         nbytes = model.load_weights(tqdm(self.ckpt.iter_weights(self.dtype), desc="Loading weights",
                                          unit="tensor", leave=False, disable=None))
         self.model = model.eval().requires_grad_(False)
+        self.compiler = self._make_compiler()
         stats = LoadStats(time.perf_counter() - t0, nbytes)
         logger.info("Loaded %s (%s) in %.1f s: %.1f MiB of weights on %s as %s", type(model).__name__,
                     self.ckpt.path, stats.seconds, nbytes / 2**20, self.device, self.dtype)
@@ -103,6 +104,11 @@ class ModelRunner:
         n = memory.num_blocks_from_budget(budget.available_bytes, per_block,
                                           max_model_len=self.config.max_model_len + self.block_size,
                                           block_size=self.block_size)
+        cached = self.compiler.manifest_num_blocks
+        if cached is not None and needed <= cached <= n:
+            # The compiled graphs have the KV size baked in: reuse it rather than recompile.
+            logger.info("Using the compile cache's KV size of %d blocks (budget allows %d)", cached, n)
+            return cached
         return n
 
     def init_kv_cache(self, num_blocks: int) -> None:
@@ -110,7 +116,7 @@ class ModelRunner:
         shape = (num_blocks * self.block_size, kv_heads, head_dim)
         self.kv_caches = [(_zeros(shape, self.dtype, self.device), _zeros(shape, self.dtype, self.device))
                           for _ in range(self.model.kv_cache_spec()[0])]
-        mark_kv_dynamic(self.kv_caches)
+        self.compiler.set_num_blocks(num_blocks)
 
     def graph_names(self) -> list[tuple[str, str, int, int]]:
         """(name, kind, size, context) for every graph warm-up compiles."""
@@ -128,11 +134,12 @@ class ModelRunner:
     def _prefill_needs_context(self) -> bool:
         return self.config.enable_prefix_caching or self.config.max_model_len > self.config.max_num_batched_tokens
 
-    def warmup(self) -> GraphCompiler:
+    def _make_compiler(self) -> GraphCompiler:
         graph_opts = {"odsc": repr(self.odsc), "block_size": self.block_size, "backend": self.backend}
-        self.compiler = GraphCompiler(cache_key_parts(self.ckpt.hf_config.to_dict(), self.dtype, self.device,
-                                                      self.config.tensor_parallel_size, graph_opts),
-                                      backend=self.backend)
+        return GraphCompiler(cache_key_parts(self.ckpt.hf_config.to_dict(), self.dtype, self.device,
+                                             self.config.tensor_parallel_size, graph_opts), backend=self.backend)
+
+    def warmup(self) -> GraphCompiler:
         self._prefill_fn = self.compiler.compile(self._prefill_graph)
         self._decode_fn = self.compiler.compile(self._decode_graph)
         graphs = self.graph_names()
