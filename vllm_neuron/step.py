@@ -6,7 +6,10 @@ process boundary, so they hold plain Python values only.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    import numpy as np
 
 from vllm_neuron.sampling_params import SamplingParams
 
@@ -36,6 +39,9 @@ class SchedulerOutput:
     chunks: list[ScheduledChunk]
     new_requests: list[NewRequestData] = field(default_factory=list)
     finished_req_ids: list[str] = field(default_factory=list)  # runner drops their state
+    # Structured outputs: req_id -> packed allowed-token bitmask (int32 words, xgrammar's layout) for the
+    # token this step samples. Requests without a grammar are absent (all tokens allowed).
+    grammar_bitmask: dict[str, "np.ndarray"] = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:

@@ -48,6 +48,8 @@ class EngineCore:
             max_model_len=config.max_model_len, block_size=config.block_size, num_blocks=self.num_blocks,
             enable_prefix_caching=config.enable_prefix_caching,
             max_prefill_context_tokens=max(nc.context_buckets)))
+        self.structured = None  # StructuredOutputManager, created with the first grammar request
+        self._grammar_wait: dict[str, Request] = {}
         self.startup_seconds = time.perf_counter() - t0
         if backend == "eager":
             logger.info("Engine ready in %.1f s (eager)", self.startup_seconds)
@@ -57,24 +59,66 @@ class EngineCore:
                         len(self.compiler.records) - self.compiler.num_compiled)
 
     def add_request(self, req: EngineCoreRequest) -> None:
-        self.scheduler.add_request(Request(req.request_id, req.prompt_token_ids, req.sampling_params,
-                                           req.eos_token_id, arrival_time=req.arrival_time))
+        request = Request(req.request_id, req.prompt_token_ids, req.sampling_params, req.eos_token_id,
+                          arrival_time=req.arrival_time)
+        if req.sampling_params.structured_outputs is None:
+            self.scheduler.add_request(request)
+            return
+        # The grammar compiles off the step loop; the request waits here until it is ready.
+        self._structured().submit(req.request_id, req.sampling_params.structured_outputs)
+        self._grammar_wait[req.request_id] = request
+
+    def _structured(self):
+        if self.structured is None:
+            from vllm_neuron.model.loader import load_tokenizer
+            from vllm_neuron.structured_output.manager import StructuredOutputManager
+
+            tok = load_tokenizer(self.config.tokenizer or self.ckpt)
+            self.structured = StructuredOutputManager(tok, self.ckpt.hf_config.vocab_size)
+        return self.structured
 
     def abort_requests(self, req_ids: list[str], reason: str = "abort") -> None:
         for rid in req_ids:
+            self._grammar_wait.pop(rid, None)
             self.scheduler.finish_request(rid, reason)
+            if self.structured is not None:
+                self.structured.remove(rid)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self._grammar_wait)
+
+    def _admit_compiled_grammars(self) -> list[EngineCoreOutput]:
+        failed = []
+        for rid, request in list(self._grammar_wait.items()):
+            ready, error = self.structured.status(rid)
+            if error is not None:
+                logger.warning("request %s: structured output grammar failed: %s", rid, error)
+                del self._grammar_wait[rid]
+                self.structured.remove(rid)
+                failed.append(EngineCoreOutput(rid, [], finish_reason="abort"))
+            elif ready:
+                del self._grammar_wait[rid]
+                self.scheduler.add_request(request)
+        return failed
 
     def step(self) -> EngineCoreOutputs:
+        failed = self._admit_compiled_grammars() if self._grammar_wait else []
         sched = self.scheduler.schedule()
         if sched is None:
-            return EngineCoreOutputs(stats=self._stats(None, None))
+            return EngineCoreOutputs(failed, stats=self._stats(None, None))
+        if self.structured is not None:
+            sched.grammar_bitmask = {c.req_id: self.structured.bitmask(c.req_id) for c in sched.chunks
+                                     if c.sample and self.structured.has(c.req_id)}
         result = self.runner.execute(sched)
+        if sched.grammar_bitmask:
+            for rid in sched.grammar_bitmask:
+                self.structured.accept(rid, result.sampled.get(rid, []))
         reqs = {c.req_id: self.scheduler.requests.get(c.req_id) for c in sched.chunks}
         finished = {f.request.request_id: f for f in self.scheduler.update(sched, result)}
-        outputs = []
+        if self.structured is not None:
+            for rid in finished:
+                self.structured.remove(rid)
+        outputs = failed
         for rid, toks in result.sampled.items():
             req = reqs.get(rid)
             if req is None:

@@ -17,7 +17,7 @@ from vllm_neuron.config import buckets as B
 from vllm_neuron.config.engine_config import EngineConfig
 from vllm_neuron.logger import init_logger
 from vllm_neuron.model.layers.attention import AttentionMetadata, decode_mask, prefill_mask
-from vllm_neuron.model.layers.sampler import greedy_in_graph, sample_in_graph
+from vllm_neuron.model.layers.sampler import apply_token_bitmask, greedy_in_graph, sample_in_graph
 from vllm_neuron.model.loader import Checkpoint
 from vllm_neuron.model.registry import resolve_model_class
 from vllm_neuron.step import ModelRunnerOutput, SchedulerOutput
@@ -78,6 +78,7 @@ class ModelRunner:
         nbytes = model.load_weights(tqdm(self.ckpt.iter_weights(self.dtype), desc="Loading weights",
                                          unit="tensor", leave=False, disable=None))
         self.model = model.eval().requires_grad_(False)
+        self._bitmask_words = -(-self.ckpt.hf_config.vocab_size // 32)
         self.compiler = self._make_compiler()
         stats = LoadStats(time.perf_counter() - t0, nbytes)
         logger.info("Loaded %s (%s) in %.1f s: %.1f MiB of weights on %s as %s", type(model).__name__,
@@ -156,47 +157,58 @@ class ModelRunner:
         return self.compiler
 
     # -- graphs ----------------------------------------------------------------------------------
-    def _sample(self, logits, temperature, top_k, top_p, uniform):
+    def _sample(self, logits, bitmask, temperature, top_k, top_p, uniform):
+        logits = apply_token_bitmask(logits, bitmask)
         if self.odsc is None:
-            return None
+            return None, logits
         if self.odsc.all_greedy:
-            return greedy_in_graph(logits)
-        return sample_in_graph(logits, temperature, top_k, top_p, uniform, self.odsc.top_k)
+            return greedy_in_graph(logits), logits
+        return sample_in_graph(logits, temperature, top_k, top_p, uniform, self.odsc.top_k), logits
 
     def _prefill_graph(self, input_ids, positions, slot_mapping, query_seq, context_slots, context_seq,
-                       logits_indices, temperature, top_k, top_p, uniform, kv_caches):
+                       logits_indices, bitmask, temperature, top_k, top_p, uniform, kv_caches):
         meta = AttentionMetadata(slot_mapping, prefill_mask(positions, query_seq, context_seq), context_slots)
         hidden = self.model(input_ids, positions, kv_caches, meta)
         logits = self.model.compute_logits(hidden[logits_indices]).float()
-        return self._sample(logits, temperature, top_k, top_p, uniform), logits
+        return self._sample(logits, bitmask, temperature, top_k, top_p, uniform)
 
     def _decode_graph(self, input_ids, positions, slot_mapping, block_tables, seq_lens,
-                      temperature, top_k, top_p, uniform, kv_caches):
+                      bitmask, temperature, top_k, top_p, uniform, kv_caches):
         meta = AttentionMetadata(slot_mapping, decode_mask(seq_lens, block_tables.shape[1] * self.block_size),
                                  block_tables=block_tables)
         hidden = self.model(input_ids, positions, kv_caches, meta)
         logits = self.model.compute_logits(hidden).float()
-        return self._sample(logits, temperature, top_k, top_p, uniform), logits
+        return self._sample(logits, bitmask, temperature, top_k, top_p, uniform)
 
     def _t(self, a: np.ndarray | None) -> torch.Tensor | None:
         return None if a is None else torch.from_numpy(a).to(self.device, non_blocking=True)
 
-    def _run_prefill(self, chunks, num_tokens: int, num_context: int):
+    def _bitmask(self, chunks, rows: int, masks: dict) -> np.ndarray:
+        out = np.full((rows, self._bitmask_words), -1, np.int32)
+        for i, c in enumerate(chunks):
+            m = masks.get(c.req_id)
+            if m is not None and c.sample:
+                out[i] = m
+        return out
+
+    def _run_prefill(self, chunks, num_tokens: int, num_context: int, masks: dict | None = None):
         rows = min(self.config.max_num_seqs, num_tokens)
         x = build_prefill_inputs(chunks, num_tokens, num_context, rows, self.block_size)
         s = self.sampling.graph_tensors([c.req_id for c in chunks], rows)
         with torch.inference_mode():
             return self._prefill_fn(self._t(x.input_ids), self._t(x.positions), self._t(x.slot_mapping),
                                     self._t(x.query_seq), self._t(x.context_slots), self._t(x.context_seq),
-                                    self._t(x.logits_indices), self._t(s["temperature"]), self._t(s["top_k"]),
-                                    self._t(s["top_p"]), self._t(s["uniform"]), self.kv_caches)
+                                    self._t(x.logits_indices), self._t(self._bitmask(chunks, rows, masks or {})),
+                                    self._t(s["temperature"]), self._t(s["top_k"]), self._t(s["top_p"]),
+                                    self._t(s["uniform"]), self.kv_caches)
 
-    def _run_decode(self, chunks, batch: int, context: int):
+    def _run_decode(self, chunks, batch: int, context: int, masks: dict | None = None):
         x = build_decode_inputs(chunks, batch, context, self.block_size)
         s = self.sampling.graph_tensors([c.req_id for c in chunks], batch)
         with torch.inference_mode():
             return self._decode_fn(self._t(x.input_ids), self._t(x.positions), self._t(x.slot_mapping),
-                                   self._t(x.block_tables), self._t(x.seq_lens), self._t(s["temperature"]),
+                                   self._t(x.block_tables), self._t(x.seq_lens),
+                                   self._t(self._bitmask(chunks, batch, masks or {})), self._t(s["temperature"]),
                                    self._t(s["top_k"]), self._t(s["top_p"]), self._t(s["uniform"]),
                                    self.kv_caches)
 
@@ -212,12 +224,12 @@ class ModelRunner:
             size = B.select_bucket(self.prefill_buckets, n)
             ctx = sched.num_context_tokens
             context = B.select_bucket(self.context_buckets, ctx) if ctx else 0
-            tokens, logits = self._run_prefill(chunks, size, context)
+            tokens, logits = self._run_prefill(chunks, size, context, sched.grammar_bitmask)
             name, padding = B.bucket_name("prefill", size, context or None), size - n
         else:
             size = B.select_bucket(self.decode_buckets, len(chunks))
             context = B.select_bucket(self.context_buckets, sched.max_seq_len)
-            tokens, logits = self._run_decode(chunks, size, context)
+            tokens, logits = self._run_decode(chunks, size, context, sched.grammar_bitmask)
             many = len(self.context_buckets) > 1
             name, padding = B.bucket_name("decode", size, context if many else None), size - len(chunks)
         rows = [(i, c.req_id) for i, c in enumerate(chunks) if c.sample]

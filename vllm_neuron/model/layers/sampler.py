@@ -60,3 +60,13 @@ def sample_in_graph(logits: torch.Tensor, temperature: torch.Tensor, top_k: torc
     choice = torch.minimum(choice, keep.sum(dim=-1) - 1)
     sampled = top_idx.gather(1, choice.unsqueeze(1)).squeeze(1)
     return torch.where(is_greedy, greedy_tokens, sampled)
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """Masks disallowed tokens to -inf. bitmask [B, ceil(V / 32)] int32, bit j of word w allows token
+    32 * w + j (xgrammar's layout); an all-ones row (-1 words) allows everything. Static shapes."""
+    vocab = logits.shape[-1]
+    idx = torch.arange(vocab, device=logits.device)
+    words = bitmask[:, idx >> 5]
+    allowed = ((words >> (idx & 31)) & 1).bool()
+    return logits.masked_fill(~allowed, float("-inf"))
