@@ -12,10 +12,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from vllm_neuron.logger import init_logger, warning_once
 from vllm_neuron.model.neuron_config import OnDeviceSamplingConfig
 from vllm_neuron.sampling_params import SAMPLING_EPS
 from vllm_neuron.step import NewRequestData, StepLogprobs
 from vllm_neuron.worker.host_sampler import HostSamplingRow, host_sample
+
+logger = init_logger(__name__)
 
 
 @dataclass
@@ -39,7 +42,12 @@ class SamplingStates:
     def add(self, data: NewRequestData) -> None:
         p = data.sampling_params
         gen = torch.Generator().manual_seed(p.seed) if p.seed is not None else None
-        on_host = self.odsc is None or p.needs_host_sampling
+        # A top_k wider than the graph's top-k width would be silently narrowed: sample it on the host.
+        on_host = self.odsc is None or p.needs_host_sampling or p.top_k > self.odsc.top_k
+        if not on_host and p.top_k <= 0 and p.temperature >= SAMPLING_EPS and not self.odsc.all_greedy:
+            warning_once(logger, "top_k=-1 (off) is limited to %d by on-device sampling "
+                         "(neuron_config.on_device_sampling_config.top_k); set on_device_sampling_config to "
+                         "null for sampling over the full vocabulary", self.odsc.top_k)
         self.states[data.req_id] = RequestState(data, generator=gen, on_host=on_host)
 
     def remove(self, req_id: str) -> None:

@@ -1,0 +1,60 @@
+"""Which rows the graph samples and which the host samples, and seeded determinism across batches."""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from vllm_neuron.model.neuron_config import OnDeviceSamplingConfig
+from vllm_neuron.sampling_params import SamplingParams
+from vllm_neuron.step import NewRequestData
+from vllm_neuron.worker.sampling import SamplingStates
+
+
+def _states(odsc=OnDeviceSamplingConfig(), **params) -> SamplingStates:
+    st = SamplingStates(odsc, seed=0)
+    st.add(NewRequestData("r", [1, 2, 3], SamplingParams(**params), eos_token_id=2))
+    return st
+
+
+def test_in_graph_rows_and_host_rows():
+    assert not _states(temperature=0.7, top_k=50).states["r"].on_host
+    assert _states(temperature=0.7, min_p=0.1).states["r"].on_host
+    assert _states(temperature=0.0, logprobs=2).states["r"].on_host
+    assert _states(OnDeviceSamplingConfig(top_k=64), temperature=0.7, top_k=100).states["r"].on_host
+    assert _states(None, temperature=0.7).states["r"].on_host  # CPU sampling: every row
+
+
+def test_top_k_off_is_capped_with_one_warning(caplog):
+    with caplog.at_level(logging.WARNING, logger="vllm_neuron"):
+        st = _states(temperature=0.7, top_k=-1)
+    assert "limited to 256" in caplog.text
+    t = st.graph_tensors(["r"], rows=2)
+    assert t["top_k"][0] == 256 and t["temperature"][1] == 0.0  # padded row is greedy
+
+
+def test_seeded_uniforms_do_not_depend_on_neighbours():
+    def draws(with_neighbour: bool) -> list[float]:
+        st = SamplingStates(OnDeviceSamplingConfig(), seed=0)
+        st.add(NewRequestData("s", [1], SamplingParams(temperature=1.0, seed=7), 2))
+        ids = ["s"]
+        if with_neighbour:
+            st.add(NewRequestData("u", [1], SamplingParams(temperature=1.0), 2))
+            ids = ["u", "s"]
+        out = []
+        for _ in range(3):
+            out.append(float(st.graph_tensors(ids, rows=4)["uniform"][ids.index("s")]))
+        return out
+
+    assert draws(False) == draws(True)
+
+
+def test_finalize_mixes_graph_and_host_tokens():
+    st = SamplingStates(OnDeviceSamplingConfig(), seed=0)
+    st.add(NewRequestData("g", [1], SamplingParams(temperature=0.0), 2))
+    st.add(NewRequestData("h", [1], SamplingParams(temperature=0.0, logit_bias={5: 100.0}), 2))
+    logits = torch.zeros(2, 10)
+    logits[:, 3] = 1.0
+    sampled, logprobs = st.finalize(["g", "h"], torch.tensor([3, 3]), logits)
+    assert sampled == {"g": [3], "h": [5]}  # the host row applied its logit bias
+    assert st.states["h"].output_token_ids == [5]
