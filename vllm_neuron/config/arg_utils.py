@@ -30,9 +30,11 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool =
     g.add_argument("--tokenizer", default=None, help="tokenizer directory or .gguf (default: the model's)")
     g.add_argument("--served-model-name", nargs="+", default=None, help="name(s) the API reports")
     g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
-    g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="max concurrent sequences")
+    g.add_argument("--max-num-seqs", type=int, default=None,
+                   help="max concurrent sequences (default: the largest num_seqs_bucket, else 16)")
     g.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help="max tokens per prefill step; longer prompts are segmented (default: min(512, max-model-len))")
+                   help="max tokens per prefill step; longer prompts are segmented (default: the largest "
+                   "num_batched_tokens_bucket, else min(512, max-model-len))")
     g.add_argument("--block-size", type=int, default=d.block_size, help="KV cache block size in tokens")
     g.add_argument("--num-gpu-blocks-override", type=int, default=None, help="number of KV cache blocks")
     g.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,

@@ -30,8 +30,8 @@ class EngineConfig:
     tokenizer: str | None = None
     served_model_name: str | list[str] | None = None
     max_model_len: int | None = None  # None: the model's max_position_embeddings
-    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
-    max_num_batched_tokens: int | None = None  # None: min(512, max_model_len)
+    max_num_seqs: int | None = None  # None: the largest num_seqs_bucket, else 16
+    max_num_batched_tokens: int | None = None  # None: the largest num_batched_tokens_bucket, else min(512, max_model_len)
     block_size: int = 32
     num_gpu_blocks_override: int | None = None
     gpu_memory_utilization: float = 0.9
@@ -75,9 +75,9 @@ class EngineConfig:
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
 
-        for name in ("max_num_seqs", "block_size", "tensor_parallel_size", "data_parallel_size", "max_logprobs"):
+        for name in ("block_size", "tensor_parallel_size", "data_parallel_size", "max_logprobs"):
             positive(name)
-        for name in ("max_model_len", "max_num_batched_tokens", "num_gpu_blocks_override"):
+        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "num_gpu_blocks_override"):
             positive(name, allow_none=True)
         if self.device not in DEVICE_CHOICES:
             raise ValueError(f"device={self.device!r} is not valid; choose one of {list(DEVICE_CHOICES)}")
@@ -112,9 +112,6 @@ class EngineConfig:
         nc = self.additional_config.neuron_config
         if nc.quantization is not None:
             raise _not_supported("neuron_config.quantization", nc.quantization)
-        if nc.kv_segment_size_buckets is not None:
-            raise _not_supported("neuron_config.kv_segment_size_buckets", nc.kv_segment_size_buckets,
-                                 "segmented prefill splits prompts by max_num_batched_tokens without it")
         if nc.fp8_packed_kv or nc.gk_decode:
             raise _not_supported("neuron_config.fp8_packed_kv/gk_decode", True)
 
@@ -126,8 +123,14 @@ class EngineConfig:
             raise ValueError(
                 f"max_model_len={self.max_model_len} is larger than the model's maximum context "
                 f"({model_max_len}, max_position_embeddings)")
+        user_nc = self.additional_config.neuron_config
         if self.max_num_batched_tokens is None:
-            self.max_num_batched_tokens = min(DEFAULT_MAX_NUM_BATCHED_TOKENS, self.max_model_len)
+            # Bucket lists given without the max: the largest bucket is the max (seeds' rule read backwards).
+            given = user_nc.num_batched_tokens_buckets or user_nc.kv_segment_size_buckets
+            self.max_num_batched_tokens = max(given) if given else min(DEFAULT_MAX_NUM_BATCHED_TOKENS,
+                                                                       self.max_model_len)
+        if self.max_num_seqs is None:
+            self.max_num_seqs = max(user_nc.num_seqs_buckets) if user_nc.num_seqs_buckets else DEFAULT_MAX_NUM_SEQS
         nc = self.additional_config.neuron_config.resolved(
             max_num_batched_tokens=self.max_num_batched_tokens, max_num_seqs=self.max_num_seqs,
             max_model_len=self.max_model_len, block_size=self.block_size,

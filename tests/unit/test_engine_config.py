@@ -1,0 +1,80 @@
+"""EngineConfig and the CLI flags: vLLM names, defaults, and refusals of what we cannot honour."""
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from vllm_neuron.config.arg_utils import add_engine_args, engine_config_from_args
+from vllm_neuron.config.engine_config import EngineConfig
+
+
+def _cli(*argv: str) -> EngineConfig:
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    return engine_config_from_args(p.parse_args(list(argv)))
+
+
+def test_unknown_kwarg_names_the_valid_ones():
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        EngineConfig.from_kwargs(max_num_seq=4)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"tensor_parallel_size": 2}, "tensor_parallel_size=2 is not supported yet"),
+    ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype='fp8' is not supported yet"),
+    ({"enable_prompt_embeds": True}, "enable_prompt_embeds"),
+    ({"speculative_config": {"method": "eagle3"}}, "speculative_config"),
+    ({"async_scheduling": True}, "async_scheduling"),
+    ({"block_size": 24}, "block_size=24 is not valid"),
+    ({"device": "tpu"}, "device='tpu' is not valid"),
+    ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
+    ({"additional_config": {"neuron_config": {"bogus": 1}}}, "bogus"),
+    ({"additional_config": '{"neuron_config": '}, "additional-config"),
+])
+def test_refusals(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        EngineConfig.from_kwargs(**kwargs)
+
+
+def test_defaults_follow_bucket_lists_when_maxima_are_not_given():
+    c = EngineConfig.from_kwargs(block_size=128, max_model_len=4096, additional_config={"neuron_config": {
+        "num_seqs_buckets": [1, 2, 4, 8], "kv_segment_size_buckets": [2048], "num_batched_tokens_buckets": [2048],
+        "on_device_sampling_config": {"all_greedy": True}}})
+    nc = c.finalize(model_max_len=8192)
+    assert (c.max_num_seqs, c.max_num_batched_tokens) == (8, 2048)
+    assert nc.num_seqs_buckets == [1, 2, 4, 8] and nc.context_buckets == [4096]
+
+
+def test_plain_defaults():
+    c = EngineConfig.from_kwargs()
+    nc = c.finalize(model_max_len=1024)
+    assert (c.max_model_len, c.max_num_seqs, c.max_num_batched_tokens) == (1024, 16, 512)
+    assert nc.num_batched_tokens_buckets == [128, 256, 512] and nc.num_seqs_buckets == [1, 2, 4, 8, 16]
+
+
+def test_model_limits():
+    with pytest.raises(ValueError, match="larger than the model's maximum context"):
+        EngineConfig.from_kwargs(max_model_len=4096).finalize(model_max_len=2048)
+    with pytest.raises(ValueError, match="multiple of block_size"):
+        EngineConfig.from_kwargs(max_model_len=1000).finalize(model_max_len=2048)
+    with pytest.raises(ValueError, match="must equal max_num_batched_tokens"):
+        EngineConfig.from_kwargs(max_num_batched_tokens=256, additional_config={
+            "neuron_config": {"num_batched_tokens_buckets": [128]}}).finalize(model_max_len=2048)
+
+
+def test_cli_flags_map_to_fields():
+    c = _cli("/m", "--max-model-len", "1024", "--max-num-seqs", "4", "--no-enable-prefix-caching",
+             "--enforce-eager", "--block-size", "16", "--num-gpu-blocks-override", "99", "--dtype", "float32",
+             "--additional-config", '{"neuron_config": {"num_seqs_buckets": [2, 4]}}')
+    assert (c.model, c.max_model_len, c.max_num_seqs, c.enable_prefix_caching, c.enforce_eager) == \
+        ("/m", 1024, 4, False, True)
+    assert (c.block_size, c.num_gpu_blocks_override, c.dtype) == (16, 99, "float32")
+    assert c.neuron_config.num_seqs_buckets == [2, 4]
+
+
+def test_cli_refuses_vllm_quantization_flag_and_conflicting_models():
+    with pytest.raises(ValueError, match="--quantization"):
+        _cli("--quantization", "neuron_quant")
+    with pytest.raises(ValueError, match="conflicting models"):
+        _cli("/a", "--model", "/b")
