@@ -122,7 +122,9 @@ class ModelRunner:
     def graph_names(self) -> list[tuple[str, str, int, int]]:
         """(name, kind, size, context) for every graph warm-up compiles."""
         out = []
-        ctx_prefill = [0] + (self.context_buckets if self._prefill_needs_context() else [])
+        # Prefill with cached context (prefix hits, later segments) uses only the largest context
+        # bucket: one graph per token bucket instead of one per (tokens, context) pair.
+        ctx_prefill = [0] + ([self.context_buckets[-1]] if self._prefill_needs_context() else [])
         for t in self.prefill_buckets:
             for c in ctx_prefill:
                 out.append((B.bucket_name("prefill", t, c or None), "prefill", t, c))
@@ -223,7 +225,7 @@ class ModelRunner:
             n = sched.num_tokens
             size = B.select_bucket(self.prefill_buckets, n)
             ctx = sched.num_context_tokens
-            context = B.select_bucket(self.context_buckets, ctx) if ctx else 0
+            context = self.context_buckets[-1] if ctx else 0
             tokens, logits = self._run_prefill(chunks, size, context, sched.grammar_bitmask)
             name, padding = B.bucket_name("prefill", size, context or None), size - n
         else:
