@@ -1,5 +1,4 @@
 """Padded step inputs (worker/input_builder.py) and the attention masks / paged attention they feed."""
-import numpy as np
 import pytest
 import torch
 
