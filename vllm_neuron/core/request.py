@@ -26,7 +26,7 @@ class RequestStatus(enum.Enum):
         return {"stop": cls.FINISHED_STOPPED, "length": cls.FINISHED_LENGTH, "abort": cls.FINISHED_ABORTED}[reason]
 
 
-@dataclass
+@dataclass(eq=False)  # identity: queue membership tests must not compare token lists
 class Request:
     request_id: str
     prompt_token_ids: list[int]
