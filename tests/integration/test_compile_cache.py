@@ -1,0 +1,138 @@
+"""The persistent compile cache through `vllm-neuron compile` (native route, not eager).
+
+A 1-layer tiny Llama with one prefill and one decode size keeps the graphs few; every run is a
+subprocess, as in production, with NEURON_COMPILED_ARTIFACTS pointing at a temporary folder.
+What is checked is what the user reads: the "compile cache DIR: X graphs, Y compiled now, Z
+already cached" summary and the per-bucket "compile cache hit" / "compile cache miss" log lines.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+from dataclasses import dataclass
+
+import pytest
+
+from tests.integration.server_utils import run_cli
+from tests.model_factory import make_tiny_llama
+
+pytestmark = pytest.mark.slow
+
+_SUMMARY_RE = re.compile(r"compile cache (\S+): (\d+) graphs, (\d+) compiled now, (\d+) already cached")
+_BUCKET_RE = re.compile(r"Bucket (\w+): compile cache (hit|miss)")
+
+
+def _args(num_seqs_buckets: tuple[int, ...]) -> list[str]:
+    neuron = {"num_batched_tokens_buckets": [32], "num_seqs_buckets": list(num_seqs_buckets)}
+    return ["--additional-config", json.dumps({"neuron_config": neuron}), "--max-num-batched-tokens", "32",
+            "--max-num-seqs", "2", "--max-model-len", "128", "--no-enable-prefix-caching",
+            "--num-gpu-blocks-override", "16"]
+
+
+@dataclass
+class CompileRun:
+    proc: subprocess.CompletedProcess
+    cache_dir: str
+    graphs: int
+    compiled: int
+    cached: int
+    buckets: dict[str, str]  # bucket name -> "hit" | "miss"
+
+    @property
+    def output(self) -> str:
+        return self.proc.stdout + self.proc.stderr
+
+
+def _compile(model: str, root: str, tmp_dir: str, num_seqs_buckets: tuple[int, ...] = (2,),
+             **env: str) -> CompileRun:
+    proc = run_cli(["compile", model, *_args(num_seqs_buckets)], tmp_dir, timeout=300,
+                   NEURON_COMPILED_ARTIFACTS=root, **env)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    m = _SUMMARY_RE.search(proc.stdout)
+    assert m, f"no compile cache summary line:\n{out}"
+    buckets = dict(_BUCKET_RE.findall(out))
+    return CompileRun(proc, m.group(1), int(m.group(2)), int(m.group(3)), int(m.group(4)), buckets)
+
+
+def _snapshot(folder: str) -> dict[str, tuple[int, int]]:
+    """path -> (size, mtime_ns) of every file under `folder`."""
+    out = {}
+    for dirpath, _, files in os.walk(folder):
+        for name in files:
+            st = os.stat(os.path.join(dirpath, name))
+            out[os.path.relpath(os.path.join(dirpath, name), folder)] = (st.st_size, st.st_mtime_ns)
+    return out
+
+
+def _key_diff(dir_a: str, dir_b: str) -> dict[str, tuple]:
+    """The cache-key parts (key.json) that differ; "code" differs when the package's model/worker
+    sources were edited between the runs."""
+    a, b = (json.loads(open(os.path.join(d, "key.json")).read()) for d in (dir_a, dir_b))
+    return {k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)}
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> str:
+    return make_tiny_llama(str(tmp_path_factory.mktemp("tiny1")), num_hidden_layers=1)
+
+
+@pytest.fixture(scope="module")
+def cache_root(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("compiled_artifacts"))
+
+
+@pytest.fixture(scope="module")
+def cold_then_warm(model, cache_root, tmp_path_factory) -> tuple[CompileRun, CompileRun]:
+    tmp = str(tmp_path_factory.mktemp("runs"))
+    return _compile(model, cache_root, tmp), _compile(model, cache_root, tmp)
+
+
+def test_second_compile_is_served_by_the_cache(cold_then_warm, cache_root):
+    cold, warm = cold_then_warm
+    assert cold.graphs >= 2 and cold.compiled == cold.graphs and cold.cached == 0, cold.output
+    assert set(cold.buckets.values()) == {"miss"} and len(cold.buckets) == cold.graphs, cold.output
+    assert {"prefill_s32", "decode_b2"} <= set(cold.buckets), cold.output
+    assert os.path.dirname(cold.cache_dir) == cache_root
+
+    assert warm.cache_dir == cold.cache_dir, f"the cache key changed: {_key_diff(cold.cache_dir, warm.cache_dir)}"
+    assert warm.graphs == cold.graphs and warm.compiled == 0 and warm.cached == cold.graphs, warm.output
+    assert warm.buckets == {name: "hit" for name in cold.buckets}, warm.output
+
+
+def test_missing_bucket_is_fatal_with_warmup_compile_disabled(model, tmp_path):
+    empty = tmp_path / "empty_cache"
+    proc = run_cli(["compile", model, *_args((2,))], str(tmp_path), timeout=120,
+                   NEURON_COMPILED_ARTIFACTS=str(empty), VLLM_NEURON_DISABLE_WARMUP_COMPILE="1")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out
+    assert not _SUMMARY_RE.search(out), out
+    error = [line for line in out.splitlines() if "VLLM_NEURON_DISABLE_WARMUP_COMPILE" in line]
+    assert error, out
+    assert any(re.search(r"\b(prefill_s32|decode_b2)\w*\b", line) for line in error), out
+
+
+def test_warm_cache_serves_with_warmup_compile_disabled(cold_then_warm, model, cache_root, tmp_path):
+    run = _compile(model, cache_root, str(tmp_path), VLLM_NEURON_DISABLE_WARMUP_COMPILE="1")
+    assert run.compiled == 0 and run.cached == cold_then_warm[0].graphs, run.output
+
+
+def test_disable_compile_cache_recompiles(cold_then_warm, model, cache_root, tmp_path):
+    cold, _ = cold_then_warm
+    before = _snapshot(cache_root)
+    # TMPDIR: the throw-away cache is a temporary folder that the run leaves behind.
+    run = _compile(model, cache_root, str(tmp_path), NEURON_LIBTORCH_DISABLE_COMPILE_CACHE="1", TMPDIR=str(tmp_path))
+    assert run.graphs == cold.graphs and run.compiled == cold.graphs and run.cached == 0, run.output
+    assert run.buckets == {name: "miss" for name in cold.buckets}, run.output
+    # A throw-away cache: the shared one is neither read nor written.
+    assert _snapshot(cache_root) == before
+
+
+def test_changed_bucket_list_compiles_only_the_new_bucket(cold_then_warm, model, cache_root, tmp_path):
+    cold, _ = cold_then_warm
+    run = _compile(model, cache_root, str(tmp_path), num_seqs_buckets=(1, 2))
+    assert run.cache_dir == cold.cache_dir, f"the cache key changed: {_key_diff(cold.cache_dir, run.cache_dir)}"
+    assert run.graphs == cold.graphs + 1 and run.compiled == 1 and run.cached == cold.graphs, run.output
+    assert run.buckets == {**{name: "hit" for name in cold.buckets}, "decode_b1": "miss"}, run.output

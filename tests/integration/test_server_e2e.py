@@ -1,0 +1,455 @@
+"""The real `vllm-neuron serve` process (API server + EngineCore child) on a tiny random Llama.
+
+One server serves most tests; a second one, with --api-key, checks the key and is then used to
+watch the engine die. The first runs in fp32: its greedy texts are compared across batch sizes,
+and bf16 matmuls legitimately round differently per row count (oneDNN picks other kernels), which
+flips near-tied argmaxes of a random model; the second keeps the default dtype.
+
+Expected values come from the server's own greedy outputs (a stream must match the non-streaming
+text, a stop string must cut a known greedy text), from the tokenizer, or from counters read
+before and after; nothing is copied from a previous run.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+
+from tests.integration.server_utils import ServerProcess, run_cli, wait_for
+
+SERVE_ARGS = ["--enforce-eager", "--max-model-len", "512", "--num-gpu-blocks-override", "64",
+              "--max-num-seqs", "4"]
+FP32 = ("--dtype", "float32")
+API_KEY = "sk-e2e-secret"
+PROMPT = "The quick brown fox jumps over the lazy dog because"
+_servers: list[ServerProcess] = []
+
+
+def _start(model: str, tmp_dir: str, *extra: str) -> ServerProcess:
+    srv = ServerProcess(model, SERVE_ARGS + list(extra), tmp_dir)
+    _servers.append(srv)
+    srv.wait_healthy(timeout=90)
+    return srv
+
+
+def _stop(srv: ServerProcess) -> None:
+    """SIGTERM; the server must exit cleanly within 15 s and take its EngineCore along."""
+    try:
+        engine: int | None = srv.engine_pid()
+    except AssertionError:  # killed by the test
+        engine = None
+    try:
+        code, _ = srv.stop(timeout=15)
+        assert code is not None, f"server did not exit within 15 s of SIGTERM:\n{srv.log()[-8000:]}"
+        assert code == 0, f"server exited with {code} after SIGTERM:\n{srv.log()[-8000:]}"
+        if engine is not None:
+            wait_for(lambda: _is_gone(engine), timeout=5, what="the EngineCore to exit with the server")
+    finally:
+        srv.kill()  # whatever is left of its process group
+
+
+@pytest.fixture(autouse=True)
+def _dump_server_logs():
+    """Prints what each server logged during the test; pytest shows it only when the test fails."""
+    sizes = {s.log_path: os.path.getsize(s.log_path) for s in _servers}
+    yield
+    for s in _servers:
+        with open(s.log_path, errors="replace") as f:
+            f.seek(sizes.get(s.log_path, 0))
+            print(f"---- {s.log_path} ----\n{f.read()[-20000:]}")
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama_dir, tmp_path_factory):
+    srv = _start(tiny_llama_dir, str(tmp_path_factory.mktemp("server")), *FP32)
+    yield srv
+    _stop(srv)
+
+
+@pytest.fixture(scope="module")
+def keyed_server(tiny_llama_dir, tmp_path_factory):
+    srv = _start(tiny_llama_dir, str(tmp_path_factory.mktemp("keyed")), "--api-key", API_KEY)
+    yield srv
+    _stop(srv)
+
+
+@pytest.fixture(scope="module")
+def model(server) -> str:
+    return httpx.get(server.url + "/v1/models", timeout=10).json()["data"][0]["id"]
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_llama_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_llama_dir)
+
+
+def _is_gone(pid: int) -> bool:
+    """Exited (a zombie waiting for its reaper counts as exited)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1].startswith("Z")
+    except OSError:
+        return True
+
+
+# ---- Prometheus text ---------------------------------------------------------------------------
+
+_SAMPLE_RE = re.compile(r"^([a-zA-Z_:][\w:]*)(\{[^}]*\})?\s+(\S+)$")
+
+
+def scrape(url: str) -> list[tuple[str, str, float]]:
+    text = httpx.get(url + "/metrics", timeout=10).text
+    out = []
+    for line in text.splitlines():
+        m = _SAMPLE_RE.match(line)
+        if m:
+            out.append((m.group(1), m.group(2) or "", float(m.group(3))))
+    return out
+
+
+def metric(url: str, name: str, label: str = "") -> float:
+    """Sum of the samples named `name` (exactly) whose label set contains `label`."""
+    return sum(v for n, labels, v in scrape(url) if n == name and label in labels)
+
+
+def _ignore_eos(**kw) -> dict:
+    return {"extra_body": {"ignore_eos": True, **kw}}
+
+
+def _complete(client, model, prompt=PROMPT, **kw):
+    kw.setdefault("temperature", 0.0)
+    return client.completions.create(model=model, prompt=prompt, **_ignore_eos(), **kw)
+
+
+# ---- the openai client -------------------------------------------------------------------------
+
+def test_chat_non_streaming(client, model, tokenizer):
+    messages = [{"role": "user", "content": "Name three colors."}]
+    r = client.chat.completions.create(model=model, messages=messages, max_tokens=8, temperature=0,
+                                       **_ignore_eos())
+    assert r.object == "chat.completion" and r.model == model
+    choice = r.choices[0]
+    assert choice.index == 0 and choice.message.role == "assistant"
+    assert isinstance(choice.message.content, str) and choice.message.content
+    assert choice.finish_reason == "length"
+    expected_prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if isinstance(expected_prompt, dict) or hasattr(expected_prompt, "input_ids"):
+        expected_prompt = expected_prompt["input_ids"]
+    assert r.usage.prompt_tokens == len(expected_prompt)
+    assert r.usage.completion_tokens == 8
+    assert r.usage.total_tokens == r.usage.prompt_tokens + 8
+
+
+def test_chat_stream_equals_non_streaming(client, model):
+    params = dict(model=model, messages=[{"role": "user", "content": "Tell me a story."}], max_tokens=12,
+                  temperature=0, **_ignore_eos())
+    full = client.chat.completions.create(**params)
+    chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **params))
+    last = chunks[-1]
+    assert last.choices == [] and last.usage is not None
+    assert last.usage.completion_tokens == 12 == full.usage.completion_tokens
+    assert last.usage.prompt_tokens == full.usage.prompt_tokens
+    body = chunks[:-1]
+    assert all(c.usage is None for c in body)
+    assert body[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in body) == full.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in body if c.choices[0].finish_reason] == ["length"]
+
+
+def test_completions_n2_seeded(client, model):
+    kw = dict(n=2, temperature=0.8, seed=1234, max_tokens=8)
+    r = _complete(client, model, **kw)
+    assert sorted(c.index for c in r.choices) == [0, 1]
+    texts = {c.index: c.text for c in r.choices}
+    assert all(texts.values())
+    assert texts[0] != texts[1], "n=2 returned the same sample twice"
+    assert r.usage.completion_tokens == 16
+    again = _complete(client, model, **kw)
+    assert {c.index: c.text for c in again.choices} == texts
+
+
+def test_seed_reproducibility(client, model):
+    a = _complete(client, model, temperature=1.0, seed=7, max_tokens=16).choices[0].text
+    b = _complete(client, model, temperature=1.0, seed=7, max_tokens=16).choices[0].text
+    c = _complete(client, model, temperature=1.0, seed=8, max_tokens=16).choices[0].text
+    assert a == b
+    assert a != c
+
+
+def test_chat_logprobs(client, model):
+    r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=6,
+                                       temperature=0, logprobs=True, top_logprobs=3, **_ignore_eos())
+    content = r.choices[0].logprobs.content
+    assert len(content) == 6 == r.usage.completion_tokens
+    for entry in content:
+        assert entry.logprob <= 0.0 and entry.bytes == list(entry.token.encode("utf-8"))
+        top = entry.top_logprobs
+        assert len(top) == 3
+        assert [t.logprob for t in top] == sorted((t.logprob for t in top), reverse=True)
+        # Greedy: the chosen token is the most likely one.
+        assert top[0].token == entry.token and top[0].logprob == pytest.approx(entry.logprob, abs=1e-4)
+
+
+def test_completion_logprobs(client, model):
+    r = _complete(client, model, max_tokens=6, logprobs=2)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 6
+    for tok, tlp, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert len(top) == 2 and tok in top
+        assert top[tok] == pytest.approx(tlp, abs=1e-4) and tlp == pytest.approx(max(top.values()), abs=1e-4)
+    assert lp.text_offset[0] == 0
+    assert [b - a for a, b in zip(lp.text_offset, lp.text_offset[1:])] == [len(t) for t in lp.tokens[:-1]]
+
+
+def test_stop_string(client, model):
+    base = _complete(client, model, max_tokens=24).choices[0].text
+    start = next(i for i in range(len(base) // 2, len(base) - 3)
+                 if base[i:i + 3].strip() == base[i:i + 3] and base.find(base[i:i + 3]) == i)
+    stop = base[start:start + 3]
+    choice = _complete(client, model, max_tokens=24, stop=[stop]).choices[0]
+    assert choice.text == base[:start]
+    assert choice.finish_reason == "stop"
+    assert choice.model_extra["stop_reason"] == stop
+
+
+def test_max_tokens_honoured(client, model):
+    def chat(**kw):
+        return client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Count."}],
+                                              temperature=0, **_ignore_eos(), **kw)
+
+    r = chat(max_completion_tokens=3)
+    assert r.usage.completion_tokens == 3 and r.choices[0].finish_reason == "length"
+    assert chat(max_tokens=5).usage.completion_tokens == 5
+    # vLLM: max_completion_tokens wins over the deprecated max_tokens.
+    assert chat(max_tokens=9, max_completion_tokens=2).usage.completion_tokens == 2
+    assert _complete(client, model, max_tokens=4).usage.completion_tokens == 4
+    # /v1/completions without max_tokens: OpenAI's and vLLM's default of 16.
+    assert client.completions.create(model=model, prompt=PROMPT, temperature=0,
+                                     **_ignore_eos()).usage.completion_tokens == 16
+
+
+def test_greedy_determinism_across_batching(server, client, model):
+    prompts = ["Hello", "The capital of France is", "1, 2, 3, 4, 5, 6, 7, 8,",
+               "Once upon a time there was a little robot who"]
+
+    def run(p: str) -> str:
+        return _complete(client, model, prompt=p, max_tokens=32).choices[0].text
+
+    alone = [run(p) for p in prompts]
+
+    def batched_decodes() -> float:
+        return sum(v for n, labels, v in scrape(server.url) if n == "vllm_neuron:neff_execution_count_total"
+                   and re.search(r'bucket_name="decode_b([2-9]|\d\d)', labels))
+
+    before = batched_decodes()
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        together = list(pool.map(run, prompts))
+    assert batched_decodes() > before, "the concurrent requests were never decoded in one batch"
+    assert together == alone
+
+
+# ---- raw HTTP errors ---------------------------------------------------------------------------
+
+def _assert_still_serves(url: str, model: str) -> None:
+    r = httpx.post(url + "/v1/completions", json={"model": model, "prompt": "ok", "max_tokens": 2}, timeout=30)
+    assert r.status_code == 200 and len(r.json()["choices"]) == 1
+
+
+_LONG = " hello" * 400  # ~400 tokens
+
+
+@pytest.mark.parametrize("path,body,status,etype,needle", [
+    ("/v1/completions", b'{"model": "M", "prompt": ', 400, "BadRequestError", "JSON"),
+    ("/v1/chat/completions", b"not json at all", 400, "BadRequestError", "JSON"),
+    ("/v1/completions", {"prompt": _LONG, "max_tokens": 200}, 400, "BadRequestError",
+     "maximum context length"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": _LONG}], "max_tokens": 200}, 400,
+     "BadRequestError", "maximum context length"),
+    ("/v1/completions", {"model": "no-such-model", "prompt": "hi"}, 404, "NotFoundError", "no-such-model"),
+    ("/v1/completions", {"prompt": "hi", "temperature": -1.0}, 400, "BadRequestError", "temperature"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 21}, 400, "BadRequestError", "logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True,
+                              "top_logprobs": 21}, 400, "BadRequestError", "logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]}, 400,
+     "BadRequestError", "tools"),
+], ids=["bad-json-completions", "bad-json-chat", "context-completions", "context-chat", "unknown-model",
+        "temperature", "logprobs-21", "top-logprobs-21", "tools"])
+def test_http_errors(server, model, path, body, status, etype, needle):
+    if isinstance(body, dict):
+        body.setdefault("model", model)
+        content = json.dumps(body).encode()
+    else:
+        content = body
+    r = httpx.post(server.url + path, content=content, headers={"content-type": "application/json"}, timeout=30)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["type"] == etype and err["code"] == status
+    assert needle in err["message"]
+    _assert_still_serves(server.url, model)
+
+
+# ---- disconnects and metrics -------------------------------------------------------------------
+
+def test_client_disconnect_frees_the_engine(server, model):
+    def finished(reason: str) -> float:
+        return metric(server.url, "vllm:request_success_total", f'finished_reason="{reason}"')
+
+    aborted0, length0 = finished("abort"), finished("length")
+    body = {"model": model, "prompt": "A long story: ", "max_tokens": 400, "ignore_eos": True, "stream": True}
+    with httpx.Client(timeout=30) as c:
+        with c.stream("POST", server.url + "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            chunks = 0
+            for line in r.iter_lines():
+                chunks += line.startswith("data: ")
+                if chunks >= 3:
+                    break
+    # Closed a few tokens in, hundreds of steps before the request could end by itself (even an
+    # idle machine needs about a second for 400 tokens): only an abort explains an "abort" finish.
+    wait_for(lambda: metric(server.url, "vllm:num_requests_running") == 0
+             and metric(server.url, "vllm:kv_cache_usage_perc") == 0, timeout=10, what="the engine to go idle")
+    assert finished("abort") == aborted0 + 1
+    assert finished("length") == length0, "the request ran to max_tokens although its client went away"
+    _assert_still_serves(server.url, model)
+
+
+_EXPECTED_SERIES = [
+    "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+    "vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "vllm:prompt_tokens", "vllm:generation_tokens",
+    "vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds", "vllm:e2e_request_latency_seconds",
+    "vllm:num_preemptions", "vllm_neuron:num_seqs_padding", "vllm_neuron:num_batched_tokens_padding",
+    "vllm_neuron:neff_execution_count", "vllm_neuron:model_load_time_seconds", "vllm_neuron:startup_time_seconds",
+]
+
+
+def test_metrics_series(server, model):
+    _assert_still_serves(server.url, model)  # at least one prefill and one decode step
+    samples = scrape(server.url)
+    names = {n for n, _, _ in samples}
+    for series in _EXPECTED_SERIES:
+        assert any(n == series or n.startswith(series + "_") for n in names), f"{series} missing from /metrics"
+    labels = [lab for n, lab, _ in samples if n == "vllm_neuron:neff_execution_count_total"]
+    assert any(re.search(r'bucket_name="prefill_s\d+', lab) for lab in labels), labels
+    assert any(re.search(r'bucket_name="decode_b\d+"', lab) for lab in labels), labels
+    assert metric(server.url, "vllm_neuron:startup_time_seconds") > 0
+    assert metric(server.url, "vllm_neuron:model_load_time_seconds") > 0
+    assert metric(server.url, "vllm:generation_tokens_total") >= 2
+    assert metric(server.url, "vllm:time_to_first_token_seconds_count") >= 1
+
+
+def test_prefix_cache_hits_grow(server, model):
+    prompt = " ".join(f"item{i}" for i in range(60))  # well over 2 blocks of 32 tokens
+    body = {"model": model, "prompt": prompt, "max_tokens": 2}
+    hits0, queries0 = (metric(server.url, f"vllm:prefix_cache_{k}_total") for k in ("hits", "queries"))
+    assert httpx.post(server.url + "/v1/completions", json=body, timeout=30).status_code == 200
+    hits1, queries1 = (metric(server.url, f"vllm:prefix_cache_{k}_total") for k in ("hits", "queries"))
+    r = httpx.post(server.url + "/v1/completions", json=body, timeout=30)
+    assert r.status_code == 200
+    hits2, queries2 = (metric(server.url, f"vllm:prefix_cache_{k}_total") for k in ("hits", "queries"))
+    prompt_len = r.json()["usage"]["prompt_tokens"]
+    assert prompt_len > 64
+    assert queries1 > queries0 and queries2 > queries1
+    assert hits1 == hits0, "a never-seen prompt hit the prefix cache"
+    assert hits2 - hits1 >= 64, "the repeated prompt's full blocks were not served from the prefix cache"
+
+
+def test_bench_serve(server, tiny_llama_dir, tmp_path):
+    res = run_cli(["bench", "serve", "--base-url", server.url, "--dataset-name", "random", "--random-input-len", "32",
+                   "--random-output-len", "8", "--num-prompts", "6", "--max-concurrency", "2",
+                   "--tokenizer", tiny_llama_dir, "--disable-tqdm"], str(tmp_path), timeout=120)
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, out
+    assert "Serving Benchmark Result" in res.stdout, out
+    assert re.search(r"Successful requests:\s+6\b", res.stdout), out
+
+
+# ---- API key, then the engine's death (second server) ------------------------------------------
+
+def test_api_key(keyed_server):
+    url = keyed_server.url
+    r = httpx.get(url + "/v1/models", timeout=10)
+    assert r.status_code == 401 and r.json()["error"]["type"] == "AuthenticationError"
+    assert httpx.get(url + "/v1/models", headers={"Authorization": "Bearer wrong"}, timeout=10).status_code == 401
+    r = httpx.get(url + "/v1/models", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=10)
+    assert r.status_code == 200 and r.json()["data"]
+    assert httpx.get(url + "/health", timeout=10).status_code == 200
+    c = openai.OpenAI(base_url=url + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
+    model = c.models.list().data[0].id
+    assert c.completions.create(model=model, prompt="hi", max_tokens=2).usage.completion_tokens >= 1
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0).completions.create(
+            model=model, prompt="hi", max_tokens=2)
+
+
+def test_engine_death(keyed_server):
+    url, auth = keyed_server.url, {"Authorization": f"Bearer {API_KEY}"}
+    model = httpx.get(url + "/v1/models", headers=auth, timeout=10).json()["data"][0]["id"]
+    body = {"model": model, "prompt": "Keep going: ", "max_tokens": 400, "ignore_eos": True}
+    results: dict[str, object] = {}
+    streaming = threading.Event()
+
+    def in_flight() -> None:
+        try:
+            results["plain"] = httpx.post(url + "/v1/completions", json=body, headers=auth, timeout=60)
+        except Exception as e:  # noqa: BLE001 - reported by the assertion below
+            results["plain"] = e
+
+    def in_flight_stream() -> None:
+        try:
+            with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, headers=auth,
+                              timeout=60) as r:
+                lines = results["stream"] = []
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        lines.append(line)
+                        streaming.set()
+        except Exception as e:  # noqa: BLE001
+            results["stream"] = e
+
+    plain_thread = threading.Thread(target=in_flight)
+    plain_thread.start()
+    time.sleep(0.05)
+    stream_thread = threading.Thread(target=in_flight_stream)
+    stream_thread.start()
+    # The stream's first token means both requests are in the engine; 400 tokens each are far away.
+    assert streaming.wait(30), "the streaming request produced nothing"
+    os.kill(keyed_server.engine_pid(), signal.SIGKILL)
+    t0 = time.monotonic()
+    for t in (plain_thread, stream_thread):
+        t.join(15)
+        assert not t.is_alive(), "a request in flight hung after the engine died"
+    assert time.monotonic() - t0 < 10
+
+    plain = results["plain"]
+    assert isinstance(plain, httpx.Response), plain
+    assert plain.status_code >= 500 and plain.json()["error"]["code"] >= 500, plain.text
+    stream = results["stream"]
+    assert isinstance(stream, list) and stream[-1] == "data: [DONE]", stream
+    assert "error" in json.loads(stream[-2][len("data: "):]), stream[-3:]
+
+    wait_for(lambda: httpx.get(url + "/health", timeout=5).status_code == 503, timeout=5,
+             what="/health to report the dead engine")
+    t0 = time.monotonic()
+    r = httpx.post(url + "/v1/completions", json={"model": model, "prompt": "hi", "max_tokens": 2}, headers=auth,
+                   timeout=10)
+    assert time.monotonic() - t0 < 5
+    assert r.status_code >= 500 and r.json()["error"]["code"] == r.status_code, r.text
+    r = httpx.post(url + "/v1/chat/completions", json={"model": model, "messages": [{"role": "user", "content": "x"}]},
+                   headers=auth, timeout=10)
+    assert r.status_code >= 500 and r.json()["error"]["type"], r.text
