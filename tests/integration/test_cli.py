@@ -73,8 +73,6 @@ def test_too_few_kv_blocks_offline(tiny_llama_dir, tmp_path):
     _assert_clean_failure(proc, "num_gpu_blocks_override", "max_model_len")
 
 
-@pytest.mark.xfail(strict=True, reason="bug: `serve` keeps running with /health 503 after its EngineCore "
-                   "failed to start (here: too few KV blocks); it should exit non-zero")
 def test_too_few_kv_blocks_serve_exits(tiny_llama_dir, tmp_path):
     # TMPDIR: the server is killed below, and its IPC folder would be left in /tmp.
     srv = ServerProcess(tiny_llama_dir, ["--enforce-eager", *_SMALL_KV], str(tmp_path), TMPDIR=str(tmp_path))

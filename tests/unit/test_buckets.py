@@ -146,6 +146,11 @@ def test_bucket_names_for_graph_set():
     ]
     names = B.bucket_names([128], [1, 2], [512, 4096])
     assert names == ["prefill_s128", "decode_b1_c512", "decode_b1_c4096", "decode_b2_c512", "decode_b2_c4096"]
+    assert B.bucket_names([64, 128], [1], [4096], prefill_with_context=True) == [
+        "prefill_s64", "prefill_s64_c4096", "prefill_s128", "prefill_s128_c4096", "decode_b1"]
+    for n in names:
+        kind, size, ctx = B.parse_bucket_name(n)
+        assert B.bucket_name(kind, size, ctx or None) == n
 
 
 def test_format_bucket_table():

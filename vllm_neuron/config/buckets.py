@@ -196,11 +196,17 @@ def bucket_name(kind: str, size: int, context: int | None = None) -> str:
     return base if context is None else f"{base}_c{context}"
 
 
-def bucket_names(prefill: Sequence[int], decode: Sequence[int], contexts: Sequence[int]) -> list[str]:
-    """Names of every graph compiled for these lists: one prefill graph per token bucket; one
-    decode graph per batch bucket, times each context bucket when there is more than one
-    context (a single context - max_model_len - keeps the plain decode_b{B} name)."""
-    names = [bucket_name("prefill", t) for t in prefill]
+def bucket_names(prefill: Sequence[int], decode: Sequence[int], contexts: Sequence[int],
+                 prefill_with_context: bool = False) -> list[str]:
+    """Names of every graph compiled for these lists: one prefill graph per token bucket (plus, when
+    prompts can start from cached context, a `_c{C}` twin for the largest context C); one decode graph
+    per batch bucket, times each context bucket when there is more than one context (a single context -
+    max_model_len - keeps the plain decode_b{B} name)."""
+    names = []
+    for t in prefill:
+        names.append(bucket_name("prefill", t))
+        if prefill_with_context:
+            names.append(bucket_name("prefill", t, contexts[-1]))
     for b in decode:
         if len(contexts) > 1:
             names.extend(bucket_name("decode", b, c) for c in contexts)
@@ -209,15 +215,24 @@ def bucket_names(prefill: Sequence[int], decode: Sequence[int], contexts: Sequen
     return names
 
 
-def format_bucket_table(prefill: Sequence[int], decode: Sequence[int], contexts: Sequence[int]) -> str:
-    """Multi-line table of the bucket lists and the number of graphs, for the start-up log."""
-    n_graphs = len(prefill) + len(decode) * (len(contexts) if len(contexts) > 1 else 1)
+def parse_bucket_name(name: str) -> tuple[str, int, int]:
+    """(kind, size, context or 0) of a name made by bucket_name()."""
+    kind, rest = name.split("_", 1)
+    parts = rest.split("_c")
+    return kind, int(parts[0][1:]), int(parts[1]) if len(parts) > 1 else 0
+
+
+def format_bucket_table(prefill: Sequence[int], decode: Sequence[int], contexts: Sequence[int],
+                        prefill_with_context: bool = False) -> str:
+    """Multi-line table of the bucket lists and the graphs, for the start-up log."""
+    names = bucket_names(prefill, decode, contexts, prefill_with_context)
     rows = [
         ("prefill tokens (num_batched_tokens_buckets)", prefill),
         ("decode sequences (num_seqs_buckets)", decode),
         ("decode context lengths", contexts),
     ]
     width = max(len(label) for label, _ in rows)
-    lines = [f"Buckets: {n_graphs} graphs"]
+    lines = [f"Buckets: {len(names)} graphs"]
     lines += [f"  {label:<{width}} : {', '.join(str(v) for v in values)}" for label, values in rows]
+    lines.append(f"  {'graphs':<{width}} : {', '.join(names)}")
     return "\n".join(lines)

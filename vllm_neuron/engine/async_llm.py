@@ -121,8 +121,10 @@ class AsyncLLM(EngineClient):
         if q is not None:
             q.put_nowait(asyncio.CancelledError(f"request {request_id} aborted"))
 
-    def _send(self, msg: Any) -> None:
-        self._input.send(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
+    def _send(self, msg: Any, block: bool = True) -> None:
+        if self._dead is not None:
+            return  # a PUSH to a dead peer would block forever
+        self._input.send(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL), flags=0 if block else zmq.NOBLOCK)
 
     def _ensure_handler(self) -> None:
         if self._handler is None or self._handler.done():
@@ -180,8 +182,8 @@ class AsyncLLM(EngineClient):
     def shutdown(self) -> None:
         if self.proc.is_alive():
             try:
-                self._send(("shutdown",))
-            except zmq.ZMQError:
+                self._send(("shutdown",), block=False)
+            except zmq.ZMQError:  # zmq.Again: the core is gone or not listening; terminate() below
                 pass
             self.proc.join(timeout=10)
             if self.proc.is_alive():

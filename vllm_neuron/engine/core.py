@@ -35,9 +35,9 @@ class EngineCore:
         env = envs.describe()
         if env:
             logger.info("Environment: %s", env)
-        logger.info("Buckets:\n%s", B.format_bucket_table(nc.num_batched_tokens_buckets, nc.num_seqs_buckets,
-                                                          nc.context_buckets))
         self.runner = ModelRunner(config, self.ckpt, self.device, self.dtype, backend)
+        logger.info("%s", B.format_bucket_table(nc.num_batched_tokens_buckets, nc.num_seqs_buckets,
+                                                nc.context_buckets, self.runner.prefill_needs_context()))
         self.load_stats = self.runner.load_model()
         self.num_blocks = self.runner.num_blocks(self.load_stats.nbytes)
         self.runner.init_kv_cache(self.num_blocks)

@@ -121,20 +121,11 @@ class ModelRunner:
 
     def graph_names(self) -> list[tuple[str, str, int, int]]:
         """(name, kind, size, context) for every graph warm-up compiles."""
-        out = []
-        # Prefill with cached context (prefix hits, later segments) uses only the largest context
-        # bucket: one graph per token bucket instead of one per (tokens, context) pair.
-        ctx_prefill = [0] + ([self.context_buckets[-1]] if self._prefill_needs_context() else [])
-        for t in self.prefill_buckets:
-            for c in ctx_prefill:
-                out.append((B.bucket_name("prefill", t, c or None), "prefill", t, c))
-        many = len(self.context_buckets) > 1
-        for b in self.decode_buckets:
-            for c in self.context_buckets:
-                out.append((B.bucket_name("decode", b, c if many else None), "decode", b, c))
-        return out
+        names = B.bucket_names(self.prefill_buckets, self.decode_buckets, self.context_buckets,
+                               self.prefill_needs_context())
+        return [(n, *B.parse_bucket_name(n)) for n in names]
 
-    def _prefill_needs_context(self) -> bool:
+    def prefill_needs_context(self) -> bool:
         return self.config.enable_prefix_caching or self.config.max_model_len > self.config.max_num_batched_tokens
 
     def _make_compiler(self) -> GraphCompiler:
