@@ -110,7 +110,9 @@ class ModelRunner:
             # The compiled graphs have the KV size baked in: reuse it rather than recompile.
             logger.info("Using the compile cache's KV size of %d blocks (budget allows %d)", cached, n)
             return cached
-        return n
+        # Rounded down to a power of two: the budget follows free host memory, which moves between
+        # starts, and every new size would recompile every graph.
+        return max(needed, 1 << (n.bit_length() - 1))
 
     def init_kv_cache(self, num_blocks: int) -> None:
         _, kv_heads, head_dim = self.model.kv_cache_spec()
