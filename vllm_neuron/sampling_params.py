@@ -13,6 +13,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from vllm_neuron.structured_output.params import StructuredOutputsParams
+
 logger = logging.getLogger(__name__)
 
 # Below this temperature a request is greedy (vLLM's _SAMPLING_EPS).
@@ -68,7 +70,9 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
-    structured_outputs: Any = None
+    # A StructuredOutputsParams (a dict with its fields is converted); applied as a token mask inside
+    # the graph, so it needs no host sampling.
+    structured_outputs: StructuredOutputsParams | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     extra_args: dict[str, Any] | None = None
     # Set by the engine from the tokenizer / generation config, not by users.
@@ -106,6 +110,8 @@ class SamplingParams:
             self.logit_bias = self._normalize_logit_bias(self.logit_bias)
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = list(self.allowed_token_ids)
+        if self.structured_outputs is not None:
+            self.structured_outputs = StructuredOutputsParams.from_value(self.structured_outputs)
 
         self._verify_args()
 

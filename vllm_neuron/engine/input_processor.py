@@ -102,13 +102,20 @@ class InputProcessor:
             raise ValueError(f"Requested sample logprobs of {params.logprobs}, which is greater than "
                              f"max allowed: {self.max_logprobs}")
         if params.structured_outputs is not None:
-            raise ValueError("structured_outputs is not supported yet")
+            self._validate_structured_outputs(params)
         for t in list(params.logit_bias or ()) + list(params.allowed_token_ids or ()):
             if not 0 <= t < self.vocab_size:
                 raise ValueError(f"token id {t} in logit_bias/allowed_token_ids is out of vocabulary "
                                  f"(vocab size {self.vocab_size})")
         if self.odsc is not None:
             self.odsc.check_request(params.temperature)
+
+    def _validate_structured_outputs(self, params: SamplingParams) -> None:
+        # Compiled here (cached by its text) so a bad constraint is refused before it reaches the engine.
+        from vllm_neuron.structured_output.compiler import make_tokenizer_info
+        from vllm_neuron.structured_output.params import validate
+
+        validate(params.structured_outputs, make_tokenizer_info(self.tokenizer))
 
     def _bad_words_ids(self, words: list[str]) -> list[list[int]]:
         out = []

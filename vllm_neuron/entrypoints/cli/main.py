@@ -22,6 +22,12 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     g.add_argument("--allowed-origins", nargs="*", default=None, help="CORS origins")
+    from vllm_neuron.tool_parsers import ToolParserManager
+
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='serve tool_choice="auto" (needs --tool-call-parser)')
+    g.add_argument("--tool-call-parser", default=None, choices=ToolParserManager.names(),
+                   help="how tool calls are read from the model's answer when tool_choice is auto")
 
     gen = sub.add_parser("generate", help="generate from prompts offline and print the answers",
                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)

@@ -14,6 +14,8 @@ logger = init_logger(__name__)
 
 def run_serve(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
+    if getattr(args, "enable_auto_tool_choice", False) and not getattr(args, "tool_call_parser", None):
+        raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
     config = engine_config_from_args(args)
     api_key = args.api_key or os.environ.get("VLLM_API_KEY")
     return asyncio.run(_serve(config, args, api_key, t0))
@@ -28,7 +30,9 @@ async def _serve(config, args: argparse.Namespace, api_key: str | None, t0: floa
     try:
         names = config.served_names(engine.model_info.model_path)
         app = build_app(engine, served_model_names=names, api_key=api_key, chat_template=config.chat_template,
-                        max_logprobs=config.max_logprobs, allowed_origins=args.allowed_origins)
+                        max_logprobs=config.max_logprobs, allowed_origins=args.allowed_origins,
+                        enable_auto_tool_choice=getattr(args, "enable_auto_tool_choice", False),
+                        tool_call_parser=getattr(args, "tool_call_parser", None))
         await engine.start()
 
         async def _announce_ready() -> None:

@@ -64,13 +64,15 @@ class ApiKeyMiddleware:
 
 def build_app(engine: EngineClient, *, served_model_names: list[str], api_key: str | None = None,
               chat_template: str | None = None, max_logprobs: int = 20, return_tokens_as_token_ids: bool = False,
-              record_request_metrics: bool = True, allowed_origins: list[str] | None = None) -> FastAPI:
+              record_request_metrics: bool = True, allowed_origins: list[str] | None = None,
+              enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None) -> FastAPI:
     """The OpenAI-compatible app serving `engine` under `served_model_names` (the first one is the
     default and the metrics' model_name label).
 
     chat_template: a Jinja template or a path to one; overrides the tokenizer's.
     max_logprobs: cap on logprobs/top_logprobs/prompt_logprobs (-1: the whole vocabulary).
     record_request_metrics: the HTTP layer records the per-request series (see vllm_neuron.metrics).
+    enable_auto_tool_choice, tool_call_parser: tool_choice="auto" with that parser (vllm_neuron.tool_parsers).
     """
     if max_logprobs < -1:
         raise ValueError(f"max_logprobs must be -1 (no cap) or >= 0, got {max_logprobs}")
@@ -80,7 +82,8 @@ def build_app(engine: EngineClient, *, served_model_names: list[str], api_key: s
                                   return_tokens_as_token_ids=return_tokens_as_token_ids,
                                   record_metrics=record_request_metrics)
     completion = OpenAIServingCompletion(engine, models, **kwargs)
-    chat = OpenAIServingChat(engine, models, **kwargs)
+    chat = OpenAIServingChat(engine, models, enable_auto_tool_choice=enable_auto_tool_choice,
+                             tool_call_parser=tool_call_parser, **kwargs)
     tokenization = OpenAIServingTokenization(engine, models, **kwargs)
     version = __version__
 

@@ -118,6 +118,14 @@ class _SamplingFields(OpenAIBaseModel):
     allowed_token_ids: list[int] | None = None
     prompt_logprobs: int | None = None
     bad_words: list[str] = Field(default_factory=list)
+    # Structured outputs: vLLM's field and its older aliases (see entrypoints/openai/structured.py)
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: Union[str, dict[str, Any], None] = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
+    structural_tag: Union[str, dict[str, Any], None] = None
     # vLLM's extra parameters that do not change the output
     request_id: str | None = None
     priority: int = 0
@@ -195,7 +203,8 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = None
     response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
-    tool_choice: Union[str, dict[str, Any], None] = "none"
+    # None: "auto" when tools are given, else "none" (vLLM's default)
+    tool_choice: Union[str, dict[str, Any], None] = None
     parallel_tool_calls: bool | None = True
     reasoning_effort: str | None = None
     include_reasoning: bool = True
@@ -209,10 +218,35 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
 
 
+class FunctionCall(OpenAIBaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCall(OpenAIBaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class DeltaFunctionCall(OpenAIBaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(OpenAIBaseModel):
+    # Only the fields that are set are sent (streamed chunks are dumped with exclude_unset).
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+
 class ChatMessage(OpenAIBaseModel):
     role: str
     content: str | None = None
     reasoning: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatCompletionLogProb(OpenAIBaseModel):
@@ -253,6 +287,7 @@ class ChatCompletionResponse(OpenAIBaseModel):
 class DeltaMessage(OpenAIBaseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] = Field(default_factory=list)
 
 
 class ChatCompletionResponseStreamChoice(OpenAIBaseModel):

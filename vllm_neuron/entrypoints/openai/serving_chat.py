@@ -22,6 +22,9 @@ from vllm_neuron.entrypoints.openai.protocol import (
     ChatCompletionStreamResponse,
     ChatMessage,
     DeltaMessage,
+    DeltaToolCall,
+    FunctionCall,
+    ToolCall,
     UsageInfo,
     random_uuid,
 )
@@ -37,8 +40,11 @@ from vllm_neuron.entrypoints.openai.serving_engine import (
     run_until_disconnect,
     sse,
 )
+from vllm_neuron.entrypoints.openai.structured import structured_outputs_from_request, validate_structured_outputs
+from vllm_neuron.entrypoints.openai.tool_calls import ToolCallStream, ToolChoice, extract_final, resolve_tool_choice
 from vllm_neuron.outputs import Logprob
 from vllm_neuron.sampling_params import SamplingParams
+from vllm_neuron.tool_parsers import StreamDelta, ToolParser, ToolParserManager
 
 _ROLE = "assistant"
 
@@ -53,6 +59,7 @@ class _Ctx:
     echo_text: str | None
     created: int
     arrival: float
+    tool: ToolChoice
 
 
 def check_generation_prompt_flags(data: dict[str, Any]) -> None:
@@ -62,6 +69,16 @@ def check_generation_prompt_flags(data: dict[str, Any]) -> None:
 
 
 class OpenAIServingChat(OpenAIServing):
+    def __init__(self, *args: Any, enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
+                 **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if enable_auto_tool_choice and not tool_call_parser:
+            raise ValueError("--enable-auto-tool-choice requires --tool-call-parser (one of "
+                             f"{', '.join(ToolParserManager.names())})")
+        parser = ToolParserManager.get(tool_call_parser) if tool_call_parser else None
+        # tool_choice="auto" is served only with both flags (as in vLLM).
+        self.tool_parser: type[ToolParser] | None = parser if enable_auto_tool_choice else None
+
     async def create_chat_completion(self, data: dict[str, Any], raw_request: Request) -> Response:
         arrival = time.monotonic()
         check_unsupported_fields(data, set(ChatCompletionRequest.model_fields), chat=True)
@@ -79,11 +96,20 @@ class OpenAIServingChat(OpenAIServing):
             raise BadRequestError("`prompt_logprobs` are not available when `stream=True`.", param="prompt_logprobs")
         if req.n is not None and req.n < 1:
             raise BadRequestError(f"n must be at least 1, got {req.n}.", param="n")
+        tool = resolve_tool_choice(req.tools, req.tool_choice, req.parallel_tool_calls, self.tool_parser)
+        structured, structured_param = structured_outputs_from_request(req)
+        if tool.structured_outputs is not None:
+            if structured is not None:
+                raise BadRequestError(f"tool_choice {tool.mode!r} constrains the output itself; it cannot be "
+                                      f"combined with `{structured_param}`.", param=structured_param)
+            structured, structured_param = tool.structured_outputs, "tools"
+        if structured is not None:
+            await validate_structured_outputs(structured, self.tokenizer, structured_param)
 
         text = render_chat(self.tokenizer, req.messages, template=req.chat_template or self.chat_template,
                            add_generation_prompt=req.add_generation_prompt,
                            continue_final_message=req.continue_final_message,
-                           template_kwargs=self._template_kwargs(req), documents=req.documents)
+                           template_kwargs=self._template_kwargs(req), documents=req.documents, tools=req.tools)
         # The template writes the special tokens itself: no second BOS unless asked for.
         prompt_ids = self.encode(text, req.add_special_tokens)
         if req.truncate_prompt_tokens is not None:
@@ -99,14 +125,16 @@ class OpenAIServingChat(OpenAIServing):
         max_tokens = self.resolve_max_tokens(len(prompt_ids), requested, param)
         sp = self.build_sampling_params(req, max_tokens=max_tokens,
                                         logprobs=(req.top_logprobs or 0) if req.logprobs else None,
-                                        prompt_logprobs=req.prompt_logprobs)
+                                        prompt_logprobs=req.prompt_logprobs, structured_outputs=structured)
+        if tool.mode == "auto":
+            self.tool_parser(self.tokenizer).adjust_request(sp)
         echo_text = None
         if req.echo:
             last = req.messages[-1] if req.messages else {}
             if last.get("role") == _ROLE and isinstance(last.get("content"), str):
                 echo_text = last["content"]
         ctx = _Ctx(req, model, f"chatcmpl-{req.request_id or random_uuid()}", prompt_ids, text, echo_text,
-                   int(time.time()), arrival)
+                   int(time.time()), arrival, tool)
         if req.stream:
             return StreamingResponse(self._stream(ctx, sp), media_type="text/event-stream")
         result = await run_until_disconnect(self._full(ctx, sp), raw_request)
@@ -170,9 +198,18 @@ class OpenAIServingChat(OpenAIServing):
             logprobs = None
             if req.logprobs:
                 logprobs = self._logprobs(c.token_ids, c.logprobs, req.top_logprobs or 0, as_ids)
+            message, finish_reason = ChatMessage(role=_ROLE, content=text), c.finish_reason
+            if ctx.tool.mode != "none":
+                found = extract_final(ctx.tool, "".join(c.text), self._parser(ctx))
+                if found.tools_called:
+                    calls = [ToolCall(id=tc.id, function=FunctionCall(name=tc.function.name,
+                                                                      arguments=tc.function.arguments))
+                             for tc in found.tool_calls]
+                    message = ChatMessage(role=_ROLE, content=found.content, tool_calls=calls)
+                    finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
             out.append(ChatCompletionResponseChoice(
-                index=j, message=ChatMessage(role=_ROLE, content=text), logprobs=logprobs,
-                finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                index=j, message=message, logprobs=logprobs,
+                finish_reason=finish_reason, stop_reason=c.stop_reason,
                 token_ids=c.token_ids if req.return_token_ids else None))
         prompt_tokens = len(ctx.prompt_ids)
         return ChatCompletionResponse(
@@ -181,6 +218,9 @@ class OpenAIServingChat(OpenAIServing):
                             total_tokens=prompt_tokens + completion_tokens),
             prompt_logprobs=prompt_logprobs_json(prompt_lps) if req.prompt_logprobs is not None else None,
             prompt_token_ids=ctx.prompt_ids if req.return_token_ids else None)
+
+    def _parser(self, ctx: _Ctx) -> ToolParser | None:
+        return self.tool_parser(self.tokenizer) if ctx.tool.mode == "auto" and self.tool_parser else None
 
     def _chunk(self, ctx: _Ctx, choices: list[ChatCompletionResponseStreamChoice],
                usage: UsageInfo | None = None) -> str:
@@ -203,6 +243,8 @@ class OpenAIServingChat(OpenAIServing):
             done = sum(tokens) if j is None else tokens[j]
             return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=done, total_tokens=prompt_tokens + done)
 
+        tool_streams = [ToolCallStream(ctx.tool, self._parser(ctx)) for _ in range(sp.n)] \
+            if ctx.tool.mode != "none" else None
         tracker = RequestTracker(self, ctx.arrival)
         error: Exception | None = None
         try:
@@ -225,9 +267,15 @@ class OpenAIServingChat(OpenAIServing):
                     tokens[o.index] += len(ids)
                     logprobs = self._logprobs(ids, list(o.logprobs or []), req.top_logprobs or 0, as_ids) \
                         if req.logprobs else None
+                    delta, finish_reason = DeltaMessage(content=o.text), o.finish_reason
+                    if tool_streams is not None:
+                        delta, finish_reason = self._tool_delta(tool_streams[o.index], o.text, finish_reason)
+                        if delta is None and logprobs is None:
+                            continue  # text held back by the tool-call parser
+                        delta = delta or DeltaMessage()
                     choice = ChatCompletionResponseStreamChoice(
-                        index=o.index, delta=DeltaMessage(content=o.text), logprobs=logprobs,
-                        finish_reason=o.finish_reason, stop_reason=o.stop_reason)
+                        index=o.index, delta=delta, logprobs=logprobs,
+                        finish_reason=finish_reason, stop_reason=o.stop_reason)
                     if req.return_token_ids:
                         choice.token_ids = ids
                     yield self._chunk(ctx, [choice], usage(o.index) if continuous else None)
@@ -240,3 +288,23 @@ class OpenAIServingChat(OpenAIServing):
         if error is not None:
             yield sse(from_exception(error))
         yield SSE_DONE
+
+    @staticmethod
+    def _tool_delta(stream: ToolCallStream, text: str,
+                    finish_reason: str | None) -> tuple[DeltaMessage | None, str | None]:
+        """One choice's delta in a tool-calling stream: content and/or tool_calls deltas (None when
+        there is nothing to send yet); "tool_calls" replaces "stop" once calls were made."""
+        parts = stream.feed(text)
+        if finish_reason is not None:
+            end = stream.finish()
+            parts = StreamDelta((parts.content or "") + (end.content or "") or None, parts.tool_calls + end.tool_calls)
+            if finish_reason == "stop" and stream.tools_called:
+                finish_reason = "tool_calls"
+        if not parts and finish_reason is None:
+            return None, None
+        delta = DeltaMessage()
+        if parts.content:
+            delta.content = parts.content
+        if parts.tool_calls:
+            delta.tool_calls = [DeltaToolCall.model_validate(tc.to_dict()) for tc in parts.tool_calls]
+        return delta, finish_reason

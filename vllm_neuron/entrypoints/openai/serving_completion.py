@@ -33,6 +33,7 @@ from vllm_neuron.entrypoints.openai.serving_engine import (
     run_until_disconnect,
     sse,
 )
+from vllm_neuron.entrypoints.openai.structured import structured_outputs_from_request, validate_structured_outputs
 from vllm_neuron.outputs import Logprob, PromptLogprobs
 
 _DEFAULT_MAX_TOKENS = 16  # vLLM's and OpenAI's default for this endpoint
@@ -67,8 +68,11 @@ class OpenAIServingCompletion(OpenAIServing):
         prompt_logprobs = req.prompt_logprobs
         if prompt_logprobs is None and req.echo and req.logprobs is not None:
             prompt_logprobs = req.logprobs
+        structured, structured_param = structured_outputs_from_request(req)
+        if structured is not None:
+            await validate_structured_outputs(structured, self.tokenizer, structured_param)
         sp = self.build_sampling_params(req, max_tokens=requested, logprobs=req.logprobs,
-                                        prompt_logprobs=prompt_logprobs)
+                                        prompt_logprobs=prompt_logprobs, structured_outputs=structured)
         request_id = f"cmpl-{req.request_id or random_uuid()}"
         ctx = _Ctx(req, model, request_id, prompts, echo_only, int(time.time()), arrival)
         if req.stream:

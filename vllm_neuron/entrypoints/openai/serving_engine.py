@@ -7,6 +7,7 @@ client gets a 400 with `param` set before anything reaches the engine.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 from collections.abc import AsyncIterator, Awaitable
@@ -28,6 +29,7 @@ from vllm_neuron.entrypoints.openai.serving_models import OpenAIServingModels
 from vllm_neuron.logger import init_logger, warning_once
 from vllm_neuron.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
 from vllm_neuron.sampling_params import RequestOutputKind, SamplingParams
+from vllm_neuron.structured_output.params import StructuredOutputsParams
 
 logger = init_logger(__name__)
 
@@ -41,14 +43,6 @@ def _is_set(value: Any) -> bool:
 
 # Fields with a meaning we cannot honour yet: refused with a 400 when set, never ignored.
 _UNSUPPORTED_COMMON: dict[str, Callable[[Any], bool]] = {
-    "structured_outputs": _is_set,
-    "guided_json": _is_set,
-    "guided_regex": _is_set,
-    "guided_choice": _is_set,
-    "guided_grammar": _is_set,
-    "guided_whitespace_pattern": _is_set,
-    "structural_tag": _is_set,
-    "response_format": lambda v: _is_set(v) and not (isinstance(v, dict) and v.get("type") == "text"),
     "use_beam_search": _is_set,
     "logits_processors": _is_set,
     "prompt_embeds": _is_set,
@@ -63,8 +57,6 @@ _UNSUPPORTED_COMMON: dict[str, Callable[[Any], bool]] = {
     "priority": lambda v: v not in (None, 0),
 }
 _UNSUPPORTED_CHAT: dict[str, Callable[[Any], bool]] = {
-    "tools": _is_set,
-    "tool_choice": lambda v: v not in (None, "none"),
     "functions": _is_set,
     "function_call": lambda v: v not in (None, "none"),
     "audio": _is_set,
@@ -73,8 +65,6 @@ _UNSUPPORTED_CHAT: dict[str, Callable[[Any], bool]] = {
     "web_search_options": _is_set,
 }
 _UNSUPPORTED_COMPLETION: dict[str, Callable[[Any], bool]] = {"suffix": _is_set}
-_ALIASES = {k: "structured_outputs" for k in ("guided_json", "guided_regex", "guided_choice",
-                                              "guided_grammar", "guided_whitespace_pattern")}
 # Known fields that change nothing in the output: accepted silently.
 _HARMLESS = {"metadata", "store", "service_tier", "stream_interval", "session_id", "return_token_offsets",
              "return_mm_kwargs", "routed_experts_prompt_start", "guided_decoding_backend",
@@ -91,8 +81,7 @@ def check_unsupported_fields(data: dict[str, Any], known: set[str], chat: bool) 
         is_set = table.get(key)
         if is_set is not None:
             if is_set(value):
-                alias = f" (an alias of `{_ALIASES[key]}`)" if key in _ALIASES else ""
-                raise BadRequestError(f"`{key}`{alias} is not supported by this server yet.", param=key)
+                raise BadRequestError(f"`{key}` is not supported by this server yet.", param=key)
         elif key not in known and key not in _HARMLESS:
             warning_once(logger, "The following field was present in the request but ignored: %s", key)
     best_of, n = data.get("best_of"), data.get("n") or 1
@@ -123,6 +112,8 @@ def normalize_messages(messages: list[Any]) -> list[dict[str, Any]]:
             raise BadRequestError(f"messages[{i}] must be an object with a string `role`.",
                                   param=f"messages[{i}].role")
         msg = dict(msg)
+        if msg["role"] == "assistant" and isinstance(msg.get("tool_calls"), list):
+            msg["tool_calls"] = [_template_tool_call(tc) for tc in msg["tool_calls"]]
         content = msg.get("content")
         if isinstance(content, list):
             texts = []
@@ -138,6 +129,19 @@ def normalize_messages(messages: list[Any]) -> list[dict[str, Any]]:
                                   param=f"messages[{i}].content")
         out.append(msg)
     return out
+
+
+def _template_tool_call(tool_call: Any) -> Any:
+    # OpenAI sends arguments as JSON text; chat templates iterate over them as a mapping.
+    fn = tool_call.get("function") if isinstance(tool_call, dict) else None
+    if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+        try:
+            args = json.loads(fn["arguments"])
+        except json.JSONDecodeError:
+            return tool_call
+        if isinstance(args, dict):
+            return {**tool_call, "function": {**fn, "arguments": args}}
+    return tool_call
 
 
 def render_chat(tokenizer: Any, messages: list[Any], *, template: str | None, add_generation_prompt: bool,
@@ -271,7 +275,8 @@ class OpenAIServing:
         return requested
 
     def build_sampling_params(self, req: Any, *, max_tokens: int, logprobs: int | None,
-                              prompt_logprobs: int | None) -> SamplingParams:
+                              prompt_logprobs: int | None,
+                              structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
         self.check_token_ids(list(req.stop_token_ids or []), "stop_token_ids")
         self.check_token_ids(list(req.allowed_token_ids or []), "allowed_token_ids")
         logit_bias = None
@@ -298,7 +303,7 @@ class OpenAIServing:
                 max_tokens=max_tokens, min_tokens=req.min_tokens, logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs, skip_special_tokens=req.skip_special_tokens,
                 spaces_between_special_tokens=req.spaces_between_special_tokens, logit_bias=logit_bias,
-                allowed_token_ids=req.allowed_token_ids,
+                allowed_token_ids=req.allowed_token_ids, structured_outputs=structured_outputs,
                 # DELTA even for non-streaming requests: the server sees every token arrive (metrics,
                 # disconnect checks) and assembles the final text itself.
                 output_kind=RequestOutputKind.DELTA)
