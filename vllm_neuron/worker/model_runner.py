@@ -125,7 +125,13 @@ class ModelRunner:
         """(name, kind, size, context) for every graph warm-up compiles."""
         names = B.bucket_names(self.prefill_buckets, self.decode_buckets, self.context_buckets,
                                self.prefill_needs_context())
-        return [(n, *B.parse_bucket_name(n)) for n in names]
+        out = []
+        for n in names:
+            kind, size, ctx = B.parse_bucket_name(n)
+            if kind == "decode" and not ctx:
+                ctx = self.context_buckets[-1]  # a single context keeps the plain decode_b{B} name
+            out.append((n, kind, size, ctx))
+        return out
 
     def prefill_needs_context(self) -> bool:
         return self.config.enable_prefix_caching or self.config.max_model_len > self.config.max_num_batched_tokens

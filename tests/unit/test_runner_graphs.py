@@ -1,0 +1,38 @@
+"""The graph list warm-up compiles: names, kinds and the shapes each graph is warmed with."""
+from __future__ import annotations
+
+from vllm_neuron.config.engine_config import EngineConfig
+from vllm_neuron.worker.model_runner import ModelRunner
+
+
+def _runner(**kw) -> ModelRunner:
+    cfg = EngineConfig.from_kwargs(**kw)
+    cfg.finalize(model_max_len=2048)
+    r = ModelRunner.__new__(ModelRunner)  # graph planning needs no model
+    r.config = cfg
+    nc = cfg.neuron_config
+    r.prefill_buckets, r.decode_buckets, r.context_buckets = (nc.num_batched_tokens_buckets, nc.num_seqs_buckets,
+                                                              nc.context_buckets)
+    return r
+
+
+def test_single_context_decode_graphs_get_max_model_len():
+    r = _runner(max_model_len=1024, max_num_seqs=4, max_num_batched_tokens=256)
+    graphs = r.graph_names()
+    assert ("decode_b4", "decode", 4, 1024) in graphs
+    assert ("prefill_s256_c1024", "prefill", 256, 1024) in graphs
+    assert ("prefill_s128", "prefill", 128, 0) in graphs
+    assert all(ctx > 0 for _, kind, _, ctx in graphs if kind == "decode")
+
+
+def test_context_buckets_multiply_decode_graphs_only():
+    r = _runner(max_model_len=1024, max_num_seqs=2, max_num_batched_tokens=128, enable_prefix_caching=False,
+                additional_config={"neuron_config": {"decode_context_length_buckets": [256]}})
+    names = [g[0] for g in r.graph_names()]
+    assert names == ["prefill_s128", "prefill_s128_c1024", "decode_b1_c256", "decode_b1_c1024",
+                     "decode_b2_c256", "decode_b2_c1024"]
+
+
+def test_no_context_prefill_graphs_without_caching_or_segments():
+    r = _runner(max_model_len=128, max_num_seqs=2, max_num_batched_tokens=128, enable_prefix_caching=False)
+    assert [g[0] for g in r.graph_names()] == ["prefill_s128", "decode_b1", "decode_b2"]
