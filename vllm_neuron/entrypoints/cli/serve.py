@@ -24,7 +24,8 @@ def run_serve(args: argparse.Namespace) -> int:
 async def _serve(config, args: argparse.Namespace, api_key: str | None, t0: float) -> int:
     from vllm_neuron import metrics
     from vllm_neuron.engine.async_llm import AsyncLLM
-    from vllm_neuron.entrypoints.openai.api_server import build_app, serve_http
+    from vllm_neuron.engine.protocol import EngineDeadError
+    from vllm_neuron.entrypoints.openai.api_server import build_app, create_server
 
     engine = AsyncLLM(config)
     try:
@@ -35,10 +36,19 @@ async def _serve(config, args: argparse.Namespace, api_key: str | None, t0: floa
                         tool_call_parser=getattr(args, "tool_call_parser", None))
         await engine.start()
 
+        server = create_server(app, args.host, args.port, args.uvicorn_log_level)
+        exit_code = 0
+
         async def _announce_ready() -> None:
+            nonlocal exit_code
             try:
                 await engine.wait_until_ready()
-            except Exception:  # noqa: BLE001 - the engine's own error is already logged
+            except EngineDeadError as e:
+                # Startup failed (bad KV budget, compile-cache miss under DISABLE_WARMUP_COMPILE, ...):
+                # the server must not linger with /health 503 forever.
+                logger.error("Engine failed to start, shutting down: %s", e)
+                exit_code = 1
+                server.should_exit = True
                 return
             seconds = time.perf_counter() - t0
             metrics.record_startup_time(seconds)
@@ -47,8 +57,8 @@ async def _serve(config, args: argparse.Namespace, api_key: str | None, t0: floa
 
         ready_task = asyncio.create_task(_announce_ready())
         logger.info("Serving on http://%s:%d; /health is 503 until warm-up finishes", args.host, args.port)
-        await serve_http(app, args.host, args.port, args.uvicorn_log_level)
+        await server.serve()
         ready_task.cancel()
+        return exit_code
     finally:
         engine.shutdown()
-    return 0
