@@ -159,7 +159,8 @@ class ModelRunner:
 
     # -- graphs ----------------------------------------------------------------------------------
     def _sample(self, logits, bitmask, temperature, top_k, top_p, uniform):
-        logits = apply_token_bitmask(logits, bitmask)
+        if bitmask is not None:
+            logits = apply_token_bitmask(logits, bitmask)
         if self.odsc is None:
             return None, logits
         if self.odsc.all_greedy:
@@ -184,7 +185,9 @@ class ModelRunner:
     def _t(self, a: np.ndarray | None) -> torch.Tensor | None:
         return None if a is None else torch.from_numpy(a).to(self.device, non_blocking=True)
 
-    def _bitmask(self, chunks, rows: int, masks: dict) -> np.ndarray:
+    def _bitmask(self, chunks, rows: int, masks: dict) -> np.ndarray | None:
+        if not masks and self.backend == "eager":
+            return None  # eager can skip the full-vocabulary unpack; a compiled graph keeps one signature
         out = np.full((rows, self._bitmask_words), -1, np.int32)
         for i, c in enumerate(chunks):
             m = masks.get(c.req_id)
