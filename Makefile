@@ -38,3 +38,7 @@ bench: setup  ## offline throughput vs transformers on the bundled model
 
 clean:
 	rm -rf $(VENV) .pytest_cache
+
+.PHONY: bench-peers
+bench-peers: setup  ## our server vs vLLM CPU and llama.cpp's llama-server (peers install once into ~/.cache/vllm_neuron_peers)
+	$(BIN)/python benchmarks/compare_peers.py $(ARGS)

@@ -1,0 +1,1 @@
+"""Helpers of benchmarks/compare_peers.py: peer installs, server processes, the report."""

@@ -1,0 +1,143 @@
+"""benchmarks/compare_peers.py: end to end against our own server on a tiny model, and the peer
+install / start failure paths with fake peers (no network: nothing here installs a real peer)."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_SCRIPT = os.path.join(_REPO, "benchmarks", "compare_peers.py")
+
+
+@pytest.fixture(scope="module")
+def cp():
+    spec = importlib.util.spec_from_file_location("compare_peers", _SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["compare_peers"] = module  # dataclasses resolve annotations through sys.modules
+    spec.loader.exec_module(module)
+    return module
+
+
+def _table_rows(text: str) -> list[list[str]]:
+    return [[c.strip() for c in line.strip().strip("|").split("|")]
+            for line in text.splitlines() if line.startswith("| ")]
+
+
+def test_ours_p2_end_to_end(tiny_llama_dir, tmp_path):
+    from tests.model_factory import build_tiny_llama
+
+    results = tmp_path / "results"
+    env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=str(tmp_path / "prom"),
+               VLLM_CACHE_ROOT=str(tmp_path / "vllm_cache"))
+    os.makedirs(env["PROMETHEUS_MULTIPROC_DIR"])
+    proc = subprocess.run(
+        [sys.executable, _SCRIPT, "--peers", "ours", "--workloads", "P2", "--num-prompts-scale", "0.125",
+         "--model", tiny_llama_dir, "--cache-dir", str(tmp_path / "cache"), "--result-dir", str(results),
+         "--ready-timeout", "60",
+         "--ours-args", "--enforce-eager --max-model-len 512 --num-gpu-blocks-override 128"],
+        capture_output=True, text=True, timeout=150, env=env, cwd=_REPO, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = _table_rows(proc.stdout)
+    assert rows[0][:2] == ["engine", "P1 output tok/s"]
+    ours = next(r for r in rows if r[0] == "vllm-neuron (ours)")
+    assert ours[-1] == "ok", proc.stdout
+    assert ours[1] == "-"  # P1 was not run
+    p2_ttft, p2_tpot = (float(x) for x in ours[3].split(" / "))
+    assert p2_ttft > 0 and p2_tpot > 0
+    assert not any(r[0] == "ours / best peer" for r in rows)  # no peer ran: nothing to compare to
+
+    saved = sorted(p for p in os.listdir(results) if p.startswith("compare_peers-"))
+    assert len(saved) == 1
+    report = json.loads((results / saved[0]).read_text())
+    assert report["table"] in proc.stdout
+    (engine,) = report["engines"]
+    runs = [r for r in engine["runs"] if r["workload"] == "P2"]
+    assert len(runs) == 1
+    with open(runs[0]["result_path"]) as f:
+        bench = json.load(f)
+    # 8 requests scaled by 1/8, with its full output (ignore_eos).
+    assert bench["completed"] == 1 and bench["max_concurrency"] == 1
+    assert bench["output_lens"] == [128]
+    assert engine["figures"]["p2_median_tpot_ms"] == pytest.approx(bench["median_tpot_ms"])
+    assert engine["figures"]["p2_mean_ttft_ms"] == pytest.approx(bench["mean_ttft_ms"])
+
+    roof = report["roofline"]
+    n_params = sum(p.numel() for p in build_tiny_llama().parameters())
+    assert roof["weight_bytes_bf16"] == 2 * n_params
+    assert roof["ours_step_ms"] == pytest.approx(engine["figures"]["p2_median_tpot_ms"])
+    assert roof["read_bandwidth_gb_s"] > 0.5
+    assert "% of the roofline" in proc.stdout
+
+
+def test_failing_peers_are_reported_and_the_run_goes_on(cp, smollm2_tokenizer_dir, tmp_path):
+    calls = {"broken": 0, "dead": 0}
+
+    def broken_install(ctx):
+        calls["broken"] += 1
+        raise RuntimeError("pip: network unreachable")
+
+    def dead_install(ctx):
+        calls["dead"] += 1
+        return {"exit_code": 3}
+
+    def dead_spec(info, opts):
+        return cp.ServerSpec([sys.executable, "-c", f"import sys; sys.exit({info['exit_code']})"])
+
+    peers = {"broken": cp.Peer("Broken peer", broken_install, dead_spec),
+             "dead": cp.Peer("Dead peer", dead_install, dead_spec)}
+    argv = ["--peers", "broken,dead", "--model", smollm2_tokenizer_dir, "--cache-dir", str(tmp_path),
+            "--no-roofline", "--ready-timeout", "30"]
+    opts = cp.parse_options(argv, peers)
+    report = cp.run_comparison(opts, peers)
+    rows = {r[0]: r for r in _table_rows(report["table"])}
+    assert rows["Broken peer"][-1] == "install failed: pip: network unreachable"
+    assert rows["Dead peer"][-1].startswith("start failed: exited 3")
+    assert rows["Dead peer"][1:5] == ["-", "- / -", "- / -", "- / -"]
+    assert os.path.isfile(report["json_path"])
+    with open(report["json_path"]) as f:
+        engines = {e["name"]: e for e in json.load(f)["engines"]}
+    assert engines["dead"]["install_fresh"] is True and engines["dead"]["install_seconds"] >= 0
+
+    # A finished install is cached; a failed one is retried on the next run.
+    report = cp.run_comparison(opts, peers)
+    assert calls == {"broken": 2, "dead": 1}
+    engines = {e["name"]: e for e in report["engines"]}
+    assert engines["dead"]["install_fresh"] is False
+
+
+def test_ratio_row_compares_ours_with_the_best_peer(cp):
+    from peers.report import EngineResult, format_table
+
+    results = [EngineResult("ours", "ours", figures={"p1_output_tok_s": 300.0, "p2_median_tpot_ms": 8.0}),
+               EngineResult("a", "peer a", figures={"p1_output_tok_s": 200.0, "p2_median_tpot_ms": 16.0}),
+               EngineResult("b", "peer b", figures={"p1_output_tok_s": 100.0, "p2_median_tpot_ms": 10.0}),
+               EngineResult("c", "peer c", status="install failed: x")]
+    rows = {r[0]: r for r in _table_rows(format_table(results))}
+    ratio = rows["ours / best peer"]
+    assert ratio[1] == "1.50x"           # throughput: against the fastest peer (200)
+    assert ratio[3] == "- / 0.80x"       # TPOT: against the lowest peer TPOT (10 ms); TTFT unmeasured
+    assert rows["peer c"][-1] == "install failed: x"
+
+
+def test_bad_options_name_the_valid_values(cp):
+    with pytest.raises(ValueError, match="--peers.*ours, vllm, llamacpp"):
+        cp.parse_options(["--peers", "ours,tgi"])
+    with pytest.raises(ValueError, match="--workloads.*P1, P2, P3"):
+        cp.parse_options(["--workloads", "P4"])
+    with pytest.raises(ValueError, match="--num-prompts-scale"):
+        cp.parse_options(["--num-prompts-scale", "0"])
+
+
+def test_vllm_metadata_stub_is_a_distribution_named_vllm(cp, tmp_path):
+    from peers.install import write_vllm_metadata_stub
+
+    write_vllm_metadata_stub(str(tmp_path), "0.32.0+cpu")
+    (dist,) = list(importlib.metadata.distributions(path=[str(tmp_path)]))
+    assert dist.metadata["Name"] == "vllm" and dist.version == "0.32.0+cpu"
