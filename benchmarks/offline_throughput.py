@@ -9,6 +9,7 @@ runs batches of --hf-batch-size with left padding. Prints output tokens/s for bo
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import time
 
@@ -35,7 +36,7 @@ def run_ours(args, reqs) -> tuple[float, int]:
     from vllm_neuron import LLM, SamplingParams
 
     llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-              enforce_eager=args.enforce_eager)
+              enforce_eager=args.enforce_eager, additional_config=args.additional_config)
     prompts = [{"prompt_token_ids": ids} for ids, _ in reqs]
     params = [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True) for _, o in reqs]
     llm.generate(prompts[:2], params[:2], use_tqdm=False)  # first-touch warm-up
@@ -87,6 +88,8 @@ def main() -> None:
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--additional-config", type=json.loads, default=None,
+                   help='e.g. \'{"neuron_config": {"num_seqs_buckets": [1, 4, 16]}}\'')
     p.add_argument("--hf-batch-size", type=int, default=16)
     p.add_argument("--skip-transformers", action="store_true")
     args = p.parse_args()
