@@ -51,14 +51,13 @@ def run_transformers(args, reqs, dtype: torch.dtype) -> tuple[float, int]:
 
     from vllm_neuron.model.loader import load_checkpoint
 
+    # The same dequantized weights we serve, in the same dtype (transformers' own GGUF path keeps the
+    # weights quantized and computes in fp32: a different, slower model).
     ckpt = load_checkpoint(args.model)
-    if ckpt.gguf_file:
-        import os
-
-        model = AutoModelForCausalLM.from_pretrained(os.path.dirname(ckpt.gguf_file),
-                                                     gguf_file=os.path.basename(ckpt.gguf_file), dtype=dtype)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(ckpt.path, dtype=dtype)
+    model = AutoModelForCausalLM.from_config(ckpt.hf_config, dtype=dtype)
+    missing, unexpected = model.load_state_dict(dict(ckpt.iter_weights(dtype)), strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+    model.tie_weights()
     model.eval()
     pad = 0
     total = 0
