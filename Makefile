@@ -6,6 +6,9 @@ STAMP := $(VENV)/.installed-$(shell sha1sum pyproject.toml constraints.txt | sha
 HOST ?= 127.0.0.1
 PORT ?= 8000
 ARGS ?=
+# The main job's serving configuration for the bundled model on a 2-core CPU: 10 graphs (about 8 minutes
+# of cold compile, under a minute warm), short contexts attended at 512 instead of 2048 (1.8x faster decode).
+SERVE_ARGS ?= --max-model-len 2048 --additional-config '{"neuron_config": {"num_seqs_buckets": [1, 4, 16], "num_batched_tokens_buckets": [256, 512], "decode_context_length_buckets": [512]}}'
 
 .PHONY: setup run test test-fast bench compile clean
 
@@ -22,7 +25,7 @@ $(STAMP):
 setup: $(STAMP)
 
 run: setup  ## serve the bundled model (OpenAI API on http://$(HOST):$(PORT)/v1)
-	$(BIN)/vllm-neuron serve --host $(HOST) --port $(PORT) $(ARGS)
+	$(BIN)/vllm-neuron serve --host $(HOST) --port $(PORT) $(SERVE_ARGS) $(ARGS)
 
 test: setup  ## the whole test suite (CPU)
 	$(BIN)/python -m pytest -q $(ARGS)
