@@ -156,7 +156,7 @@ class Scheduler:
                 scheduled.append(req)
         if not scheduled:
             return None
-        chunks = [ScheduledChunk(r.request_id, [r.all_token_ids[-1]], r.num_tokens - 1,
+        chunks = [ScheduledChunk(r.request_id, [r.last_token_id], r.num_tokens - 1,
                                  list(self.kv.block_table(r.request_id)), sample=True) for r in scheduled]
         return SchedulerOutput("decode", chunks)
 
