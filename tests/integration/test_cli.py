@@ -6,7 +6,6 @@ import json
 import subprocess
 import time
 
-import pytest
 
 from tests.integration.server_utils import ServerProcess, run_cli
 

@@ -147,7 +147,7 @@ class EngineConfig:
     def neuron_config(self) -> NeuronConfig:
         return self.additional_config.neuron_config
 
-    def served_names(self, model_path: str) -> list[str]:
+    def served_names(self) -> list[str]:
         if self.served_model_name is None:
             return [self.model or BUNDLED_MODEL_NAME]
         if isinstance(self.served_model_name, str):

@@ -41,7 +41,7 @@ class AsyncLLM(EngineClient):
                                               ckpt.hf_config.vocab_size)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.model_info = ModelInfo(ckpt.path, config.max_model_len, self.input_processor.eos_token_id)
-        self.model_name = model_name or config.served_names(ckpt.path)[0]
+        self.model_name = model_name or config.served_names()[0]
         self._queues: dict[str, asyncio.Queue] = {}
         self._ready = False
         self._dead: str | None = None

@@ -27,7 +27,6 @@ class LLMEngine:
             self.tokenizer, config.max_model_len, ckpt.generation_config,
             config.neuron_config.on_device_sampling_config, config.max_logprobs, ckpt.hf_config.vocab_size)
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.last_stats = None
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "LLMEngine":
@@ -48,7 +47,6 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         outs = self.core.step()
-        self.last_stats = outs.stats
         results, to_abort = self.output_processor.process(outs.outputs)
         if to_abort:
             self.core.abort_requests(to_abort, "stop")

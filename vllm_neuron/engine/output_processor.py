@@ -7,7 +7,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_neuron.engine.detokenizer import IncrementalDetokenizer
-from vllm_neuron.engine.input_processor import child_request_id
 from vllm_neuron.engine.messages import EngineCoreOutput, EngineCoreRequest
 from vllm_neuron.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from vllm_neuron.sampling_params import RequestOutputKind, SamplingParams
@@ -157,5 +156,3 @@ class OutputProcessor:
         return RequestOutput(st.request_id, st.prompt, st.prompt_token_ids, None, comps, finished,
                              st.metrics, st.num_cached_tokens)
 
-
-__all__ = ["OutputProcessor", "child_request_id"]

@@ -29,7 +29,7 @@ async def _serve(config, args: argparse.Namespace, api_key: str | None, t0: floa
 
     engine = AsyncLLM(config)
     try:
-        names = config.served_names(engine.model_info.model_path)
+        names = config.served_names()
         app = build_app(engine, served_model_names=names, api_key=api_key, chat_template=config.chat_template,
                         max_logprobs=config.max_logprobs, allowed_origins=args.allowed_origins,
                         enable_auto_tool_choice=getattr(args, "enable_auto_tool_choice", False),
