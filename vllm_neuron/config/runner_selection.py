@@ -1,0 +1,45 @@
+"""Which model runner serves a configuration: Model Runner V2 or V1 (pure; the seeds' rules).
+
+Resolved once per engine, when the configuration is finalized, and exposed as
+`EngineConfig.use_v2_model_runner`. `VLLM_USE_V2_MODEL_RUNNER` unset picks MRv2 unless the
+configuration uses a feature MRv2 does not support; 0 forces MRv1; 1 forces MRv2 and only warns.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+V2_LOG_LINE = "Using the standalone V2 Neuron model runner."
+
+
+@dataclass(frozen=True)
+class RunnerChoice:
+    use_v2: bool
+    unsupported: tuple[str, ...]  # features of this configuration MRv2 does not support
+    forced: bool | None  # the VLLM_USE_V2_MODEL_RUNNER value (None: unset)
+
+    def log_message(self) -> str | None:
+        """The line the seeds document for this decision, or None when nothing is logged."""
+        features = ", ".join(self.unsupported)
+        if self.use_v2 and self.forced and self.unsupported:
+            return (f"VLLM_USE_V2_MODEL_RUNNER=1 forces Neuron Model Runner V2 with unsupported features "
+                    f"({features}); execution may fail.")
+        if not self.use_v2 and self.forced is None and self.unsupported:
+            return f"Neuron Model Runner V2 does not yet support {features}; using V1."
+        return None
+
+
+def mrv2_unsupported_features(*, cpu_sampling: bool, enforce_eager: bool) -> tuple[str, ...]:
+    """Features of a dense configuration that select MRv1 (the seeds' list, as far as we build it)."""
+    out = []
+    if cpu_sampling:
+        out.append("CPU sampling (on_device_sampling_config=null)")
+    if enforce_eager:
+        out.append("eager execution (enforce_eager)")
+    return tuple(out)
+
+
+def select_model_runner(env_value: bool | None, *, cpu_sampling: bool, enforce_eager: bool) -> RunnerChoice:
+    unsupported = mrv2_unsupported_features(cpu_sampling=cpu_sampling, enforce_eager=enforce_eager)
+    if env_value is None:
+        return RunnerChoice(not unsupported, unsupported, None)
+    return RunnerChoice(env_value, unsupported, env_value)
