@@ -14,6 +14,11 @@ if TYPE_CHECKING:
 from vllm_neuron.sampling_params import SamplingParams
 
 
+# A decode chunk's input token when async scheduling scheduled it before the previous step's sample
+# reached the host: the runner takes the token from the device (the previous step's output).
+PLACEHOLDER_TOKEN_ID = -1
+
+
 @dataclass
 class NewRequestData:
     """Sent once, the first time a request is scheduled; the runner keeps its sampling state."""
@@ -39,6 +44,9 @@ class SchedulerOutput:
     chunks: list[ScheduledChunk]
     new_requests: list[NewRequestData] = field(default_factory=list)
     finished_req_ids: list[str] = field(default_factory=list)  # runner drops their state
+    # Preempted since the last step: their KV is gone and they will be prefilled again (from their
+    # cached prefix); the runner keeps their sampling state but frees any batch slot.
+    preempted_req_ids: list[str] = field(default_factory=list)
     # Structured outputs: req_id -> packed allowed-token bitmask (int32 words, xgrammar's layout) for the
     # token this step samples. Requests without a grammar are absent (all tokens allowed).
     grammar_bitmask: dict[str, "np.ndarray"] = field(default_factory=dict)
@@ -70,3 +78,7 @@ class ModelRunnerOutput:
     logprobs: dict[str, StepLogprobs] = field(default_factory=dict)
     bucket_name: str = ""
     num_padding: int = 0  # padded tokens (prefill) or padded sequences (decode)
+    # Async scheduling: this step could not take the previous step's tokens straight from the device
+    # (the batch changed) and filled its placeholders on the host.
+    async_fallback: bool = False
+    tokens_passed_on_device: bool = False  # this step's input tokens came from the previous step's output

@@ -25,7 +25,7 @@ def test_unknown_kwarg_names_the_valid_ones():
     ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype='fp8' is not supported yet"),
     ({"enable_prompt_embeds": True}, "enable_prompt_embeds"),
     ({"speculative_config": {"method": "eagle3"}}, "speculative_config"),
-    ({"async_scheduling": True}, "async_scheduling"),
+    ({"async_scheduling": "yes"}, "async_scheduling"),
     ({"block_size": 24}, "block_size=24 is not valid"),
     ({"device": "tpu"}, "device='tpu' is not valid"),
     ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
@@ -78,3 +78,25 @@ def test_cli_refuses_vllm_quantization_flag_and_conflicting_models():
         _cli("--quantization", "neuron_quant")
     with pytest.raises(ValueError, match="conflicting models"):
         _cli("/a", "--model", "/b")
+
+
+def test_async_scheduling_defaults_on_and_requires_on_device_sampling():
+    c = EngineConfig.from_kwargs(max_model_len=256)
+    c.finalize(model_max_len=2048)
+    assert c.async_scheduling is True
+    off = EngineConfig.from_kwargs(max_model_len=256, async_scheduling=False)
+    off.finalize(model_max_len=2048)
+    assert off.async_scheduling is False
+    cpu = EngineConfig.from_kwargs(max_model_len=256, additional_config={"neuron_config": {
+        "on_device_sampling_config": None}})
+    cpu.finalize(model_max_len=2048)
+    assert cpu.async_scheduling is False  # CPU sampling: the default turns async off
+    forced = EngineConfig.from_kwargs(max_model_len=256, async_scheduling=True, additional_config={
+        "neuron_config": {"on_device_sampling_config": None}})
+    with pytest.raises(ValueError, match="async_scheduling=True requires on-device sampling"):
+        forced.finalize(model_max_len=2048)
+
+
+def test_no_async_scheduling_flag():
+    c = _cli("--no-async-scheduling")
+    assert c.async_scheduling is False

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_neuron.config.device import DEVICE_CHOICES, DTYPE_CHOICES
+from vllm_neuron.config.runner_selection import RunnerChoice, select_model_runner
 from vllm_neuron.model.neuron_config import AdditionalConfig, NeuronConfig, parse_additional_config
 
 KV_CACHE_DTYPES = ("auto",)
@@ -55,6 +56,7 @@ class EngineConfig:
     additional_config: dict | str | AdditionalConfig | None = None
     # Filled by validate()
     neuron: AdditionalConfig = field(default=None, init=False, repr=False)  # type: ignore[assignment]
+    runner_choice: RunnerChoice | None = field(default=None, init=False, repr=False)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
@@ -95,8 +97,8 @@ class EngineConfig:
             raise _not_supported("data_parallel_size", self.data_parallel_size, "only 1 for now")
         if self.enable_expert_parallel:
             raise _not_supported("enable_expert_parallel", True, "no MoE model is supported yet")
-        if self.async_scheduling:
-            raise _not_supported("async_scheduling", True, "steps run synchronously for now")
+        if self.async_scheduling not in (None, True, False):
+            raise ValueError(f"async_scheduling must be true, false or unset, got {self.async_scheduling!r}")
         if self.enable_prompt_embeds:
             raise _not_supported("enable_prompt_embeds", True)
         if self.speculative_config:
@@ -141,7 +143,25 @@ class EngineConfig:
             # Context buckets are whole blocks; the largest one is max_model_len.
             raise ValueError(f"max_model_len={self.max_model_len} must be a multiple of block_size={self.block_size}")
         self.additional_config = dataclasses.replace(self.additional_config, neuron_config=nc)
+        if nc.on_device_sampling_config is None:
+            if self.async_scheduling:
+                raise ValueError(
+                    "async_scheduling=True requires on-device sampling, but neuron_config.on_device_sampling_config "
+                    "is null (CPU sampling); use --no-async-scheduling or enable on-device sampling")
+            self.async_scheduling = False
+        elif self.async_scheduling is None:
+            self.async_scheduling = True  # the seeds' default
+        from vllm_neuron import envs
+
+        self.runner_choice = select_model_runner(envs.VLLM_USE_V2_MODEL_RUNNER,
+                                                 cpu_sampling=nc.on_device_sampling_config is None,
+                                                 enforce_eager=self.enforce_eager)
         return nc
+
+    @property
+    def use_v2_model_runner(self) -> bool:
+        """The resolved runner (seeds: `VllmConfig.use_v2_model_runner`); set by finalize()."""
+        return self.runner_choice is not None and self.runner_choice.use_v2
 
     @property
     def neuron_config(self) -> NeuronConfig:

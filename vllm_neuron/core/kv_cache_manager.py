@@ -80,9 +80,11 @@ class KVCacheManager:
         if not table:
             return
         start = len(request.block_hashes)
-        if request.num_computed_tokens // self.block_size <= start:
+        # Only tokens known on the host can be hashed (async scheduling computes one ahead).
+        computed = min(request.num_computed_tokens, request.num_tokens)
+        if computed // self.block_size <= start:
             return  # no newly filled block: skip copying the token list on every decode step
-        extend_block_hashes(request.block_hashes, request.all_token_ids, request.num_computed_tokens,
+        extend_block_hashes(request.block_hashes, request.all_token_ids, computed,
                             self.block_size, request.cache_salt)
         for i in range(start, len(request.block_hashes)):
             self.pool.cache(table[i], request.block_hashes[i])

@@ -38,7 +38,10 @@ class Request:
 
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
-    num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    # Tokens whose K/V are in the cache or being written by a scheduled step (advanced when scheduled).
+    num_computed_tokens: int = 0
+    # Sampled tokens of scheduled steps that have not reached the scheduler yet (async scheduling).
+    num_output_placeholders: int = 0
     num_cached_tokens: int = -1  # prefix-cache hit at first scheduling (-1: not scheduled yet)
     num_preemptions: int = 0
     stop_reason: int | str | None = None
@@ -60,10 +63,15 @@ class Request:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def token_at(self, pos: int) -> int:
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[pos] if pos < n else self.output_token_ids[pos - n]
+
     @property
     def is_prefilling(self) -> bool:
-        """True while tokens other than the newest sampled one still lack K/V."""
-        return self.num_computed_tokens < self.num_tokens - 1 or not self.output_token_ids
+        """True while tokens other than the newest sampled one (known or pending) still lack K/V."""
+        pending = self.num_output_placeholders
+        return self.num_computed_tokens < self.num_tokens + pending - 1 or not (self.output_token_ids or pending)
 
     @property
     def finish_reason(self) -> str | None:

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from vllm_neuron.core.kv_cache_manager import KVCacheManager
 from vllm_neuron.core.request import Request, RequestStatus
 from vllm_neuron.core.stop_checker import check_stop
-from vllm_neuron.step import ModelRunnerOutput, NewRequestData, ScheduledChunk, SchedulerOutput
+from vllm_neuron.step import (PLACEHOLDER_TOKEN_ID, ModelRunnerOutput, NewRequestData, ScheduledChunk,
+                              SchedulerOutput)
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order; the last is preempted first
         self._finished_ids: list[str] = []  # to tell the runner
+        self._preempted_ids: list[str] = []
         self._sent_to_runner: set[str] = set()
         self._last_kind: str | None = None
         self.num_preemptions = 0
@@ -97,6 +99,7 @@ class Scheduler:
         if out is not None:
             self._last_kind = out.kind
             out.finished_req_ids, self._finished_ids = self._finished_ids, []
+            out.preempted_req_ids, self._preempted_ids = self._preempted_ids, []
         return out
 
     def _schedule_prefill(self) -> SchedulerOutput | None:
@@ -135,8 +138,11 @@ class Scheduler:
                     new.append(NewRequestData(req.request_id, req.prompt_token_ids, req.sampling_params,
                                               req.eos_token_id))
             tokens = req.all_token_ids[start:start + n]
+            sample = start + n == req.num_tokens
             chunks.append(ScheduledChunk(req.request_id, tokens, start, list(self.kv.block_table(req.request_id)),
-                                         sample=start + n == req.num_tokens))
+                                         sample=sample))
+            req.num_computed_tokens = start + n
+            req.num_output_placeholders += sample
             budget -= n
         if not chunks:
             return None
@@ -145,7 +151,7 @@ class Scheduler:
     def _schedule_decode(self) -> SchedulerOutput | None:
         scheduled: list[Request] = []
         for req in list(self.running):
-            if req.status != RequestStatus.RUNNING or req.is_prefilling:
+            if req.status != RequestStatus.RUNNING or req.is_prefilling or self._will_finish(req):
                 continue
             while not self.kv.allocate(req, 1):
                 victim = self.running[-1]
@@ -156,17 +162,35 @@ class Scheduler:
                 scheduled.append(req)
         if not scheduled:
             return None
-        chunks = [ScheduledChunk(r.request_id, [r.last_token_id], r.num_tokens - 1,
-                                 list(self.kv.block_table(r.request_id)), sample=True) for r in scheduled]
+        chunks = []
+        for r in scheduled:
+            pos = r.num_computed_tokens
+            # With async scheduling the token at `pos` may still be on the device (previous step).
+            token = r.token_at(pos) if pos < r.num_tokens else PLACEHOLDER_TOKEN_ID
+            chunks.append(ScheduledChunk(r.request_id, [token], pos, list(self.kv.block_table(r.request_id)),
+                                         sample=True))
+            r.num_computed_tokens += 1
+            r.num_output_placeholders += 1
         return SchedulerOutput("decode", chunks)
+
+    def _will_finish(self, req: Request) -> bool:
+        """A pending sample already reaches a length cap: another step would be thrown away."""
+        if not req.num_output_placeholders:
+            return False
+        n_out = len(req.output_token_ids) + req.num_output_placeholders
+        max_tokens = req.sampling_params.max_tokens
+        return (max_tokens is not None and n_out >= max_tokens) or \
+            req.num_prompt_tokens + n_out >= self.config.max_model_len
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
         self.kv.free(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
+        req.num_output_placeholders = 0  # a sample in flight is dropped; the recompute samples again
         req.num_preemptions += 1
         self.num_preemptions += 1
+        self._preempted_ids.append(req.request_id)
         self.waiting.appendleft(req)
 
     # -- results -----------------------------------------------------------------------------------
@@ -176,8 +200,9 @@ class Scheduler:
         for chunk in sched.chunks:
             req = self.requests.get(chunk.req_id)
             if req is None or req.status != RequestStatus.RUNNING:
-                continue  # aborted while the step ran
-            req.num_computed_tokens = chunk.start_pos + len(chunk.token_ids)
+                continue  # aborted or preempted while the step ran
+            if chunk.sample:
+                req.num_output_placeholders -= 1
             self.kv.cache_computed_blocks(req)
             for tok in result.sampled.get(chunk.req_id, ()):
                 req.output_token_ids.append(tok)

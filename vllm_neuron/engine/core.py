@@ -2,20 +2,26 @@
 from __future__ import annotations
 
 import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 
 from vllm_neuron import envs
 from vllm_neuron.config import buckets as B
 from vllm_neuron.config.device import resolve_device, resolve_dtype
 from vllm_neuron.config.engine_config import EngineConfig
-from vllm_neuron.core.request import Request
+from vllm_neuron.config.runner_selection import V2_LOG_LINE
+from vllm_neuron.core.request import Request, RequestStatus
 from vllm_neuron.core.scheduler import Scheduler, SchedulerConfig
 from vllm_neuron.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from vllm_neuron.logger import init_logger
+from vllm_neuron.step import ModelRunnerOutput, SchedulerOutput
 from vllm_neuron.model.loader import Checkpoint, load_checkpoint
 from vllm_neuron.worker import memory
 from vllm_neuron.worker.model_runner import ModelRunner
 
 logger = init_logger(__name__)
+
+BATCH_QUEUE_DEPTH = 2  # seeds: the engine schedules one step ahead of the one executing
 
 
 class EngineCore:
@@ -35,7 +41,16 @@ class EngineCore:
         env = envs.describe()
         if env:
             logger.info("Environment: %s", env)
-        self.runner = ModelRunner(config, self.ckpt, self.device, self.dtype, backend)
+        choice = config.runner_choice
+        if choice.log_message():
+            (logger.warning if choice.use_v2 else logger.info)("%s", choice.log_message())
+        if config.use_v2_model_runner:
+            from vllm_neuron.worker.model_runner_v2 import ModelRunnerV2
+
+            logger.info("%s", V2_LOG_LINE)
+            self.runner = ModelRunnerV2(config, self.ckpt, self.device, self.dtype, backend)
+        else:
+            self.runner = ModelRunner(config, self.ckpt, self.device, self.dtype, backend)
         logger.info("%s", B.format_bucket_table(nc.num_batched_tokens_buckets, nc.num_seqs_buckets,
                                                 nc.context_buckets, self.runner.prefill_needs_context()))
         self.load_stats = self.runner.load_model()
@@ -50,6 +65,15 @@ class EngineCore:
             max_prefill_context_tokens=max(nc.context_buckets)))
         self.structured = None  # StructuredOutputManager, created with the first grammar request
         self._grammar_wait: dict[str, Request] = {}
+        self.async_scheduling = bool(config.async_scheduling)
+        self.num_async_sync_fallbacks = 0
+        self.num_async_passed = 0  # decode steps fed straight from the previous step's device tokens
+        self._queue: deque[tuple[SchedulerOutput, Future]] = deque()
+        # One thread: steps execute in order, so step N+1 always sees step N's KV and runner state.
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="vllm-neuron-step") \
+            if self.async_scheduling else None
+        logger.info("Async scheduling: %s", f"on (batch queue depth {BATCH_QUEUE_DEPTH})"
+                    if self.async_scheduling else "off")
         self.startup_seconds = time.perf_counter() - t0
         if backend == "eager":
             logger.info("Engine ready in %.1f s (eager)", self.startup_seconds)
@@ -85,7 +109,7 @@ class EngineCore:
                 self.structured.remove(rid)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._grammar_wait)
+        return self.scheduler.has_unfinished() or bool(self._grammar_wait) or bool(self._queue)
 
     def _admit_compiled_grammars(self) -> list[EngineCoreOutput]:
         failed = []
@@ -102,25 +126,64 @@ class EngineCore:
         return failed
 
     def step(self) -> EngineCoreOutputs:
+        """Runs (or, with async scheduling, advances the pipeline by) one step; returns what finished."""
         failed = self._admit_compiled_grammars() if self._grammar_wait else []
-        sched = self.scheduler.schedule()
-        if sched is None:
+        if not self.async_scheduling:
+            sched = self._schedule()
+            if sched is None:
+                return EngineCoreOutputs(failed, stats=self._stats(None, None))
+            return self._finish(sched, self.runner.execute(sched), failed)
+        # Batch queue: schedule step N+1 while step N runs on the executor thread; then wait for N.
+        scheduled = False
+        if len(self._queue) < BATCH_QUEUE_DEPTH:
+            if self._queue and self._grammar_in_flight():
+                # The next bitmask needs the in-flight token: finish that step first.
+                self.num_async_sync_fallbacks += 1
+            else:
+                sched = self._schedule()
+                if sched is not None:
+                    self._queue.append((sched, self._executor.submit(self.runner.execute, sched)))
+                    scheduled = True
+        if not self._queue:
             return EngineCoreOutputs(failed, stats=self._stats(None, None))
-        if self.structured is not None:
+        if scheduled and len(self._queue) < BATCH_QUEUE_DEPTH:
+            return EngineCoreOutputs(failed, stats=self._stats(None, None))
+        sched, future = self._queue.popleft()
+        return self._finish(sched, future.result(), failed)
+
+    def _schedule(self) -> SchedulerOutput | None:
+        sched = self.scheduler.schedule()
+        if sched is not None and self.structured is not None:
             sched.grammar_bitmask = {c.req_id: self.structured.bitmask(c.req_id) for c in sched.chunks
                                      if c.sample and self.structured.has(c.req_id)}
-        result = self.runner.execute(sched)
+        return sched
+
+    def _grammar_in_flight(self) -> bool:
+        return self.structured is not None and any(
+            self.structured.has(c.req_id) for sched, _ in self._queue for c in sched.chunks)
+
+    def _finish(self, sched: SchedulerOutput, result: ModelRunnerOutput,
+                failed: list[EngineCoreOutput]) -> EngineCoreOutputs:
+        """Hands one executed step to the scheduler and turns its tokens into outputs."""
+        self.num_async_sync_fallbacks += result.async_fallback
+        self.num_async_passed += result.tokens_passed_on_device
+        # Requests aborted or preempted while the step ran are not running any more: drop their tokens.
+        live = {}
+        for c in sched.chunks:
+            req = self.scheduler.requests.get(c.req_id)
+            if req is not None and req.status == RequestStatus.RUNNING:
+                live[c.req_id] = req
         if sched.grammar_bitmask:
             for rid in sched.grammar_bitmask:
-                self.structured.accept(rid, result.sampled.get(rid, []))
-        reqs = {c.req_id: self.scheduler.requests.get(c.req_id) for c in sched.chunks}
+                if rid in live:
+                    self.structured.accept(rid, result.sampled.get(rid, []))
         finished = {f.request.request_id: f for f in self.scheduler.update(sched, result)}
         if self.structured is not None:
             for rid in finished:
                 self.structured.remove(rid)
         outputs = failed
         for rid, toks in result.sampled.items():
-            req = reqs.get(rid)
+            req = live.get(rid)
             if req is None:
                 continue
             lp = result.logprobs.get(rid)
@@ -131,6 +194,10 @@ class EngineCore:
                 stop_reason=req.stop_reason if fin else None, num_cached_tokens=max(req.num_cached_tokens, 0)))
         return EngineCoreOutputs(outputs, self._stats(sched, result))
 
+    def shutdown(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=True, cancel_futures=True)
+
     def idle_stats(self) -> SchedulerStats:
         return self._stats(None, None)
 
@@ -140,4 +207,5 @@ class EngineCore:
             num_running=s.num_running, num_waiting=s.num_waiting, kv_cache_usage=s.kv.usage,
             prefix_queries=s.kv.prefix_queries, prefix_hits=s.kv.prefix_hits, num_preemptions=s.num_preemptions,
             step_kind=sched.kind if sched else "", bucket_name=result.bucket_name if result else "",
-            num_padding=result.num_padding if result else 0, num_tokens=sched.num_tokens if sched else 0)
+            num_padding=result.num_padding if result else 0, num_tokens=sched.num_tokens if sched else 0,
+            num_async_sync_fallbacks=self.num_async_sync_fallbacks)

@@ -95,15 +95,17 @@ class _StatsRecorder:
 
     def __init__(self, metrics) -> None:
         self.metrics = metrics
-        self.prev = (0, 0, 0)
+        self.prev = (0, 0, 0, 0)
 
     def record(self, s) -> None:
         if s is None:
             return
-        cur = (s.prefix_queries, s.prefix_hits, s.num_preemptions)
+        cur = (s.prefix_queries, s.prefix_hits, s.num_preemptions, s.num_async_sync_fallbacks)
         self.metrics.record_step(num_running=s.num_running, num_waiting=s.num_waiting,
                                  kv_cache_usage=s.kv_cache_usage, prefix_cache_queries=cur[0] - self.prev[0],
                                  prefix_cache_hits=cur[1] - self.prev[1], num_preemptions=cur[2] - self.prev[2])
+        for _ in range(cur[3] - self.prev[3]):
+            self.metrics.record_async_sync_fallback()
         self.prev = cur
         if s.bucket_name:
             self.metrics.record_execution(s.bucket_name)

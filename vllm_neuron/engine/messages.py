@@ -41,6 +41,7 @@ class SchedulerStats:
     prefix_queries: int = 0  # cumulative, in tokens
     prefix_hits: int = 0
     num_preemptions: int = 0  # cumulative
+    num_async_sync_fallbacks: int = 0  # cumulative
     step_kind: str = ""
     bucket_name: str = ""
     num_padding: int = 0

@@ -25,6 +25,7 @@ from vllm_neuron.worker import memory
 from vllm_neuron.worker.compilation import GraphCompiler, cache_key_parts
 from vllm_neuron.worker.input_builder import build_decode_inputs, build_prefill_inputs
 from vllm_neuron.worker.sampling import SamplingStates
+from vllm_neuron.worker.token_passing import TokenPassing
 
 logger = init_logger(__name__)
 
@@ -61,6 +62,7 @@ class ModelRunner:
         self.odsc = nc.on_device_sampling_config
         self.sampling = SamplingStates(self.odsc, config.seed)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.token_passing = TokenPassing()
         self.model = None
         self.compiler: GraphCompiler | None = None
 
@@ -206,11 +208,13 @@ class ModelRunner:
                                     self._t(s["temperature"]), self._t(s["top_k"]), self._t(s["top_p"]),
                                     self._t(s["uniform"]), self.kv_caches)
 
-    def _run_decode(self, chunks, batch: int, context: int, masks: dict | None = None):
+    def _run_decode(self, chunks, batch: int, context: int, masks: dict | None = None,
+                    input_ids: torch.Tensor | None = None):
         x = build_decode_inputs(chunks, batch, context, self.block_size)
         s = self.sampling.graph_tensors([c.req_id for c in chunks], batch)
         with torch.inference_mode():
-            return self._decode_fn(self._t(x.input_ids), self._t(x.positions), self._t(x.slot_mapping),
+            ids = input_ids if input_ids is not None else self._t(x.input_ids)
+            return self._decode_fn(ids, self._t(x.positions), self._t(x.slot_mapping),
                                    self._t(x.block_tables), self._t(x.seq_lens),
                                    self._t(self._bitmask(chunks, batch, masks or {})), self._t(s["temperature"]),
                                    self._t(s["top_k"]), self._t(s["top_p"]), self._t(s["uniform"]),
@@ -223,6 +227,7 @@ class ModelRunner:
         for data in sched.new_requests:
             self.sampling.add(data)
         chunks = sched.chunks
+        fallback = passed = False
         if sched.kind == "prefill":
             n = sched.num_tokens
             size = B.select_bucket(self.prefill_buckets, n)
@@ -233,7 +238,9 @@ class ModelRunner:
         else:
             size = B.select_bucket(self.decode_buckets, len(chunks))
             context = B.select_bucket(self.context_buckets, sched.max_seq_len)
-            tokens, logits = self._run_decode(chunks, size, context, sched.grammar_bitmask)
+            chunks, passed_ids, fallback = self.token_passing.resolve(chunks, size)
+            passed = passed_ids is not None
+            tokens, logits = self._run_decode(chunks, size, context, sched.grammar_bitmask, passed_ids)
             many = len(self.context_buckets) > 1
             name, padding = B.bucket_name("decode", size, context if many else None), size - len(chunks)
         rows = [(i, c.req_id) for i, c in enumerate(chunks) if c.sample]
@@ -242,4 +249,8 @@ class ModelRunner:
             idx = [i for i, _ in rows]
             sub_tokens = tokens[idx] if tokens is not None else None
             sampled, logprobs = self.sampling.finalize([r for _, r in rows], sub_tokens, logits[idx])
-        return ModelRunnerOutput(sampled, logprobs, bucket_name=name, num_padding=padding)
+        host_rows = any(self.sampling.states[r].on_host for _, r in rows)
+        self.token_passing.record(sched.kind, [c.req_id for c in chunks], tokens,
+                                  {r: t[0] for r, t in sampled.items()}, host_rows)
+        return ModelRunnerOutput(sampled, logprobs, bucket_name=name, num_padding=padding,
+                                 async_fallback=fallback, tokens_passed_on_device=passed)
