@@ -1,0 +1,168 @@
+"""Model Runner V2's device-resident per-request state, one slot per running request.
+
+The state lives in device tensors of `max_num_seqs + 1` slots; the last slot is a dummy that padding
+rows point to (null block table -> block 0, position 0, greedy), so a padded row writes only there.
+The host side only tracks which request owns which slot and which block-table entries it already
+wrote, so a step sends joins, leaves and new blocks, never the whole batch.
+
+Also here: the in-graph random numbers of seeded sampling (`counter_uniform`), a pure function of a
+slot's seed and the position being sampled, so a request's draws never depend on its neighbours.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_M32 = 0xFFFFFFFF
+# Multipliers below 2**31: a 32-bit value times one stays below 2**63, so int64 never overflows.
+_MUL_A = 0x7FEB352D
+_MUL_B = 0x6A09E667
+_POS_SALT = 0x5BD1E995
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """An avalanching 32-bit integer mix; x holds values in [0, 2**32) as int64."""
+    x = x ^ (x >> 16)
+    x = (x * _MUL_A) & _M32
+    x = x ^ (x >> 15)
+    x = (x * _MUL_B) & _M32
+    return x ^ (x >> 16)
+
+
+def counter_uniform(seed: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+    """[N] float32 in [0, 1) from int64 seeds in [0, 2**32) and positions (counter-based: the same
+    (seed, position) always gives the same number, whatever else is computed alongside)."""
+    h = _mix32((seed & _M32) ^ _mix32((position & _M32) ^ _POS_SALT))
+    # 24 bits: exactly representable in float32, so the result is strictly below 1.
+    return (h >> 8).to(torch.float32) * (1.0 / (1 << 24))
+
+
+def fold_seed(seed: int) -> int:
+    """A request's integer seed (any size or sign) folded to the 32 bits the graph hashes."""
+    s = seed % (1 << 64)
+    return (s ^ (s >> 32)) & _M32
+
+
+@dataclass
+class SlotParams:
+    """In-graph sampling parameters of one slot (temperature 0 = greedy, also for host-sampled rows)."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+
+
+class BatchState:
+    """Device tensors indexed by slot, and the host bookkeeping that keeps them current."""
+
+    def __init__(self, max_num_seqs: int, max_blocks: int, device: torch.device) -> None:
+        self.num_slots = max_num_seqs + 1
+        self.dummy = max_num_seqs
+        self.max_blocks = max_blocks
+        self.device = device
+        n = self.num_slots
+        self.last_token = torch.zeros(n, dtype=torch.int64, device=device)
+        self.position = torch.zeros(n, dtype=torch.int64, device=device)  # of last_token, i.e. the next fed
+        self.block_table = torch.zeros((n, max_blocks), dtype=torch.int64, device=device)
+        self.temperature = torch.zeros(n, dtype=torch.float32, device=device)
+        self.top_k = torch.zeros(n, dtype=torch.int64, device=device)
+        self.top_p = torch.ones(n, dtype=torch.float32, device=device)
+        self.seed = torch.zeros(n, dtype=torch.int64, device=device)
+        self._free = list(range(max_num_seqs - 1, -1, -1))  # pop() hands out low slots first
+        self._slots: dict[str, int] = {}
+        self._written: dict[str, list[int]] = {}  # block ids already in the slot's device row
+        self._version = 0  # bumps on every join/leave: cached row->slot maps go stale
+        self._rows_key: tuple | None = None
+        self._rows: torch.Tensor | None = None
+
+    # -- joins and leaves -------------------------------------------------------------------------
+    def has(self, req_id: str) -> bool:
+        return req_id in self._slots
+
+    def slot(self, req_id: str) -> int:
+        return self._slots[req_id]
+
+    @property
+    def num_active(self) -> int:
+        return len(self._slots)
+
+    def join(self, req_id: str, params: SlotParams) -> int:
+        if req_id in self._slots:
+            raise ValueError(f"request {req_id!r} already holds slot {self._slots[req_id]}")
+        if not self._free:
+            raise RuntimeError(f"Model Runner V2: no free batch slot for request {req_id!r}; all "
+                               f"{self.num_slots - 1} slots (max_num_seqs) are held by {sorted(self._slots)}")
+        s = self._free.pop()
+        self._slots[req_id] = s
+        self._written[req_id] = []
+        self._version += 1
+        # One small write per parameter; joins are rare next to steps.
+        self.temperature[s] = params.temperature
+        self.top_k[s] = params.top_k
+        self.top_p[s] = params.top_p
+        self.seed[s] = params.seed
+        self.last_token[s] = 0
+        self.position[s] = 0
+        self.block_table[s].zero_()
+        return s
+
+    def leave(self, req_id: str) -> None:
+        """Frees the request's slot (finished or preempted); unknown ids are ignored."""
+        s = self._slots.pop(req_id, None)
+        if s is None:
+            return
+        self._written.pop(req_id, None)
+        self._free.append(s)
+        self._version += 1
+
+    # -- per-step host -> device updates --------------------------------------------------------
+    def sync_block_tables(self, tables: list[tuple[str, list[int]]]) -> int:
+        """Writes the block-table entries the device does not have yet (one scatter for the whole
+        step). Tables only grow while a request holds its slot; a table that changed under the
+        written prefix is rewritten whole. Returns the number of entries written."""
+        slots, cols, blocks = [], [], []
+        for req_id, block_ids in tables:
+            done = self._written[req_id]
+            n = len(done)
+            ids = block_ids[:self.max_blocks]  # columns past max_model_len can never be addressed
+            if len(ids) == n and (n == 0 or ids[-1] == done[-1]):
+                continue
+            if n and (len(ids) < n or ids[n - 1] != done[n - 1]):
+                n = 0
+            s = self._slots[req_id]
+            for c in range(n, len(ids)):
+                slots.append(s)
+                cols.append(c)
+                blocks.append(ids[c])
+            self._written[req_id] = list(ids)
+        if slots:
+            idx = torch.tensor([slots, cols], dtype=torch.int64).to(self.device)
+            self.block_table.index_put_((idx[0], idx[1]), torch.tensor(blocks, dtype=torch.int64).to(self.device))
+        return len(slots)
+
+    def set_last_tokens(self, req_ids: list[str], tokens: list[int]) -> None:
+        """Overwrites the last sampled token (rows the host sampled after the graph ran)."""
+        if not req_ids:
+            return
+        idx = torch.tensor([self._slots[r] for r in req_ids], dtype=torch.int64).to(self.device)
+        self.last_token.index_copy_(0, idx, torch.tensor(tokens, dtype=torch.int64).to(self.device))
+
+    def row_slots(self, req_ids: list[str | None], rows: int) -> torch.Tensor:
+        """[rows] slot of each row (None and padding rows -> the dummy slot). Rebuilt only when the
+        batch's request list or the slot assignment changed since the last call."""
+        key = (self._version, rows, tuple(req_ids))
+        if key != self._rows_key:
+            out = [self.dummy] * rows
+            for i, rid in enumerate(req_ids):
+                if rid is not None:
+                    out[i] = self._slots[rid]
+            self._rows = torch.tensor(out, dtype=torch.int64).to(self.device)
+            self._rows_key = key
+        return self._rows
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """The state as graph inputs, in the graphs' argument order."""
+        return (self.last_token, self.position, self.block_table, self.temperature, self.top_k, self.top_p,
+                self.seed)

@@ -1,0 +1,166 @@
+"""Model Runner V2: per-request state on the device; input preparation, forward, sampling and the
+state update in one compiled graph per bucket.
+
+What differs from MRv1 (which it extends: loading, KV allocation, the compiler, bucket names and
+warm-up are shared):
+* Decode: the host sends only the row -> slot map (rebuilt when the batch's request list changes),
+  new block-table entries and the grammar bitmask. The graph gathers each row's last token, position
+  and block table from the slot state, runs the model, samples, and writes the sampled token and the
+  next position back into the state. Decode chunks' token ids are never read: under async scheduling
+  they may be `step.PLACEHOLDER_TOKEN_ID`; the device state holds the real token.
+* Prefill: prompt tokens are new data, so inputs are host-built as in MRv1, plus each sampled row's
+  slot; the graph writes those rows' token state as well as the KV cache.
+* Random sampling draws a uniform per row inside the graph from (slot seed, position), so a seeded
+  request samples the same text whatever its neighbours, with no host RNG per step.
+Rows that need host sampling (penalties, logprobs, ...) are sampled from the returned logits as in
+MRv1, and their token is written into the slot before execute returns.
+"""
+from __future__ import annotations
+
+import torch
+
+from vllm_neuron.config import buckets as B
+from vllm_neuron.config.engine_config import EngineConfig
+from vllm_neuron.model.layers.attention import AttentionMetadata, decode_mask, prefill_mask
+from vllm_neuron.model.layers.sampler import greedy_in_graph
+from vllm_neuron.model.loader import Checkpoint
+from vllm_neuron.sampling_params import SAMPLING_EPS
+from vllm_neuron.step import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
+from vllm_neuron.worker.batch_state import BatchState, SlotParams, counter_uniform, fold_seed
+from vllm_neuron.worker.compilation import GraphCompiler, cache_key_parts
+from vllm_neuron.worker.input_builder import build_prefill_inputs
+from vllm_neuron.worker.model_runner import ModelRunner
+
+
+class ModelRunnerV2(ModelRunner):
+    def __init__(self, config: EngineConfig, checkpoint: Checkpoint, device: torch.device, dtype: torch.dtype,
+                 backend: str) -> None:
+        super().__init__(config, checkpoint, device, dtype, backend)
+        self.state = BatchState(config.max_num_seqs, config.max_model_len // self.block_size, device)
+        self._seeds: dict[str, int] = {}  # kept across preemption, dropped when the request finishes
+        self._context_cols: dict[int, torch.Tensor] = {}
+
+    def _make_compiler(self) -> GraphCompiler:
+        # Same bucket names as MRv1 but different graphs: keep their compile-cache manifests apart.
+        graph_opts = {"odsc": repr(self.odsc), "block_size": self.block_size, "backend": self.backend,
+                      "model_runner": "v2"}
+        return GraphCompiler(cache_key_parts(self.ckpt.hf_config.to_dict(), self.dtype, self.device,
+                                             self.config.tensor_parallel_size, graph_opts), backend=self.backend)
+
+    # -- graphs ----------------------------------------------------------------------------------
+    def _sample_rows(self, logits, bitmask, slots, sample_pos, temperature, top_k, top_p, seed):
+        """In-graph tokens of the rows at `slots`; under CPU sampling the argmax stands in until the
+        host's token overwrites it."""
+        if self.odsc is None:
+            _, logits = self._sample(logits, bitmask, None, None, None, None)
+            return greedy_in_graph(logits), logits
+        if self.odsc.all_greedy:
+            return self._sample(logits, bitmask, None, None, None, None)
+        uniform = counter_uniform(seed[slots], sample_pos)
+        return self._sample(logits, bitmask, temperature[slots], top_k[slots], top_p[slots], uniform)
+
+    @staticmethod
+    def _write_token_state(slots, tokens, next_pos, last_token, position) -> None:
+        # Padding rows all point at the dummy slot: force its state back to (token 0, position 0).
+        dummy = slots == last_token.shape[0] - 1
+        last_token.index_copy_(0, slots, torch.where(dummy, torch.zeros_like(tokens), tokens))
+        position.index_copy_(0, slots, torch.where(dummy, torch.zeros_like(next_pos), next_pos))
+
+    def _prefill_graph(self, input_ids, positions, slot_mapping, query_seq, context_slots, context_seq,
+                       logits_indices, bitmask, sample_slots, last_token, position, block_table, temperature,
+                       top_k, top_p, seed, kv_caches):
+        meta = AttentionMetadata(slot_mapping, prefill_mask(positions, query_seq, context_seq), context_slots)
+        hidden = self.model(input_ids, positions, kv_caches, meta)
+        logits = self.model.compute_logits(hidden[logits_indices]).float()
+        next_pos = positions[logits_indices] + 1  # where the sampled token will sit
+        tokens, logits = self._sample_rows(logits, bitmask, sample_slots, next_pos, temperature, top_k, top_p,
+                                           seed)
+        self._write_token_state(sample_slots, tokens, next_pos, last_token, position)
+        return tokens, logits
+
+    def _decode_graph(self, row_slots, context_cols, bitmask, last_token, position, block_table, temperature,
+                      top_k, top_p, seed, kv_caches):
+        ids = last_token[row_slots]
+        pos = position[row_slots]
+        tables = block_table[row_slots[:, None], context_cols[None, :]]  # [B, C // block_size]
+        slot_mapping = block_table[row_slots, pos // self.block_size] * self.block_size + pos % self.block_size
+        meta = AttentionMetadata(slot_mapping, decode_mask(pos + 1, context_cols.shape[0] * self.block_size),
+                                 block_tables=tables)
+        hidden = self.model(ids, pos, kv_caches, meta)
+        logits = self.model.compute_logits(hidden).float()
+        tokens, logits = self._sample_rows(logits, bitmask, row_slots, pos + 1, temperature, top_k, top_p, seed)
+        self._write_token_state(row_slots, tokens, pos + 1, last_token, position)
+        return tokens, logits
+
+    def _run_prefill(self, chunks: list[ScheduledChunk], num_tokens: int, num_context: int,
+                     masks: dict | None = None):
+        rows = min(self.config.max_num_seqs, num_tokens)
+        x = build_prefill_inputs(chunks, num_tokens, num_context, rows, self.block_size)
+        sample_slots = self.state.row_slots([c.req_id if c.sample else None for c in chunks], rows)
+        with torch.inference_mode():
+            return self._prefill_fn(self._t(x.input_ids), self._t(x.positions), self._t(x.slot_mapping),
+                                    self._t(x.query_seq), self._t(x.context_slots), self._t(x.context_seq),
+                                    self._t(x.logits_indices), self._t(self._bitmask(chunks, rows, masks or {})),
+                                    sample_slots, *self.state.tensors(), self.kv_caches)
+
+    def _run_decode(self, chunks: list[ScheduledChunk], batch: int, context: int, masks: dict | None = None):
+        row_slots = self.state.row_slots([c.req_id for c in chunks], batch)
+        cols = self._context_cols.get(context)
+        if cols is None:
+            cols = self._context_cols[context] = torch.arange(context // self.block_size, device=self.device)
+        with torch.inference_mode():
+            return self._decode_fn(row_slots, cols, self._t(self._bitmask(chunks, batch, masks or {})),
+                                   *self.state.tensors(), self.kv_caches)
+
+    # -- one step --------------------------------------------------------------------------------
+    def _slot_params(self, req_id: str) -> SlotParams:
+        st = self.sampling.states[req_id]
+        p = st.params
+        seed = self._seeds.get(req_id)
+        if seed is None:
+            # Unseeded requests draw their seed from the engine's seeded generator, once per request.
+            seed = fold_seed(p.seed) if p.seed is not None else int(
+                torch.randint(0, 1 << 32, (1,), generator=self.sampling.rng).item())
+            self._seeds[req_id] = seed
+        if self.odsc is None or self.odsc.all_greedy or st.on_host or p.temperature < SAMPLING_EPS:
+            return SlotParams(seed=seed)  # greedy in the graph; host rows are resampled on the host
+        return SlotParams(p.temperature, self.odsc.effective_top_k(p.top_k), p.top_p, seed)
+
+    def _apply_joins_and_leaves(self, sched: SchedulerOutput) -> None:
+        for rid in sched.finished_req_ids:
+            self.state.leave(rid)
+            self.sampling.remove(rid)
+            self._seeds.pop(rid, None)
+        for rid in sched.preempted_req_ids:
+            self.state.leave(rid)  # its KV is gone; it rejoins when prefilled again
+        for data in sched.new_requests:
+            self.sampling.add(data)
+        for c in sched.chunks:
+            if not self.state.has(c.req_id):
+                self.state.join(c.req_id, self._slot_params(c.req_id))
+        self.state.sync_block_tables([(c.req_id, c.block_ids) for c in sched.chunks])
+
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        self._apply_joins_and_leaves(sched)
+        chunks = sched.chunks
+        if sched.kind == "prefill":
+            n = sched.num_tokens
+            size = B.select_bucket(self.prefill_buckets, n)
+            context = self.context_buckets[-1] if sched.num_context_tokens else 0
+            tokens, logits = self._run_prefill(chunks, size, context, sched.grammar_bitmask)
+            name, padding = B.bucket_name("prefill", size, context or None), size - n
+        else:
+            size = B.select_bucket(self.decode_buckets, len(chunks))
+            context = B.select_bucket(self.context_buckets, sched.max_seq_len)
+            tokens, logits = self._run_decode(chunks, size, context, sched.grammar_bitmask)
+            many = len(self.context_buckets) > 1
+            name, padding = B.bucket_name("decode", size, context if many else None), size - len(chunks)
+        rows = [(i, c.req_id) for i, c in enumerate(chunks) if c.sample]
+        sampled, logprobs = {}, {}
+        if rows:
+            idx = [i for i, _ in rows]
+            req_ids = [r for _, r in rows]
+            sampled, logprobs = self.sampling.finalize(req_ids, tokens[idx], logits[idx])
+            host = [r for r in req_ids if self.sampling.states[r].on_host]
+            self.state.set_last_tokens(host, [sampled[r][0] for r in host])
+        return ModelRunnerOutput(sampled, logprobs, bucket_name=name, num_padding=padding)
