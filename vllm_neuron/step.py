@@ -44,9 +44,10 @@ class SchedulerOutput:
     chunks: list[ScheduledChunk]
     new_requests: list[NewRequestData] = field(default_factory=list)
     finished_req_ids: list[str] = field(default_factory=list)  # runner drops their state
-    # Preempted since the last step: their KV is gone and they will be prefilled again (from their
-    # cached prefix); the runner keeps their sampling state but frees any batch slot.
-    preempted_req_ids: list[str] = field(default_factory=list)
+    # Preempted since the last step -> how many output tokens they keep: their KV is gone and they will
+    # be prefilled again (from their cached prefix); the runner keeps their sampling state, trimmed to
+    # that count (a sample still in flight at preemption is dropped), and frees any batch slot.
+    preempted_req_ids: dict[str, int] = field(default_factory=dict)
     # Structured outputs: req_id -> packed allowed-token bitmask (int32 words, xgrammar's layout) for the
     # token this step samples. Requests without a grammar are absent (all tokens allowed).
     grammar_bitmask: dict[str, "np.ndarray"] = field(default_factory=dict)

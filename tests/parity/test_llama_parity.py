@@ -94,12 +94,16 @@ def test_logprobs_match_transformers_logits(model_dir, reference):
     assert worst < 1e-4
 
 
-def test_small_buckets_force_padding_and_segments(model_dir, reference):
-    # Tiny prefill buckets: every prompt above 32 tokens is segmented, decode batches are padded.
+@pytest.mark.parametrize("kernels", [True, False])
+def test_small_buckets_force_padding_and_segments(model_dir, reference, kernels, monkeypatch):
+    # Tiny prefill buckets: every prompt above 32 tokens is segmented, decode batches are padded; the
+    # custom paged-attention kernel and the pure-torch path (gather + SDPA) must agree token for token.
+    monkeypatch.setenv("VLLM_NEURON_DISABLE_NKI_KERNELS", "0" if kernels else "1")
     llm = _engine(model_dir, enforce_eager=True, max_num_batched_tokens=32, max_num_seqs=4,
                   additional_config={"neuron_config": {"num_batched_tokens_buckets": [8, 32],
                                                        "num_seqs_buckets": [1, 4],
                                                        "decode_context_length_buckets": [128, 256]}})
+    assert llm.llm_engine.core.runner.use_kernels == kernels
     _assert_tokens(_run(llm), reference[0])
 
 
@@ -109,5 +113,7 @@ def test_compiled_matches_transformers(model_dir, reference, tmp_path, monkeypat
                   additional_config={"neuron_config": {"num_batched_tokens_buckets": [64, 128],
                                                        "num_seqs_buckets": [2, 4]}})
     compiler = llm.llm_engine.core.compiler
-    assert compiler.backend == "native" and len(compiler.records) == 6
+    # 2 prefill + 2 decode graphs; the torch path adds a cached-context variant of each prefill bucket.
+    assert compiler.backend == "native" and len(compiler.records) == (4 if llm.llm_engine.core.runner.use_kernels
+                                                                      else 6)
     _assert_tokens(_run(llm), reference[0])

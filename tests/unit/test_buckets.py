@@ -161,3 +161,8 @@ def test_format_bucket_table():
     assert any("num_seqs_buckets" in l and l.endswith(": 1, 2, 4") for l in lines)
     assert any("context" in l and l.endswith(": 512, 4096") for l in lines)
     assert B.format_bucket_table([128], [1, 2], [4096]).splitlines()[0] == "Buckets: 3 graphs"
+
+
+@pytest.mark.parametrize("max_seqs, expected", [(16, [1, 4, 16]), (1, [1]), (32, [1, 4, 16, 32]), (3, [1, 3])])
+def test_default_decode_buckets_by_four(max_seqs, expected):
+    assert B.default_decode_buckets(max_seqs, factor=4) == expected

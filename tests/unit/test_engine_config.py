@@ -47,10 +47,12 @@ def test_defaults_follow_bucket_lists_when_maxima_are_not_given():
 
 
 def test_plain_defaults():
-    c = EngineConfig.from_kwargs()
+    c = EngineConfig.from_kwargs(device="cpu")
     nc = c.finalize(model_max_len=1024)
     assert (c.max_model_len, c.max_num_seqs, c.max_num_batched_tokens) == (1024, 16, 512)
-    assert nc.num_batched_tokens_buckets == [128, 256, 512] and nc.num_seqs_buckets == [1, 2, 4, 8, 16]
+    # On CPU the default decode buckets grow by 4 (padding is cheap, graphs are not).
+    assert nc.num_batched_tokens_buckets == [128, 256, 512] and nc.num_seqs_buckets == [1, 4, 16]
+    assert nc.context_buckets == [1024]
 
 
 def test_model_limits():

@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from vllm_neuron.model.layers.attention import AttentionMetadata, decode_mask, paged_attention, prefill_mask
+from vllm_neuron.model.layers.kernels import kernels_enabled
 from vllm_neuron.step import ScheduledChunk
 from vllm_neuron.worker.input_builder import build_decode_inputs, build_prefill_inputs, token_slots
 
@@ -153,7 +154,12 @@ def _cache(g):
             torch.randn(NUM_BLOCKS * BS, KV, D, generator=g) * 50)
 
 
-def test_paged_prefill_matches_dense_attention():
+def _kernels_on() -> None:
+    assert kernels_enabled(torch.device("cpu")), "the custom CPU kernels failed to build (see the log)"
+
+
+@pytest.mark.parametrize("kernels", [False, True])
+def test_paged_prefill_matches_dense_attention(kernels):
     g = torch.Generator().manual_seed(0)
     chunks, x = _prefill_case()
     kc, vc = _cache(g)
@@ -177,6 +183,13 @@ def test_paged_prefill_matches_dense_attention():
         mask=prefill_mask(torch.from_numpy(x.positions), torch.from_numpy(x.query_seq),
                           torch.from_numpy(x.context_seq)),
         context_slots=torch.from_numpy(x.context_slots))
+    if kernels:
+        _kernels_on()
+        xk = build_prefill_inputs(chunks, num_tokens=12, num_context=0, num_rows=4, block_size=BS, max_blocks=4)
+        assert xk.context_slots is None and xk.query_start.tolist() == [0, 3, 6, 8, 8]
+        meta = AttentionMetadata(torch.from_numpy(xk.slot_mapping), block_tables=torch.from_numpy(xk.seq_tables),
+                                 query_start=torch.from_numpy(xk.query_start), positions=torch.from_numpy(xk.positions),
+                                 block_size=BS, use_kernels=True)
     out = paged_attention(q, k, v, kc, vc, meta, D ** -0.5)
     assert out.shape == (t, H * D) and torch.isfinite(out).all()
     for ch in chunks:
@@ -188,8 +201,9 @@ def test_paged_prefill_matches_dense_attention():
         assert torch.equal(kc[slots], ka[ch.start_pos:])
 
 
+@pytest.mark.parametrize("kernels", [False, True])
 @pytest.mark.parametrize("context", [8, 16])
-def test_paged_decode_matches_dense_attention(context):
+def test_paged_decode_matches_dense_attention(context, kernels):
     g = torch.Generator().manual_seed(1)
     chunks = [chunk("a", 5, 1, [4, 6]), chunk("b", 2, 1, [7]), chunk("c", 7, 1, [1, 2])]
     x = build_decode_inputs(chunks, batch=4, context=context, block_size=BS)
@@ -207,7 +221,12 @@ def test_paged_decode_matches_dense_attention(context):
     meta = AttentionMetadata(
         slot_mapping=torch.from_numpy(x.slot_mapping),
         mask=decode_mask(torch.from_numpy(x.seq_lens), context),
-        block_tables=torch.from_numpy(x.block_tables))
+        block_tables=torch.from_numpy(x.block_tables), is_decode=True)
+    if kernels:
+        _kernels_on()
+        meta = AttentionMetadata(torch.from_numpy(x.slot_mapping), block_tables=torch.from_numpy(x.block_tables),
+                                 query_start=torch.arange(5), positions=torch.from_numpy(x.positions),
+                                 block_size=BS, is_decode=True, use_kernels=True)
     out = paged_attention(q, k, v, kc, vc, meta, D ** -0.5)
     assert out.shape == (4, H * D) and torch.isfinite(out).all()
     for i, (ka, va) in enumerate(full):

@@ -366,6 +366,8 @@ def test_preemption_victim_is_newest_and_keeps_its_outputs():
     assert victim.num_computed_tokens == 0 and victim.request_id not in s.kv.req_blocks
     outputs_at_preemption = list(victim.output_token_ids)
     assert outputs_at_preemption
+    # The step that preempts it tells the runner, with the output count to keep.
+    assert d.steps[-1].preempted_req_ids == {"new": len(outputs_at_preemption)}
     d.run()
     rec = [c for o in d.steps if o.kind == "prefill" for c in o.chunks if c.req_id == "new"][1:]
     assert rec, "the preempted request was never recomputed"

@@ -24,12 +24,12 @@ def _check_positive_int(option: str, value: object) -> int:
     return value
 
 
-def _powers_of_two_up_to(start: int, maximum: int) -> list[int]:
+def _powers_of_two_up_to(start: int, maximum: int, factor: int = 2) -> list[int]:
     out = []
     size = start
     while size < maximum:
         out.append(size)
-        size *= 2
+        size *= factor
     out.append(maximum)
     return out
 
@@ -43,10 +43,11 @@ def default_prefill_buckets(max_num_batched_tokens: int) -> list[int]:
     return _powers_of_two_up_to(MIN_DEFAULT_PREFILL_BUCKET, max_num_batched_tokens)
 
 
-def default_decode_buckets(max_num_seqs: int) -> list[int]:
-    """Powers of two from 1 up to max_num_seqs, the maximum itself included."""
+def default_decode_buckets(max_num_seqs: int, factor: int = 2) -> list[int]:
+    """Powers of two (the seeds' default; `factor` 4 gives powers of four) from 1 up to max_num_seqs,
+    the maximum itself included."""
     _check_positive_int("max_num_seqs", max_num_seqs)
-    return _powers_of_two_up_to(1, max_num_seqs)
+    return _powers_of_two_up_to(1, max_num_seqs, factor)
 
 
 def validate_bucket_list(option: str, buckets: object) -> list[int]:

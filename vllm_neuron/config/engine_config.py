@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm_neuron.config.device import DEVICE_CHOICES, DTYPE_CHOICES
+from vllm_neuron.config.device import DEVICE_CHOICES, DTYPE_CHOICES, resolve_device
 from vllm_neuron.config.runner_selection import RunnerChoice, select_model_runner
 from vllm_neuron.model.neuron_config import AdditionalConfig, NeuronConfig, parse_additional_config
 
@@ -138,7 +138,10 @@ class EngineConfig:
             max_model_len=self.max_model_len, block_size=self.block_size,
             enable_expert_parallel=self.enable_expert_parallel,
             tensor_parallel_size=self.tensor_parallel_size, data_parallel_size=self.data_parallel_size,
-            kv_transfer_config=self.kv_transfer_config)
+            kv_transfer_config=self.kv_transfer_config,
+            # On CPU a decode step streams every weight whatever the batch, so padding a batch up to the
+            # next bucket is cheap, while every bucket is a graph to compile and load at start-up.
+            decode_bucket_factor=4 if resolve_device(self.device).type == "cpu" else 2)
         if self.max_model_len % self.block_size:
             # Context buckets are whole blocks; the largest one is max_model_len.
             raise ValueError(f"max_model_len={self.max_model_len} must be a multiple of block_size={self.block_size}")

@@ -50,7 +50,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order; the last is preempted first
         self._finished_ids: list[str] = []  # to tell the runner
-        self._preempted_ids: list[str] = []
+        self._preempted_ids: dict[str, int] = {}
         self._sent_to_runner: set[str] = set()
         self._last_kind: str | None = None
         self.num_preemptions = 0
@@ -99,7 +99,7 @@ class Scheduler:
         if out is not None:
             self._last_kind = out.kind
             out.finished_req_ids, self._finished_ids = self._finished_ids, []
-            out.preempted_req_ids, self._preempted_ids = self._preempted_ids, []
+            out.preempted_req_ids, self._preempted_ids = self._preempted_ids, {}
         return out
 
     def _schedule_prefill(self) -> SchedulerOutput | None:
@@ -190,7 +190,7 @@ class Scheduler:
         req.num_output_placeholders = 0  # a sample in flight is dropped; the recompute samples again
         req.num_preemptions += 1
         self.num_preemptions += 1
-        self._preempted_ids.append(req.request_id)
+        self._preempted_ids[req.request_id] = len(req.output_token_ids)
         self.waiting.appendleft(req)
 
     # -- results -----------------------------------------------------------------------------------

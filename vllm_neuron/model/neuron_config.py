@@ -348,9 +348,10 @@ class NeuronConfig:
     def resolved(
         self, *, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int, block_size: int,
         enable_expert_parallel: bool = False, tensor_parallel_size: int = 1, data_parallel_size: int = 1,
-        kv_transfer_config: object | None = None,
+        kv_transfer_config: object | None = None, decode_bucket_factor: int = 2,
     ) -> NeuronConfig:
-        """validate(), then a copy with every default filled (see the class docstring)."""
+        """validate(), then a copy with every default filled (see the class docstring).
+        decode_bucket_factor: growth of the default num_seqs_buckets (2: the seeds' powers of two)."""
         self.validate(
             max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
             max_model_len=max_model_len, block_size=block_size,
@@ -360,7 +361,7 @@ class NeuronConfig:
         return dataclasses.replace(
             self,
             num_batched_tokens_buckets=self._prefill_buckets(max_num_batched_tokens),
-            num_seqs_buckets=self.num_seqs_buckets or B.default_decode_buckets(max_num_seqs),
+            num_seqs_buckets=self.num_seqs_buckets or B.default_decode_buckets(max_num_seqs, decode_bucket_factor),
             ep_degree=self._ep_degree(enable_expert_parallel, tensor_parallel_size, data_parallel_size),
             context_buckets=B.context_buckets(self.decode_context_length_buckets, max_model_len),
         )

@@ -40,7 +40,7 @@ _GRAPH_CODE_DIRS = ("model", "worker")
 def _code_fingerprint() -> str:
     h = hashlib.sha256()
     for sub in _GRAPH_CODE_DIRS:
-        for path in sorted((_PKG_ROOT / sub).rglob("*.py")):
+        for path in sorted(p for ext in ("*.py", "*.cpp") for p in (_PKG_ROOT / sub).rglob(ext)):
             h.update(path.relative_to(_PKG_ROOT).as_posix().encode())
             h.update(path.read_bytes())
     return h.hexdigest()[:16]

@@ -29,10 +29,14 @@ class PrefillInputs:
     context_slots: np.ndarray | None  # [C]
     context_seq: np.ndarray | None  # [C]
     logits_indices: np.ndarray  # [R] row i = last token of chunk i
+    # For the paged kernel (None unless asked for): chunk i's block table, its query rows.
+    seq_tables: np.ndarray | None = None  # [R, max_blocks], null blocks past the table
+    query_start: np.ndarray | None = None  # [R + 1]; chunk i owns rows query_start[i]..query_start[i + 1]
 
 
 def build_prefill_inputs(chunks: list[ScheduledChunk], num_tokens: int, num_context: int, num_rows: int,
-                         block_size: int) -> PrefillInputs:
+                         block_size: int, max_blocks: int = 0) -> PrefillInputs:
+    """max_blocks > 0 also builds the kernel's per-sequence tables (`seq_tables`, `query_start`)."""
     ids = np.zeros(num_tokens, np.int64)
     pos = np.zeros(num_tokens, np.int64)
     slots = np.zeros(num_tokens, np.int64)
@@ -48,13 +52,23 @@ def build_prefill_inputs(chunks: list[ScheduledChunk], num_tokens: int, num_cont
         pos[t:t + n] = np.arange(ch.start_pos, end)
         slots[t:t + n] = token_slots(ch.block_ids, ch.start_pos, end, block_size)
         qseq[t:t + n] = i
-        if ch.start_pos:
+        if ch.start_pos and num_context:  # the kernel path reads context through seq_tables instead
             ctx_slots[c:c + ch.start_pos] = token_slots(ch.block_ids, 0, ch.start_pos, block_size)
             ctx_seq[c:c + ch.start_pos] = i
             c += ch.start_pos
         t += n
         rows[i] = t - 1
-    return PrefillInputs(ids, pos, slots, qseq, ctx_slots, ctx_seq, rows)
+    out = PrefillInputs(ids, pos, slots, qseq, ctx_slots, ctx_seq, rows)
+    if max_blocks:
+        out.seq_tables = np.zeros((num_rows, max_blocks), np.int64)
+        out.query_start = np.full(num_rows + 1, t, np.int64)
+        start = 0
+        for i, ch in enumerate(chunks):
+            nblk = min(len(ch.block_ids), max_blocks)
+            out.seq_tables[i, :nblk] = ch.block_ids[:nblk]
+            out.query_start[i] = start
+            start += len(ch.token_ids)
+    return out
 
 
 @dataclass

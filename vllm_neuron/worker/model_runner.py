@@ -17,6 +17,8 @@ from vllm_neuron.config import buckets as B
 from vllm_neuron.config.engine_config import EngineConfig
 from vllm_neuron.logger import init_logger
 from vllm_neuron.model.layers.attention import AttentionMetadata, decode_mask, prefill_mask
+from vllm_neuron.model.layers.kernels import kernels_enabled, linear_kernel_available
+from vllm_neuron.model.layers.linear import set_small_batch_kernel
 from vllm_neuron.model.layers.sampler import apply_token_bitmask, greedy_in_graph, sample_in_graph
 from vllm_neuron.model.loader import Checkpoint
 from vllm_neuron.model.registry import resolve_model_class
@@ -65,6 +67,9 @@ class ModelRunner:
         self.token_passing = TokenPassing()
         self.model = None
         self.compiler: GraphCompiler | None = None
+        self.use_kernels = kernels_enabled(device)
+        self.use_linear_kernel = linear_kernel_available(device)
+        set_small_batch_kernel(self.use_linear_kernel)
 
     # -- set-up ----------------------------------------------------------------------------------
     def load_model(self) -> LoadStats:
@@ -135,11 +140,23 @@ class ModelRunner:
             out.append((n, kind, size, ctx))
         return out
 
+    def _max_blocks(self) -> int:
+        """Block-table width of the kernel's prefill inputs (0: torch path, no tables)."""
+        return self.config.max_model_len // self.block_size if self.use_kernels else 0
+
+    def _prefill_context(self, num_context_tokens: int) -> int:
+        """Context slots of the prefill graph: the largest context bucket when any context is cached
+        (torch path), 0 with the kernel."""
+        return self.context_buckets[-1] if num_context_tokens and self.prefill_needs_context() else 0
+
     def prefill_needs_context(self) -> bool:
+        if self.use_kernels:
+            return False  # the kernel reads cached context through block tables: no context buckets
         return self.config.enable_prefix_caching or self.config.max_model_len > self.config.max_num_batched_tokens
 
     def _make_compiler(self) -> GraphCompiler:
-        graph_opts = {"odsc": repr(self.odsc), "block_size": self.block_size, "backend": self.backend}
+        graph_opts = {"odsc": repr(self.odsc), "block_size": self.block_size, "backend": self.backend,
+                      "kernels": self.use_kernels, "linear_kernel": self.use_linear_kernel}
         return GraphCompiler(cache_key_parts(self.ckpt.hf_config.to_dict(), self.dtype, self.device,
                                              self.config.tensor_parallel_size, graph_opts), backend=self.backend)
 
@@ -169,20 +186,37 @@ class ModelRunner:
             return greedy_in_graph(logits), logits
         return sample_in_graph(logits, temperature, top_k, top_p, uniform, self.odsc.top_k), logits
 
-    def _prefill_graph(self, input_ids, positions, slot_mapping, query_seq, context_slots, context_seq,
+    def _prefill_graph(self, input_ids, positions, slot_mapping, query_seq, attn_a, attn_b,
                        logits_indices, bitmask, temperature, top_k, top_p, uniform, kv_caches):
-        meta = AttentionMetadata(slot_mapping, prefill_mask(positions, query_seq, context_seq), context_slots)
+        meta = self._prefill_meta(slot_mapping, positions, query_seq, attn_a, attn_b)
         hidden = self.model(input_ids, positions, kv_caches, meta)
         logits = self.model.compute_logits(hidden[logits_indices]).float()
         return self._sample(logits, bitmask, temperature, top_k, top_p, uniform)
 
+    def _prefill_meta(self, slot_mapping, positions, query_seq, attn_a, attn_b) -> AttentionMetadata:
+        """attn_a / attn_b: the kernel's (seq_tables, query_start), else (context_slots, context_seq)."""
+        if self.use_kernels:
+            return AttentionMetadata(slot_mapping, block_tables=attn_a, query_start=attn_b, positions=positions,
+                                     block_size=self.block_size, use_kernels=True)
+        return AttentionMetadata(slot_mapping, prefill_mask(positions, query_seq, attn_b), context_slots=attn_a)
+
+    def _prefill_attn_inputs(self, x) -> tuple:
+        return (x.seq_tables, x.query_start) if self.use_kernels else (x.context_slots, x.context_seq)
+
     def _decode_graph(self, input_ids, positions, slot_mapping, block_tables, seq_lens,
                       bitmask, temperature, top_k, top_p, uniform, kv_caches):
-        meta = AttentionMetadata(slot_mapping, decode_mask(seq_lens, block_tables.shape[1] * self.block_size),
-                                 block_tables=block_tables)
+        meta = self._decode_meta(slot_mapping, block_tables, positions)
         hidden = self.model(input_ids, positions, kv_caches, meta)
         logits = self.model.compute_logits(hidden).float()
         return self._sample(logits, bitmask, temperature, top_k, top_p, uniform)
+
+    def _decode_meta(self, slot_mapping, block_tables, positions) -> AttentionMetadata:
+        if self.use_kernels:
+            starts = torch.arange(positions.shape[0] + 1, device=positions.device)
+            return AttentionMetadata(slot_mapping, block_tables=block_tables, query_start=starts, positions=positions,
+                                     block_size=self.block_size, is_decode=True, use_kernels=True)
+        mask = decode_mask(positions + 1, block_tables.shape[1] * self.block_size)
+        return AttentionMetadata(slot_mapping, mask, block_tables=block_tables, is_decode=True)
 
     def _t(self, a: np.ndarray | None) -> torch.Tensor | None:
         return None if a is None else torch.from_numpy(a).to(self.device, non_blocking=True)
@@ -199,11 +233,12 @@ class ModelRunner:
 
     def _run_prefill(self, chunks, num_tokens: int, num_context: int, masks: dict | None = None):
         rows = min(self.config.max_num_seqs, num_tokens)
-        x = build_prefill_inputs(chunks, num_tokens, num_context, rows, self.block_size)
+        x = build_prefill_inputs(chunks, num_tokens, num_context, rows, self.block_size, self._max_blocks())
         s = self.sampling.graph_tensors([c.req_id for c in chunks], rows)
+        attn_a, attn_b = self._prefill_attn_inputs(x)
         with torch.inference_mode():
             return self._prefill_fn(self._t(x.input_ids), self._t(x.positions), self._t(x.slot_mapping),
-                                    self._t(x.query_seq), self._t(x.context_slots), self._t(x.context_seq),
+                                    self._t(x.query_seq), self._t(attn_a), self._t(attn_b),
                                     self._t(x.logits_indices), self._t(self._bitmask(chunks, rows, masks or {})),
                                     self._t(s["temperature"]), self._t(s["top_k"]), self._t(s["top_p"]),
                                     self._t(s["uniform"]), self.kv_caches)
@@ -224,6 +259,8 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         for rid in sched.finished_req_ids:
             self.sampling.remove(rid)
+        for rid, n in sched.preempted_req_ids.items():
+            self.sampling.truncate(rid, n)
         for data in sched.new_requests:
             self.sampling.add(data)
         chunks = sched.chunks
@@ -231,8 +268,7 @@ class ModelRunner:
         if sched.kind == "prefill":
             n = sched.num_tokens
             size = B.select_bucket(self.prefill_buckets, n)
-            ctx = sched.num_context_tokens
-            context = self.context_buckets[-1] if ctx else 0
+            context = self._prefill_context(sched.num_context_tokens)
             tokens, logits = self._run_prefill(chunks, size, context, sched.grammar_bitmask)
             name, padding = B.bucket_name("prefill", size, context or None), size - n
         else:

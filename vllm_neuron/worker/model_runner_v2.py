@@ -21,7 +21,6 @@ import torch
 
 from vllm_neuron.config import buckets as B
 from vllm_neuron.config.engine_config import EngineConfig
-from vllm_neuron.model.layers.attention import AttentionMetadata, decode_mask, prefill_mask
 from vllm_neuron.model.layers.sampler import greedy_in_graph
 from vllm_neuron.model.loader import Checkpoint
 from vllm_neuron.sampling_params import SAMPLING_EPS
@@ -43,7 +42,7 @@ class ModelRunnerV2(ModelRunner):
     def _make_compiler(self) -> GraphCompiler:
         # Same bucket names as MRv1 but different graphs: keep their compile-cache manifests apart.
         graph_opts = {"odsc": repr(self.odsc), "block_size": self.block_size, "backend": self.backend,
-                      "model_runner": "v2"}
+                      "kernels": self.use_kernels, "linear_kernel": self.use_linear_kernel, "model_runner": "v2"}
         return GraphCompiler(cache_key_parts(self.ckpt.hf_config.to_dict(), self.dtype, self.device,
                                              self.config.tensor_parallel_size, graph_opts), backend=self.backend)
 
@@ -66,10 +65,10 @@ class ModelRunnerV2(ModelRunner):
         last_token.index_copy_(0, slots, torch.where(dummy, torch.zeros_like(tokens), tokens))
         position.index_copy_(0, slots, torch.where(dummy, torch.zeros_like(next_pos), next_pos))
 
-    def _prefill_graph(self, input_ids, positions, slot_mapping, query_seq, context_slots, context_seq,
+    def _prefill_graph(self, input_ids, positions, slot_mapping, query_seq, attn_a, attn_b,
                        logits_indices, bitmask, sample_slots, last_token, position, block_table, temperature,
                        top_k, top_p, seed, kv_caches):
-        meta = AttentionMetadata(slot_mapping, prefill_mask(positions, query_seq, context_seq), context_slots)
+        meta = self._prefill_meta(slot_mapping, positions, query_seq, attn_a, attn_b)
         hidden = self.model(input_ids, positions, kv_caches, meta)
         logits = self.model.compute_logits(hidden[logits_indices]).float()
         next_pos = positions[logits_indices] + 1  # where the sampled token will sit
@@ -84,8 +83,7 @@ class ModelRunnerV2(ModelRunner):
         pos = position[row_slots]
         tables = block_table[row_slots[:, None], context_cols[None, :]]  # [B, C // block_size]
         slot_mapping = block_table[row_slots, pos // self.block_size] * self.block_size + pos % self.block_size
-        meta = AttentionMetadata(slot_mapping, decode_mask(pos + 1, context_cols.shape[0] * self.block_size),
-                                 block_tables=tables)
+        meta = self._decode_meta(slot_mapping, tables, pos)
         hidden = self.model(ids, pos, kv_caches, meta)
         logits = self.model.compute_logits(hidden).float()
         tokens, logits = self._sample_rows(logits, bitmask, row_slots, pos + 1, temperature, top_k, top_p, seed)
@@ -95,11 +93,12 @@ class ModelRunnerV2(ModelRunner):
     def _run_prefill(self, chunks: list[ScheduledChunk], num_tokens: int, num_context: int,
                      masks: dict | None = None):
         rows = min(self.config.max_num_seqs, num_tokens)
-        x = build_prefill_inputs(chunks, num_tokens, num_context, rows, self.block_size)
+        x = build_prefill_inputs(chunks, num_tokens, num_context, rows, self.block_size, self._max_blocks())
         sample_slots = self.state.row_slots([c.req_id if c.sample else None for c in chunks], rows)
+        attn_a, attn_b = self._prefill_attn_inputs(x)
         with torch.inference_mode():
             return self._prefill_fn(self._t(x.input_ids), self._t(x.positions), self._t(x.slot_mapping),
-                                    self._t(x.query_seq), self._t(x.context_slots), self._t(x.context_seq),
+                                    self._t(x.query_seq), self._t(attn_a), self._t(attn_b),
                                     self._t(x.logits_indices), self._t(self._bitmask(chunks, rows, masks or {})),
                                     sample_slots, *self.state.tensors(), self.kv_caches)
 
@@ -131,8 +130,9 @@ class ModelRunnerV2(ModelRunner):
             self.state.leave(rid)
             self.sampling.remove(rid)
             self._seeds.pop(rid, None)
-        for rid in sched.preempted_req_ids:
+        for rid, n in sched.preempted_req_ids.items():
             self.state.leave(rid)  # its KV is gone; it rejoins when prefilled again
+            self.sampling.truncate(rid, n)
         for data in sched.new_requests:
             self.sampling.add(data)
         for c in sched.chunks:
@@ -146,7 +146,7 @@ class ModelRunnerV2(ModelRunner):
         if sched.kind == "prefill":
             n = sched.num_tokens
             size = B.select_bucket(self.prefill_buckets, n)
-            context = self.context_buckets[-1] if sched.num_context_tokens else 0
+            context = self._prefill_context(sched.num_context_tokens)
             tokens, logits = self._run_prefill(chunks, size, context, sched.grammar_bitmask)
             name, padding = B.bucket_name("prefill", size, context or None), size - n
         else:

@@ -50,6 +50,12 @@ class SamplingStates:
                          "null for sampling over the full vocabulary", self.odsc.top_k)
         self.states[data.req_id] = RequestState(data, generator=gen, on_host=on_host)
 
+    def truncate(self, req_id: str, num_output_tokens: int) -> None:
+        """Forgets samples the scheduler dropped (a preempted request's step in flight)."""
+        st = self.states.get(req_id)
+        if st is not None:
+            del st.output_token_ids[num_output_tokens:]
+
     def remove(self, req_id: str) -> None:
         self.states.pop(req_id, None)
 

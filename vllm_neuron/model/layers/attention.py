@@ -10,6 +10,9 @@ copy the whole cache per layer (FACTS.md).
 * Decode (B padded sequences, context bucket C): the new K/V are written, then each sequence's K/V is
   gathered through its block table to [B, kv, C, D]; query heads of one KV head are folded into the
   query-length axis of SDPA (faster on CPU than enable_gqa or repeat_interleave, FACTS.md).
+* With the custom kernel (model/layers/kernels; on by default on CPU) both cases are one call that
+  reads each sequence's K/V in place through its block table, up to each query's real position: no
+  gather, no mask, and a context bucket costs nothing beyond the tokens actually there.
 
 Masks are built once per step by the model (`prefill_mask` / `decode_mask`) and shared by all layers.
 Padding rows always see at least one finite key, so no NaN is ever produced or written.
@@ -24,16 +27,24 @@ import torch.nn.functional as F
 
 @dataclass
 class AttentionMetadata:
-    """Per-step attention inputs; every field is a tensor of a bucket-determined shape."""
+    """Per-step attention inputs; every tensor has a bucket-determined shape.
+
+    Torch path: prefill uses `mask` [T, C + T] and `context_slots` [C] (None when C == 0); decode uses
+    `mask` [B, 1, 1, C] and `block_tables` [B, C // block_size].
+    Kernel path (`use_kernels`, a Python constant fixed per graph): `block_tables` [S, n] per sequence,
+    `query_start` [S + 1] (sequence s owns query rows query_start[s]..query_start[s + 1]) and
+    `positions` [N]; no mask and no gather.
+    """
 
     slot_mapping: torch.Tensor  # [N] where each new token's K/V goes
-    mask: torch.Tensor  # prefill: [T, C + T] bool; decode: [B, 1, 1, C] bool
-    context_slots: torch.Tensor | None = None  # prefill only: [C] (None when C == 0)
-    block_tables: torch.Tensor | None = None  # decode only: [B, C // block_size]
-
-    @property
-    def is_decode(self) -> bool:
-        return self.block_tables is not None
+    mask: torch.Tensor | None = None
+    context_slots: torch.Tensor | None = None
+    block_tables: torch.Tensor | None = None
+    is_decode: bool = False
+    use_kernels: bool = False
+    query_start: torch.Tensor | None = None
+    positions: torch.Tensor | None = None
+    block_size: int = 0
 
 
 def prefill_mask(
@@ -74,6 +85,12 @@ def paged_attention(
 ) -> torch.Tensor:
     """Returns [N, H * D]."""
     write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+    if meta.use_kernels:
+        from vllm_neuron.model.layers.kernels import paged_attention as kernel
+
+        out = kernel(q.to(k_cache.dtype), k_cache, v_cache, meta.block_tables, meta.query_start, meta.positions,
+                     scale, meta.block_size)
+        return out.to(q.dtype).reshape(q.shape[0], -1)
     if meta.is_decode:
         return _decode(q, k_cache, v_cache, meta, scale)
     return _prefill(q, k, v, k_cache, v_cache, meta, scale)

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vllm_neuron.model.layers.attention import AttentionMetadata, paged_attention
+from vllm_neuron.model.layers.linear import Linear
 from vllm_neuron.model.layers.norm import RMSNorm
 from vllm_neuron.model.layers.rotary import RotaryEmbedding, apply_rotary
 from vllm_neuron.model.llama.config import LlamaArchConfig
@@ -20,10 +21,10 @@ class LlamaAttention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         h, d = cfg.hidden_size, cfg.head_dim
-        self.q_proj = nn.Linear(h, cfg.num_heads * d, bias=cfg.attention_bias)
-        self.k_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=cfg.attention_bias)
-        self.v_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(cfg.num_heads * d, h, bias=cfg.attention_bias)
+        self.q_proj = Linear(h, cfg.num_heads * d, bias=cfg.attention_bias)
+        self.k_proj = Linear(h, cfg.num_kv_heads * d, bias=cfg.attention_bias)
+        self.v_proj = Linear(h, cfg.num_kv_heads * d, bias=cfg.attention_bias)
+        self.o_proj = Linear(cfg.num_heads * d, h, bias=cfg.attention_bias)
         self.scale = d**-0.5
 
     def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
@@ -38,9 +39,9 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     def __init__(self, cfg: LlamaArchConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -80,7 +81,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.arch = LlamaArchConfig.from_hf(hf_config)
         self.model = LlamaModel(self.arch, hf_config)
-        self.lm_head = nn.Linear(self.arch.hidden_size, self.arch.vocab_size, bias=False)
+        self.lm_head = Linear(self.arch.hidden_size, self.arch.vocab_size, bias=False)
         if self.arch.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 

@@ -1,0 +1,266 @@
+// Paged attention for CPU over the KV cache, for prefill and decode alike.
+//
+// Every query row belongs to one sequence (rows of sequence s are query_start[s]..query_start[s+1])
+// and attends causally to that sequence's keys 0..positions[row], read in place through the
+// sequence's block table. Its own new K/V must already be in the cache. Only real keys are visited,
+// whatever the context bucket, and nothing is gathered. Rows outside every sequence (padding) get 0.
+//
+// Work item = (sequence, KV head, block of kRowBlock query rows): the rows' G query heads sharing the
+// KV head form one query tile, scored against kTile keys at a time (keys transposed, so the inner
+// loop runs across keys with no horizontal reduction) with an online softmax (flash attention).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <omp.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kTile = 32;
+constexpr int64_t kRowBlock = 8;
+
+inline float to_f(float x) { return x; }
+inline float to_f(c10::BFloat16 x) {
+  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+inline float to_f(c10::Half x) { return static_cast<float>(x); }
+
+// exp for x <= 0 in a form the compiler vectorizes: 2^(x log2 e) split into exponent bits and a
+// degree-6 polynomial for 2^f, f in [0, 1); relative error ~2e-7.
+#pragma omp declare simd
+inline float exp_nonpositive(float x) {
+  x = x < -87.f ? -87.f : x;
+  const float t = x * 1.44269504088896341f;
+  const float fi = std::floor(t);
+  const float f = t - fi;
+  float p = 1.535336188319500e-4f;
+  p = p * f + 1.339887440266574e-3f;
+  p = p * f + 9.618437357674640e-3f;
+  p = p * f + 5.550332471162809e-2f;
+  p = p * f + 2.402264791363012e-1f;
+  p = p * f + 6.931472028550421e-1f;
+  p = p * f + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(fi) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+struct Item {
+  int64_t seq, head, row0, rows;
+};
+
+// kt[i][j] = K[t0 + j][i] for the tile's n keys (zeros past n), so scores run across keys.
+template <typename T>
+inline void load_k_tile(const T* kp, const int64_t* table, int64_t block_size, int64_t slot_stride,
+                        int64_t head_off, int64_t D, int64_t t0, int64_t n, float* kt) {
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t t = t0 + j;
+    const int64_t slot = table[t / block_size] * block_size + t % block_size;
+    const T* ks = kp + slot * slot_stride + head_off;
+    for (int64_t i = 0; i < D; ++i) kt[i * kTile + j] = to_f(ks[i]);
+  }
+  for (int64_t j = n; j < kTile; ++j)
+    for (int64_t i = 0; i < D; ++i) kt[i * kTile + j] = 0.f;
+}
+
+inline void score_tile(const float* qv, const float* kt, int64_t D, float* sc) {
+  for (int64_t i = 0; i < D; ++i) {
+    const float x = qv[i];
+    const float* row = kt + i * kTile;
+#pragma omp simd
+    for (int64_t j = 0; j < kTile; ++j) sc[j] += x * row[j];
+  }
+}
+
+template <typename T>
+inline void store_rows(T* op, const float* acc, const float* l, const Item& w, int64_t H, int64_t G, int64_t D) {
+  for (int64_t r = 0; r < w.rows; ++r)
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t qi = r * G + g;
+      const float inv = 1.f / l[qi];
+      T* dst = op + ((w.row0 + r) * H + w.head * G + g) * D;
+      for (int64_t i = 0; i < D; ++i) dst[i] = static_cast<T>(acc[qi * D + i] * inv);
+    }
+}
+
+template <typename T>
+void attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                      const at::Tensor& block_tables, const at::Tensor& query_start,
+                      const at::Tensor& positions, double scale, int64_t block_size, at::Tensor& out) {
+  const int64_t N = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t KV = k_cache.size(1), G = H / KV;
+  const int64_t S = block_tables.size(0), nblk = block_tables.size(1);
+  const T* qp = q.data_ptr<T>();
+  const T* kp = k_cache.data_ptr<T>();
+  const T* vp = v_cache.data_ptr<T>();
+  const int64_t* bt = block_tables.data_ptr<int64_t>();
+  const int64_t* qs = query_start.data_ptr<int64_t>();
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  T* op = out.data_ptr<T>();
+  const float fscale = static_cast<float>(scale);
+  const int64_t slot_stride = KV * D, max_keys = nblk * block_size;
+
+  std::vector<Item> items;
+  std::vector<char> covered(N, 0);
+  for (int64_t s = 0; s < S; ++s) {
+    const int64_t lo = std::max<int64_t>(0, qs[s]), hi = std::min<int64_t>(N, qs[s + 1]);
+    for (int64_t r = lo; r < hi; ++r) covered[r] = 1;
+    for (int64_t r0 = lo; r0 < hi; r0 += kRowBlock)
+      for (int64_t h = 0; h < KV; ++h) items.push_back({s, h, r0, std::min<int64_t>(kRowBlock, hi - r0)});
+  }
+  for (int64_t r = 0; r < N; ++r)
+    if (!covered[r]) std::fill(op + r * H * D, op + (r + 1) * H * D, static_cast<T>(0.f));
+
+  const int64_t n_items = static_cast<int64_t>(items.size());
+#pragma omp parallel num_threads(at::get_num_threads())
+  {
+    const int64_t nq_max = kRowBlock * G;
+    std::vector<float> qf(nq_max * D), acc(nq_max * D), kt(D * kTile), vt(kTile * D);
+    std::vector<float> m(nq_max), l(nq_max), p(nq_max * kTile), scores;
+    std::vector<int64_t> qpos(nq_max);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t it = 0; it < n_items; ++it) {
+      const Item& w = items[it];
+      const int64_t nq = w.rows * G;
+      const int64_t* table = bt + w.seq * nblk;
+      int64_t last = 0;  // keys 0..last are visited
+      for (int64_t r = 0; r < w.rows; ++r) {
+        const int64_t row = w.row0 + r;
+        const int64_t pr = std::min<int64_t>(std::max<int64_t>(pos[row], 0), max_keys - 1);
+        last = std::max(last, pr);
+        for (int64_t g = 0; g < G; ++g) {
+          const int64_t qi = r * G + g;
+          const T* src = qp + (row * H + w.head * G + g) * D;
+          for (int64_t i = 0; i < D; ++i) qf[qi * D + i] = to_f(src[i]) * fscale;
+          qpos[qi] = pr;
+        }
+      }
+      if (w.rows == 1) {
+        // Decode: one pass to score every key, an exact softmax, one pass over V (cheaper than the
+        // online softmax's per-tile rescaling when there is a single query row).
+        const int64_t len = last + 1;
+        scores.resize(G * len);
+        for (int64_t t0 = 0; t0 < len; t0 += kTile) {
+          const int64_t n = std::min<int64_t>(kTile, len - t0);
+          load_k_tile(kp, table, block_size, slot_stride, w.head * D, D, t0, n, kt.data());
+          for (int64_t g = 0; g < G; ++g) {
+            float sc[kTile] = {0.f};
+            score_tile(qf.data() + g * D, kt.data(), D, sc);
+            std::copy(sc, sc + n, scores.data() + g * len + t0);
+          }
+        }
+        std::fill(acc.begin(), acc.begin() + G * D, 0.f);
+        for (int64_t g = 0; g < G; ++g) {
+          float* sg = scores.data() + g * len;
+          float mx = -std::numeric_limits<float>::infinity();
+          for (int64_t t = 0; t < len; ++t) mx = sg[t] > mx ? sg[t] : mx;
+          float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+          for (int64_t t = 0; t < len; ++t) {
+            sg[t] = exp_nonpositive(sg[t] - mx);
+            sum += sg[t];
+          }
+          l[g] = sum;
+        }
+        for (int64_t t = 0; t < len; ++t) {
+          const int64_t slot = table[t / block_size] * block_size + t % block_size;
+          const T* vs = vp + slot * slot_stride + w.head * D;
+#pragma omp simd
+          for (int64_t i = 0; i < D; ++i) vt[i] = to_f(vs[i]);
+          for (int64_t g = 0; g < G; ++g) {
+            const float pg = scores[g * len + t];
+            float* a = acc.data() + g * D;
+#pragma omp simd
+            for (int64_t i = 0; i < D; ++i) a[i] += pg * vt[i];
+          }
+        }
+        store_rows(op, acc.data(), l.data(), w, H, G, D);
+        continue;
+      }
+      std::fill(acc.begin(), acc.begin() + nq * D, 0.f);
+      std::fill(m.begin(), m.begin() + nq, -std::numeric_limits<float>::infinity());
+      std::fill(l.begin(), l.begin() + nq, 0.f);
+      for (int64_t t0 = 0; t0 <= last; t0 += kTile) {
+        const int64_t n = std::min<int64_t>(kTile, last + 1 - t0);
+        load_k_tile(kp, table, block_size, slot_stride, w.head * D, D, t0, n, kt.data());
+        for (int64_t j = 0; j < n; ++j) {
+          const int64_t t = t0 + j;
+          const int64_t slot = table[t / block_size] * block_size + t % block_size;
+          const T* vs = vp + slot * slot_stride + w.head * D;
+#pragma omp simd
+          for (int64_t i = 0; i < D; ++i) vt[j * D + i] = to_f(vs[i]);
+        }
+        for (int64_t qi = 0; qi < nq; ++qi) {
+          float sc[kTile] = {0.f};
+          score_tile(qf.data() + qi * D, kt.data(), D, sc);
+          const int64_t visible = std::min<int64_t>(n, qpos[qi] - t0 + 1);  // causal: keys <= position
+          if (visible <= 0) continue;
+          float mx = m[qi];
+          for (int64_t j = 0; j < visible; ++j) mx = sc[j] > mx ? sc[j] : mx;
+          const float corr = exp_nonpositive(m[qi] - mx);  // exp(-inf) -> 0 on the first tile
+          float* pr = p.data() + qi * kTile;
+          float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+          for (int64_t j = 0; j < kTile; ++j) {
+            const float e = j < visible ? exp_nonpositive(sc[j] - mx) : 0.f;
+            pr[j] = e;
+            sum += e;
+          }
+          l[qi] = l[qi] * corr + sum;
+          m[qi] = mx;
+          float* a = acc.data() + qi * D;
+#pragma omp simd
+          for (int64_t i = 0; i < D; ++i) a[i] *= corr;
+          for (int64_t j = 0; j < visible; ++j) {
+            const float pj = pr[j];
+            const float* vrow = vt.data() + j * D;
+#pragma omp simd
+            for (int64_t i = 0; i < D; ++i) a[i] += pj * vrow[i];
+          }
+        }
+      }
+      store_rows(op, acc.data(), l.data(), w, H, G, D);
+    }
+  }
+}
+
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& block_tables, const at::Tensor& query_start,
+                           const at::Tensor& positions, double scale, int64_t block_size) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3, "q [N,H,D], caches [slots,KV,D]");
+  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
+              "q and the caches must share a dtype");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && query_start.scalar_type() == at::kLong &&
+                  positions.scalar_type() == at::kLong,
+              "block_tables, query_start and positions must be int64");
+  TORCH_CHECK(query_start.size(0) == block_tables.size(0) + 1, "query_start must have one entry per sequence + 1");
+  TORCH_CHECK(q.size(1) % k_cache.size(1) == 0, "query heads must be a multiple of KV heads");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
+  auto qc = q.contiguous();
+  auto bt = block_tables.contiguous();
+  auto qs = query_start.contiguous();
+  auto ps = positions.contiguous();
+  auto out = at::empty_like(qc);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
+    attention_kernel<scalar_t>(qc, k_cache, v_cache, bt, qs, ps, scale, block_size, out);
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(vllm_neuron, m) {
+  m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor query_start, "
+        "Tensor positions, float scale, int block_size) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(vllm_neuron, CPU, m) { m.impl("paged_attention", &paged_attention); }
