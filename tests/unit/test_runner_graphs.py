@@ -5,11 +5,12 @@ from vllm_neuron.config.engine_config import EngineConfig
 from vllm_neuron.worker.model_runner import ModelRunner
 
 
-def _runner(**kw) -> ModelRunner:
+def _runner(use_kernels: bool = False, **kw) -> ModelRunner:
     cfg = EngineConfig.from_kwargs(**kw)
     cfg.finalize(model_max_len=2048)
     r = ModelRunner.__new__(ModelRunner)  # graph planning needs no model
     r.config = cfg
+    r.use_kernels = use_kernels  # the torch path: cached context needs prefill context graphs
     nc = cfg.neuron_config
     r.prefill_buckets, r.decode_buckets, r.context_buckets = (nc.num_batched_tokens_buckets, nc.num_seqs_buckets,
                                                               nc.context_buckets)
@@ -36,3 +37,10 @@ def test_context_buckets_multiply_decode_graphs_only():
 def test_no_context_prefill_graphs_without_caching_or_segments():
     r = _runner(max_model_len=128, max_num_seqs=2, max_num_batched_tokens=128, enable_prefix_caching=False)
     assert [g[0] for g in r.graph_names()] == ["prefill_s128", "decode_b1", "decode_b2"]
+
+
+def test_kernel_path_has_no_prefill_context_graphs():
+    # The paged-attention kernel reads cached context through block tables: one prefill graph per size.
+    r = _runner(use_kernels=True, max_model_len=1024, max_num_seqs=4, max_num_batched_tokens=256)
+    assert [g[0] for g in r.graph_names()] == ["prefill_s128", "prefill_s256", "decode_b1", "decode_b4"]
+    assert r._prefill_context(300) == 0

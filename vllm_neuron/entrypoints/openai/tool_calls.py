@@ -81,7 +81,10 @@ def resolve_tool_choice(tools: list[Any] | None, tool_choice: Any, parallel_tool
                                   "items": variants[0] if len(variants) == 1 else {"anyOf": variants}}
         if parallel_tool_calls is False:
             schema["maxItems"] = 1
-        return ToolChoice("required", structured_outputs=StructuredOutputsParams(json=schema))
+        # Compact JSON: tool calls are parsed, not read, and free whitespace lets small models loop on
+        # blank lines until max_tokens.
+        return ToolChoice("required", structured_outputs=StructuredOutputsParams(json=schema,
+                                                                                 disable_any_whitespace=True))
     if isinstance(tool_choice, dict):
         fn = tool_choice.get("function")
         name = fn.get("name") if isinstance(fn, dict) else None
@@ -90,7 +93,7 @@ def resolve_tool_choice(tools: list[Any] | None, tool_choice: Any, parallel_tool
                                   '"function": {"name": ...}}.', param="tool_choice")
         if name not in functions:
             raise BadRequestError(f"Tool '{name}' has not been passed in `tools`.", param="tool_choice")
-        return ToolChoice("named", name, StructuredOutputsParams(json=functions[name]))
+        return ToolChoice("named", name, StructuredOutputsParams(json=functions[name], disable_any_whitespace=True))
     raise BadRequestError(f'tool_choice {tool_choice!r} is not valid: use "none", "auto", "required" or '
                           '{"type": "function", "function": {"name": ...}}.', param="tool_choice")
 
