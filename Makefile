@@ -8,7 +8,7 @@ PORT ?= 8000
 ARGS ?=
 # The main job's serving configuration for the bundled model on a 2-core CPU: 10 graphs (about 8 minutes
 # of cold compile, under a minute warm), short contexts attended at 512 instead of 2048 (1.8x faster decode).
-SERVE_ARGS ?= --max-model-len 2048 --additional-config '{"neuron_config": {"num_seqs_buckets": [1, 4, 16], "num_batched_tokens_buckets": [256, 512], "decode_context_length_buckets": [512]}}'
+SERVE_ARGS ?=
 
 .PHONY: setup run test test-fast bench compile clean
 

@@ -138,9 +138,12 @@ def test_small_buckets_segments_and_context_buckets(model_dir, reference, monkey
     assert spy.max_active <= 4
 
 
-def test_joins_and_leaves_mid_stream_match_alone(model_dir, reference, monkeypatch):
-    """Staggered arrivals with different max_tokens: every request's tokens equal its tokens alone."""
-    llm = _engine(model_dir, monkeypatch, max_num_seqs=4)
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_joins_and_leaves_mid_stream_match_alone(model_dir, reference, monkeypatch, async_scheduling):
+    """Staggered arrivals with different max_tokens: every request's tokens equal its tokens alone,
+    with the engine scheduling one step ahead (async) or not."""
+    llm = _engine(model_dir, monkeypatch, max_num_seqs=4, async_scheduling=async_scheduling)
+    assert llm.llm_engine.core.async_scheduling == async_scheduling
     spy = _Spy(llm.llm_engine.core.runner)
     engine = llm.llm_engine
     prompts = _prompts()
@@ -164,11 +167,11 @@ def test_joins_and_leaves_mid_stream_match_alone(model_dir, reference, monkeypat
 def test_preemption_keeps_greedy_output(model_dir, hf, monkeypatch):
     # One prefill step of prompts that fill whole blocks takes all 16 usable blocks; every first decode
     # needs one more, so the newest requests are preempted and prefilled again later (from their
-    # cached prefix) in a fresh slot.
+    # cached prefix) in a fresh slot. Async scheduling: preemption hits requests with a step in flight.
     rng = random.Random(2)
     prompts = [[rng.randrange(3, 49152) for _ in range(n)] for n in (16, 16, 32, 48, 64, 80)]
     llm = _engine(model_dir, monkeypatch, max_model_len=256, max_num_batched_tokens=256,
-                  num_gpu_blocks_override=17)
+                  num_gpu_blocks_override=17, async_scheduling=True)
     spy = _Spy(llm.llm_engine.core.runner)
     assert _gen(llm, _greedy(), prompts) == _hf_greedy(hf, prompts)
     assert llm.llm_engine.core.scheduler.num_preemptions > 0

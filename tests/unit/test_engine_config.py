@@ -82,10 +82,23 @@ def test_cli_refuses_vllm_quantization_flag_and_conflicting_models():
         _cli("/a", "--model", "/b")
 
 
-def test_async_scheduling_defaults_on_and_requires_on_device_sampling():
-    c = EngineConfig.from_kwargs(max_model_len=256)
+def test_async_scheduling_default_and_on_device_sampling(monkeypatch):
+    import torch
+
+    # CPU with torch on every core: the host is the device, so the default is off (explicit on is honoured).
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 64)
+    c = EngineConfig.from_kwargs(max_model_len=256, device="cpu")
     c.finalize(model_max_len=2048)
-    assert c.async_scheduling is True
+    assert c.async_scheduling is False and "--async-scheduling" in c.async_scheduling_reason
+    on = EngineConfig.from_kwargs(max_model_len=256, device="cpu", async_scheduling=True)
+    on.finalize(model_max_len=2048)
+    assert on.async_scheduling is True
+    # Spare cores for host work: on by default.
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    spare = EngineConfig.from_kwargs(max_model_len=256, device="cpu")
+    spare.finalize(model_max_len=2048)
+    assert spare.async_scheduling is True
     off = EngineConfig.from_kwargs(max_model_len=256, async_scheduling=False)
     off.finalize(model_max_len=2048)
     assert off.async_scheduling is False

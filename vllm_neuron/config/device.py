@@ -44,3 +44,21 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     if device.type == "cuda":
         return torch.bfloat16
     return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
+
+
+def async_scheduling_default(device: torch.device) -> tuple[bool, str]:
+    """(on, why) for async scheduling when the user did not choose.
+
+    It overlaps host work (scheduling, output processing) with the forward pass: a win when the forward
+    runs on an accelerator or leaves CPU cores idle. When torch's threads already use every core, the
+    "device" is the host itself and the overlapped host work steals a core from the forward
+    (bench: P2 TPOT 24.4 ms with it, 17.5 ms without, on 2 cores)."""
+    if device.type != "cpu":
+        return True, "on by default"
+    import os
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if torch.get_num_threads() >= cores:
+        return False, (f"off by default on CPU: torch's {torch.get_num_threads()} threads use all {cores} cores, so "
+                       "host work overlapped with the forward would slow it; --async-scheduling turns it on")
+    return True, f"on by default ({cores - torch.get_num_threads()} CPU cores left for host work)"

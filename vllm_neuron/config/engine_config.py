@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm_neuron.config.device import DEVICE_CHOICES, DTYPE_CHOICES, resolve_device
+from vllm_neuron.config.device import DEVICE_CHOICES, DTYPE_CHOICES, async_scheduling_default, resolve_device
 from vllm_neuron.config.runner_selection import RunnerChoice, select_model_runner
 from vllm_neuron.model.neuron_config import AdditionalConfig, NeuronConfig, parse_additional_config
 
@@ -57,6 +57,7 @@ class EngineConfig:
     # Filled by validate()
     neuron: AdditionalConfig = field(default=None, init=False, repr=False)  # type: ignore[assignment]
     runner_choice: RunnerChoice | None = field(default=None, init=False, repr=False)
+    async_scheduling_reason: str = field(default="set explicitly", init=False, repr=False)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
@@ -151,9 +152,9 @@ class EngineConfig:
                 raise ValueError(
                     "async_scheduling=True requires on-device sampling, but neuron_config.on_device_sampling_config "
                     "is null (CPU sampling); use --no-async-scheduling or enable on-device sampling")
-            self.async_scheduling = False
+            self.async_scheduling, self.async_scheduling_reason = False, "off: CPU sampling (needs on-device sampling)"
         elif self.async_scheduling is None:
-            self.async_scheduling = True  # the seeds' default
+            self.async_scheduling, self.async_scheduling_reason = async_scheduling_default(resolve_device(self.device))
         from vllm_neuron import envs
 
         self.runner_choice = select_model_runner(envs.VLLM_USE_V2_MODEL_RUNNER,

@@ -72,8 +72,8 @@ class EngineCore:
         # One thread: steps execute in order, so step N+1 always sees step N's KV and runner state.
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="vllm-neuron-step") \
             if self.async_scheduling else None
-        logger.info("Async scheduling: %s", f"on (batch queue depth {BATCH_QUEUE_DEPTH})"
-                    if self.async_scheduling else "off")
+        logger.info("Async scheduling: %s (%s)", f"on, batch queue depth {BATCH_QUEUE_DEPTH}"
+                    if self.async_scheduling else "off", config.async_scheduling_reason)
         self.startup_seconds = time.perf_counter() - t0
         if backend == "eager":
             logger.info("Engine ready in %.1f s (eager)", self.startup_seconds)
