@@ -107,8 +107,10 @@ def test_small_buckets_force_padding_and_segments(model_dir, reference, kernels,
     _assert_tokens(_run(llm), reference[0])
 
 
-def test_compiled_matches_transformers(model_dir, reference, tmp_path, monkeypatch):
+@pytest.mark.parametrize("kernels", [True, False])
+def test_compiled_matches_transformers(model_dir, reference, tmp_path, monkeypatch, kernels):
     monkeypatch.setenv("NEURON_COMPILED_ARTIFACTS", str(tmp_path / "cache"))
+    monkeypatch.setenv("VLLM_NEURON_DISABLE_NKI_KERNELS", "0" if kernels else "1")
     llm = _engine(model_dir, enforce_eager=False, max_num_seqs=4,
                   additional_config={"neuron_config": {"num_batched_tokens_buckets": [64, 128],
                                                        "num_seqs_buckets": [2, 4]}})

@@ -19,6 +19,7 @@ Padding rows always see at least one finite key, so no NaN is ever produced or w
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -45,6 +46,11 @@ class AttentionMetadata:
     query_start: torch.Tensor | None = None
     positions: torch.Tensor | None = None
     block_size: int = 0
+
+    def fields(self) -> tuple:
+        """The fields in order, unpacked (a nested compile region takes tensors and constants, not
+        dataclasses); `AttentionMetadata(*meta.fields())` rebuilds it."""
+        return tuple(getattr(self, f.name) for f in dataclasses.fields(self))
 
 
 def prefill_mask(
