@@ -35,12 +35,6 @@ class AsyncLLM(EngineClient):
         ckpt = load_checkpoint(config.model)
         nc = config.finalize(ckpt.hf_config.max_position_embeddings)  # bad options fail here, before spawning
         self.config = config
-        self.tokenizer = load_tokenizer(config.tokenizer or ckpt, config.chat_template)
-        self.input_processor = InputProcessor(self.tokenizer, config.max_model_len, ckpt.generation_config,
-                                              nc.on_device_sampling_config, config.max_logprobs,
-                                              ckpt.hf_config.vocab_size)
-        self.output_processor = OutputProcessor(self.tokenizer)
-        self.model_info = ModelInfo(ckpt.path, config.max_model_len, self.input_processor.eos_token_id)
         self.model_name = model_name or config.served_names()[0]
         self._queues: dict[str, asyncio.Queue] = {}
         self._ready = False
@@ -60,6 +54,18 @@ class AsyncLLM(EngineClient):
             target=run_engine_core, args=(config, in_addr, out_addr, self.model_name), name="EngineCore", daemon=True)
         self.proc.start()
         logger.info("EngineCore process started (pid %d)", self.proc.pid)
+        # The tokenizer loads while the engine process imports and loads the model (start-up overlap).
+        try:
+            self.tokenizer = load_tokenizer(config.tokenizer or ckpt, config.chat_template)
+        except BaseException:
+            self.proc.kill()
+            self.shutdown()  # sockets and the IPC folder
+            raise
+        self.input_processor = InputProcessor(self.tokenizer, config.max_model_len, ckpt.generation_config,
+                                              nc.on_device_sampling_config, config.max_logprobs,
+                                              ckpt.hf_config.vocab_size)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.model_info = ModelInfo(ckpt.path, config.max_model_len, self.input_processor.eos_token_id)
 
     # -- EngineClient -----------------------------------------------------------------------------
     @property
