@@ -15,6 +15,7 @@ import functools
 import json
 import math
 import os
+import random
 import shutil
 import tempfile
 from typing import Any
@@ -32,6 +33,18 @@ _GGUF_TOKENIZER_KEYS = (
     "tokenizer.ggml.unknown_token_id", "tokenizer.ggml.padding_token_id",
     "tokenizer.ggml.add_bos_token", "tokenizer.ggml.add_space_prefix", "tokenizer.chat_template",
 )
+
+
+def shared_prefix_prompts(lengths: list[int], shared_len: int, first_shared: int, seed: int) -> list[list[int]]:
+    """Random token prompts of the given lengths; prompts from index `first_shared` on take their first
+    half from one common prefix of `shared_len` tokens (prefix-cache hits across prompts)."""
+    rng = random.Random(seed)
+    shared = [rng.randrange(3, SMOLLM2_VOCAB_SIZE) for _ in range(shared_len)]
+    out = []
+    for i, n in enumerate(lengths):
+        own = [rng.randrange(3, SMOLLM2_VOCAB_SIZE) for _ in range(n)]
+        out.append(shared[:n // 2] + own[n // 2:] if i >= first_shared else own)
+    return out
 
 
 def _cache_root() -> str:

@@ -6,12 +6,10 @@ on and off (and a second pass answered from the cache), eager and compiled graph
 """
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
-from tests.model_factory import build_tiny_llama, make_tiny_llama
+from tests.model_factory import build_tiny_llama, make_tiny_llama, shared_prefix_prompts
 from vllm_neuron import LLM, SamplingParams
 
 MAX_NEW = 10
@@ -21,13 +19,7 @@ SHARED = 80  # prompts 6.. share an 80-token prefix with each other
 
 
 def _prompts() -> list[list[int]]:
-    rng = random.Random(0)
-    shared = [rng.randrange(3, 49152) for _ in range(SHARED)]
-    out = []
-    for i, n in enumerate(LENGTHS):
-        own = [rng.randrange(3, 49152) for _ in range(n)]
-        out.append(shared[:n // 2] + own[n // 2:] if i >= 6 else own)
-    return out
+    return shared_prefix_prompts(LENGTHS, SHARED, first_shared=6, seed=0)
 
 
 @pytest.fixture(scope="module")

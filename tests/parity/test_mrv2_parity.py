@@ -16,7 +16,7 @@ import random
 import pytest
 import torch
 
-from tests.model_factory import build_tiny_llama, make_tiny_llama
+from tests.model_factory import build_tiny_llama, make_tiny_llama, shared_prefix_prompts
 from vllm_neuron import LLM, SamplingParams
 from vllm_neuron.config.runner_selection import V2_LOG_LINE
 from vllm_neuron.step import PLACEHOLDER_TOKEN_ID
@@ -31,13 +31,7 @@ SHARED = 64  # prompts 3.. share a prefix, so a second pass (and a re-prefill) h
 
 
 def _prompts() -> list[list[int]]:
-    rng = random.Random(1)
-    shared = [rng.randrange(3, 49152) for _ in range(SHARED)]
-    out = []
-    for i, n in enumerate(LENGTHS):
-        own = [rng.randrange(3, 49152) for _ in range(n)]
-        out.append(shared[:n // 2] + own[n // 2:] if i >= 3 else own)
-    return out
+    return shared_prefix_prompts(LENGTHS, SHARED, first_shared=3, seed=1)
 
 
 @pytest.fixture(scope="module")

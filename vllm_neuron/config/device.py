@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
@@ -55,8 +56,6 @@ def async_scheduling_default(device: torch.device) -> tuple[bool, str]:
     (bench: P2 TPOT 24.4 ms with it, 17.5 ms without, on 2 cores)."""
     if device.type != "cpu":
         return True, "on by default"
-    import os
-
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     if torch.get_num_threads() >= cores:
         return False, (f"off by default on CPU: torch's {torch.get_num_threads()} threads use all {cores} cores, so "

@@ -203,7 +203,7 @@ class ModelRunner:
     def _prefill_attn_inputs(self, x) -> tuple:
         return (x.seq_tables, x.query_start) if self.use_kernels else (x.context_slots, x.context_seq)
 
-    def _decode_graph(self, input_ids, positions, slot_mapping, block_tables, seq_lens,
+    def _decode_graph(self, input_ids, positions, slot_mapping, block_tables,
                       bitmask, temperature, top_k, top_p, uniform, kv_caches):
         meta = self._decode_meta(slot_mapping, block_tables, positions)
         hidden = self.model(input_ids, positions, kv_caches, meta)
@@ -250,12 +250,35 @@ class ModelRunner:
         with torch.inference_mode():
             ids = input_ids if input_ids is not None else self._t(x.input_ids)
             return self._decode_fn(ids, self._t(x.positions), self._t(x.slot_mapping),
-                                   self._t(x.block_tables), self._t(x.seq_lens),
+                                   self._t(x.block_tables),
                                    self._t(self._bitmask(chunks, batch, masks or {})), self._t(s["temperature"]),
                                    self._t(s["top_k"]), self._t(s["top_p"]), self._t(s["uniform"]),
                                    self.kv_caches)
 
     # -- one step --------------------------------------------------------------------------------
+    def _step_bucket(self, sched: SchedulerOutput) -> tuple[int, int, str, int]:
+        """(size, context, graph name, padding) of the bucket that serves this step."""
+        if sched.kind == "prefill":
+            n = sched.num_tokens
+            size = B.select_bucket(self.prefill_buckets, n)
+            context = self._prefill_context(sched.num_context_tokens)
+            return size, context, B.bucket_name("prefill", size, context or None), size - n
+        n = len(sched.chunks)
+        size = B.select_bucket(self.decode_buckets, n)
+        context = B.select_bucket(self.context_buckets, sched.max_seq_len)
+        many = len(self.context_buckets) > 1
+        return size, context, B.bucket_name("decode", size, context if many else None), size - n
+
+    def _finalize_rows(self, chunks, tokens, logits) -> tuple[list[str], dict, dict]:
+        """(request ids of the sampling rows, their tokens, their logprobs), host-sampling rows that need it."""
+        rows = [i for i, c in enumerate(chunks) if c.sample]
+        req_ids = [chunks[i].req_id for i in rows]
+        if not rows:
+            return req_ids, {}, {}
+        sampled, logprobs = self.sampling.finalize(req_ids, tokens[rows] if tokens is not None else None,
+                                                   logits[rows])
+        return req_ids, sampled, logprobs
+
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         for rid in sched.finished_req_ids:
             self.sampling.remove(rid)
@@ -264,28 +287,16 @@ class ModelRunner:
         for data in sched.new_requests:
             self.sampling.add(data)
         chunks = sched.chunks
+        size, context, name, padding = self._step_bucket(sched)
         fallback = passed = False
         if sched.kind == "prefill":
-            n = sched.num_tokens
-            size = B.select_bucket(self.prefill_buckets, n)
-            context = self._prefill_context(sched.num_context_tokens)
             tokens, logits = self._run_prefill(chunks, size, context, sched.grammar_bitmask)
-            name, padding = B.bucket_name("prefill", size, context or None), size - n
         else:
-            size = B.select_bucket(self.decode_buckets, len(chunks))
-            context = B.select_bucket(self.context_buckets, sched.max_seq_len)
             chunks, passed_ids, fallback = self.token_passing.resolve(chunks, size)
             passed = passed_ids is not None
             tokens, logits = self._run_decode(chunks, size, context, sched.grammar_bitmask, passed_ids)
-            many = len(self.context_buckets) > 1
-            name, padding = B.bucket_name("decode", size, context if many else None), size - len(chunks)
-        rows = [(i, c.req_id) for i, c in enumerate(chunks) if c.sample]
-        sampled, logprobs = {}, {}
-        if rows:
-            idx = [i for i, _ in rows]
-            sub_tokens = tokens[idx] if tokens is not None else None
-            sampled, logprobs = self.sampling.finalize([r for _, r in rows], sub_tokens, logits[idx])
-        host_rows = any(self.sampling.states[r].on_host for _, r in rows)
+        req_ids, sampled, logprobs = self._finalize_rows(chunks, tokens, logits)
+        host_rows = any(self.sampling.states[r].on_host for r in req_ids)
         self.token_passing.record(sched.kind, [c.req_id for c in chunks], tokens,
                                   {r: t[0] for r, t in sampled.items()}, host_rows)
         return ModelRunnerOutput(sampled, logprobs, bucket_name=name, num_padding=padding,

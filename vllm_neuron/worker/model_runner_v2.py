@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import torch
 
-from vllm_neuron.config import buckets as B
 from vllm_neuron.config.engine_config import EngineConfig
 from vllm_neuron.model.layers.sampler import greedy_in_graph
 from vllm_neuron.model.loader import Checkpoint
@@ -143,24 +142,10 @@ class ModelRunnerV2(ModelRunner):
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         self._apply_joins_and_leaves(sched)
         chunks = sched.chunks
-        if sched.kind == "prefill":
-            n = sched.num_tokens
-            size = B.select_bucket(self.prefill_buckets, n)
-            context = self._prefill_context(sched.num_context_tokens)
-            tokens, logits = self._run_prefill(chunks, size, context, sched.grammar_bitmask)
-            name, padding = B.bucket_name("prefill", size, context or None), size - n
-        else:
-            size = B.select_bucket(self.decode_buckets, len(chunks))
-            context = B.select_bucket(self.context_buckets, sched.max_seq_len)
-            tokens, logits = self._run_decode(chunks, size, context, sched.grammar_bitmask)
-            many = len(self.context_buckets) > 1
-            name, padding = B.bucket_name("decode", size, context if many else None), size - len(chunks)
-        rows = [(i, c.req_id) for i, c in enumerate(chunks) if c.sample]
-        sampled, logprobs = {}, {}
-        if rows:
-            idx = [i for i, _ in rows]
-            req_ids = [r for _, r in rows]
-            sampled, logprobs = self.sampling.finalize(req_ids, tokens[idx], logits[idx])
-            host = [r for r in req_ids if self.sampling.states[r].on_host]
-            self.state.set_last_tokens(host, [sampled[r][0] for r in host])
+        size, context, name, padding = self._step_bucket(sched)
+        run = self._run_prefill if sched.kind == "prefill" else self._run_decode
+        tokens, logits = run(chunks, size, context, sched.grammar_bitmask)
+        req_ids, sampled, logprobs = self._finalize_rows(chunks, tokens, logits)
+        host = [r for r in req_ids if self.sampling.states[r].on_host]
+        self.state.set_last_tokens(host, [sampled[r][0] for r in host])
         return ModelRunnerOutput(sampled, logprobs, bucket_name=name, num_padding=padding)
