@@ -217,6 +217,13 @@ _VARS: dict[str, EnvVar] = {
             "Root folder for caches; default ~/.cache/vllm_neuron (the seeds' ~/.cache/vllm is "
             "vLLM's own and is not shared with it).",
         ),
+        EnvVar(
+            "VLLM_NEURON_GGUF_CACHE_MAX_GIB",
+            lambda: _float("VLLM_NEURON_GGUF_CACHE_MAX_GIB", 4.0, minimum=0.0),
+            "Largest GGUF model, in GiB of dequantized weights, whose weights are cached as "
+            "safetensors under $VLLM_CACHE_ROOT/gguf (configs and tokenizer are always cached). "
+            "Default 4; 0 disables the weight cache.",
+        ),
         # -- runtime and execution --
         EnvVar(
             "VLLM_NEURON_CPU_MODE",

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 
-from vllm_neuron.model.loader import gguf_loader, safetensors_loader
+from vllm_neuron.model.loader import gguf_cache, safetensors_loader
 from vllm_neuron.model.loader.bundled import bundled_model_path
 
 if TYPE_CHECKING:
@@ -35,17 +35,18 @@ class Checkpoint:
     def iter_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """Yields (hf_parameter_name, tensor) with transformers' names and layouts
         (e.g. 'model.layers.0.self_attn.q_proj.weight'; 'lm_head.weight' only if stored, i.e. not
-        for tied embeddings). GGUF tensors are dequantized; floating tensors are cast to `dtype`
-        when given (integer/float8 quantized payloads of safetensors keep their type)."""
+        for tied embeddings). GGUF tensors are dequantized (or read from the GGUF conversion
+        cache); floating tensors are cast to `dtype` when given (integer/float8 quantized payloads
+        of safetensors keep their type)."""
         if self.gguf_file is not None:
-            return gguf_loader.iter_gguf_weights(self.gguf_file, self.hf_config, dtype)
+            return gguf_cache.iter_weights(self.gguf_file, self.hf_config, dtype)
         return safetensors_loader.iter_safetensors_weights(self.path, dtype)
 
     def weight_bytes(self, dtype: torch.dtype | None = None) -> int:
         """Bytes of the weights as iter_weights(dtype) yields them, read from file headers only
         (for a GGUF: dequantized size, float32 for quantized tensors unless `dtype` is given)."""
         if self.gguf_file is not None:
-            return gguf_loader.gguf_weight_bytes(self.gguf_file, dtype)
+            return gguf_cache.weight_bytes(self.gguf_file, dtype)
         return safetensors_loader.safetensors_weight_bytes(self.path, dtype)
 
 
@@ -82,10 +83,11 @@ def _read_generation_config(model_dir: str) -> dict[str, Any]:
 
 
 def _load_gguf(path: str) -> Checkpoint:
+    config, generation_config = gguf_cache.load_configs(path)
     return Checkpoint(
         path=path,
-        hf_config=gguf_loader.gguf_config(path),
-        generation_config=gguf_loader.gguf_generation_config(path),
+        hf_config=config,
+        generation_config=generation_config,
         tokenizer_path=path,
         gguf_file=path,
     )

@@ -1,4 +1,5 @@
-"""Tokenizers for HF directories and GGUF files, cached per path (GGUF conversion takes seconds)."""
+"""Tokenizers for HF directories and GGUF files, cached per path and GGUF conversions cached on disk
+(a conversion takes seconds)."""
 
 from __future__ import annotations
 
@@ -34,6 +35,13 @@ def _tokenizer_source(path_or_checkpoint: Any) -> str:
 def _load_cached(path: str, mtime_ns: int) -> "PreTrainedTokenizerFast":
     from transformers import AutoTokenizer
 
+    from vllm_neuron.model.loader import gguf_cache
+
+    if path.endswith(".gguf"):
+        # The conversion parses the whole GGUF vocabulary (seconds): reuse an earlier one.
+        tok = gguf_cache.read_tokenizer(path)
+        if tok is not None:
+            return tok
     try:
         if path.endswith(".gguf"):
             tok = AutoTokenizer.from_pretrained(
@@ -45,6 +53,8 @@ def _load_cached(path: str, mtime_ns: int) -> "PreTrainedTokenizerFast":
         raise ValueError(f"Cannot load a tokenizer from {path}: {e}") from e
     if not getattr(tok, "is_fast", False):
         raise ValueError(f"The tokenizer at {path} has no fast (tokenizers) implementation")
+    if path.endswith(".gguf"):
+        gguf_cache.write_tokenizer(path, tok)
     return tok
 
 
