@@ -212,6 +212,13 @@ _VARS: dict[str, EnvVar] = {
             "pre-compiled). Default 0.",
         ),
         EnvVar(
+            "VLLM_NEURON_AOT_COMPILE",
+            lambda: _bool("VLLM_NEURON_AOT_COMPILE", True),
+            "Save each bucket's compiled graph ahead of time (dynamo bytecode, guards and inductor "
+            "graph) in the compile cache, so a warm start loads it instead of re-tracing the model. "
+            "0 falls back to plain torch.compile. Default 1.",
+        ),
+        EnvVar(
             "VLLM_CACHE_ROOT",
             _cache_root,
             "Root folder for caches; default ~/.cache/vllm_neuron (the seeds' ~/.cache/vllm is "

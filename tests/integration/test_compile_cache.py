@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 from dataclasses import dataclass
 
@@ -136,3 +137,55 @@ def test_changed_bucket_list_compiles_only_the_new_bucket(cold_then_warm, model,
     assert run.cache_dir == cold.cache_dir, f"the cache key changed: {_key_diff(cold.cache_dir, run.cache_dir)}"
     assert run.graphs == cold.graphs + 1 and run.compiled == 1 and run.cached == cold.graphs, run.output
     assert run.buckets == {**{name: "hit" for name in cold.buckets}, "decode_b1": "miss"}, run.output
+
+
+def test_cold_run_saves_each_graph_and_warm_run_loads_it(cold_then_warm):
+    cold, warm = cold_then_warm
+    for name in cold.buckets:
+        assert os.path.getsize(os.path.join(cold.cache_dir, "aot", f"{name}.bin")) > 0
+    assert "compiled and saved" in cold.output, cold.output
+    # Loaded, not re-traced by dynamo: the point of the saved graphs (warm start).
+    loaded = re.findall(r"Bucket (\w+): compile cache hit, loaded the saved graph", warm.output)
+    assert sorted(loaded) == sorted(cold.buckets), warm.output
+
+
+def test_unreadable_saved_graph_is_compiled_again(cold_then_warm, model, cache_root, tmp_path):
+    cold, _ = cold_then_warm
+    root = tmp_path / "copy"
+    shutil.copytree(cache_root, root)
+    bad = root / os.path.basename(cold.cache_dir) / "aot" / "decode_b2.bin"
+    bad.write_bytes(bad.read_bytes()[:100])  # truncated
+    run = _compile(model, str(root), str(tmp_path))
+    assert "Bucket decode_b2: cannot load" in run.output, run.output
+    assert run.buckets["decode_b2"] == "miss" and run.compiled == 1, run.output
+    assert os.path.getsize(bad) > 100  # saved again
+    again = _compile(model, str(root), str(tmp_path))
+    assert again.compiled == 0, again.output
+
+
+def test_aot_off_traces_with_torch_compile(cold_then_warm, model, cache_root, tmp_path):
+    cold, _ = cold_then_warm
+    run = _compile(model, cache_root, str(tmp_path), VLLM_NEURON_AOT_COMPILE="0")
+    assert run.graphs == cold.graphs, run.output
+    assert "loaded the saved graph" not in run.output and "saved" not in run.output.split("compile cache /")[0], \
+        run.output
+
+
+def test_loaded_graphs_generate_what_eager_generates(model, tmp_path):
+    """Greedy fp32 text is the same from freshly compiled graphs, from graphs loaded from the cache and
+    uncompiled."""
+    root = str(tmp_path / "cache")
+    prompts = ["hello world", "a b c d e f g h i j k l m n o p q r s t u v", "x"]
+
+    def generate(*extra: str, **env: str) -> str:
+        proc = run_cli(["generate", "--model", model, "--raw", "--max-tokens", "12", "--dtype", "float32",
+                        *_args((2,)), *extra, *prompts],
+                       str(tmp_path), timeout=300, NEURON_COMPILED_ARTIFACTS=root, **env)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        return proc.stdout.split(">>> ", 1)[1]
+
+    cold = generate()
+    warm = generate(VLLM_NEURON_DISABLE_WARMUP_COMPILE="1")
+    eager = generate("--enforce-eager")
+    assert cold == warm, (cold, warm)
+    assert warm == eager, (warm, eager)

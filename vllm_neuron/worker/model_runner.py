@@ -7,6 +7,7 @@ compiled function per bucket.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -16,15 +17,14 @@ from tqdm import tqdm
 from vllm_neuron.config import buckets as B
 from vllm_neuron.config.engine_config import EngineConfig
 from vllm_neuron.logger import init_logger
-from vllm_neuron.model.layers.attention import AttentionMetadata, decode_mask, prefill_mask
 from vllm_neuron.model.layers.kernels import kernels_enabled, linear_kernel_available
 from vllm_neuron.model.layers.linear import set_small_batch_kernel
-from vllm_neuron.model.layers.sampler import apply_token_bitmask, greedy_in_graph, sample_in_graph
 from vllm_neuron.model.loader import Checkpoint
 from vllm_neuron.model.registry import resolve_model_class
 from vllm_neuron.step import ModelRunnerOutput, SchedulerOutput
 from vllm_neuron.worker import memory
 from vllm_neuron.worker.compilation import GraphCompiler, cache_key_parts
+from vllm_neuron.worker.graphs import StepGraphs
 from vllm_neuron.worker.input_builder import build_decode_inputs, build_prefill_inputs
 from vllm_neuron.worker.sampling import SamplingStates
 from vllm_neuron.worker.token_passing import TokenPassing
@@ -67,6 +67,8 @@ class ModelRunner:
         self.token_passing = TokenPassing()
         self.model = None
         self.compiler: GraphCompiler | None = None
+        self.graphs: StepGraphs | None = None
+        self._bucket_graphs: dict[tuple[str, int, int], Callable] = {}
         self.use_kernels = kernels_enabled(device)
         self.use_linear_kernel = linear_kernel_available(device)
         set_small_batch_kernel(self.use_linear_kernel)
@@ -87,6 +89,7 @@ class ModelRunner:
         self.model = model.eval().requires_grad_(False)
         self._bitmask_words = -(-self.ckpt.hf_config.vocab_size // 32)
         self.compiler = self._make_compiler()
+        self.graphs = self._make_graphs()
         stats = LoadStats(time.perf_counter() - t0, nbytes)
         logger.info("Loaded %s (%s) in %.1f s: %.1f MiB of weights on %s as %s", type(model).__name__,
                     self.ckpt.path, stats.seconds, nbytes / 2**20, self.device, self.dtype)
@@ -161,8 +164,6 @@ class ModelRunner:
                                              self.config.tensor_parallel_size, graph_opts), backend=self.backend)
 
     def warmup(self) -> GraphCompiler:
-        self._prefill_fn = self.compiler.compile(self._prefill_graph)
-        self._decode_fn = self.compiler.compile(self._decode_graph)
         graphs = self.graph_names()
         if self.backend == "eager":
             logger.info("Eager execution (enforce_eager or VLLM_NEURON_BACKEND=eager): %d bucket graphs run "
@@ -177,46 +178,27 @@ class ModelRunner:
         return self.compiler
 
     # -- graphs ----------------------------------------------------------------------------------
-    def _sample(self, logits, bitmask, temperature, top_k, top_p, uniform):
-        if bitmask is not None:
-            logits = apply_token_bitmask(logits, bitmask)
-        if self.odsc is None:
-            return None, logits
-        if self.odsc.all_greedy:
-            return greedy_in_graph(logits), logits
-        return sample_in_graph(logits, temperature, top_k, top_p, uniform, self.odsc.top_k), logits
+    def _make_graphs(self) -> StepGraphs:
+        return StepGraphs(self.model, self.odsc, self.block_size, self.use_kernels)
 
-    def _prefill_graph(self, input_ids, positions, slot_mapping, query_seq, attn_a, attn_b,
-                       logits_indices, bitmask, temperature, top_k, top_p, uniform, kv_caches):
-        meta = self._prefill_meta(slot_mapping, positions, query_seq, attn_a, attn_b)
-        hidden = self.model(input_ids, positions, kv_caches, meta)
-        logits = self.model.compute_logits(hidden[logits_indices]).float()
-        return self._sample(logits, bitmask, temperature, top_k, top_p, uniform)
+    def _graph(self, kind: str, size: int, context: int) -> Callable:
+        """The compiled graph of one bucket (created on first use outside warm-up, e.g. eager)."""
+        context = context or 0
+        key = (kind, size, context)
+        g = self._bucket_graphs.get(key)
+        if g is None:
+            fn = self.graphs.prefill if kind == "prefill" else self.graphs.decode
+            name = self._graph_name(kind, size, context)
+            g = self._bucket_graphs[key] = self.compiler.bucket(name, fn)
+        return g
 
-    def _prefill_meta(self, slot_mapping, positions, query_seq, attn_a, attn_b) -> AttentionMetadata:
-        """attn_a / attn_b: the kernel's (seq_tables, query_start), else (context_slots, context_seq)."""
-        if self.use_kernels:
-            return AttentionMetadata(slot_mapping, block_tables=attn_a, query_start=attn_b, positions=positions,
-                                     block_size=self.block_size, use_kernels=True)
-        return AttentionMetadata(slot_mapping, prefill_mask(positions, query_seq, attn_b), context_slots=attn_a)
+    def _graph_name(self, kind: str, size: int, context: int) -> str:
+        if kind == "prefill":
+            return B.bucket_name("prefill", size, context or None)
+        return B.bucket_name("decode", size, context if len(self.context_buckets) > 1 else None)
 
     def _prefill_attn_inputs(self, x) -> tuple:
         return (x.seq_tables, x.query_start) if self.use_kernels else (x.context_slots, x.context_seq)
-
-    def _decode_graph(self, input_ids, positions, slot_mapping, block_tables,
-                      bitmask, temperature, top_k, top_p, uniform, kv_caches):
-        meta = self._decode_meta(slot_mapping, block_tables, positions)
-        hidden = self.model(input_ids, positions, kv_caches, meta)
-        logits = self.model.compute_logits(hidden).float()
-        return self._sample(logits, bitmask, temperature, top_k, top_p, uniform)
-
-    def _decode_meta(self, slot_mapping, block_tables, positions) -> AttentionMetadata:
-        if self.use_kernels:
-            starts = torch.arange(positions.shape[0] + 1, device=positions.device)
-            return AttentionMetadata(slot_mapping, block_tables=block_tables, query_start=starts, positions=positions,
-                                     block_size=self.block_size, is_decode=True, use_kernels=True)
-        mask = decode_mask(positions + 1, block_tables.shape[1] * self.block_size)
-        return AttentionMetadata(slot_mapping, mask, block_tables=block_tables, is_decode=True)
 
     def _t(self, a: np.ndarray | None) -> torch.Tensor | None:
         return None if a is None else torch.from_numpy(a).to(self.device, non_blocking=True)
@@ -237,11 +219,12 @@ class ModelRunner:
         s = self.sampling.graph_tensors([c.req_id for c in chunks], rows)
         attn_a, attn_b = self._prefill_attn_inputs(x)
         with torch.inference_mode():
-            return self._prefill_fn(self._t(x.input_ids), self._t(x.positions), self._t(x.slot_mapping),
-                                    self._t(x.query_seq), self._t(attn_a), self._t(attn_b),
-                                    self._t(x.logits_indices), self._t(self._bitmask(chunks, rows, masks or {})),
-                                    self._t(s["temperature"]), self._t(s["top_k"]), self._t(s["top_p"]),
-                                    self._t(s["uniform"]), self.kv_caches)
+            graph = self._graph("prefill", num_tokens, num_context)
+            return graph(self._t(x.input_ids), self._t(x.positions), self._t(x.slot_mapping),
+                         self._t(x.query_seq), self._t(attn_a), self._t(attn_b),
+                         self._t(x.logits_indices), self._t(self._bitmask(chunks, rows, masks or {})),
+                         self._t(s["temperature"]), self._t(s["top_k"]), self._t(s["top_p"]),
+                         self._t(s["uniform"]), self.kv_caches)
 
     def _run_decode(self, chunks, batch: int, context: int, masks: dict | None = None,
                     input_ids: torch.Tensor | None = None):
@@ -249,11 +232,10 @@ class ModelRunner:
         s = self.sampling.graph_tensors([c.req_id for c in chunks], batch)
         with torch.inference_mode():
             ids = input_ids if input_ids is not None else self._t(x.input_ids)
-            return self._decode_fn(ids, self._t(x.positions), self._t(x.slot_mapping),
-                                   self._t(x.block_tables),
-                                   self._t(self._bitmask(chunks, batch, masks or {})), self._t(s["temperature"]),
-                                   self._t(s["top_k"]), self._t(s["top_p"]), self._t(s["uniform"]),
-                                   self.kv_caches)
+            graph = self._graph("decode", batch, context)
+            return graph(ids, self._t(x.positions), self._t(x.slot_mapping), self._t(x.block_tables),
+                         self._t(self._bitmask(chunks, batch, masks or {})), self._t(s["temperature"]),
+                         self._t(s["top_k"]), self._t(s["top_p"]), self._t(s["uniform"]), self.kv_caches)
 
     # -- one step --------------------------------------------------------------------------------
     def _step_bucket(self, sched: SchedulerOutput) -> tuple[int, int, str, int]:
@@ -262,12 +244,11 @@ class ModelRunner:
             n = sched.num_tokens
             size = B.select_bucket(self.prefill_buckets, n)
             context = self._prefill_context(sched.num_context_tokens)
-            return size, context, B.bucket_name("prefill", size, context or None), size - n
+            return size, context, self._graph_name("prefill", size, context), size - n
         n = len(sched.chunks)
         size = B.select_bucket(self.decode_buckets, n)
         context = B.select_bucket(self.context_buckets, sched.max_seq_len)
-        many = len(self.context_buckets) > 1
-        return size, context, B.bucket_name("decode", size, context if many else None), size - n
+        return size, context, self._graph_name("decode", size, context), size - n
 
     def _finalize_rows(self, chunks, tokens, logits) -> tuple[list[str], dict, dict]:
         """(request ids of the sampling rows, their tokens, their logprobs), host-sampling rows that need it."""

@@ -20,12 +20,12 @@ from __future__ import annotations
 import torch
 
 from vllm_neuron.config.engine_config import EngineConfig
-from vllm_neuron.model.layers.sampler import greedy_in_graph
 from vllm_neuron.model.loader import Checkpoint
 from vllm_neuron.sampling_params import SAMPLING_EPS
 from vllm_neuron.step import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
-from vllm_neuron.worker.batch_state import BatchState, SlotParams, counter_uniform, fold_seed
+from vllm_neuron.worker.batch_state import BatchState, SlotParams, fold_seed
 from vllm_neuron.worker.compilation import GraphCompiler, cache_key_parts
+from vllm_neuron.worker.graphs import StepGraphsV2
 from vllm_neuron.worker.input_builder import build_prefill_inputs
 from vllm_neuron.worker.model_runner import ModelRunner
 
@@ -45,49 +45,8 @@ class ModelRunnerV2(ModelRunner):
         return GraphCompiler(cache_key_parts(self.ckpt.hf_config.to_dict(), self.dtype, self.device,
                                              self.config.tensor_parallel_size, graph_opts), backend=self.backend)
 
-    # -- graphs ----------------------------------------------------------------------------------
-    def _sample_rows(self, logits, bitmask, slots, sample_pos, temperature, top_k, top_p, seed):
-        """In-graph tokens of the rows at `slots`; under CPU sampling the argmax stands in until the
-        host's token overwrites it."""
-        if self.odsc is None:
-            _, logits = self._sample(logits, bitmask, None, None, None, None)
-            return greedy_in_graph(logits), logits
-        if self.odsc.all_greedy:
-            return self._sample(logits, bitmask, None, None, None, None)
-        uniform = counter_uniform(seed[slots], sample_pos)
-        return self._sample(logits, bitmask, temperature[slots], top_k[slots], top_p[slots], uniform)
-
-    @staticmethod
-    def _write_token_state(slots, tokens, next_pos, last_token, position) -> None:
-        # Padding rows all point at the dummy slot: force its state back to (token 0, position 0).
-        dummy = slots == last_token.shape[0] - 1
-        last_token.index_copy_(0, slots, torch.where(dummy, torch.zeros_like(tokens), tokens))
-        position.index_copy_(0, slots, torch.where(dummy, torch.zeros_like(next_pos), next_pos))
-
-    def _prefill_graph(self, input_ids, positions, slot_mapping, query_seq, attn_a, attn_b,
-                       logits_indices, bitmask, sample_slots, last_token, position, block_table, temperature,
-                       top_k, top_p, seed, kv_caches):
-        meta = self._prefill_meta(slot_mapping, positions, query_seq, attn_a, attn_b)
-        hidden = self.model(input_ids, positions, kv_caches, meta)
-        logits = self.model.compute_logits(hidden[logits_indices]).float()
-        next_pos = positions[logits_indices] + 1  # where the sampled token will sit
-        tokens, logits = self._sample_rows(logits, bitmask, sample_slots, next_pos, temperature, top_k, top_p,
-                                           seed)
-        self._write_token_state(sample_slots, tokens, next_pos, last_token, position)
-        return tokens, logits
-
-    def _decode_graph(self, row_slots, context_cols, bitmask, last_token, position, block_table, temperature,
-                      top_k, top_p, seed, kv_caches):
-        ids = last_token[row_slots]
-        pos = position[row_slots]
-        tables = block_table[row_slots[:, None], context_cols[None, :]]  # [B, C // block_size]
-        slot_mapping = block_table[row_slots, pos // self.block_size] * self.block_size + pos % self.block_size
-        meta = self._decode_meta(slot_mapping, tables, pos)
-        hidden = self.model(ids, pos, kv_caches, meta)
-        logits = self.model.compute_logits(hidden).float()
-        tokens, logits = self._sample_rows(logits, bitmask, row_slots, pos + 1, temperature, top_k, top_p, seed)
-        self._write_token_state(row_slots, tokens, pos + 1, last_token, position)
-        return tokens, logits
+    def _make_graphs(self) -> StepGraphsV2:
+        return StepGraphsV2(self.model, self.odsc, self.block_size, self.use_kernels)
 
     def _run_prefill(self, chunks: list[ScheduledChunk], num_tokens: int, num_context: int,
                      masks: dict | None = None):
@@ -96,10 +55,11 @@ class ModelRunnerV2(ModelRunner):
         sample_slots = self.state.row_slots([c.req_id if c.sample else None for c in chunks], rows)
         attn_a, attn_b = self._prefill_attn_inputs(x)
         with torch.inference_mode():
-            return self._prefill_fn(self._t(x.input_ids), self._t(x.positions), self._t(x.slot_mapping),
-                                    self._t(x.query_seq), self._t(attn_a), self._t(attn_b),
-                                    self._t(x.logits_indices), self._t(self._bitmask(chunks, rows, masks or {})),
-                                    sample_slots, *self.state.tensors(), self.kv_caches)
+            graph = self._graph("prefill", num_tokens, num_context)
+            return graph(self._t(x.input_ids), self._t(x.positions), self._t(x.slot_mapping),
+                         self._t(x.query_seq), self._t(attn_a), self._t(attn_b),
+                         self._t(x.logits_indices), self._t(self._bitmask(chunks, rows, masks or {})),
+                         sample_slots, *self.state.tensors(), self.kv_caches)
 
     def _run_decode(self, chunks: list[ScheduledChunk], batch: int, context: int, masks: dict | None = None):
         row_slots = self.state.row_slots([c.req_id for c in chunks], batch)
@@ -107,8 +67,9 @@ class ModelRunnerV2(ModelRunner):
         if cols is None:
             cols = self._context_cols[context] = torch.arange(context // self.block_size, device=self.device)
         with torch.inference_mode():
-            return self._decode_fn(row_slots, cols, self._t(self._bitmask(chunks, batch, masks or {})),
-                                   *self.state.tensors(), self.kv_caches)
+            graph = self._graph("decode", batch, context)
+            return graph(row_slots, cols, self._t(self._bitmask(chunks, batch, masks or {})),
+                         *self.state.tensors(), self.kv_caches)
 
     # -- one step --------------------------------------------------------------------------------
     def _slot_params(self, req_id: str) -> SlotParams:
