@@ -113,8 +113,12 @@ class EngineConfig:
         if self.additional_config.mm_language_model_only:
             raise _not_supported("mm_language_model_only", True, "no multimodal model is supported yet")
         nc = self.additional_config.neuron_config
-        if nc.quantization is not None:
-            raise _not_supported("neuron_config.quantization", nc.quantization)
+        if nc.quantization not in (None, "int4"):
+            raise _not_supported("neuron_config.quantization", nc.quantization,
+                                 "only 'int4' (weight-only, CPU) for now")
+        if nc.quantization == "int4" and self.device != "auto" and resolve_device(self.device).type != "cpu":
+            raise ValueError(f"neuron_config.quantization='int4' (weight-only int4) runs on the CPU device only, "
+                             f"got --device {self.device}")
         if nc.fp8_packed_kv or nc.gk_decode:
             raise _not_supported("neuron_config.fp8_packed_kv/gk_decode", True)
 

@@ -18,7 +18,8 @@ from vllm_neuron.config import buckets as B
 from vllm_neuron.config.engine_config import EngineConfig
 from vllm_neuron.logger import init_logger
 from vllm_neuron.model.layers.kernels import kernels_enabled, linear_kernel_available
-from vllm_neuron.model.layers.linear import set_small_batch_kernel
+from vllm_neuron.model.layers.linear import quantize_linears_int4_, set_small_batch_kernel
+from vllm_neuron.model.layers.quant_int4 import INT4_GROUP_SIZE, check_int4_support
 from vllm_neuron.model.loader import Checkpoint
 from vllm_neuron.model.registry import resolve_model_class
 from vllm_neuron.step import ModelRunnerOutput, SchedulerOutput
@@ -87,6 +88,11 @@ class ModelRunner:
         nbytes = model.load_weights(tqdm(self.ckpt.iter_weights(self.dtype), desc="Loading weights",
                                          unit="tensor", leave=False, disable=None))
         self.model = model.eval().requires_grad_(False)
+        if self.config.neuron_config.quantization == "int4":
+            check_int4_support(self.dtype, self.device)
+            layers, before, after = quantize_linears_int4_(self.model)
+            logger.info("Weight-only int4 (groups of %d): %d linear layers, %.1f MiB -> %.1f MiB", INT4_GROUP_SIZE,
+                        layers, before / 2**20, after / 2**20)
         self._bitmask_words = -(-self.ckpt.hf_config.vocab_size // 32)
         self.compiler = self._make_compiler()
         self.graphs = self._make_graphs()
@@ -157,11 +163,16 @@ class ModelRunner:
             return False  # the kernel reads cached context through block tables: no context buckets
         return self.config.enable_prefix_caching or self.config.max_model_len > self.config.max_num_batched_tokens
 
+    def _graph_options(self) -> dict:
+        """What shapes the graphs beyond the model config, dtype and device (part of the cache key)."""
+        return {"odsc": repr(self.odsc), "block_size": self.block_size, "backend": self.backend,
+                "kernels": self.use_kernels, "linear_kernel": self.use_linear_kernel,
+                "quantization": self.config.neuron_config.quantization}
+
     def _make_compiler(self) -> GraphCompiler:
-        graph_opts = {"odsc": repr(self.odsc), "block_size": self.block_size, "backend": self.backend,
-                      "kernels": self.use_kernels, "linear_kernel": self.use_linear_kernel}
         return GraphCompiler(cache_key_parts(self.ckpt.hf_config.to_dict(), self.dtype, self.device,
-                                             self.config.tensor_parallel_size, graph_opts), backend=self.backend)
+                                             self.config.tensor_parallel_size, self._graph_options()),
+                             backend=self.backend)
 
     def warmup(self) -> GraphCompiler:
         graphs = self.graph_names()

@@ -24,7 +24,6 @@ from vllm_neuron.model.loader import Checkpoint
 from vllm_neuron.sampling_params import SAMPLING_EPS
 from vllm_neuron.step import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
 from vllm_neuron.worker.batch_state import BatchState, SlotParams, fold_seed
-from vllm_neuron.worker.compilation import GraphCompiler, cache_key_parts
 from vllm_neuron.worker.graphs import StepGraphsV2
 from vllm_neuron.worker.input_builder import build_prefill_inputs
 from vllm_neuron.worker.model_runner import ModelRunner
@@ -38,12 +37,9 @@ class ModelRunnerV2(ModelRunner):
         self._seeds: dict[str, int] = {}  # kept across preemption, dropped when the request finishes
         self._context_cols: dict[int, torch.Tensor] = {}
 
-    def _make_compiler(self) -> GraphCompiler:
+    def _graph_options(self) -> dict:
         # Same bucket names as MRv1 but different graphs: keep their compile-cache manifests apart.
-        graph_opts = {"odsc": repr(self.odsc), "block_size": self.block_size, "backend": self.backend,
-                      "kernels": self.use_kernels, "linear_kernel": self.use_linear_kernel, "model_runner": "v2"}
-        return GraphCompiler(cache_key_parts(self.ckpt.hf_config.to_dict(), self.dtype, self.device,
-                                             self.config.tensor_parallel_size, graph_opts), backend=self.backend)
+        return {**super()._graph_options(), "model_runner": "v2"}
 
     def _make_graphs(self) -> StepGraphsV2:
         return StepGraphsV2(self.model, self.odsc, self.block_size, self.use_kernels)
