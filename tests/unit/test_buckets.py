@@ -166,3 +166,10 @@ def test_format_bucket_table():
 @pytest.mark.parametrize("max_seqs, expected", [(16, [1, 4, 16]), (1, [1]), (32, [1, 4, 16, 32]), (3, [1, 3])])
 def test_default_decode_buckets_by_four(max_seqs, expected):
     assert B.default_decode_buckets(max_seqs, factor=4) == expected
+
+
+def test_default_prefill_buckets_from_another_start():
+    # The CPU default starts at 32 (compute-bound prefill: padding costs in full); the seeds' start is 128.
+    assert B.default_prefill_buckets(512, start=32) == [32, 64, 128, 256, 512]
+    assert B.default_prefill_buckets(100, start=32) == [32, 64, 100]
+    assert B.default_prefill_buckets(16, start=32) == [16]

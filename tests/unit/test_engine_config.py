@@ -50,8 +50,9 @@ def test_plain_defaults():
     c = EngineConfig.from_kwargs(device="cpu")
     nc = c.finalize(model_max_len=1024)
     assert (c.max_model_len, c.max_num_seqs, c.max_num_batched_tokens) == (1024, 16, 512)
-    # On CPU the default decode buckets grow by 4 (padding is cheap, graphs are not).
-    assert nc.num_batched_tokens_buckets == [128, 256, 512] and nc.num_seqs_buckets == [1, 4, 16]
+    # On CPU the default decode buckets grow by 4 (padding is cheap, graphs are not) and prefill buckets
+    # start at 32 instead of the seeds' 128 (a prefill step is compute-bound: padding costs in full).
+    assert nc.num_batched_tokens_buckets == [32, 64, 128, 256, 512] and nc.num_seqs_buckets == [1, 4, 16]
     assert nc.context_buckets == [1024]
 
 

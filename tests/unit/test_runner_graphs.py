@@ -28,7 +28,8 @@ def test_single_context_decode_graphs_get_max_model_len():
 
 def test_context_buckets_multiply_decode_graphs_only():
     r = _runner(max_model_len=1024, max_num_seqs=2, max_num_batched_tokens=128, enable_prefix_caching=False,
-                additional_config={"neuron_config": {"decode_context_length_buckets": [256]}})
+                additional_config={"neuron_config": {"decode_context_length_buckets": [256],
+                                                     "num_batched_tokens_buckets": [128]}})
     names = [g[0] for g in r.graph_names()]
     assert names == ["prefill_s128", "prefill_s128_c1024", "decode_b1_c256", "decode_b1_c1024",
                      "decode_b2_c256", "decode_b2_c1024"]
@@ -36,11 +37,12 @@ def test_context_buckets_multiply_decode_graphs_only():
 
 def test_no_context_prefill_graphs_without_caching_or_segments():
     r = _runner(max_model_len=128, max_num_seqs=2, max_num_batched_tokens=128, enable_prefix_caching=False)
-    assert [g[0] for g in r.graph_names()] == ["prefill_s128", "decode_b1", "decode_b2"]
+    assert [g[0] for g in r.graph_names()] == ["prefill_s32", "prefill_s64", "prefill_s128", "decode_b1", "decode_b2"]
 
 
 def test_kernel_path_has_no_prefill_context_graphs():
     # The paged-attention kernel reads cached context through block tables: one prefill graph per size.
-    r = _runner(use_kernels=True, max_model_len=1024, max_num_seqs=4, max_num_batched_tokens=256)
+    r = _runner(use_kernels=True, max_model_len=1024, max_num_seqs=4, max_num_batched_tokens=256,
+                additional_config={"neuron_config": {"num_batched_tokens_buckets": [128, 256]}})
     assert [g[0] for g in r.graph_names()] == ["prefill_s128", "prefill_s256", "decode_b1", "decode_b4"]
     assert r._prefill_context(300) == 0

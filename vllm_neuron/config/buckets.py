@@ -34,13 +34,13 @@ def _powers_of_two_up_to(start: int, maximum: int, factor: int = 2) -> list[int]
     return out
 
 
-def default_prefill_buckets(max_num_batched_tokens: int) -> list[int]:
-    """Powers of two from 128 up to max_num_batched_tokens, the maximum itself included
-    (it need not be a power of two). A maximum below 128 gives [max_num_batched_tokens]."""
+def default_prefill_buckets(max_num_batched_tokens: int, start: int = MIN_DEFAULT_PREFILL_BUCKET) -> list[int]:
+    """Powers of two from `start` (the seeds' 128) up to max_num_batched_tokens, the maximum itself
+    included (it need not be a power of two). A maximum below `start` gives [max_num_batched_tokens]."""
     _check_positive_int("max_num_batched_tokens", max_num_batched_tokens)
-    if max_num_batched_tokens < MIN_DEFAULT_PREFILL_BUCKET:
+    if max_num_batched_tokens < start:
         return [max_num_batched_tokens]
-    return _powers_of_two_up_to(MIN_DEFAULT_PREFILL_BUCKET, max_num_batched_tokens)
+    return _powers_of_two_up_to(start, max_num_batched_tokens)
 
 
 def default_decode_buckets(max_num_seqs: int, factor: int = 2) -> list[int]:

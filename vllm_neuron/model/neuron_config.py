@@ -283,13 +283,13 @@ class NeuronConfig:
             out.append("gk_decode")
         return out
 
-    def _prefill_buckets(self, max_num_batched_tokens: int) -> list[int]:
+    def _prefill_buckets(self, max_num_batched_tokens: int, start: int = B.MIN_DEFAULT_PREFILL_BUCKET) -> list[int]:
         if self.num_batched_tokens_buckets is not None:
             return self.num_batched_tokens_buckets
         if self.kv_segment_size_buckets is not None:
             # Segmented prefill needs the two lists identical; default to the segment list.
             return list(self.kv_segment_size_buckets)
-        return B.default_prefill_buckets(max_num_batched_tokens)
+        return B.default_prefill_buckets(max_num_batched_tokens, start)
 
     def _ep_degree(self, enable_expert_parallel: bool, tp: int, dp: int) -> int:
         if not enable_expert_parallel:
@@ -349,9 +349,11 @@ class NeuronConfig:
         self, *, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int, block_size: int,
         enable_expert_parallel: bool = False, tensor_parallel_size: int = 1, data_parallel_size: int = 1,
         kv_transfer_config: object | None = None, decode_bucket_factor: int = 2,
+        prefill_bucket_start: int = B.MIN_DEFAULT_PREFILL_BUCKET,
     ) -> NeuronConfig:
         """validate(), then a copy with every default filled (see the class docstring).
-        decode_bucket_factor: growth of the default num_seqs_buckets (2: the seeds' powers of two)."""
+        decode_bucket_factor: growth of the default num_seqs_buckets (2: the seeds' powers of two);
+        prefill_bucket_start: smallest default num_batched_tokens_bucket (the seeds' 128)."""
         self.validate(
             max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
             max_model_len=max_model_len, block_size=block_size,
@@ -360,7 +362,7 @@ class NeuronConfig:
         )
         return dataclasses.replace(
             self,
-            num_batched_tokens_buckets=self._prefill_buckets(max_num_batched_tokens),
+            num_batched_tokens_buckets=self._prefill_buckets(max_num_batched_tokens, prefill_bucket_start),
             num_seqs_buckets=self.num_seqs_buckets or B.default_decode_buckets(max_num_seqs, decode_bucket_factor),
             ep_degree=self._ep_degree(enable_expert_parallel, tensor_parallel_size, data_parallel_size),
             context_buckets=B.context_buckets(self.decode_context_length_buckets, max_model_len),
