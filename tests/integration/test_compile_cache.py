@@ -189,3 +189,10 @@ def test_loaded_graphs_generate_what_eager_generates(model, tmp_path):
     eager = generate("--enforce-eager")
     assert cold == warm, (cold, warm)
     assert warm == eager, (warm, eager)
+    # Same bucket names, other input shapes (a wider block table): the saved graphs must not be reused.
+    wider = ("--max-model-len", "256")
+    proc = run_cli(["generate", "--model", model, "--raw", "--max-tokens", "12", "--dtype", "float32",
+                    *_args((2,)), *wider, *prompts], str(tmp_path), timeout=300, NEURON_COMPILED_ARTIFACTS=root)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "compiled for other input shapes" in proc.stdout + proc.stderr
+    assert proc.stdout.split(">>> ", 1)[1] == generate("--enforce-eager", *wider)

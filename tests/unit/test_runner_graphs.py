@@ -46,3 +46,17 @@ def test_kernel_path_has_no_prefill_context_graphs():
                 additional_config={"neuron_config": {"num_batched_tokens_buckets": [128, 256]}})
     assert [g[0] for g in r.graph_names()] == ["prefill_s128", "prefill_s256", "decode_b1", "decode_b4"]
     assert r._prefill_context(300) == 0
+
+
+def test_input_signature_names_every_shape_dtype_and_stride():
+    import torch
+
+    from vllm_neuron.worker.compilation import input_signature
+
+    a = (torch.zeros(2, 3), None, [(torch.zeros(4, dtype=torch.int32), torch.zeros(1))])
+    assert input_signature(a) == input_signature((torch.ones(2, 3), None, [(torch.ones(4, dtype=torch.int32),
+                                                                            torch.ones(1))]))
+    for other in [(torch.zeros(2, 4), None, a[2]), (torch.zeros(2, 3, dtype=torch.float16), None, a[2]),
+                  (torch.zeros(3, 2).t(), None, a[2]), (torch.zeros(2, 3), None, [(torch.zeros(8, dtype=torch.int32),
+                                                                                  torch.zeros(1))])]:
+        assert input_signature(other) != input_signature(a)

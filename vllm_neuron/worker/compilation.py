@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.utils._pytree
 
 from vllm_neuron import envs
 from vllm_neuron.logger import init_logger
@@ -151,7 +152,16 @@ class GraphCompiler:
         external = {"graphs": owner, "model": owner.model}
         use_aot = not self.disabled and bool(envs.VLLM_NEURON_AOT_COMPILE)
         path = self._aot_path(name)
+        signature = input_signature(args)
+        sig_path = path.with_suffix(".inputs")
         if use_aot and name in self.manifest and path.exists():
+            saved = sig_path.read_text() if sig_path.exists() else None
+            if saved != signature:
+                # Shapes not named by the bucket (block-table width from max_model_len, slots from
+                # max_num_seqs, ...) changed: the saved graph would read its inputs wrongly.
+                logger.info("Bucket %s: the saved graph was compiled for other input shapes; compiling it again",
+                            name)
+        if use_aot and name in self.manifest and path.exists() and saved == signature:
             try:
                 with open(path, "rb") as f:
                     compiled = torch.compiler.load_compiled_function(f, external_data=external)
@@ -172,6 +182,9 @@ class GraphCompiler:
                     "guard_filter_fn": torch.compiler.keep_tensor_guards_unsafe}).aot_compile((args, {}))
                 path.parent.mkdir(parents=True, exist_ok=True)
                 compiled.save_compiled_function(str(path), external_data=external)
+                tmp = sig_path.with_suffix(".tmp")
+                tmp.write_text(signature)
+                os.replace(tmp, sig_path)
                 compiled.disable_guard_check()
                 self._source = "compiled"
                 return functools.partial(compiled, owner)
@@ -218,6 +231,18 @@ class GraphCompiler:
     def num_compiled(self) -> int:
         """Buckets compiled from scratch in this process (not served by the cache)."""
         return sum(1 for r in self.records if not r.cache_hit) if self.backend == "native" else 0
+
+
+def input_signature(args: tuple) -> str:
+    """Dtype, shape and strides of every tensor in `args` (nested lists and tuples included): what a saved
+    graph, loaded without guard checks, must be called with."""
+    parts = []
+    for leaf in torch.utils._pytree.tree_leaves(args):
+        if isinstance(leaf, torch.Tensor):
+            parts.append(f"{leaf.dtype}{tuple(leaf.shape)}{leaf.stride()}")
+        else:
+            parts.append(type(leaf).__name__)
+    return ";".join(parts)
 
 
 class BucketGraph:
