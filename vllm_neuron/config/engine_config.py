@@ -12,8 +12,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_neuron.config import buckets as B
-from vllm_neuron.config.device import DEVICE_CHOICES, DTYPE_CHOICES, async_scheduling_default, resolve_device
+from vllm_neuron.config.device import (DEVICE_CHOICES, DTYPE_CHOICES, async_scheduling_default, resolve_device,
+                                       resolve_dtype)
 from vllm_neuron.config.runner_selection import RunnerChoice, select_model_runner
+from vllm_neuron.model.layers.quant_int4 import check_int4_support
 from vllm_neuron.model.neuron_config import AdditionalConfig, NeuronConfig, parse_additional_config
 
 KV_CACHE_DTYPES = ("auto",)
@@ -117,9 +119,9 @@ class EngineConfig:
         if nc.quantization not in (None, "int4"):
             raise _not_supported("neuron_config.quantization", nc.quantization,
                                  "only 'int4' (weight-only, CPU) for now")
-        if nc.quantization == "int4" and self.device != "auto" and resolve_device(self.device).type != "cpu":
-            raise ValueError(f"neuron_config.quantization='int4' (weight-only int4) runs on the CPU device only, "
-                             f"got --device {self.device}")
+        if nc.quantization == "int4":
+            device = resolve_device(self.device)
+            check_int4_support(resolve_dtype(self.dtype, device), device)
         if nc.fp8_packed_kv or nc.gk_decode:
             raise _not_supported("neuron_config.fp8_packed_kv/gk_decode", True)
 

@@ -154,14 +154,13 @@ class GraphCompiler:
         path = self._aot_path(name)
         signature = input_signature(args)
         sig_path = path.with_suffix(".inputs")
-        if use_aot and name in self.manifest and path.exists():
-            saved = sig_path.read_text() if sig_path.exists() else None
-            if saved != signature:
-                # Shapes not named by the bucket (block-table width from max_model_len, slots from
-                # max_num_seqs, ...) changed: the saved graph would read its inputs wrongly.
-                logger.info("Bucket %s: the saved graph was compiled for other input shapes; compiling it again",
-                            name)
-        if use_aot and name in self.manifest and path.exists() and saved == signature:
+        loadable = use_aot and name in self.manifest and path.exists()
+        if loadable and (not sig_path.exists() or sig_path.read_text() != signature):
+            # Shapes not named by the bucket (block-table width from max_model_len, slots from
+            # max_num_seqs, ...) changed: the saved graph would read its inputs wrongly.
+            logger.info("Bucket %s: the saved graph was compiled for other input shapes; compiling it again", name)
+            loadable = False
+        if loadable:
             try:
                 with open(path, "rb") as f:
                     compiled = torch.compiler.load_compiled_function(f, external_data=external)
@@ -182,9 +181,7 @@ class GraphCompiler:
                     "guard_filter_fn": torch.compiler.keep_tensor_guards_unsafe}).aot_compile((args, {}))
                 path.parent.mkdir(parents=True, exist_ok=True)
                 compiled.save_compiled_function(str(path), external_data=external)
-                tmp = sig_path.with_suffix(".tmp")
-                tmp.write_text(signature)
-                os.replace(tmp, sig_path)
+                _write_text_atomic(sig_path, signature)
                 compiled.disable_guard_check()
                 self._source = "compiled"
                 return functools.partial(compiled, owner)
@@ -222,15 +219,19 @@ class GraphCompiler:
     def _save(self) -> None:
         if self.disabled:
             return
-        tmp = self.manifest_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"key": self.key, "num_blocks": self.num_blocks, "buckets": self.manifest},
-                                  indent=1, sort_keys=True))
-        os.replace(tmp, self.manifest_path)
+        _write_text_atomic(self.manifest_path, json.dumps(
+            {"key": self.key, "num_blocks": self.num_blocks, "buckets": self.manifest}, indent=1, sort_keys=True))
 
     @property
     def num_compiled(self) -> int:
         """Buckets compiled from scratch in this process (not served by the cache)."""
         return sum(1 for r in self.records if not r.cache_hit) if self.backend == "native" else 0
+
+
+def _write_text_atomic(path: Path, text: str) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)  # a concurrent start never reads half a file
 
 
 def input_signature(args: tuple) -> str:
