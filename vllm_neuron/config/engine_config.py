@@ -15,7 +15,7 @@ from vllm_neuron.config import buckets as B
 from vllm_neuron.config.device import (DEVICE_CHOICES, DTYPE_CHOICES, async_scheduling_default, resolve_device,
                                        resolve_dtype)
 from vllm_neuron.config.runner_selection import RunnerChoice, select_model_runner
-from vllm_neuron.model.layers.quant_int4 import check_int4_support
+from vllm_neuron.model.layers.linear import check_weight_quantization
 from vllm_neuron.model.neuron_config import AdditionalConfig, NeuronConfig, parse_additional_config
 
 KV_CACHE_DTYPES = ("auto",)
@@ -116,12 +116,9 @@ class EngineConfig:
         if self.additional_config.mm_language_model_only:
             raise _not_supported("mm_language_model_only", True, "no multimodal model is supported yet")
         nc = self.additional_config.neuron_config
-        if nc.quantization not in (None, "int4"):
-            raise _not_supported("neuron_config.quantization", nc.quantization,
-                                 "only 'int4' (weight-only, CPU) for now")
-        if nc.quantization == "int4":
+        if nc.quantization is not None:
             device = resolve_device(self.device)
-            check_int4_support(resolve_dtype(self.dtype, device), device)
+            check_weight_quantization(nc.quantization, resolve_dtype(self.dtype, device), device)
         if nc.fp8_packed_kv or nc.gk_decode:
             raise _not_supported("neuron_config.fp8_packed_kv/gk_decode", True)
 

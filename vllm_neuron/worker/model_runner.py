@@ -17,9 +17,9 @@ from tqdm import tqdm
 from vllm_neuron.config import buckets as B
 from vllm_neuron.config.engine_config import EngineConfig
 from vllm_neuron.logger import init_logger
-from vllm_neuron.model.layers.kernels import kernels_enabled, linear_kernel_available
-from vllm_neuron.model.layers.linear import quantize_linears_int4_, set_small_batch_kernel
-from vllm_neuron.model.layers.quant_int4 import INT4_GROUP_SIZE, check_int4_support
+from vllm_neuron.model.layers.kernels import kernels_enabled, linear_kernel_available, quant_kernels_available
+from vllm_neuron.model.layers.linear import (check_weight_quantization, quantize_linears_, set_quant_kernels,
+                                             set_small_batch_kernel)
 from vllm_neuron.model.loader import Checkpoint
 from vllm_neuron.model.registry import resolve_model_class
 from vllm_neuron.step import ModelRunnerOutput, SchedulerOutput
@@ -73,6 +73,8 @@ class ModelRunner:
         self.use_kernels = kernels_enabled(device)
         self.use_linear_kernel = linear_kernel_available(device)
         set_small_batch_kernel(self.use_linear_kernel)
+        self.use_quant_kernels = quant_kernels_available(device)
+        set_quant_kernels(self.use_quant_kernels)
 
     # -- set-up ----------------------------------------------------------------------------------
     def load_model(self) -> LoadStats:
@@ -88,11 +90,12 @@ class ModelRunner:
         nbytes = model.load_weights(tqdm(self.ckpt.iter_weights(self.dtype), desc="Loading weights",
                                          unit="tensor", leave=False, disable=None))
         self.model = model.eval().requires_grad_(False)
-        if self.config.neuron_config.quantization == "int4":
-            check_int4_support(self.dtype, self.device)
-            layers, before, after = quantize_linears_int4_(self.model)
-            logger.info("Weight-only int4 (groups of %d): %d linear layers, %.1f MiB -> %.1f MiB", INT4_GROUP_SIZE,
-                        layers, before / 2**20, after / 2**20)
+        scheme = self.config.neuron_config.quantization
+        if scheme is not None:
+            check_weight_quantization(scheme, self.dtype, self.device)
+            layers, before, after = quantize_linears_(self.model, scheme)
+            logger.info("Weight-only %s: %d linear layers, %.1f MiB -> %.1f MiB (%s kernel for decode)", scheme,
+                        layers, before / 2**20, after / 2**20, "custom" if self.use_quant_kernels else "no")
         self._bitmask_words = -(-self.ckpt.hf_config.vocab_size // 32)
         self.compiler = self._make_compiler()
         self.graphs = self._make_graphs()
@@ -167,6 +170,7 @@ class ModelRunner:
         """What shapes the graphs beyond the model config, dtype and device (part of the cache key)."""
         return {"odsc": repr(self.odsc), "block_size": self.block_size, "backend": self.backend,
                 "kernels": self.use_kernels, "linear_kernel": self.use_linear_kernel,
+                "quant_kernels": self.use_quant_kernels,
                 "quantization": self.config.neuron_config.quantization}
 
     def _make_compiler(self) -> GraphCompiler:

@@ -2,9 +2,10 @@
 
 At a few rows a linear layer is bound by streaming its weights; the custom kernel
 (kernels/linear_bf16.cpp) gets 1.3-2.5x more bandwidth than oneDNN there on AVX512-BF16 CPUs. From
-SMALL_BATCH_ROWS rows on, oneDNN is as fast and takes over. The switch is process-wide and set once
-by the model runner; a graph sees it as a constant, so the choice is made when a bucket is traced.
-A layer can also be quantized in place to weight-only int4 (quant_int4.py).
+SMALL_BATCH_ROWS rows on, oneDNN is as fast and takes over. The switches are process-wide and set once
+by the model runner; a graph sees them as constants, so the choice is made when a bucket is traced.
+A layer can also be quantized in place to weight-only int8 or int4 (quant_int8.py, quant_int4.py),
+whose few-row kernels are switched on the same way.
 """
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ import torch.nn.functional as F
 from torch import nn
 
 SMALL_BATCH_ROWS = 4
+WEIGHT_QUANTIZATIONS = ("int8", "int4")
 _kernel_enabled = False
+_quant_kernels_enabled = False
 
 
 def set_small_batch_kernel(enabled: bool) -> None:
@@ -21,26 +24,32 @@ def set_small_batch_kernel(enabled: bool) -> None:
     _kernel_enabled = enabled
 
 
+def set_quant_kernels(enabled: bool) -> None:
+    global _quant_kernels_enabled
+    _quant_kernels_enabled = enabled
+
+
+def _scheme(name: str):
+    from vllm_neuron.model.layers import quant_int4, quant_int8
+
+    return {"int8": quant_int8, "int4": quant_int4}[name]
+
+
 class Linear(nn.Linear):
     quantization: str | None = None
 
-    def quantize_int4_(self) -> None:
-        """Replaces the weight by its int4 form (the bias, if any, stays); a tied weight stays with its
-        other owner."""
-        from vllm_neuron.model.layers.quant_int4 import quantize_int4
-
-        packed, nibbles, scale_zeros = quantize_int4(self.weight, self.weight.dtype)
+    def quantize_(self, scheme: str) -> None:
+        """Replaces the weight by its `scheme` form (buffers `qweight`, `qscale`; the bias, if any, stays);
+        a tied weight stays with its other owner."""
+        qweight, qscale = _scheme(scheme).quantize(self.weight)
         del self.weight
-        self.register_buffer("qweight", packed)
-        self.register_buffer("qnibbles", nibbles)
-        self.register_buffer("qscale_zeros", scale_zeros)
-        self.quantization = "int4"
+        self.register_buffer("qweight", qweight)
+        self.register_buffer("qscale", qscale)
+        self.quantization = scheme
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.quantization == "int4":
-            from vllm_neuron.model.layers.quant_int4 import int4_linear
-
-            return int4_linear(x, self.qweight, self.qnibbles, self.qscale_zeros, self.bias)
+        if self.quantization is not None:
+            return _scheme(self.quantization).linear(x, self.qweight, self.qscale, self.bias, _quant_kernels_enabled)
         if (_kernel_enabled and x.dim() == 2 and x.shape[0] <= SMALL_BATCH_ROWS and self.bias is None
                 and x.dtype == torch.bfloat16 and self.weight.dtype == torch.bfloat16
                 and self.in_features % 32 == 0):
@@ -50,13 +59,25 @@ class Linear(nn.Linear):
         return F.linear(x, self.weight, self.bias)
 
 
-def quantize_linears_int4_(model: nn.Module) -> tuple[int, int, int]:
-    """Quantizes every `Linear` of `model` in place; (layers, bytes before, bytes after)."""
+def quantize_linears_(model: nn.Module, scheme: str) -> tuple[int, int, int]:
+    """Quantizes every `Linear` of `model` in place to `scheme`; (layers, bytes before, bytes after)."""
     layers = before = after = 0
     for module in model.modules():
         if isinstance(module, Linear) and module.quantization is None:
             before += module.weight.numel() * module.weight.element_size()
-            module.quantize_int4_()
-            after += sum(t.numel() * t.element_size() for t in (module.qweight, module.qnibbles, module.qscale_zeros))
+            module.quantize_(scheme)
+            after += sum(t.numel() * t.element_size() for t in (module.qweight, module.qscale))
             layers += 1
     return layers, before, after
+
+
+def check_weight_quantization(scheme: str, dtype: torch.dtype, device: torch.device) -> None:
+    """Where the bad option enters: weight-only int8/int4 run on the CPU device in a float dtype."""
+    if scheme not in WEIGHT_QUANTIZATIONS:
+        raise ValueError(f"neuron_config.quantization={scheme!r} is not supported yet by vllm-neuron; valid values: "
+                         f"{', '.join(WEIGHT_QUANTIZATIONS)} (weight-only, CPU)")
+    if device.type != "cpu":
+        raise ValueError(f"neuron_config.quantization={scheme!r} (weight-only {scheme}) runs on the CPU device only; "
+                         f"the engine runs on {device.type}. Remove quantization or use --device cpu")
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"neuron_config.quantization={scheme!r} needs dtype float32, bfloat16 or float16, got {dtype}")

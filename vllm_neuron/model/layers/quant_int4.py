@@ -1,78 +1,55 @@
-"""Weight-only int4 linear layers for CPU (`neuron_config.quantization: "int4"`), an opt-in for latency.
+"""Weight-only int4 for CPU (`neuron_config.quantization: "int4"`): groups of 32 along the input dimension,
+an fp32 scale and minimum per group (w = q * scale + min, q in 0..15).
 
-A batch-1 decode step streams every weight once, so its time follows the weight bytes: int4 groups
-of 32 along the input dimension (an asymmetric scale and zero per group) read about a quarter of
-bf16's bytes. Few rows run ATen's `_weight_int4pack_mm_for_cpu`; from INT4_KERNEL_ROWS rows on that
-kernel is slower than a bf16 matmul (it grows with the rows), so prefill-sized inputs unpack the
-weight to the activation dtype inside the graph and use the ordinary matmul.
+A batch-1 decode step streams every weight once, so its time follows the weight bytes: 0.75 bytes per
+weight here against bf16's 2. Up to KERNEL_ROWS rows the project's kernel (kernels/linear_quant.cpp)
+dequantizes in registers and reads each weight byte once; above, a prefill-sized input dequantizes the
+weight to the activation dtype inside the graph and takes the ordinary (compute-efficient) matmul.
 
-GGUF checkpoints whose weights were 4-bit with the same 32-wide blocks (Q4_0, Q4_1) come back
-almost exactly: only the scale and zero are rounded to the model dtype.
+Packing: two groups form a 64-weight superblock of 32 bytes whose byte j holds weight j (low nibble)
+and weight j + 32 (high nibble), the order the kernel widens in one AND and one shift. GGUF Q4_1
+checkpoints (same 32-wide blocks, w = d * q + m) come back exactly when each block uses its full range.
 """
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-INT4_GROUP_SIZE = 32
-INT4_KERNEL_ROWS = 16  # the int4 kernel up to this many rows, unpack + matmul above
+GROUP_SIZE = 32
+SUPERBLOCK = 2 * GROUP_SIZE
+KERNEL_ROWS = 16  # the kernel up to this many rows, dequantize + matmul above
 
 
-def quantize_int4(weight: torch.Tensor, dtype: torch.dtype,
-                  group_size: int = INT4_GROUP_SIZE) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(kernel-packed weight, nibble-packed weight [N, K/2] uint8, scale_zeros [K/group, N, 2] in `dtype`)
-    of a [N, K] weight; dequantized, w = (q - 8) * scale + zero per group."""
+def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(packed uint8 [N, K / 2], scales float32 [N, K / 32, 2] = (scale, min)) of a [N, K] weight."""
     n, k = weight.shape
-    if k % group_size or n % 16:
-        raise ValueError(f"int4 quantization needs in_features divisible by {group_size} and out_features "
-                         f"divisible by 16 (the kernel's layout), got a [{n}, {k}] weight")
-    w = weight.detach().float().reshape(n, k // group_size, group_size)
+    if k % SUPERBLOCK:
+        raise ValueError(f"int4 quantization needs in_features divisible by {SUPERBLOCK} (two groups of "
+                         f"{GROUP_SIZE}, the kernel's layout), got a [{n}, {k}] weight")
+    w = weight.detach().float().reshape(n, k // GROUP_SIZE, GROUP_SIZE)
     lo, hi = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
     scale = ((hi - lo) / 15).clamp(min=torch.finfo(torch.float32).tiny)
-    q = ((w - lo) / scale).round_().clamp_(0, 15).to(torch.uint8).reshape(n, k)
-    scale_zeros = torch.stack([scale[..., 0], (lo + 8 * scale)[..., 0]], -1).transpose(0, 1).contiguous().to(dtype)
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
-    nibbles = q[:, 0::2] | (q[:, 1::2] << 4)
-    return packed, nibbles, scale_zeros
+    q = ((w - lo) / scale).round_().clamp_(0, 15).to(torch.uint8).reshape(n, k // SUPERBLOCK, 2, GROUP_SIZE)
+    packed = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(n, k // 2)
+    return packed.contiguous(), torch.cat([scale, lo], -1).contiguous()
 
 
-def dequantize_int4(nibbles: torch.Tensor, scale_zeros: torch.Tensor, dtype: torch.dtype,
-                    group_size: int = INT4_GROUP_SIZE) -> torch.Tensor:
-    """The [N, K] weight in `dtype` (computed in float32, as the int4 kernel does)."""
-    n = nibbles.shape[0]
-    q = torch.stack([nibbles & 15, nibbles >> 4], -1).reshape(n, -1, group_size).float()
-    scale = scale_zeros[..., 0].t().float().unsqueeze(-1)
-    zero = scale_zeros[..., 1].t().float().unsqueeze(-1)
-    return ((q - 8) * scale + zero).reshape(n, -1).to(dtype)
+def dequantize(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The [N, K] weight in `dtype` (computed in float32)."""
+    n = packed.shape[0]
+    b = packed.reshape(n, -1, 1, GROUP_SIZE)
+    q = torch.cat([b & 15, b >> 4], 2).reshape(n, -1, GROUP_SIZE).float()
+    return torch.addcmul(scales[..., 1:], q, scales[..., :1]).reshape(n, -1).to(dtype)
 
 
-@torch.library.custom_op("vllm_neuron::int4pack_mm", mutates_args=())
-def int4pack_mm(x: torch.Tensor, packed: torch.Tensor, scale_zeros: torch.Tensor) -> torch.Tensor:
-    # An opaque op for inductor: its own lowering of the ATen kernel fails inside nested compile regions.
-    return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, INT4_GROUP_SIZE, scale_zeros)
-
-
-@int4pack_mm.register_fake
-def _(x: torch.Tensor, packed: torch.Tensor, scale_zeros: torch.Tensor) -> torch.Tensor:
-    return x.new_empty((x.shape[0], packed.shape[0]))
-
-
-def int4_linear(x: torch.Tensor, packed: torch.Tensor, nibbles: torch.Tensor, scale_zeros: torch.Tensor,
-                bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
+           use_kernel: bool) -> torch.Tensor:
     rows = x.reshape(-1, x.shape[-1])
-    if rows.shape[0] <= INT4_KERNEL_ROWS:
-        y = int4pack_mm(rows.contiguous(), packed, scale_zeros)
+    if use_kernel and rows.shape[0] <= KERNEL_ROWS:
+        from vllm_neuron.model.layers.kernels import linear_int4
+
+        y = linear_int4(rows, packed, scales)
         if bias is not None:
             y = y + bias
     else:
-        y = F.linear(rows, dequantize_int4(nibbles, scale_zeros, x.dtype), bias)
+        y = torch.nn.functional.linear(rows, dequantize(packed, scales, x.dtype), bias)
     return y.reshape(*x.shape[:-1], y.shape[-1])
-
-
-def check_int4_support(dtype: torch.dtype, device: torch.device) -> None:
-    """Where the bad option enters: int4 needs the CPU kernel and a float activation dtype."""
-    if device.type != "cpu":
-        raise ValueError(f"neuron_config.quantization='int4' (weight-only int4) runs on the CPU device only; "
-                         f"the engine runs on {device.type}. Remove quantization or use --device cpu")
-    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError(f"neuron_config.quantization='int4' needs dtype float32, bfloat16 or float16, got {dtype}")

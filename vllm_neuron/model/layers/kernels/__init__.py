@@ -25,7 +25,7 @@ from vllm_neuron.logger import init_logger
 
 logger = init_logger(__name__)
 
-_SOURCES = ("paged_attention.cpp", "linear_bf16.cpp")
+_SOURCES = ("paged_attention.cpp", "linear_bf16.cpp", "linear_quant.cpp")
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffast-math", "-fno-finite-math-only", "-shared", "-fPIC", "-std=c++17")
 
 
@@ -83,6 +83,10 @@ def _load() -> bool:
         def _(x, w):
             return x.new_empty((x.shape[0], w.shape[0]))
 
+    for name in ("linear_int8", "linear_int4"):
+        if _has_op(name):
+            torch.library.register_fake(f"vllm_neuron::{name}")(lambda x, q, scale: x.new_empty((x.shape[0], q.shape[0])))
+
     return True
 
 
@@ -97,6 +101,11 @@ def _has_op(name: str) -> bool:
 def linear_kernel_available(device: torch.device) -> bool:
     """Whether the bf16 weight-streaming linear is built here (it needs a CPU with AVX512-BF16)."""
     return kernels_enabled(device) and _has_op("linear_bf16")
+
+
+def quant_kernels_available(device: torch.device) -> bool:
+    """Whether the int8/int4 weight-streaming linears are built here (they need a CPU with AVX-512)."""
+    return kernels_enabled(device) and _has_op("linear_int8") and _has_op("linear_int4")
 
 
 def kernels_enabled(device: torch.device) -> bool:
@@ -120,3 +129,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 def linear_bf16(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x [M, K] bf16 @ w[N, K]^T -> [M, N] bf16, K a multiple of 32; for small M (decode)."""
     return torch.ops.vllm_neuron.linear_bf16(x, w)
+
+
+def linear_int8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ (q [N, K] int8 * scale [N])^T -> [M, N] in x's dtype, K a multiple of 16; for small M."""
+    return torch.ops.vllm_neuron.linear_int8(x, q, scale)
+
+
+def linear_int4(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ W^T, W in quant_int4's packed layout ([N, K / 2] uint8, [N, K / 32, 2] fp32) -> [M, N]."""
+    return torch.ops.vllm_neuron.linear_int4(x, packed, scales)

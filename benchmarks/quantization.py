@@ -1,0 +1,104 @@
+"""Weight quantization and FP8 KV on the bundled model, in one run: batch-1 decode TPOT, weight memory and
+greedy answers to knowledge questions for bf16 / int8 / int4 weights; KV capacity with bf16 and FP8 KV.
+
+TPOT is timed as (time of a request with --max-tokens output tokens - time with 1) / (--max-tokens - 1),
+best of --repeat, the schemes interleaved so that a shared machine's load hits each alike. Compiled
+graphs (a decode bucket of 1 and one prefill bucket) are built once per scheme first.
+
+    python benchmarks/quantization.py [--schemes bf16,int8,int4] [--max-tokens 64] [--repeat 3]
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import time
+
+QUESTIONS = [  # (question, a word the answer must contain)
+    ("What is the capital of France? Answer in one short sentence.", "Paris"),
+    ("What is the capital of Japan? Answer in one short sentence.", "Tokyo"),
+    ("What is the capital of Italy? Answer in one short sentence.", "Rome"),
+    ("Which planet is known as the Red Planet? Answer in one short sentence.", "Mars"),
+    ("What is the largest ocean on Earth? Answer in one short sentence.", "Pacific"),
+    ("Who wrote Romeo and Juliet? Answer in one short sentence.", "Shakespeare"),
+    ("What gas do plants absorb from the air? Answer in one short sentence.", "carbon dioxide"),
+    ("How many days are there in a week? Answer in one short sentence.", "seven"),
+]
+
+
+def _weight_mib(model) -> float:
+    seen, total = set(), 0
+    for t in list(model.parameters()) + list(model.buffers()):
+        if t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            total += t.numel() * t.element_size()
+    return total / 2**20
+
+
+def _make(scheme: str, kv_cache_dtype: str, compiled: bool):
+    from vllm_neuron import LLM
+
+    nc = {"num_seqs_buckets": [1], "num_batched_tokens_buckets": [128]}
+    if scheme != "bf16":
+        nc["quantization"] = scheme
+    return LLM(max_model_len=1024, max_num_seqs=1, num_gpu_blocks_override=64, enforce_eager=not compiled,
+               kv_cache_dtype=kv_cache_dtype, additional_config={"neuron_config": nc})
+
+
+def _tpot(llm, max_tokens: int) -> float:
+    from vllm_neuron import SamplingParams
+
+    prompt = [{"prompt_token_ids": [1] + [100 + i for i in range(32)]}]
+
+    def run(n: int) -> float:
+        t0 = time.perf_counter()
+        llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True), use_tqdm=False)
+        return time.perf_counter() - t0
+
+    return (run(max_tokens) - run(1)) / (max_tokens - 1)
+
+
+def _answers(llm) -> list[str]:
+    from vllm_neuron import SamplingParams
+
+    outs = llm.chat([[{"role": "user", "content": q}] for q, _ in QUESTIONS],
+                    SamplingParams(temperature=0.0, max_tokens=32), use_tqdm=False)
+    return [o.outputs[0].text for o in outs]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--schemes", default="bf16,int8,int4")
+    p.add_argument("--kv-cache-dtype", default="auto")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--eager", action="store_true", help="run the buckets uncompiled")
+    args = p.parse_args()
+    schemes = args.schemes.split(",")
+    engines, mib, answers = {}, {}, {}
+    for s in schemes:
+        engines[s] = _make(s, args.kv_cache_dtype, not args.eager)
+        model = engines[s].llm_engine.core.runner.model
+        mib[s] = _weight_mib(model)
+        answers[s] = _answers(engines[s])
+        _tpot(engines[s], 4)  # warm
+    best = {s: float("inf") for s in schemes}
+    for _ in range(args.repeat):
+        for s in schemes:
+            best[s] = min(best[s], _tpot(engines[s], args.max_tokens))
+    print(f"\nbatch-1 decode, bundled model, kv_cache_dtype={args.kv_cache_dtype}, best of {args.repeat}")
+    print("| weights | TPOT (ms) | vs bf16 | weight memory (MiB) | knowledge answers |")
+    print("| --- | --- | --- | --- | --- |")
+    base = best.get("bf16")
+    for s in schemes:
+        ok = sum(word.lower() in a.lower() for (_, word), a in zip(QUESTIONS, answers[s]))
+        ratio = f"{base / best[s]:.2f}x" if base else "-"
+        print(f"| {s} | {best[s] * 1e3:.1f} | {ratio} | {mib[s]:.0f} | {ok}/{len(QUESTIONS)} |")
+    for s in schemes:
+        for (q, _), a in zip(QUESTIONS, answers[s]):
+            print(f"{s}: {q.split('?')[0]}? -> {a.strip()!r}")
+    del engines
+    gc.collect()
+
+
+if __name__ == "__main__":
+    main()

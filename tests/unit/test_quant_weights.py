@@ -1,0 +1,145 @@
+"""Weight-only int8 and int4: quantization error, the decode kernels and the prefill path against the
+dequantized matmul at every default CPU bucket shape, compiled vs eager, in-place layer quantization,
+and where the option is refused."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from vllm_neuron.config.engine_config import EngineConfig
+from vllm_neuron.model.layers import kernels as K
+from vllm_neuron.model.layers import quant_int4 as Q4
+from vllm_neuron.model.layers import quant_int8 as Q8
+from vllm_neuron.model.layers.linear import Linear, check_weight_quantization, quantize_linears_
+
+CPU = torch.device("cpu")
+SCHEMES = {"int8": Q8, "int4": Q4}
+DECODE_ROWS, PREFILL_ROWS = [1, 4, 16], [32, 64, 128, 256, 512]  # the default CPU buckets
+# The bundled model's layer shapes (qkv, o, gate_up, down) and odd row counts (kernel tails).
+SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (190, 576), (7, 64)]
+
+
+def _weight(n: int = 48, k: int = 128, seed: int = 0) -> torch.Tensor:
+    return torch.randn(n, k, generator=torch.Generator().manual_seed(seed))
+
+
+def test_int4_error_is_at_most_half_a_step_per_group():
+    w = _weight()
+    deq = Q4.dequantize(*Q4.quantize(w), torch.float32)
+    groups = w.reshape(w.shape[0], -1, Q4.GROUP_SIZE)
+    step = (groups.amax(-1) - groups.amin(-1)) / 15
+    err = (deq - w).abs().reshape_as(groups).amax(-1)
+    assert torch.all(err <= step / 2 + 1e-6)
+    assert deq.shape == w.shape and not torch.equal(deq, w)
+
+
+def test_int8_error_is_at_most_half_a_step_per_channel():
+    w = _weight()
+    q, scale = Q8.quantize(w)
+    assert q.dtype == torch.int8 and int(q.abs().max()) == 127
+    err = (Q8.dequantize(q, scale, torch.float32) - w).abs().amax(1)
+    assert torch.all(err <= scale / 2 + 1e-6) and torch.all(err > 0)
+
+
+def test_int4_weights_on_a_4bit_grid_come_back_exactly():
+    # What a Q4_1 GGUF holds: w = d * q + m per block of 32, every code 0..15 used in every block.
+    n, k = 16, 128
+    gen = torch.Generator().manual_seed(1)
+    q = torch.stack([torch.randperm(Q4.GROUP_SIZE, generator=gen) % 16 for _ in range(n * k // 32)])
+    d = torch.round((torch.rand(n * k // 32, 1, generator=gen) * 0.25 + 0.125) * 64) / 64
+    m = torch.round(torch.randn(n * k // 32, 1, generator=gen) * 64) / 64
+    w = (q.float() * d + m).reshape(n, k)
+    packed, scales = Q4.quantize(w)
+    assert packed.shape == (n, k // 2) and scales.shape == (n, k // 32, 2)
+    assert torch.equal(Q4.dequantize(packed, scales, torch.float32), w)
+
+
+def _reference(x, w_deq, bias):
+    return F.linear(x.float(), w_deq.float(), None if bias is None else bias.float())
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n, k", SHAPES)
+def test_kernel_and_prefill_path_match_the_dequantized_matmul_at_every_bucket(scheme, dtype, n, k):
+    if not K.quant_kernels_available(CPU):
+        pytest.skip("this CPU has no AVX-512: the int8/int4 kernels are not built and the torch path serves")
+    mod = SCHEMES[scheme]
+    g = torch.Generator().manual_seed(n + k)
+    qweight, qscale = mod.quantize(torch.randn(n, k, generator=g) / k**0.5)
+    w_deq = mod.dequantize(qweight, qscale, torch.float32)
+    bias = torch.randn(n, generator=g).to(dtype)
+    for rows in DECODE_ROWS + PREFILL_ROWS:
+        x = torch.randn(rows, k, generator=g).to(dtype)
+        ref = _reference(x, w_deq, bias)
+        out = mod.linear(x, qweight, qscale, bias, use_kernel=True)
+        assert out.dtype == dtype and out.shape == (rows, n)
+        if dtype == torch.float32:
+            torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+        else:  # the output's bf16 rounding, and oneDNN's bf16 matmul on the prefill path (~3e-3 of the max)
+            torch.testing.assert_close(out.float(), ref, rtol=2**-7, atol=5e-3 * ref.abs().max().item())
+    # The kernel itself, every row count up to its largest, both N tails.
+    for rows in range(1, mod.KERNEL_ROWS + 1):
+        x = torch.randn(rows, k, generator=g).to(dtype)
+        kernel = K.linear_int8 if scheme == "int8" else K.linear_int4
+        ref = _reference(x, w_deq, None)
+        tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2**-7, atol=1e-3)
+        torch.testing.assert_close(kernel(x, qweight, qscale).float(), ref, **tol)
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+@pytest.mark.parametrize("use_kernel", [False, True])
+def test_torch_path_and_leading_dims(scheme, use_kernel):
+    if use_kernel and not K.quant_kernels_available(CPU):
+        pytest.skip("no AVX-512 here")
+    mod = SCHEMES[scheme]
+    qweight, qscale = mod.quantize(_weight())
+    x = torch.randn(2, 3, 128)
+    ref = F.linear(x, mod.dequantize(qweight, qscale, torch.float32))
+    out = mod.linear(x, qweight, qscale, None, use_kernel)
+    assert out.shape == (2, 3, 48)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+@pytest.mark.parametrize("rows", [4, 40])
+def test_compiled_equals_eager(scheme, rows):
+    mod = SCHEMES[scheme]
+    qweight, qscale = mod.quantize(_weight())
+    use_kernel = K.quant_kernels_available(CPU)
+    x = torch.randn(rows, 128).bfloat16()
+    fn = torch.compile(lambda a: mod.linear(a, qweight, qscale, None, use_kernel), fullgraph=True, dynamic=False)
+    torch.testing.assert_close(fn(x), mod.linear(x, qweight, qscale, None, use_kernel))
+
+
+@pytest.mark.parametrize("scheme, ratio", [("int8", 0.27), ("int4", 0.19)])
+def test_quantize_in_place_keeps_a_tied_weight_with_its_other_owner(scheme, ratio):
+    emb = torch.nn.Embedding(64, 64)
+    model = torch.nn.Module()
+    model.embed, model.proj, model.head = emb, Linear(64, 96, bias=True), Linear(64, 64, bias=False)
+    model.head.weight = emb.weight
+    before_emb = emb.weight.detach().clone()
+    x = torch.randn(3, 64)
+    ref = F.linear(x, model.proj.weight, model.proj.bias)
+    layers, before, after = quantize_linears_(model, scheme)
+    assert layers == 2 and before == (96 * 64 + 64 * 64) * 4 and after < before * ratio
+    assert torch.equal(emb.weight, before_emb) and "weight" not in dict(model.head.named_parameters())
+    assert model.proj.quantization == scheme and model.head.qweight.shape[0] == 64
+    torch.testing.assert_close(model.proj(x), ref, rtol=0.1, atol=0.2)  # quantization error only
+
+
+def test_refused_off_cpu_for_other_dtypes_shapes_and_schemes():
+    for scheme in ("int8", "int4"):
+        with pytest.raises(ValueError, match="CPU device only"):
+            check_weight_quantization(scheme, torch.float32, torch.device("cuda"))
+        with pytest.raises(ValueError, match="dtype"):
+            check_weight_quantization(scheme, torch.int8, CPU)
+    with pytest.raises(ValueError, match="in_features divisible by 64"):
+        Q4.quantize(torch.randn(16, 96))
+    with pytest.raises(ValueError, match="in_features divisible by 16"):
+        Q8.quantize(torch.randn(16, 40))
+    with pytest.raises(ValueError, match="quantization='mxfp4'.*not supported yet.*int8, int4"):
+        EngineConfig(device="cpu", additional_config={"neuron_config": {"quantization": "mxfp4"}}).validate_static()
+    for scheme in ("int8", "int4"):
+        EngineConfig(device="cpu", additional_config={"neuron_config": {"quantization": scheme}}).validate_static()

@@ -1,0 +1,42 @@
+"""Weight-only int8 for CPU (`neuron_config.quantization: "int8"`): symmetric, one fp32 scale per output
+channel (w = q * scale[n], q in -127..127).
+
+Half of bf16's bytes per weight. Up to KERNEL_ROWS rows the project's kernel (kernels/linear_quant.cpp)
+widens the weights in registers and reads each byte once; prefill-sized inputs multiply by the int8
+weight converted to the activation dtype (exact) and scale the output columns, one ordinary matmul.
+"""
+from __future__ import annotations
+
+import torch
+
+KERNEL_ROWS = 16
+
+
+def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 [N, K], scale float32 [N]) of a [N, K] weight."""
+    n, k = weight.shape
+    if k % 16:
+        raise ValueError(f"int8 quantization needs in_features divisible by 16, got a [{n}, {k}] weight")
+    w = weight.detach().float()
+    scale = (w.abs().amax(1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
+    q = (w / scale[:, None]).round_().clamp_(-127, 127).to(torch.int8)
+    return q.contiguous(), scale.contiguous()
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (q.float() * scale[:, None]).to(dtype)
+
+
+def linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+           use_kernel: bool) -> torch.Tensor:
+    rows = x.reshape(-1, x.shape[-1])
+    if use_kernel and rows.shape[0] <= KERNEL_ROWS:
+        from vllm_neuron.model.layers.kernels import linear_int8
+
+        y = linear_int8(rows, q, scale)
+    else:
+        # int8 values are exact in bf16/fp16/fp32, and a per-output-channel scale commutes with the matmul.
+        y = (torch.nn.functional.linear(rows, q.to(x.dtype)).float() * scale).to(x.dtype)
+    if bias is not None:
+        y = y + bias
+    return y.reshape(*x.shape[:-1], y.shape[-1])
