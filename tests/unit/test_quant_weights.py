@@ -11,7 +11,8 @@ from vllm_neuron.config.engine_config import EngineConfig
 from vllm_neuron.model.layers import kernels as K
 from vllm_neuron.model.layers import quant_int4 as Q4
 from vllm_neuron.model.layers import quant_int8 as Q8
-from vllm_neuron.model.layers.linear import Linear, check_weight_quantization, quantize_linears_
+from vllm_neuron.config.device import check_weight_quantization
+from vllm_neuron.model.layers.linear import Linear, quantize_linears_
 
 CPU = torch.device("cpu")
 SCHEMES = {"int8": Q8, "int4": Q4}

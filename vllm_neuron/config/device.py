@@ -61,3 +61,18 @@ def async_scheduling_default(device: torch.device) -> tuple[bool, str]:
         return False, (f"off by default on CPU: torch's {torch.get_num_threads()} threads use all {cores} cores, so "
                        "host work overlapped with the forward would slow it; --async-scheduling turns it on")
     return True, f"on by default ({cores - torch.get_num_threads()} CPU cores left for host work)"
+
+
+WEIGHT_QUANTIZATIONS = ("int8", "int4")  # neuron_config.quantization values built so far
+
+
+def check_weight_quantization(scheme: str, dtype: torch.dtype, device: torch.device) -> None:
+    """Where the bad option enters: weight-only int8/int4 run on the CPU device in a float dtype."""
+    if scheme not in WEIGHT_QUANTIZATIONS:
+        raise ValueError(f"neuron_config.quantization={scheme!r} is not supported yet by vllm-neuron; valid values: "
+                         f"{', '.join(WEIGHT_QUANTIZATIONS)} (weight-only, CPU)")
+    if device.type != "cpu":
+        raise ValueError(f"neuron_config.quantization={scheme!r} (weight-only {scheme}) runs on the CPU device only; "
+                         f"the engine runs on {device.type}. Remove quantization or use --device cpu")
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"neuron_config.quantization={scheme!r} needs dtype float32, bfloat16 or float16, got {dtype}")

@@ -14,7 +14,6 @@ import torch.nn.functional as F
 from torch import nn
 
 SMALL_BATCH_ROWS = 4
-WEIGHT_QUANTIZATIONS = ("int8", "int4")
 _kernel_enabled = False
 _quant_kernels_enabled = False
 
@@ -70,14 +69,3 @@ def quantize_linears_(model: nn.Module, scheme: str) -> tuple[int, int, int]:
             layers += 1
     return layers, before, after
 
-
-def check_weight_quantization(scheme: str, dtype: torch.dtype, device: torch.device) -> None:
-    """Where the bad option enters: weight-only int8/int4 run on the CPU device in a float dtype."""
-    if scheme not in WEIGHT_QUANTIZATIONS:
-        raise ValueError(f"neuron_config.quantization={scheme!r} is not supported yet by vllm-neuron; valid values: "
-                         f"{', '.join(WEIGHT_QUANTIZATIONS)} (weight-only, CPU)")
-    if device.type != "cpu":
-        raise ValueError(f"neuron_config.quantization={scheme!r} (weight-only {scheme}) runs on the CPU device only; "
-                         f"the engine runs on {device.type}. Remove quantization or use --device cpu")
-    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError(f"neuron_config.quantization={scheme!r} needs dtype float32, bfloat16 or float16, got {dtype}")

@@ -15,11 +15,11 @@ import torch
 from tqdm import tqdm
 
 from vllm_neuron.config import buckets as B
+from vllm_neuron.config.device import check_weight_quantization
 from vllm_neuron.config.engine_config import EngineConfig
 from vllm_neuron.logger import init_logger
 from vllm_neuron.model.layers.kernels import kernels_enabled, linear_kernel_available, quant_kernels_available
-from vllm_neuron.model.layers.linear import (check_weight_quantization, quantize_linears_, set_quant_kernels,
-                                             set_small_batch_kernel)
+from vllm_neuron.model.layers.linear import quantize_linears_, set_quant_kernels, set_small_batch_kernel
 from vllm_neuron.model.loader import Checkpoint
 from vllm_neuron.model.registry import resolve_model_class
 from vllm_neuron.step import ModelRunnerOutput, SchedulerOutput
@@ -27,7 +27,7 @@ from vllm_neuron.worker import memory
 from vllm_neuron.worker.compilation import GraphCompiler, cache_key_parts
 from vllm_neuron.worker.graphs import StepGraphs
 from vllm_neuron.worker.input_builder import build_decode_inputs, build_prefill_inputs
-from vllm_neuron.worker.sampling import SamplingStates
+from vllm_neuron.worker.sampling_state import SamplingStates
 from vllm_neuron.worker.token_passing import TokenPassing
 
 logger = init_logger(__name__)
