@@ -7,9 +7,10 @@ from vllm_neuron.model.base import CausalLM, ModelSpec
 
 _MODELS = {
     "LlamaForCausalLM": ("vllm_neuron.model.llama", "LlamaForCausalLM"),
+    "Qwen3ForCausalLM": ("vllm_neuron.model.qwen3", "Qwen3ForCausalLM"),
 }
 # Configs without `architectures` (e.g. built by hand) name their family by model_type.
-_MODEL_TYPES = {"llama": "LlamaForCausalLM"}
+_MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 
 def supported_architectures() -> list[str]:
