@@ -27,7 +27,7 @@ from vllm_neuron.worker import memory
 from vllm_neuron.worker.compilation import GraphCompiler, cache_key_parts
 from vllm_neuron.worker.graphs import StepGraphs
 from vllm_neuron.worker.input_builder import build_decode_inputs, build_prefill_inputs
-from vllm_neuron.worker.sampling import SamplingStates
+from vllm_neuron.worker.sampling_state import SamplingStates
 from vllm_neuron.worker.token_passing import TokenPassing
 
 logger = init_logger(__name__)
