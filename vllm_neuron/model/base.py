@@ -35,8 +35,8 @@ class ModelSpec:
     sliding_windows: tuple[int | None, ...]
     is_moe: bool = False
     attention_sinks: bool = False
-    # neuron_config.quantization values the model honours (int4 applies to every `Linear`).
-    quantizations: tuple[str, ...] = ("int4",)
+    # neuron_config.quantization values the model honours (int8 and int4 apply to every `Linear`).
+    quantizations: tuple[str, ...] = ("int8", "int4")
 
     def __post_init__(self) -> None:
         if len(self.sliding_windows) != self.num_layers:
