@@ -17,7 +17,7 @@ from vllm_neuron.config.device import (DEVICE_CHOICES, DTYPE_CHOICES, async_sche
 from vllm_neuron.config.neuron_config import AdditionalConfig, NeuronConfig, parse_additional_config
 from vllm_neuron.config.runner_selection import RunnerChoice, select_model_runner
 
-KV_CACHE_DTYPES = ("auto",)
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")  # fp8 = fp8_e4m3
 DEFAULT_MAX_NUM_SEQS = 16
 BUNDLED_MODEL_NAME = "SmolLM2-135M-Instruct"  # served name of the bundled model (no MODEL given)
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 512
@@ -93,7 +93,8 @@ class EngineConfig:
         if self.block_size not in (8, 16, 32, 64, 128):
             raise ValueError(f"block_size={self.block_size} is not valid; choose one of [8, 16, 32, 64, 128]")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise _not_supported("kv_cache_dtype", self.kv_cache_dtype, "only 'auto' (the model dtype) for now")
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported; valid values: "
+                             f"{list(KV_CACHE_DTYPES)}")
         if self.tensor_parallel_size != 1:
             raise _not_supported("tensor_parallel_size", self.tensor_parallel_size, "only 1 for now")
         if self.data_parallel_size != 1:
@@ -118,8 +119,13 @@ class EngineConfig:
         if nc.quantization is not None:
             device = resolve_device(self.device)
             check_weight_quantization(nc.quantization, resolve_dtype(self.dtype, device), device)
-        if nc.fp8_packed_kv or nc.gk_decode:
-            raise _not_supported("neuron_config.fp8_packed_kv/gk_decode", True)
+        if nc.fp8_packed_kv:
+            # The seeds' rule: the packed layout selects Model Runner V1, whose packed path is not built.
+            raise _not_supported("neuron_config.fp8_packed_kv", True,
+                                 "the packed FP8 KV layout needs Model Runner V1's packed path; kv_cache_dtype='fp8' "
+                                 "gives the unpacked FP8 KV cache")
+        if nc.gk_decode:
+            raise _not_supported("neuron_config.gk_decode", True)
 
     def finalize(self, model_max_len: int) -> NeuronConfig:
         """Fills the model-dependent defaults and resolves the bucket lists."""

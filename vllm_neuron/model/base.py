@@ -91,6 +91,7 @@ def load_named_weights(model: CausalLM, weights: Iterable[tuple[str, torch.Tenso
     Every parameter must be filled completely (a missing part would silently stay random) and every
     tensor must land somewhere (an unknown one means the architecture is not what we think)."""
     params = dict(model.named_parameters())
+    targets = {**dict(model.named_buffers()), **params}  # buffers: e.g. FP8 KV-cache scales
     filled: dict[str, int] = {}
     nbytes = 0
     for name, tensor in weights:
@@ -98,9 +99,9 @@ def load_named_weights(model: CausalLM, weights: Iterable[tuple[str, torch.Tenso
         if target is None:
             continue
         pname, index, transform = target
-        if pname not in params:
+        if pname not in targets:
             raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in {type(model).__name__}")
-        p = params[pname]
+        p = targets[pname]
         dest = p if index is None else p[index]
         if transform is not None:
             tensor = transform(tensor)

@@ -18,6 +18,7 @@ from vllm_neuron.config import buckets as B
 from vllm_neuron.config.device import check_weight_quantization
 from vllm_neuron.config.engine_config import EngineConfig
 from vllm_neuron.logger import init_logger
+from vllm_neuron.model.layers import kv_quant
 from vllm_neuron.model.layers.kernels import kernels_enabled, linear_kernel_available, quant_kernels_available
 from vllm_neuron.model.layers.linear import quantize_linears_, set_quant_kernels, set_small_batch_kernel
 from vllm_neuron.model.loader import Checkpoint
@@ -45,7 +46,7 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     bits = torch.finfo(dtype).bits
-    raw = np.zeros(shape, dtype={16: np.int16, 32: np.int32, 64: np.int64}[bits])
+    raw = np.zeros(shape, dtype={8: np.int8, 16: np.int16, 32: np.int32, 64: np.int64}[bits])
     return torch.from_numpy(raw).view(dtype)
 
 
@@ -56,6 +57,7 @@ class ModelRunner:
         self.ckpt = checkpoint
         self.device = device
         self.dtype = dtype
+        self.kv_dtype = kv_quant.kv_cache_torch_dtype(config.kv_cache_dtype, dtype)
         self.backend = backend  # "native" or "eager"
         nc = config.neuron_config
         self.block_size = config.block_size
@@ -91,8 +93,11 @@ class ModelRunner:
                 model = cls(self.ckpt.hf_config)
         finally:
             torch.set_default_dtype(prev)
-        nbytes = model.load_weights(tqdm(self.ckpt.iter_weights(self.dtype), desc="Loading weights",
-                                         unit="tensor", leave=False, disable=None))
+        kv_scales: list[str] = []
+        nbytes = model.load_weights(tqdm(kv_quant.tap_scales(self.ckpt.iter_weights(self.dtype), kv_scales),
+                                         desc="Loading weights", unit="tensor", leave=False, disable=None))
+        if kv_quant.is_fp8(self.kv_dtype):
+            kv_quant.log_scales(self.config.kv_cache_dtype, kv_scales, model.kv_cache_spec()[0])
         self.model = model.eval().requires_grad_(False)
         scheme = self.config.neuron_config.quantization
         if scheme is not None:
@@ -112,7 +117,7 @@ class ModelRunner:
         """Total KV blocks (block 0 is the null block)."""
         layers, kv_heads, head_dim = self.model.kv_cache_spec()
         per_block = memory.kv_cache_bytes_per_block(layers, kv_heads, head_dim, self.block_size,
-                                                    torch.finfo(self.dtype).bits // 8)
+                                                    torch.finfo(self.kv_dtype).bits // 8)
         needed = -(-self.config.max_model_len // self.block_size) + 1
         if self.config.num_gpu_blocks_override is not None:
             n = self.config.num_gpu_blocks_override
@@ -140,8 +145,12 @@ class ModelRunner:
     def init_kv_cache(self, num_blocks: int) -> None:
         _, kv_heads, head_dim = self.model.kv_cache_spec()
         shape = (num_blocks * self.block_size, kv_heads, head_dim)
-        self.kv_caches = [(_zeros(shape, self.dtype, self.device), _zeros(shape, self.dtype, self.device))
+        self.kv_caches = [(_zeros(shape, self.kv_dtype, self.device), _zeros(shape, self.kv_dtype, self.device))
                           for _ in range(self.model.kv_cache_spec()[0])]
+        logger.info("KV cache dtype: %s (kv_cache_dtype=%s, %d byte(s) per element, %.2f MiB per block)",
+                    str(self.kv_dtype).removeprefix("torch."), self.config.kv_cache_dtype,
+                    torch.finfo(self.kv_dtype).bits // 8,
+                    2 * self.kv_caches[0][0][:self.block_size].nbytes * len(self.kv_caches) / 2**20)
         self.compiler.set_num_blocks(num_blocks)
 
     def graph_names(self) -> list[tuple[str, str, int, int]]:
@@ -174,7 +183,7 @@ class ModelRunner:
         """What shapes the graphs beyond the model config, dtype and device (part of the cache key)."""
         return {"odsc": repr(self.odsc), "block_size": self.block_size, "backend": self.backend,
                 "kernels": self.use_kernels, "linear_kernel": self.use_linear_kernel,
-                "quant_kernels": self.use_quant_kernels,
+                "quant_kernels": self.use_quant_kernels, "kv_dtype": str(self.kv_dtype),
                 "quantization": self.config.neuron_config.quantization}
 
     def _make_compiler(self) -> GraphCompiler:

@@ -13,6 +13,8 @@ copy the whole cache per layer (FACTS.md).
 * With the custom kernel (model/layers/kernels; on by default on CPU) both cases are one call that
   reads each sequence's K/V in place through its block table, up to each query's real position: no
   gather, no mask, and a context bucket costs nothing beyond the tokens actually there.
+* An FP8 cache (kv_quant.py) stores K / k_scale and V / v_scale: both forms dequantize what they read,
+  the new tokens included, so a step sees exactly what later steps will.
 
 Masks are built once per step by the model (`prefill_mask` / `decode_mask`) and shared by all layers.
 Padding rows always see at least one finite key, so no NaN is ever produced or written.
@@ -24,6 +26,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from vllm_neuron.model.layers import kv_quant
 
 
 @dataclass
@@ -74,10 +78,27 @@ def decode_mask(seq_lens: torch.Tensor, context_len: int) -> torch.Tensor:
 
 
 def write_kv(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor
-) -> None:
-    k_cache.index_copy_(0, slots, k.to(k_cache.dtype))
-    v_cache.index_copy_(0, slots, v.to(v_cache.dtype))
+    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
+    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Writes the new K/V at `slots`; returns them as the cache holds them (in k's dtype): an FP8 cache
+    stores K / k_scale and V / v_scale, so readers of the new tokens see what later steps will."""
+    if not kv_quant.is_fp8(k_cache.dtype):
+        k_cache.index_copy_(0, slots, k.to(k_cache.dtype))
+        v_cache.index_copy_(0, slots, v.to(v_cache.dtype))
+        return k, v
+    kq, vq = kv_quant.quantize(k, k_scale, k_cache.dtype), kv_quant.quantize(v, v_scale, v_cache.dtype)
+    # index_copy_ has no FP8 kernel on CPU: copy the bytes.
+    k_cache.view(torch.uint8).index_copy_(0, slots, kq.view(torch.uint8))
+    v_cache.view(torch.uint8).index_copy_(0, slots, vq.view(torch.uint8))
+    return kv_quant.dequantize(kq, k_scale, k.dtype), kv_quant.dequantize(vq, v_scale, v.dtype)
+
+
+def _read(cache: torch.Tensor, index, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """Cache rows at `index` in the compute dtype (dequantized from FP8)."""
+    if kv_quant.is_fp8(cache.dtype):
+        return kv_quant.dequantize(cache[index], scale, dtype)
+    return cache[index].to(dtype)
 
 
 def paged_attention(
@@ -88,26 +109,32 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Returns [N, H * D]."""
-    write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+    """Returns [N, H * D]. `k_scale` / `v_scale` (0-d float32): the per-tensor scales of an FP8 cache."""
+    k, v = write_kv(k_cache, v_cache, k, v, meta.slot_mapping, k_scale, v_scale)
     if meta.use_kernels:
-        from vllm_neuron.model.layers.kernels import paged_attention as kernel
+        from vllm_neuron.model.layers import kernels
 
-        out = kernel(q.to(k_cache.dtype), k_cache, v_cache, meta.block_tables, meta.query_start, meta.positions,
-                     scale, meta.block_size)
+        if kv_quant.is_fp8(k_cache.dtype):
+            out = kernels.paged_attention_fp8(q, k_cache, v_cache, meta.block_tables, meta.query_start,
+                                              meta.positions, scale, meta.block_size, k_scale, v_scale)
+        else:
+            out = kernels.paged_attention(q.to(k_cache.dtype), k_cache, v_cache, meta.block_tables,
+                                          meta.query_start, meta.positions, scale, meta.block_size)
         return out.to(q.dtype).reshape(q.shape[0], -1)
     if meta.is_decode:
-        return _decode(q, k_cache, v_cache, meta, scale)
-    return _prefill(q, k, v, k_cache, v_cache, meta, scale)
+        return _decode(q, k_cache, v_cache, meta, scale, k_scale, v_scale)
+    return _prefill(q, k, v, k_cache, v_cache, meta, scale, k_scale, v_scale)
 
 
-def _prefill(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def _prefill(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, k_scale, v_scale) -> torch.Tensor:
     t, h, d = q.shape
     kv = k.shape[1]
     if meta.context_slots is not None:
-        k = torch.cat([k_cache[meta.context_slots].to(q.dtype), k], dim=0)
-        v = torch.cat([v_cache[meta.context_slots].to(q.dtype), v], dim=0)
+        k = torch.cat([_read(k_cache, meta.context_slots, k_scale, q.dtype), k], dim=0)
+        v = torch.cat([_read(v_cache, meta.context_slots, v_scale, q.dtype), v], dim=0)
     g = h // kv
     # Fold the g query heads sharing a KV head into the query-length axis: [kv, g * T, D].
     qf = q.view(t, kv, g, d).permute(1, 2, 0, 3).reshape(kv, g * t, d)
@@ -118,14 +145,16 @@ def _prefill(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -
     return out.view(kv, g, t, d).permute(2, 0, 1, 3).reshape(t, h * d)
 
 
-def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, k_scale, v_scale) -> torch.Tensor:
     b, h, d = q.shape
     kv = k_cache.shape[1]
     tables = meta.block_tables
     nblk = tables.shape[1]
     block_size = meta.mask.shape[-1] // nblk
-    kc = k_cache.view(-1, block_size, kv, d)[tables].view(b, nblk * block_size, kv, d).transpose(1, 2)
-    vc = v_cache.view(-1, block_size, kv, d)[tables].view(b, nblk * block_size, kv, d).transpose(1, 2)
+    kc = _read(k_cache.view(-1, block_size, kv, d), tables, k_scale, q.dtype)
+    vc = _read(v_cache.view(-1, block_size, kv, d), tables, v_scale, q.dtype)
+    kc = kc.view(b, nblk * block_size, kv, d).transpose(1, 2)
+    vc = vc.view(b, nblk * block_size, kv, d).transpose(1, 2)
     qf = q.view(b, kv, h // kv, d)
-    out = F.scaled_dot_product_attention(qf, kc.to(q.dtype), vc.to(q.dtype), attn_mask=meta.mask, scale=scale)
+    out = F.scaled_dot_product_attention(qf, kc, vc, attn_mask=meta.mask, scale=scale)
     return out.reshape(b, h * d)

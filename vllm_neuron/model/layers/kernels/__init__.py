@@ -78,6 +78,10 @@ def _load() -> bool:
     def _(q, k_cache, v_cache, block_tables, query_start, positions, scale, block_size):
         return torch.empty_like(q)
 
+    @torch.library.register_fake("vllm_neuron::paged_attention_fp8")
+    def _(q, k_cache, v_cache, block_tables, query_start, positions, scale, block_size, k_scale, v_scale):
+        return torch.empty_like(q)
+
     if _has_op("linear_bf16"):
         @torch.library.register_fake("vllm_neuron::linear_bf16")
         def _(x, w):
@@ -124,6 +128,15 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     Returns [N, H, D]; rows of no sequence (padding) are 0."""
     return torch.ops.vllm_neuron.paged_attention(q, k_cache, v_cache, block_tables, query_start, positions,
                                                  scale, block_size)
+
+
+def paged_attention_fp8(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                        query_start: torch.Tensor, positions: torch.Tensor, scale: float, block_size: int,
+                        k_scale: torch.Tensor, v_scale: torch.Tensor) -> torch.Tensor:
+    """`paged_attention` over FP8 caches (float8_e4m3fn / float8_e5m2) holding K / k_scale and V / v_scale;
+    q and the result in the compute dtype."""
+    return torch.ops.vllm_neuron.paged_attention_fp8(q, k_cache, v_cache, block_tables, query_start, positions,
+                                                     scale, block_size, k_scale, v_scale)
 
 
 def linear_bf16(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

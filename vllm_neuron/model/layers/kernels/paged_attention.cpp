@@ -33,6 +33,19 @@ inline float to_f(c10::BFloat16 x) {
 }
 inline float to_f(c10::Half x) { return static_cast<float>(x); }
 
+// FP8 cache entries widen through a 256-entry table (the formats' own conversion is bit fiddling per value).
+template <typename C>
+struct Fp8Table {
+  float v[256];
+  Fp8Table() {
+    for (int i = 0; i < 256; ++i) v[i] = static_cast<float>(C(static_cast<uint8_t>(i), C::from_bits()));
+  }
+};
+const Fp8Table<c10::Float8_e4m3fn> kE4M3;
+const Fp8Table<c10::Float8_e5m2> kE5M2;
+inline float to_f(c10::Float8_e4m3fn x) { return kE4M3.v[x.x]; }
+inline float to_f(c10::Float8_e5m2 x) { return kE5M2.v[x.x]; }
+
 // exp for x <= 0 in a form the compiler vectorizes: 2^(x log2 e) split into exponent bits and a
 // degree-6 polynomial for 2^f, f in [0, 1); relative error ~2e-7.
 #pragma omp declare simd
@@ -82,31 +95,35 @@ inline void score_tile(const float* qv, const float* kt, int64_t D, float* sc) {
 }
 
 template <typename T>
-inline void store_rows(T* op, const float* acc, const float* l, const Item& w, int64_t H, int64_t G, int64_t D) {
+inline void store_rows(T* op, const float* acc, const float* l, const Item& w, int64_t H, int64_t G, int64_t D,
+                       float v_mul) {
   for (int64_t r = 0; r < w.rows; ++r)
     for (int64_t g = 0; g < G; ++g) {
       const int64_t qi = r * G + g;
-      const float inv = 1.f / l[qi];
+      const float inv = v_mul / l[qi];
       T* dst = op + ((w.row0 + r) * H + w.head * G + g) * D;
       for (int64_t i = 0; i < D; ++i) dst[i] = static_cast<T>(acc[qi * D + i] * inv);
     }
 }
 
-template <typename T>
+// C: the cache's element type (T, or FP8 holding K / k_mul and V / v_mul: k_mul folds into the query
+// scale, v_mul into the softmax normalization).
+template <typename T, typename C = T>
 void attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                       const at::Tensor& block_tables, const at::Tensor& query_start,
-                      const at::Tensor& positions, double scale, int64_t block_size, at::Tensor& out) {
+                      const at::Tensor& positions, double scale, int64_t block_size, at::Tensor& out,
+                      float k_mul = 1.f, float v_mul = 1.f) {
   const int64_t N = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t KV = k_cache.size(1), G = H / KV;
   const int64_t S = block_tables.size(0), nblk = block_tables.size(1);
   const T* qp = q.data_ptr<T>();
-  const T* kp = k_cache.data_ptr<T>();
-  const T* vp = v_cache.data_ptr<T>();
+  const C* kp = reinterpret_cast<const C*>(k_cache.data_ptr());
+  const C* vp = reinterpret_cast<const C*>(v_cache.data_ptr());
   const int64_t* bt = block_tables.data_ptr<int64_t>();
   const int64_t* qs = query_start.data_ptr<int64_t>();
   const int64_t* pos = positions.data_ptr<int64_t>();
   T* op = out.data_ptr<T>();
-  const float fscale = static_cast<float>(scale);
+  const float fscale = static_cast<float>(scale) * k_mul;
   const int64_t slot_stride = KV * D, max_keys = nblk * block_size;
 
   std::vector<Item> items;
@@ -173,7 +190,7 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::
         }
         for (int64_t t = 0; t < len; ++t) {
           const int64_t slot = table[t / block_size] * block_size + t % block_size;
-          const T* vs = vp + slot * slot_stride + w.head * D;
+          const C* vs = vp + slot * slot_stride + w.head * D;
 #pragma omp simd
           for (int64_t i = 0; i < D; ++i) vt[i] = to_f(vs[i]);
           for (int64_t g = 0; g < G; ++g) {
@@ -183,7 +200,7 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::
             for (int64_t i = 0; i < D; ++i) a[i] += pg * vt[i];
           }
         }
-        store_rows(op, acc.data(), l.data(), w, H, G, D);
+        store_rows(op, acc.data(), l.data(), w, H, G, D, v_mul);
         continue;
       }
       std::fill(acc.begin(), acc.begin() + nq * D, 0.f);
@@ -195,7 +212,7 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::
         for (int64_t j = 0; j < n; ++j) {
           const int64_t t = t0 + j;
           const int64_t slot = table[t / block_size] * block_size + t % block_size;
-          const T* vs = vp + slot * slot_stride + w.head * D;
+          const C* vs = vp + slot * slot_stride + w.head * D;
 #pragma omp simd
           for (int64_t i = 0; i < D; ++i) vt[j * D + i] = to_f(vs[i]);
         }
@@ -228,17 +245,16 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::
           }
         }
       }
-      store_rows(op, acc.data(), l.data(), w, H, G, D);
+      store_rows(op, acc.data(), l.data(), w, H, G, D, v_mul);
     }
   }
 }
 
-at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                           const at::Tensor& block_tables, const at::Tensor& query_start,
-                           const at::Tensor& positions, double scale, int64_t block_size) {
+// Checks shared by both ops, then the kernel for q's dtype and the cache's (q's own, or FP8).
+at::Tensor attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                  const at::Tensor& block_tables, const at::Tensor& query_start, const at::Tensor& positions,
+                  double scale, int64_t block_size, float k_mul, float v_mul) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3, "q [N,H,D], caches [slots,KV,D]");
-  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
-              "q and the caches must share a dtype");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && query_start.scalar_type() == at::kLong &&
                   positions.scalar_type() == at::kLong,
               "block_tables, query_start and positions must be int64");
@@ -250,10 +266,39 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   auto qs = query_start.contiguous();
   auto ps = positions.contiguous();
   auto out = at::empty_like(qc);
+  const auto ct = k_cache.scalar_type();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
-    attention_kernel<scalar_t>(qc, k_cache, v_cache, bt, qs, ps, scale, block_size, out);
+    if (ct == at::kFloat8_e4m3fn)
+      attention_kernel<scalar_t, c10::Float8_e4m3fn>(qc, k_cache, v_cache, bt, qs, ps, scale, block_size, out, k_mul,
+                                                     v_mul);
+    else if (ct == at::kFloat8_e5m2)
+      attention_kernel<scalar_t, c10::Float8_e5m2>(qc, k_cache, v_cache, bt, qs, ps, scale, block_size, out, k_mul,
+                                                   v_mul);
+    else
+      attention_kernel<scalar_t>(qc, k_cache, v_cache, bt, qs, ps, scale, block_size, out);
   });
   return out;
+}
+
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& block_tables, const at::Tensor& query_start,
+                           const at::Tensor& positions, double scale, int64_t block_size) {
+  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
+              "q and the caches must share a dtype");
+  return attend(q, k_cache, v_cache, block_tables, query_start, positions, scale, block_size, 1.f, 1.f);
+}
+
+// The same over an FP8 cache (kv_cache_dtype fp8 / fp8_e4m3 / fp8_e5m2) holding K / k_scale, V / v_scale.
+at::Tensor paged_attention_fp8(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                               const at::Tensor& block_tables, const at::Tensor& query_start,
+                               const at::Tensor& positions, double scale, int64_t block_size,
+                               const at::Tensor& k_scale, const at::Tensor& v_scale) {
+  const auto ct = k_cache.scalar_type();
+  TORCH_CHECK((ct == at::kFloat8_e4m3fn || ct == at::kFloat8_e5m2) && v_cache.scalar_type() == ct,
+              "the caches must share an FP8 dtype (float8_e4m3fn or float8_e5m2)");
+  TORCH_CHECK(k_scale.numel() == 1 && v_scale.numel() == 1, "k_scale and v_scale must hold one value each");
+  return attend(q, k_cache, v_cache, block_tables, query_start, positions, scale, block_size,
+                k_scale.to(at::kFloat).item<float>(), v_scale.to(at::kFloat).item<float>());
 }
 
 }  // namespace
@@ -261,6 +306,11 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
 TORCH_LIBRARY(vllm_neuron, m) {
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor query_start, "
         "Tensor positions, float scale, int block_size) -> Tensor");
+  m.def("paged_attention_fp8(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor query_start, "
+        "Tensor positions, float scale, int block_size, Tensor k_scale, Tensor v_scale) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(vllm_neuron, CPU, m) { m.impl("paged_attention", &paged_attention); }
+TORCH_LIBRARY_IMPL(vllm_neuron, CPU, m) {
+  m.impl("paged_attention", &paged_attention);
+  m.impl("paged_attention_fp8", &paged_attention_fp8);
+}
