@@ -1,11 +1,12 @@
 """Weight quantization and FP8 KV on the bundled model, in one run: batch-1 decode TPOT, weight memory and
-greedy answers to knowledge questions for bf16 / int8 / int4 weights; KV capacity with bf16 and FP8 KV.
+greedy answers to knowledge questions for bf16 / int8 / int4 weights; KV capacity with bf16 and FP8 KV
+(the default budget, the model's full context).
 
 TPOT is timed as (time of a request with --max-tokens output tokens - time with 1) / (--max-tokens - 1),
 best of --repeat, the schemes interleaved so that a shared machine's load hits each alike. Compiled
 graphs (a decode bucket of 1 and one prefill bucket) are built once per scheme first.
 
-    python benchmarks/quantization.py [--schemes bf16,int8,int4] [--max-tokens 64] [--repeat 3]
+    python benchmarks/quantization.py [--schemes bf16,int8,int4] [--max-tokens 64] [--repeat 3] [--capacity-only]
 """
 from __future__ import annotations
 
@@ -65,6 +66,20 @@ def _answers(llm) -> list[str]:
     return [o.outputs[0].text for o in outs]
 
 
+def _capacity() -> None:
+    """KV blocks and concurrent full-length (model's 8192-token context) sequences the same budget holds."""
+    from vllm_neuron import LLM
+
+    print("\n| kv_cache_dtype | KV blocks (32 tokens) | concurrent 8192-token sequences |")
+    print("| --- | --- | --- |")
+    for kv in ("auto", "fp8"):
+        llm = LLM(enforce_eager=True, kv_cache_dtype=kv)
+        n = llm.llm_engine.core.num_blocks - 1  # block 0 is reserved
+        print(f"| {kv} | {n} | {n / (8192 // 32):.1f} |")
+        del llm
+        gc.collect()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--schemes", default="bf16,int8,int4")
@@ -72,7 +87,11 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--eager", action="store_true", help="run the buckets uncompiled")
+    p.add_argument("--capacity-only", action="store_true", help="only the bf16 vs FP8 KV capacity")
     args = p.parse_args()
+    if args.capacity_only:
+        _capacity()
+        return
     schemes = args.schemes.split(",")
     engines, mib, answers = {}, {}, {}
     for s in schemes:
@@ -98,6 +117,7 @@ def main() -> None:
             print(f"{s}: {q.split('?')[0]}? -> {a.strip()!r}")
     del engines
     gc.collect()
+    _capacity()
 
 
 if __name__ == "__main__":
