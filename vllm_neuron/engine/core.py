@@ -62,7 +62,7 @@ class EngineCore:
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=config.max_model_len, block_size=config.block_size, num_blocks=self.num_blocks,
             enable_prefix_caching=config.enable_prefix_caching,
-            max_prefill_context_tokens=max(nc.context_buckets)))
+            max_prefill_context_tokens=max(nc.context_buckets), num_speculative_tokens=config.num_speculative_tokens))
         self.structured = None  # StructuredOutputManager, created with the first grammar request
         self._grammar_wait: dict[str, Request] = {}
         self.async_scheduling = bool(config.async_scheduling)

@@ -28,6 +28,8 @@ from vllm_neuron.worker.compilation import GraphCompiler, cache_key_parts
 from vllm_neuron.worker.graphs import StepGraphs
 from vllm_neuron.worker.input_builder import build_decode_inputs, build_prefill_inputs
 from vllm_neuron.worker.sampling import SamplingStates
+from vllm_neuron.worker.spec_decode import SpecDecoder, VerifyGraphs, verify_bucket_name
+from vllm_neuron.spec_decode.verify_inputs import build_verify_inputs
 from vllm_neuron.worker.token_passing import TokenPassing
 
 logger = init_logger(__name__)
@@ -66,6 +68,7 @@ class ModelRunner:
         self.sampling = SamplingStates(self.odsc, config.seed)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.token_passing = TokenPassing()
+        self.spec = SpecDecoder(config.speculative, config.max_model_len) if config.speculative else None
         self.model = None
         self.compiler: GraphCompiler | None = None
         self.graphs: StepGraphs | None = None
@@ -147,6 +150,10 @@ class ModelRunner:
             if kind == "decode" and not ctx:
                 ctx = self.context_buckets[-1]  # a single context keeps the plain decode_b{B} name
             out.append((n, kind, size, ctx))
+        if self.spec is not None:
+            for _, kind, size, ctx in list(out):
+                if kind == "decode":
+                    out.append((self._graph_name("verify", size, ctx), "verify", size, ctx))
         return out
 
     def _max_blocks(self) -> int:
@@ -184,13 +191,16 @@ class ModelRunner:
         for name, kind, size, ctx in tqdm(graphs, desc="Compiling buckets", unit="graph", disable=None):
             if kind == "prefill":
                 self.compiler.warm(name, lambda: self._run_prefill([], size, ctx))
+            elif kind == "verify":
+                self.compiler.warm(name, lambda: self._run_verify([], size, ctx))
             else:
                 self.compiler.warm(name, lambda: self._run_decode([], size, ctx))
         return self.compiler
 
     # -- graphs ----------------------------------------------------------------------------------
     def _make_graphs(self) -> StepGraphs:
-        return StepGraphs(self.model, self.odsc, self.block_size, self.use_kernels)
+        cls = VerifyGraphs if self.spec is not None else StepGraphs
+        return cls(self.model, self.odsc, self.block_size, self.use_kernels)
 
     def _graph(self, kind: str, size: int, context: int) -> Callable:
         """The compiled graph of one bucket (created on first use outside warm-up, e.g. eager)."""
@@ -198,12 +208,14 @@ class ModelRunner:
         key = (kind, size, context)
         g = self._bucket_graphs.get(key)
         if g is None:
-            fn = self.graphs.prefill if kind == "prefill" else self.graphs.decode
+            fn = {"prefill": self.graphs.prefill, "decode": self.graphs.decode}.get(kind) or self.graphs.verify
             name = self._graph_name(kind, size, context)
             g = self._bucket_graphs[key] = self.compiler.bucket(name, fn)
         return g
 
     def _graph_name(self, kind: str, size: int, context: int) -> str:
+        if kind == "verify":
+            return verify_bucket_name(size, self.spec.k, context if len(self.context_buckets) > 1 else None)
         if kind == "prefill":
             return B.bucket_name("prefill", size, context or None)
         return B.bucket_name("decode", size, context if len(self.context_buckets) > 1 else None)
@@ -248,6 +260,32 @@ class ModelRunner:
                          self._t(self._bitmask(chunks, batch, masks or {})), self._t(s["temperature"]),
                          self._t(s["top_k"]), self._t(s["top_p"]), self._t(s["uniform"]), self.kv_caches)
 
+    def _run_verify(self, chunks, batch: int, context: int, masks: dict | None = None):
+        x = build_verify_inputs(chunks, batch, self.spec.k, context // self.block_size, self.block_size)
+        req_ids = [c.req_id for c in chunks]
+        s = self.sampling.graph_tensors(req_ids, batch)
+        acc, smp = self.spec.uniforms(self.sampling.states, self.sampling.rng, req_ids, batch)
+        with torch.inference_mode():
+            graph = self._graph("verify", batch, context)
+            return graph(self._t(x.input_ids), self._t(x.positions), self._t(x.slot_mapping), self._t(x.block_tables),
+                         self._t(x.draft_ids), self._t(x.num_drafts), self._t(self._bitmask(chunks, batch, masks or {})),
+                         self._t(s["temperature"]), self._t(s["top_k"]), self._t(s["top_p"]), self._t(acc),
+                         self._t(smp), self.kv_caches)
+
+    def _execute_verify(self, sched: SchedulerOutput, size: int, context: int):
+        """A decode step with drafts: (sampled, logprobs); row i emits its accepted drafts and one more."""
+        chunks = sched.chunks
+        tokens, num_emitted, logits0 = self._run_verify(chunks, size, context, sched.grammar_bitmask)
+        req_ids, sampled, logprobs = self._finalize_rows(chunks, tokens[:, 0], logits0)
+        emitted = num_emitted.tolist()
+        rows = tokens.tolist()
+        for i, rid in enumerate(req_ids):
+            extra = rows[i][1:emitted[i]]  # rows without drafts (host-sampled ones included) emit one
+            if extra:
+                sampled[rid] = sampled[rid] + extra
+                self.sampling.states[rid].output_token_ids.extend(extra)
+        return sampled, logprobs
+
     # -- one step --------------------------------------------------------------------------------
     def _step_bucket(self, sched: SchedulerOutput) -> tuple[int, int, str, int]:
         """(size, context, graph name, padding) of the bucket that serves this step."""
@@ -259,7 +297,8 @@ class ModelRunner:
         n = len(sched.chunks)
         size = B.select_bucket(self.decode_buckets, n)
         context = B.select_bucket(self.context_buckets, sched.max_seq_len)
-        return size, context, self._graph_name("decode", size, context), size - n
+        kind = "verify" if any(c.num_draft_tokens for c in sched.chunks) else "decode"
+        return size, context, self._graph_name(kind, size, context), size - n
 
     def _finalize_rows(self, chunks, tokens, logits) -> tuple[list[str], dict, dict]:
         """(request ids of the sampling rows, their tokens, their logprobs), host-sampling rows that need it."""
@@ -281,6 +320,10 @@ class ModelRunner:
         chunks = sched.chunks
         size, context, name, padding = self._step_bucket(sched)
         fallback = passed = False
+        if name.startswith("verify"):
+            sampled, logprobs = self._execute_verify(sched, size, context)
+            return ModelRunnerOutput(sampled, logprobs, bucket_name=name, num_padding=padding,
+                                     spec_token_ids=self.spec.propose(self.sampling.states, list(sampled)))
         if sched.kind == "prefill":
             tokens, logits = self._run_prefill(chunks, size, context, sched.grammar_bitmask)
         else:
@@ -291,5 +334,6 @@ class ModelRunner:
         host_rows = any(self.sampling.states[r].on_host for r in req_ids)
         self.token_passing.record(sched.kind, [c.req_id for c in chunks], tokens,
                                   {r: t[0] for r, t in sampled.items()}, host_rows)
+        spec = self.spec.propose(self.sampling.states, list(sampled)) if self.spec is not None else {}
         return ModelRunnerOutput(sampled, logprobs, bucket_name=name, num_padding=padding,
-                                 async_fallback=fallback, tokens_passed_on_device=passed)
+                                 async_fallback=fallback, tokens_passed_on_device=passed, spec_token_ids=spec)
