@@ -17,7 +17,7 @@ from vllm_neuron.config.speculative import SpeculativeConfig
 from vllm_neuron.logger import init_logger, warning_once
 from vllm_neuron.model.layers.attention import AttentionMetadata, verify_mask
 from vllm_neuron.model.layers.rejection_sampler import rejection_sample
-from vllm_neuron.model.layers.sampler import apply_token_bitmask
+from vllm_neuron.model.layers.in_graph_sampler import apply_token_bitmask
 from vllm_neuron.sampling_params import SAMPLING_EPS
 from vllm_neuron.spec_decode.ngram_proposer import propose_ngram
 from vllm_neuron.worker.graphs import StepGraphs

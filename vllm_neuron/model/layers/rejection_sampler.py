@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm_neuron.model.layers.sampler import _GREEDY_EPS, DEFAULT_MAX_TOP_K, filtered_top_probs, inverse_cdf
+from vllm_neuron.model.layers.in_graph_sampler import _GREEDY_EPS, DEFAULT_MAX_TOP_K, filtered_top_probs, inverse_cdf
 
 
 def rejection_sample(logits: torch.Tensor, draft_ids: torch.Tensor, num_drafts: torch.Tensor,
