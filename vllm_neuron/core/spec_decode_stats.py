@@ -23,6 +23,12 @@ class SpecDecodeStats:
         for i in range(num_accepted):
             self.accepted_per_pos[i] += 1
 
+    def cumulative(self) -> tuple[int, int, int, list[int]] | None:
+        """(drafts, draft tokens, accepted tokens, accepted per position); None without speculation."""
+        if not self.num_speculative_tokens:
+            return None
+        return self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens, list(self.accepted_per_pos)
+
     @property
     def acceptance_rate(self) -> float:
         return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
