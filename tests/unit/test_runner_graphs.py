@@ -2,17 +2,19 @@
 from __future__ import annotations
 
 from vllm_neuron.config.engine_config import EngineConfig
-from vllm_neuron.worker.runner_base import ModelRunner
+from vllm_neuron.worker.model_runner_v1 import ModelRunnerV1
+from vllm_neuron.worker.runner_base import ModelRunnerBase
 from vllm_neuron.worker.spec_decode import SpecDecoder
 
 
-def _runner(use_kernels: bool = False, **kw) -> ModelRunner:
+def _runner(use_kernels: bool = False, cls: type = ModelRunnerBase, **kw) -> ModelRunnerBase:
     cfg = EngineConfig.from_kwargs(**kw)
     cfg.finalize(model_max_len=2048)
-    r = ModelRunner.__new__(ModelRunner)  # graph planning needs no model
+    r = cls.__new__(cls)  # graph planning needs no model
     r.config = cfg
     r.use_kernels = use_kernels  # the torch path: cached context needs prefill context graphs
-    r.spec = SpecDecoder(cfg.speculative, cfg.max_model_len) if cfg.speculative else None
+    if cls is ModelRunnerV1:
+        r.spec = SpecDecoder(cfg.speculative, cfg.max_model_len) if cfg.speculative else None
     nc = cfg.neuron_config
     r.prefill_buckets, r.decode_buckets, r.context_buckets = (nc.num_batched_tokens_buckets, nc.num_seqs_buckets,
                                                               nc.context_buckets)
@@ -30,12 +32,13 @@ def test_single_context_decode_graphs_get_max_model_len():
 
 def test_speculative_decoding_adds_one_verify_graph_per_decode_graph():
     spec = {"method": "ngram", "num_speculative_tokens": 4}
-    r = _runner(use_kernels=True, max_model_len=1024, max_num_seqs=4, max_num_batched_tokens=128, speculative_config=spec,
-                additional_config={"neuron_config": {"num_seqs_buckets": [1, 4]}})
+    r = _runner(use_kernels=True, cls=ModelRunnerV1, max_model_len=1024, max_num_seqs=4, max_num_batched_tokens=128,
+                speculative_config=spec, additional_config={"neuron_config": {"num_seqs_buckets": [1, 4]}})
     graphs = r.graph_names()
     assert ("verify_b1_k4", "verify", 1, 1024) in graphs and ("verify_b4_k4", "verify", 4, 1024) in graphs
     assert len([g for g in graphs if g[1] == "verify"]) == len([g for g in graphs if g[1] == "decode"]) == 2
-    r = _runner(max_model_len=1024, max_num_seqs=2, max_num_batched_tokens=128, speculative_config=spec,
+    r = _runner(cls=ModelRunnerV1, max_model_len=1024, max_num_seqs=2, max_num_batched_tokens=128,
+                speculative_config=spec,
                 additional_config={"neuron_config": {"decode_context_length_buckets": [256],
                                                      "num_seqs_buckets": [2]}})
     assert [g[0] for g in r.graph_names() if g[1] == "verify"] == ["verify_b2_k4_c256", "verify_b2_k4_c1024"]
