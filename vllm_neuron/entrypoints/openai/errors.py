@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from vllm_neuron.engine.protocol import EngineDeadError
+from vllm_neuron.engine.protocol import EngineDeadError, EngineRequestError
 from vllm_neuron.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
 from vllm_neuron.logger import init_logger
 
@@ -93,6 +93,8 @@ def from_exception(exc: BaseException) -> ErrorResponse:
         return error_body(exc.message, exc.status_code, exc.param)
     if isinstance(exc, EngineDeadError):
         return error_body(f"The engine is dead: {exc}" if str(exc) else "The engine is dead.", 500)
+    if isinstance(exc, EngineRequestError):
+        return error_body(f"Internal server error: {exc}", 500)
     if isinstance(exc, ValueError):
         return error_body(str(exc), 400)
     return error_body(f"Internal server error: {type(exc).__name__}: {exc}", 500)

@@ -1,7 +1,8 @@
 """/openapi.json as the routes really behave: the request bodies the JSON routes read themselves
 (they take the raw request, so FastAPI cannot see them), every status code they answer with the
-OpenAI error object, and the server's own limits (--max-n, --max-logprobs, the vocabulary) as schema bounds. Checks that no schema can state
-(a prompt over the context length, n > 1 with greedy sampling, ...) stay documented 400s.
+OpenAI error object, and the server's own limits (--max-n, --max-logprobs, the vocabulary) as
+schema bounds. Checks that no schema can state (a prompt over the context length, n > 1 with greedy
+sampling, ...) stay documented 400s.
 """
 from __future__ import annotations
 
