@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from vllm_neuron.engine.messages import EngineCoreRequest
-from vllm_neuron.model.neuron_config import OnDeviceSamplingConfig
+from vllm_neuron.config.neuron_config import OnDeviceSamplingConfig
 from vllm_neuron.sampling_params import SamplingParams
 
 # generation_config.json keys that vLLM takes as default sampling parameters.
