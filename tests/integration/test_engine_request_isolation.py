@@ -77,3 +77,24 @@ def test_out_of_range_seed(engine):
     assert done["b"].outputs[0].finish_reason == "length" and len(done["b"].outputs[0].token_ids) == 10
     assert done["big-seed"].finished
     assert _run(engine, {"after": ("Hi", GREEDY)})["after"].outputs[0].finish_reason == "length"
+
+
+def test_grammar_failure_costs_one_request(engine, monkeypatch):
+    from vllm_neuron.structured_output.params import StructuredOutputsParams
+
+    constrained = SamplingParams(temperature=0.0, max_tokens=6,
+                                 structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
+    manager = engine.core._structured()
+    real_accept = manager.accept
+
+    def accept(rid, tokens):
+        if rid.startswith("poison"):
+            raise RuntimeError("injected grammar failure")
+        return real_accept(rid, tokens)
+
+    monkeypatch.setattr(manager, "accept", accept)
+    done = _run(engine, {"poison-g": ("Answer:", constrained), "ok-g": ("Answer:", constrained),
+                         "plain": ("The quick brown fox", GREEDY)})
+    assert done["poison-g"].outputs[0].finish_reason == "error"
+    assert done["ok-g"].outputs[0].text in ("yes", "no")
+    assert done["plain"].outputs[0].finish_reason == "length" and len(done["plain"].outputs[0].token_ids) == 10

@@ -168,16 +168,27 @@ class AsyncLLM(EngineClient):
                 self._mark_dead(payload)
 
     def _dispatch(self, outs) -> None:
+        # One request's outputs at a time: an error while detokenizing one fails that request only,
+        # never this loop (which every request in flight depends on).
+        by_request: dict[str | None, list] = {}
         for out in outs.outputs:
             if out.error is not None:
                 self._fail_request(out.request_id, out.error)
-        results, to_abort = self.output_processor.process(outs.outputs)
-        if to_abort:
-            self._send(("abort", to_abort, "stop"))
-        for res in results:
-            q = self._queues.get(res.request_id)
-            if q is not None:
-                q.put_nowait(res)
+            else:
+                by_request.setdefault(self.output_processor.parent_of.get(out.request_id), []).append(out)
+        for group in by_request.values():
+            try:
+                results, to_abort = self.output_processor.process(group)
+            except Exception as e:  # noqa: BLE001
+                logger.exception("output processing failed for request %s", group[0].request_id)
+                self._fail_request(group[0].request_id, f"{type(e).__name__}: {e}")
+                continue
+            if to_abort:
+                self._send(("abort", to_abort, "stop"))
+            for res in results:
+                q = self._queues.get(res.request_id)
+                if q is not None:
+                    q.put_nowait(res)
 
     def _fail_request(self, engine_request_id: str, error: str) -> None:
         """The engine failed one completion: the whole request fails with the error (its other

@@ -178,6 +178,13 @@ class EngineCore:
             self.structured.has(c.req_id) for sched, _ in self._queue for c in sched.chunks)
 
     # -- a step that raised ------------------------------------------------------------------------
+    def _fail(self, rid: str, error: BaseException) -> EngineCoreOutput:
+        """Ends one request with `error` (its client gets it); everything else goes on."""
+        message = f"{type(error).__name__}: {error}"
+        logger.warning("request %s failed: %s", rid, message)
+        self.abort_requests([rid])
+        return EngineCoreOutput(rid, [], finish_reason="error", error=message)
+
     def _drain_queue(self) -> list[tuple[SchedulerOutput, BaseException | None]]:
         """Waits for the steps still in flight (they may build on the failed one); their results are dropped."""
         steps: list[tuple[SchedulerOutput, BaseException | None]] = []
@@ -206,7 +213,6 @@ class EngineCore:
         logger.error("A step failed (%s: %s); isolating the requests it held", type(error).__name__, error,
                      exc_info=error)
         new = {d.req_id for sched, e in steps if e is not None for d in sched.new_requests}
-        message = f"{type(error).__name__}: {error}"
         outputs = failed
         for rid in dict.fromkeys(c.req_id for sched, _ in steps for c in sched.chunks):
             req = self.scheduler.requests.get(rid)
@@ -215,9 +221,7 @@ class EngineCore:
             count = self._step_failures.get(rid, 0) + (not new)
             self._step_failures[rid] = count
             if new == {rid} or count >= MAX_STEP_FAILURES_PER_REQUEST:
-                logger.warning("request %s failed: %s", rid, message)
-                self.abort_requests([rid])
-                outputs.append(EngineCoreOutput(rid, [], finish_reason="error", error=message))
+                outputs.append(self._fail(rid, error))
             else:
                 self.scheduler.preempt(rid, resend_alone=rid in new)
         return EngineCoreOutputs(outputs, stats=self._stats(None, None))
@@ -234,16 +238,20 @@ class EngineCore:
             req = self.scheduler.requests.get(c.req_id)
             if req is not None and req.status == RequestStatus.RUNNING:
                 live[c.req_id] = req
+        outputs = failed
         if sched.grammar_bitmask:
             for rid in sched.grammar_bitmask:
                 if rid in live:
-                    self.structured.accept(rid, result.sampled.get(rid, []))
+                    try:
+                        self.structured.accept(rid, result.sampled.get(rid, []))
+                    except Exception as e:  # noqa: BLE001 - that request's grammar, not the engine's
+                        del live[rid]
+                        outputs.append(self._fail(rid, e))
         finished = {f.request.request_id: f for f in self.scheduler.update(sched, result)}
         for rid in finished:
             self._step_failures.pop(rid, None)
             if self.structured is not None:
                 self.structured.remove(rid)
-        outputs = failed
         for rid, toks in result.sampled.items():
             req = live.get(rid)
             if req is None:
