@@ -42,7 +42,8 @@ def request_body(*models: type[BaseModel]) -> dict[str, Any]:
     """openapi_extra of a JSON route whose body is one of `models`."""
     for m in models:
         _request_models[m.__name__] = m
-    schema = _ref(models[0]) if len(models) == 1 else {"oneOf": [_ref(m) for m in models]}
+    # anyOf: extra fields are allowed, so a body can match several (the route then picks by its fields).
+    schema = _ref(models[0]) if len(models) == 1 else {"anyOf": [_ref(m) for m in models]}
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
 
 
