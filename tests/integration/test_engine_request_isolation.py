@@ -17,11 +17,17 @@ from vllm_neuron.sampling_params import SamplingParams
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async"])
+@pytest.fixture(scope="module", params=[(False, "0"), (True, "0"), (True, "1")],
+                ids=["mrv1-sync", "mrv1-async", "mrv2-async"])
 def engine(tiny_llama_dir, request) -> LLMEngine:
-    return LLMEngine(EngineConfig.from_kwargs(
-        model=tiny_llama_dir, enforce_eager=True, max_model_len=256, max_num_seqs=4, dtype="float32",
-        num_gpu_blocks_override=64, block_size=16, async_scheduling=request.param))
+    async_scheduling, use_v2 = request.param
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_USE_V2_MODEL_RUNNER", use_v2)  # eager alone would pick MRv1
+        engine = LLMEngine(EngineConfig.from_kwargs(
+            model=tiny_llama_dir, enforce_eager=True, max_model_len=256, max_num_seqs=4, dtype="float32",
+            num_gpu_blocks_override=64, block_size=16, async_scheduling=async_scheduling))
+    assert engine.config.use_v2_model_runner == (use_v2 == "1")
+    return engine
 
 
 def _run(engine: LLMEngine, requests: dict[str, tuple[str, SamplingParams]], join_after: int = 0,
