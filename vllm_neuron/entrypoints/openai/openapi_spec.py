@@ -14,6 +14,7 @@ from pydantic import BaseModel
 
 from vllm_neuron.entrypoints.openai.protocol import ErrorResponse
 from vllm_neuron.entrypoints.openai.request_policy import RequestLimits
+from vllm_neuron.entrypoints.openai.structured import RESPONSE_FORMATS
 
 _REF = "#/components/schemas/{model}"
 _ERRORS = {
@@ -139,6 +140,9 @@ def install(app: FastAPI, limits: RequestLimits, max_logprobs: int, vocab_size: 
                 _require_non_empty(schema, field)
             for field in ("prompt", "tokens", "stop_token_ids", "allowed_token_ids"):
                 _bound_token_ids(schema, field, vocab_size)
+            for option in schema.get("properties", {}).get("response_format", {}).get("anyOf", []):
+                if option.get("type") == "object":
+                    option.update(required=["type"], properties={"type": {"enum": list(RESPONSE_FORMATS)}})
             messages = schema.get("properties", {}).get("messages", {})
             if messages.get("type") == "array":
                 messages["items"] = {"type": "object", "required": ["role"], "additionalProperties": True,
