@@ -25,7 +25,7 @@ class ModelRunnerV1(ModelRunnerBase):
         self.token_passing = TokenPassing()
 
     def _make_graphs(self) -> StepGraphs:
-        return StepGraphs(self.model, self.odsc, self.block_size, self.use_kernels)
+        return StepGraphs(self.model, self.odsc, self.block_size, self.use_kernels, self.paged_decode)
 
     def _run_prefill(self, chunks, num_tokens: int, num_context: int, masks: dict | None = None):
         def row_inputs(rows: int) -> tuple:
