@@ -52,6 +52,7 @@ class Scheduler:
         self._finished_ids: list[str] = []  # to tell the runner
         self._preempted_ids: dict[str, int] = {}
         self._sent_to_runner: set[str] = set()
+        self._isolated: set[str] = set()  # requests whose next setup must be the only one in its step
         self._last_kind: str | None = None
         self.num_preemptions = 0
 
@@ -73,6 +74,18 @@ class Scheduler:
             self.waiting.remove(req)
         self._free(req, RequestStatus.from_finish_reason(reason))
         return req
+
+    def preempt(self, req_id: str, resend_alone: bool = False) -> None:
+        """Rolls a running request back to waiting; its KV is recomputed (after a step that failed).
+        resend_alone: the runner sets the request up again, in a step with no other new request, so
+        that a failure of that setup names it."""
+        req = self.requests.get(req_id)
+        if req is None or req not in self.running:
+            return
+        self._preempt(req)
+        if resend_alone:
+            self._sent_to_runner.discard(req_id)
+            self._isolated.add(req_id)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -108,6 +121,7 @@ class Scheduler:
         ctx_budget = cfg.max_prefill_context_tokens or cfg.max_model_len
         chunks: list[ScheduledChunk] = []
         new: list[NewRequestData] = []
+        alone = False
         candidates = [r for r in self.running if r.is_prefilling] + list(self.waiting)
         for req in candidates:
             if budget == 0:
@@ -115,6 +129,8 @@ class Scheduler:
             admitted = req.status == RequestStatus.RUNNING
             if not admitted and len(self.running) >= cfg.max_num_seqs:
                 break
+            if new and (alone or req.request_id in self._isolated):
+                break  # a request set up again after a failed step is the only new one in its step
             cached = [] if admitted else self.kv.find_cached_prefix(req)
             start = req.num_computed_tokens if admitted else len(cached) * cfg.block_size
             if start > ctx_budget - sum(c.start_pos for c in chunks):
@@ -135,6 +151,9 @@ class Scheduler:
                     req.num_cached_tokens = start
                 if req.request_id not in self._sent_to_runner:
                     self._sent_to_runner.add(req.request_id)
+                    if req.request_id in self._isolated:
+                        self._isolated.discard(req.request_id)
+                        alone = True
                     new.append(NewRequestData(req.request_id, req.prompt_token_ids, req.sampling_params,
                                               req.eos_token_id))
             tokens = req.all_token_ids[start:start + n]
@@ -220,6 +239,7 @@ class Scheduler:
         req.status = status
         self.kv.free(req)
         del self.requests[req.request_id]
+        self._isolated.discard(req.request_id)
         if req.request_id in self._sent_to_runner:
             self._sent_to_runner.discard(req.request_id)
             self._finished_ids.append(req.request_id)

@@ -80,12 +80,12 @@ def _handle(core, out: zmq.Socket, msg: tuple) -> None:
     if msg[0] == "add":
         try:
             core.add_request(msg[1])
-        except ValueError as e:  # e.g. a duplicate id: fail that request only
+        except Exception as e:  # noqa: BLE001 - a duplicate id or any setup error fails that request only
             from vllm_neuron.engine.messages import EngineCoreOutput, EngineCoreOutputs
 
-            logger.warning("request %s rejected: %s", msg[1].request_id, e)
-            _send(out, ("outputs", EngineCoreOutputs([EngineCoreOutput(msg[1].request_id, [],
-                                                                       finish_reason="abort")])))
+            logger.warning("request %s rejected: %s", msg[1].request_id, e, exc_info=not isinstance(e, ValueError))
+            _send(out, ("outputs", EngineCoreOutputs([EngineCoreOutput(
+                msg[1].request_id, [], finish_reason="error", error=f"{type(e).__name__}: {e}")])))
     elif msg[0] == "abort":
         core.abort_requests(msg[1], msg[2] if len(msg) > 2 else "abort")
 

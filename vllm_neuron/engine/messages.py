@@ -27,6 +27,7 @@ class EngineCoreOutput:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    error: str | None = None  # with finish_reason "error": why the engine failed this request
 
     @property
     def finished(self) -> bool:
