@@ -231,7 +231,7 @@ _VARS: dict[str, EnvVar] = {
             "VLLM_NEURON_CUDA_GRAPHS",
             lambda: _choice("VLLM_NEURON_CUDA_GRAPHS", "decode", ("decode", "all", "off")),
             "On CUDA, which compiled bucket graphs are captured once as CUDA graphs and replayed: "
-            "decode (default), all (prefill buckets too) or off. Ignored on CPU and with eager execution.",
+            "decode (default), all (prefill and speculative verification buckets too) or off. Ignored on CPU and with eager execution.",
         ),
         EnvVar(
             "VLLM_CACHE_ROOT",

@@ -66,7 +66,7 @@ class EngineCore:
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=config.max_model_len, block_size=config.block_size, num_blocks=self.num_blocks,
             enable_prefix_caching=config.enable_prefix_caching,
-            max_prefill_context_tokens=max(nc.context_buckets)))
+            max_prefill_context_tokens=max(nc.context_buckets), num_speculative_tokens=config.num_speculative_tokens))
         self.structured = None  # StructuredOutputManager, created with the first grammar request
         self._grammar_wait: dict[str, Request] = {}
         self.async_scheduling = bool(config.async_scheduling)
@@ -274,4 +274,4 @@ class EngineCore:
             prefix_queries=s.kv.prefix_queries, prefix_hits=s.kv.prefix_hits, num_preemptions=s.num_preemptions,
             step_kind=sched.kind if sched else "", bucket_name=result.bucket_name if result else "",
             num_padding=result.num_padding if result else 0, num_tokens=sched.num_tokens if sched else 0,
-            num_async_sync_fallbacks=self.num_async_sync_fallbacks)
+            num_async_sync_fallbacks=self.num_async_sync_fallbacks, spec_decode=s.spec_stats.cumulative())

@@ -43,6 +43,9 @@ class SchedulerStats:
     prefix_hits: int = 0
     num_preemptions: int = 0  # cumulative
     num_async_sync_fallbacks: int = 0  # cumulative
+    # Speculative decoding (cumulative; None without --speculative-config): drafts, draft tokens,
+    # accepted tokens, accepted tokens per draft position.
+    spec_decode: tuple[int, int, int, list[int]] | None = None
     step_kind: str = ""
     bucket_name: str = ""
     num_padding: int = 0
