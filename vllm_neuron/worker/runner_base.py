@@ -22,11 +22,13 @@ from vllm_neuron.logger import init_logger
 from vllm_neuron.model.layers import kv_quant
 from vllm_neuron.model.layers.kernels import kernels_enabled, linear_kernel_available, quant_kernels_available
 from vllm_neuron.model.layers.linear import quantize_linears_, set_quant_kernels, set_small_batch_kernel
+from vllm_neuron.model.layers.paged_decode import paged_decode_available
 from vllm_neuron.model.loader import Checkpoint
 from vllm_neuron.model.registry import check_quantization, resolve_model_class
 from vllm_neuron.step import ModelRunnerOutput, SchedulerOutput
 from vllm_neuron.worker import memory
 from vllm_neuron.worker.compilation import GraphCompiler, cache_key_parts
+from vllm_neuron.worker.cuda_graphs import ReplayedGraph, cuda_graph_capturer, wants_capture
 from vllm_neuron.worker.input_builder import build_prefill_inputs
 from vllm_neuron.worker.sampling_state import SamplingStates
 
@@ -81,6 +83,11 @@ class ModelRunnerBase:
         set_small_batch_kernel(self.use_linear_kernel)
         self.use_quant_kernels = quant_kernels_available(device)
         set_quant_kernels(self.use_quant_kernels)
+        # CUDA: decode attention reads each sequence's real context (Triton), and bucket graphs replay.
+        self.paged_decode = not self.use_kernels and not self.model_spec.needs_torch_attention and \
+            paged_decode_available(device.type, self.model_spec.head_dim, self.block_size) and \
+            not kv_quant.is_fp8(self.kv_dtype)  # the Triton kernel reads the model dtype only
+        self.graph_capture, self._capturer = cuda_graph_capturer(device, backend)
 
     # -- set-up ----------------------------------------------------------------------------------
     def load_model(self) -> LoadStats:
@@ -181,6 +188,7 @@ class ModelRunnerBase:
         return {"odsc": repr(self.odsc), "block_size": self.block_size, "backend": self.backend,
                 "kernels": self.use_kernels, "linear_kernel": self.use_linear_kernel,
                 "quant_kernels": self.use_quant_kernels, "kv_dtype": str(self.kv_dtype),
+                "paged_decode": self.paged_decode,
                 "quantization": self.config.neuron_config.quantization}
 
     def _make_compiler(self) -> GraphCompiler:
@@ -213,7 +221,10 @@ class ModelRunnerBase:
         if g is None:
             fn = getattr(self.graphs, kind)  # the graph object's method of that kind
             name = self._graph_name(kind, size, context)
-            g = self._bucket_graphs[key] = self.compiler.bucket(name, fn)
+            g = self.compiler.bucket(name, fn)
+            if self._capturer is not None and wants_capture(self.graph_capture, kind):
+                g = ReplayedGraph(g, self._capturer, name)  # captured on its first call (warm-up)
+            self._bucket_graphs[key] = g
         return g
 
     def _graph_name(self, kind: str, size: int, context: int) -> str:
