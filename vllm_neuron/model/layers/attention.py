@@ -147,7 +147,8 @@ def paged_attention(
     return _prefill(q, k, v, k_cache, v_cache, meta, scale, k_scale, v_scale)
 
 
-def _prefill(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, k_scale, v_scale) -> torch.Tensor:
+def _prefill(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, k_scale=None,
+             v_scale=None) -> torch.Tensor:
     t, h, d = q.shape
     kv = k.shape[1]
     if meta.context_slots is not None:
@@ -163,7 +164,7 @@ def _prefill(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, k
     return out.view(kv, g, t, d).permute(2, 0, 1, 3).reshape(t, h * d)
 
 
-def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, k_scale, v_scale) -> torch.Tensor:
+def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, k_scale=None, v_scale=None) -> torch.Tensor:
     """S = N / B query rows per sequence: 1 for decode, 1 + K for speculative verification (then the mask
     is `verify_mask`'s [B, 1, S, C]); a sequence's rows and head groups share one query axis."""
     n, h, d = q.shape
