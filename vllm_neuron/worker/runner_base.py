@@ -21,7 +21,7 @@ from vllm_neuron.model.layers.kernels import kernels_enabled, linear_kernel_avai
 from vllm_neuron.model.layers.linear import quantize_linears_int4_, set_small_batch_kernel
 from vllm_neuron.model.layers.quant_int4 import INT4_GROUP_SIZE, check_int4_support
 from vllm_neuron.model.loader import Checkpoint
-from vllm_neuron.model.registry import check_quantization, resolve_model_class
+from vllm_neuron.model.registry import model_spec, resolve_model_class
 from vllm_neuron.step import ModelRunnerOutput, SchedulerOutput
 from vllm_neuron.worker import memory
 from vllm_neuron.worker.compilation import GraphCompiler, cache_key_parts
@@ -71,8 +71,7 @@ class ModelRunner:
         self.graphs: StepGraphs | None = None
         self._bucket_graphs: dict[tuple[str, int, int], Callable] = {}
         self.model_cls = resolve_model_class(checkpoint.hf_config)
-        self.model_spec = self.model_cls.spec(checkpoint.hf_config)
-        check_quantization(self.model_cls, self.model_spec, config.neuron_config.quantization)
+        self.model_spec = model_spec(checkpoint.hf_config, config.neuron_config.quantization)
         # Sinks and sliding windows take the torch attention path (the kernel is plain causal).
         self.use_kernels = kernels_enabled(device) and not self.model_spec.needs_torch_attention
         self.use_linear_kernel = linear_kernel_available(device)
@@ -86,7 +85,7 @@ class ModelRunner:
         torch.set_default_dtype(self.dtype)
         try:
             with torch.device(self.device):
-                model = cls(self.ckpt.hf_config)
+                model = cls(self.ckpt.hf_config, quantization=self.config.neuron_config.quantization)
         finally:
             torch.set_default_dtype(prev)
         nbytes = model.load_weights(tqdm(self.ckpt.iter_weights(self.dtype), desc="Loading weights",
