@@ -90,12 +90,6 @@ class StackedExperts(nn.Module):
             return self.gate_up_proj, self.down_proj
         return self.gate_up_proj[ids], self.down_proj[ids]
 
-    def _bias(self, name: str, ids: torch.Tensor | None) -> torch.Tensor | None:
-        if not self.has_bias:
-            return None
-        b = getattr(self, name)
-        return b if ids is None else b[ids]
-
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [N, H]; weights, ids [N, k] (the router's choice) -> [N, H]."""
         n, k = ids.shape
@@ -110,11 +104,11 @@ class StackedExperts(nn.Module):
         xs = x[:, None, :].expand(n, k, x.shape[-1]).reshape(n * k, x.shape[-1], 1)
         h = torch.bmm(gate_up.to(x.dtype), xs)[..., 0]  # [n*k, 2I]
         if self.has_bias:
-            h = h + self._bias("gate_up_proj_bias", flat)
+            h = h + self.gate_up_proj_bias[flat]
         h = self.activation(h)
         y = torch.bmm(down.to(x.dtype), h[..., None])[..., 0]  # [n*k, H]
         if self.has_bias:
-            y = y + self._bias("down_proj_bias", flat)
+            y = y + self.down_proj_bias[flat]
         return (y.view(n, k, -1) * weights[..., None].to(y.dtype)).sum(dim=1)
 
     def _dense(self, x, weights, ids) -> torch.Tensor:
