@@ -106,6 +106,9 @@ def test_compiled_matches_transformers(arch, model_dir, reference, tmp_path, mon
     assert (V2_LOG_LINE in caplog.text) == (arch not in MOE_ARCHS)
     assert "does not yet support" not in caplog.text
     _assert_tokens(_run(llm), reference[0])
+    hits_before = core.scheduler.kv.prefix_hits
+    _assert_tokens(_run(llm), reference[0])  # second pass from the prefix cache, segmented prefill
+    assert core.scheduler.kv.prefix_hits > hits_before
 
 
 def _hf_greedy(hf) -> list[list[int]]:
