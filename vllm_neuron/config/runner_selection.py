@@ -31,9 +31,12 @@ class RunnerChoice:
         return None
 
 
-def mrv2_unsupported_features(*, cpu_sampling: bool, enforce_eager: bool) -> tuple[str, ...]:
+def mrv2_unsupported_features(*, cpu_sampling: bool, enforce_eager: bool, speculative: bool = False
+                              ) -> tuple[str, ...]:
     """Features of a dense configuration that select MRv1 (the seeds' list, as far as we build it)."""
     out = []
+    if speculative:
+        out.append("speculative decoding")
     if cpu_sampling:
         out.append("CPU sampling (on_device_sampling_config=null)")
     if enforce_eager:
@@ -41,9 +44,10 @@ def mrv2_unsupported_features(*, cpu_sampling: bool, enforce_eager: bool) -> tup
     return tuple(out)
 
 
-def select_model_runner(env_value: bool | None, *, cpu_sampling: bool, enforce_eager: bool, moe: bool = False,
-                        sliding_window: bool = False) -> RunnerChoice:
-    unsupported = mrv2_unsupported_features(cpu_sampling=cpu_sampling, enforce_eager=enforce_eager)
+def select_model_runner(env_value: bool | None, *, cpu_sampling: bool, enforce_eager: bool,
+                        speculative: bool = False, moe: bool = False, sliding_window: bool = False) -> RunnerChoice:
+    unsupported = mrv2_unsupported_features(cpu_sampling=cpu_sampling, enforce_eager=enforce_eager,
+                                            speculative=speculative)
     mrv1_model = moe or sliding_window
     if env_value is None:
         return RunnerChoice(not unsupported and not mrv1_model, unsupported, None, mrv1_model)
