@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from vllm_neuron.model.layers.attention import (AttentionMetadata, context_positions, decode_mask, paged_attention,
-                                                prefill_mask)
+                                                prefill_mask, verify_mask)
 
 H, KV, D, BS, WINDOW = 4, 2, 8, 4, 5
 
@@ -61,3 +61,15 @@ def test_prefill_with_context_and_decode_match_reference():
     keys = torch.cat([ctx_k, k[:3], kd])
     vals = torch.cat([ctx_v, v[:3], vd])
     torch.testing.assert_close(dout.reshape(-1), _reference(qd[0], keys, vals, 10, torch.arange(11), sinks, scale))
+
+    # Speculative verification: two query rows (positions 11, 12) of the same sequence in one decode call.
+    qv, kv_, vv = (torch.randn(2, n, D, generator=g) for n in (H, KV, KV))
+    vpos = torch.tensor([11, 12])
+    vmeta = AttentionMetadata(torch.tensor([4 * BS + 3, 5 * BS]), verify_mask(vpos.view(1, 2), 4 * BS),
+                              block_tables=torch.tensor([[2, 3, 4, 5]]), is_decode=True, positions=vpos)
+    vout = paged_attention(qv, kv_, vv, kc, vc, vmeta, scale, sinks, WINDOW).view(2, H, D)
+    keys = torch.cat([keys, kv_])
+    vals = torch.cat([vals, vv])
+    for r in range(2):
+        torch.testing.assert_close(vout[r].reshape(-1), _reference(qv[r], keys, vals, vpos[r], torch.arange(13), sinks,
+                                                                   scale))
