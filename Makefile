@@ -10,7 +10,7 @@ ARGS ?=
 # of cold compile on 2 cores, ready in about 10 s warm).
 SERVE_ARGS ?=
 
-.PHONY: setup run test test-fast bench compile clean
+.PHONY: setup run test test-fast bench compile gpu-check clean
 
 $(STAMP):
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -38,6 +38,9 @@ compile: setup  ## fill the compile cache for the default serving configuration
 
 bench: setup  ## offline throughput vs transformers on the bundled model
 	$(BIN)/python benchmarks/offline_throughput.py $(ARGS)
+
+gpu-check:  ## on a CUDA machine: parity, kernels, graph replay, the speed table (benchmarks/gpu/run.sh)
+	PY=$${PY-$(if $(wildcard $(BIN)/python),$(BIN)/python,python3)} bash benchmarks/gpu/run.sh
 
 clean:
 	rm -rf $(VENV) .pytest_cache
