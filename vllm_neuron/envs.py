@@ -274,6 +274,12 @@ _VARS: dict[str, EnvVar] = {
         ),
         # -- metrics --
         EnvVar(
+            "VLLM_LOG_STATS_INTERVAL",
+            lambda: _float("VLLM_LOG_STATS_INTERVAL", 10.0, minimum=0.0, min_exclusive=True),
+            "Seconds between the server's engine stats lines (vLLM's variable). Default 10; "
+            "--disable-log-stats turns them off.",
+        ),
+        EnvVar(
             "PROMETHEUS_MULTIPROC_DIR",
             lambda: _str("PROMETHEUS_MULTIPROC_DIR"),
             "prometheus_client multiprocess folder; unset: the metrics module creates a "

@@ -43,22 +43,22 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", type=str, default="openai", choices=list(BACKENDS),
                         help="openai: /v1/completions; openai-chat: /v1/chat/completions.")
     parser.add_argument("--base-url", type=str, default=None,
-                        help="Server base URL, e.g. http://127.0.0.1:8000 (else --host/--port).")
-    parser.add_argument("--host", type=str, default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
+                        help="Server base URL, e.g. http://127.0.0.1:8000 (default: from --host and --port).")
+    parser.add_argument("--host", type=str, default="127.0.0.1", help="Server host, unless --base-url.")
+    parser.add_argument("--port", type=int, default=8000, help="Server port, unless --base-url.")
     parser.add_argument("--endpoint", type=str, default=None,
-                        help="API path; default /v1/completions (/v1/chat/completions with "
+                        help="API path (default: /v1/completions; /v1/chat/completions with "
                         "--backend openai-chat).")
     parser.add_argument("--model", type=str, default=None,
-                        help="Model name sent in requests; default: the first id listed by "
-                        "GET /v1/models.")
+                        help="Model name sent in requests (default: the first id listed by "
+                        "GET /v1/models).")
     parser.add_argument("--served-model-name", type=str, default=None,
-                        help="Name sent in requests when it differs from --model.")
+                        help="Name sent in requests when it differs from --model (default: --model).")
     parser.add_argument("--tokenizer", type=str, default=None,
-                        help="Local tokenizer: an HF folder or a .gguf file. Default: --model "
-                        "when it is a local path, else the bundled model's tokenizer.")
+                        help="Local tokenizer: an HF folder or a .gguf file (default: --model "
+                        "when it is a local path, else the bundled model's tokenizer).")
     parser.add_argument("--api-key", type=str, default=None,
-                        help="Bearer token; default: $OPENAI_API_KEY if set.")
+                        help="Bearer token (default: $OPENAI_API_KEY if set).")
     parser.add_argument("--max-concurrency", type=int, default=None,
                         help="Most requests in flight at once (default: no limit).")
     parser.add_argument("--request-rate", type=float, default=float("inf"),
@@ -69,7 +69,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                         "> 1 more uniform. Only with a finite --request-rate.")
     parser.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=None,
                         help="Send ignore_eos so every request produces its full output "
-                        "length. Default: on for random and prefix_repetition, off for sharegpt.")
+                        "length (default: on for random and prefix_repetition, off for sharegpt).")
     parser.add_argument("--percentile-metrics", type=str, default="ttft,tpot,itl",
                         help="Comma-separated metrics with percentiles, of "
                         f"{','.join(PERCENTILE_METRICS)}.")
@@ -83,17 +83,17 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--result-dir", type=str, default=None,
                         help="Folder for the result json (default: current folder).")
     parser.add_argument("--result-filename", type=str, default=None,
-                        help="Default: {label}-{rate}qps[-concurrencyN]-{model}-{date}.json.")
+                        help="Result file name (default: {label}-{rate}qps[-concurrencyN]-{model}-{date}.json).")
     parser.add_argument("--label", type=str, default=None,
-                        help="Result file prefix; default: --backend.")
+                        help="Result file prefix (default: --backend).")
     sampling = parser.add_argument_group("sampling parameters")
     sampling.add_argument("--temperature", type=float, default=0.0,
-                          help="Sent with every request; default 0 (greedy).")
-    sampling.add_argument("--top-p", type=float, default=None, help="Sent only if given.")
-    sampling.add_argument("--top-k", type=int, default=None, help="Sent only if given.")
-    sampling.add_argument("--min-p", type=float, default=None, help="Sent only if given.")
+                          help="Sent with every request; 0 is greedy.")
+    sampling.add_argument("--top-p", type=float, default=None, help="Sent only if given (default: not sent).")
+    sampling.add_argument("--top-k", type=int, default=None, help="Sent only if given (default: not sent).")
+    sampling.add_argument("--min-p", type=float, default=None, help="Sent only if given (default: not sent).")
     parser.add_argument("--extra-body", type=json.loads, default=None,
-                        help="JSON object merged into every request body.")
+                        help="JSON object merged into every request body (default: none).")
 
 
 @dataclass
