@@ -166,8 +166,8 @@ class AsyncLLM(EngineClient):
             elif kind == "ready":
                 self._ready = True
                 self.startup_info = payload
-                logger.info("Engine ready (startup %.1f s, %d KV blocks)", payload["startup_seconds"],
-                            payload["num_blocks"])
+                # The EngineCore logged its own "Engine ready" line with the details: no second one.
+                logger.debug("EngineCore reported ready (startup %.1f s)", payload["startup_seconds"])
             elif kind == "dead":
                 self._mark_dead(payload)
 

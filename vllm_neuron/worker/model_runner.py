@@ -117,14 +117,15 @@ class ModelRunner:
             return n
         budget = memory.kv_budget_for_device(self.device, model_weight_bytes=weight_bytes,
                                              gpu_memory_utilization=self.config.gpu_memory_utilization)
-        logger.info("KV budget: %s", budget.describe())
+        logger.info("%s", budget.describe())
         n = memory.num_blocks_from_budget(budget.available_bytes, per_block,
                                           max_model_len=self.config.max_model_len + self.block_size,
                                           block_size=self.block_size)
         cached = self.compiler.manifest_num_blocks
         if cached is not None and needed <= cached <= n:
             # The compiled graphs have the KV size baked in: reuse it rather than recompile.
-            logger.info("Using the compile cache's KV size of %d blocks (budget allows %d)", cached, n)
+            logger.info("KV cache: keeping the %d blocks the saved graphs were compiled for (the budget would allow "
+                        "%d; another size recompiles every graph)", cached, n)
             return cached
         # Rounded down to a power of two: the budget follows free host memory, which moves between
         # starts, and every new size would recompile every graph.
@@ -181,7 +182,10 @@ class ModelRunner:
                         "uncompiled; nothing to warm up", len(graphs))
             return self.compiler
         logger.info("Warm-up: %d graphs (%s route); compile cache %s", len(graphs), self.backend, self.compiler.dir)
-        for name, kind, size, ctx in tqdm(graphs, desc="Compiling buckets", unit="graph", disable=None):
+        for i, (name, kind, size, ctx) in enumerate(tqdm(graphs, desc="Compiling buckets", unit="graph",
+                                                         disable=None), 1):
+            # Each line says what runs next: a cold compile is minutes of silence otherwise.
+            logger.info("compiling %d/%d: %s ...", i, len(graphs), name)
             if kind == "prefill":
                 self.compiler.warm(name, lambda: self._run_prefill([], size, ctx))
             else:
