@@ -125,17 +125,55 @@ def tiny_llama_config(
     )
 
 
-def build_tiny_llama(*, dtype: torch.dtype = torch.float32, seed: int = 0, **config_kwargs: Any):
-    """A transformers LlamaForCausalLM with seeded random weights, in eval mode.
+# Tiny configs per architecture (transformers' own classes): GQA, a few layers; the MoE ones 8 experts,
+# top-2; gpt-oss a sliding window (24) shorter than the test prompts and its default YaRN rope.
+ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": {},
+    "qwen3": dict(head_dim=16),
+    "qwen3_moe": dict(head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                      norm_topk_prob=True),
+    "gpt_oss": dict(head_dim=16, intermediate_size=32, num_local_experts=8, num_experts_per_tok=2,
+                    sliding_window=24, swiglu_limit=1.5, attention_bias=True),
+}
+_CONFIG_CLASSES = {"llama": "LlamaConfig", "qwen3": "Qwen3Config", "qwen3_moe": "Qwen3MoeConfig",
+                   "gpt_oss": "GptOssConfig"}
+_MODEL_CLASSES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                  "gpt_oss": "GptOssForCausalLM"}
+
+
+def tiny_config(arch: str = "llama", **kw: Any):
+    """A tiny transformers config of `arch` (a model_type: llama, qwen3, qwen3_moe, gpt_oss) with the
+    SmolLM2 vocabulary and special tokens."""
+    import transformers
+
+    if arch == "llama":
+        return tiny_llama_config(**kw)
+    args: dict[str, Any] = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                                num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=False,
+                                vocab_size=SMOLLM2_VOCAB_SIZE, bos_token_id=BOS_ID, eos_token_id=EOS_ID,
+                                pad_token_id=EOS_ID)
+    args.update(ARCH_DEFAULTS[arch])
+    args.update(kw)
+    rope_theta = args.pop("rope_theta", None)
+    cfg = getattr(transformers, _CONFIG_CLASSES[arch])(architectures=[_MODEL_CLASSES[arch]], **args)
+    if rope_theta is not None:
+        cfg.rope_parameters = {**cfg.rope_parameters, "rope_theta": float(rope_theta)}
+    return cfg
+
+
+def build_tiny_model(arch: str = "llama", *, dtype: torch.dtype = torch.float32, seed: int = 0,
+                     **config_kwargs: Any):
+    """A transformers model of `arch` with seeded random weights, in eval mode.
 
     Weights are drawn at unit scale (std 1/sqrt(fan_in), embeddings std 1) rather than transformers'
     std 0.02 so activations and logits are O(1) and greedy choices are decisive; norm weights are
     perturbed away from 1 so that a swapped or missing norm is detectable.
     """
-    from transformers import GenerationConfig, LlamaForCausalLM
+    import transformers
+    from transformers import GenerationConfig
 
-    config = tiny_llama_config(**config_kwargs)
-    model = LlamaForCausalLM(config)
+    config = tiny_config(arch, **config_kwargs)
+    model = getattr(transformers, _MODEL_CLASSES[arch])(config)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -144,25 +182,39 @@ def build_tiny_llama(*, dtype: torch.dtype = torch.float32, seed: int = 0, **con
                 p.copy_(1.0 + 0.2 * noise)
             elif "embed_tokens" in name:
                 p.copy_(noise)
+            elif p.ndim == 3:  # stacked experts [E, a, b]: fan_in is one of a, b
+                p.copy_(noise / math.sqrt(math.sqrt(p.shape[1] * p.shape[2])))
             else:
                 p.copy_(noise / math.sqrt(p.shape[1]))
     model.generation_config = GenerationConfig(bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=EOS_ID)
     return model.to(dtype).eval()
 
 
-def make_tiny_llama(
+def build_tiny_llama(*, dtype: torch.dtype = torch.float32, seed: int = 0, **config_kwargs: Any):
+    """build_tiny_model("llama", ...)."""
+    return build_tiny_model("llama", dtype=dtype, seed=seed, **config_kwargs)
+
+
+def make_tiny_llama(path: str, **kw: Any) -> str:
+    """make_tiny_model(path, "llama", ...)."""
+    return make_tiny_model(path, "llama", **kw)
+
+
+def make_tiny_model(
     path: str,
+    arch: str = "llama",
     *,
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
     shard: bool = False,
     generation_config: dict | None = None,
+    model=None,
     **config_kwargs: Any,
 ) -> str:
     """Writes a Hugging Face directory (config.json, safetensors, generation_config.json, SmolLM2
-    tokenizer files) of build_tiny_llama(dtype=dtype, seed=seed, **config_kwargs). `shard` splits
-    the weights over several files with an index; `generation_config` adds fields (e.g. temperature)."""
-    model = build_tiny_llama(dtype=dtype, seed=seed, **config_kwargs)
+    tokenizer files) of build_tiny_model(arch, dtype=dtype, seed=seed, **config_kwargs) (or of `model`).
+    `shard` splits the weights over several files with an index; `generation_config` adds fields."""
+    model = model if model is not None else build_tiny_model(arch, dtype=dtype, seed=seed, **config_kwargs)
     os.makedirs(path, exist_ok=True)
     model.save_pretrained(path, max_shard_size="4MB" if shard else "50GB")
     if generation_config:
@@ -191,6 +243,8 @@ _HF_TO_GGUF_LAYER = {
     "mlp.gate_proj.weight": "ffn_gate.weight",
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
 }
 _HF_TO_GGUF_GLOBAL = {
     "model.embed_tokens.weight": "token_embd.weight",
@@ -252,6 +306,7 @@ def make_tiny_gguf(
     seed: int = 0,
     quant: str | None = None,
     tokenizer: bool = True,
+    arch: str = "llama",
     **config_kwargs: Any,
 ) -> str:
     """Writes build_tiny_llama(seed=seed, **config_kwargs) as a llama.cpp-style GGUF file (Q/K
@@ -259,17 +314,18 @@ def make_tiny_gguf(
     its path. `path` is the .gguf file, or a directory to hold tiny-llama.gguf. Matrices are stored
     as `dtype` (float32/float16/bfloat16) or, with `quant` (e.g. "Q8_0"), quantized.
     `tokenizer=False` leaves out the tokenizer metadata: GGUFReader then opens the file in
-    milliseconds instead of the seconds it spends parsing 49k tokens and merges."""
+    milliseconds instead of the seconds it spends parsing 49k tokens and merges. `arch` "qwen3" writes
+    build_tiny_model("qwen3", ...) as llama.cpp's `qwen3` architecture (no Q/K permutation, q/k norms)."""
     import gguf
 
     file = path if path.endswith(".gguf") else os.path.join(path, "tiny-llama.gguf")
     os.makedirs(os.path.dirname(os.path.abspath(file)), exist_ok=True)
-    model = build_tiny_llama(dtype=torch.float32, seed=seed, **config_kwargs)
+    model = build_tiny_model(arch, dtype=torch.float32, seed=seed, **config_kwargs)
     cfg = model.config
     rope = dict(cfg.rope_parameters)
     head_dim = cfg.head_dim
 
-    w = gguf.GGUFWriter(file, "llama")
+    w = gguf.GGUFWriter(file, arch)
     w.add_name("tiny-llama")
     w.add_block_count(cfg.num_hidden_layers)
     w.add_context_length(cfg.max_position_embeddings)
@@ -319,7 +375,9 @@ def make_tiny_gguf(
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
         arr = t.detach().numpy()
-        if name.endswith("q_proj.weight"):
+        if arch != "llama":
+            pass  # llama.cpp permutes Q/K for the llama architecture only
+        elif name.endswith("q_proj.weight"):
             arr = _llamacpp_permute(arr, cfg.num_attention_heads)
         elif name.endswith("k_proj.weight"):
             arr = _llamacpp_permute(arr, cfg.num_key_value_heads)

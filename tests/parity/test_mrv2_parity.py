@@ -21,7 +21,7 @@ from vllm_neuron import LLM, SamplingParams
 from vllm_neuron.config.runner_selection import V2_LOG_LINE
 from vllm_neuron.step import PLACEHOLDER_TOKEN_ID
 from vllm_neuron.worker.batch_state import BatchState, SlotParams, counter_uniform, fold_seed
-from vllm_neuron.worker.model_runner import ModelRunner
+from vllm_neuron.worker.runner_base import ModelRunner
 from vllm_neuron.worker.model_runner_v2 import ModelRunnerV2
 
 MAX_NEW = 10

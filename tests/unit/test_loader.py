@@ -10,7 +10,7 @@ import torch
 from transformers import LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-from tests.model_factory import build_tiny_llama, make_tiny_gguf, make_tiny_llama
+from tests.model_factory import build_tiny_llama, build_tiny_model, make_tiny_gguf, make_tiny_llama
 from vllm_neuron.model.loader import (
     Checkpoint,
     bundled_model_path,
@@ -150,6 +150,22 @@ def test_tiny_gguf_unpermuted_weights_equal_source(tmp_path, tied):
     assert c.rms_norm_eps == pytest.approx(src.rms_norm_eps)
     assert torch.equal(_inv_freq(c), _inv_freq(src))
     assert ck.generation_config == {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2}
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_tiny_qwen3_gguf_weights_and_config_equal_source(tmp_path, tied):
+    # llama.cpp's qwen3 architecture: Q/K stored unpermuted, per-head q/k norms.
+    kw = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=32, rope_theta=1000000.0, vocab_size=512, tie_word_embeddings=tied)
+    ck = load_checkpoint(make_tiny_gguf(str(tmp_path / "q3.gguf"), arch="qwen3", tokenizer=False, seed=5, **kw))
+    src = build_tiny_model("qwen3", seed=5, **kw)
+    _assert_same_weights(dict(ck.iter_weights()), src.state_dict(), tied=tied)
+    c = ck.hf_config
+    assert c.architectures == ["Qwen3ForCausalLM"] and c.model_type == "qwen3"
+    for field in ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
+                  "num_key_value_heads", "head_dim", "vocab_size", "tie_word_embeddings"):
+        assert getattr(c, field) == getattr(src.config, field), field
+    assert c.rope_parameters["rope_theta"] == 1000000.0
 
 
 def test_tiny_gguf_half_and_quantized_tensors(tmp_path):

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from vllm_neuron.model.neuron_config import (
+from vllm_neuron.config.neuron_config import (
     KNOWN_QUANTIZATIONS,
     AdditionalConfig,
     EncoderNeuronConfig,

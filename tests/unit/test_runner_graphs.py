@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from vllm_neuron.config.engine_config import EngineConfig
-from vllm_neuron.worker.model_runner import ModelRunner
+from vllm_neuron.worker.runner_base import ModelRunner
 
 
 def _runner(use_kernels: bool = False, **kw) -> ModelRunner:

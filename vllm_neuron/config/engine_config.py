@@ -17,7 +17,7 @@ from vllm_neuron.config.device import (DEVICE_CHOICES, DTYPE_CHOICES, async_sche
 from vllm_neuron.config.generation_config import check_generation_config_arg, parse_override
 from vllm_neuron.config.runner_selection import RunnerChoice, select_model_runner
 from vllm_neuron.model.layers.quant_int4 import check_int4_support
-from vllm_neuron.model.neuron_config import AdditionalConfig, NeuronConfig, parse_additional_config
+from vllm_neuron.config.neuron_config import AdditionalConfig, NeuronConfig, parse_additional_config
 
 KV_CACHE_DTYPES = ("auto",)
 DEFAULT_MAX_NUM_SEQS = 16

@@ -17,7 +17,7 @@ from vllm_neuron.logger import init_logger
 from vllm_neuron.step import ModelRunnerOutput, SchedulerOutput
 from vllm_neuron.model.loader import Checkpoint, load_checkpoint
 from vllm_neuron.worker import memory
-from vllm_neuron.worker.model_runner import ModelRunner
+from vllm_neuron.worker.runner_base import ModelRunner
 
 logger = init_logger(__name__)
 

@@ -9,7 +9,7 @@ from typing import Any
 from vllm_neuron.config.generation_config import sampling_defaults
 from vllm_neuron.logger import init_logger
 from vllm_neuron.engine.messages import EngineCoreRequest
-from vllm_neuron.model.neuron_config import OnDeviceSamplingConfig
+from vllm_neuron.config.neuron_config import OnDeviceSamplingConfig
 from vllm_neuron.sampling_params import SamplingParams
 
 logger = init_logger(__name__)

@@ -1,23 +1,37 @@
-"""Hugging Face `architectures` string -> our model class."""
+"""Hugging Face `architectures` string -> our model class (one line per architecture)."""
 from __future__ import annotations
 
 import importlib
 
+from vllm_neuron.model.base import CausalLM, ModelSpec
+
 _MODELS = {
     "LlamaForCausalLM": ("vllm_neuron.model.llama", "LlamaForCausalLM"),
+    "Qwen3ForCausalLM": ("vllm_neuron.model.qwen3", "Qwen3ForCausalLM"),
 }
+# Configs without `architectures` (e.g. built by hand) name their family by model_type.
+_MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 
 def supported_architectures() -> list[str]:
     return sorted(_MODELS)
 
 
-def resolve_model_class(hf_config) -> type:
+def resolve_model_class(hf_config) -> type[CausalLM]:
     archs = list(getattr(hf_config, "architectures", None) or [])
-    if not archs and getattr(hf_config, "model_type", None) == "llama":
-        archs = ["LlamaForCausalLM"]
+    if not archs and getattr(hf_config, "model_type", None) in _MODEL_TYPES:
+        archs = [_MODEL_TYPES[hf_config.model_type]]
     for arch in archs:
         if arch in _MODELS:
             module, name = _MODELS[arch]
             return getattr(importlib.import_module(module), name)
     raise ValueError(f"model architectures {archs} are not supported; supported: {supported_architectures()}")
+
+
+def check_quantization(cls: type[CausalLM], spec: ModelSpec, quantization: str | None) -> None:
+    """neuron_config.quantization must be one the architecture honours."""
+    if quantization is None or quantization in spec.quantizations:
+        return
+    only = " (MXFP4 is supported only for gpt-oss: GptOssForCausalLM)" if quantization == "mxfp4" else ""
+    raise ValueError(f"quantization={quantization!r} is not supported for {cls.__name__}{only}; "
+                     f"valid values for this model: {list(spec.quantizations)}")

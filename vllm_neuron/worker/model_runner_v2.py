@@ -26,7 +26,7 @@ from vllm_neuron.step import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
 from vllm_neuron.worker.batch_state import BatchState, SlotParams, fold_seed
 from vllm_neuron.worker.graphs import StepGraphsV2
 from vllm_neuron.worker.input_builder import build_prefill_inputs
-from vllm_neuron.worker.model_runner import ModelRunner
+from vllm_neuron.worker.runner_base import ModelRunner
 
 
 class ModelRunnerV2(ModelRunner):

@@ -1,4 +1,4 @@
-"""Typed view of a Hugging Face Llama config: only what the modules read."""
+"""Typed view of a Hugging Face Llama-family config: only what the modules read."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -19,12 +19,13 @@ class LlamaArchConfig:
     attention_bias: bool
     mlp_bias: bool
     hidden_act: str
+    qk_norm: bool = False  # Qwen3: RMSNorm over each q and k head before RoPE
 
     @classmethod
-    def from_hf(cls, hf) -> "LlamaArchConfig":
+    def from_hf(cls, hf, family: str = "Llama", **extra) -> "LlamaArchConfig":
         heads = hf.num_attention_heads
         if hf.hidden_act not in ("silu", "swish"):
-            raise ValueError(f"hidden_act={hf.hidden_act!r} is not supported for Llama; supported: ['silu']")
+            raise ValueError(f"hidden_act={hf.hidden_act!r} is not supported for {family}; supported: ['silu']")
         return cls(
             vocab_size=hf.vocab_size,
             hidden_size=hf.hidden_size,
@@ -39,4 +40,5 @@ class LlamaArchConfig:
             attention_bias=bool(getattr(hf, "attention_bias", False)),
             mlp_bias=bool(getattr(hf, "mlp_bias", False)),
             hidden_act=hf.hidden_act,
+            **extra,
         )

@@ -1,7 +1,8 @@
-"""Llama (SmolLM2, Llama 3.x) on static shapes and a paged KV cache.
+"""Llama (SmolLM2, Llama 3.x) on static shapes and a paged KV cache; the base of the Qwen3 family.
 
 Parameter names equal transformers' so checkpoints load by name. The model knows tokens, positions and
-KV slots, never requests.
+KV slots, never requests. Subclasses change the arch config (`arch_config`) and a layer's MLP
+(`LlamaDecoderLayer.make_mlp`), nothing else.
 """
 from __future__ import annotations
 
@@ -9,11 +10,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vllm_neuron.model.base import CausalLM, ModelSpec, Target
 from vllm_neuron.model.layers.attention import AttentionMetadata, paged_attention
 from vllm_neuron.model.layers.linear import Linear
 from vllm_neuron.model.layers.norm import RMSNorm
 from vllm_neuron.model.layers.rotary import RotaryEmbedding, apply_rotary
 from vllm_neuron.model.llama.config import LlamaArchConfig
+from vllm_neuron.model.llama.weight_loaders import llama_checkpoint_target
 
 
 class LlamaAttention(nn.Module):
@@ -25,23 +28,31 @@ class LlamaAttention(nn.Module):
         self.qkv_sizes = (cfg.num_heads * d, cfg.num_kv_heads * d, cfg.num_kv_heads * d)
         self.qkv_proj = Linear(h, sum(self.qkv_sizes), bias=cfg.attention_bias)
         self.o_proj = Linear(cfg.num_heads * d, h, bias=cfg.attention_bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.qk_norm = cfg.qk_norm
         self.scale = d**-0.5
 
     def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         n = x.shape[0]
         q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
-        q = apply_rotary(q.reshape(n, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rotary(k.reshape(n, self.num_kv_heads, self.head_dim), cos, sin)
+        q = q.reshape(n, self.num_heads, self.head_dim)
+        k = k.reshape(n, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         v = v.reshape(n, self.num_kv_heads, self.head_dim)
         out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         return self.o_proj(out)
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: LlamaArchConfig) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
         super().__init__()
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.gate_up_sizes = (intermediate_size, intermediate_size)
+        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=bias)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -49,12 +60,15 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: LlamaArchConfig) -> None:
+    def __init__(self, cfg: LlamaArchConfig, layer_idx: int) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(cfg)
-        self.mlp = LlamaMLP(cfg)
+        self.mlp = self.make_mlp(cfg, layer_idx)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def make_mlp(self, cfg: LlamaArchConfig, layer_idx: int) -> nn.Module:
+        return LlamaMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
 
     def forward(self, x, cos, sin, kv_cache, meta) -> torch.Tensor:
         return _decoder_layer(self, x, cos, sin, kv_cache[0], kv_cache[1], *meta.fields())
@@ -70,42 +84,45 @@ def _decoder_layer(layer: LlamaDecoderLayer, x, cos, sin, k_cache, v_cache, *met
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: LlamaArchConfig, hf_config) -> None:
+    def __init__(self, cfg: LlamaArchConfig, hf_config, layer_cls: type[LlamaDecoderLayer]) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList([LlamaDecoderLayer(cfg) for _ in range(cfg.num_layers)])
+        self.layers = nn.ModuleList([layer_cls(cfg, i) for i in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(hf_config, cfg.max_position_embeddings)
 
-    def forward(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
+    def forward(self, input_ids, positions, kv_caches, meta, inputs_embeds=None) -> torch.Tensor:
+        x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         cos, sin = self.rotary(positions, x.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches):
             x = layer(x, cos, sin, kv_cache, meta)
         return self.norm(x)
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(CausalLM):
+    layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer
+
+    @classmethod
+    def arch_config(cls, hf_config) -> LlamaArchConfig:
+        return LlamaArchConfig.from_hf(hf_config)
+
+    @classmethod
+    def spec(cls, hf_config) -> ModelSpec:
+        a = cls.arch_config(hf_config)
+        return ModelSpec(a.num_layers, a.num_kv_heads, a.head_dim, (None,) * a.num_layers)
+
     def __init__(self, hf_config) -> None:
         super().__init__()
-        self.arch = LlamaArchConfig.from_hf(hf_config)
-        self.model = LlamaModel(self.arch, hf_config)
+        self.arch = self.arch_config(hf_config)
+        self.model_spec = self.spec(hf_config)
+        self.model = LlamaModel(self.arch, hf_config, self.layer_cls)
         self.lm_head = Linear(self.arch.hidden_size, self.arch.vocab_size, bias=False)
         if self.arch.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata, inputs_embeds=None) -> torch.Tensor:
         """Hidden states [N, hidden] for N (padded) tokens."""
-        return self.model(input_ids, positions, kv_caches, meta)
+        return self.model(input_ids, positions, kv_caches, meta, inputs_embeds)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
-
-    def kv_cache_spec(self) -> tuple[int, int, int]:
-        """(num_layers, num_kv_heads, head_dim) - what the KV cache allocator needs."""
-        return self.arch.num_layers, self.arch.num_kv_heads, self.arch.head_dim
-
-    def load_weights(self, weights) -> int:
-        from vllm_neuron.model.llama.weight_loaders import load_llama_weights
-
-        return load_llama_weights(self, weights)
+    def checkpoint_target(self, name: str) -> Target | None:
+        return llama_checkpoint_target(self, name)

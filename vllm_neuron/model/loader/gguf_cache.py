@@ -229,9 +229,10 @@ def _prune_stale(entry: str, source: dict[str, Any]) -> None:
 
 
 def _config_from_dict(data: dict[str, Any]) -> LlamaConfig:
-    from transformers import LlamaConfig
+    from transformers import AutoConfig
 
-    return LlamaConfig.from_dict(data)
+    data = dict(data)
+    return AutoConfig.for_model(data.pop("model_type", "llama"), **data)
 
 
 def _read_configs(d: str) -> tuple[LlamaConfig, dict[str, Any]] | None:

@@ -1,8 +1,9 @@
 """GGUF files (llama.cpp format): metadata -> transformers config, tensors -> HF names and layouts.
 
-Only the `llama` architecture is mapped (SmolLM2, Llama 2/3.x, Mistral-style files). Quantized
-tensors are dequantized to float32 with `gguf.quants`; Q/K projections are un-permuted back from
-llama.cpp's rotary layout so that every tensor equals what transformers would hold.
+The `llama` (SmolLM2, Llama 2/3.x, Mistral-style files) and `qwen3` architectures are mapped. Quantized
+tensors are dequantized to float32 with `gguf.quants`; llama's Q/K projections are un-permuted back from
+llama.cpp's rotary layout (qwen3's are stored unpermuted) so that every tensor equals what transformers
+would hold.
 """
 
 from __future__ import annotations
@@ -17,9 +18,12 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
-from transformers import LlamaConfig
+from transformers import LlamaConfig, PretrainedConfig, Qwen3Config
 
-SUPPORTED_ARCHITECTURES = ("llama",)
+SUPPORTED_ARCHITECTURES = ("llama", "qwen3")
+# GGUF architecture -> (transformers config class, `architectures` entry, whether Q/K rows are permuted)
+_ARCH_CONFIGS = {"llama": (LlamaConfig, "LlamaForCausalLM", True),
+                 "qwen3": (Qwen3Config, "Qwen3ForCausalLM", False)}
 
 _GLOBAL_TENSORS = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -43,6 +47,8 @@ _LAYER_TENSORS = {
     "ffn_gate.weight": ("mlp.gate_proj.weight", None),
     "ffn_up.weight": ("mlp.up_proj.weight", None),
     "ffn_down.weight": ("mlp.down_proj.weight", None),
+    "attn_q_norm.weight": ("self_attn.q_norm.weight", None),
+    "attn_k_norm.weight": ("self_attn.k_norm.weight", None),
 }
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 
@@ -196,7 +202,7 @@ def _rope_parameters(reader: GGUFReader, arch: str, head_dim: int, path: str) ->
     )
 
 
-def gguf_config(path: str) -> LlamaConfig:
+def gguf_config(path: str) -> PretrainedConfig:
     """A transformers config built from the file's metadata (never transformers' GGUF guesswork:
     its llama mapping drops rope scaling)."""
     reader = open_gguf(path)
@@ -218,8 +224,9 @@ def gguf_config(path: str) -> LlamaConfig:
         for k, g in (("bos_token_id", "bos"), ("eos_token_id", "eos"), ("pad_token_id", "padding"))
         if _meta(reader, f"tokenizer.ggml.{g}_token_id") is not None
     }
-    return LlamaConfig(
-        architectures=["LlamaForCausalLM"],
+    config_cls, arch_name, _ = _ARCH_CONFIGS[arch]
+    return config_cls(
+        architectures=[arch_name],
         vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=int(_require(reader, f"{arch}.feed_forward_length", path)),
@@ -232,7 +239,7 @@ def gguf_config(path: str) -> LlamaConfig:
         rope_parameters=_rope_parameters(reader, arch, head_dim, path),
         tie_word_embeddings="output.weight" not in names,
         attention_bias="blk.0.attn_q.bias" in names,
-        mlp_bias=False,
+        **({"mlp_bias": False} if arch == "llama" else {}),
         **ids,
     )
 
@@ -269,7 +276,7 @@ def hf_tensor_name(gguf_name: str) -> tuple[str, str | None]:
     if m and m.group(2) in _LAYER_TENSORS:
         suffix, kind = _LAYER_TENSORS[m.group(2)]
         return f"model.layers.{m.group(1)}.{suffix}", kind
-    raise ValueError(f"GGUF tensor {gguf_name!r} has no Hugging Face Llama equivalent")
+    raise ValueError(f"GGUF tensor {gguf_name!r} has no Hugging Face equivalent")
 
 
 def unpermute_rotary(w: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -309,18 +316,18 @@ def _to_torch(t: Any) -> torch.Tensor:
 
 
 def iter_gguf_weights(
-    path: str, config: LlamaConfig, dtype: torch.dtype | None = None
+    path: str, config: PretrainedConfig, dtype: torch.dtype | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, tensor) for every parameter tensor of the file, dequantized and un-permuted."""
     reader = open_gguf(path)
-    _architecture(reader, path)
+    permuted = _ARCH_CONFIGS[_architecture(reader, path)][2]
     heads = {"q": config.num_attention_heads, "kv": config.num_key_value_heads}
     for t in reader.tensors:
         if t.name in _CONFIG_ONLY_TENSORS:
             continue
         name, kind = hf_tensor_name(t.name)
         w = _to_torch(t)
-        if kind is not None:
+        if kind is not None and permuted:
             w = unpermute_rotary(w, heads[kind])
         if dtype is not None and w.dtype != dtype:
             w = w.to(dtype)

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from vllm_neuron.model.layers.sampler import greedy_in_graph, sample_in_graph
+from vllm_neuron.model.layers.in_graph_sampler import greedy_in_graph, sample_in_graph
 
 
 def _params(b, temperature=1.0, top_k=0, top_p=1.0):

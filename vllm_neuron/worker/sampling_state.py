@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from vllm_neuron.config.neuron_config import OnDeviceSamplingConfig
 from vllm_neuron.logger import init_logger, warning_once
-from vllm_neuron.model.neuron_config import OnDeviceSamplingConfig
 from vllm_neuron.sampling_params import SAMPLING_EPS
 from vllm_neuron.step import NewRequestData, StepLogprobs
 from vllm_neuron.worker.host_sampler import HostSamplingRow, host_sample

@@ -5,10 +5,10 @@ import logging
 
 import torch
 
-from vllm_neuron.model.neuron_config import OnDeviceSamplingConfig
+from vllm_neuron.config.neuron_config import OnDeviceSamplingConfig
 from vllm_neuron.sampling_params import SamplingParams
 from vllm_neuron.step import NewRequestData
-from vllm_neuron.worker.sampling import SamplingStates
+from vllm_neuron.worker.sampling_state import SamplingStates
 
 
 def _states(odsc=OnDeviceSamplingConfig(), **params) -> SamplingStates:

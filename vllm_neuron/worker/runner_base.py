@@ -21,13 +21,13 @@ from vllm_neuron.model.layers.kernels import kernels_enabled, linear_kernel_avai
 from vllm_neuron.model.layers.linear import quantize_linears_int4_, set_small_batch_kernel
 from vllm_neuron.model.layers.quant_int4 import INT4_GROUP_SIZE, check_int4_support
 from vllm_neuron.model.loader import Checkpoint
-from vllm_neuron.model.registry import resolve_model_class
+from vllm_neuron.model.registry import check_quantization, resolve_model_class
 from vllm_neuron.step import ModelRunnerOutput, SchedulerOutput
 from vllm_neuron.worker import memory
 from vllm_neuron.worker.compilation import GraphCompiler, cache_key_parts
 from vllm_neuron.worker.graphs import StepGraphs
 from vllm_neuron.worker.input_builder import build_decode_inputs, build_prefill_inputs
-from vllm_neuron.worker.sampling import SamplingStates
+from vllm_neuron.worker.sampling_state import SamplingStates
 from vllm_neuron.worker.token_passing import TokenPassing
 
 logger = init_logger(__name__)
@@ -70,13 +70,17 @@ class ModelRunner:
         self.compiler: GraphCompiler | None = None
         self.graphs: StepGraphs | None = None
         self._bucket_graphs: dict[tuple[str, int, int], Callable] = {}
-        self.use_kernels = kernels_enabled(device)
+        self.model_cls = resolve_model_class(checkpoint.hf_config)
+        self.model_spec = self.model_cls.spec(checkpoint.hf_config)
+        check_quantization(self.model_cls, self.model_spec, config.neuron_config.quantization)
+        # Sinks and sliding windows take the torch attention path (the kernel is plain causal).
+        self.use_kernels = kernels_enabled(device) and not self.model_spec.needs_torch_attention
         self.use_linear_kernel = linear_kernel_available(device)
         set_small_batch_kernel(self.use_linear_kernel)
 
     # -- set-up ----------------------------------------------------------------------------------
     def load_model(self) -> LoadStats:
-        cls = resolve_model_class(self.ckpt.hf_config)
+        cls = self.model_cls
         t0 = time.perf_counter()
         prev = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
