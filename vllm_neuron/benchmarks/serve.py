@@ -15,6 +15,7 @@ import argparse
 import asyncio
 import json
 import os
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -220,7 +221,9 @@ def _request_input(cfg: BenchServeConfig, model: str, sample: SampleRequest) -> 
 
 async def _run_requests(client: httpx.AsyncClient, inputs: list[RequestInput],
                         offsets: list[float], max_concurrency: int | None,
-                        pbar: tqdm | None) -> list[RequestOutput]:
+                        pbar: tqdm | None, done: list[RequestOutput] | None = None) -> list[RequestOutput]:
+    """Sends every request on its schedule; each finished one is also appended to `done`, so that an
+    interrupted run still has what it measured."""
     semaphore = asyncio.Semaphore(max_concurrency) if max_concurrency else None
 
     async def one(req: RequestInput) -> RequestOutput:
@@ -229,18 +232,43 @@ async def _run_requests(client: httpx.AsyncClient, inputs: list[RequestInput],
         else:
             async with semaphore:
                 out = await send_request(client, req)
+        if done is not None:
+            done.append(out)
         if pbar is not None:
             pbar.update(1)
         return out
 
     start = time.perf_counter()
     tasks = []
-    for req, offset in zip(inputs, offsets):
-        delay = start + offset - time.perf_counter()
-        if delay > 0:
-            await asyncio.sleep(delay)
-        tasks.append(asyncio.create_task(one(req)))
-    return list(await asyncio.gather(*tasks))
+    try:
+        for req, offset in zip(inputs, offsets):
+            delay = start + offset - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(one(req)))
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+async def _until_interrupted(coro: Any) -> tuple[Any, bool]:
+    """(result, False), or (None, True) when Ctrl-C (SIGINT) arrives first: the run is cancelled and the
+    caller reports what finished before it."""
+    loop = asyncio.get_running_loop()
+    task = asyncio.ensure_future(coro)
+    try:
+        loop.add_signal_handler(signal.SIGINT, task.cancel)
+    except (NotImplementedError, RuntimeError):  # not the main thread / no signal support
+        return await task, False
+    try:
+        return await task, False
+    except asyncio.CancelledError:
+        if asyncio.current_task().cancelling():  # our caller is being cancelled, not an interrupt
+            raise
+        return None, True
+    finally:
+        loop.remove_signal_handler(signal.SIGINT)
 
 
 async def run_benchmark(cfg: BenchServeConfig, args: argparse.Namespace,
@@ -274,12 +302,18 @@ async def run_benchmark(cfg: BenchServeConfig, args: argparse.Namespace,
         print(f"Burstiness factor: {cfg.burstiness} ({distribution})")
         print(f"Maximum request concurrency: {cfg.max_concurrency}")
         offsets = arrival_offsets(len(inputs), cfg.request_rate, cfg.burstiness, cfg.seed)
-        pbar = None if cfg.disable_tqdm else tqdm(total=len(inputs))
+        pbar = None if cfg.disable_tqdm else tqdm(total=len(inputs), desc="Requests", unit="req")
         t0 = time.perf_counter()
-        outputs = await _run_requests(client, inputs, offsets, cfg.max_concurrency, pbar)
+        done: list[RequestOutput] = []
+        outputs, interrupted = await _until_interrupted(
+            _run_requests(client, inputs, offsets, cfg.max_concurrency, pbar, done))
         duration = time.perf_counter() - t0
         if pbar is not None:
             pbar.close()
+        if interrupted:
+            outputs = list(done)
+            print(f"Interrupted after {duration:.1f} s: {len(outputs)} of {len(inputs)} requests finished; "
+                  "the results below cover those only.")
 
     metrics = compute_metrics(outputs, duration, tokenizer, cfg.percentiles)
     report = failure_report(outputs)
@@ -294,7 +328,8 @@ async def run_benchmark(cfg: BenchServeConfig, args: argparse.Namespace,
         "label": args.label,
         "model_id": model_id,
         "tokenizer_id": tokenizer_id,
-        "num_prompts": len(inputs),
+        "num_prompts": len(outputs),
+        "interrupted": interrupted,
         "request_rate": cfg.request_rate if cfg.request_rate != float("inf") else "inf",
         "burstiness": cfg.burstiness,
         "max_concurrency": cfg.max_concurrency,
@@ -332,10 +367,12 @@ def _cli(argv: list[str] | None = None) -> None:
     add_cli_args(parser)
     args = parser.parse_args(argv)
     try:
-        main(args)
+        result = main(args)
     except (ValueError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    if result.get("interrupted"):
+        sys.exit(130)  # the shell's code for Ctrl-C, after the partial table
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ from tqdm import tqdm
 from vllm_neuron.config import buckets as B
 from vllm_neuron.config.engine_config import EngineConfig
 from vllm_neuron.logger import init_logger
-from vllm_neuron.model.layers.kernels import kernels_enabled, linear_kernel_available
+from vllm_neuron.model.layers.kernels import describe_kernels, kernel_variant, kernels_enabled, linear_kernel_dtypes
 from vllm_neuron.model.layers.linear import quantize_linears_int4_, set_small_batch_kernel
 from vllm_neuron.model.layers.quant_int4 import INT4_GROUP_SIZE, check_int4_support
 from vllm_neuron.model.loader import Checkpoint
@@ -75,8 +75,10 @@ class ModelRunner:
         check_quantization(self.model_cls, self.model_spec, config.neuron_config.quantization)
         # Sinks and sliding windows take the torch attention path (the kernel is plain causal).
         self.use_kernels = kernels_enabled(device) and not self.model_spec.needs_torch_attention
-        self.use_linear_kernel = linear_kernel_available(device)
-        set_small_batch_kernel(self.use_linear_kernel)
+        kernel_dtypes = linear_kernel_dtypes(device)
+        self.use_linear_kernel = self.dtype in kernel_dtypes
+        set_small_batch_kernel(kernel_dtypes)
+        logger.info("%s", describe_kernels(device, self.dtype))
 
     # -- set-up ----------------------------------------------------------------------------------
     def load_model(self) -> LoadStats:
@@ -172,6 +174,7 @@ class ModelRunner:
         """What shapes the graphs beyond the model config, dtype and device (part of the cache key)."""
         return {"odsc": repr(self.odsc), "block_size": self.block_size, "backend": self.backend,
                 "kernels": self.use_kernels, "linear_kernel": self.use_linear_kernel,
+                "kernel_variant": kernel_variant()[0] if self.use_kernels else None,
                 "quantization": self.config.neuron_config.quantization}
 
     def _make_compiler(self) -> GraphCompiler:

@@ -65,8 +65,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "bench":
             from vllm_neuron.benchmarks.serve import main as bench_main
 
-            bench_main(args)
-            return 0
+            result = bench_main(args)
+            return 130 if result.get("interrupted") else 0  # 130: Ctrl-C, after the partial table
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
