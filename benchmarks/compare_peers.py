@@ -6,7 +6,7 @@ way with `vllm-neuron bench serve`; print one table and our batch-1 step against
 
 Peers are installed on first use under --cache-dir (default ~/.cache/vllm_neuron_peers), never into
 our venv; a peer that fails to install or start is reported in the table and the run goes on.
-Workloads (FACTS.md): P1 = 64 requests x 256 random prompt tokens, 128 output tokens, 16 at a time;
+Workloads (the seeds' benchmark docs): P1 = 64 requests x 256 random prompt tokens, 128 output tokens, 16 at a time;
 P2 = 8 such requests, one at a time; P3 = 32 requests sharing a 1,024-token prefix plus 32 own tokens,
 16 output tokens, 4 at a time, run twice back to back: cold, then warm. By default the warm run
 resends the cold run's prompts, so every engine's prefix cache (llama-server's slot cache too) may

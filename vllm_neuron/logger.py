@@ -2,7 +2,7 @@
 
 Lines look like vLLM's so that the seeds' log lines can be grepped the same way:
 
-    INFO 11-30 13:10:29 [model_runner.py:123] Using the standalone V2 Neuron model runner.
+    INFO 11-30 13:10:29 [model_runner_v2.py:123] Using the standalone V2 Neuron model runner.
 
 The level comes from VLLM_NEURON_LOG_LEVEL (default INFO). The handler sits on the
 "vllm_neuron" logger, not on the root logger, so that embedding applications keep control

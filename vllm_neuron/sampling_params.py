@@ -1,8 +1,7 @@
 """`SamplingParams`: vLLM's per-request sampling fields, defaults and validation.
 
 This module is imported by the scheduler, the engine and the API server, and instances cross the
-process boundary (msgspec encodes dataclasses and calls `__post_init__` again when decoding, so the
-normalization below must be idempotent). Keep it free of torch.
+process boundary (pickled, inside EngineCoreRequest). Keep it free of torch.
 """
 from __future__ import annotations
 
@@ -22,12 +21,6 @@ SAMPLING_EPS = 1e-5
 # Temperatures in (0, MIN_RANDOM_TEMPERATURE) overflow the softmax; vLLM raises them to this value.
 MIN_RANDOM_TEMPERATURE = 1e-2
 MAX_TEMPERATURE = 2.0
-
-
-class SamplingType(enum.IntEnum):
-    GREEDY = 0
-    RANDOM = 1
-    RANDOM_SEED = 2
 
 
 class RequestOutputKind(enum.Enum):
@@ -75,9 +68,7 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     extra_args: dict[str, Any] | None = None
-    # Set by the engine from the tokenizer / generation config, not by users.
-    _eos_token_id: int | None = field(default=None, repr=False)
-    _extra_stop_ids: list[int] = field(default_factory=list, repr=False)
+    # Set by the engine's input processor from the tokenizer, not by users.
     _bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -217,66 +208,6 @@ class SamplingParams:
                 raise ValueError(f"token_id(s) {invalid} in {name} contain out-of-vocab token ids. "
                                  f"Vocabulary size: {vocab_size}")
 
-    def update_from_generation_config(self, eos_token_id: int | None,
-                                      generation_eos_token_ids: int | list[int] | None = None) -> None:
-        """Records the model's EOS (vLLM's update_from_generation_config).
-
-        The primary EOS stops the request unless ignore_eos; extra EOS ids of the generation config
-        become stop_token_ids (unless ignore_eos). All of them are suppressed while min_tokens is unmet.
-        """
-        if not self.ignore_eos:
-            self._eos_token_id = eos_token_id
-        extra = generation_eos_token_ids
-        extra_ids = [] if extra is None else ([extra] if _is_int(extra) else list(extra))
-        extra_ids = [t for t in extra_ids if t != eos_token_id]
-        self._extra_stop_ids = ([eos_token_id] if eos_token_id is not None else []) + extra_ids
-        if extra_ids and not self.ignore_eos:
-            self.stop_token_ids = list(dict.fromkeys([*self.stop_token_ids, *extra_ids]))
-
-    def update_from_tokenizer(self, tokenizer: Any) -> None:
-        """Tokenizes bad_words the way vLLM does: each word alone and after a space."""
-        if not self.bad_words:
-            return
-        result: list[list[int]] = []
-        for word in self.bad_words:
-            plain = tokenizer.encode(word.lstrip(), add_special_tokens=False)
-            if not plain:
-                raise ValueError("bad_words entries must tokenize to at least one token.")
-            result.append(list(plain))
-            spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
-            # The spaced form only adds something when it is a different word token of the same length.
-            if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
-                result.append(list(spaced))
-        self._bad_words_token_ids = result
-
-    @property
-    def eos_token_id(self) -> int | None:
-        return self._eos_token_id
-
-    @property
-    def bad_words_token_ids(self) -> list[list[int]] | None:
-        return self._bad_words_token_ids
-
-    @property
-    def all_stop_token_ids(self) -> set[int]:
-        """stop_token_ids plus every EOS id (even with ignore_eos): what min_tokens suppresses."""
-        return set(self.stop_token_ids) | set(self._extra_stop_ids)
-
-    @property
-    def sampling_type(self) -> SamplingType:
-        if self.temperature < SAMPLING_EPS:
-            return SamplingType.GREEDY
-        if self.seed is not None:
-            return SamplingType.RANDOM_SEED
-        return SamplingType.RANDOM
-
-    @property
-    def output_text_buffer_length(self) -> int:
-        """Characters a stream holds back so that a stop string is never sent before it is cut."""
-        if self.stop and not self.include_stop_str_in_output:
-            return max(len(s) for s in self.stop) - 1
-        return 0
-
     @property
     def needs_host_sampling(self) -> bool:
         """True when the request uses something the in-graph sampler (greedy/temperature/top-k/top-p)
@@ -289,8 +220,7 @@ class SamplingParams:
                 or self.allowed_token_ids is not None
                 or bool(self.bad_words)
                 or self.min_tokens > 0
-                or self.logprobs is not None
-                or self.prompt_logprobs is not None)
+                or self.logprobs is not None)
 
     def clone(self) -> SamplingParams:
         # Deep: the engine mutates per-request state (EOS ids, tokenized bad words) on its copy.

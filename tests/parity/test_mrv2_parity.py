@@ -21,7 +21,7 @@ from vllm_neuron import LLM, SamplingParams
 from vllm_neuron.config.runner_selection import V2_LOG_LINE
 from vllm_neuron.step import PLACEHOLDER_TOKEN_ID
 from vllm_neuron.worker.batch_state import BatchState, SlotParams, counter_uniform, fold_seed
-from vllm_neuron.worker.runner_base import ModelRunner
+from vllm_neuron.worker.model_runner_v1 import ModelRunnerV1
 from vllm_neuron.worker.model_runner_v2 import ModelRunnerV2
 
 MAX_NEW = 10
@@ -206,7 +206,7 @@ def test_host_sampled_rows_match_mrv1(model_dir, monkeypatch):
         if runner == "1":
             _Spy(llm.llm_engine.core.runner)
         else:
-            assert type(llm.llm_engine.core.runner) is ModelRunner
+            assert type(llm.llm_engine.core.runner) is ModelRunnerV1
         results[runner] = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     for i, (v1, v2) in enumerate(zip(results["0"], results["1"])):
         assert v2.outputs[0].token_ids == v1.outputs[0].token_ids, f"prompt {i}"
@@ -246,7 +246,7 @@ def test_compiled_default_runner_matches_transformers_and_eager(model_dir, refer
     seeded = SamplingParams(temperature=1.2, top_p=0.9, seed=7, max_tokens=MAX_NEW, ignore_eos=True)
     compiled = _gen(llm, seeded, prompts)
     eager = LLM(model_dir, enforce_eager=True, **kw)
-    assert isinstance(eager.llm_engine.core.runner, ModelRunner)  # unset + enforce_eager selects MRv1
+    assert isinstance(eager.llm_engine.core.runner, ModelRunnerV1)  # unset + enforce_eager selects MRv1
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
     eager = LLM(model_dir, enforce_eager=True, **kw)
     assert isinstance(eager.llm_engine.core.runner, ModelRunnerV2)

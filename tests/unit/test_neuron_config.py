@@ -223,18 +223,6 @@ def test_component_dp_requires_kv_transfer_config():
         NeuronConfig(mlp_dp_size=3).validate(**LIMITS, tensor_parallel_size=8, kv_transfer_config={"x": 1})
 
 
-def test_v2_unsupported_features():
-    assert NeuronConfig().v2_unsupported_features() == []
-    feats = NeuronConfig(
-        decode_context_length_buckets=[512], on_device_sampling_config=None, fp8_packed_kv=True,
-        lm_head_dp_size=2,
-    ).v2_unsupported_features()
-    assert "decode_context_length_buckets" in feats and "fp8_packed_kv" in feats
-    assert "lm_head_dp_size" in feats and any("CPU sampling" in f for f in feats)
-
-
-# --- encoder_neuron_config ---
-
 def test_encoder_defaults_and_parallel_inference():
     enc = EncoderNeuronConfig()
     assert enc.encoder_attention_block_size == 2048

@@ -6,9 +6,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from vllm_neuron.config.device import check_int4_support
 from vllm_neuron.config.engine_config import EngineConfig
 from vllm_neuron.model.layers.linear import Linear, quantize_linears_int4_
-from vllm_neuron.model.layers.quant_int4 import (INT4_GROUP_SIZE, INT4_KERNEL_ROWS, check_int4_support,
+from vllm_neuron.model.layers.quant_int4 import (INT4_GROUP_SIZE, INT4_KERNEL_ROWS,
                                                  dequantize_int4, int4_linear, quantize_int4)
 
 

@@ -2,13 +2,13 @@
 from __future__ import annotations
 
 from vllm_neuron.config.engine_config import EngineConfig
-from vllm_neuron.worker.runner_base import ModelRunner
+from vllm_neuron.worker.runner_base import ModelRunnerBase
 
 
-def _runner(use_kernels: bool = False, **kw) -> ModelRunner:
+def _runner(use_kernels: bool = False, **kw) -> ModelRunnerBase:
     cfg = EngineConfig.from_kwargs(**kw)
     cfg.finalize(model_max_len=2048)
-    r = ModelRunner.__new__(ModelRunner)  # graph planning needs no model
+    r = ModelRunnerBase.__new__(ModelRunnerBase)  # graph planning needs no model
     r.config = cfg
     r.use_kernels = use_kernels  # the torch path: cached context needs prefill context graphs
     nc = cfg.neuron_config

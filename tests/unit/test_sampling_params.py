@@ -1,11 +1,10 @@
 """SamplingParams: vLLM defaults, normalization, validation, derived properties, outputs."""
 import copy
 
-import msgspec
 import pytest
 
 from vllm_neuron.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from vllm_neuron.sampling_params import RequestOutputKind, SamplingParams, SamplingType
+from vllm_neuron.sampling_params import RequestOutputKind, SamplingParams
 
 
 def test_defaults_match_vllm():
@@ -17,7 +16,6 @@ def test_defaults_match_vllm():
     assert p.logprobs is None and p.prompt_logprobs is None
     assert p.skip_special_tokens and p.detokenize and p.spaces_between_special_tokens
     assert p.output_kind is RequestOutputKind.CUMULATIVE
-    assert p.sampling_type is SamplingType.RANDOM
     assert not p.needs_host_sampling
 
 
@@ -37,8 +35,6 @@ def test_normalization():
 def test_greedy_resets_truncation():
     p = SamplingParams(temperature=0.0, top_p=0.5, top_k=10, min_p=0.3)
     assert (p.top_p, p.top_k, p.min_p) == (1.0, 0, 0.0)
-    assert p.sampling_type is SamplingType.GREEDY
-    assert SamplingParams(temperature=0.7, seed=3).sampling_type is SamplingType.RANDOM_SEED
     with pytest.raises(ValueError, match="n must be 1 when using greedy"):
         SamplingParams(temperature=0, n=2)
 
@@ -46,7 +42,6 @@ def test_greedy_resets_truncation():
 def test_tiny_temperature_is_raised_not_greedy():
     p = SamplingParams(temperature=1e-3)
     assert p.temperature == pytest.approx(1e-2)
-    assert p.sampling_type is SamplingType.RANDOM
 
 
 @pytest.mark.parametrize("kwargs, field", [
@@ -99,30 +94,6 @@ def test_verify_against_vocab():
         SamplingParams(prompt_logprobs=-1).verify(vocab_size=100, max_logprobs=20)
 
 
-def test_eos_and_all_stop_token_ids():
-    p = SamplingParams(stop_token_ids=[7])
-    p.update_from_generation_config(2, generation_eos_token_ids=[2, 9])
-    assert p.eos_token_id == 2
-    assert p.stop_token_ids == [7, 9]
-    assert p.all_stop_token_ids == {2, 7, 9}
-    q = SamplingParams(ignore_eos=True)
-    q.update_from_generation_config(2, generation_eos_token_ids=[2, 9])
-    assert q.eos_token_id is None and q.stop_token_ids == []
-    # min_tokens still suppresses every EOS id even with ignore_eos.
-    assert q.all_stop_token_ids == {2, 9}
-
-
-class _FakeTokenizer:
-    def encode(self, text, add_special_tokens=False):
-        return {"bad": [5], " bad": [6], "two words": [7, 8], " two words": [9, 8]}.get(text, [])
-
-
-def test_bad_words_tokenized_plain_and_after_space():
-    p = SamplingParams(bad_words=["bad", " two words"])
-    p.update_from_tokenizer(_FakeTokenizer())
-    assert p.bad_words_token_ids == [[5], [6], [7, 8], [9, 8]]
-
-
 @pytest.mark.parametrize("kwargs, host", [
     ({"temperature": 0.7, "top_k": 50, "top_p": 0.9, "seed": 1}, False),
     ({"min_p": 0.1}, True),
@@ -134,28 +105,17 @@ def test_bad_words_tokenized_plain_and_after_space():
     ({"bad_words": ["x"]}, True),
     ({"min_tokens": 2}, True),
     ({"logprobs": 0}, True),
-    ({"prompt_logprobs": 1}, True),
 ])
 def test_needs_host_sampling(kwargs, host):
     assert SamplingParams(**kwargs).needs_host_sampling is host
 
 
-def test_clone_is_deep_and_buffer_length():
+def test_clone_is_deep():
     p = SamplingParams(stop=["ab", "abcd"], logit_bias={1: 1.0})
     c = p.clone()
     c.stop.append("zz")
     c.logit_bias[2] = 1.0
     assert p.stop == ["ab", "abcd"] and p.logit_bias == {1: 1.0}
-    assert p.output_text_buffer_length == 3
-    assert SamplingParams(stop=["abcd"], include_stop_str_in_output=True).output_text_buffer_length == 0
-
-
-def test_msgspec_roundtrip_keeps_engine_state():
-    p = SamplingParams(stop="x", temperature=0.5, output_kind=RequestOutputKind.DELTA, seed=4)
-    p.update_from_generation_config(2)
-    q = msgspec.msgpack.decode(msgspec.msgpack.encode(p), type=SamplingParams)
-    assert q == p
-    assert q.output_kind is RequestOutputKind.DELTA and q.eos_token_id == 2 and q.all_stop_token_ids == {2}
 
 
 def test_outputs_shapes():

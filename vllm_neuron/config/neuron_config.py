@@ -269,20 +269,6 @@ class NeuronConfig:
         """The component data-parallel options set above 1."""
         return {n: getattr(self, n) for n in COMPONENT_DP_OPTIONS if getattr(self, n) > 1}
 
-    def v2_unsupported_features(self) -> list[str]:
-        """neuron_config features that Model Runner V2 does not support (seeds' list)."""
-        out = []
-        if self.decode_context_length_buckets:
-            out.append("decode_context_length_buckets")
-        out.extend(self.component_dp)
-        if self.on_device_sampling_config is None:
-            out.append("CPU sampling (on_device_sampling_config=null)")
-        if self.fp8_packed_kv:
-            out.append("fp8_packed_kv")
-        if self.gk_decode:
-            out.append("gk_decode")
-        return out
-
     def _prefill_buckets(self, max_num_batched_tokens: int, start: int = B.MIN_DEFAULT_PREFILL_BUCKET) -> list[int]:
         if self.num_batched_tokens_buckets is not None:
             return self.num_batched_tokens_buckets

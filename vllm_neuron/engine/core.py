@@ -17,7 +17,7 @@ from vllm_neuron.logger import init_logger
 from vllm_neuron.step import ModelRunnerOutput, SchedulerOutput
 from vllm_neuron.model.loader import Checkpoint, load_checkpoint
 from vllm_neuron.worker import memory
-from vllm_neuron.worker.runner_base import ModelRunner
+from vllm_neuron.worker.model_runner_v1 import ModelRunnerV1
 
 logger = init_logger(__name__)
 
@@ -51,7 +51,7 @@ class EngineCore:
             logger.info("%s", V2_LOG_LINE)
             self.runner = ModelRunnerV2(config, self.ckpt, self.device, self.dtype, backend)
         else:
-            self.runner = ModelRunner(config, self.ckpt, self.device, self.dtype, backend)
+            self.runner = ModelRunnerV1(config, self.ckpt, self.device, self.dtype, backend)
         logger.info("%s", B.format_bucket_table(nc.num_batched_tokens_buckets, nc.num_seqs_buckets,
                                                 nc.context_buckets, self.runner.prefill_needs_context()))
         self.load_stats = self.runner.load_model()

@@ -1,8 +1,8 @@
 """Model Runner V2: per-request state on the device; input preparation, forward, sampling and the
 state update in one compiled graph per bucket.
 
-What differs from MRv1 (which it extends: loading, KV allocation, the compiler, bucket names and
-warm-up are shared):
+What differs from MRv1 (its sibling over runner_base.py, which holds loading, KV allocation, the compiler,
+bucket names and warm-up):
 * Decode: the host sends only the row -> slot map (rebuilt when the batch's request list changes),
   new block-table entries and the grammar bitmask. The graph gathers each row's last token, position
   and block table from the slot state, runs the model, samples, and writes the sampled token and the
@@ -25,11 +25,10 @@ from vllm_neuron.sampling_params import SAMPLING_EPS
 from vllm_neuron.step import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
 from vllm_neuron.worker.batch_state import BatchState, SlotParams, fold_seed
 from vllm_neuron.worker.graphs import StepGraphsV2
-from vllm_neuron.worker.input_builder import build_prefill_inputs
-from vllm_neuron.worker.runner_base import ModelRunner
+from vllm_neuron.worker.runner_base import ModelRunnerBase
 
 
-class ModelRunnerV2(ModelRunner):
+class ModelRunnerV2(ModelRunnerBase):
     def __init__(self, config: EngineConfig, checkpoint: Checkpoint, device: torch.device, dtype: torch.dtype,
                  backend: str) -> None:
         super().__init__(config, checkpoint, device, dtype, backend)
@@ -46,16 +45,10 @@ class ModelRunnerV2(ModelRunner):
 
     def _run_prefill(self, chunks: list[ScheduledChunk], num_tokens: int, num_context: int,
                      masks: dict | None = None):
-        rows = min(self.config.max_num_seqs, num_tokens)
-        x = build_prefill_inputs(chunks, num_tokens, num_context, rows, self.block_size, self._max_blocks())
-        sample_slots = self.state.row_slots([c.req_id if c.sample else None for c in chunks], rows)
-        attn_a, attn_b = self._prefill_attn_inputs(x)
-        with torch.inference_mode():
-            graph = self._graph("prefill", num_tokens, num_context)
-            return graph(self._t(x.input_ids), self._t(x.positions), self._t(x.slot_mapping),
-                         self._t(x.query_seq), self._t(attn_a), self._t(attn_b),
-                         self._t(x.logits_indices), self._t(self._bitmask(chunks, rows, masks or {})),
-                         sample_slots, *self.state.tensors(), self.kv_caches)
+        def row_inputs(rows: int) -> tuple:
+            sample_slots = self.state.row_slots([c.req_id if c.sample else None for c in chunks], rows)
+            return (sample_slots, *self.state.tensors())
+        return self._prefill_graph(chunks, num_tokens, num_context, masks, row_inputs)
 
     def _run_decode(self, chunks: list[ScheduledChunk], batch: int, context: int, masks: dict | None = None):
         row_slots = self.state.row_slots([c.req_id for c in chunks], batch)

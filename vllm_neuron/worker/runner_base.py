@@ -1,8 +1,9 @@
-"""Model Runner V1: loads the model, owns the KV cache and the per-bucket graphs, runs steps.
+"""What Model Runner V1 and V2 share: loading the model, the KV cache, the compiler and the bucket graphs.
 
-Every step picks the smallest bucket that fits, pads the host-built inputs to it and runs that
-bucket's graph: model forward, logits of the sampled rows and in-graph sampling, all inside one
-compiled function per bucket.
+Every step picks the smallest bucket that fits and runs that bucket's compiled graph. The two runners
+differ in where per-request state lives and what the graphs take as inputs (model_runner_v1.py: host-built
+inputs; model_runner_v2.py: device-resident slot state); each supplies its graphs, its input builders
+and `execute`.
 """
 from __future__ import annotations
 
@@ -15,20 +16,19 @@ import torch
 from tqdm import tqdm
 
 from vllm_neuron.config import buckets as B
+from vllm_neuron.config.device import check_int4_support
 from vllm_neuron.config.engine_config import EngineConfig
 from vllm_neuron.logger import init_logger
 from vllm_neuron.model.layers.kernels import describe_kernels, kernel_variant, kernels_enabled, linear_kernel_dtypes
 from vllm_neuron.model.layers.linear import quantize_linears_int4_, set_small_batch_kernel
-from vllm_neuron.model.layers.quant_int4 import INT4_GROUP_SIZE, check_int4_support
+from vllm_neuron.model.layers.quant_int4 import INT4_GROUP_SIZE
 from vllm_neuron.model.loader import Checkpoint
 from vllm_neuron.model.registry import check_quantization, resolve_model_class
 from vllm_neuron.step import ModelRunnerOutput, SchedulerOutput
 from vllm_neuron.worker import memory
 from vllm_neuron.worker.compilation import GraphCompiler, cache_key_parts
-from vllm_neuron.worker.graphs import StepGraphs
-from vllm_neuron.worker.input_builder import build_decode_inputs, build_prefill_inputs
+from vllm_neuron.worker.input_builder import build_prefill_inputs
 from vllm_neuron.worker.sampling_state import SamplingStates
-from vllm_neuron.worker.token_passing import TokenPassing
 
 logger = init_logger(__name__)
 
@@ -49,7 +49,7 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     return torch.from_numpy(raw).view(dtype)
 
 
-class ModelRunner:
+class ModelRunnerBase:
     def __init__(self, config: EngineConfig, checkpoint: Checkpoint, device: torch.device, dtype: torch.dtype,
                  backend: str) -> None:
         self.config = config
@@ -65,11 +65,12 @@ class ModelRunner:
         self.odsc = nc.on_device_sampling_config
         self.sampling = SamplingStates(self.odsc, config.seed)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self.token_passing = TokenPassing()
         self.model = None
         self.compiler: GraphCompiler | None = None
-        self.graphs: StepGraphs | None = None
+        self.graphs = None  # the runner's StepGraphs / StepGraphsV2
         self._bucket_graphs: dict[tuple[str, int, int], Callable] = {}
+        self._free_before_load: int | None = None
+        self._kv_sizing: dict | None = None
         self.model_cls = resolve_model_class(checkpoint.hf_config)
         self.model_spec = self.model_cls.spec(checkpoint.hf_config)
         check_quantization(self.model_cls, self.model_spec, config.neuron_config.quantization)
@@ -83,6 +84,8 @@ class ModelRunner:
     # -- set-up ----------------------------------------------------------------------------------
     def load_model(self) -> LoadStats:
         cls = self.model_cls
+        # The KV budget is taken from what the device had free before our weights arrived.
+        self._free_before_load = None if self.device.type == "cpu" else memory.device_free_bytes(self.device)
         t0 = time.perf_counter()
         prev = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
@@ -108,41 +111,35 @@ class ModelRunner:
         return stats
 
     def num_blocks(self, weight_bytes: int) -> int:
-        """Total KV blocks (block 0 is the null block)."""
+        """Total KV blocks (block 0 is the null block), under worker/memory.py's pool-size policy."""
         layers, kv_heads, head_dim = self.model.kv_cache_spec()
         per_block = memory.kv_cache_bytes_per_block(layers, kv_heads, head_dim, self.block_size,
                                                     torch.finfo(self.dtype).bits // 8)
-        needed = -(-self.config.max_model_len // self.block_size) + 1
-        if self.config.num_gpu_blocks_override is not None:
-            n = self.config.num_gpu_blocks_override
-            if n < needed:
-                raise ValueError(
-                    f"num_gpu_blocks_override={n} cannot hold one request of max_model_len="
-                    f"{self.config.max_model_len} ({needed} blocks of {self.block_size} tokens, one of them "
-                    f"reserved); raise num_gpu_blocks_override or lower max_model_len")
-            return n
-        budget = memory.kv_budget_for_device(self.device, model_weight_bytes=weight_bytes,
-                                             gpu_memory_utilization=self.config.gpu_memory_utilization)
-        logger.info("%s", budget.describe())
-        n = memory.num_blocks_from_budget(budget.available_bytes, per_block,
-                                          max_model_len=self.config.max_model_len + self.block_size,
-                                          block_size=self.block_size)
-        cached = self.compiler.manifest_num_blocks
-        if cached is not None and needed <= cached <= n:
-            # The compiled graphs have the KV size baked in: reuse it rather than recompile.
-            logger.info("KV cache: keeping the %d blocks the saved graphs were compiled for (the budget would allow "
-                        "%d; another size recompiles every graph)", cached, n)
-            return cached
-        # Rounded down to a power of two: the budget follows free host memory, which moves between
-        # starts, and every new size would recompile every graph.
-        return max(needed, 1 << (n.bit_length() - 1))
+
+        def budget() -> memory.KVBudget:
+            b = memory.kv_budget_for_device(self.device, model_weight_bytes=weight_bytes,
+                                            gpu_memory_utilization=self.config.gpu_memory_utilization,
+                                            free_before_load=self._free_before_load, check_minimum=False)
+            logger.info("%s", b.describe())  # the line starts with "KV budget"
+            return b
+
+        persistent = self.backend != "eager" and not self.compiler.disabled
+        plan = memory.plan_kv_pool(
+            bytes_per_block=per_block, max_model_len=self.config.max_model_len, block_size=self.block_size,
+            override=self.config.num_gpu_blocks_override, budget_fn=budget,
+            recorded_blocks=self.compiler.manifest_num_blocks if persistent else None,
+            recorded_sizing=self.compiler.manifest_kv_sizing if persistent else None,
+            record_path=str(self.compiler.manifest_path) if persistent else None)
+        logger.info("%s", plan.reason)
+        self._kv_sizing = plan.sizing
+        return plan.num_blocks
 
     def init_kv_cache(self, num_blocks: int) -> None:
         _, kv_heads, head_dim = self.model.kv_cache_spec()
         shape = (num_blocks * self.block_size, kv_heads, head_dim)
         self.kv_caches = [(_zeros(shape, self.dtype, self.device), _zeros(shape, self.dtype, self.device))
                           for _ in range(self.model.kv_cache_spec()[0])]
-        self.compiler.set_num_blocks(num_blocks)
+        self.compiler.set_num_blocks(num_blocks, self._kv_sizing)
 
     def graph_names(self) -> list[tuple[str, str, int, int]]:
         """(name, kind, size, context) for every graph warm-up compiles."""
@@ -200,8 +197,9 @@ class ModelRunner:
         return self.compiler
 
     # -- graphs ----------------------------------------------------------------------------------
-    def _make_graphs(self) -> StepGraphs:
-        return StepGraphs(self.model, self.odsc, self.block_size, self.use_kernels)
+    def _make_graphs(self):
+        """The bucket graph functions this runner compiles (worker/graphs.py)."""
+        raise NotImplementedError
 
     def _graph(self, kind: str, size: int, context: int) -> Callable:
         """The compiled graph of one bucket (created on first use outside warm-up, e.g. eager)."""
@@ -236,28 +234,26 @@ class ModelRunner:
         return out
 
     def _run_prefill(self, chunks, num_tokens: int, num_context: int, masks: dict | None = None):
+        """Runs one prefill bucket graph; warm-up calls it with no chunks. Returns (tokens, logits)."""
+        raise NotImplementedError
+
+    def _prefill_graph(self, chunks, num_tokens: int, num_context: int, masks: dict | None,
+                       row_inputs: Callable[[int], tuple]):
+        """Runs the prefill graph on host-built inputs (prompt tokens are new data for both runners);
+        row_inputs(rows) gives the runner's per-row sampling inputs, which follow the shared ones."""
         rows = min(self.config.max_num_seqs, num_tokens)
         x = build_prefill_inputs(chunks, num_tokens, num_context, rows, self.block_size, self._max_blocks())
-        s = self.sampling.graph_tensors([c.req_id for c in chunks], rows)
         attn_a, attn_b = self._prefill_attn_inputs(x)
         with torch.inference_mode():
             graph = self._graph("prefill", num_tokens, num_context)
             return graph(self._t(x.input_ids), self._t(x.positions), self._t(x.slot_mapping),
                          self._t(x.query_seq), self._t(attn_a), self._t(attn_b),
                          self._t(x.logits_indices), self._t(self._bitmask(chunks, rows, masks or {})),
-                         self._t(s["temperature"]), self._t(s["top_k"]), self._t(s["top_p"]),
-                         self._t(s["uniform"]), self.kv_caches)
+                         *row_inputs(rows), self.kv_caches)
 
-    def _run_decode(self, chunks, batch: int, context: int, masks: dict | None = None,
-                    input_ids: torch.Tensor | None = None):
-        x = build_decode_inputs(chunks, batch, context, self.block_size)
-        s = self.sampling.graph_tensors([c.req_id for c in chunks], batch)
-        with torch.inference_mode():
-            ids = input_ids if input_ids is not None else self._t(x.input_ids)
-            graph = self._graph("decode", batch, context)
-            return graph(ids, self._t(x.positions), self._t(x.slot_mapping), self._t(x.block_tables),
-                         self._t(self._bitmask(chunks, batch, masks or {})), self._t(s["temperature"]),
-                         self._t(s["top_k"]), self._t(s["top_p"]), self._t(s["uniform"]), self.kv_caches)
+    def _run_decode(self, chunks, batch: int, context: int, masks: dict | None = None):
+        """Runs one decode bucket graph; warm-up calls it with no chunks. Returns (tokens, logits)."""
+        raise NotImplementedError
 
     # -- one step --------------------------------------------------------------------------------
     def _step_bucket(self, sched: SchedulerOutput) -> tuple[int, int, str, int]:
@@ -283,24 +279,4 @@ class ModelRunner:
         return req_ids, sampled, logprobs
 
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        for rid in sched.finished_req_ids:
-            self.sampling.remove(rid)
-        for rid, n in sched.preempted_req_ids.items():
-            self.sampling.truncate(rid, n)
-        for data in sched.new_requests:
-            self.sampling.add(data)
-        chunks = sched.chunks
-        size, context, name, padding = self._step_bucket(sched)
-        fallback = passed = False
-        if sched.kind == "prefill":
-            tokens, logits = self._run_prefill(chunks, size, context, sched.grammar_bitmask)
-        else:
-            chunks, passed_ids, fallback = self.token_passing.resolve(chunks, size)
-            passed = passed_ids is not None
-            tokens, logits = self._run_decode(chunks, size, context, sched.grammar_bitmask, passed_ids)
-        req_ids, sampled, logprobs = self._finalize_rows(chunks, tokens, logits)
-        host_rows = any(self.sampling.states[r].on_host for r in req_ids)
-        self.token_passing.record(sched.kind, [c.req_id for c in chunks], tokens,
-                                  {r: t[0] for r, t in sampled.items()}, host_rows)
-        return ModelRunnerOutput(sampled, logprobs, bucket_name=name, num_padding=padding,
-                                 async_fallback=fallback, tokens_passed_on_device=passed)
+        raise NotImplementedError

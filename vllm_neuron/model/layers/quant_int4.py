@@ -69,10 +69,3 @@ def int4_linear(x: torch.Tensor, packed: torch.Tensor, nibbles: torch.Tensor, sc
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
-def check_int4_support(dtype: torch.dtype, device: torch.device) -> None:
-    """Where the bad option enters: int4 needs the CPU kernel and a float activation dtype."""
-    if device.type != "cpu":
-        raise ValueError(f"neuron_config.quantization='int4' (weight-only int4) runs on the CPU device only; "
-                         f"the engine runs on {device.type}. Remove quantization or use --device cpu")
-    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError(f"neuron_config.quantization='int4' needs dtype float32, bfloat16 or float16, got {dtype}")
