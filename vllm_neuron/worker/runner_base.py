@@ -189,7 +189,8 @@ class ModelRunnerBase:
         for i, (name, kind, size, ctx) in enumerate(tqdm(graphs, desc="Compiling buckets", unit="graph",
                                                          disable=None), 1):
             # Each line says what runs next: a cold compile is minutes of silence otherwise.
-            logger.info("compiling %d/%d: %s ...", i, len(graphs), name)
+            logger.info("Bucket %d/%d: %s (loading it from the compile cache, else compiling it) ...", i, len(graphs),
+                        name)
             if kind == "prefill":
                 self.compiler.warm(name, lambda: self._run_prefill([], size, ctx))
             else:
