@@ -119,7 +119,8 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool =
                    help="schedule step N+1 while step N runs (default: on, except on a CPU whose cores torch's "
                    "threads all use)")
     g.add_argument("--speculative-config", type=_json_arg, default=None,
-                   help="refused: speculative decoding is not supported yet (default: none)")
+                   help='speculative decoding, vLLM\'s JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'; '
+                   "only ngram for now (default: off)")
 
     g = arg_group(parser, "parallel")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="tensor parallel ranks; only 1 for now")
@@ -137,31 +138,6 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool =
     g = arg_group(parser, "frontend")
     g.add_argument("--chat-template", default=None,
                    help="Jinja chat template, as text or a file path (default: the tokenizer's)")
-
-
-def add_server_args(parser: argparse.ArgumentParser) -> None:
-    """`serve`'s own flags (HTTP listener, served names, logging)."""
-    g = arg_group(parser, "server")
-    g.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    g.add_argument("--port", type=int, default=8000, help="port to listen on")
-    g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes "
-                   "(default: $VLLM_API_KEY, else no key)")
-    g.add_argument("--allowed-origins", nargs="*", default=None, help="CORS origins (default: any)")
-    g.add_argument("--uvicorn-log-level", default="info",
-                   choices=["critical", "error", "warning", "info", "debug", "trace"], help="uvicorn's log level")
-    g.add_argument("--disable-log-stats", action="store_true",
-                   help="turn off the engine stats logged every 10 s (throughput, requests, KV usage, "
-                   "prefix-cache hit rate)")
-    g = arg_group(parser, "frontend")
-    g.add_argument("--served-model-name", nargs="+", default=None,
-                   help="name(s) the API reports and accepts (default: MODEL as given, else "
-                   f"{BUNDLED_MODEL_NAME})")
-    from vllm_neuron.tool_parsers import ToolParserManager
-
-    g.add_argument("--enable-auto-tool-choice", action="store_true",
-                   help='serve tool_choice="auto" (needs --tool-call-parser)')
-    g.add_argument("--tool-call-parser", default=None, choices=ToolParserManager.names(),
-                   help="how tool calls are read from the model's answer when tool_choice is auto (default: none)")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

@@ -191,10 +191,8 @@ class ModelRunnerBase:
             # Each line says what runs next: a cold compile is minutes of silence otherwise.
             logger.info("Bucket %d/%d: %s (loading it from the compile cache, else compiling it) ...", i, len(graphs),
                         name)
-            if kind == "prefill":
-                self.compiler.warm(name, lambda: self._run_prefill([], size, ctx))
-            else:
-                self.compiler.warm(name, lambda: self._run_decode([], size, ctx))
+            run = getattr(self, f"_run_{kind}")  # _run_prefill / _run_decode / a runner's own kinds
+            self.compiler.warm(name, lambda: run([], size, ctx))
         return self.compiler
 
     # -- graphs ----------------------------------------------------------------------------------
@@ -208,7 +206,7 @@ class ModelRunnerBase:
         key = (kind, size, context)
         g = self._bucket_graphs.get(key)
         if g is None:
-            fn = self.graphs.prefill if kind == "prefill" else self.graphs.decode
+            fn = getattr(self.graphs, kind)  # the graph object's method of that kind
             name = self._graph_name(kind, size, context)
             g = self._bucket_graphs[key] = self.compiler.bucket(name, fn)
         return g

@@ -4,7 +4,41 @@ from __future__ import annotations
 import argparse
 import sys
 
-from vllm_neuron.config.arg_utils import HelpFormatter, add_engine_args, add_server_args
+from vllm_neuron.config.arg_utils import HelpFormatter, add_engine_args, arg_group
+from vllm_neuron.config.engine_config import BUNDLED_MODEL_NAME
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    """`serve`'s own flags (HTTP listener, served names, logging)."""
+    from vllm_neuron.entrypoints.openai.request_policy import DEFAULT_MAX_N, DEFAULT_MAX_REQUEST_BODY_BYTES
+    from vllm_neuron.tool_parsers import ToolParserManager
+
+    g = arg_group(parser, "server")
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    g.add_argument("--port", type=int, default=8000, help="port to listen on")
+    g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes "
+                   "(default: $VLLM_API_KEY, else no key)")
+    g.add_argument("--allowed-origins", nargs="*", default=None, help="CORS origins (default: any)")
+    g.add_argument("--uvicorn-log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug", "trace"], help="uvicorn's log level")
+    g.add_argument("--disable-log-stats", action="store_true",
+                   help="turn off the engine stats logged every 10 s (throughput, requests, KV usage, "
+                   "prefix-cache hit rate)")
+    g.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+                   help="larger request bodies get a 413 before they are read")
+    g = arg_group(parser, "frontend")
+    g.add_argument("--trust-request-chat-template", action="store_true",
+                   help="accept a `chat_template` sent in a request (it runs on the server; refused otherwise)")
+    g.add_argument("--max-n", type=int, default=DEFAULT_MAX_N,
+                   help="largest `n` (completions per request) a request may ask for; larger gets a 400")
+    g.add_argument("--served-model-name", nargs="+", default=None,
+                   help="name(s) the API reports and accepts (default: MODEL as given, else "
+                   f"{BUNDLED_MODEL_NAME})")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='serve tool_choice="auto" (needs --tool-call-parser)')
+    g.add_argument("--tool-call-parser", default=None, choices=ToolParserManager.names(),
+                   help="how tool calls are read from the model's answer when tool_choice is auto (default: none)")
+
 
 
 def _parser() -> argparse.ArgumentParser:

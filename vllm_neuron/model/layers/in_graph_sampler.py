@@ -19,20 +19,19 @@ def greedy_in_graph(logits: torch.Tensor) -> torch.Tensor:
     return torch.argmax(logits, dim=-1)
 
 
-def sample_in_graph(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                    top_p: torch.Tensor, uniform: torch.Tensor,
-                    max_top_k: int = DEFAULT_MAX_TOP_K) -> torch.Tensor:
-    """Samples one token per row.
+def filtered_top_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                       top_p: torch.Tensor, max_top_k: int = DEFAULT_MAX_TOP_K
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The distribution a random row samples from, in top-k space: (probs [B, k] unnormalized over the
+    kept tokens, zero elsewhere; top_idx [B, k] their token ids), k = min(max_top_k, V).
 
-    logits [B, V]; temperature [B] f32 (0 = greedy); top_k [B] int64 (<= 0: max_top_k);
-    top_p [B] f32 in (0, 1]; uniform [B] f32 in [0, 1). Returns [B] int64 token ids.
-    Random rows draw from the softmax of logits / temperature restricted to the top
-    min(top_k, max_top_k) tokens, then to the smallest prefix of those whose mass reaches top_p.
+    softmax of logits / temperature restricted to the top min(top_k, max_top_k) tokens, then to the
+    smallest prefix of those whose mass reaches top_p. Greedy rows (temperature 0) get temperature 1
+    here; callers pick their argmax instead.
     """
     vocab = logits.shape[-1]
     k = min(max_top_k, vocab)  # a Python int: shapes are static per compiled graph
     logits = logits.to(torch.float32)
-    greedy_tokens = torch.argmax(logits, dim=-1)
     is_greedy = temperature < _GREEDY_EPS
 
     # Top-k of the raw logits: dividing by a positive temperature does not change the order.
@@ -50,16 +49,32 @@ def sample_in_graph(logits: torch.Tensor, temperature: torch.Tensor, top_k: torc
     # and top_p = 1 keeps all (rounding must not drop the tail).
     mass_before = torch.cumsum(probs, dim=-1) - probs
     keep = in_top_k & ((mass_before < top_p.unsqueeze(1)) | (top_p >= 1.0).unsqueeze(1) | (positions == 0))
-    probs = probs * keep
+    return probs * keep, top_idx
 
-    # Inverse CDF on the unnormalized kept mass (same as renormalizing, one division less).
+
+def inverse_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """Index drawn from each row of unnormalized probs [B, k] (zeros never drawn) with uniform [B]."""
     cdf = torch.cumsum(probs, dim=-1)
     target = uniform.to(torch.float32).unsqueeze(1) * cdf[:, -1:]
     choice = (cdf <= target).sum(dim=-1)
-    # Rounding at the top end must not step past the last kept token.
-    choice = torch.minimum(choice, keep.sum(dim=-1) - 1)
-    sampled = top_idx.gather(1, choice.unsqueeze(1)).squeeze(1)
-    return torch.where(is_greedy, greedy_tokens, sampled)
+    # Rounding at the top end must not step past the last token with mass.
+    last = probs.shape[-1] - 1 - torch.argmax((probs.flip(-1) > 0).to(torch.int8), dim=-1)
+    return torch.minimum(choice, last)
+
+
+def sample_in_graph(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                    top_p: torch.Tensor, uniform: torch.Tensor,
+                    max_top_k: int = DEFAULT_MAX_TOP_K) -> torch.Tensor:
+    """Samples one token per row.
+
+    logits [B, V]; temperature [B] f32 (0 = greedy); top_k [B] int64 (<= 0: max_top_k);
+    top_p [B] f32 in (0, 1]; uniform [B] f32 in [0, 1). Returns [B] int64 token ids, drawn from
+    `filtered_top_probs` (inverse CDF on the unnormalized kept mass: same as renormalizing).
+    """
+    greedy_tokens = torch.argmax(logits, dim=-1)
+    probs, top_idx = filtered_top_probs(logits, temperature, top_k, top_p, max_top_k)
+    sampled = top_idx.gather(1, inverse_cdf(probs, uniform).unsqueeze(1)).squeeze(1)
+    return torch.where(temperature < _GREEDY_EPS, greedy_tokens, sampled)
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
