@@ -10,7 +10,7 @@ ARGS ?=
 # cores the first start takes about 130 s and later ones about 11 s; the README gives other CPU classes).
 SERVE_ARGS ?=
 
-.PHONY: setup run test test-fast bench compile clean
+.PHONY: setup run test test-fast bench compile gpu-check clean
 
 $(STAMP):
 	@echo "setup 1/4: creating $(VENV)"
@@ -43,6 +43,9 @@ compile: setup  ## fill the compile cache for the default serving configuration
 
 bench: setup  ## offline throughput vs transformers on the bundled model
 	$(BIN)/python benchmarks/offline_throughput.py $(ARGS)
+
+gpu-check:  ## on a CUDA machine: parity, kernels, graph replay, the speed table (benchmarks/gpu/run.sh)
+	PY=$${PY-$(if $(wildcard $(BIN)/python),$(BIN)/python,python3)} bash benchmarks/gpu/run.sh
 
 clean:
 	rm -rf $(VENV) .pytest_cache

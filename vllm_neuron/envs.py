@@ -92,6 +92,15 @@ def _str(name: str, default: str | None = None) -> str | None:
     return default if raw is None else raw
 
 
+def _choice(name: str, default: str, choices: tuple[str, ...]) -> str:
+    raw = _raw(name)
+    if raw is None:
+        return default
+    if raw.lower() not in choices:
+        raise ValueError(f"{name}={raw!r}; valid values: {', '.join(choices)}")
+    return raw.lower()
+
+
 # ---------------------------------------------------------------------------------------------
 # Compilation and caching
 # ---------------------------------------------------------------------------------------------
@@ -224,6 +233,12 @@ _VARS: dict[str, EnvVar] = {
             "Save each bucket's compiled graph ahead of time (dynamo bytecode, guards and inductor "
             "graph) in the compile cache, so a warm start loads it instead of re-tracing the model. "
             "0 falls back to plain torch.compile. Default 1.",
+        ),
+        EnvVar(
+            "VLLM_NEURON_CUDA_GRAPHS",
+            lambda: _choice("VLLM_NEURON_CUDA_GRAPHS", "decode", ("decode", "all", "off")),
+            "On CUDA, which compiled bucket graphs are captured once as CUDA graphs and replayed: "
+            "decode (default), all (prefill and speculative verification buckets too) or off. Ignored on CPU and with eager execution.",
         ),
         EnvVar(
             "VLLM_CACHE_ROOT",

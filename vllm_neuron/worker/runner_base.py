@@ -21,12 +21,14 @@ from vllm_neuron.config.engine_config import EngineConfig
 from vllm_neuron.logger import init_logger
 from vllm_neuron.model.layers.kernels import describe_kernels, kernel_variant, kernels_enabled, linear_kernel_dtypes
 from vllm_neuron.model.layers.linear import quantize_linears_int4_, set_small_batch_kernel
+from vllm_neuron.model.layers.paged_decode import paged_decode_available
 from vllm_neuron.model.layers.quant_int4 import INT4_GROUP_SIZE
 from vllm_neuron.model.loader import Checkpoint
 from vllm_neuron.model.registry import check_quantization, resolve_model_class
 from vllm_neuron.step import ModelRunnerOutput, SchedulerOutput
 from vllm_neuron.worker import memory
 from vllm_neuron.worker.compilation import GraphCompiler, cache_key_parts
+from vllm_neuron.worker.cuda_graphs import ReplayedGraph, cuda_graph_capturer, wants_capture
 from vllm_neuron.worker.input_builder import build_prefill_inputs
 from vllm_neuron.worker.sampling_state import SamplingStates
 
@@ -80,6 +82,10 @@ class ModelRunnerBase:
         self.use_linear_kernel = self.dtype in kernel_dtypes
         set_small_batch_kernel(kernel_dtypes)
         logger.info("%s", describe_kernels(device, self.dtype))
+        # CUDA: decode attention reads each sequence's real context (Triton), and bucket graphs replay.
+        self.paged_decode = not self.use_kernels and not self.model_spec.needs_torch_attention and \
+            paged_decode_available(device.type, self.model_spec.head_dim, self.block_size)
+        self.graph_capture, self._capturer = cuda_graph_capturer(device, backend)
 
     # -- set-up ----------------------------------------------------------------------------------
     def load_model(self) -> LoadStats:
@@ -172,6 +178,7 @@ class ModelRunnerBase:
         return {"odsc": repr(self.odsc), "block_size": self.block_size, "backend": self.backend,
                 "kernels": self.use_kernels, "linear_kernel": self.use_linear_kernel,
                 "kernel_variant": kernel_variant()[0] if self.use_kernels else None,
+                "paged_decode": self.paged_decode,
                 "quantization": self.config.neuron_config.quantization}
 
     def _make_compiler(self) -> GraphCompiler:
@@ -208,7 +215,10 @@ class ModelRunnerBase:
         if g is None:
             fn = getattr(self.graphs, kind)  # the graph object's method of that kind
             name = self._graph_name(kind, size, context)
-            g = self._bucket_graphs[key] = self.compiler.bucket(name, fn)
+            g = self.compiler.bucket(name, fn)
+            if self._capturer is not None and wants_capture(self.graph_capture, kind):
+                g = ReplayedGraph(g, self._capturer, name)  # captured on its first call (warm-up)
+            self._bucket_graphs[key] = g
         return g
 
     def _graph_name(self, kind: str, size: int, context: int) -> str:
