@@ -80,19 +80,12 @@ def _float(
     return value
 
 
-def _choice(name: str, choices: tuple[str, ...]) -> str | None:
-    raw = _raw(name)
-    if raw is not None and raw not in choices:
-        raise ValueError(f"{name}={raw!r} is not valid; valid values: {', '.join(choices)}")
-    return raw
-
-
 def _str(name: str, default: str | None = None) -> str | None:
     raw = _raw(name)
     return default if raw is None else raw
 
 
-def _choice(name: str, default: str, choices: tuple[str, ...]) -> str:
+def _choice(name: str, default: str | None, choices: tuple[str, ...]) -> str | None:
     raw = _raw(name)
     if raw is None:
         return default
@@ -268,7 +261,7 @@ _VARS: dict[str, EnvVar] = {
         ),
         EnvVar(
             "VLLM_NEURON_CPU_ISA",
-            lambda: _choice("VLLM_NEURON_CPU_ISA", ("avx512bf16", "avx2", "generic")),
+            lambda: _choice("VLLM_NEURON_CPU_ISA", None, ("avx512bf16", "avx2", "generic")),
             "CPU class the custom kernels are built for: avx512bf16, avx2 or generic (unset: the best "
             "this CPU runs). Forcing a lower class tests its code path; a higher one is refused.",
         ),
