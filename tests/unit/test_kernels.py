@@ -118,6 +118,14 @@ def test_forced_avx2_build_passes_the_same_checks(tmp_path):
     assert [p.name for p in (tmp_path / "kernels").iterdir()], "nothing was built"
 
 
+def test_a_variant_the_cpu_cannot_run_is_refused():
+    avx2_cpu = {"avx2", "fma", "f16c"}
+    assert K.choose_variant(avx2_cpu, None) == ("avx2", "detected from /proc/cpuinfo")
+    assert K.choose_variant(avx2_cpu, "generic")[0] == "generic"
+    with pytest.raises(ValueError, match="VLLM_NEURON_CPU_ISA=avx512bf16 needs instructions this CPU lacks"):
+        K.choose_variant(avx2_cpu, "avx512bf16")
+
+
 def test_build_is_the_forced_variant():
     forced = os.environ.get("VLLM_NEURON_CPU_ISA")
     assert K.kernel_variant()[0] == (forced or K.detect_variant(K._cpu_flags()))

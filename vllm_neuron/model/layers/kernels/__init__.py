@@ -61,12 +61,9 @@ def detect_variant(flags: set[str]) -> str:
     return "generic"
 
 
-@functools.lru_cache(maxsize=1)
-def kernel_variant() -> tuple[str, str]:
-    """(variant, why): VLLM_NEURON_CPU_ISA when set (refused if this CPU cannot run it), else detected."""
-    flags = _cpu_flags()
+def choose_variant(flags: set[str], forced: str | None) -> tuple[str, str]:
+    """(variant, why): `forced` (VLLM_NEURON_CPU_ISA) when this CPU runs it, else the best it runs (pure)."""
     best = detect_variant(flags)
-    forced = envs.VLLM_NEURON_CPU_ISA
     if forced is None:
         return best, "detected from /proc/cpuinfo"
     order = list(VARIANTS)  # best first
@@ -74,6 +71,12 @@ def kernel_variant() -> tuple[str, str]:
         raise ValueError(f"VLLM_NEURON_CPU_ISA={forced} needs instructions this CPU lacks (best here: {best}); "
                          f"valid values: {', '.join(order[order.index(best):])}")
     return forced, "forced by VLLM_NEURON_CPU_ISA"
+
+
+@functools.lru_cache(maxsize=1)
+def kernel_variant() -> tuple[str, str]:
+    """(variant, why) of this process' build."""
+    return choose_variant(_cpu_flags(), envs.VLLM_NEURON_CPU_ISA)
 
 
 def _build_dir(digest: str) -> Path:
@@ -115,6 +118,7 @@ def _digest() -> str:
 
 @functools.lru_cache(maxsize=1)
 def _load() -> bool:
+    kernel_variant()  # a VLLM_NEURON_CPU_ISA this CPU cannot run is refused here, not fallen back from
     try:
         so = _build_dir(_digest()) / "vllm_neuron_kernels.so"
         if not so.exists():
