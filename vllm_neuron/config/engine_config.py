@@ -14,6 +14,7 @@ from typing import Any
 from vllm_neuron.config import buckets as B
 from vllm_neuron.config.device import (DEVICE_CHOICES, DTYPE_CHOICES, async_scheduling_default, check_int4_support,
                                        resolve_device, resolve_dtype)
+from vllm_neuron.config.generation_config import check_generation_config_arg, parse_override
 from vllm_neuron.config.runner_selection import RunnerChoice, select_model_runner
 from vllm_neuron.config.neuron_config import AdditionalConfig, NeuronConfig, parse_additional_config
 from vllm_neuron.config.speculative import SpeculativeConfig, parse_speculative_config
@@ -56,6 +57,8 @@ class EngineConfig:
     chat_template: str | None = None
     trust_remote_code: bool = False  # accepted for vLLM compatibility; no remote code is ever run
     disable_log_stats: bool = False
+    generation_config: str = "auto"  # auto | vllm | a folder with generation_config.json
+    override_generation_config: dict | str | None = None
     additional_config: dict | str | AdditionalConfig | None = None
     # Filled by validate()
     neuron: AdditionalConfig = field(default=None, init=False, repr=False)  # type: ignore[assignment]
@@ -111,6 +114,8 @@ class EngineConfig:
                                  "only 'ngram' for now")
         if self.kv_transfer_config:
             raise _not_supported("kv_transfer_config", self.kv_transfer_config)
+        check_generation_config_arg(self.generation_config)
+        self.override_generation_config = parse_override(self.override_generation_config)
         if not isinstance(self.additional_config, AdditionalConfig):
             self.additional_config = parse_additional_config(self.additional_config)
         if self.additional_config.encoder_neuron_config is not None:
