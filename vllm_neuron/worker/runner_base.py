@@ -19,12 +19,12 @@ from vllm_neuron.config import buckets as B
 from vllm_neuron.config.device import check_int4_support
 from vllm_neuron.config.engine_config import EngineConfig
 from vllm_neuron.logger import init_logger
-from vllm_neuron.model.layers.kernels import kernels_enabled, linear_kernel_available
+from vllm_neuron.model.layers.kernels import describe_kernels, kernel_variant, kernels_enabled, linear_kernel_dtypes
 from vllm_neuron.model.layers.linear import quantize_linears_int4_, set_small_batch_kernel
 from vllm_neuron.model.layers.paged_decode import paged_decode_available
 from vllm_neuron.model.layers.quant_int4 import INT4_GROUP_SIZE
 from vllm_neuron.model.loader import Checkpoint
-from vllm_neuron.model.registry import check_quantization, resolve_model_class
+from vllm_neuron.model.registry import model_spec, resolve_model_class
 from vllm_neuron.step import ModelRunnerOutput, SchedulerOutput
 from vllm_neuron.worker import memory
 from vllm_neuron.worker.compilation import GraphCompiler, cache_key_parts
@@ -74,12 +74,13 @@ class ModelRunnerBase:
         self._free_before_load: int | None = None
         self._kv_sizing: dict | None = None
         self.model_cls = resolve_model_class(checkpoint.hf_config)
-        self.model_spec = self.model_cls.spec(checkpoint.hf_config)
-        check_quantization(self.model_cls, self.model_spec, config.neuron_config.quantization)
+        self.model_spec = model_spec(checkpoint.hf_config, config.neuron_config.quantization)
         # Sinks and sliding windows take the torch attention path (the kernel is plain causal).
         self.use_kernels = kernels_enabled(device) and not self.model_spec.needs_torch_attention
-        self.use_linear_kernel = linear_kernel_available(device)
-        set_small_batch_kernel(self.use_linear_kernel)
+        kernel_dtypes = linear_kernel_dtypes(device)
+        self.use_linear_kernel = self.dtype in kernel_dtypes
+        set_small_batch_kernel(kernel_dtypes)
+        logger.info("%s", describe_kernels(device, self.dtype))
         # CUDA: decode attention reads each sequence's real context (Triton), and bucket graphs replay.
         self.paged_decode = not self.use_kernels and not self.model_spec.needs_torch_attention and \
             paged_decode_available(device.type, self.model_spec.head_dim, self.block_size)
@@ -95,7 +96,7 @@ class ModelRunnerBase:
         torch.set_default_dtype(self.dtype)
         try:
             with torch.device(self.device):
-                model = cls(self.ckpt.hf_config)
+                model = cls(self.ckpt.hf_config, quantization=self.config.neuron_config.quantization)
         finally:
             torch.set_default_dtype(prev)
         nbytes = model.load_weights(tqdm(self.ckpt.iter_weights(self.dtype), desc="Loading weights",
@@ -124,7 +125,7 @@ class ModelRunnerBase:
             b = memory.kv_budget_for_device(self.device, model_weight_bytes=weight_bytes,
                                             gpu_memory_utilization=self.config.gpu_memory_utilization,
                                             free_before_load=self._free_before_load, check_minimum=False)
-            logger.info("KV budget: %s", b.describe())
+            logger.info("%s", b.describe())  # the line starts with "KV budget"
             return b
 
         persistent = self.backend != "eager" and not self.compiler.disabled
@@ -175,6 +176,7 @@ class ModelRunnerBase:
         """What shapes the graphs beyond the model config, dtype and device (part of the cache key)."""
         return {"odsc": repr(self.odsc), "block_size": self.block_size, "backend": self.backend,
                 "kernels": self.use_kernels, "linear_kernel": self.use_linear_kernel,
+                "kernel_variant": kernel_variant()[0] if self.use_kernels else None,
                 "paged_decode": self.paged_decode,
                 "quantization": self.config.neuron_config.quantization}
 
@@ -190,7 +192,11 @@ class ModelRunnerBase:
                         "uncompiled; nothing to warm up", len(graphs))
             return self.compiler
         logger.info("Warm-up: %d graphs (%s route); compile cache %s", len(graphs), self.backend, self.compiler.dir)
-        for name, kind, size, ctx in tqdm(graphs, desc="Compiling buckets", unit="graph", disable=None):
+        for i, (name, kind, size, ctx) in enumerate(tqdm(graphs, desc="Compiling buckets", unit="graph",
+                                                         disable=None), 1):
+            # Each line says what runs next: a cold compile is minutes of silence otherwise.
+            logger.info("Bucket %d/%d: %s (loading it from the compile cache, else compiling it) ...", i, len(graphs),
+                        name)
             run = getattr(self, f"_run_{kind}")  # _run_prefill / _run_decode / a runner's own kinds
             self.compiler.warm(name, lambda: run([], size, ctx))
         return self.compiler
