@@ -96,7 +96,9 @@ def main() -> None:
 
     from vllm_neuron import LLM
 
-    common = dict(max_model_len=1024, max_num_seqs=max(batches), max_num_batched_tokens=512,
+    # A fixed KV size: both engines then share one compile-cache entry (a budget-sized pool differs between
+    # the two, and a different KV size recompiles every graph).
+    common = dict(max_model_len=1024, max_num_seqs=max(batches), max_num_batched_tokens=512, num_gpu_blocks_override=512,
                   enforce_eager=args.enforce_eager, additional_config={"neuron_config": {
                       "num_seqs_buckets": sorted(set(batches)), "num_batched_tokens_buckets": [128, 512]}})
     spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": args.lookup_min,
@@ -112,6 +114,7 @@ def main() -> None:
         for b in batches:
             res = {mode: run_cell(llm, prompts, b, args.output_len) for mode, llm in engines.items()}
             rows.append((wname, b, res["off"], res["on"]))
+            print(f"[cell] {wname} batch {b}: {res}", flush=True)
     print(f"\nn-gram speculation (K={args.k}, lookup {args.lookup_min}..{args.lookup_max}), bundled model, "
           f"{args.num_requests} requests x {args.output_len} tokens per cell")
     head = (f"{'workload':<11} {'batch':>5} {'TPOT off':>9} {'TPOT on':>8} {'TPOT off/on':>11} "

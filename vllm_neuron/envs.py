@@ -85,7 +85,7 @@ def _str(name: str, default: str | None = None) -> str | None:
     return default if raw is None else raw
 
 
-def _choice(name: str, default: str, choices: tuple[str, ...]) -> str:
+def _choice(name: str, default: str | None, choices: tuple[str, ...]) -> str | None:
     raw = _raw(name)
     if raw is None:
         return default
@@ -260,6 +260,12 @@ _VARS: dict[str, EnvVar] = {
             "Disable the project's custom kernels, forcing the plain torch paths. Default 0.",
         ),
         EnvVar(
+            "VLLM_NEURON_CPU_ISA",
+            lambda: _choice("VLLM_NEURON_CPU_ISA", None, ("avx512bf16", "avx2", "generic")),
+            "CPU class the custom kernels are built for: avx512bf16, avx2 or generic (unset: the best "
+            "this CPU runs). Forcing a lower class tests its code path; a higher one is refused.",
+        ),
+        EnvVar(
             "VLLM_NEURON_ATTN_MASK_TORCH",
             lambda: _bool("VLLM_NEURON_ATTN_MASK_TORCH"),
             "Build the decode attention mask with plain torch ops instead of the custom mask "
@@ -288,6 +294,12 @@ _VARS: dict[str, EnvVar] = {
             "Minimum KV budget in GiB; start-up fails fast below it. Default 1.0.",
         ),
         # -- metrics --
+        EnvVar(
+            "VLLM_LOG_STATS_INTERVAL",
+            lambda: _float("VLLM_LOG_STATS_INTERVAL", 10.0, minimum=0.0, min_exclusive=True),
+            "Seconds between the server's engine stats lines (vLLM's variable). Default 10; "
+            "--disable-log-stats turns them off.",
+        ),
         EnvVar(
             "PROMETHEUS_MULTIPROC_DIR",
             lambda: _str("PROMETHEUS_MULTIPROC_DIR"),

@@ -58,7 +58,7 @@ if has 5; then
   pids+=($!)
 fi
 if has 6; then
-  ( step_env 6; el "step 6 start"; timeout -k 10 ${T6:-200} $PY $HERE/s06_warm_restart.py; el "step 6 rc=$?" ) > "$OUT/06_warm.log" 2>&1 &
+  ( step_env 6; el "step 6 start"; timeout -k 10 ${T6:-420} $PY $HERE/s06_warm_restart.py; el "step 6 rc=$?" ) > "$OUT/06_warm.log" 2>&1 &
   pids+=($!)
 fi
 for p in "${pids[@]}"; do wait "$p"; done

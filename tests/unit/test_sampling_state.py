@@ -25,13 +25,15 @@ def test_in_graph_rows_and_host_rows():
     assert _states(None, temperature=0.7).states["r"].on_host  # CPU sampling: every row
 
 
-def test_top_k_off_is_capped_with_one_warning(caplog, monkeypatch):
+def test_top_k_off_is_capped_with_one_warning_only_when_asked(caplog, monkeypatch):
     from vllm_neuron import logger as vlog
 
     monkeypatch.setattr(vlog, "_once_keys", set())  # earlier tests in this process may have warned already
     with caplog.at_level(logging.WARNING, logger="vllm_neuron"):
+        _states(temperature=0.5)  # top_k left at its default: the user asked for nothing to warn about
+        assert "limited to" not in caplog.text
         st = _states(temperature=0.7, top_k=-1)
-        _states(temperature=0.5, top_k=0)
+        _states(temperature=0.5, top_k=-1)
     assert caplog.text.count("limited to 256") == 1
     t = st.graph_tensors(["r"], rows=2)
     assert t["top_k"][0] == 256 and t["temperature"][1] == 0.0  # padded row is greedy

@@ -14,6 +14,7 @@ from typing import Any
 from vllm_neuron.config import buckets as B
 from vllm_neuron.config.device import (DEVICE_CHOICES, DTYPE_CHOICES, async_scheduling_default,
                                        check_weight_quantization, resolve_device, resolve_dtype)
+from vllm_neuron.config.generation_config import check_generation_config_arg, parse_override
 from vllm_neuron.config.neuron_config import AdditionalConfig, NeuronConfig, parse_additional_config
 from vllm_neuron.config.speculative import SpeculativeConfig, parse_speculative_config
 from vllm_neuron.config.runner_selection import RunnerChoice, select_model_runner
@@ -56,6 +57,8 @@ class EngineConfig:
     chat_template: str | None = None
     trust_remote_code: bool = False  # accepted for vLLM compatibility; no remote code is ever run
     disable_log_stats: bool = False
+    generation_config: str = "auto"  # auto | vllm | a folder with generation_config.json
+    override_generation_config: dict | str | None = None
     additional_config: dict | str | AdditionalConfig | None = None
     # Filled by validate()
     neuron: AdditionalConfig = field(default=None, init=False, repr=False)  # type: ignore[assignment]
@@ -101,7 +104,7 @@ class EngineConfig:
         if self.data_parallel_size != 1:
             raise _not_supported("data_parallel_size", self.data_parallel_size, "only 1 for now")
         if self.enable_expert_parallel:
-            raise _not_supported("enable_expert_parallel", True, "no MoE model is supported yet")
+            raise _not_supported("enable_expert_parallel", True, "expert parallelism is not supported yet")
         if self.async_scheduling not in (None, True, False):
             raise ValueError(f"async_scheduling must be true, false or unset, got {self.async_scheduling!r}")
         if self.enable_prompt_embeds:
@@ -112,6 +115,8 @@ class EngineConfig:
                                  "only 'ngram' for now")
         if self.kv_transfer_config:
             raise _not_supported("kv_transfer_config", self.kv_transfer_config)
+        check_generation_config_arg(self.generation_config)
+        self.override_generation_config = parse_override(self.override_generation_config)
         if not isinstance(self.additional_config, AdditionalConfig):
             self.additional_config = parse_additional_config(self.additional_config)
         if self.additional_config.encoder_neuron_config is not None:
@@ -119,7 +124,11 @@ class EngineConfig:
         if self.additional_config.mm_language_model_only:
             raise _not_supported("mm_language_model_only", True, "no multimodal model is supported yet")
         nc = self.additional_config.neuron_config
-        if nc.quantization is not None:
+        if nc.quantization not in (None, "int8", "int4", "mxfp4"):
+            # Which model honours which scheme is the model's to say (ModelSpec.quantizations).
+            raise _not_supported("neuron_config.quantization", nc.quantization,
+                                 "only 'int8' / 'int4' (weight-only, CPU) and 'mxfp4' (gpt-oss experts) for now")
+        if nc.quantization in ("int8", "int4"):
             device = resolve_device(self.device)
             check_weight_quantization(nc.quantization, resolve_dtype(self.dtype, device), device)
         if nc.fp8_packed_kv:
@@ -130,8 +139,9 @@ class EngineConfig:
         if nc.gk_decode:
             raise _not_supported("neuron_config.gk_decode", True)
 
-    def finalize(self, model_max_len: int) -> NeuronConfig:
-        """Fills the model-dependent defaults and resolves the bucket lists."""
+    def finalize(self, model_max_len: int, *, moe: bool = False, sliding_window: bool = False) -> NeuronConfig:
+        """Fills the model-dependent defaults and resolves the bucket lists; `moe` / `sliding_window`
+        describe the model (they select MRv1 by default)."""
         if self.max_model_len is None:
             self.max_model_len = model_max_len
         elif self.max_model_len > model_max_len:
@@ -188,7 +198,8 @@ class EngineConfig:
         self.runner_choice = select_model_runner(envs.VLLM_USE_V2_MODEL_RUNNER,
                                                  cpu_sampling=nc.on_device_sampling_config is None,
                                                  enforce_eager=self.enforce_eager,
-                                                 speculative=spec is not None)
+                                                 speculative=spec is not None, moe=moe,
+                                                 sliding_window=sliding_window)
         if spec is not None and self.runner_choice.use_v2:
             raise ValueError("VLLM_USE_V2_MODEL_RUNNER=1 cannot serve speculative decoding: Neuron Model Runner V2 "
                              "does not support it; unset VLLM_USE_V2_MODEL_RUNNER (MRv1 is then selected)")

@@ -18,12 +18,14 @@ import zmq.asyncio
 
 from vllm_neuron import metrics
 from vllm_neuron.config.engine_config import EngineConfig
+from vllm_neuron.config.generation_config import effective_generation_config
 from vllm_neuron.engine.core_proc import run_engine_core
 from vllm_neuron.engine.input_processor import InputProcessor
 from vllm_neuron.engine.output_processor import OutputProcessor
 from vllm_neuron.engine.protocol import EngineClient, EngineDeadError, EngineRequestError, ModelInfo, PromptType
 from vllm_neuron.logger import init_logger
 from vllm_neuron.model.loader import load_checkpoint, load_tokenizer
+from vllm_neuron.model.registry import model_spec
 from vllm_neuron.outputs import RequestOutput
 from vllm_neuron.sampling_params import SamplingParams
 
@@ -33,7 +35,9 @@ logger = init_logger(__name__)
 class AsyncLLM(EngineClient):
     def __init__(self, config: EngineConfig, model_name: str | None = None) -> None:
         ckpt = load_checkpoint(config.model)
-        nc = config.finalize(ckpt.hf_config.max_position_embeddings)  # bad options fail here, before spawning
+        spec = model_spec(ckpt.hf_config, config.neuron_config.quantization)  # bad models fail before spawning
+        nc = config.finalize(ckpt.hf_config.max_position_embeddings, moe=spec.is_moe,
+                             sliding_window=spec.has_sliding_window)
         self.config = config
         self.model_name = model_name or config.served_names()[0]
         self._queues: dict[str, asyncio.Queue] = {}
@@ -61,11 +65,14 @@ class AsyncLLM(EngineClient):
             self.proc.kill()
             self.shutdown()  # sockets and the IPC folder
             raise
-        self.input_processor = InputProcessor(self.tokenizer, config.max_model_len, ckpt.generation_config,
+        generation = effective_generation_config(config.generation_config, ckpt.generation_config,
+                                                 config.override_generation_config)
+        self.input_processor = InputProcessor(self.tokenizer, config.max_model_len, generation,
                                               nc.on_device_sampling_config, config.max_logprobs,
                                               ckpt.hf_config.vocab_size)
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.model_info = ModelInfo(ckpt.path, config.max_model_len, self.input_processor.eos_token_id)
+        self.model_info = ModelInfo(ckpt.path, config.max_model_len, self.input_processor.eos_token_id,
+                                    self.input_processor.generation_defaults)
 
     # -- EngineClient -----------------------------------------------------------------------------
     @property
@@ -162,8 +169,8 @@ class AsyncLLM(EngineClient):
             elif kind == "ready":
                 self._ready = True
                 self.startup_info = payload
-                logger.info("Engine ready (startup %.1f s, %d KV blocks)", payload["startup_seconds"],
-                            payload["num_blocks"])
+                # The EngineCore logged its own "Engine ready" line with the details: no second one.
+                logger.debug("EngineCore reported ready (startup %.1f s)", payload["startup_seconds"])
             elif kind == "dead":
                 self._mark_dead(payload)
 

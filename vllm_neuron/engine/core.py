@@ -7,7 +7,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from vllm_neuron import envs
 from vllm_neuron.config import buckets as B
-from vllm_neuron.config.device import resolve_device, resolve_dtype
+from vllm_neuron.config.device import dtype_reason, resolve_device, resolve_dtype
 from vllm_neuron.config.engine_config import EngineConfig
 from vllm_neuron.config.runner_selection import V2_LOG_LINE
 from vllm_neuron.core.request import Request, RequestStatus
@@ -16,6 +16,7 @@ from vllm_neuron.engine.messages import EngineCoreOutput, EngineCoreOutputs, Eng
 from vllm_neuron.logger import init_logger
 from vllm_neuron.step import ModelRunnerOutput, SchedulerOutput
 from vllm_neuron.model.loader import Checkpoint, load_checkpoint
+from vllm_neuron.model.registry import model_spec
 from vllm_neuron.worker import memory
 from vllm_neuron.worker.model_runner_v1 import ModelRunnerV1
 
@@ -33,9 +34,12 @@ class EngineCore:
         t0 = time.perf_counter()
         self.config = config
         self.ckpt = checkpoint or load_checkpoint(config.model)
-        nc = config.finalize(self.ckpt.hf_config.max_position_embeddings)
+        spec = model_spec(self.ckpt.hf_config, config.neuron_config.quantization)
+        nc = config.finalize(self.ckpt.hf_config.max_position_embeddings, moe=spec.is_moe,
+                             sliding_window=spec.has_sliding_window)
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
+        logger.info("dtype %s (%s)", str(self.dtype).removeprefix("torch."), dtype_reason(config.dtype, self.device))
         backend = "eager" if config.enforce_eager else envs.VLLM_NEURON_BACKEND
         logger.info("Engine config: model=%s device=%s dtype=%s max_model_len=%d max_num_seqs=%d "
                     "max_num_batched_tokens=%d block_size=%d prefix_caching=%s sampling=%s",

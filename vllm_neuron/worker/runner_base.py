@@ -20,11 +20,12 @@ from vllm_neuron.config.device import check_weight_quantization
 from vllm_neuron.config.engine_config import EngineConfig
 from vllm_neuron.logger import init_logger
 from vllm_neuron.model.layers import kv_quant
-from vllm_neuron.model.layers.kernels import kernels_enabled, linear_kernel_available, quant_kernels_available
+from vllm_neuron.model.layers.kernels import (describe_kernels, kernel_variant, kernels_enabled, linear_kernel_dtypes,
+                                              quant_kernels_available)
 from vllm_neuron.model.layers.linear import quantize_linears_, set_quant_kernels, set_small_batch_kernel
 from vllm_neuron.model.layers.paged_decode import paged_decode_available
 from vllm_neuron.model.loader import Checkpoint
-from vllm_neuron.model.registry import check_quantization, resolve_model_class
+from vllm_neuron.model.registry import model_spec, resolve_model_class
 from vllm_neuron.step import ModelRunnerOutput, SchedulerOutput
 from vllm_neuron.worker import memory
 from vllm_neuron.worker.compilation import GraphCompiler, cache_key_parts
@@ -75,12 +76,13 @@ class ModelRunnerBase:
         self._free_before_load: int | None = None
         self._kv_sizing: dict | None = None
         self.model_cls = resolve_model_class(checkpoint.hf_config)
-        self.model_spec = self.model_cls.spec(checkpoint.hf_config)
-        check_quantization(self.model_cls, self.model_spec, config.neuron_config.quantization)
+        self.model_spec = model_spec(checkpoint.hf_config, config.neuron_config.quantization)
         # Sinks and sliding windows take the torch attention path (the kernel is plain causal).
         self.use_kernels = kernels_enabled(device) and not self.model_spec.needs_torch_attention
-        self.use_linear_kernel = linear_kernel_available(device)
-        set_small_batch_kernel(self.use_linear_kernel)
+        kernel_dtypes = linear_kernel_dtypes(device)
+        self.use_linear_kernel = self.dtype in kernel_dtypes
+        set_small_batch_kernel(kernel_dtypes)
+        logger.info("%s", describe_kernels(device, self.dtype))
         self.use_quant_kernels = quant_kernels_available(device)
         set_quant_kernels(self.use_quant_kernels)
         # CUDA: decode attention reads each sequence's real context (Triton), and bucket graphs replay.
@@ -99,7 +101,7 @@ class ModelRunnerBase:
         torch.set_default_dtype(self.dtype)
         try:
             with torch.device(self.device):
-                model = cls(self.ckpt.hf_config)
+                model = cls(self.ckpt.hf_config, quantization=self.config.neuron_config.quantization)
         finally:
             torch.set_default_dtype(prev)
         kv_scales: list[str] = []
@@ -109,7 +111,7 @@ class ModelRunnerBase:
             kv_quant.log_scales(self.config.kv_cache_dtype, kv_scales, model.kv_cache_spec()[0])
         self.model = model.eval().requires_grad_(False)
         scheme = self.config.neuron_config.quantization
-        if scheme is not None:
+        if scheme in ("int8", "int4"):  # mxfp4 belongs to the gpt-oss experts' own loading
             check_weight_quantization(scheme, self.dtype, self.device)
             layers, before, after = quantize_linears_(self.model, scheme)
             logger.info("Weight-only %s: %d linear layers, %.1f MiB -> %.1f MiB (%s kernel for decode)", scheme,
@@ -132,7 +134,7 @@ class ModelRunnerBase:
             b = memory.kv_budget_for_device(self.device, model_weight_bytes=weight_bytes,
                                             gpu_memory_utilization=self.config.gpu_memory_utilization,
                                             free_before_load=self._free_before_load, check_minimum=False)
-            logger.info("KV budget: %s", b.describe())
+            logger.info("%s", b.describe())  # the line starts with "KV budget"
             return b
 
         persistent = self.backend != "eager" and not self.compiler.disabled
@@ -187,6 +189,7 @@ class ModelRunnerBase:
         """What shapes the graphs beyond the model config, dtype and device (part of the cache key)."""
         return {"odsc": repr(self.odsc), "block_size": self.block_size, "backend": self.backend,
                 "kernels": self.use_kernels, "linear_kernel": self.use_linear_kernel,
+                "kernel_variant": kernel_variant()[0] if self.use_kernels else None,
                 "quant_kernels": self.use_quant_kernels, "kv_dtype": str(self.kv_dtype),
                 "paged_decode": self.paged_decode,
                 "quantization": self.config.neuron_config.quantization}
@@ -203,7 +206,11 @@ class ModelRunnerBase:
                         "uncompiled; nothing to warm up", len(graphs))
             return self.compiler
         logger.info("Warm-up: %d graphs (%s route); compile cache %s", len(graphs), self.backend, self.compiler.dir)
-        for name, kind, size, ctx in tqdm(graphs, desc="Compiling buckets", unit="graph", disable=None):
+        for i, (name, kind, size, ctx) in enumerate(tqdm(graphs, desc="Compiling buckets", unit="graph",
+                                                         disable=None), 1):
+            # Each line says what runs next: a cold compile is minutes of silence otherwise.
+            logger.info("Bucket %d/%d: %s (loading it from the compile cache, else compiling it) ...", i, len(graphs),
+                        name)
             run = getattr(self, f"_run_{kind}")  # _run_prefill / _run_decode / a runner's own kinds
             self.compiler.warm(name, lambda: run([], size, ctx))
         return self.compiler

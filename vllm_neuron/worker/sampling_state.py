@@ -38,13 +38,18 @@ class SamplingStates:
         self.odsc = odsc
         self.rng = torch.Generator().manual_seed(seed)
         self.states: dict[str, RequestState] = {}
+        if odsc is not None and not odsc.all_greedy:
+            logger.info("In-graph sampling draws from the %d most likely tokens (neuron_config."
+                        "on_device_sampling_config.top_k); a request with a larger top_k samples on the host",
+                        odsc.top_k)
 
     def add(self, data: NewRequestData) -> None:
         p = data.sampling_params
         gen = torch.Generator().manual_seed(p.seed) if p.seed is not None else None
         # A top_k wider than the graph's top-k width would be silently narrowed: sample it on the host.
         on_host = self.odsc is None or p.needs_host_sampling or p.top_k > self.odsc.top_k
-        if not on_host and p.top_k <= 0 and p.temperature >= SAMPLING_EPS and not self.odsc.all_greedy:
+        if not on_host and p.top_k == -1 and p.temperature >= SAMPLING_EPS and not self.odsc.all_greedy:
+            # Only an explicit -1 asks for the whole vocabulary; the default (0) is told once at start-up.
             warning_once(logger, "top_k=-1 (off) is limited to %d by on-device sampling "
                          "(neuron_config.on_device_sampling_config.top_k); set on_device_sampling_config to "
                          "null for sampling over the full vocabulary", self.odsc.top_k)

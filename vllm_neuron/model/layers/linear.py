@@ -1,11 +1,11 @@
-"""Linear layer: nn.Linear, plus the bf16 weight-streaming kernel for decode-sized batches.
+"""Linear layer: nn.Linear, plus the weight-streaming kernel for decode-sized batches.
 
 At a few rows a linear layer is bound by streaming its weights; the custom kernel
-(kernels/linear_bf16.cpp) gets 1.3-2.5x more bandwidth than oneDNN there on AVX512-BF16 CPUs. From
-SMALL_BATCH_ROWS rows on, oneDNN is as fast and takes over. The switches are process-wide and set once
-by the model runner; a graph sees them as constants, so the choice is made when a bucket is traced.
+(kernels/linear_bf16.cpp, bf16 and fp32) gets 1.3-2.5x more bandwidth than oneDNN there on AVX512-BF16 CPUs. From
+SMALL_BATCH_ROWS rows on, oneDNN is as fast and takes over. The switch is process-wide and set once
+by the model runner; a graph sees it as a constant, so the choice is made when a bucket is traced.
 A layer can also be quantized in place to weight-only int8 or int4 (quant_int8.py, quant_int4.py),
-whose few-row kernels are switched on the same way.
+whose few-row kernels are switched on by the runner too.
 """
 from __future__ import annotations
 
@@ -14,13 +14,14 @@ import torch.nn.functional as F
 from torch import nn
 
 SMALL_BATCH_ROWS = 4
-_kernel_enabled = False
+_kernel_dtypes: frozenset[torch.dtype] = frozenset()
 _quant_kernels_enabled = False
 
 
-def set_small_batch_kernel(enabled: bool) -> None:
-    global _kernel_enabled
-    _kernel_enabled = enabled
+def set_small_batch_kernel(dtypes: frozenset[torch.dtype]) -> None:
+    """The dtypes whose small batches take the weight-streaming kernel (empty: none)."""
+    global _kernel_dtypes
+    _kernel_dtypes = frozenset(dtypes)
 
 
 def set_quant_kernels(enabled: bool) -> None:
@@ -49,12 +50,11 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quantization is not None:
             return _scheme(self.quantization).linear(x, self.qweight, self.qscale, self.bias, _quant_kernels_enabled)
-        if (_kernel_enabled and x.dim() == 2 and x.shape[0] <= SMALL_BATCH_ROWS and self.bias is None
-                and x.dtype == torch.bfloat16 and self.weight.dtype == torch.bfloat16
-                and self.in_features % 32 == 0):
-            from vllm_neuron.model.layers.kernels import linear_bf16
+        if (x.dtype in _kernel_dtypes and x.dim() == 2 and x.shape[0] <= SMALL_BATCH_ROWS and self.bias is None
+                and self.weight.dtype == x.dtype and self.in_features % 32 == 0):
+            from vllm_neuron.model.layers.kernels import linear_small_batch
 
-            return linear_bf16(x, self.weight)
+            return linear_small_batch(x, self.weight)
         return F.linear(x, self.weight, self.bias)
 
 
