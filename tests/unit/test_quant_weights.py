@@ -140,7 +140,9 @@ def test_refused_off_cpu_for_other_dtypes_shapes_and_schemes():
         Q4.quantize(torch.randn(16, 96))
     with pytest.raises(ValueError, match="in_features divisible by 16"):
         Q8.quantize(torch.randn(16, 40))
+    with pytest.raises(ValueError, match="quantization='mxfp8'.*not supported yet.*'int8' / 'int4'"):
+        EngineConfig(device="cpu", additional_config={"neuron_config": {"quantization": "mxfp8"}}).validate_static()
     with pytest.raises(ValueError, match="quantization='mxfp4'.*not supported yet.*int8, int4"):
-        EngineConfig(device="cpu", additional_config={"neuron_config": {"quantization": "mxfp4"}}).validate_static()
+        check_weight_quantization("mxfp4", torch.float32, CPU)
     for scheme in ("int8", "int4"):
         EngineConfig(device="cpu", additional_config={"neuron_config": {"quantization": scheme}}).validate_static()
