@@ -28,6 +28,11 @@ def pytest_configure(config: pytest.Config) -> None:
     # Before the first `import torch` of any test module: CUDA reads this when it initializes.
     if not _gpu_requested(config):
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    # Never the user's cache (~/.cache/vllm_neuron): the tests' own, kept between runs so the custom
+    # kernels and the GGUF conversions are built once. Tests that need an empty cache set their own.
+    from tests.model_factory import _cache_root
+
+    os.environ["VLLM_CACHE_ROOT"] = os.path.join(_cache_root(), "vllm_cache_root")
     import torch
 
     torch.set_num_threads(2)

@@ -189,6 +189,7 @@ class ModelRunnerBase:
                 self.compiler.warm(name, lambda: self._run_prefill([], size, ctx))
             else:
                 self.compiler.warm(name, lambda: self._run_decode([], size, ctx))
+        self.compiler.finish()
         return self.compiler
 
     # -- graphs ----------------------------------------------------------------------------------

@@ -3,7 +3,9 @@
 Each kernel is C++ registered as a torch custom op (`torch.ops.vllm_neuron.*`) with a fake
 implementation, so torch.compile keeps it as one call inside a bucket's graph. The shared object is
 compiled once per machine with the system C++ compiler into `<cache root>/kernels/<hash>/` (the hash
-covers the source, torch's version and the flags) and reused by every later start.
+covers the source, torch's version, the flags, the compiler and the CPU's instruction set: the
+library is built with -march=native, so a cache root shared between machines never hands one CPU
+another's build) and reused by every later start.
 
 `VLLM_NEURON_DISABLE_NKI_KERNELS=1` turns them off; so does a non-CPU device or a failed build
 (logged once): the layers then take their pure-torch paths, which compute the same thing.
@@ -21,6 +23,7 @@ from pathlib import Path
 import torch
 
 from vllm_neuron import envs
+from vllm_neuron.config.device import compiler_id, cpu_isa
 from vllm_neuron.logger import init_logger
 
 logger = init_logger(__name__)
@@ -43,7 +46,7 @@ def _compile(out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
-    cmd = [os.environ.get("CXX", "g++"), *_FLAGS, abi, *includes, *[str(here / s) for s in _SOURCES],
+    cmd = [_cxx(), *_FLAGS, abi, *includes, *[str(here / s) for s in _SOURCES],
            "-o", tmp, f"-L{torch_lib}", "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{torch_lib}"]
     logger.info("Building the custom CPU kernels (once per machine) into %s", out.parent)
     proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -60,7 +63,13 @@ def _digest() -> str:
         h.update((here / s).read_bytes())
     h.update(torch.__version__.encode())
     h.update(" ".join(_FLAGS).encode())
+    h.update(compiler_id(_cxx()).encode())
+    h.update(cpu_isa().encode())
     return h.hexdigest()[:16]
+
+
+def _cxx() -> str:
+    return os.environ.get("CXX", "g++")
 
 
 @functools.lru_cache(maxsize=1)
