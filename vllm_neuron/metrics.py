@@ -14,6 +14,9 @@ Who records what (exactly one owner per series, or counts double):
     engine (scheduler side, once per step)      record_step(...)
         vllm:num_requests_running / num_requests_waiting / kv_cache_usage_perc (gauges)
         vllm:prefix_cache_queries / prefix_cache_hits / num_preemptions (counters)
+                                                record_spec_decode(...) with speculative decoding
+        vllm:spec_decode_num_drafts / num_draft_tokens / num_accepted_tokens /
+        num_accepted_tokens_per_pos{position} (counters)
     engine (model runner, driver rank, per step) record_padding(...), record_execution(...),
                                                  record_async_sync_fallback()
     workers (each rank, at start-up)            record_compilation_time(...), record_model_load(...)
@@ -122,6 +125,20 @@ MODEL_LOAD_TIME = Gauge("vllm_neuron:model_load_time_seconds", "Weight load time
 MODEL_LOAD_SIZE = Gauge("vllm_neuron:model_load_size_bytes", "Weight size transferred to device.",
                         _MR, registry=None, multiprocess_mode="max")
 
+SPEC_DECODE_NUM_DRAFTS = Counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", _M,
+                                 registry=None)
+SPEC_DECODE_NUM_DRAFT_TOKENS = Counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", _M,
+                                       registry=None)
+SPEC_DECODE_NUM_ACCEPTED_TOKENS = Counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.",
+                                          _M, registry=None)
+SPEC_DECODE_ACCEPTED_PER_POS = Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                       "Accepted tokens per draft position.", _M + ["position"], registry=None)
+# Only with --speculative-config (as in vLLM).
+SPEC_DECODE_SERIES: tuple[str, ...] = (
+    "vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens_total",
+    "vllm:spec_decode_num_accepted_tokens_total", "vllm:spec_decode_num_accepted_tokens_per_pos_total",
+)
+
 # Every series name as exposed (counters gain _total), for docs and tests.
 SERIES_NAMES: tuple[str, ...] = (
     "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
@@ -188,6 +205,18 @@ def record_step(*, num_running: int, num_waiting: int, kv_cache_usage: float,
         PREFIX_CACHE_HITS.labels(name).inc(prefix_cache_hits)
     if num_preemptions:
         NUM_PREEMPTIONS.labels(name).inc(num_preemptions)
+
+
+def record_spec_decode(num_drafts: int, num_draft_tokens: int, num_accepted_tokens: int,
+                       accepted_per_pos: list[int]) -> None:
+    """One step's increments of the speculative-decoding counters (accepted_per_pos[i]: drafts accepted
+    at position i). Called every step when speculation is on, so the series exist from the start."""
+    name = _name()
+    SPEC_DECODE_NUM_DRAFTS.labels(name).inc(num_drafts)
+    SPEC_DECODE_NUM_DRAFT_TOKENS.labels(name).inc(num_draft_tokens)
+    SPEC_DECODE_NUM_ACCEPTED_TOKENS.labels(name).inc(num_accepted_tokens)
+    for pos, n in enumerate(accepted_per_pos):
+        SPEC_DECODE_ACCEPTED_PER_POS.labels(name, str(pos)).inc(n)
 
 
 def record_padding(kind: Literal["seqs", "tokens"], bucket_name: str, padding: int) -> None:

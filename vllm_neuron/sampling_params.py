@@ -21,6 +21,7 @@ SAMPLING_EPS = 1e-5
 # Temperatures in (0, MIN_RANDOM_TEMPERATURE) overflow the softmax; vLLM raises them to this value.
 MIN_RANDOM_TEMPERATURE = 1e-2
 MAX_TEMPERATURE = 2.0
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 63) - 1  # vLLM's range: torch's int64
 
 
 class RequestOutputKind(enum.Enum):
@@ -163,6 +164,9 @@ class SamplingParams:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}.")
         if self.seed is not None and not _is_int(self.seed):
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}.")
+        if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
+            # A larger seed would overflow torch.Generator.manual_seed inside the engine.
+            raise ValueError(f"seed must be a 64-bit signed integer in [{SEED_MIN}, {SEED_MAX}], got {self.seed}.")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}.")
         if self.min_tokens < 0:

@@ -36,6 +36,8 @@ class ScheduledChunk:
     start_pos: int  # position of token_ids[0]; tokens before it are already in the cache
     block_ids: list[int]  # the request's whole block table
     sample: bool  # whether this step samples the request's next token
+    # Speculative decoding: the last token_ids are this many draft tokens to verify (decode only).
+    num_draft_tokens: int = 0
 
 
 @dataclass
@@ -74,7 +76,8 @@ class StepLogprobs:
 
 @dataclass
 class ModelRunnerOutput:
-    # req_id -> sampled token ids this step (one, or none for a prefill chunk that does not sample)
+    # req_id -> sampled token ids this step (one, none for a prefill chunk that does not sample, or with
+    # speculative decoding the accepted drafts then one more)
     sampled: dict[str, list[int]]
     logprobs: dict[str, StepLogprobs] = field(default_factory=dict)
     bucket_name: str = ""
@@ -83,3 +86,5 @@ class ModelRunnerOutput:
     # (the batch changed) and filled its placeholders on the host.
     async_fallback: bool = False
     tokens_passed_on_device: bool = False  # this step's input tokens came from the previous step's output
+    # Speculative decoding: req_id -> draft tokens proposed for the request's next step.
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)

@@ -25,11 +25,11 @@ _SUMMARY_RE = re.compile(r"compile cache (\S+): (\d+) graphs, (\d+) compiled now
 _BUCKET_RE = re.compile(r"Bucket (\w+): compile cache (hit|miss)")
 
 
-def _args(num_seqs_buckets: tuple[int, ...]) -> list[str]:
+def _args(num_seqs_buckets: tuple[int, ...], blocks_override: bool = True) -> list[str]:
     neuron = {"num_batched_tokens_buckets": [32], "num_seqs_buckets": list(num_seqs_buckets)}
     return ["--additional-config", json.dumps({"neuron_config": neuron}), "--max-num-batched-tokens", "32",
             "--max-num-seqs", "2", "--max-model-len", "128", "--no-enable-prefix-caching",
-            "--num-gpu-blocks-override", "16"]
+            *(["--num-gpu-blocks-override", "16"] if blocks_override else [])]
 
 
 @dataclass
@@ -47,10 +47,13 @@ class CompileRun:
 
 
 def _compile(model: str, root: str, tmp_dir: str, num_seqs_buckets: tuple[int, ...] = (2,),
-             **env: str) -> CompileRun:
-    proc = run_cli(["compile", model, *_args(num_seqs_buckets)], tmp_dir, timeout=300,
+             blocks_override: bool = True, expect_ok: bool = True, **env: str) -> CompileRun:
+    proc = run_cli(["compile", model, *_args(num_seqs_buckets, blocks_override)], tmp_dir, timeout=300,
                    NEURON_COMPILED_ARTIFACTS=root, **env)
     out = proc.stdout + proc.stderr
+    if not expect_ok:
+        assert proc.returncode != 0, out
+        return CompileRun(proc, "", 0, 0, 0, {})
     assert proc.returncode == 0, out
     m = _SUMMARY_RE.search(proc.stdout)
     assert m, f"no compile cache summary line:\n{out}"
@@ -196,3 +199,38 @@ def test_loaded_graphs_generate_what_eager_generates(model, tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "compiled for other input shapes" in proc.stdout + proc.stderr
     assert proc.stdout.split(">>> ", 1)[1] == generate("--enforce-eager", *wider)
+
+
+_FAKE_MEMORY = """
+import os
+gib = os.environ.get("TEST_FAKE_HOST_AVAILABLE_GIB")
+if gib:  # the host's available memory as this test says, whatever the machine has
+    from vllm_neuron.worker import memory
+    memory.host_available_bytes = lambda meminfo_path=None: int(float(gib) * (1 << 30))
+"""
+
+
+def test_kv_pool_and_graphs_survive_a_restart_with_less_free_memory(model, tmp_path):
+    """The KV pool is sized from host memory (no override) on the first start; a restart with half the
+    free memory reuses it and loads every saved graph; with far less, start-up is refused with the
+    arithmetic instead of shrinking the pool and recompiling."""
+    fake = tmp_path / "fake_memory"
+    fake.mkdir()
+    (fake / "sitecustomize.py").write_text(_FAKE_MEMORY)
+    root = str(tmp_path / "cache")
+    env = {"PYTHONPATH": f"{fake}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "VLLM_NEURON_MIN_KV_BUDGET_GIB": "0"}
+
+    def start(gib: float, **kw) -> CompileRun:
+        return _compile(model, root, str(tmp_path), blocks_override=False, TEST_FAKE_HOST_AVAILABLE_GIB=str(gib),
+                        **env, **kw)
+
+    cold = start(1.0)
+    blocks = json.loads(open(os.path.join(cold.cache_dir, "manifest.json")).read())["num_blocks"]
+    assert "first start with this configuration" in cold.output and cold.compiled == cold.graphs, cold.output
+    warm = start(0.5)  # the budget alone would now size half the pool
+    assert warm.cache_dir == cold.cache_dir and warm.compiled == 0 and warm.cached == cold.graphs, warm.output
+    assert f"KV pool: {blocks} blocks" in warm.output and "reused whatever the free memory" in warm.output
+    refused = start(0.1, expect_ok=False)
+    assert "no longer fits in memory" in refused.output and f"{blocks} blocks" in refused.output, refused.output
+    assert "num_gpu_blocks_override (at most" in refused.output, refused.output

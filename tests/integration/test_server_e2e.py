@@ -78,7 +78,10 @@ def server(tiny_llama_dir, tmp_path_factory):
 def keyed_server(tiny_llama_dir, tmp_path_factory):
     srv = _start(tiny_llama_dir, str(tmp_path_factory.mktemp("keyed")), "--api-key", API_KEY)
     yield srv
-    _stop(srv)
+    if srv.proc.poll() is None:
+        _stop(srv)
+    else:  # test_engine_death: the server exited with its engine
+        srv.kill()
 
 
 @pytest.fixture(scope="module")
@@ -304,6 +307,93 @@ def test_http_errors(server, model, path, body, status, etype, needle):
     _assert_still_serves(server.url, model)
 
 
+# ---- one request must not hurt the server (issues 10 and 19) ----------------------------------
+
+def _post_raw(url: str, path: str, raw: bytes, content_type: str = "application/json") -> httpx.Response:
+    return httpx.post(url + path, content=raw, headers={"content-type": content_type}, timeout=60)
+
+
+@pytest.mark.parametrize("path,raw,content_type,status,param", [
+    # 2**64 once killed the engine core (torch.Generator.manual_seed overflow): now a 400 at the edge.
+    ("/v1/completions", b'{"prompt": "hi", "max_tokens": 2, "seed": 18446744073709551616}', None, 400, "seed"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "seed": -9223372036854775809}',
+     None, 400, "seed"),
+    ("/v1/completions", b'{"prompt": "hi", "max_tokens": 1, "n": 1000, "temperature": 1.0}', None, 400, "n"),
+    ("/tokenize", b'{"messages": [{"role": "user", "content": "hi"}], "chat_template": "{{ 1 }}"}', None, 400,
+     "chat_template"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "chat_template": "{{ 1 }}"}',
+     None, 400, "chat_template"),
+    ("/v1/completions", b'{"prompt": "hi"}', "text/plain", 415, None),
+    ("/v1/chat/completions", b'{"messages": [], "chat_template_kwargs": {"a": ' + b"[" * 100_000 + b"]" * 100_000
+     + b"}}", None, 400, None),
+    ("/tokenize", b'{"prompt": "' + b"x" * (9 << 20) + b'"}', None, 413, None),
+], ids=["seed-2^64", "seed-below-int64", "n-1000", "tokenize-template", "chat-template", "text-plain",
+        "nested-100k", "body-9MB"])
+def test_bad_requests_are_refused_cheaply(server, model, path, raw, content_type, status, param):
+    t0 = time.monotonic()
+    r = _post_raw(server.url, path, raw, content_type or "application/json")
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["code"] == status and err["param"] == param, err
+    assert time.monotonic() - t0 < 10
+    _assert_still_serves(server.url, model)
+
+
+def test_lone_surrogates_are_replaced(server, model, tokenizer):
+    """JSON allows "\\ud800" but no tokenizer takes it: replaced by U+FFFD in every field."""
+    r = _post_raw(server.url, "/tokenize", b'{"prompt": "a\\ud800b"}')
+    assert r.status_code == 200 and r.json()["tokens"] == tokenizer.encode("a\ufffdb")
+    for path, raw in (
+            ("/v1/completions", b'{"prompt": "a\\ud800b", "max_tokens": 2, "bad_words": ["\\udfff"]}'),
+            ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\ud800"}], "max_tokens": 2}')):
+        r = _post_raw(server.url, path, raw)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 2
+    _assert_still_serves(server.url, model)
+
+
+def test_heavy_request_does_not_stall_the_server(server, model):
+    """A 1 MB prompt is tokenized off the event loop: /health and a running stream keep answering
+    (before the fix both waited for the whole tokenization, seconds)."""
+    body = {"model": model, "prompt": "Count on: ", "max_tokens": 120, "ignore_eos": True, "stream": True,
+            "temperature": 0.0}
+    heavy_s: list[float] = []
+    gaps: list[float] = []
+    health: list[float] = []
+    started = threading.Event()
+
+    def heavy() -> None:
+        started.wait(30)
+        t0 = time.monotonic()
+        r = httpx.post(server.url + "/tokenize", json={"prompt": "hello world, this is a test. " * 35000},
+                       timeout=120)
+        assert r.status_code == 200 and r.json()["count"] > 200_000
+        heavy_s.append(time.monotonic() - t0)
+
+    worker = threading.Thread(target=heavy)
+    worker.start()
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=120) as r:
+        last = None
+        for line in r.iter_lines():
+            now = time.monotonic()
+            if not line.startswith("data: "):
+                continue
+            if last is not None and worker.is_alive() and heavy_s == [] and started.is_set():
+                gaps.append(now - last)
+            last = now
+            started.set()
+            if worker.is_alive() and len(gaps) % 5 == 0:
+                t0 = time.monotonic()
+                assert httpx.get(server.url + "/health", timeout=30).status_code == 200
+                health.append(time.monotonic() - t0)
+    worker.join(120)
+    assert heavy_s and heavy_s[0] > 0.5, "the heavy request was too quick to measure a stall"
+    assert gaps and health, "nothing was measured while the heavy request ran"
+    # Idle figures: ~0.05 s per token, ~0.01 s per /health; the bound leaves room for a loaded machine.
+    assert max(health) < 1.0, f"/health stalled {max(health):.2f} s during a {heavy_s[0]:.1f} s tokenization"
+    assert max(gaps) < 1.0, f"the stream stalled {max(gaps):.2f} s during a {heavy_s[0]:.1f} s tokenization"
+
+
 # ---- disconnects and metrics -------------------------------------------------------------------
 
 def test_client_disconnect_frees_the_engine(server, model):
@@ -443,13 +533,7 @@ def test_engine_death(keyed_server):
     assert isinstance(stream, list) and stream[-1] == "data: [DONE]", stream
     assert "error" in json.loads(stream[-2][len("data: "):]), stream[-3:]
 
-    wait_for(lambda: httpx.get(url + "/health", timeout=5).status_code == 503, timeout=5,
-             what="/health to report the dead engine")
-    t0 = time.monotonic()
-    r = httpx.post(url + "/v1/completions", json={"model": model, "prompt": "hi", "max_tokens": 2}, headers=auth,
-                   timeout=10)
-    assert time.monotonic() - t0 < 5
-    assert r.status_code >= 500 and r.json()["error"]["code"] == r.status_code, r.text
-    r = httpx.post(url + "/v1/chat/completions", json={"model": model, "messages": [{"role": "user", "content": "x"}]},
-                   headers=auth, timeout=10)
-    assert r.status_code >= 500 and r.json()["error"]["type"], r.text
+    # vLLM's behaviour: without its engine the server exits non-zero (a supervisor restarts it).
+    code = keyed_server.proc.wait(20)
+    assert code == 1, keyed_server.log()[-4000:]
+    assert "The engine process died" in keyed_server.log() and "exits with code 1" in keyed_server.log()

@@ -20,7 +20,7 @@ import pytest
 fastapi = pytest.importorskip("fastapi")
 uvicorn = pytest.importorskip("uvicorn")
 from fastapi import FastAPI, Request  # noqa: E402
-from fastapi.responses import JSONResponse, StreamingResponse  # noqa: E402
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse  # noqa: E402
 
 from vllm_neuron.benchmarks import datasets, serve  # noqa: E402
 from vllm_neuron.benchmarks.serve import add_cli_args, arrival_offsets, main  # noqa: E402
@@ -56,11 +56,26 @@ class FakeServer:
         self.send_usage = True
         self.in_flight = 0
         self.peak_in_flight = 0
+        self.spec_metrics = False  # expose vllm:spec_decode_* counters (2 drafts of 3 per request)
+        self.served = 0
         self._lock = threading.Lock()
         self.app = self._build_app()
 
     def _build_app(self) -> FastAPI:
         app = FastAPI()
+
+        @app.get("/metrics")
+        async def metrics():
+            if not self.spec_metrics:
+                return PlainTextResponse("", status_code=404)
+            n = self.served
+            text = "".join(
+                f"# TYPE vllm:spec_decode_{k} counter\nvllm:spec_decode_{k}_total{{model_name=\"m\"}} {v}\n"
+                for k, v in (("num_drafts", 2 * n), ("num_draft_tokens", 6 * n), ("num_accepted_tokens", 3 * n)))
+            text += ("# TYPE vllm:spec_decode_num_accepted_tokens_per_pos counter\n" + "".join(
+                f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{model_name="m",position="{p}"}} {v}\n'
+                for p, v in ((0, 2 * n), (1, n), (2, 0))))
+            return PlainTextResponse(text)
 
         @app.get("/v1/models")
         async def models():
@@ -102,6 +117,7 @@ class FakeServer:
                 finally:
                     with self._lock:
                         self.in_flight -= 1
+                        self.served += 1
 
             return StreamingResponse(stream(), media_type="text/event-stream")
 
@@ -149,6 +165,7 @@ def fake(server):
     server.fail_every = 0
     server.send_usage = True
     server.peak_in_flight = 0
+    server.spec_metrics = False
     return server
 
 
@@ -215,6 +232,23 @@ def test_completions_run_prints_vllm_table_and_counts(fake, tokenizer, capsys):
     assert fake.peak_in_flight == 2
     assert result["max_concurrent_requests"] == 2
     assert table_value(out, "Peak concurrent requests:") == "2.00"
+
+
+def test_speculative_decoding_section_from_the_servers_counters(fake, tokenizer, capsys, tmp_path):
+    run(fake, tokenizer)
+    assert "Speculative Decoding" not in capsys.readouterr().out  # a server without speculation
+    fake.spec_metrics = True
+    fake.served = 10  # counted before the run: only the run's increments count
+    result = run(fake, tokenizer, "--save-result", "--result-dir", str(tmp_path))
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    start = lines.index("---------------Speculative Decoding---------------")
+    assert lines.index("=" * 50) > start  # inside the table, before its closing rule
+    assert table_value(out, "Acceptance rate (%):") == "50.00"
+    assert table_value(out, "Acceptance length:") == "2.50"
+    assert table_value(out, "Drafts:") == "12" and table_value(out, "Accepted tokens:") == "18"
+    assert table_value(out, "  Position 1:") == "50.00"
+    assert result["spec_decode_acceptance_rate"] == 50.0 and result["spec_decode_acceptance_length"] == 2.5
 
 
 def test_request_bodies_stream_with_usage_max_tokens_and_ignore_eos(fake, tokenizer):

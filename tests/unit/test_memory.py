@@ -172,18 +172,148 @@ def test_host_available_bytes(tmp_path):
 
 
 def test_device_probes(monkeypatch):
-    assert M.device_total_bytes("cpu") > 0
+    assert M.device_free_bytes("cpu") > 0
     with pytest.raises(ValueError, match="cpu, cuda"):
-        M.device_total_bytes("meta")
+        M.device_free_bytes("meta")
     monkeypatch.setenv("VLLM_NEURON_MIN_KV_BUDGET_GIB", "0")
     b = M.kv_budget_for_device("cpu", model_weight_bytes=0, gpu_memory_utilization=0.9, local_workers=2)
     assert b.on_cpu and b.mode == "default" and b.available_bytes > 0
     assert b.total_bytes <= M.host_available_bytes()  # one worker's share of host memory
 
 
+@pytest.fixture
+def partly_used_gpu(monkeypatch):
+    """A 141 GiB CUDA device of which another process holds 101 GiB: 40 GiB free."""
+    torch = pytest.importorskip("torch")
+    calls = []
+
+    def mem_get_info(device=None):
+        calls.append(device)
+        return 40 * GIB, 141 * GIB
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", mem_get_info)
+    return calls
+
+
+def test_budget_comes_from_free_device_memory_not_total(partly_used_gpu):
+    assert M.device_free_bytes("cuda:0") == 40 * GIB
+    assert str(partly_used_gpu[-1]) == "cuda:0"
+    # Probed before our 10 GiB of weights were loaded: the seeds' formula on the 40 GiB free.
+    b = M.kv_budget_for_device("cuda", model_weight_bytes=10 * GIB, gpu_memory_utilization=0.9,
+                               free_before_load=M.device_free_bytes("cuda"))
+    # total_budget = int(40 GiB * 0.9) = 38654705664; - weights = 27917287424; cap = int(38654705664 * 0.3)
+    assert b.total_bytes == 40 * GIB and b.available_bytes == min(38654705664 - 10 * GIB, int(38654705664 * 0.3))
+    assert b.available_bytes == 11596411699  # the cap binds; from the total (141 GiB) it would be ~38 GiB
+    assert "device free before loading 40.00 GiB" in b.describe()
+    # Probed after loading, the resident weights are counted back in: the same budget.
+    assert M.kv_budget_for_device("cuda", model_weight_bytes=10 * GIB, gpu_memory_utilization=0.9) == \
+        M.kv_budget(on_cpu=False, total_bytes=50 * GIB, model_weight_bytes=10 * GIB, gpu_memory_utilization=0.9)
+
+
+def test_second_engine_on_a_shared_gpu_sizes_from_what_is_left(partly_used_gpu, monkeypatch):
+    monkeypatch.setenv("VLLM_NEURON_RESERVED_HEADROOM_GIB", "2")
+    b = M.kv_budget_for_device("cuda", model_weight_bytes=10 * GIB, gpu_memory_utilization=0.9,
+                               free_before_load=40 * GIB)
+    assert b.available_bytes == 28 * GIB  # 40 free - 10 weights - 2 headroom, not 141 - 10 - 2
+    with pytest.raises(ValueError, match="device free before loading 40.00 GiB"):
+        M.kv_budget_for_device("cuda", model_weight_bytes=39 * GIB, gpu_memory_utilization=0.9,
+                               free_before_load=40 * GIB)
+
+
+# --- the pool size across restarts (issue: free memory moved, 4096 blocks became 2048, every graph
+# recompiled) ---
+
+PER_BLOCK = 1 << 20  # 1 MiB per block keeps the arithmetic readable
+
+
+def cpu_budget(free_gib: float, gmu: float = 0.9, **kw):
+    """A budget computed on a host with `free_gib` available, minimum not checked (plan_kv_pool does)."""
+    return lambda: M.kv_budget(on_cpu=True, total_bytes=int(free_gib * GIB), model_weight_bytes=0,
+                               gpu_memory_utilization=gmu, check_minimum=False, **kw)
+
+
+def plan(free_gib: float, recorded=None, gmu: float = 0.9, max_model_len: int = 4096, **kw):
+    blocks, sizing = recorded if recorded is not None else (None, None)
+    return M.plan_kv_pool(bytes_per_block=PER_BLOCK, max_model_len=max_model_len, block_size=32,
+                          budget_fn=cpu_budget(free_gib, gmu), recorded_blocks=blocks, recorded_sizing=sizing,
+                          record_path="/cache/key/manifest.json", **kw)
+
+
+def test_first_start_sizes_from_the_budget_rounded_to_a_power_of_two():
+    p = plan(20)
+    # budget = int(int(20 GiB * 0.9) * 0.3) = 5.4 GiB = 5529 blocks of 1 MiB -> 4096
+    assert p.num_blocks == 4096
+    assert p.sizing == {"mode": "default", "gpu_memory_utilization": 0.9, "cap_fraction": 0.3,
+                        "headroom_bytes": None}
+    assert "first start with this configuration" in p.reason and "/cache/key/manifest.json" in p.reason
+
+
+def test_restart_with_less_free_memory_keeps_the_recorded_pool():
+    first = plan(20)
+    again = plan(10, recorded=(first.num_blocks, first.sizing))  # the budget alone would give 2048
+    assert again.num_blocks == 4096 and again.sizing == first.sizing
+    assert "reused whatever the free memory" in again.reason and "would size 2764 blocks" in again.reason
+    more = plan(200, recorded=(first.num_blocks, first.sizing))  # nor does it grow with more memory
+    assert more.num_blocks == 4096
+
+
+def test_restart_refused_with_the_arithmetic_when_the_recorded_pool_no_longer_fits():
+    first = plan(20)
+    # limit = int(4 GiB * 0.9) = 3.6 GiB < 4 GiB of recorded pool
+    with pytest.raises(ValueError) as e:
+        plan(4, recorded=(first.num_blocks, first.sizing))
+    msg = str(e.value)
+    assert "4096 blocks = 4.00 GiB" in msg and "/cache/key/manifest.json" in msg
+    assert "host available / local_workers 4.00 GiB x gpu_memory_utilization 0.9 = 3.60 GiB (3686 blocks)" in msg
+    assert "num_gpu_blocks_override (at most 3686" in msg
+    # Just above the limit still starts: 4 GiB / 0.9 = 4.45 GiB free
+    assert plan(4.5, recorded=(first.num_blocks, first.sizing)).num_blocks == 4096
+
+
+def test_changed_sizing_configuration_sizes_again():
+    first = plan(20)
+    p = plan(20, recorded=(first.num_blocks, first.sizing), gmu=0.5)
+    # int(int(20 GiB * 0.5) * 0.3) = 3 GiB = 3072 blocks -> 2048
+    assert p.num_blocks == 2048 and p.sizing["gpu_memory_utilization"] == 0.5
+    assert "sizing configuration changed" in p.reason
+    headroom = M.plan_kv_pool(bytes_per_block=PER_BLOCK, max_model_len=4096, block_size=32,
+                              budget_fn=cpu_budget(20, headroom_gib=18.0), recorded_blocks=first.num_blocks,
+                              recorded_sizing=first.sizing, record_path="/m.json")
+    assert headroom.num_blocks == 2048 and headroom.sizing["mode"] == "headroom"  # 2 GiB
+
+
+def test_recorded_pool_too_small_for_a_longer_max_model_len_sizes_again():
+    p = plan(20, recorded=(100, plan(20).sizing), max_model_len=8192)  # 100 blocks < 257 needed
+    assert p.num_blocks == 4096 and "cannot hold one request of max_model_len=8192" in p.reason
+
+
+def test_override_wins_and_is_checked():
+    p = plan(0.001, recorded=(4096, plan(20).sizing), override=300)
+    assert p.num_blocks == 300 and p.sizing == {"num_gpu_blocks_override": 300}
+    with pytest.raises(ValueError, match="num_gpu_blocks_override=100 cannot hold one request of max_model_len=4096"):
+        plan(20, override=100)
+
+
+def test_minimum_applies_to_a_new_decision_only(monkeypatch):
+    monkeypatch.setenv("VLLM_NEURON_MIN_KV_BUDGET_GIB", "1.0")
+    with pytest.raises(ValueError, match="^KV cache budget below minimum threshold"):
+        plan(3)  # int(int(3 GiB * 0.9) * 0.3) = 0.81 GiB
+    small = plan(5, max_model_len=1024)  # int(int(5 GiB * 0.9) * 0.3) = 1.35 GiB = 1382 blocks -> 1024
+    assert small.num_blocks == 1024
+    # 1.5 GiB free: a new budget (0.41 GiB) would be refused, but the recorded 1 GiB pool fits under the
+    # limit (1.35 GiB) and was checked when it was sized.
+    assert plan(1.5, recorded=(small.num_blocks, small.sizing), max_model_len=1024).num_blocks == 1024
+
+
+def test_not_recorded_without_a_persistent_cache():
+    p = M.plan_kv_pool(bytes_per_block=PER_BLOCK, max_model_len=4096, block_size=32, budget_fn=cpu_budget(10))
+    assert p.num_blocks == 2048 and "not recorded" in p.reason
+
+
 @pytest.mark.gpu
-def test_cuda_total_bytes():
+def test_cuda_free_bytes():
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
-    assert M.device_total_bytes("cuda") == torch.cuda.mem_get_info(0)[1]
+    free = M.device_free_bytes("cuda")
+    assert 0 < free <= torch.cuda.mem_get_info(0)[1]

@@ -2,15 +2,19 @@
 from __future__ import annotations
 
 from vllm_neuron.config.engine_config import EngineConfig
+from vllm_neuron.worker.model_runner_v1 import ModelRunnerV1
 from vllm_neuron.worker.runner_base import ModelRunnerBase
+from vllm_neuron.worker.spec_decode import SpecDecoder
 
 
-def _runner(use_kernels: bool = False, **kw) -> ModelRunnerBase:
+def _runner(use_kernels: bool = False, cls: type = ModelRunnerBase, **kw) -> ModelRunnerBase:
     cfg = EngineConfig.from_kwargs(**kw)
     cfg.finalize(model_max_len=2048)
-    r = ModelRunnerBase.__new__(ModelRunnerBase)  # graph planning needs no model
+    r = cls.__new__(cls)  # graph planning needs no model
     r.config = cfg
     r.use_kernels = use_kernels  # the torch path: cached context needs prefill context graphs
+    if cls is ModelRunnerV1:
+        r.spec = SpecDecoder(cfg.speculative, cfg.max_model_len) if cfg.speculative else None
     nc = cfg.neuron_config
     r.prefill_buckets, r.decode_buckets, r.context_buckets = (nc.num_batched_tokens_buckets, nc.num_seqs_buckets,
                                                               nc.context_buckets)
@@ -24,6 +28,20 @@ def test_single_context_decode_graphs_get_max_model_len():
     assert ("prefill_s256_c1024", "prefill", 256, 1024) in graphs
     assert ("prefill_s128", "prefill", 128, 0) in graphs
     assert all(ctx > 0 for _, kind, _, ctx in graphs if kind == "decode")
+
+
+def test_speculative_decoding_adds_one_verify_graph_per_decode_graph():
+    spec = {"method": "ngram", "num_speculative_tokens": 4}
+    r = _runner(use_kernels=True, cls=ModelRunnerV1, max_model_len=1024, max_num_seqs=4, max_num_batched_tokens=128,
+                speculative_config=spec, additional_config={"neuron_config": {"num_seqs_buckets": [1, 4]}})
+    graphs = r.graph_names()
+    assert ("verify_b1_k4", "verify", 1, 1024) in graphs and ("verify_b4_k4", "verify", 4, 1024) in graphs
+    assert len([g for g in graphs if g[1] == "verify"]) == len([g for g in graphs if g[1] == "decode"]) == 2
+    r = _runner(cls=ModelRunnerV1, max_model_len=1024, max_num_seqs=2, max_num_batched_tokens=128,
+                speculative_config=spec,
+                additional_config={"neuron_config": {"decode_context_length_buckets": [256],
+                                                     "num_seqs_buckets": [2]}})
+    assert [g[0] for g in r.graph_names() if g[1] == "verify"] == ["verify_b2_k4_c256", "verify_b2_k4_c1024"]
 
 
 def test_context_buckets_multiply_decode_graphs_only():

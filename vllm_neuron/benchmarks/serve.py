@@ -31,6 +31,8 @@ from vllm_neuron.benchmarks.endpoint_request import (BACKENDS, RequestInput, Req
 from vllm_neuron.benchmarks.result_table import (PERCENTILE_METRICS, compute_metrics,
                                                  failure_report, format_result_table,
                                                  result_dict)
+from vllm_neuron.benchmarks.spec_decode_metrics import (SpecDecodeCounters, fetch_spec_decode_counters,
+                                                      format_spec_decode_section, spec_decode_result)
 
 _DEFAULT_ENDPOINTS = {"openai": "/v1/completions", "openai-chat": "/v1/chat/completions"}
 # A benchmark request may legitimately run for a long time (long outputs, deep queues).
@@ -273,6 +275,7 @@ async def run_benchmark(cfg: BenchServeConfig, args: argparse.Namespace,
         print(f"Traffic request rate: {cfg.request_rate}")
         print(f"Burstiness factor: {cfg.burstiness} ({distribution})")
         print(f"Maximum request concurrency: {cfg.max_concurrency}")
+        spec_before = await fetch_spec_decode_counters(client, cfg.base_url, cfg.headers)
         offsets = arrival_offsets(len(inputs), cfg.request_rate, cfg.burstiness, cfg.seed)
         pbar = None if cfg.disable_tqdm else tqdm(total=len(inputs))
         t0 = time.perf_counter()
@@ -280,13 +283,18 @@ async def run_benchmark(cfg: BenchServeConfig, args: argparse.Namespace,
         duration = time.perf_counter() - t0
         if pbar is not None:
             pbar.close()
+        spec_after = await fetch_spec_decode_counters(client, cfg.base_url, cfg.headers)
+    spec = spec_after.minus(spec_before or SpecDecodeCounters()) if spec_after is not None else None
 
     metrics = compute_metrics(outputs, duration, tokenizer, cfg.percentiles)
     report = failure_report(outputs)
     if report:
         print(report)
-    print(format_result_table(metrics, cfg.max_concurrency, cfg.request_rate,
-                              cfg.selected_metrics))
+    table = format_result_table(metrics, cfg.max_concurrency, cfg.request_rate, cfg.selected_metrics)
+    if spec is not None:  # vLLM's place for it: before the closing rule
+        head, _, rule = table.rpartition("\n")
+        table = f"{head}\n{format_spec_decode_section(spec)}\n{rule}"
+    print(table)
     result: dict[str, Any] = {
         "date": datetime.now().strftime("%Y%m%d-%H%M%S"),
         "endpoint_type": cfg.backend,
@@ -300,6 +308,8 @@ async def run_benchmark(cfg: BenchServeConfig, args: argparse.Namespace,
         "max_concurrency": cfg.max_concurrency,
     }
     result.update(result_dict(metrics, outputs, cfg.selected_metrics))
+    if spec is not None:
+        result.update(spec_decode_result(spec))
     if args.save_result:
         path = _result_path(args, cfg, model_id, result["date"])
         with open(path, "w", encoding="utf-8") as f:

@@ -16,6 +16,7 @@ from vllm_neuron.config.device import (DEVICE_CHOICES, DTYPE_CHOICES, async_sche
                                        resolve_device, resolve_dtype)
 from vllm_neuron.config.runner_selection import RunnerChoice, select_model_runner
 from vllm_neuron.config.neuron_config import AdditionalConfig, NeuronConfig, parse_additional_config
+from vllm_neuron.config.speculative import SpeculativeConfig, parse_speculative_config
 
 KV_CACHE_DTYPES = ("auto",)
 DEFAULT_MAX_NUM_SEQS = 16
@@ -50,7 +51,7 @@ class EngineConfig:
     async_scheduling: bool | None = None
     max_logprobs: int = 20
     enable_prompt_embeds: bool = False
-    speculative_config: dict | str | None = None
+    speculative_config: dict | str | SpeculativeConfig | None = None  # parsed by validate_static
     kv_transfer_config: dict | str | None = None
     ec_transfer_config: dict | str | None = None
     mm_encoder_only: bool = False
@@ -107,8 +108,10 @@ class EngineConfig:
             raise ValueError(f"async_scheduling must be true, false or unset, got {self.async_scheduling!r}")
         if self.enable_prompt_embeds:
             raise _not_supported("enable_prompt_embeds", True)
-        if self.speculative_config:
-            raise _not_supported("speculative_config", self.speculative_config)
+        self.speculative_config = parse_speculative_config(self.speculative_config)
+        if self.speculative_config is not None and self.speculative_config.uses_draft_model:
+            raise _not_supported("speculative_config.method", self.speculative_config.method,
+                                 "only 'ngram' for now")
         if self.kv_transfer_config:
             raise _not_supported("kv_transfer_config", self.kv_transfer_config)
         if self.ec_transfer_config:
@@ -170,7 +173,19 @@ class EngineConfig:
             # Context buckets are whole blocks; the largest one is max_model_len.
             raise ValueError(f"max_model_len={self.max_model_len} must be a multiple of block_size={self.block_size}")
         self.additional_config = dataclasses.replace(self.additional_config, neuron_config=nc)
-        if nc.on_device_sampling_config is None:
+        spec = self.speculative_config
+        if spec is not None and nc.on_device_sampling_config is None:
+            raise ValueError("speculative decoding requires on-device sampling (the rejection sampler runs in the "
+                             "graph), but neuron_config.on_device_sampling_config is null; enable on-device "
+                             "sampling or remove --speculative-config")
+        if spec is not None:
+            if self.async_scheduling:
+                raise ValueError("async_scheduling=True is not supported with speculative decoding yet (each "
+                                 "step's drafts need the previous step's tokens on the host); use "
+                                 "--no-async-scheduling")
+            self.async_scheduling, self.async_scheduling_reason = False, \
+                "off: speculative decoding (drafts are proposed from each step's tokens on the host)"
+        elif nc.on_device_sampling_config is None:
             if self.async_scheduling:
                 raise ValueError(
                     "async_scheduling=True requires on-device sampling, but neuron_config.on_device_sampling_config "
@@ -182,13 +197,26 @@ class EngineConfig:
 
         self.runner_choice = select_model_runner(envs.VLLM_USE_V2_MODEL_RUNNER,
                                                  cpu_sampling=nc.on_device_sampling_config is None,
-                                                 enforce_eager=self.enforce_eager)
+                                                 enforce_eager=self.enforce_eager,
+                                                 speculative=spec is not None)
+        if spec is not None and self.runner_choice.use_v2:
+            raise ValueError("VLLM_USE_V2_MODEL_RUNNER=1 cannot serve speculative decoding: Neuron Model Runner V2 "
+                             "does not support it; unset VLLM_USE_V2_MODEL_RUNNER (MRv1 is then selected)")
         return nc
 
     @property
     def use_v2_model_runner(self) -> bool:
         """The resolved runner (seeds: `VllmConfig.use_v2_model_runner`); set by finalize()."""
         return self.runner_choice is not None and self.runner_choice.use_v2
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        """The parsed speculative_config (None: no speculation)."""
+        return self.speculative_config  # type: ignore[return-value]
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        return self.speculative.num_speculative_tokens if self.speculative else 0
 
     @property
     def neuron_config(self) -> NeuronConfig:

@@ -28,9 +28,12 @@ class RunnerChoice:
         return None
 
 
-def mrv2_unsupported_features(*, cpu_sampling: bool, enforce_eager: bool) -> tuple[str, ...]:
+def mrv2_unsupported_features(*, cpu_sampling: bool, enforce_eager: bool, speculative: bool = False
+                              ) -> tuple[str, ...]:
     """Features of a dense configuration that select MRv1 (the seeds' list, as far as we build it)."""
     out = []
+    if speculative:
+        out.append("speculative decoding")
     if cpu_sampling:
         out.append("CPU sampling (on_device_sampling_config=null)")
     if enforce_eager:
@@ -38,8 +41,10 @@ def mrv2_unsupported_features(*, cpu_sampling: bool, enforce_eager: bool) -> tup
     return tuple(out)
 
 
-def select_model_runner(env_value: bool | None, *, cpu_sampling: bool, enforce_eager: bool) -> RunnerChoice:
-    unsupported = mrv2_unsupported_features(cpu_sampling=cpu_sampling, enforce_eager=enforce_eager)
+def select_model_runner(env_value: bool | None, *, cpu_sampling: bool, enforce_eager: bool,
+                        speculative: bool = False) -> RunnerChoice:
+    unsupported = mrv2_unsupported_features(cpu_sampling=cpu_sampling, enforce_eager=enforce_eager,
+                                            speculative=speculative)
     if env_value is None:
         return RunnerChoice(not unsupported, unsupported, None)
     return RunnerChoice(env_value, unsupported, env_value)

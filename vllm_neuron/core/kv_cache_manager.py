@@ -89,6 +89,15 @@ class KVCacheManager:
         for i in range(start, len(request.block_hashes)):
             self.pool.cache(table[i], request.block_hashes[i])
 
+    def trim(self, request: Request, num_tokens: int) -> None:
+        """Returns the blocks past the first `num_tokens` tokens to the pool (rejected speculative
+        positions). They hold no verified token, so none of them is hashed or shared."""
+        table = self.req_blocks.get(request.request_id)
+        keep = blocks_needed(num_tokens, self.block_size)
+        if table and len(table) > keep:
+            self.pool.release(table[keep:])
+            del table[keep:]
+
     def free(self, request: Request) -> None:
         table = self.req_blocks.pop(request.request_id, None)
         if table:

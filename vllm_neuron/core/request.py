@@ -46,6 +46,7 @@ class Request:
     num_preemptions: int = 0
     stop_reason: int | str | None = None
     block_hashes: list[bytes] = field(default_factory=list)  # of full computed blocks, chained
+    spec_token_ids: list[int] = field(default_factory=list)  # drafts to verify in the next decode step
 
     @property
     def num_prompt_tokens(self) -> int:

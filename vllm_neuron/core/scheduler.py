@@ -6,6 +6,11 @@ Policy:
   prefix blocks are skipped.
 * After a prefill step, if any request is ready to decode, the next step is a decode step, so a
   stream of arriving prompts cannot starve running decodes.
+* Speculative decoding: a decode chunk carries the request's draft tokens after its last token (capped
+  so that no output can pass max_tokens or max_model_len); their slots are allocated with it, or the
+  drafts are dropped when blocks are short. After the step, the rejected drafts' positions are rolled
+  back: num_computed_tokens counts only verified tokens, blocks past them go back to the pool, and only
+  blocks full of verified tokens are ever hashed into the prefix cache.
 * When KV blocks run out during decode, the newest running request is preempted: its blocks are freed
   and it is recomputed later (its full blocks usually come back as prefix-cache hits). Prefill never
   preempts; it waits for blocks. Startup guarantees one request of max_model_len always fits, so this
@@ -18,6 +23,7 @@ from dataclasses import dataclass
 
 from vllm_neuron.core.kv_cache_manager import KVCacheManager
 from vllm_neuron.core.request import Request, RequestStatus
+from vllm_neuron.core.spec_decode_stats import SpecDecodeStats
 from vllm_neuron.core.stop_checker import check_stop
 from vllm_neuron.step import (PLACEHOLDER_TOKEN_ID, ModelRunnerOutput, NewRequestData, ScheduledChunk,
                               SchedulerOutput)
@@ -34,6 +40,7 @@ class SchedulerConfig:
     # Largest total of already-cached context tokens one prefill batch may attend to (the largest
     # prefill context bucket).
     max_prefill_context_tokens: int | None = None
+    num_speculative_tokens: int = 0  # K: most drafts verified per request and step (0: no speculation)
 
 
 @dataclass
@@ -52,8 +59,10 @@ class Scheduler:
         self._finished_ids: list[str] = []  # to tell the runner
         self._preempted_ids: dict[str, int] = {}
         self._sent_to_runner: set[str] = set()
+        self._isolated: set[str] = set()  # requests whose next setup must be the only one in its step
         self._last_kind: str | None = None
         self.num_preemptions = 0
+        self.spec_stats = SpecDecodeStats(config.num_speculative_tokens)
 
     # -- requests in and out -------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -73,6 +82,18 @@ class Scheduler:
             self.waiting.remove(req)
         self._free(req, RequestStatus.from_finish_reason(reason))
         return req
+
+    def preempt(self, req_id: str, resend_alone: bool = False) -> None:
+        """Rolls a running request back to waiting; its KV is recomputed (after a step that failed).
+        resend_alone: the runner sets the request up again, in a step with no other new request, so
+        that a failure of that setup names it."""
+        req = self.requests.get(req_id)
+        if req is None or req not in self.running:
+            return
+        self._preempt(req)
+        if resend_alone:
+            self._sent_to_runner.discard(req_id)
+            self._isolated.add(req_id)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -108,6 +129,7 @@ class Scheduler:
         ctx_budget = cfg.max_prefill_context_tokens or cfg.max_model_len
         chunks: list[ScheduledChunk] = []
         new: list[NewRequestData] = []
+        alone = False
         candidates = [r for r in self.running if r.is_prefilling] + list(self.waiting)
         for req in candidates:
             if budget == 0:
@@ -115,6 +137,8 @@ class Scheduler:
             admitted = req.status == RequestStatus.RUNNING
             if not admitted and len(self.running) >= cfg.max_num_seqs:
                 break
+            if new and (alone or req.request_id in self._isolated):
+                break  # a request set up again after a failed step is the only new one in its step
             cached = [] if admitted else self.kv.find_cached_prefix(req)
             start = req.num_computed_tokens if admitted else len(cached) * cfg.block_size
             if start > ctx_budget - sum(c.start_pos for c in chunks):
@@ -135,6 +159,9 @@ class Scheduler:
                     req.num_cached_tokens = start
                 if req.request_id not in self._sent_to_runner:
                     self._sent_to_runner.add(req.request_id)
+                    if req.request_id in self._isolated:
+                        self._isolated.discard(req.request_id)
+                        alone = True
                     new.append(NewRequestData(req.request_id, req.prompt_token_ids, req.sampling_params,
                                               req.eos_token_id))
             tokens = req.all_token_ids[start:start + n]
@@ -149,29 +176,44 @@ class Scheduler:
         return SchedulerOutput("prefill", chunks, new)
 
     def _schedule_decode(self) -> SchedulerOutput | None:
-        scheduled: list[Request] = []
+        scheduled: list[tuple[Request, list[int]]] = []
         for req in list(self.running):
             if req.status != RequestStatus.RUNNING or req.is_prefilling or self._will_finish(req):
                 continue
-            while not self.kv.allocate(req, 1):
-                victim = self.running[-1]
-                self._preempt(victim)
-                if victim is req:
-                    break
+            drafts = self._drafts(req)
+            if drafts and not self.kv.allocate(req, 1 + len(drafts)):
+                drafts = []  # blocks are short: verify nothing rather than preempt anyone for drafts
+            if not drafts:
+                while not self.kv.allocate(req, 1):
+                    victim = self.running[-1]
+                    self._preempt(victim)
+                    if victim is req:
+                        break
             if req.status == RequestStatus.RUNNING:
-                scheduled.append(req)
+                scheduled.append((req, drafts))
         if not scheduled:
             return None
         chunks = []
-        for r in scheduled:
+        for r, drafts in scheduled:
             pos = r.num_computed_tokens
             # With async scheduling the token at `pos` may still be on the device (previous step).
             token = r.token_at(pos) if pos < r.num_tokens else PLACEHOLDER_TOKEN_ID
-            chunks.append(ScheduledChunk(r.request_id, [token], pos, list(self.kv.block_table(r.request_id)),
-                                         sample=True))
-            r.num_computed_tokens += 1
+            chunks.append(ScheduledChunk(r.request_id, [token, *drafts], pos, list(self.kv.block_table(r.request_id)),
+                                         sample=True, num_draft_tokens=len(drafts)))
+            r.num_computed_tokens += 1 + len(drafts)
             r.num_output_placeholders += 1
+            r.spec_token_ids = []
         return SchedulerOutput("decode", chunks)
+
+    def _drafts(self, req: Request) -> list[int]:
+        """The request's drafts for this step, capped so every output they could yield is wanted."""
+        if not req.spec_token_ids or req.num_computed_tokens != req.num_tokens - 1:
+            return []  # none, or the last token is still in flight
+        cap = min(self.config.num_speculative_tokens, self.config.max_model_len - req.num_tokens - 1)
+        max_tokens = req.sampling_params.max_tokens
+        if max_tokens is not None:
+            cap = min(cap, max_tokens - len(req.output_token_ids) - 1)
+        return req.spec_token_ids[:max(cap, 0)]
 
     def _will_finish(self, req: Request) -> bool:
         """A pending sample already reaches a length cap: another step would be thrown away."""
@@ -188,6 +230,7 @@ class Scheduler:
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_output_placeholders = 0  # a sample in flight is dropped; the recompute samples again
+        req.spec_token_ids = []
         req.num_preemptions += 1
         self.num_preemptions += 1
         self._preempted_ids[req.request_id] = len(req.output_token_ids)
@@ -203,8 +246,11 @@ class Scheduler:
                 continue  # aborted or preempted while the step ran
             if chunk.sample:
                 req.num_output_placeholders -= 1
+            sampled = result.sampled.get(chunk.req_id, ())
+            if chunk.num_draft_tokens and sampled:
+                self._roll_back_rejected(req, chunk.num_draft_tokens, len(sampled) - 1)
             self.kv.cache_computed_blocks(req)
-            for tok in result.sampled.get(chunk.req_id, ()):
+            for tok in sampled:
                 req.output_token_ids.append(tok)
                 stop = check_stop(req.output_token_ids, req.sampling_params, req.eos_token_id,
                                   req.num_prompt_tokens, self.config.max_model_len)
@@ -214,12 +260,21 @@ class Scheduler:
                     self._free(req, RequestStatus.from_finish_reason(stop[0]))
                     finished.append(FinishedRequest(req, stop[0]))
                     break
+            if req.status == RequestStatus.RUNNING:
+                req.spec_token_ids = list(result.spec_token_ids.get(chunk.req_id, ()))
         return finished
+
+    def _roll_back_rejected(self, req: Request, num_drafts: int, num_accepted: int) -> None:
+        """Forgets the K/V of rejected drafts: their positions are rewritten by later tokens."""
+        self.spec_stats.record(num_drafts, num_accepted)
+        req.num_computed_tokens -= num_drafts - num_accepted
+        self.kv.trim(req, req.num_computed_tokens)
 
     def _free(self, req: Request, status: RequestStatus) -> None:
         req.status = status
         self.kv.free(req)
         del self.requests[req.request_id]
+        self._isolated.discard(req.request_id)
         if req.request_id in self._sent_to_runner:
             self._sent_to_runner.discard(req.request_id)
             self._finished_ids.append(req.request_id)

@@ -21,7 +21,7 @@ from vllm_neuron.config.engine_config import EngineConfig
 from vllm_neuron.engine.core_proc import run_engine_core
 from vllm_neuron.engine.input_processor import InputProcessor
 from vllm_neuron.engine.output_processor import OutputProcessor
-from vllm_neuron.engine.protocol import EngineClient, EngineDeadError, ModelInfo, PromptType
+from vllm_neuron.engine.protocol import EngineClient, EngineDeadError, EngineRequestError, ModelInfo, PromptType
 from vllm_neuron.logger import init_logger
 from vllm_neuron.model.loader import load_checkpoint, load_tokenizer
 from vllm_neuron.outputs import RequestOutput
@@ -168,13 +168,41 @@ class AsyncLLM(EngineClient):
                 self._mark_dead(payload)
 
     def _dispatch(self, outs) -> None:
-        results, to_abort = self.output_processor.process(outs.outputs)
-        if to_abort:
-            self._send(("abort", to_abort, "stop"))
-        for res in results:
-            q = self._queues.get(res.request_id)
-            if q is not None:
-                q.put_nowait(res)
+        # One request's outputs at a time: an error while detokenizing one fails that request only,
+        # never this loop (which every request in flight depends on).
+        by_request: dict[str | None, list] = {}
+        for out in outs.outputs:
+            if out.error is not None:
+                self._fail_request(out.request_id, out.error)
+            else:
+                by_request.setdefault(self.output_processor.parent_of.get(out.request_id), []).append(out)
+        for group in by_request.values():
+            try:
+                results, to_abort = self.output_processor.process(group)
+            except Exception as e:  # noqa: BLE001
+                logger.exception("output processing failed for request %s", group[0].request_id)
+                self._fail_request(group[0].request_id, f"{type(e).__name__}: {e}")
+                continue
+            if to_abort:
+                self._send(("abort", to_abort, "stop"))
+            for res in results:
+                q = self._queues.get(res.request_id)
+                if q is not None:
+                    q.put_nowait(res)
+
+    def _fail_request(self, engine_request_id: str, error: str) -> None:
+        """The engine failed one completion: the whole request fails with the error (its other
+        completions are aborted); the engine goes on."""
+        parent = self.output_processor.parent_of.get(engine_request_id)
+        if parent is None:
+            return
+        q = self._queues.pop(parent, None)
+        ids = self.output_processor.engine_ids(parent)
+        if ids:
+            self._send(("abort", ids))
+        self.output_processor.abort(parent)
+        if q is not None:
+            q.put_nowait(EngineRequestError(f"the engine failed this request: {error}"))
 
     def _mark_dead(self, reason: str) -> None:
         if self._dead is not None:

@@ -22,6 +22,10 @@ from vllm_neuron.worker.model_runner_v1 import ModelRunnerV1
 logger = init_logger(__name__)
 
 BATCH_QUEUE_DEPTH = 2  # seeds: the engine schedules one step ahead of the one executing
+# A request in this many failed steps is failed itself; this many failed steps in a row is an engine
+# fault, not a request's, and ends the process (the server then exits, see entrypoints/cli/serve.py).
+MAX_STEP_FAILURES_PER_REQUEST = 2
+MAX_CONSECUTIVE_STEP_FAILURES = 4
 
 
 class EngineCore:
@@ -62,13 +66,15 @@ class EngineCore:
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=config.max_model_len, block_size=config.block_size, num_blocks=self.num_blocks,
             enable_prefix_caching=config.enable_prefix_caching,
-            max_prefill_context_tokens=max(nc.context_buckets)))
+            max_prefill_context_tokens=max(nc.context_buckets), num_speculative_tokens=config.num_speculative_tokens))
         self.structured = None  # StructuredOutputManager, created with the first grammar request
         self._grammar_wait: dict[str, Request] = {}
         self.async_scheduling = bool(config.async_scheduling)
         self.num_async_sync_fallbacks = 0
         self.num_async_passed = 0  # decode steps fed straight from the previous step's device tokens
         self._queue: deque[tuple[SchedulerOutput, Future]] = deque()
+        self._step_failures: dict[str, int] = {}  # request id -> failed steps it was part of
+        self._consecutive_step_failures = 0
         # One thread: steps execute in order, so step N+1 always sees step N's KV and runner state.
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="vllm-neuron-step") \
             if self.async_scheduling else None
@@ -104,6 +110,7 @@ class EngineCore:
     def abort_requests(self, req_ids: list[str], reason: str = "abort") -> None:
         for rid in req_ids:
             self._grammar_wait.pop(rid, None)
+            self._step_failures.pop(rid, None)
             self.scheduler.finish_request(rid, reason)
             if self.structured is not None:
                 self.structured.remove(rid)
@@ -132,7 +139,11 @@ class EngineCore:
             sched = self._schedule()
             if sched is None:
                 return EngineCoreOutputs(failed, stats=self._stats(None, None))
-            return self._finish(sched, self.runner.execute(sched), failed)
+            try:
+                result = self.runner.execute(sched)
+            except Exception as e:  # noqa: BLE001 - one request's fault must not end the engine
+                return self._recover_from_failed_steps([(sched, e)], failed)
+            return self._finish(sched, result, failed)
         # Batch queue: schedule step N+1 while step N runs on the executor thread; then wait for N.
         scheduled = False
         if len(self._queue) < BATCH_QUEUE_DEPTH:
@@ -149,7 +160,11 @@ class EngineCore:
         if scheduled and len(self._queue) < BATCH_QUEUE_DEPTH:
             return EngineCoreOutputs(failed, stats=self._stats(None, None))
         sched, future = self._queue.popleft()
-        return self._finish(sched, future.result(), failed)
+        try:
+            result = future.result()
+        except Exception as e:  # noqa: BLE001 - one request's fault must not end the engine
+            return self._recover_from_failed_steps([(sched, e)] + self._drain_queue(), failed)
+        return self._finish(sched, result, failed)
 
     def _schedule(self) -> SchedulerOutput | None:
         sched = self.scheduler.schedule()
@@ -162,9 +177,59 @@ class EngineCore:
         return self.structured is not None and any(
             self.structured.has(c.req_id) for sched, _ in self._queue for c in sched.chunks)
 
+    # -- a step that raised ------------------------------------------------------------------------
+    def _fail(self, rid: str, error: BaseException) -> EngineCoreOutput:
+        """Ends one request with `error` (its client gets it); everything else goes on."""
+        message = f"{type(error).__name__}: {error}"
+        logger.warning("request %s failed: %s", rid, message)
+        self.abort_requests([rid])
+        return EngineCoreOutput(rid, [], finish_reason="error", error=message)
+
+    def _drain_queue(self) -> list[tuple[SchedulerOutput, BaseException | None]]:
+        """Waits for the steps still in flight (they may build on the failed one); their results are dropped."""
+        steps: list[tuple[SchedulerOutput, BaseException | None]] = []
+        while self._queue:
+            sched, future = self._queue.popleft()
+            try:
+                future.result()
+                steps.append((sched, None))
+            except Exception as e:  # noqa: BLE001
+                steps.append((sched, e))
+        return steps
+
+    def _recover_from_failed_steps(self, steps: list[tuple[SchedulerOutput, BaseException | None]],
+                                   failed: list[EngineCoreOutput]) -> EngineCoreOutputs:
+        """Per-request isolation of a step that raised. The requests a failed step was setting up for
+        the first time (sampling state, seed, slot) are the likely cause: one alone fails with the
+        error; several are set up again one per step, so that the next failure names the culprit.
+        Every other request of the steps is rolled back by preemption and recomputed (its output does
+        not change). When no request was new, each of them counts the failure, and one in
+        MAX_STEP_FAILURES_PER_REQUEST failed steps fails (a fault that follows a request).
+        MAX_CONSECUTIVE_STEP_FAILURES in a row re-raise: an engine fault, not a request's."""
+        error = next(e for _, e in steps if e is not None)
+        self._consecutive_step_failures += 1
+        if self._consecutive_step_failures >= MAX_CONSECUTIVE_STEP_FAILURES:
+            raise error
+        logger.error("A step failed (%s: %s); isolating the requests it held", type(error).__name__, error,
+                     exc_info=error)
+        new = {d.req_id for sched, e in steps if e is not None for d in sched.new_requests}
+        outputs = failed
+        for rid in dict.fromkeys(c.req_id for sched, _ in steps for c in sched.chunks):
+            req = self.scheduler.requests.get(rid)
+            if req is None or req.status != RequestStatus.RUNNING:
+                continue  # aborted or finished meanwhile
+            count = self._step_failures.get(rid, 0) + (not new)
+            self._step_failures[rid] = count
+            if new == {rid} or count >= MAX_STEP_FAILURES_PER_REQUEST:
+                outputs.append(self._fail(rid, error))
+            else:
+                self.scheduler.preempt(rid, resend_alone=rid in new)
+        return EngineCoreOutputs(outputs, stats=self._stats(None, None))
+
     def _finish(self, sched: SchedulerOutput, result: ModelRunnerOutput,
                 failed: list[EngineCoreOutput]) -> EngineCoreOutputs:
         """Hands one executed step to the scheduler and turns its tokens into outputs."""
+        self._consecutive_step_failures = 0
         self.num_async_sync_fallbacks += result.async_fallback
         self.num_async_passed += result.tokens_passed_on_device
         # Requests aborted or preempted while the step ran are not running any more: drop their tokens.
@@ -173,15 +238,20 @@ class EngineCore:
             req = self.scheduler.requests.get(c.req_id)
             if req is not None and req.status == RequestStatus.RUNNING:
                 live[c.req_id] = req
+        outputs = failed
         if sched.grammar_bitmask:
             for rid in sched.grammar_bitmask:
                 if rid in live:
-                    self.structured.accept(rid, result.sampled.get(rid, []))
+                    try:
+                        self.structured.accept(rid, result.sampled.get(rid, []))
+                    except Exception as e:  # noqa: BLE001 - that request's grammar, not the engine's
+                        del live[rid]
+                        outputs.append(self._fail(rid, e))
         finished = {f.request.request_id: f for f in self.scheduler.update(sched, result)}
-        if self.structured is not None:
-            for rid in finished:
+        for rid in finished:
+            self._step_failures.pop(rid, None)
+            if self.structured is not None:
                 self.structured.remove(rid)
-        outputs = failed
         for rid, toks in result.sampled.items():
             req = live.get(rid)
             if req is None:
@@ -204,4 +274,4 @@ class EngineCore:
             prefix_queries=s.kv.prefix_queries, prefix_hits=s.kv.prefix_hits, num_preemptions=s.num_preemptions,
             step_kind=sched.kind if sched else "", bucket_name=result.bucket_name if result else "",
             num_padding=result.num_padding if result else 0, num_tokens=sched.num_tokens if sched else 0,
-            num_async_sync_fallbacks=self.num_async_sync_fallbacks)
+            num_async_sync_fallbacks=self.num_async_sync_fallbacks, spec_decode=s.spec_stats.cumulative())

@@ -80,12 +80,12 @@ def _handle(core, out: zmq.Socket, msg: tuple) -> None:
     if msg[0] == "add":
         try:
             core.add_request(msg[1])
-        except ValueError as e:  # e.g. a duplicate id: fail that request only
+        except Exception as e:  # noqa: BLE001 - a duplicate id or any setup error fails that request only
             from vllm_neuron.engine.messages import EngineCoreOutput, EngineCoreOutputs
 
-            logger.warning("request %s rejected: %s", msg[1].request_id, e)
-            _send(out, ("outputs", EngineCoreOutputs([EngineCoreOutput(msg[1].request_id, [],
-                                                                       finish_reason="abort")])))
+            logger.warning("request %s rejected: %s", msg[1].request_id, e, exc_info=not isinstance(e, ValueError))
+            _send(out, ("outputs", EngineCoreOutputs([EngineCoreOutput(
+                msg[1].request_id, [], finish_reason="error", error=f"{type(e).__name__}: {e}")])))
     elif msg[0] == "abort":
         core.abort_requests(msg[1], msg[2] if len(msg) > 2 else "abort")
 
@@ -96,6 +96,7 @@ class _StatsRecorder:
     def __init__(self, metrics) -> None:
         self.metrics = metrics
         self.prev = (0, 0, 0, 0)
+        self.prev_spec = (0, 0, 0, [])
 
     def record(self, s) -> None:
         if s is None:
@@ -107,6 +108,12 @@ class _StatsRecorder:
         for _ in range(cur[3] - self.prev[3]):
             self.metrics.record_async_sync_fallback()
         self.prev = cur
+        if s.spec_decode is not None:
+            d, t, a, per_pos = s.spec_decode
+            pd, pt, pa, prev_pos = self.prev_spec
+            self.metrics.record_spec_decode(d - pd, t - pt, a - pa,
+                                            [n - (prev_pos[i] if i < len(prev_pos) else 0) for i, n in enumerate(per_pos)])
+            self.prev_spec = s.spec_decode
         if s.bucket_name:
             self.metrics.record_execution(s.bucket_name)
             self.metrics.record_padding("tokens" if s.step_kind == "prefill" else "seqs", s.bucket_name,

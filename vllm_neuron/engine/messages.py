@@ -27,6 +27,7 @@ class EngineCoreOutput:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    error: str | None = None  # with finish_reason "error": why the engine failed this request
 
     @property
     def finished(self) -> bool:
@@ -42,6 +43,9 @@ class SchedulerStats:
     prefix_hits: int = 0
     num_preemptions: int = 0  # cumulative
     num_async_sync_fallbacks: int = 0  # cumulative
+    # Speculative decoding (cumulative; None without --speculative-config): drafts, draft tokens,
+    # accepted tokens, accepted tokens per draft position.
+    spec_decode: tuple[int, int, int, list[int]] | None = None
     step_kind: str = ""
     bucket_name: str = ""
     num_padding: int = 0

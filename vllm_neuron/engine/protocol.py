@@ -31,6 +31,11 @@ class EngineDeadError(RuntimeError):
     """The engine process died; every request in flight fails with this."""
 
 
+class EngineRequestError(RuntimeError):
+    """The engine failed one request (an error in its setup or in a step that held it); the engine
+    and every other request keep running."""
+
+
 @dataclass
 class ModelInfo:
     model_path: str  # what was loaded (dir or .gguf file)
@@ -51,7 +56,8 @@ class EngineClient(ABC):
         """Yields RequestOutputs as tokens arrive, per sampling_params.output_kind (CUMULATIVE: full text
         so far; DELTA: only the new text/tokens; FINAL_ONLY: one output at the end). The last one has
         finished=True. Raises ValueError for invalid input (prompt longer than max_model_len, ...) before
-        the first output; EngineDeadError if the engine dies. Cancelling the consumer aborts the request."""
+        the first output; EngineRequestError if the engine fails this request; EngineDeadError if the
+        engine dies. Cancelling the consumer aborts the request."""
 
     @abstractmethod
     async def abort(self, request_id: str) -> None:

@@ -24,8 +24,9 @@ bucket); `NEURON_LIBTORCH_REMOTE_CACHE` is a shared folder: buckets missing loca
 `<remote>/<key>/` before compiling, and what warm-up compiled is published there.
 Every shape is static, the KV cache's included: a dynamic slot dimension makes inductor copy the
 whole cache on every in-place write (24 ms per layer and step measured). So the manifest also records
-the KV size it was compiled for, and a restart reuses that size when it fits the memory budget
-(memory-based sizing varies a little between starts).
+the KV size it was compiled for and the sizing configuration that chose it; worker/memory.py's
+`plan_kv_pool` reuses that size on a restart whatever the free memory (or refuses with the arithmetic
+when it no longer fits).
 """
 from __future__ import annotations
 
@@ -172,11 +173,14 @@ class GraphCompiler:
         self.manifest_path = self.dir / "manifest.json"
         self.manifest: dict[str, Any] = {}
         self.manifest_num_blocks: int | None = None
+        self.manifest_kv_sizing: dict[str, Any] | None = None
         if not self.disabled and self.manifest_path.exists():
             saved = json.loads(self.manifest_path.read_text())
             self.manifest = saved.get("buckets", {})
             self.manifest_num_blocks = saved.get("num_blocks")
+            self.manifest_kv_sizing = saved.get("kv_sizing")
         self.num_blocks: int | None = None
+        self.kv_sizing: dict[str, Any] | None = None
         self._source: str | None = None  # how the last bucket materialized: loaded / compiled / traced
         self.timeout = envs.NEURON_LIBTORCH_COMPILATION_TIMEOUT
         if self.timeout is not None and self.backend == "native" \
@@ -298,13 +302,15 @@ class GraphCompiler:
         if self.remote_dir is not None:
             self._publish()
 
-    def set_num_blocks(self, num_blocks: int) -> None:
-        """The KV size the graphs are compiled for; a different size than the manifest's invalidates it."""
+    def set_num_blocks(self, num_blocks: int, kv_sizing: dict[str, Any] | None = None) -> None:
+        """The KV size the graphs are compiled for, and what chose it (recorded with it); a different
+        size than the manifest's invalidates it."""
         if self.manifest_num_blocks is not None and self.manifest_num_blocks != num_blocks:
             logger.info("KV cache size changed (%d -> %d blocks): every bucket recompiles",
                         self.manifest_num_blocks, num_blocks)
             self.manifest = {}
         self.num_blocks = num_blocks
+        self.kv_sizing = kv_sizing
 
     def bucket(self, name: str, fn: Callable) -> "BucketGraph":
         """The graph of bucket `name` running the bound method `fn` (of an object holding the model)."""
@@ -391,7 +397,8 @@ class GraphCompiler:
         if self.disabled:
             return
         _write_text_atomic(self.manifest_path, json.dumps(
-            {"key": self.key, "num_blocks": self.num_blocks, "buckets": self.manifest}, indent=1, sort_keys=True))
+            {"key": self.key, "num_blocks": self.num_blocks, "kv_sizing": self.kv_sizing, "buckets": self.manifest},
+            indent=1, sort_keys=True))
 
     @property
     def num_compiled(self) -> int:

@@ -1,19 +1,33 @@
-"""KV cache memory budget: the seeds' Memory management formulas, plus the probes they need.
+"""KV cache memory budget: the seeds' Memory management formulas, the probes they need, and the
+pool-size policy that keeps compiled graphs valid across restarts.
 
-Two modes, chosen by VLLM_NEURON_RESERVED_HEADROOM_GIB:
+The seeds size the KV cache from a Neuron core's HBM, which no other process shares. A CUDA device
+can be shared (two engines on one GPU), so `device_free` below is the device's FREE memory measured
+before this engine loaded its weights, not its total: the second engine on a GPU sizes its cache
+from what the first one left. Two modes, chosen by VLLM_NEURON_RESERVED_HEADROOM_GIB:
 
 default (unset):
-    device: total_budget = int(device_total * gpu_memory_utilization)
+    device: total_budget = int(device_free * gpu_memory_utilization)
             available    = max(min(max(total_budget - model_weight_bytes, 0),
                                    int(total_budget * cap_fraction)), 0)
     CPU:    the same, applied to this worker's share of host available memory
             (host_available / local_workers) with no weight subtraction: loaded weights are
             already reflected in host available memory.
 headroom (set, zero included): gpu_memory_utilization treated as 1.0, no fractional cap.
-    device: available = max(device_total - model_weight_bytes - headroom_bytes, 0)
+    device: available = max(device_free - model_weight_bytes - headroom_bytes, 0)
     CPU:    available = max(host_available / local_workers - headroom_bytes, 0)
 
 A budget below VLLM_NEURON_MIN_KV_BUDGET_GIB fails fast with the arithmetic in the message.
+
+Pool size across restarts (`plan_kv_pool`): every compiled graph has the KV pool's size baked in,
+and free memory moves between starts, so the pool is sized from the budget once per configuration
+and recorded in the compile cache manifest together with the sizing inputs (mode,
+gpu_memory_utilization, cap fraction, headroom). A later start with the same configuration reuses
+the recorded size whatever the free memory, as long as it fits under the budget's limit now
+(`KVBudget.limit_bytes`: the budget without the fractional cap); when it no longer fits, start-up is
+refused with the arithmetic rather than silently shrinking the pool (and recompiling every graph).
+A changed sizing configuration, a max_model_len the recorded pool cannot hold, or
+num_gpu_blocks_override decides the size anew.
 """
 
 from __future__ import annotations
@@ -40,8 +54,8 @@ def _gib(n: float) -> str:
 class KVBudget:
     """The outcome of one budget computation, with the inputs that produced it.
 
-    total_bytes is the memory the budget is taken from: the device's total memory, or on CPU
-    this worker's share of host available memory.
+    total_bytes is the memory the budget is taken from: the device's free memory before this
+    engine loaded its weights, or on CPU this worker's share of host available memory.
     """
 
     mode: str
@@ -53,9 +67,32 @@ class KVBudget:
     headroom_bytes: int | None
     available_bytes: int
 
+    @property
+    def limit_bytes(self) -> int:
+        """The most KV memory this budget allows for a pool sized earlier: the budget without the
+        fractional cap, which is a sizing choice rather than a limit (headroom mode: the budget)."""
+        if self.mode == MODE_HEADROOM:
+            return self.available_bytes
+        weights = 0 if self.on_cpu else self.weights_bytes
+        return max(int(self.total_bytes * self.gpu_memory_utilization) - weights, 0)
+
+    def describe_limit(self) -> str:
+        where = "host available / local_workers" if self.on_cpu else "device free before loading"
+        weights = "" if self.on_cpu else f" - weights {_gib(self.weights_bytes)}"
+        if self.mode == MODE_HEADROOM:
+            return (f"{where} {_gib(self.total_bytes)}{weights} - headroom {_gib(self.headroom_bytes or 0)} = "
+                    f"{_gib(self.limit_bytes)}")
+        return (f"{where} {_gib(self.total_bytes)} x gpu_memory_utilization {self.gpu_memory_utilization}"
+                f"{weights} = {_gib(self.limit_bytes)}")
+
+    def sizing(self) -> dict[str, Any]:
+        """The configuration that decides a pool's size from this budget (recorded with the pool)."""
+        return {"mode": self.mode, "gpu_memory_utilization": self.gpu_memory_utilization,
+                "cap_fraction": self.cap_fraction, "headroom_bytes": self.headroom_bytes}
+
     def describe(self) -> str:
         """The arithmetic as one line, for the start-up log and error messages."""
-        where = "host available / local_workers" if self.on_cpu else "device total"
+        where = "host available / local_workers" if self.on_cpu else "device free before loading"
         if self.mode == MODE_HEADROOM:
             weights = "" if self.on_cpu else f" - weights {_gib(self.weights_bytes)}"
             return (
@@ -86,14 +123,17 @@ def kv_budget(
     cap_fraction: float | None = _FROM_ENV,
     headroom_gib: float | None = _FROM_ENV,
     min_kv_budget_gib: float = _FROM_ENV,
+    check_minimum: bool = True,
 ) -> KVBudget:
     """Compute the KV budget of one worker (see the module docstring).
 
     on_cpu: total_bytes is host available memory (shared by `local_workers`); otherwise it is
-    the device's total memory and model_weight_bytes is subtracted. The last three arguments
-    default to VLLM_NEURON_KV_GMU_BUDGET_CAP_FRACTION, VLLM_NEURON_RESERVED_HEADROOM_GIB and
+    the device's free memory before the weights were loaded, and model_weight_bytes is
+    subtracted. cap_fraction, headroom_gib and min_kv_budget_gib default to
+    VLLM_NEURON_KV_GMU_BUDGET_CAP_FRACTION, VLLM_NEURON_RESERVED_HEADROOM_GIB and
     VLLM_NEURON_MIN_KV_BUDGET_GIB. Raises ValueError ("KV cache budget below minimum
-    threshold ...") when the result is below the minimum.
+    threshold ...") when the result is below the minimum, unless check_minimum is False
+    (`check_budget_minimum` then does it later).
     """
     if cap_fraction is _FROM_ENV:
         cap_fraction = envs.VLLM_NEURON_KV_GMU_BUDGET_CAP_FRACTION
@@ -124,11 +164,15 @@ def kv_budget(
         budget = KVBudget(
             MODE_DEFAULT, on_cpu, total, model_weight_bytes, gpu_memory_utilization, cap_fraction, None, available
         )
-    _check_minimum(budget, min_kv_budget_gib)
+    if check_minimum:
+        check_budget_minimum(budget, min_kv_budget_gib)
     return budget
 
 
-def _check_minimum(budget: KVBudget, min_kv_budget_gib: float) -> None:
+def check_budget_minimum(budget: KVBudget, min_kv_budget_gib: float = _FROM_ENV) -> None:
+    """ValueError with the arithmetic and the fix when the budget is below the minimum."""
+    if min_kv_budget_gib is _FROM_ENV:
+        min_kv_budget_gib = envs.VLLM_NEURON_MIN_KV_BUDGET_GIB
     minimum = int(min_kv_budget_gib * GIB)
     if budget.available_bytes >= minimum:
         return
@@ -199,6 +243,83 @@ def num_blocks_from_budget(
     return blocks
 
 
+@dataclass(frozen=True)
+class KVPoolPlan:
+    """How many KV blocks to allocate (block 0, the null block, included), and why."""
+
+    num_blocks: int
+    sizing: dict[str, Any]  # what decided the size; recorded with it in the compile cache manifest
+    reason: str  # one log line
+
+
+def plan_kv_pool(
+    *,
+    bytes_per_block: int,
+    max_model_len: int,
+    block_size: int,
+    override: int | None = None,
+    budget_fn: Any = None,
+    recorded_blocks: int | None = None,
+    recorded_sizing: dict[str, Any] | None = None,
+    record_path: str | None = None,
+) -> KVPoolPlan:
+    """The pool size under the policy of the module docstring.
+
+    override: num_gpu_blocks_override (used as given). budget_fn: () -> KVBudget computed without
+    the minimum check (called only when no override is given). recorded_blocks / recorded_sizing:
+    what the compile cache manifest at record_path holds from an earlier start, or None. record_path
+    None: nothing is recorded (eager, or the compile cache disabled), so the budget decides every start.
+    Raises ValueError naming the arithmetic when the configuration cannot be served.
+    """
+    needed = -(-max_model_len // block_size) + 1  # one request of max_model_len, plus the null block
+    if override is not None:
+        if override < needed:
+            raise ValueError(
+                f"num_gpu_blocks_override={override} cannot hold one request of max_model_len={max_model_len} "
+                f"({needed} blocks of {block_size} tokens, one of them reserved); raise "
+                f"num_gpu_blocks_override or lower max_model_len")
+        return KVPoolPlan(override, {"num_gpu_blocks_override": override},
+                          f"KV pool: {override} blocks (num_gpu_blocks_override)")
+    budget: KVBudget = budget_fn()
+    sizing = budget.sizing()
+    if recorded_blocks is not None and recorded_sizing == sizing and recorded_blocks >= needed:
+        pool = recorded_blocks * bytes_per_block
+        if pool > budget.limit_bytes:
+            fit = budget.limit_bytes // bytes_per_block
+            raise ValueError(
+                f"The KV pool recorded in {record_path} ({recorded_blocks} blocks = {_gib(pool)}, sized by the "
+                f"first start with this configuration and baked into its compiled graphs) no longer fits in "
+                f"memory: the limit now is {budget.describe_limit()} ({fit} blocks). The pool size is kept "
+                f"across restarts so that the compiled graphs stay valid, never shrunk silently. Free memory "
+                f"and start again, or choose a pool that fits with num_gpu_blocks_override (at most {fit}; "
+                f"every graph is compiled again), or delete {record_path} to size the pool from the memory "
+                f"available now.")
+        return KVPoolPlan(recorded_blocks, sizing, (
+            f"KV pool: {recorded_blocks} blocks ({_gib(pool)}) as recorded in {record_path} by the first start "
+            f"with this configuration, reused whatever the free memory (it fits: limit now "
+            f"{budget.describe_limit()}; the budget alone would size {budget.available_bytes // bytes_per_block} "
+            f"blocks)"))
+    check_budget_minimum(budget)
+    n = num_blocks_from_budget(budget.available_bytes, bytes_per_block, max_model_len=max_model_len + block_size,
+                               block_size=block_size)
+    # Rounded down to a power of two: slack under the limit, so the recorded size keeps fitting
+    # when free memory drops a little before the next start.
+    n = max(needed, 1 << (n.bit_length() - 1))
+    if record_path is None:
+        return KVPoolPlan(n, sizing, (
+            f"KV pool: {n} blocks ({_gib(n * bytes_per_block)}) from the budget, rounded down to a power of two "
+            f"(not recorded: eager execution or the compile cache disabled)"))
+    if recorded_blocks is None:
+        why = "first start with this configuration"
+    elif recorded_sizing != sizing:
+        why = f"sizing configuration changed from {recorded_sizing}"
+    else:
+        why = f"the recorded {recorded_blocks} blocks cannot hold one request of max_model_len={max_model_len}"
+    return KVPoolPlan(n, sizing, (
+        f"KV pool: {n} blocks ({_gib(n * bytes_per_block)}) from the budget, rounded down to a power of two "
+        f"({why}); recorded in {record_path} and reused by later starts with this configuration"))
+
+
 def host_available_bytes(meminfo_path: str = "/proc/meminfo") -> int:
     """Host available memory (MemAvailable of /proc/meminfo), in bytes."""
     try:
@@ -212,33 +333,44 @@ def host_available_bytes(meminfo_path: str = "/proc/meminfo") -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def device_total_bytes(device: Any) -> int:
-    """Total memory of a torch device: cuda via torch.cuda.mem_get_info; cpu: MemTotal."""
+def device_free_bytes(device: Any) -> int:
+    """Free memory of a torch device now: cuda via torch.cuda.mem_get_info (other processes'
+    allocations excluded); cpu: host available memory."""
     import torch
 
     dev = torch.device(device)
     if dev.type == "cuda":
-        index = dev.index if dev.index is not None else torch.cuda.current_device()
-        return int(torch.cuda.mem_get_info(index)[1])
+        return int(torch.cuda.mem_get_info(dev)[0])
     if dev.type == "cpu":
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        return host_available_bytes()
     raise ValueError(f"device type {dev.type!r} is not supported; valid values: cpu, cuda")
 
 
 def kv_budget_for_device(
-    device: Any, *, model_weight_bytes: int, gpu_memory_utilization: float, local_workers: int = 1
+    device: Any, *, model_weight_bytes: int, gpu_memory_utilization: float, local_workers: int = 1,
+    free_before_load: int | None = None, check_minimum: bool = True,
 ) -> KVBudget:
-    """Probe the device (or host) and compute the budget, environment variables applied."""
+    """Probe the device (or host) and compute the budget, environment variables applied.
+
+    On a device, free_before_load is its free memory measured before this engine loaded its
+    weights (`device_free_bytes`, probed by the runner); the weights are then subtracted as the
+    seeds do. Without it the device is probed now and the weights, already resident, are counted
+    back in. On CPU host available memory is probed now (it already reflects loaded weights).
+    """
     import torch
 
     if torch.device(device).type == "cpu":
         return kv_budget(
             on_cpu=True, total_bytes=host_available_bytes(), model_weight_bytes=model_weight_bytes,
             gpu_memory_utilization=gpu_memory_utilization, local_workers=local_workers,
+            check_minimum=check_minimum,
         )
+    if free_before_load is None:
+        free_before_load = device_free_bytes(device) + model_weight_bytes
     return kv_budget(
-        on_cpu=False, total_bytes=device_total_bytes(device), model_weight_bytes=model_weight_bytes,
+        on_cpu=False, total_bytes=free_before_load, model_weight_bytes=model_weight_bytes,
         gpu_memory_utilization=gpu_memory_utilization, local_workers=local_workers,
+        check_minimum=check_minimum,
     )
 
 

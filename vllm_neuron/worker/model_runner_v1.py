@@ -4,6 +4,8 @@ Every step pads the host-built inputs (token ids, positions, slots, block tables
 parameters and uniforms) to its bucket and runs that bucket's graph: model forward, logits of the
 sampled rows and in-graph sampling, all inside one compiled function per bucket. Under async
 scheduling the previous step's device tokens feed the next decode step (worker/token_passing.py).
+With speculative decoding, a decode step whose chunks carry drafts runs the `verify_b{B}_k{K}` graph
+instead, and every step ends by proposing the next drafts (worker/spec_decode.py).
 """
 from __future__ import annotations
 
@@ -11,10 +13,12 @@ import torch
 
 from vllm_neuron.config.engine_config import EngineConfig
 from vllm_neuron.model.loader import Checkpoint
+from vllm_neuron.spec_decode.verify_inputs import build_verify_inputs
 from vllm_neuron.step import ModelRunnerOutput, SchedulerOutput
 from vllm_neuron.worker.graphs import StepGraphs
 from vllm_neuron.worker.input_builder import build_decode_inputs
 from vllm_neuron.worker.runner_base import ModelRunnerBase
+from vllm_neuron.worker.spec_decode import SpecDecoder, VerifyGraphs, verify_bucket_name
 from vllm_neuron.worker.token_passing import TokenPassing
 
 
@@ -23,9 +27,29 @@ class ModelRunnerV1(ModelRunnerBase):
                  backend: str) -> None:
         super().__init__(config, checkpoint, device, dtype, backend)
         self.token_passing = TokenPassing()
+        self.spec = SpecDecoder(config.speculative, config.max_model_len) if config.speculative else None
 
     def _make_graphs(self) -> StepGraphs:
-        return StepGraphs(self.model, self.odsc, self.block_size, self.use_kernels)
+        cls = VerifyGraphs if self.spec is not None else StepGraphs
+        return cls(self.model, self.odsc, self.block_size, self.use_kernels)
+
+    def graph_names(self) -> list[tuple[str, str, int, int]]:
+        out = super().graph_names()
+        if self.spec is not None:  # one verification graph beside each decode graph
+            out += [(self._graph_name("verify", size, ctx), "verify", size, ctx) for _, kind, size, ctx in out
+                    if kind == "decode"]
+        return out
+
+    def _graph_name(self, kind: str, size: int, context: int) -> str:
+        if kind == "verify":
+            return verify_bucket_name(size, self.spec.k, context if len(self.context_buckets) > 1 else None)
+        return super()._graph_name(kind, size, context)
+
+    def _step_bucket(self, sched: SchedulerOutput) -> tuple[int, int, str, int]:
+        size, context, name, padding = super()._step_bucket(sched)
+        if any(c.num_draft_tokens for c in sched.chunks):
+            name = self._graph_name("verify", size, context)
+        return size, context, name, padding
 
     def _run_prefill(self, chunks, num_tokens: int, num_context: int, masks: dict | None = None):
         def row_inputs(rows: int) -> tuple:
@@ -44,6 +68,35 @@ class ModelRunnerV1(ModelRunnerBase):
                          self._t(self._bitmask(chunks, batch, masks or {})), self._t(s["temperature"]),
                          self._t(s["top_k"]), self._t(s["top_p"]), self._t(s["uniform"]), self.kv_caches)
 
+    def _run_verify(self, chunks, batch: int, context: int, masks: dict | None = None):
+        x = build_verify_inputs(chunks, batch, self.spec.k, context // self.block_size, self.block_size)
+        req_ids = [c.req_id for c in chunks]
+        s = self.sampling.graph_tensors(req_ids, batch)
+        acc, smp = self.spec.uniforms(self.sampling.states, req_ids, batch)
+        with torch.inference_mode():
+            graph = self._graph("verify", batch, context)
+            return graph(self._t(x.input_ids), self._t(x.positions), self._t(x.slot_mapping), self._t(x.block_tables),
+                         self._t(x.draft_ids), self._t(x.num_drafts), self._t(self._bitmask(chunks, batch, masks or {})),
+                         self._t(s["temperature"]), self._t(s["top_k"]), self._t(s["top_p"]), self._t(acc),
+                         self._t(smp), self.kv_caches)
+
+    def _execute_verify(self, sched: SchedulerOutput, size: int, context: int):
+        """A decode step with drafts: (sampled, logprobs); row i emits its accepted drafts and one more."""
+        chunks = sched.chunks
+        tokens, num_emitted, logits0 = self._run_verify(chunks, size, context, sched.grammar_bitmask)
+        req_ids, sampled, logprobs = self._finalize_rows(chunks, tokens[:, 0], logits0)
+        emitted = num_emitted.tolist()
+        rows = tokens.tolist()
+        for i, rid in enumerate(req_ids):
+            extra = rows[i][1:emitted[i]]  # rows without drafts (host-sampled ones included) emit one
+            if extra:
+                sampled[rid] = sampled[rid] + extra
+                self.sampling.states[rid].output_token_ids.extend(extra)
+        return sampled, logprobs
+
+    def _drafts(self, sampled: dict) -> dict[str, list[int]]:
+        return self.spec.propose(self.sampling.states, list(sampled)) if self.spec is not None else {}
+
     # -- one step --------------------------------------------------------------------------------
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         for rid in sched.finished_req_ids:
@@ -55,6 +108,10 @@ class ModelRunnerV1(ModelRunnerBase):
         chunks = sched.chunks
         size, context, name, padding = self._step_bucket(sched)
         fallback = passed = False
+        if name.startswith("verify"):
+            sampled, logprobs = self._execute_verify(sched, size, context)
+            return ModelRunnerOutput(sampled, logprobs, bucket_name=name, num_padding=padding,
+                                     spec_token_ids=self._drafts(sampled))
         if sched.kind == "prefill":
             tokens, logits = self._run_prefill(chunks, size, context, sched.grammar_bitmask)
         else:
@@ -66,4 +123,5 @@ class ModelRunnerV1(ModelRunnerBase):
         self.token_passing.record(sched.kind, [c.req_id for c in chunks], tokens,
                                   {r: t[0] for r, t in sampled.items()}, host_rows)
         return ModelRunnerOutput(sampled, logprobs, bucket_name=name, num_padding=padding,
-                                 async_fallback=fallback, tokens_passed_on_device=passed)
+                                 async_fallback=fallback, tokens_passed_on_device=passed,
+                                 spec_token_ids=self._drafts(sampled))

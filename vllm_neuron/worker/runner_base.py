@@ -69,6 +69,8 @@ class ModelRunnerBase:
         self.compiler: GraphCompiler | None = None
         self.graphs = None  # the runner's StepGraphs / StepGraphsV2
         self._bucket_graphs: dict[tuple[str, int, int], Callable] = {}
+        self._free_before_load: int | None = None
+        self._kv_sizing: dict | None = None
         self.model_cls = resolve_model_class(checkpoint.hf_config)
         self.model_spec = self.model_cls.spec(checkpoint.hf_config)
         check_quantization(self.model_cls, self.model_spec, config.neuron_config.quantization)
@@ -80,6 +82,8 @@ class ModelRunnerBase:
     # -- set-up ----------------------------------------------------------------------------------
     def load_model(self) -> LoadStats:
         cls = self.model_cls
+        # The KV budget is taken from what the device had free before our weights arrived.
+        self._free_before_load = None if self.device.type == "cpu" else memory.device_free_bytes(self.device)
         t0 = time.perf_counter()
         prev = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
@@ -105,40 +109,35 @@ class ModelRunnerBase:
         return stats
 
     def num_blocks(self, weight_bytes: int) -> int:
-        """Total KV blocks (block 0 is the null block)."""
+        """Total KV blocks (block 0 is the null block), under worker/memory.py's pool-size policy."""
         layers, kv_heads, head_dim = self.model.kv_cache_spec()
         per_block = memory.kv_cache_bytes_per_block(layers, kv_heads, head_dim, self.block_size,
                                                     torch.finfo(self.dtype).bits // 8)
-        needed = -(-self.config.max_model_len // self.block_size) + 1
-        if self.config.num_gpu_blocks_override is not None:
-            n = self.config.num_gpu_blocks_override
-            if n < needed:
-                raise ValueError(
-                    f"num_gpu_blocks_override={n} cannot hold one request of max_model_len="
-                    f"{self.config.max_model_len} ({needed} blocks of {self.block_size} tokens, one of them "
-                    f"reserved); raise num_gpu_blocks_override or lower max_model_len")
-            return n
-        budget = memory.kv_budget_for_device(self.device, model_weight_bytes=weight_bytes,
-                                             gpu_memory_utilization=self.config.gpu_memory_utilization)
-        logger.info("KV budget: %s", budget.describe())
-        n = memory.num_blocks_from_budget(budget.available_bytes, per_block,
-                                          max_model_len=self.config.max_model_len + self.block_size,
-                                          block_size=self.block_size)
-        cached = self.compiler.manifest_num_blocks
-        if cached is not None and needed <= cached <= n:
-            # The compiled graphs have the KV size baked in: reuse it rather than recompile.
-            logger.info("Using the compile cache's KV size of %d blocks (budget allows %d)", cached, n)
-            return cached
-        # Rounded down to a power of two: the budget follows free host memory, which moves between
-        # starts, and every new size would recompile every graph.
-        return max(needed, 1 << (n.bit_length() - 1))
+
+        def budget() -> memory.KVBudget:
+            b = memory.kv_budget_for_device(self.device, model_weight_bytes=weight_bytes,
+                                            gpu_memory_utilization=self.config.gpu_memory_utilization,
+                                            free_before_load=self._free_before_load, check_minimum=False)
+            logger.info("KV budget: %s", b.describe())
+            return b
+
+        persistent = self.backend != "eager" and not self.compiler.disabled
+        plan = memory.plan_kv_pool(
+            bytes_per_block=per_block, max_model_len=self.config.max_model_len, block_size=self.block_size,
+            override=self.config.num_gpu_blocks_override, budget_fn=budget,
+            recorded_blocks=self.compiler.manifest_num_blocks if persistent else None,
+            recorded_sizing=self.compiler.manifest_kv_sizing if persistent else None,
+            record_path=str(self.compiler.manifest_path) if persistent else None)
+        logger.info("%s", plan.reason)
+        self._kv_sizing = plan.sizing
+        return plan.num_blocks
 
     def init_kv_cache(self, num_blocks: int) -> None:
         _, kv_heads, head_dim = self.model.kv_cache_spec()
         shape = (num_blocks * self.block_size, kv_heads, head_dim)
         self.kv_caches = [(_zeros(shape, self.dtype, self.device), _zeros(shape, self.dtype, self.device))
                           for _ in range(self.model.kv_cache_spec()[0])]
-        self.compiler.set_num_blocks(num_blocks)
+        self.compiler.set_num_blocks(num_blocks, self._kv_sizing)
 
     def graph_names(self) -> list[tuple[str, str, int, int]]:
         """(name, kind, size, context) for every graph warm-up compiles."""
@@ -185,10 +184,8 @@ class ModelRunnerBase:
             return self.compiler
         logger.info("Warm-up: %d graphs (%s route); compile cache %s", len(graphs), self.backend, self.compiler.dir)
         for name, kind, size, ctx in tqdm(graphs, desc="Compiling buckets", unit="graph", disable=None):
-            if kind == "prefill":
-                self.compiler.warm(name, lambda: self._run_prefill([], size, ctx))
-            else:
-                self.compiler.warm(name, lambda: self._run_decode([], size, ctx))
+            run = getattr(self, f"_run_{kind}")  # _run_prefill / _run_decode / a runner's own kinds
+            self.compiler.warm(name, lambda: run([], size, ctx))
         self.compiler.finish()
         return self.compiler
 
@@ -203,7 +200,7 @@ class ModelRunnerBase:
         key = (kind, size, context)
         g = self._bucket_graphs.get(key)
         if g is None:
-            fn = self.graphs.prefill if kind == "prefill" else self.graphs.decode
+            fn = getattr(self.graphs, kind)  # the graph object's method of that kind
             name = self._graph_name(kind, size, context)
             g = self._bucket_graphs[key] = self.compiler.bucket(name, fn)
         return g

@@ -22,6 +22,14 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     g.add_argument("--allowed-origins", nargs="*", default=None, help="CORS origins")
+    from vllm_neuron.entrypoints.openai.request_policy import DEFAULT_MAX_N, DEFAULT_MAX_REQUEST_BODY_BYTES
+
+    g.add_argument("--trust-request-chat-template", action="store_true",
+                   help="accept a `chat_template` sent in a request (it runs on the server; refused otherwise)")
+    g.add_argument("--max-n", type=int, default=DEFAULT_MAX_N,
+                   help="largest `n` (completions per request) a request may ask for; larger gets a 400")
+    g.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+                   help="larger request bodies get a 413 before they are read")
     from vllm_neuron.tool_parsers import ToolParserManager
 
     g.add_argument("--enable-auto-tool-choice", action="store_true",

@@ -7,21 +7,26 @@ import os
 import time
 
 from vllm_neuron.config.arg_utils import engine_config_from_args
+from vllm_neuron.entrypoints.openai.request_policy import RequestLimits
 from vllm_neuron.logger import init_logger
 
 logger = init_logger(__name__)
+
+_ENGINE_WATCH_SECONDS = 0.2
 
 
 def run_serve(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     if getattr(args, "enable_auto_tool_choice", False) and not getattr(args, "tool_call_parser", None):
         raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
+    limits = RequestLimits(args.max_n, args.max_request_body_bytes, args.trust_request_chat_template)
     config = engine_config_from_args(args)
     api_key = args.api_key or os.environ.get("VLLM_API_KEY")
-    return asyncio.run(_serve(config, args, api_key, t0))
+    return asyncio.run(_serve(config, args, api_key, limits, t0))
 
 
-async def _serve(config, args: argparse.Namespace, api_key: str | None, t0: float) -> int:
+async def _serve(config, args: argparse.Namespace, api_key: str | None, limits: RequestLimits,
+                 t0: float) -> int:
     from vllm_neuron import metrics
     from vllm_neuron.engine.async_llm import AsyncLLM
     from vllm_neuron.engine.protocol import EngineDeadError
@@ -33,13 +38,14 @@ async def _serve(config, args: argparse.Namespace, api_key: str | None, t0: floa
         app = build_app(engine, served_model_names=names, api_key=api_key, chat_template=config.chat_template,
                         max_logprobs=config.max_logprobs, allowed_origins=args.allowed_origins,
                         enable_auto_tool_choice=getattr(args, "enable_auto_tool_choice", False),
-                        tool_call_parser=getattr(args, "tool_call_parser", None))
+                        tool_call_parser=getattr(args, "tool_call_parser", None),
+                        limits=limits)
         await engine.start()
 
         server = create_server(app, args.host, args.port, args.uvicorn_log_level)
         exit_code = 0
 
-        async def _announce_ready() -> None:
+        async def _watch_engine() -> None:
             nonlocal exit_code
             try:
                 await engine.wait_until_ready()
@@ -54,8 +60,16 @@ async def _serve(config, args: argparse.Namespace, api_key: str | None, t0: floa
             metrics.record_startup_time(seconds)
             logger.info("Server ready in %.1f s: http://%s:%d/v1 (model %s)", seconds, args.host, args.port,
                         names[0])
+            while not engine.errored:
+                await asyncio.sleep(_ENGINE_WATCH_SECONDS)
+            # vLLM's behaviour: a server without its engine exits, so that a supervisor restarts both.
+            # Requests in flight have their error already; uvicorn lets them finish before exiting.
+            logger.error("The engine process died (%s); the API server exits with code 1 so that a supervisor "
+                         "can restart it.", engine.dead_reason)
+            exit_code = 1
+            server.should_exit = True
 
-        ready_task = asyncio.create_task(_announce_ready())
+        ready_task = asyncio.create_task(_watch_engine())
         logger.info("Serving on http://%s:%d; /health is 503 until warm-up finishes", args.host, args.port)
         await server.serve()
         ready_task.cancel()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hmac
 import signal
 import socket
+from concurrent.futures import ThreadPoolExecutor
 from types import FrameType
 from typing import Any
 
@@ -20,10 +21,25 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from vllm_neuron import metrics
 from vllm_neuron.engine.protocol import EngineClient
-from vllm_neuron.entrypoints.openai.errors import error_response, install_exception_handlers, parse_json_body
+from vllm_neuron.entrypoints.openai import openapi_spec as spec
+from vllm_neuron.entrypoints.openai.chat_template import load_chat_template
+from vllm_neuron.entrypoints.openai.errors import error_response, install_exception_handlers
+from vllm_neuron.entrypoints.openai.request_body import read_json_body
+from vllm_neuron.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelList,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    TokenizeResponse,
+)
+from vllm_neuron.entrypoints.openai.request_policy import RequestLimits
 from vllm_neuron.entrypoints.openai.serving_chat import OpenAIServingChat
 from vllm_neuron.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from vllm_neuron.entrypoints.openai.serving_engine import load_chat_template
 from vllm_neuron.entrypoints.openai.serving_models import OpenAIServingModels
 from vllm_neuron.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from vllm_neuron.logger import init_logger
@@ -65,7 +81,8 @@ class ApiKeyMiddleware:
 def build_app(engine: EngineClient, *, served_model_names: list[str], api_key: str | None = None,
               chat_template: str | None = None, max_logprobs: int = 20, return_tokens_as_token_ids: bool = False,
               record_request_metrics: bool = True, allowed_origins: list[str] | None = None,
-              enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None) -> FastAPI:
+              enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
+              limits: RequestLimits | None = None) -> FastAPI:
     """The OpenAI-compatible app serving `engine` under `served_model_names` (the first one is the
     default and the metrics' model_name label).
 
@@ -73,14 +90,18 @@ def build_app(engine: EngineClient, *, served_model_names: list[str], api_key: s
     max_logprobs: cap on logprobs/top_logprobs/prompt_logprobs (-1: the whole vocabulary).
     record_request_metrics: the HTTP layer records the per-request series (see vllm_neuron.metrics).
     enable_auto_tool_choice, tool_call_parser: tool_choice="auto" with that parser (vllm_neuron.tool_parsers).
+    limits: --max-n, --max-request-body-bytes, --trust-request-chat-template.
     """
     if max_logprobs < -1:
         raise ValueError(f"max_logprobs must be -1 (no cap) or >= 0, got {max_logprobs}")
     models = OpenAIServingModels(served_model_names, engine.model_info.model_path, engine.model_info.max_model_len)
     metrics.configure(models.default_name)
+    limits = limits or RequestLimits()
+    # One pool for the blocking work (template rendering, tokenization) of every route.
+    pool = ThreadPoolExecutor(2, thread_name_prefix="vllm-neuron-render")
     kwargs: dict[str, Any] = dict(max_logprobs=max_logprobs, chat_template=load_chat_template(chat_template),
                                   return_tokens_as_token_ids=return_tokens_as_token_ids,
-                                  record_metrics=record_request_metrics)
+                                  record_metrics=record_request_metrics, limits=limits, blocking_pool=pool)
     completion = OpenAIServingCompletion(engine, models, **kwargs)
     chat = OpenAIServingChat(engine, models, enable_auto_tool_choice=enable_auto_tool_choice,
                              tool_call_parser=tool_call_parser, **kwargs)
@@ -95,7 +116,10 @@ def build_app(engine: EngineClient, *, served_model_names: list[str], api_key: s
                        allow_methods=["*"], allow_headers=["*"])
     install_exception_handlers(app)
 
-    @app.get("/health")
+    async def body(raw_request: Request) -> dict:
+        return await read_json_body(raw_request, limits.max_body_bytes)
+
+    @app.get("/health", response_class=Response, responses=spec.HEALTH_RESPONSES)
     async def health() -> Response:
         if engine.errored:
             return error_response("The engine is dead.", 503)
@@ -107,37 +131,40 @@ def build_app(engine: EngineClient, *, served_model_names: list[str], api_key: s
             return error_response(f"The engine is unhealthy: {e}", 503)
         return Response(status_code=200)
 
-    @app.get("/version")
+    @app.get("/version", responses=spec.VERSION_RESPONSES)
     async def show_version() -> JSONResponse:
         return JSONResponse({"version": version})
 
-    @app.get("/metrics")
+    @app.get("/metrics", responses=spec.METRICS_RESPONSES)
     async def show_metrics() -> Response:
         return Response(content=metrics.metrics_response_body(), media_type=metrics.CONTENT_TYPE)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=spec.route_responses(ModelList, auth=bool(api_key)))
     async def show_models() -> JSONResponse:
         return JSONResponse(content=models.list_models().model_dump())
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=spec.request_body(CompletionRequest),
+              responses=spec.route_responses(CompletionResponse, stream=True, auth=bool(api_key)))
     async def create_completion(raw_request: Request) -> Response:
-        data = parse_json_body(await raw_request.body())
-        return await completion.create_completion(data, raw_request)
+        return await completion.create_completion(await body(raw_request), raw_request)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=spec.request_body(ChatCompletionRequest),
+              responses=spec.route_responses(ChatCompletionResponse, stream=True, auth=bool(api_key)))
     async def create_chat_completion(raw_request: Request) -> Response:
-        data = parse_json_body(await raw_request.body())
-        return await chat.create_chat_completion(data, raw_request)
+        return await chat.create_chat_completion(await body(raw_request), raw_request)
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", openapi_extra=spec.request_body(TokenizeCompletionRequest, TokenizeChatRequest),
+              responses=spec.route_responses(TokenizeResponse))
     async def tokenize(raw_request: Request) -> JSONResponse:
-        data = parse_json_body(await raw_request.body())
-        return JSONResponse(content=tokenization.tokenize(data).model_dump(exclude_none=True))
+        result = await tokenization.tokenize(await body(raw_request))
+        return JSONResponse(content=result.model_dump(exclude_none=True))
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", openapi_extra=spec.request_body(DetokenizeRequest),
+              responses=spec.route_responses(DetokenizeResponse))
     async def detokenize(raw_request: Request) -> JSONResponse:
-        data = parse_json_body(await raw_request.body())
-        return JSONResponse(content=tokenization.detokenize(data).model_dump())
+        return JSONResponse(content=(await tokenization.detokenize(await body(raw_request))).model_dump())
+
+    spec.install(app, limits, max_logprobs, len(engine.tokenizer))
 
     app.state.engine = engine
     app.state.served_model_names = models.served_model_names

@@ -8,7 +8,6 @@ unexpected is a 500 and is logged with its traceback.
 """
 from __future__ import annotations
 
-import json
 from http import HTTPStatus
 
 from fastapi import FastAPI, Request
@@ -17,7 +16,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from vllm_neuron.engine.protocol import EngineDeadError
+from vllm_neuron.engine.protocol import EngineDeadError, EngineRequestError
 from vllm_neuron.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
 from vllm_neuron.logger import init_logger
 
@@ -30,6 +29,7 @@ _TYPE_BY_STATUS = {
     404: "NotFoundError",
     405: "MethodNotAllowedError",
     413: "RequestTooLargeError",
+    415: "UnsupportedMediaTypeError",
     500: "InternalServerError",
     503: "ServiceUnavailableError",
 }
@@ -54,6 +54,14 @@ class AuthenticationError(OpenAIError):
 
 class NotFoundError(OpenAIError):
     status_code = 404
+
+
+class RequestTooLargeError(OpenAIError):
+    status_code = 413
+
+
+class UnsupportedMediaTypeError(OpenAIError):
+    status_code = 415
 
 
 class ServiceUnavailableError(OpenAIError):
@@ -85,6 +93,8 @@ def from_exception(exc: BaseException) -> ErrorResponse:
         return error_body(exc.message, exc.status_code, exc.param)
     if isinstance(exc, EngineDeadError):
         return error_body(f"The engine is dead: {exc}" if str(exc) else "The engine is dead.", 500)
+    if isinstance(exc, EngineRequestError):
+        return error_body(f"Internal server error: {exc}", 500)
     if isinstance(exc, ValueError):
         return error_body(str(exc), 400)
     return error_body(f"Internal server error: {type(exc).__name__}: {exc}", 500)
@@ -109,17 +119,6 @@ def format_validation_error(exc: ValidationError | RequestValidationError,
     return "; ".join(parts) or "Invalid request", param
 
 
-def parse_json_body(raw: bytes) -> dict:
-    """Decodes a request body that must be a JSON object; BadRequestError otherwise."""
-    try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise BadRequestError(f"Invalid JSON body: {e}") from None
-    if not isinstance(data, dict):
-        raise BadRequestError(f"The request body must be a JSON object, got {type(data).__name__}.")
-    return data
-
-
 def install_exception_handlers(app: FastAPI) -> None:
     @app.exception_handler(OpenAIError)
     async def _openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
@@ -137,7 +136,9 @@ def install_exception_handlers(app: FastAPI) -> None:
         except ValueError:
             phrase = "Error"
         message = exc.detail if isinstance(exc.detail, str) and exc.detail else phrase
-        return error_response(message, exc.status_code)
+        response = error_response(message, exc.status_code)
+        response.headers.update(exc.headers or {})  # e.g. Allow on a 405
+        return response
 
     @app.exception_handler(EngineDeadError)
     async def _engine_dead(_: Request, exc: EngineDeadError) -> JSONResponse:

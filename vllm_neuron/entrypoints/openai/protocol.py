@@ -2,8 +2,9 @@
 
 Requests allow extra fields (as vLLM does); `serving_engine.check_unsupported_fields` decides
 which of them are refused because they would change the output, and which are harmless.
-Semantic checks (ranges, context length, logprob caps) live in the serving classes, which know
-the model; the models here only check types.
+Ranges that need no model (seed, temperature, n >= 1, ...) are checked here, so that /openapi.json
+states them; checks that need the model or the server's options (vocabulary, context length,
+logprob caps, --max-n) live in the serving classes.
 """
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from vllm_neuron.sampling_params import MAX_TEMPERATURE, SEED_MAX, SEED_MIN
+
 
 def random_uuid() -> str:
     return uuid.uuid4().hex
@@ -20,6 +23,13 @@ def random_uuid() -> str:
 
 class OpenAIBaseModel(BaseModel):
     model_config = ConfigDict(extra="allow")
+
+
+class OpenAIRequestModel(OpenAIBaseModel):
+    """Requests are validated strictly: a value of the wrong JSON type (true for an integer, "2" for
+    n) is a 400, as /openapi.json says, never silently converted."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
 
 
 # ---- errors, models, usage ----------------------------------------------------------------------
@@ -77,7 +87,7 @@ class UsageInfo(OpenAIBaseModel):
     prompt_tokens_details: PromptTokenUsageInfo | None = None
 
 
-class StreamOptions(OpenAIBaseModel):
+class StreamOptions(OpenAIRequestModel):
     include_usage: bool | None = True
     continuous_usage_stats: bool | None = False
 
@@ -85,38 +95,38 @@ class StreamOptions(OpenAIBaseModel):
 StopParam = Union[str, list[str], None]
 
 
-class _SamplingFields(OpenAIBaseModel):
+class _SamplingFields(OpenAIRequestModel):
     """Fields shared by both generation endpoints (OpenAI's and vLLM's extra sampling fields)."""
 
     model: str | None = None
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
-    n: int | None = 1
-    seed: int | None = None
+    n: int | None = Field(1, ge=1)  # the maximum is the server's --max-n (in /openapi.json too)
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     stop: StopParam = Field(default_factory=list)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    temperature: float | None = None
-    top_p: float | None = None
+    temperature: float | None = Field(None, ge=0.0, le=MAX_TEMPERATURE)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
     user: str | None = None
     # vLLM's sampling extras
     best_of: int | None = None
     use_beam_search: bool = False
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(None, gt=0.0)
     length_penalty: float = 1.0
     stop_token_ids: list[int] | None = Field(default_factory=list)
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
-    min_tokens: int = 0
+    min_tokens: int = Field(0, ge=0)
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
-    truncate_prompt_tokens: int | None = None
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)
     truncation_side: Literal["left", "right"] | None = None
     allowed_token_ids: list[int] | None = None
-    prompt_logprobs: int | None = None
+    prompt_logprobs: int | None = Field(None, ge=-1)
     bad_words: list[str] = Field(default_factory=list)
     # Structured outputs: vLLM's field and its older aliases (see entrypoints/openai/structured.py)
     structured_outputs: dict[str, Any] | None = None
@@ -139,8 +149,8 @@ class _SamplingFields(OpenAIBaseModel):
 class CompletionRequest(_SamplingFields):
     prompt: Union[list[int], list[list[int]], str, list[str], None] = None
     echo: bool | None = False
-    logprobs: int | None = None
-    max_tokens: int | None = 16
+    logprobs: int | None = Field(None, ge=-1)
+    max_tokens: int | None = Field(16, ge=0)  # 0 only with echo
     suffix: str | None = None
     add_special_tokens: bool = True
     response_format: dict[str, Any] | None = None
@@ -198,9 +208,9 @@ class CompletionStreamResponse(OpenAIBaseModel):
 class ChatCompletionRequest(_SamplingFields):
     messages: list[dict[str, Any]]
     logprobs: bool | None = False
-    top_logprobs: int | None = 0
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    top_logprobs: int | None = Field(0, ge=-1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
     response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     # None: "auto" when tools are given, else "none" (vLLM's default)
@@ -311,14 +321,14 @@ class ChatCompletionStreamResponse(OpenAIBaseModel):
 
 # ---- /tokenize, /detokenize ---------------------------------------------------------------------
 
-class TokenizeCompletionRequest(OpenAIBaseModel):
+class TokenizeCompletionRequest(OpenAIRequestModel):
     model: str | None = None
     prompt: str
     add_special_tokens: bool = True
     return_token_strs: bool | None = False
 
 
-class TokenizeChatRequest(OpenAIBaseModel):
+class TokenizeChatRequest(OpenAIRequestModel):
     model: str | None = None
     messages: list[dict[str, Any]]
     add_generation_prompt: bool = True
@@ -337,7 +347,7 @@ class TokenizeResponse(OpenAIBaseModel):
     token_strs: list[str] | None = None
 
 
-class DetokenizeRequest(OpenAIBaseModel):
+class DetokenizeRequest(OpenAIRequestModel):
     model: str | None = None
     tokens: list[int]
 

@@ -28,18 +28,14 @@ from vllm_neuron.entrypoints.openai.protocol import (
     UsageInfo,
     random_uuid,
 )
+from vllm_neuron.entrypoints.openai.request_policy import check_unsupported_fields, parse_request
 from vllm_neuron.entrypoints.openai.serving_engine import (
-    SSE_DONE,
     ChoiceAccumulator,
     OpenAIServing,
     RequestTracker,
-    check_unsupported_fields,
-    parse_request,
     prompt_logprobs_json,
-    render_chat,
-    run_until_disconnect,
-    sse,
 )
+from vllm_neuron.entrypoints.openai.streaming import SSE_DONE, run_until_disconnect, sse
 from vllm_neuron.entrypoints.openai.structured import structured_outputs_from_request, validate_structured_outputs
 from vllm_neuron.entrypoints.openai.tool_calls import ToolCallStream, ToolChoice, extract_final, resolve_tool_choice
 from vllm_neuron.outputs import Logprob
@@ -94,8 +90,7 @@ class OpenAIServingChat(OpenAIServing):
         self.check_logprobs_cap(req.prompt_logprobs, "prompt_logprobs")
         if req.stream and req.prompt_logprobs:
             raise BadRequestError("`prompt_logprobs` are not available when `stream=True`.", param="prompt_logprobs")
-        if req.n is not None and req.n < 1:
-            raise BadRequestError(f"n must be at least 1, got {req.n}.", param="n")
+        self.limits.check_n(req.n)
         tool = resolve_tool_choice(req.tools, req.tool_choice, req.parallel_tool_calls, self.tool_parser)
         structured, structured_param = structured_outputs_from_request(req)
         if tool.structured_outputs is not None:
@@ -106,12 +101,13 @@ class OpenAIServingChat(OpenAIServing):
         if structured is not None:
             await validate_structured_outputs(structured, self.tokenizer, structured_param)
 
-        text = render_chat(self.tokenizer, req.messages, template=req.chat_template or self.chat_template,
-                           add_generation_prompt=req.add_generation_prompt,
-                           continue_final_message=req.continue_final_message,
-                           template_kwargs=self._template_kwargs(req), documents=req.documents, tools=req.tools)
+        text = await self.render_chat(req.messages, request_template=req.chat_template,
+                                      add_generation_prompt=req.add_generation_prompt,
+                                      continue_final_message=req.continue_final_message,
+                                      template_kwargs=self._template_kwargs(req), documents=req.documents,
+                                      tools=req.tools)
         # The template writes the special tokens itself: no second BOS unless asked for.
-        prompt_ids = self.encode(text, req.add_special_tokens)
+        prompt_ids = await self.encode(text, req.add_special_tokens)
         if req.truncate_prompt_tokens is not None:
             keep = self.max_model_len if req.truncate_prompt_tokens == -1 else req.truncate_prompt_tokens
             if keep < 1:

@@ -21,18 +21,14 @@ from vllm_neuron.entrypoints.openai.protocol import (
     UsageInfo,
     random_uuid,
 )
+from vllm_neuron.entrypoints.openai.request_policy import check_unsupported_fields, parse_request
 from vllm_neuron.entrypoints.openai.serving_engine import (
-    SSE_DONE,
     ChoiceAccumulator,
     OpenAIServing,
     RequestTracker,
-    check_unsupported_fields,
-    merge_async_iterators,
-    parse_request,
     prompt_logprobs_json,
-    run_until_disconnect,
-    sse,
 )
+from vllm_neuron.entrypoints.openai.streaming import SSE_DONE, merge_async_iterators, run_until_disconnect, sse
 from vllm_neuron.entrypoints.openai.structured import structured_outputs_from_request, validate_structured_outputs
 from vllm_neuron.outputs import Logprob, PromptLogprobs
 
@@ -54,13 +50,14 @@ class OpenAIServingCompletion(OpenAIServing):
         req = parse_request(CompletionRequest, data)
         model = self.models.resolve(req.model)
         self.check_engine()
+        self.limits.check_n(req.n)
         if req.stream_options is not None and not req.stream:
             raise BadRequestError("Stream options can only be defined when `stream=True`.", param="stream_options")
         self.check_logprobs_cap(req.logprobs, "logprobs")
         self.check_logprobs_cap(req.prompt_logprobs, "prompt_logprobs")
         if req.stream and req.prompt_logprobs:
             raise BadRequestError("`prompt_logprobs` are not available when `stream=True`.", param="prompt_logprobs")
-        prompts = self._prompts(req)
+        prompts = await self._prompts(req)
         echo_only = bool(req.echo) and req.max_tokens == 0
         requested = 1 if echo_only else req.max_tokens
         for p in prompts:
@@ -82,7 +79,7 @@ class OpenAIServingCompletion(OpenAIServing):
             return Response(status_code=499)
         return JSONResponse(content=result.model_dump())
 
-    def _prompts(self, req: CompletionRequest) -> list[_Prompt]:
+    async def _prompts(self, req: CompletionRequest) -> list[_Prompt]:
         raw = req.prompt
         empty = BadRequestError("Either prompt or prompt_embeds must be provided and non-empty.", param="prompt")
         if raw is None or raw == "" or raw == []:
@@ -98,7 +95,7 @@ class OpenAIServingCompletion(OpenAIServing):
             if isinstance(item, str):
                 if not item:
                     raise empty
-                prompts.append(_Prompt(self.encode(item, req.add_special_tokens), item))
+                prompts.append(_Prompt(await self.encode(item, req.add_special_tokens), item))
             else:
                 if not item:
                     raise empty

@@ -1,32 +1,25 @@
-"""What the generation endpoints share: request checks, sampling parameters, chat rendering,
-logprob formatting, and the life of a request in flight (metrics, abort on disconnect).
+"""What the generation endpoints share: the checks that need the model (vocabulary, context length,
+logprob caps), sampling parameters, blocking work moved off the event loop, logprob formatting, and
+the life of a request in flight (metrics, abort on disconnect).
 
-Every check raises `BadRequestError` naming the field where the bad value enters, so that a
-client gets a 400 with `param` set before anything reaches the engine.
+Field policy without the model is in request_policy.py, chat rendering in chat_template.py, SSE and
+disconnect handling in streaming.py.
 """
 from __future__ import annotations
 
 import asyncio
-import json
-import os
-import re
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, TypeVar
 
-from fastapi import Request
-from pydantic import BaseModel, ValidationError
-
 from vllm_neuron import metrics
 from vllm_neuron.engine.protocol import EngineClient
-from vllm_neuron.entrypoints.openai.errors import (
-    BadRequestError,
-    InternalServerError,
-    ServiceUnavailableError,
-    format_validation_error,
-)
+from vllm_neuron.entrypoints.openai.chat_template import render_chat
+from vllm_neuron.entrypoints.openai.errors import BadRequestError, InternalServerError, ServiceUnavailableError
+from vllm_neuron.entrypoints.openai.request_policy import RequestLimits, context_error, param_of_error
 from vllm_neuron.entrypoints.openai.serving_models import OpenAIServingModels
-from vllm_neuron.logger import init_logger, warning_once
+from vllm_neuron.logger import init_logger
 from vllm_neuron.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
 from vllm_neuron.sampling_params import RequestOutputKind, SamplingParams
 from vllm_neuron.structured_output.params import StructuredOutputsParams
@@ -34,146 +27,10 @@ from vllm_neuron.structured_output.params import StructuredOutputsParams
 logger = init_logger(__name__)
 
 T = TypeVar("T")
-M = TypeVar("M", bound=BaseModel)
 
-
-def _is_set(value: Any) -> bool:
-    return value is not None and value is not False and value != [] and value != {} and value != ""
-
-
-# Fields with a meaning we cannot honour yet: refused with a 400 when set, never ignored.
-_UNSUPPORTED_COMMON: dict[str, Callable[[Any], bool]] = {
-    "use_beam_search": _is_set,
-    "logits_processors": _is_set,
-    "prompt_embeds": _is_set,
-    "thinking_token_budget": lambda v: v is not None and v != -1,
-    "repetition_detection": _is_set,
-    "kv_transfer_params": _is_set,
-    "ec_transfer_params": _is_set,
-    "watermarking": _is_set,
-    "logprob_token_ids": _is_set,
-    "vllm_xargs": _is_set,
-    "cache_salt": _is_set,
-    "priority": lambda v: v not in (None, 0),
-}
-_UNSUPPORTED_CHAT: dict[str, Callable[[Any], bool]] = {
-    "functions": _is_set,
-    "function_call": lambda v: v not in (None, "none"),
-    "audio": _is_set,
-    "modalities": lambda v: _is_set(v) and list(v) != ["text"],
-    "prediction": _is_set,
-    "web_search_options": _is_set,
-}
-_UNSUPPORTED_COMPLETION: dict[str, Callable[[Any], bool]] = {"suffix": _is_set}
-# Known fields that change nothing in the output: accepted silently.
-_HARMLESS = {"metadata", "store", "service_tier", "stream_interval", "session_id", "return_token_offsets",
-             "return_mm_kwargs", "routed_experts_prompt_start", "guided_decoding_backend",
-             "media_io_kwargs", "parallel_tool_calls", "include_reasoning"}
-
-_PARAM_RE = re.compile(r"\b(n|temperature|top_p|top_k|min_p|seed|presence_penalty|frequency_penalty|"
-                       r"repetition_penalty|max_tokens|min_tokens|logprobs|prompt_logprobs|stop_token_ids|"
-                       r"stop|bad_words|logit_bias|allowed_token_ids)\b")
-
-
-def check_unsupported_fields(data: dict[str, Any], known: set[str], chat: bool) -> None:
-    table = {**_UNSUPPORTED_COMMON, **(_UNSUPPORTED_CHAT if chat else _UNSUPPORTED_COMPLETION)}
-    for key, value in data.items():
-        is_set = table.get(key)
-        if is_set is not None:
-            if is_set(value):
-                raise BadRequestError(f"`{key}` is not supported by this server yet.", param=key)
-        elif key not in known and key not in _HARMLESS:
-            warning_once(logger, "The following field was present in the request but ignored: %s", key)
-    best_of, n = data.get("best_of"), data.get("n") or 1
-    if best_of is not None and best_of != n:
-        raise BadRequestError(f"best_of must be equal to n ({n}) on this server, got {best_of}; "
-                              "best_of > n is not supported.", param="best_of")
-
-
-def load_chat_template(template: str | None) -> str | None:
-    """--chat-template is a file path or the template itself (vLLM's rule)."""
-    if template is None:
-        return None
-    if os.path.isfile(template):
-        with open(template, encoding="utf-8") as f:
-            return f.read()
-    if any(c in template for c in "{}\n"):
-        return template
-    raise ValueError(f"--chat-template {template!r} is neither an existing file nor a Jinja template")
-
-
-def normalize_messages(messages: list[Any]) -> list[dict[str, Any]]:
-    """Turns OpenAI messages into what chat templates expect: text content as one string."""
-    if not messages:
-        raise BadRequestError("`messages` must contain at least one message.", param="messages")
-    out = []
-    for i, msg in enumerate(messages):
-        if not isinstance(msg, dict) or not isinstance(msg.get("role"), str):
-            raise BadRequestError(f"messages[{i}] must be an object with a string `role`.",
-                                  param=f"messages[{i}].role")
-        msg = dict(msg)
-        if msg["role"] == "assistant" and isinstance(msg.get("tool_calls"), list):
-            msg["tool_calls"] = [_template_tool_call(tc) for tc in msg["tool_calls"]]
-        content = msg.get("content")
-        if isinstance(content, list):
-            texts = []
-            for j, part in enumerate(content):
-                kind = part.get("type") if isinstance(part, dict) else None
-                if kind != "text" or not isinstance(part.get("text"), str):
-                    raise BadRequestError(f"Content part type {kind!r} is not supported; only 'text' parts are.",
-                                          param=f"messages[{i}].content[{j}].type")
-                texts.append(part["text"])
-            msg["content"] = "\n".join(texts)
-        elif content is not None and not isinstance(content, str):
-            raise BadRequestError(f"messages[{i}].content must be a string or a list of content parts.",
-                                  param=f"messages[{i}].content")
-        out.append(msg)
-    return out
-
-
-def _template_tool_call(tool_call: Any) -> Any:
-    # OpenAI sends arguments as JSON text; chat templates iterate over them as a mapping.
-    fn = tool_call.get("function") if isinstance(tool_call, dict) else None
-    if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
-        try:
-            args = json.loads(fn["arguments"])
-        except json.JSONDecodeError:
-            return tool_call
-        if isinstance(args, dict):
-            return {**tool_call, "function": {**fn, "arguments": args}}
-    return tool_call
-
-
-def render_chat(tokenizer: Any, messages: list[Any], *, template: str | None, add_generation_prompt: bool,
-                continue_final_message: bool, template_kwargs: dict[str, Any] | None = None,
-                documents: list[dict[str, str]] | None = None, tools: list[dict] | None = None) -> str:
-    """The prompt text of a conversation; any template failure is the request's fault (400)."""
-    msgs = normalize_messages(messages)
-    if continue_final_message and msgs[-1].get("role") != "assistant":
-        raise BadRequestError("continue_final_message requires the last message to be from the assistant.",
-                              param="continue_final_message")
-    kwargs = dict(template_kwargs or {})
-    for reserved in ("conversation", "messages", "tokenize", "chat_template"):
-        kwargs.pop(reserved, None)
-    try:
-        text = tokenizer.apply_chat_template(
-            msgs, chat_template=template, tools=tools, documents=documents, tokenize=False,
-            add_generation_prompt=add_generation_prompt and not continue_final_message,
-            continue_final_message=continue_final_message, **kwargs)
-    except Exception as e:  # jinja2 errors, missing template, bad message shapes
-        raise BadRequestError(f"Chat template error: {type(e).__name__}: {e}", param="messages") from None
-    if not isinstance(text, str):
-        raise BadRequestError("Chat template did not render to a string.", param="chat_template")
-    return text
-
-
-def context_error(max_model_len: int, prompt_len: int, requested: int | None) -> str:
-    if requested is None:
-        return (f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-                f"{prompt_len} tokens in the messages, Please reduce the length of the messages.")
-    return (f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-            f"{prompt_len + requested} tokens ({prompt_len} in the messages, {requested} in the completion). "
-            "Please reduce the length of the messages or completion.")
+# Template rendering and tokenization of one request run here, so that a heavy request (a looping
+# template, a megabyte prompt) delays only itself: /health and running streams keep the event loop.
+_BLOCKING_WORKERS = 2
 
 
 class RequestTracker:
@@ -215,13 +72,18 @@ class RequestTracker:
 class OpenAIServing:
     def __init__(self, engine: EngineClient, models: OpenAIServingModels, *, max_logprobs: int = 20,
                  chat_template: str | None = None, return_tokens_as_token_ids: bool = False,
-                 record_metrics: bool = True) -> None:
+                 record_metrics: bool = True, limits: RequestLimits | None = None,
+                 blocking_pool: ThreadPoolExecutor | None = None) -> None:
+        """blocking_pool: where template rendering and tokenization run (shared by the routes of one
+        app; a private pool of its own when not given)."""
         self.engine = engine
         self.models = models
         self.max_logprobs = max_logprobs
         self.chat_template = chat_template
         self.return_tokens_as_token_ids = return_tokens_as_token_ids
         self.record_metrics = record_metrics
+        self.limits = limits or RequestLimits()
+        self._pool = blocking_pool or ThreadPoolExecutor(_BLOCKING_WORKERS, thread_name_prefix="vllm-neuron-render")
         self._background: set[asyncio.Task] = set()
 
     @property
@@ -309,12 +171,23 @@ class OpenAIServing:
                 output_kind=RequestOutputKind.DELTA)
             sp.verify(self.vocab_size, None if self.max_logprobs == -1 else self.max_logprobs)
         except ValueError as e:
-            match = _PARAM_RE.search(str(e))
-            raise BadRequestError(str(e), param=match.group(1) if match else None) from None
+            raise BadRequestError(str(e), param=param_of_error(str(e))) from None
         return sp
 
-    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+    # ---- blocking work, off the event loop ------------------------------------------------------
+
+    async def run_blocking(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, lambda: fn(*args, **kwargs))
+
+    async def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        return await self.run_blocking(lambda: list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens)))
+
+    async def render_chat(self, messages: list[Any], *, request_template: str | None, **kwargs: Any) -> str:
+        """The prompt text of a conversation; a request's own template only with
+        --trust-request-chat-template."""
+        self.limits.check_chat_template(request_template)
+        template = request_template or self.chat_template
+        return await self.run_blocking(render_chat, self.tokenizer, messages, template=template, **kwargs)
 
     # ---- requests in flight ---------------------------------------------------------------------
 
@@ -364,59 +237,6 @@ class OpenAIServing:
         return max(logprob, -9999.0)
 
 
-async def run_until_disconnect(work: Awaitable[T], raw_request: Request) -> T | None:
-    """Runs `work`, cancelling it when the client disconnects first (then returns None). The
-    cancellation reaches the generation loop, whose finally aborts the engine requests."""
-    task = asyncio.ensure_future(work)
-
-    async def _listen() -> None:
-        while True:
-            message = await raw_request.receive()
-            if message["type"] == "http.disconnect":
-                return
-
-    watcher = asyncio.ensure_future(_listen())
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    except asyncio.CancelledError:
-        task.cancel()
-        raise
-    finally:
-        watcher.cancel()
-    if task.done():
-        return task.result()
-    task.cancel()
-    try:
-        await task
-    except asyncio.CancelledError:
-        pass
-    logger.info("Client disconnected; request aborted")
-    return None
-
-
-async def merge_async_iterators(*iterators: AsyncIterator[T]) -> AsyncIterator[tuple[int, T]]:
-    """Yields (iterator index, item) as items arrive from any iterator."""
-    if len(iterators) == 1:
-        async for item in iterators[0]:
-            yield 0, item
-        return
-    pending = {asyncio.ensure_future(anext(it)): i for i, it in enumerate(iterators)}
-    try:
-        while pending:
-            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            for fut in done:
-                i = pending.pop(fut)
-                try:
-                    item = fut.result()
-                except StopAsyncIteration:
-                    continue
-                pending[asyncio.ensure_future(anext(iterators[i]))] = i
-                yield i, item
-    finally:
-        for fut in pending:
-            fut.cancel()
-
-
 @dataclass
 class ChoiceAccumulator:
     """One choice assembled from DELTA outputs."""
@@ -443,17 +263,3 @@ def prompt_logprobs_json(plp: PromptLogprobs | None) -> list[dict[int, dict[str,
             {tid: {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
              for tid, lp in step.items()} for step in plp]
 
-
-def parse_request(model_cls: type[M], data: dict[str, Any]) -> M:
-    try:
-        return model_cls.model_validate(data)
-    except ValidationError as e:
-        message, param = format_validation_error(e)
-        raise BadRequestError(message, param=param) from None
-
-
-def sse(payload: BaseModel, **dump_kwargs: Any) -> str:
-    return f"data: {payload.model_dump_json(**dump_kwargs)}\n\n"
-
-
-SSE_DONE = "data: [DONE]\n\n"

@@ -12,33 +12,34 @@ from vllm_neuron.entrypoints.openai.protocol import (
     TokenizeResponse,
 )
 from vllm_neuron.entrypoints.openai.serving_chat import check_generation_prompt_flags
-from vllm_neuron.entrypoints.openai.serving_engine import OpenAIServing, parse_request, render_chat
+from vllm_neuron.entrypoints.openai.request_policy import parse_request
+from vllm_neuron.entrypoints.openai.serving_engine import OpenAIServing
 
 
 class OpenAIServingTokenization(OpenAIServing):
-    def tokenize(self, data: dict[str, Any]) -> TokenizeResponse:
+    async def tokenize(self, data: dict[str, Any]) -> TokenizeResponse:
         if "messages" in data:
             check_generation_prompt_flags(data)
             chat = parse_request(TokenizeChatRequest, data)
             self.models.resolve(chat.model)
-            text = render_chat(self.tokenizer, chat.messages, template=chat.chat_template or self.chat_template,
-                               add_generation_prompt=chat.add_generation_prompt,
-                               continue_final_message=chat.continue_final_message,
-                               template_kwargs=chat.chat_template_kwargs, tools=chat.tools)
-            ids = self.encode(text, chat.add_special_tokens)
+            text = await self.render_chat(chat.messages, request_template=chat.chat_template,
+                                          add_generation_prompt=chat.add_generation_prompt,
+                                          continue_final_message=chat.continue_final_message,
+                                          template_kwargs=chat.chat_template_kwargs, tools=chat.tools)
+            ids = await self.encode(text, chat.add_special_tokens)
             want_strs = chat.return_token_strs
         elif "prompt" in data:
             req = parse_request(TokenizeCompletionRequest, data)
             self.models.resolve(req.model)
-            ids = self.encode(req.prompt, req.add_special_tokens)
+            ids = await self.encode(req.prompt, req.add_special_tokens)
             want_strs = req.return_token_strs
         else:
             raise BadRequestError("Either `prompt` or `messages` must be given.", param="prompt")
-        return TokenizeResponse(count=len(ids), max_model_len=self.max_model_len, tokens=ids,
-                                token_strs=self.tokenizer.convert_ids_to_tokens(ids) if want_strs else None)
+        strs = await self.run_blocking(self.tokenizer.convert_ids_to_tokens, ids) if want_strs else None
+        return TokenizeResponse(count=len(ids), max_model_len=self.max_model_len, tokens=ids, token_strs=strs)
 
-    def detokenize(self, data: dict[str, Any]) -> DetokenizeResponse:
+    async def detokenize(self, data: dict[str, Any]) -> DetokenizeResponse:
         req = parse_request(DetokenizeRequest, data)
         self.models.resolve(req.model)
         self.check_token_ids(req.tokens, "tokens")
-        return DetokenizeResponse(prompt=self.tokenizer.decode(req.tokens))
+        return DetokenizeResponse(prompt=await self.run_blocking(self.tokenizer.decode, req.tokens))

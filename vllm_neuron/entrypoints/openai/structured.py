@@ -17,16 +17,16 @@ from vllm_neuron.structured_output.params import CONSTRAINT_FIELDS, StructuredOu
 _ALIASES = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
             "guided_grammar": "grammar", "guided_whitespace_pattern": "whitespace_pattern",
             "structural_tag": "structural_tag"}
-_RESPONSE_FORMATS = ("text", "json_object", "json_schema", "structural_tag")
+RESPONSE_FORMATS = ("text", "json_object", "json_schema", "structural_tag")
 
 
 def _from_response_format(rf: Any) -> tuple[str, Any] | None:
     if rf is None:
         return None
-    if not isinstance(rf, dict) or rf.get("type") not in _RESPONSE_FORMATS:
+    if not isinstance(rf, dict) or rf.get("type") not in RESPONSE_FORMATS:
         kind = rf.get("type") if isinstance(rf, dict) else rf
         raise BadRequestError(f"response_format type {kind!r} is not supported; valid types: "
-                              f"{', '.join(_RESPONSE_FORMATS)}.", param="response_format")
+                              f"{', '.join(RESPONSE_FORMATS)}.", param="response_format")
     kind = rf["type"]
     if kind == "text":
         return None

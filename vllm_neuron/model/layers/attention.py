@@ -9,7 +9,8 @@ copy the whole cache per layer (FACTS.md).
   earlier segments) plus the new tokens of its sequence up to its own position.
 * Decode (B padded sequences, context bucket C): the new K/V are written, then each sequence's K/V is
   gathered through its block table to [B, kv, C, D]; query heads of one KV head are folded into the
-  query-length axis of SDPA (faster on CPU than enable_gqa or repeat_interleave, FACTS.md).
+  query-length axis of SDPA (faster on CPU than enable_gqa or repeat_interleave, FACTS.md). Speculative
+  verification is the same with 1 + K query rows per sequence and a per-row causal mask.
 * With the custom kernel (model/layers/kernels; on by default on CPU) both cases are one call that
   reads each sequence's K/V in place through its block table, up to each query's real position: no
   gather, no mask, and a context bucket costs nothing beyond the tokens actually there.
@@ -73,6 +74,13 @@ def decode_mask(seq_lens: torch.Tensor, context_len: int) -> torch.Tensor:
     return (idx[None, :] < seq_lens[:, None])[:, None, None, :]
 
 
+def verify_mask(positions: torch.Tensor, context_len: int) -> torch.Tensor:
+    """[B, 1, S, C] for S query rows per sequence (speculative verification, positions [B, S]): key j is
+    visible to a row iff j <= its position."""
+    idx = torch.arange(context_len, device=positions.device)
+    return (idx[None, None, :] <= positions[:, :, None])[:, None]
+
+
 def write_kv(
     k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor
 ) -> None:
@@ -119,13 +127,17 @@ def _prefill(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -
 
 
 def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    b, h, d = q.shape
+    """S = N / B query rows per sequence: 1 for decode, 1 + K for speculative verification (then the mask
+    is `verify_mask`'s [B, 1, S, C]); a sequence's rows and head groups share one query axis."""
+    n, h, d = q.shape
     kv = k_cache.shape[1]
     tables = meta.block_tables
-    nblk = tables.shape[1]
+    b, nblk = tables.shape
+    s, g = n // b, h // kv
     block_size = meta.mask.shape[-1] // nblk
     kc = k_cache.view(-1, block_size, kv, d)[tables].view(b, nblk * block_size, kv, d).transpose(1, 2)
     vc = v_cache.view(-1, block_size, kv, d)[tables].view(b, nblk * block_size, kv, d).transpose(1, 2)
-    qf = q.view(b, kv, h // kv, d)
-    out = F.scaled_dot_product_attention(qf, kc.to(q.dtype), vc.to(q.dtype), attn_mask=meta.mask, scale=scale)
-    return out.reshape(b, h * d)
+    qf = q.view(b, s, kv, g, d).transpose(1, 2).reshape(b, kv, s * g, d)
+    mask = meta.mask if s == 1 else meta.mask.repeat_interleave(g, dim=2)  # rows ordered (row, group)
+    out = F.scaled_dot_product_attention(qf, kc.to(q.dtype), vc.to(q.dtype), attn_mask=mask, scale=scale)
+    return out.view(b, kv, s, g, d).transpose(1, 2).reshape(n, h * d)

@@ -99,6 +99,50 @@ def _sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.T
     return torch.where(is_greedy, torch.argmax(logits, dim=-1), sampled)
 
 
+def filtered_top_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                       top_p: torch.Tensor, max_top_k: int = DEFAULT_MAX_TOP_K
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The speculative-decoding rejection sampler's distribution, in top-k space (top_k off is capped at
+    max_top_k here): (probs [B, k] unnormalized over the
+    kept tokens, zero elsewhere; top_idx [B, k] their token ids), k = min(max_top_k, V).
+
+    softmax of logits / temperature restricted to the top min(top_k, max_top_k) tokens, then to the
+    smallest prefix of those whose mass reaches top_p. Greedy rows (temperature 0) get temperature 1
+    here; callers pick their argmax instead.
+    """
+    vocab = logits.shape[-1]
+    k = min(max_top_k, vocab)  # a Python int: shapes are static per compiled graph
+    logits = logits.to(torch.float32)
+    is_greedy = temperature < _GREEDY_EPS
+
+    # Top-k of the raw logits: dividing by a positive temperature does not change the order.
+    top_vals, top_idx = torch.topk(logits, k, dim=-1)
+    safe_temp = torch.where(is_greedy, torch.ones_like(temperature), temperature)
+    scaled = top_vals / safe_temp.unsqueeze(1)
+
+    positions = torch.arange(k, device=logits.device).unsqueeze(0)
+    k_eff = torch.where(top_k <= 0, torch.full_like(top_k, k), top_k.clamp(max=k))
+    in_top_k = positions < k_eff.unsqueeze(1)
+    scaled = scaled.masked_fill(~in_top_k, float("-inf"))
+    probs = torch.softmax(scaled, dim=-1)
+
+    # A token stays if the mass of the tokens before it is below top_p; the first always stays,
+    # and top_p = 1 keeps all (rounding must not drop the tail).
+    mass_before = torch.cumsum(probs, dim=-1) - probs
+    keep = in_top_k & ((mass_before < top_p.unsqueeze(1)) | (top_p >= 1.0).unsqueeze(1) | (positions == 0))
+    return probs * keep, top_idx
+
+
+def inverse_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """Index drawn from each row of unnormalized probs [B, k] (zeros never drawn) with uniform [B]."""
+    cdf = torch.cumsum(probs, dim=-1)
+    target = uniform.to(torch.float32).unsqueeze(1) * cdf[:, -1:]
+    choice = (cdf <= target).sum(dim=-1)
+    # Rounding at the top end must not step past the last token with mass.
+    last = probs.shape[-1] - 1 - torch.argmax((probs.flip(-1) > 0).to(torch.int8), dim=-1)
+    return torch.minimum(choice, last)
+
+
 def sample_in_graph(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
                     top_p: torch.Tensor, uniform: torch.Tensor,
                     max_top_k: int = DEFAULT_MAX_TOP_K, width: int | None = None) -> torch.Tensor:

@@ -1,0 +1,129 @@
+"""N-gram speculative decoding on the bundled model: TPOT and output tok/s with speculation off and on,
+acceptance rate and acceptance length, on a repetitive and a random workload, at batch 1 and 8 - all in
+one run, one process, so the ratios are comparable.
+
+    python benchmarks/spec_decode_ngram.py                      # K=4, lookup 2..5, 8 requests per cell
+    python benchmarks/spec_decode_ngram.py --num-requests 16 --k 3 --output-len 96
+
+Workloads: "repetitive" asks the model (chat template) to repeat a passage word for word, the work n-gram
+lookup is for (editing, extraction, code); "random" sends random token prompts, where lookup finds
+nothing and speculation should cost nothing. Greedy, ignore_eos, fixed output length, so both engines
+emit the same tokens. Batch B: B requests submitted together, the next wave when all finished.
+TPOT = (E2E - TTFT) / (output tokens - 1) per request, averaged; tok/s = output tokens / wall time.
+Timings on a shared machine are noisy: compare the on/off columns of one run only.
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+
+PASSAGES = [
+    "The harbour was quiet in the early morning. Fishing boats rocked gently against the wooden pier, and "
+    "the smell of salt and diesel hung in the cool air. An old man in a yellow coat untangled his nets while "
+    "gulls circled overhead, waiting for scraps. Across the water, the lighthouse blinked its last slow "
+    "signal before the sun rose over the hills and painted the town in shades of orange and gold.",
+    "To install the package, first create a virtual environment and activate it. Then run the installer "
+    "with the default options and wait until it finishes. If the installer reports a missing compiler, "
+    "install the build tools for your platform and run it again. Finally, check the installation by "
+    "printing the version number; it should match the release notes of the version you downloaded.",
+    "def merge_sorted(a, b):\n    out = []\n    i = j = 0\n    while i < len(a) and j < len(b):\n"
+    "        if a[i] <= b[j]:\n            out.append(a[i])\n            i += 1\n        else:\n"
+    "            out.append(b[j])\n            j += 1\n    out.extend(a[i:])\n    out.extend(b[j:])\n"
+    "    return out\n",
+]
+
+
+def repetitive_prompts(tokenizer, n: int) -> list[list[int]]:
+    out = []
+    for i in range(n):
+        text = PASSAGES[i % len(PASSAGES)]
+        msgs = [{"role": "user", "content": f"Repeat the following text exactly, word for word:\n\n{text}"}]
+        text = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+        out.append(tokenizer.encode(text, add_special_tokens=False))
+    return out
+
+
+def random_prompts(vocab: int, n: int, length: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(n)]
+
+
+def run_cell(llm, prompts: list[list[int]], batch: int, output_len: int) -> dict:
+    from vllm_neuron import SamplingParams
+
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    stats = engine.core.scheduler.spec_stats
+    d0, t0_, a0 = stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens
+    tpots, total_out = [], 0
+    t_start = time.perf_counter()
+    for w in range(0, len(prompts), batch):
+        start, first, n_out = {}, {}, {}
+        for i, p in enumerate(prompts[w:w + batch]):
+            rid = f"r{w + i}"
+            engine.add_request(rid, {"prompt_token_ids": p}, params)
+            start[rid] = time.perf_counter()
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                now = time.perf_counter()
+                first.setdefault(out.request_id, now)
+                if out.finished:
+                    n = len(out.outputs[0].token_ids)
+                    n_out[out.request_id] = n
+                    total_out += n
+                    if n > 1:
+                        tpots.append((now - first[out.request_id]) / (n - 1))
+    wall = time.perf_counter() - t_start
+    drafts, dtoks, acc = stats.num_drafts - d0, stats.num_draft_tokens - t0_, stats.num_accepted_tokens - a0
+    return {"tpot_ms": 1000 * statistics.mean(tpots), "tok_s": total_out / wall,
+            "acceptance": acc / dtoks if dtoks else None, "length": 1 + acc / drafts if drafts else None}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--num-requests", type=int, default=8, help="requests per (workload, batch) cell")
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--random-input-len", type=int, default=256)
+    ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    ap.add_argument("--lookup-min", type=int, default=2)
+    ap.add_argument("--lookup-max", type=int, default=5)
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--enforce-eager", action="store_true")
+    args = ap.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
+
+    from vllm_neuron import LLM
+
+    common = dict(max_model_len=1024, max_num_seqs=max(batches), max_num_batched_tokens=512,
+                  enforce_eager=args.enforce_eager, additional_config={"neuron_config": {
+                      "num_seqs_buckets": sorted(set(batches)), "num_batched_tokens_buckets": [128, 512]}})
+    spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": args.lookup_min,
+            "prompt_lookup_max": args.lookup_max}
+    engines = {"off": LLM(**common), "on": LLM(speculative_config=spec, **common)}
+    tok = engines["off"].get_tokenizer()
+    workloads = {"repetitive": repetitive_prompts(tok, args.num_requests),
+                 "random": random_prompts(len(tok), args.num_requests, args.random_input_len, seed=0)}
+    for llm in engines.values():  # warm both (first-call costs off the clock)
+        run_cell(llm, workloads["random"][:1], 1, 4)
+    rows = []
+    for wname, prompts in workloads.items():
+        for b in batches:
+            res = {mode: run_cell(llm, prompts, b, args.output_len) for mode, llm in engines.items()}
+            rows.append((wname, b, res["off"], res["on"]))
+    print(f"\nn-gram speculation (K={args.k}, lookup {args.lookup_min}..{args.lookup_max}), bundled model, "
+          f"{args.num_requests} requests x {args.output_len} tokens per cell")
+    head = (f"{'workload':<11} {'batch':>5} {'TPOT off':>9} {'TPOT on':>8} {'TPOT off/on':>11} "
+            f"{'tok/s off':>9} {'tok/s on':>8} {'accept %':>8} {'acc. len':>8}")
+    print(head)
+    print("-" * len(head))
+    for wname, b, off, on in rows:
+        acc = f"{100 * on['acceptance']:.1f}" if on["acceptance"] is not None else "-"
+        length = f"{on['length']:.2f}" if on["length"] is not None else "-"
+        print(f"{wname:<11} {b:>5} {off['tpot_ms']:>9.1f} {on['tpot_ms']:>8.1f} "
+              f"{off['tpot_ms'] / on['tpot_ms']:>10.2f}x {off['tok_s']:>9.1f} {on['tok_s']:>8.1f} {acc:>8} {length:>8}")
+
+
+if __name__ == "__main__":
+    main()
