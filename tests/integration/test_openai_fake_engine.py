@@ -225,6 +225,24 @@ def test_max_tokens_defaults_to_remaining_context(client, engine, tokenizer):
     assert last_call(engine).params.max_tokens == 7
 
 
+def test_generation_config_defaults_fill_unset_fields(tokenizer):
+    """--generation-config: the defaults fill fields a chat request leaves unset, max_tokens included
+    (capped by the rest of the context); a request's own values win."""
+    eng = FakeEngine(tokenizer, max_model_len=256)
+    eng.model_info.sampling_defaults = {"temperature": 0.2, "top_p": 0.9, "max_tokens": 40}
+    with serve(build_app(eng, served_model_names=[MODEL])) as url:
+        c = openai.OpenAI(base_url=url + "/v1", api_key="EMPTY", max_retries=0)
+        c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hello"}])
+        sp = last_call(eng).params
+        assert (sp.temperature, sp.top_p, sp.max_tokens, sp.top_k) == (0.2, 0.9, 40, 0)
+        c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hello"}], temperature=0.0,
+                                  max_tokens=300 - 256 + 5)
+        sp = last_call(eng).params
+        assert (sp.temperature, sp.max_tokens) == (0.0, 49)
+        c.completions.create(model=MODEL, prompt="Hi")  # vLLM's completions default stays 16
+        assert last_call(eng).params.max_tokens == 16
+
+
 def test_echo_and_multiple_prompts(client, engine, tokenizer):
     r = client.completions.create(model=MODEL, prompt="Say hi", max_tokens=3, echo=True, logprobs=1)
     assert r.choices[0].text == "Say hi" + tokenizer.decode(engine.expected_ids(3))

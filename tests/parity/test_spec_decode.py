@@ -178,3 +178,44 @@ def test_ngram_compiled_graphs(model_dir, monkeypatch, tmp_path):
     ref = _gen(_engine(model_dir, monkeypatch, spec=False, **kw), seeded, params)
     assert _gen(llm, seeded, params) == ref
     assert core.scheduler.spec_stats.num_drafts > 0
+
+
+def test_requests_that_cannot_speculate_share_batches_with_ones_that_do(model_dir, monkeypatch):
+    """Grammar-constrained and host-sampled (logprobs, penalties) requests get no drafts - one token per
+    step, the bitmask on it - while plain requests in the same verification steps speculate."""
+    from vllm_neuron.structured_output import StructuredOutputsParams
+    from vllm_neuron.worker import spec_decode
+
+    plain = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    special = [SamplingParams(temperature=0.0, max_tokens=40, structured_outputs=StructuredOutputsParams(
+                   choice=["alpha beta", "gamma"])),
+               SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=2),
+               SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, repetition_penalty=1.3)]
+    prompts = ["Answer:", "Say something", "x y z"]
+    params = [plain] * 3 + special
+    texts = prompts + prompts
+    off = _engine(model_dir, monkeypatch, spec=False).generate(texts, params, use_tqdm=False)
+    full = [list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in off[:3]]
+
+    def oracle(tokens, lo, hi, k):  # the plain requests' own continuation; junk for anything else
+        for f in full:
+            if f[:len(tokens)] == list(tokens) and len(f) > len(tokens):
+                return f[len(tokens):len(tokens) + k]
+        return [5, 6, 7][:k]
+    monkeypatch.setattr(spec_decode, "propose_ngram", oracle)
+    llm = _engine(model_dir, monkeypatch)
+    core = llm.llm_engine.core
+    drafted = Counter()
+    orig = core.runner.execute
+
+    def spy(sched):
+        for c in sched.chunks:
+            drafted[c.req_id] += c.num_draft_tokens
+        return orig(sched)
+    core.runner.execute = spy
+    on = llm.generate(texts, params, use_tqdm=False)
+    ids = [o.request_id for o in on]
+    assert all(drafted[r] > 0 for r in ids[:3]) and not any(drafted[r] for r in ids[3:]), drafted
+    assert [o.outputs[0].token_ids for o in on] == [o.outputs[0].token_ids for o in off]
+    assert on[3].outputs[0].text in ("alpha beta", "gamma") and on[3].outputs[0].finish_reason == "stop"
+    assert len(on[4].outputs[0].logprobs) == MAX_NEW

@@ -8,6 +8,7 @@ import importlib.util
 import json
 import os
 import re
+import signal
 import socket
 import statistics
 import subprocess
@@ -387,6 +388,32 @@ def test_module_runs_standalone(fake):
     assert proc.returncode == 0, proc.stderr
     assert table_value(proc.stdout, "Successful requests:") == "2"
     assert table_value(proc.stdout, "Total generated tokens:") == "6"
+
+
+def test_sigint_prints_the_table_of_what_finished(fake):
+    """Ctrl-C mid-run: no traceback, the vLLM table over the requests that finished, exit code 130."""
+    cmd = [sys.executable, "-m", "vllm_neuron.benchmarks.serve", "--base-url", fake.base_url,
+           "--tokenizer", _gguf_path(), "--num-prompts", "40", "--random-input-len", "8",
+           "--random-output-len", "20", "--max-concurrency", "2"]
+    env = dict(os.environ, PYTHONPATH=REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO_ROOT,
+                            env=env)
+    try:
+        deadline = time.monotonic() + 120
+        while len(fake.bodies) < 5:  # 2 in flight at a time: at least 3 have finished
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, out + err
+    assert "Traceback" not in err, err
+    assert "Interrupted after" in out
+    finished = int(table_value(out, "Successful requests:"))
+    assert 3 <= finished < 40, out
+    assert table_value(out, "Total generated tokens:") == str(20 * finished)
+    assert "Requests:" in err  # the progress bar ran
 
 
 # ---- datasets and options ------------------------------------------------------------------

@@ -28,7 +28,8 @@ def test_every_seed_variable_is_known_and_documented():
         "VLLM_NEURON_KV_GMU_BUDGET_CAP_FRACTION", "VLLM_NEURON_RESERVED_HEADROOM_GIB",
         "VLLM_NEURON_MIN_KV_BUDGET_GIB", "PROMETHEUS_MULTIPROC_DIR",
     ]
-    ours = ["VLLM_NEURON_AOT_COMPILE", "VLLM_NEURON_GGUF_CACHE_MAX_GIB"]  # beyond the seeds
+    ours = ["VLLM_NEURON_AOT_COMPILE", "VLLM_NEURON_GGUF_CACHE_MAX_GIB", "VLLM_NEURON_CUDA_GRAPHS",
+            "VLLM_LOG_STATS_INTERVAL", "VLLM_NEURON_CPU_ISA"]  # beyond the seeds
     assert sorted(seeds + ours) == sorted(ALL)
     for name in seeds + ours:
         assert len(envs.doc(name)) > 20, name
@@ -43,6 +44,7 @@ def test_defaults():
     assert envs.VLLM_NEURON_DISABLE_WARMUP_COMPILE is False
     assert envs.VLLM_NEURON_AOT_COMPILE is True
     assert envs.VLLM_USE_V2_MODEL_RUNNER is None
+    assert envs.VLLM_NEURON_CUDA_GRAPHS == "decode"
     assert envs.VLLM_NEURON_KV_GMU_BUDGET_CAP_FRACTION == 0.30
     assert envs.VLLM_NEURON_RESERVED_HEADROOM_GIB is None
     assert envs.VLLM_NEURON_MIN_KV_BUDGET_GIB == 1.0

@@ -2,6 +2,10 @@
 padding rows) and the bf16 small-batch linear, in fp32 and bf16."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -10,6 +14,7 @@ from vllm_neuron.model.layers import kernels as K
 from vllm_neuron.model.layers import linear as L
 
 CPU = torch.device("cpu")
+_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -77,33 +82,72 @@ def test_paged_attention_checks_the_bounds_it_relies_on(change, message):
         K.paged_attention(**{**_attention_inputs(), **change})
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("rows", [1, 3, 4])
 @pytest.mark.parametrize("n, k", [(1536, 576), (576, 1536), (190, 576), (7, 64)])
-def test_linear_bf16_matches_fp32_matmul(rows, n, k):
-    if not K.linear_kernel_available(CPU):
-        pytest.skip("this CPU has no AVX512-BF16: the kernel is not built and F.linear serves")
+def test_linear_small_batch_matches_fp32_matmul(dtype, rows, n, k):
+    if dtype not in K.linear_kernel_dtypes(CPU):
+        pytest.skip(f"no {dtype} linear kernel in the {K.kernel_variant()[0]} build: F.linear serves")
     g = torch.Generator().manual_seed(n + rows)
-    x = torch.randn(rows, k, generator=g).bfloat16()
-    w = torch.randn(n, k, generator=g).bfloat16()
-    ref = x.float() @ w.float().t()
-    out = K.linear_bf16(x, w)
-    assert out.dtype == torch.bfloat16 and out.shape == (rows, n)
-    # Products are exact in fp32; the error is the bf16 rounding of the result (plus summation order,
-    # visible only where the sum cancels to near zero).
-    torch.testing.assert_close(out.float(), ref, atol=1e-4 * ref.abs().max().item(), rtol=2 ** -8)
+    x = torch.randn(rows, k, generator=g).to(dtype)
+    w = torch.randn(n, k, generator=g).to(dtype)
+    ref = x.double() @ w.double().t()
+    out = K.linear_small_batch(x, w)
+    assert out.dtype == dtype and out.shape == (rows, n)
+    # Products are exact in fp32 for bf16 inputs; the error is the rounding of the result (plus summation
+    # order, visible only where the sum cancels to near zero).
+    rtol = 2 ** -8 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(out.double(), ref, atol=1e-4 * ref.abs().max().item(), rtol=rtol)
 
 
-def test_linear_layer_takes_the_kernel_only_for_small_bf16_batches(monkeypatch):
+def test_linear_layer_takes_the_kernel_only_for_small_batches_of_its_dtypes(monkeypatch):
     calls = []
-    monkeypatch.setattr(K, "linear_bf16", lambda x, w: calls.append(x.shape[0]) or F.linear(x, w))
+    monkeypatch.setattr(K, "linear_small_batch", lambda x, w: calls.append((x.shape[0], x.dtype)) or F.linear(x, w))
     layer = L.Linear(64, 32, bias=False).bfloat16()
-    L.set_small_batch_kernel(True)
+    L.set_small_batch_kernel(frozenset({torch.bfloat16}))
     try:
         layer(torch.randn(L.SMALL_BATCH_ROWS, 64).bfloat16())
         layer(torch.randn(L.SMALL_BATCH_ROWS + 1, 64).bfloat16())  # prefill-sized: oneDNN
-        layer.float()(torch.randn(2, 64))  # fp32: never the bf16 kernel
-        L.set_small_batch_kernel(False)
+        layer.float()(torch.randn(2, 64))  # fp32 is not in the set
+        L.set_small_batch_kernel(frozenset({torch.float32}))
+        layer(torch.randn(2, 64))
+        L.set_small_batch_kernel(frozenset())
         layer.bfloat16()(torch.randn(1, 64).bfloat16())
     finally:
-        L.set_small_batch_kernel(False)
-    assert calls == [L.SMALL_BATCH_ROWS]
+        L.set_small_batch_kernel(frozenset())
+    assert calls == [(L.SMALL_BATCH_ROWS, torch.bfloat16), (2, torch.float32)]
+
+
+def test_variant_detection():
+    assert K.detect_variant({"avx512_bf16", "avx512bw", "avx2", "fma", "f16c"}) == "avx512bf16"
+    assert K.detect_variant({"avx2", "fma", "f16c", "avx512f"}) == "avx2"
+    assert K.detect_variant({"sse2"}) == "generic"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(bool(os.environ.get("VLLM_NEURON_CPU_ISA")), reason="already the forced run")
+def test_forced_avx2_build_passes_the_same_checks(tmp_path):
+    """The AVX2 code paths (what an AVX2-only CPU runs), built here by forcing the class, against torch.
+    A process of its own: one process loads one build of the ops."""
+    if K.detect_variant(K._cpu_flags()) == "generic":
+        pytest.skip("this CPU has no AVX2")
+    env = dict(os.environ, VLLM_NEURON_CPU_ISA="avx2", VLLM_CACHE_ROOT=str(tmp_path))
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "not forced_avx2",
+                           __file__],
+                          env=env, capture_output=True, text=True, timeout=900, cwd=_REPO)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert "skipped" not in proc.stdout.strip().splitlines()[-1], proc.stdout[-2000:]  # both linear dtypes ran
+    assert [p.name for p in (tmp_path / "kernels").iterdir()], "nothing was built"
+
+
+def test_a_variant_the_cpu_cannot_run_is_refused():
+    avx2_cpu = {"avx2", "fma", "f16c"}
+    assert K.choose_variant(avx2_cpu, None) == ("avx2", "detected from /proc/cpuinfo")
+    assert K.choose_variant(avx2_cpu, "generic")[0] == "generic"
+    with pytest.raises(ValueError, match="VLLM_NEURON_CPU_ISA=avx512bf16 needs instructions this CPU lacks"):
+        K.choose_variant(avx2_cpu, "avx512bf16")
+
+
+def test_build_is_the_forced_variant():
+    forced = os.environ.get("VLLM_NEURON_CPU_ISA")
+    assert K.kernel_variant()[0] == (forced or K.detect_variant(K._cpu_flags()))

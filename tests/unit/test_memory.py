@@ -155,7 +155,7 @@ def test_bytes_per_block_and_blocks():
 
 def test_capacity_summary():
     assert M.capacity_summary(1456, 32, 8192) == (
-        "KV cache: 1456 blocks of 32 tokens = 46592 tokens; maximum concurrency for 8192 tokens "
+        "KV cache: 1456 usable blocks (+1 reserved) of 32 tokens = 46592 tokens; maximum concurrency for 8192 tokens "
         "per request: 5.69x"
     )
     # a max_model_len that is not a multiple of the block size needs a whole extra block

@@ -30,6 +30,8 @@ def test_top_k_off_samples_the_vocabulary_and_warns_once_about_top_p(caplog, mon
 
     monkeypatch.setattr(vlog, "_once_keys", set())  # earlier tests in this process may have warned already
     with caplog.at_level(logging.WARNING, logger="vllm_neuron"):
+        _states(temperature=0.5)  # top_k left at its default: the user asked for nothing to warn about
+        assert "limited to" not in caplog.text
         st = _states(temperature=0.7, top_k=-1)
         assert "most likely tokens" not in caplog.text  # top_p 1: the whole vocabulary, nothing capped
         _states(temperature=0.5, top_k=0, top_p=0.9)

@@ -44,14 +44,14 @@ def add_dataset_args(parser: argparse.ArgumentParser) -> None:
         "prefix, --random-prefix-len). 'prefix_repetition': a few random prefixes each shared "
         "by many prompts. 'sharegpt': a local ShareGPT json (--dataset-path).")
     group.add_argument("--dataset-path", type=str, default=None,
-                       help="Path to a local ShareGPT json file (sharegpt only).")
+                       help="Path to a local ShareGPT json file, sharegpt only (default: none).")
     group.add_argument("--num-prompts", type=int, default=1000, help="Number of prompts.")
     group.add_argument("--seed", type=int, default=0,
                        help="Seed for prompts, lengths and arrival times.")
     group.add_argument("--input-len", type=int, default=None,
-                       help="Shorthand for --random-input-len.")
+                       help="Shorthand for --random-input-len (default: unset).")
     group.add_argument("--output-len", type=int, default=None,
-                       help="Shorthand for the dataset's output length option.")
+                       help="Shorthand for the dataset's output length option (default: unset).")
     random_group = parser.add_argument_group("random dataset options")
     random_group.add_argument("--random-input-len", type=int, default=1024,
                               help="Tokens per prompt, after the prefix.")
@@ -76,7 +76,7 @@ def add_dataset_args(parser: argparse.ArgumentParser) -> None:
     sharegpt_group = parser.add_argument_group("sharegpt dataset options")
     sharegpt_group.add_argument(
         "--sharegpt-output-len", type=int, default=None,
-        help="Output tokens per request; default: the length of the dataset's own answer.")
+        help="Output tokens per request (default: the length of the dataset's own answer).")
 
 
 def _allowed_token_ids(tokenizer: Any) -> np.ndarray:

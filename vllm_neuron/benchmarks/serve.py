@@ -15,6 +15,7 @@ import argparse
 import asyncio
 import json
 import os
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -45,22 +46,22 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", type=str, default="openai", choices=list(BACKENDS),
                         help="openai: /v1/completions; openai-chat: /v1/chat/completions.")
     parser.add_argument("--base-url", type=str, default=None,
-                        help="Server base URL, e.g. http://127.0.0.1:8000 (else --host/--port).")
-    parser.add_argument("--host", type=str, default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
+                        help="Server base URL, e.g. http://127.0.0.1:8000 (default: from --host and --port).")
+    parser.add_argument("--host", type=str, default="127.0.0.1", help="Server host, unless --base-url.")
+    parser.add_argument("--port", type=int, default=8000, help="Server port, unless --base-url.")
     parser.add_argument("--endpoint", type=str, default=None,
-                        help="API path; default /v1/completions (/v1/chat/completions with "
+                        help="API path (default: /v1/completions; /v1/chat/completions with "
                         "--backend openai-chat).")
     parser.add_argument("--model", type=str, default=None,
-                        help="Model name sent in requests; default: the first id listed by "
-                        "GET /v1/models.")
+                        help="Model name sent in requests (default: the first id listed by "
+                        "GET /v1/models).")
     parser.add_argument("--served-model-name", type=str, default=None,
-                        help="Name sent in requests when it differs from --model.")
+                        help="Name sent in requests when it differs from --model (default: --model).")
     parser.add_argument("--tokenizer", type=str, default=None,
-                        help="Local tokenizer: an HF folder or a .gguf file. Default: --model "
-                        "when it is a local path, else the bundled model's tokenizer.")
+                        help="Local tokenizer: an HF folder or a .gguf file (default: --model "
+                        "when it is a local path, else the bundled model's tokenizer).")
     parser.add_argument("--api-key", type=str, default=None,
-                        help="Bearer token; default: $OPENAI_API_KEY if set.")
+                        help="Bearer token (default: $OPENAI_API_KEY if set).")
     parser.add_argument("--max-concurrency", type=int, default=None,
                         help="Most requests in flight at once (default: no limit).")
     parser.add_argument("--request-rate", type=float, default=float("inf"),
@@ -71,7 +72,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                         "> 1 more uniform. Only with a finite --request-rate.")
     parser.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=None,
                         help="Send ignore_eos so every request produces its full output "
-                        "length. Default: on for random and prefix_repetition, off for sharegpt.")
+                        "length (default: on for random and prefix_repetition, off for sharegpt).")
     parser.add_argument("--percentile-metrics", type=str, default="ttft,tpot,itl",
                         help="Comma-separated metrics with percentiles, of "
                         f"{','.join(PERCENTILE_METRICS)}.")
@@ -85,17 +86,17 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--result-dir", type=str, default=None,
                         help="Folder for the result json (default: current folder).")
     parser.add_argument("--result-filename", type=str, default=None,
-                        help="Default: {label}-{rate}qps[-concurrencyN]-{model}-{date}.json.")
+                        help="Result file name (default: {label}-{rate}qps[-concurrencyN]-{model}-{date}.json).")
     parser.add_argument("--label", type=str, default=None,
-                        help="Result file prefix; default: --backend.")
+                        help="Result file prefix (default: --backend).")
     sampling = parser.add_argument_group("sampling parameters")
     sampling.add_argument("--temperature", type=float, default=0.0,
-                          help="Sent with every request; default 0 (greedy).")
-    sampling.add_argument("--top-p", type=float, default=None, help="Sent only if given.")
-    sampling.add_argument("--top-k", type=int, default=None, help="Sent only if given.")
-    sampling.add_argument("--min-p", type=float, default=None, help="Sent only if given.")
+                          help="Sent with every request; 0 is greedy.")
+    sampling.add_argument("--top-p", type=float, default=None, help="Sent only if given (default: not sent).")
+    sampling.add_argument("--top-k", type=int, default=None, help="Sent only if given (default: not sent).")
+    sampling.add_argument("--min-p", type=float, default=None, help="Sent only if given (default: not sent).")
     parser.add_argument("--extra-body", type=json.loads, default=None,
-                        help="JSON object merged into every request body.")
+                        help="JSON object merged into every request body (default: none).")
 
 
 @dataclass
@@ -222,7 +223,9 @@ def _request_input(cfg: BenchServeConfig, model: str, sample: SampleRequest) -> 
 
 async def _run_requests(client: httpx.AsyncClient, inputs: list[RequestInput],
                         offsets: list[float], max_concurrency: int | None,
-                        pbar: tqdm | None) -> list[RequestOutput]:
+                        pbar: tqdm | None, done: list[RequestOutput] | None = None) -> list[RequestOutput]:
+    """Sends every request on its schedule; each finished one is also appended to `done`, so that an
+    interrupted run still has what it measured."""
     semaphore = asyncio.Semaphore(max_concurrency) if max_concurrency else None
 
     async def one(req: RequestInput) -> RequestOutput:
@@ -231,18 +234,43 @@ async def _run_requests(client: httpx.AsyncClient, inputs: list[RequestInput],
         else:
             async with semaphore:
                 out = await send_request(client, req)
+        if done is not None:
+            done.append(out)
         if pbar is not None:
             pbar.update(1)
         return out
 
     start = time.perf_counter()
     tasks = []
-    for req, offset in zip(inputs, offsets):
-        delay = start + offset - time.perf_counter()
-        if delay > 0:
-            await asyncio.sleep(delay)
-        tasks.append(asyncio.create_task(one(req)))
-    return list(await asyncio.gather(*tasks))
+    try:
+        for req, offset in zip(inputs, offsets):
+            delay = start + offset - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(one(req)))
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+async def _until_interrupted(coro: Any) -> tuple[Any, bool]:
+    """(result, False), or (None, True) when Ctrl-C (SIGINT) arrives first: the run is cancelled and the
+    caller reports what finished before it."""
+    loop = asyncio.get_running_loop()
+    task = asyncio.ensure_future(coro)
+    try:
+        loop.add_signal_handler(signal.SIGINT, task.cancel)
+    except (NotImplementedError, RuntimeError):  # not the main thread / no signal support
+        return await task, False
+    try:
+        return await task, False
+    except asyncio.CancelledError:
+        if asyncio.current_task().cancelling():  # our caller is being cancelled, not an interrupt
+            raise
+        return None, True
+    finally:
+        loop.remove_signal_handler(signal.SIGINT)
 
 
 async def run_benchmark(cfg: BenchServeConfig, args: argparse.Namespace,
@@ -277,12 +305,18 @@ async def run_benchmark(cfg: BenchServeConfig, args: argparse.Namespace,
         print(f"Maximum request concurrency: {cfg.max_concurrency}")
         spec_before = await fetch_spec_decode_counters(client, cfg.base_url, cfg.headers)
         offsets = arrival_offsets(len(inputs), cfg.request_rate, cfg.burstiness, cfg.seed)
-        pbar = None if cfg.disable_tqdm else tqdm(total=len(inputs))
+        pbar = None if cfg.disable_tqdm else tqdm(total=len(inputs), desc="Requests", unit="req")
         t0 = time.perf_counter()
-        outputs = await _run_requests(client, inputs, offsets, cfg.max_concurrency, pbar)
+        done: list[RequestOutput] = []
+        outputs, interrupted = await _until_interrupted(
+            _run_requests(client, inputs, offsets, cfg.max_concurrency, pbar, done))
         duration = time.perf_counter() - t0
         if pbar is not None:
             pbar.close()
+        if interrupted:
+            outputs = list(done)
+            print(f"Interrupted after {duration:.1f} s: {len(outputs)} of {len(inputs)} requests finished; "
+                  "the results below cover those only.")
         spec_after = await fetch_spec_decode_counters(client, cfg.base_url, cfg.headers)
     spec = spec_after.minus(spec_before or SpecDecodeCounters()) if spec_after is not None else None
 
@@ -302,7 +336,8 @@ async def run_benchmark(cfg: BenchServeConfig, args: argparse.Namespace,
         "label": args.label,
         "model_id": model_id,
         "tokenizer_id": tokenizer_id,
-        "num_prompts": len(inputs),
+        "num_prompts": len(outputs),
+        "interrupted": interrupted,
         "request_rate": cfg.request_rate if cfg.request_rate != float("inf") else "inf",
         "burstiness": cfg.burstiness,
         "max_concurrency": cfg.max_concurrency,
@@ -342,10 +377,12 @@ def _cli(argv: list[str] | None = None) -> None:
     add_cli_args(parser)
     args = parser.parse_args(argv)
     try:
-        main(args)
+        result = main(args)
     except (ValueError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    if result.get("interrupted"):
+        sys.exit(130)  # the shell's code for Ctrl-C, after the partial table
 
 
 if __name__ == "__main__":

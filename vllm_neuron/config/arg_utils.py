@@ -1,7 +1,12 @@
-"""vLLM's command-line flags <-> EngineConfig fields.
+"""vLLM's command-line flags <-> EngineConfig fields, grouped by topic like vLLM's `--help`.
 
 Flags for features that exist in vLLM but not here yet are still parsed, so that using one gives a
 clear "not supported yet" error from EngineConfig instead of argparse's "unrecognized argument".
+
+Every flag has help text and shows its default exactly once: `HelpFormatter` appends "(default: X)"
+unless the help already says "default" (write that when X alone would not tell, e.g. None). Add a
+flag to a topic with `arg_group(parser, "cache").add_argument(...)`; tests/unit/test_cli_help.py walks
+every parser and fails on a flag without help.
 """
 from __future__ import annotations
 
@@ -10,7 +15,43 @@ import dataclasses
 import json
 
 from vllm_neuron.config.device import DEVICE_CHOICES, DTYPE_CHOICES
-from vllm_neuron.config.engine_config import EngineConfig
+from vllm_neuron.config.engine_config import BUNDLED_MODEL_NAME, EngineConfig
+from vllm_neuron.config.generation_config import GENERATION_CONFIG_HELP
+
+# Topic groups in the order --help shows them (vLLM's config classes, by topic).
+GROUPS = {
+    "model": "Model: what is loaded and how it computes",
+    "cache": "Cache: the paged KV cache",
+    "scheduler": "Scheduler: batching, sequence limits, speculative decoding",
+    "parallel": "Parallel: tensor / data / expert parallelism, KV transfer",
+    "compilation": "Compilation: bucket graphs and neuron_config",
+    "server": "Server: HTTP listener, authentication, logging",
+    "frontend": "Frontend: OpenAI API behaviour (chat templates, tools, served names)",
+}
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """Appends "(default: X)" once, unless the help text already states its default."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "(default" in text.lower() or action.default is argparse.SUPPRESS or not action.option_strings:
+            return text
+        default = action.default
+        if isinstance(default, bool) or default is None:
+            default = {True: "on", False: "off", None: "off"}[default] if action.nargs == 0 else default
+        return f"{text} (default: {default})"
+
+
+def arg_group(parser: argparse.ArgumentParser, topic: str) -> argparse._ArgumentGroup:
+    """The parser's group for `topic` (one of GROUPS), created on first use."""
+    if topic not in GROUPS:
+        raise ValueError(f"unknown argument group {topic!r}; valid groups: {list(GROUPS)}")
+    title = GROUPS[topic]
+    for g in parser._action_groups:
+        if g.title == title:
+            return g
+    return parser.add_argument_group(title)
 
 
 def _json_arg(value: str):
@@ -21,48 +62,88 @@ def _json_arg(value: str):
 
 
 def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool = True) -> None:
+    """The engine's flags. model_positional: MODEL is the first positional (serve, compile); without
+    it (generate, whose positionals are the prompts) the model is `--model` only."""
     d = EngineConfig()
-    g = parser.add_argument_group("engine")
+    g = arg_group(parser, "model")
+    bundled = f"the bundled {BUNDLED_MODEL_NAME}"
     if model_positional:
-        g.add_argument("model", nargs="?", default=None,
-                       help="HF model directory or .gguf file (default: the bundled SmolLM2-135M-Instruct)")
-    g.add_argument("--model", dest="model_flag", default=None, help="same as the positional MODEL")
+        g.add_argument("model", nargs="?", default=None, metavar="MODEL",
+                       help=f"HF model directory or .gguf file (default: {bundled})")
+        g.add_argument("--model", dest="model_flag", default=None, metavar="MODEL",
+                       help="the same as the positional MODEL, vLLM's older spelling (default: the positional "
+                       "MODEL, else the bundled model)")
+    else:
+        g.add_argument("--model", dest="model_flag", default=None, metavar="MODEL",
+                       help=f"HF model directory or .gguf file (default: {bundled})")
     g.add_argument("--tokenizer", default=None, help="tokenizer directory or .gguf (default: the model's)")
-    g.add_argument("--served-model-name", nargs="+", default=None, help="name(s) the API reports")
-    g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="context length in tokens, prompt plus output (default: the model's)")
+    g.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
+                   help="weight and activation dtype; auto: bfloat16 on CUDA and on CPUs with AVX512-BF16 or AMX, "
+                   "else float32 (the start-up log says which and why)")
+    g.add_argument("--device", default="auto", choices=DEVICE_CHOICES, help="auto picks CUDA when present, else CPU")
+    g.add_argument("--seed", type=int, default=d.seed, help="seed of the sampler's random numbers")
+    g.add_argument("--max-logprobs", type=int, default=d.max_logprobs,
+                   help="largest logprobs / top_logprobs a request may ask for (-1: the whole vocabulary)")
+    g.add_argument("--generation-config", default=d.generation_config,
+                   help=f"default sampling parameters: {GENERATION_CONFIG_HELP}")
+    g.add_argument("--override-generation-config", type=_json_arg, default=None,
+                   help="JSON applied over the generation config, e.g. '{\"temperature\": 0.5, \"max_new_tokens\": "
+                   "128}' (default: none)")
+    g.add_argument("--quantization", "-q", default=None,
+                   help="refused: vLLM's flag; quantize with --additional-config '{\"neuron_config\": "
+                   "{\"quantization\": \"int4\"}}' or a quantized checkpoint (default: unset)")
+    g.add_argument("--trust-remote-code", action="store_true",
+                   help="accepted for vLLM compatibility; no remote code is ever run")
+    g.add_argument("--enable-prompt-embeds", action="store_true", help="refused: not supported yet")
+
+    g = arg_group(parser, "cache")
+    g.add_argument("--block-size", type=int, default=d.block_size, help="KV cache block size in tokens")
+    g.add_argument("--num-gpu-blocks-override", type=int, default=None,
+                   help="number of KV cache blocks (default: as many as the memory budget allows)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
+                   help="fraction of device memory (host RAM on CPU) for the KV budget")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV blocks of identical prompt prefixes")
+    g.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype,
+                   help="KV cache dtype; only 'auto' (the model dtype) for now")
+
+    g = arg_group(parser, "scheduler")
     g.add_argument("--max-num-seqs", type=int, default=None,
                    help="max concurrent sequences (default: the largest num_seqs_bucket, else 16)")
     g.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="max tokens per prefill step; longer prompts are segmented (default: the largest "
                    "num_batched_tokens_bucket, else min(512, max-model-len))")
-    g.add_argument("--block-size", type=int, default=d.block_size, help="KV cache block size in tokens")
-    g.add_argument("--num-gpu-blocks-override", type=int, default=None, help="number of KV cache blocks")
-    g.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
-                   help="fraction of device (host RAM on CPU) memory for the KV budget")
-    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="schedule step N+1 while step N runs (default: on, except on a CPU whose cores torch's "
+                   "threads all use)")
+    g.add_argument("--speculative-config", type=_json_arg, default=None,
+                   help='speculative decoding, vLLM\'s JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'; '
+                   "only ngram for now (default: off)")
+
+    g = arg_group(parser, "parallel")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="tensor parallel ranks; only 1 for now")
+    g.add_argument("--data-parallel-size", "-dp", type=int, default=1, help="data parallel ranks; only 1 for now")
+    g.add_argument("--enable-expert-parallel", action="store_true", help="refused: no MoE model is supported yet")
+    g.add_argument("--kv-transfer-config", type=_json_arg, default=None,
+                   help="refused: disaggregated prefill is not supported yet (default: none)")
+    g.add_argument("--ec-transfer-config", type=_json_arg, default=None,
+                   help="refused: encoder-disaggregated (EPD) inference is not supported yet (default: none)")
+    g.add_argument("--mm-encoder-only", action="store_true",
+                   help="refused: no multimodal model is supported yet")
+    g.add_argument("--limit-mm-per-prompt", type=_json_arg, default=None,
+                   help="refused: no multimodal model is supported yet (default: none)")
+
+    g = arg_group(parser, "compilation")
     g.add_argument("--enforce-eager", action="store_true", help="run the bucket graphs uncompiled")
-    g.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES)
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--device", default="auto", choices=DEVICE_CHOICES, help="auto picks CUDA when present")
-    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
-    g.add_argument("--data-parallel-size", "-dp", type=int, default=1)
-    g.add_argument("--enable-expert-parallel", action="store_true")
-    g.add_argument("--kv-cache-dtype", default="auto")
-    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None)
-    g.add_argument("--max-logprobs", type=int, default=d.max_logprobs)
-    g.add_argument("--enable-prompt-embeds", action="store_true")
-    g.add_argument("--speculative-config", type=_json_arg, default=None)
-    g.add_argument("--kv-transfer-config", type=_json_arg, default=None)
-    g.add_argument("--ec-transfer-config", type=_json_arg, default=None)
-    g.add_argument("--mm-encoder-only", action="store_true")
-    g.add_argument("--limit-mm-per-prompt", type=_json_arg, default=None)
-    g.add_argument("--chat-template", default=None, help="Jinja chat template (text or file path)")
-    g.add_argument("--trust-remote-code", action="store_true", help="accepted; no remote code is ever run")
-    g.add_argument("--disable-log-stats", action="store_true")
     g.add_argument("--additional-config", type=_json_arg, default=None,
-                   help='JSON, e.g. \'{"neuron_config": {"num_seqs_buckets": [1, 2, 4, 8]}}\'')
-    g.add_argument("--quantization", "-q", default=None,
-                   help="vLLM's flag; not used: quantization comes from neuron_config or the checkpoint")
+                   help='JSON, e.g. \'{"neuron_config": {"num_seqs_buckets": [1, 2, 4, 8]}}\' (default: none; '
+                   "the README lists the neuron_config keys)")
+
+    g = arg_group(parser, "frontend")
+    g.add_argument("--chat-template", default=None,
+                   help="Jinja chat template, as text or a file path (default: the tokenizer's)")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

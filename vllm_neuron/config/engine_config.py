@@ -14,6 +14,7 @@ from typing import Any
 from vllm_neuron.config import buckets as B
 from vllm_neuron.config.device import (DEVICE_CHOICES, DTYPE_CHOICES, async_scheduling_default, check_int4_support,
                                        resolve_device, resolve_dtype)
+from vllm_neuron.config.generation_config import check_generation_config_arg, parse_override
 from vllm_neuron.config.runner_selection import RunnerChoice, select_model_runner
 from vllm_neuron.config.neuron_config import AdditionalConfig, NeuronConfig, parse_additional_config
 from vllm_neuron.config.speculative import SpeculativeConfig, parse_speculative_config
@@ -59,6 +60,8 @@ class EngineConfig:
     chat_template: str | None = None
     trust_remote_code: bool = False  # accepted for vLLM compatibility; no remote code is ever run
     disable_log_stats: bool = False
+    generation_config: str = "auto"  # auto | vllm | a folder with generation_config.json
+    override_generation_config: dict | str | None = None
     additional_config: dict | str | AdditionalConfig | None = None
     # Filled by validate()
     neuron: AdditionalConfig = field(default=None, init=False, repr=False)  # type: ignore[assignment]
@@ -121,6 +124,8 @@ class EngineConfig:
         if self.limit_mm_per_prompt:
             raise _not_supported("limit_mm_per_prompt", self.limit_mm_per_prompt,
                                  "no multimodal model is supported yet")
+        check_generation_config_arg(self.generation_config)
+        self.override_generation_config = parse_override(self.override_generation_config)
         from vllm_neuron import envs
 
         envs.check_supported()

@@ -18,6 +18,7 @@ import zmq.asyncio
 
 from vllm_neuron import metrics
 from vllm_neuron.config.engine_config import EngineConfig
+from vllm_neuron.config.generation_config import effective_generation_config
 from vllm_neuron.engine.core_proc import run_engine_core
 from vllm_neuron.engine.input_processor import InputProcessor
 from vllm_neuron.engine.output_processor import OutputProcessor
@@ -61,11 +62,14 @@ class AsyncLLM(EngineClient):
             self.proc.kill()
             self.shutdown()  # sockets and the IPC folder
             raise
-        self.input_processor = InputProcessor(self.tokenizer, config.max_model_len, ckpt.generation_config,
+        generation = effective_generation_config(config.generation_config, ckpt.generation_config,
+                                                 config.override_generation_config)
+        self.input_processor = InputProcessor(self.tokenizer, config.max_model_len, generation,
                                               nc.on_device_sampling_config, config.max_logprobs,
                                               ckpt.hf_config.vocab_size)
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.model_info = ModelInfo(ckpt.path, config.max_model_len, self.input_processor.eos_token_id)
+        self.model_info = ModelInfo(ckpt.path, config.max_model_len, self.input_processor.eos_token_id,
+                                    self.input_processor.generation_defaults)
 
     # -- EngineClient -----------------------------------------------------------------------------
     @property
@@ -162,8 +166,8 @@ class AsyncLLM(EngineClient):
             elif kind == "ready":
                 self._ready = True
                 self.startup_info = payload
-                logger.info("Engine ready (startup %.1f s, %d KV blocks)", payload["startup_seconds"],
-                            payload["num_blocks"])
+                # The EngineCore logged its own "Engine ready" line with the details: no second one.
+                logger.debug("EngineCore reported ready (startup %.1f s)", payload["startup_seconds"])
             elif kind == "dead":
                 self._mark_dead(payload)
 

@@ -7,7 +7,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from vllm_neuron import envs
 from vllm_neuron.config import buckets as B
-from vllm_neuron.config.device import resolve_device, resolve_dtype
+from vllm_neuron.config.device import dtype_reason, resolve_device, resolve_dtype
 from vllm_neuron.config.engine_config import EngineConfig
 from vllm_neuron.config.runner_selection import V2_LOG_LINE
 from vllm_neuron.core.request import Request, RequestStatus
@@ -36,6 +36,7 @@ class EngineCore:
         nc = config.finalize(self.ckpt.hf_config.max_position_embeddings)
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
+        logger.info("dtype %s (%s)", str(self.dtype).removeprefix("torch."), dtype_reason(config.dtype, self.device))
         backend = "eager" if config.enforce_eager else envs.VLLM_NEURON_BACKEND
         logger.info("Engine config: model=%s device=%s dtype=%s max_model_len=%d max_num_seqs=%d "
                     "max_num_batched_tokens=%d block_size=%d prefix_caching=%s sampling=%s",

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import pickle
 import signal
+import time
 import traceback
 from typing import Any
 
@@ -43,7 +44,7 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, mod
         metrics.record_model_load(core.load_stats.seconds, core.load_stats.nbytes)
         _send(out, ("ready", {"pid": os.getpid(), "startup_seconds": core.startup_seconds,
                               "num_blocks": core.num_blocks}))
-        _loop(core, inp, out, metrics)
+        _loop(core, inp, out, metrics, log_stats=not config.disable_log_stats)
     except Exception as e:  # noqa: BLE001 - the client must learn why the engine died
         logger.error("EngineCore died: %s\n%s", e, traceback.format_exc())
         _send(out, ("dead", f"{type(e).__name__}: {e}"))
@@ -53,12 +54,16 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, mod
         ctx.term()
 
 
-def _loop(core, inp: zmq.Socket, out: zmq.Socket, metrics) -> None:
+def _loop(core, inp: zmq.Socket, out: zmq.Socket, metrics, log_stats: bool = True) -> None:
     poller = zmq.Poller()
     poller.register(inp, zmq.POLLIN)
     recorder = _StatsRecorder(metrics)
+    from vllm_neuron import envs
+    from vllm_neuron.engine.stats_logger import StatsLogger
+
+    stats_logger = StatsLogger(envs.VLLM_LOG_STATS_INTERVAL, time.monotonic()) if log_stats else None
     while True:
-        timeout = 0 if core.has_unfinished() else None
+        timeout = 0 if core.has_unfinished() else _idle_timeout_ms(stats_logger)
         handled = False
         while poller.poll(timeout):
             msg = pickle.loads(inp.recv())
@@ -66,14 +71,26 @@ def _loop(core, inp: zmq.Socket, out: zmq.Socket, metrics) -> None:
                 return
             _handle(core, out, msg)
             handled, timeout = True, 0
+        if stats_logger is not None:
+            stats_logger.maybe_log(time.monotonic())
         if not core.has_unfinished():
             if handled:  # aborts free blocks: the gauges must say so even when nothing runs
                 recorder.record(core.idle_stats())
             continue
         outs = core.step()
         recorder.record(outs.stats)
+        if stats_logger is not None:
+            stats_logger.record(outs)
         if outs.outputs:
             _send(out, ("outputs", outs))
+
+
+def _idle_timeout_ms(stats_logger) -> int | None:
+    """An idle engine blocks on its input, waking once more only to log the interval that saw work."""
+    if stats_logger is None or not (stats_logger.generation_tokens or stats_logger.prompt_tokens
+                                    or any(stats_logger.last_throughput)):
+        return None
+    return int(stats_logger.seconds_to_next(time.monotonic()) * 1000) + 1
 
 
 def _handle(core, out: zmq.Socket, msg: tuple) -> None:

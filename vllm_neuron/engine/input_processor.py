@@ -6,12 +6,13 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from vllm_neuron.config.generation_config import sampling_defaults
+from vllm_neuron.logger import init_logger
 from vllm_neuron.engine.messages import EngineCoreRequest
 from vllm_neuron.config.neuron_config import OnDeviceSamplingConfig
 from vllm_neuron.sampling_params import SamplingParams
 
-# generation_config.json keys that vLLM takes as default sampling parameters.
-_GEN_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+logger = init_logger(__name__)
 
 
 def child_request_id(index: int, request_id: str) -> str:
@@ -33,7 +34,10 @@ class InputProcessor:
             self.eos_token_id = eos_list[0]
         # Further EOS ids of the generation config stop generation like stop_token_ids (as in vLLM).
         self.extra_eos_ids = [e for e in eos_list if e != self.eos_token_id]
-        self.generation_defaults = {k: generation_config[k] for k in _GEN_DEFAULT_KEYS if k in generation_config}
+        self.generation_defaults = sampling_defaults(generation_config)
+        if self.generation_defaults:
+            logger.info("Default sampling parameters from the generation config (request fields override them; "
+                        "--generation-config vllm for vLLM's neutral defaults): %s", self.generation_defaults)
 
     def default_sampling_params(self) -> SamplingParams:
         """vLLM's default: the model's generation_config, then on-device sampling defaults."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from vllm_neuron.config.engine_config import EngineConfig
+from vllm_neuron.config.generation_config import effective_generation_config
 from vllm_neuron.engine.core import EngineCore
 from vllm_neuron.engine.input_processor import InputProcessor
 from vllm_neuron.engine.output_processor import OutputProcessor
@@ -24,7 +25,8 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(config.tokenizer or ckpt, config.chat_template)
         self.core = EngineCore(config, ckpt)
         self.input_processor = InputProcessor(
-            self.tokenizer, config.max_model_len, ckpt.generation_config,
+            self.tokenizer, config.max_model_len, effective_generation_config(
+                config.generation_config, ckpt.generation_config, config.override_generation_config),
             config.neuron_config.on_device_sampling_config, config.max_logprobs, ckpt.hf_config.vocab_size)
         self.output_processor = OutputProcessor(self.tokenizer)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypedDict, Union
 
 from vllm_neuron.outputs import RequestOutput
@@ -41,6 +41,8 @@ class ModelInfo:
     model_path: str  # what was loaded (dir or .gguf file)
     max_model_len: int
     eos_token_id: int | None
+    # SamplingParams defaults from the generation config (--generation-config); fill unset request fields.
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
 
 
 class EngineClient(ABC):

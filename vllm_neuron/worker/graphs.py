@@ -17,11 +17,13 @@ from vllm_neuron.model.layers.in_graph_sampler import (apply_token_bitmask, coun
 class StepGraphs:
     """MRv1's graphs: host-built inputs; forward, logits of the sampled rows and in-graph sampling."""
 
-    def __init__(self, model: torch.nn.Module, odsc, block_size: int, use_kernels: bool) -> None:
+    def __init__(self, model: torch.nn.Module, odsc, block_size: int, use_kernels: bool,
+                 paged_decode: bool = False) -> None:
         self.model = model
         self.odsc = odsc
         self.block_size = block_size
         self.use_kernels = use_kernels
+        self.paged_decode = paged_decode
 
     def _sample(self, logits, bitmask, temperature, top_k, top_p, uniform):
         if bitmask is not None:
@@ -44,6 +46,9 @@ class StepGraphs:
             starts = torch.arange(positions.shape[0] + 1, device=positions.device)
             return AttentionMetadata(slot_mapping, block_tables=block_tables, query_start=starts, positions=positions,
                                      block_size=self.block_size, is_decode=True, use_kernels=True)
+        if self.paged_decode:
+            return AttentionMetadata(slot_mapping, block_tables=block_tables, positions=positions, is_decode=True,
+                                     block_size=self.block_size, paged_decode=True)
         mask = decode_mask(positions + 1, block_tables.shape[1] * self.block_size)
         return AttentionMetadata(slot_mapping, mask, block_tables=block_tables, is_decode=True)
 

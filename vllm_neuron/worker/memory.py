@@ -380,6 +380,6 @@ def capacity_summary(num_blocks: int, block_size: int, max_model_len: int) -> st
     per_request = -(-max_model_len // block_size)
     concurrency = num_blocks / per_request
     return (
-        f"KV cache: {num_blocks} blocks of {block_size} tokens = {tokens} tokens; maximum "
+        f"KV cache: {num_blocks} usable blocks (+1 reserved) of {block_size} tokens = {tokens} tokens; maximum "
         f"concurrency for {max_model_len} tokens per request: {concurrency:.2f}x"
     )

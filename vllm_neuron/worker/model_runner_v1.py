@@ -31,7 +31,7 @@ class ModelRunnerV1(ModelRunnerBase):
 
     def _make_graphs(self) -> StepGraphs:
         cls = VerifyGraphs if self.spec is not None else StepGraphs
-        return cls(self.model, self.odsc, self.block_size, self.use_kernels)
+        return cls(self.model, self.odsc, self.block_size, self.use_kernels, self.paged_decode)
 
     def graph_names(self) -> list[tuple[str, str, int, int]]:
         out = super().graph_names()

@@ -41,7 +41,7 @@ class ModelRunnerV2(ModelRunnerBase):
         return {**super()._graph_options(), "model_runner": "v2"}
 
     def _make_graphs(self) -> StepGraphsV2:
-        return StepGraphsV2(self.model, self.odsc, self.block_size, self.use_kernels)
+        return StepGraphsV2(self.model, self.odsc, self.block_size, self.use_kernels, self.paged_decode)
 
     def _run_prefill(self, chunks: list[ScheduledChunk], num_tokens: int, num_context: int,
                      masks: dict | None = None):

@@ -19,14 +19,16 @@ from vllm_neuron.config import buckets as B
 from vllm_neuron.config.device import check_int4_support
 from vllm_neuron.config.engine_config import EngineConfig
 from vllm_neuron.logger import init_logger
-from vllm_neuron.model.layers.kernels import kernels_enabled, linear_kernel_available
+from vllm_neuron.model.layers.kernels import describe_kernels, kernel_variant, kernels_enabled, linear_kernel_dtypes
 from vllm_neuron.model.layers.linear import quantize_linears_int4_, set_small_batch_kernel
+from vllm_neuron.model.layers.paged_decode import paged_decode_available
 from vllm_neuron.model.layers.quant_int4 import INT4_GROUP_SIZE
 from vllm_neuron.model.loader import Checkpoint
 from vllm_neuron.model.registry import check_quantization, resolve_model_class
 from vllm_neuron.step import ModelRunnerOutput, SchedulerOutput
 from vllm_neuron.worker import memory
 from vllm_neuron.worker.compilation import GraphCompiler, cache_key_parts
+from vllm_neuron.worker.cuda_graphs import ReplayedGraph, cuda_graph_capturer, wants_capture
 from vllm_neuron.worker.input_builder import build_prefill_inputs
 from vllm_neuron.worker.sampling_state import SamplingStates
 
@@ -76,8 +78,14 @@ class ModelRunnerBase:
         check_quantization(self.model_cls, self.model_spec, config.neuron_config.quantization)
         # Sinks and sliding windows take the torch attention path (the kernel is plain causal).
         self.use_kernels = kernels_enabled(device) and not self.model_spec.needs_torch_attention
-        self.use_linear_kernel = linear_kernel_available(device)
-        set_small_batch_kernel(self.use_linear_kernel)
+        kernel_dtypes = linear_kernel_dtypes(device)
+        self.use_linear_kernel = self.dtype in kernel_dtypes
+        set_small_batch_kernel(kernel_dtypes)
+        logger.info("%s", describe_kernels(device, self.dtype))
+        # CUDA: decode attention reads each sequence's real context (Triton), and bucket graphs replay.
+        self.paged_decode = not self.use_kernels and not self.model_spec.needs_torch_attention and \
+            paged_decode_available(device.type, self.model_spec.head_dim, self.block_size)
+        self.graph_capture, self._capturer = cuda_graph_capturer(device, backend)
 
     # -- set-up ----------------------------------------------------------------------------------
     def load_model(self) -> LoadStats:
@@ -118,7 +126,7 @@ class ModelRunnerBase:
             b = memory.kv_budget_for_device(self.device, model_weight_bytes=weight_bytes,
                                             gpu_memory_utilization=self.config.gpu_memory_utilization,
                                             free_before_load=self._free_before_load, check_minimum=False)
-            logger.info("KV budget: %s", b.describe())
+            logger.info("%s", b.describe())  # the line starts with "KV budget"
             return b
 
         persistent = self.backend != "eager" and not self.compiler.disabled
@@ -169,6 +177,8 @@ class ModelRunnerBase:
         """What shapes the graphs beyond the model config, dtype and device (part of the cache key)."""
         return {"odsc": repr(self.odsc), "block_size": self.block_size, "backend": self.backend,
                 "kernels": self.use_kernels, "linear_kernel": self.use_linear_kernel,
+                "kernel_variant": kernel_variant()[0] if self.use_kernels else None,
+                "paged_decode": self.paged_decode,
                 "quantization": self.config.neuron_config.quantization}
 
     def _make_compiler(self) -> GraphCompiler:
@@ -183,7 +193,11 @@ class ModelRunnerBase:
                         "uncompiled; nothing to warm up", len(graphs))
             return self.compiler
         logger.info("Warm-up: %d graphs (%s route); compile cache %s", len(graphs), self.backend, self.compiler.dir)
-        for name, kind, size, ctx in tqdm(graphs, desc="Compiling buckets", unit="graph", disable=None):
+        for i, (name, kind, size, ctx) in enumerate(tqdm(graphs, desc="Compiling buckets", unit="graph",
+                                                         disable=None), 1):
+            # Each line says what runs next: a cold compile is minutes of silence otherwise.
+            logger.info("Bucket %d/%d: %s (loading it from the compile cache, else compiling it) ...", i, len(graphs),
+                        name)
             run = getattr(self, f"_run_{kind}")  # _run_prefill / _run_decode / a runner's own kinds
             self.compiler.warm(name, lambda: run([], size, ctx))
         self.compiler.finish()
@@ -202,7 +216,10 @@ class ModelRunnerBase:
         if g is None:
             fn = getattr(self.graphs, kind)  # the graph object's method of that kind
             name = self._graph_name(kind, size, context)
-            g = self._bucket_graphs[key] = self.compiler.bucket(name, fn)
+            g = self.compiler.bucket(name, fn)
+            if self._capturer is not None and wants_capture(self.graph_capture, kind):
+                g = ReplayedGraph(g, self._capturer, name)  # captured on its first call (warm-up)
+            self._bucket_graphs[key] = g
         return g
 
     def _graph_name(self, kind: str, size: int, context: int) -> str:

@@ -46,6 +46,10 @@ class SamplingStates:
         self.odsc = odsc
         self.rng = torch.Generator().manual_seed(seed)
         self.states: dict[str, RequestState] = {}
+        if odsc is not None and not odsc.all_greedy:
+            logger.info("In-graph sampling draws from the %d most likely tokens (neuron_config."
+                        "on_device_sampling_config.top_k); a request with a larger top_k samples on the host",
+                        odsc.top_k)
 
     def add(self, data: NewRequestData) -> None:
         p = data.sampling_params

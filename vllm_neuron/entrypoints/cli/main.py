@@ -4,7 +4,41 @@ from __future__ import annotations
 import argparse
 import sys
 
-from vllm_neuron.config.arg_utils import add_engine_args
+from vllm_neuron.config.arg_utils import HelpFormatter, add_engine_args, arg_group
+from vllm_neuron.config.engine_config import BUNDLED_MODEL_NAME
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    """`serve`'s own flags (HTTP listener, served names, logging)."""
+    from vllm_neuron.entrypoints.openai.request_policy import DEFAULT_MAX_N, DEFAULT_MAX_REQUEST_BODY_BYTES
+    from vllm_neuron.tool_parsers import ToolParserManager
+
+    g = arg_group(parser, "server")
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    g.add_argument("--port", type=int, default=8000, help="port to listen on")
+    g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes "
+                   "(default: $VLLM_API_KEY, else no key)")
+    g.add_argument("--allowed-origins", nargs="*", default=None, help="CORS origins (default: any)")
+    g.add_argument("--uvicorn-log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug", "trace"], help="uvicorn's log level")
+    g.add_argument("--disable-log-stats", action="store_true",
+                   help="turn off the engine stats logged every 10 s (throughput, requests, KV usage, "
+                   "prefix-cache hit rate)")
+    g.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+                   help="larger request bodies get a 413 before they are read")
+    g = arg_group(parser, "frontend")
+    g.add_argument("--trust-request-chat-template", action="store_true",
+                   help="accept a `chat_template` sent in a request (it runs on the server; refused otherwise)")
+    g.add_argument("--max-n", type=int, default=DEFAULT_MAX_N,
+                   help="largest `n` (completions per request) a request may ask for; larger gets a 400")
+    g.add_argument("--served-model-name", nargs="+", default=None,
+                   help="name(s) the API reports and accepts (default: MODEL as given, else "
+                   f"{BUNDLED_MODEL_NAME})")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='serve tool_choice="auto" (needs --tool-call-parser)')
+    g.add_argument("--tool-call-parser", default=None, choices=ToolParserManager.names(),
+                   help="how tool calls are read from the model's answer when tool_choice is auto (default: none)")
+
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -12,49 +46,35 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="OpenAI-compatible server (default: the bundled SmolLM2-135M-Instruct)",
-                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                           description="Serve a model over vLLM's OpenAI-compatible HTTP API.",
+                           formatter_class=HelpFormatter)
     add_engine_args(serve)
-    g = serve.add_argument_group("server")
-    g.add_argument("--host", default="127.0.0.1")
-    g.add_argument("--port", type=int, default=8000)
-    g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes "
-                   "(also read from VLLM_API_KEY)")
-    g.add_argument("--uvicorn-log-level", default="info",
-                   choices=["critical", "error", "warning", "info", "debug", "trace"])
-    g.add_argument("--allowed-origins", nargs="*", default=None, help="CORS origins")
-    from vllm_neuron.entrypoints.openai.request_policy import DEFAULT_MAX_N, DEFAULT_MAX_REQUEST_BODY_BYTES
-
-    g.add_argument("--trust-request-chat-template", action="store_true",
-                   help="accept a `chat_template` sent in a request (it runs on the server; refused otherwise)")
-    g.add_argument("--max-n", type=int, default=DEFAULT_MAX_N,
-                   help="largest `n` (completions per request) a request may ask for; larger gets a 400")
-    g.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
-                   help="larger request bodies get a 413 before they are read")
-    from vllm_neuron.tool_parsers import ToolParserManager
-
-    g.add_argument("--enable-auto-tool-choice", action="store_true",
-                   help='serve tool_choice="auto" (needs --tool-call-parser)')
-    g.add_argument("--tool-call-parser", default=None, choices=ToolParserManager.names(),
-                   help="how tool calls are read from the model's answer when tool_choice is auto")
+    add_server_args(serve)
 
     gen = sub.add_parser("generate", help="generate from prompts offline and print the answers",
-                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    gen.add_argument("prompts", nargs="+", help="prompt(s); chat-formatted unless --raw")
+                         description="Load the model in this process, answer the prompts, print the answers. "
+                         "Sampling defaults come from the model's generation config (see --generation-config).",
+                         formatter_class=HelpFormatter)
+    gen.add_argument("prompts", nargs="+", metavar="PROMPT", help="prompt(s); chat-formatted unless --raw")
     gen.add_argument("--raw", action="store_true", help="send the prompt as plain text, no chat template")
-    gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=0)
+    s = gen.add_argument_group("Sampling (unset: the generation config's default, else vLLM's)")
+    s.add_argument("--max-tokens", type=int, default=None,
+                   help="tokens to generate at most (default: the generation config's max_new_tokens, else 16)")
+    s.add_argument("--temperature", type=float, default=None,
+                   help="0 is greedy (default: the generation config's, else 1.0)")
+    s.add_argument("--top-p", type=float, default=None, help="nucleus sampling (default: the generation config's, else 1.0)")
+    s.add_argument("--top-k", type=int, default=None, help="0 is off (default: the generation config's, else 0)")
     add_engine_args(gen, model_positional=False)
 
     comp = sub.add_parser("compile", help="compile every bucket into the compile cache, then exit",
-                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                          description="Fill the compile cache for a configuration, then exit: a later serve with "
+                          "the same flags loads every graph without compiling.", formatter_class=HelpFormatter)
     add_engine_args(comp)
 
     bench = sub.add_parser("bench", help="benchmarks")
     bsub = bench.add_subparsers(dest="bench_command", required=True)
     bserve = bsub.add_parser("serve", help="serving benchmark against an OpenAI-compatible server",
-                             formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                             formatter_class=HelpFormatter)
     from vllm_neuron.benchmarks.serve import add_cli_args
 
     add_cli_args(bserve)
@@ -79,8 +99,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "bench":
             from vllm_neuron.benchmarks.serve import main as bench_main
 
-            bench_main(args)
-            return 0
+            result = bench_main(args)
+            return 130 if result.get("interrupted") else 0  # 130: Ctrl-C, after the partial table
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

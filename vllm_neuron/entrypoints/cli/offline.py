@@ -11,8 +11,12 @@ def run_generate(args: argparse.Namespace) -> int:
     from vllm_neuron.sampling_params import SamplingParams
 
     llm = LLM.from_config(engine_config_from_args(args))
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k)
+    defaults = llm.get_default_sampling_params()
+    kwargs = {n: getattr(defaults, n) for n in ("max_tokens", "temperature", "top_p", "top_k", "min_p",
+                                                "repetition_penalty")}
+    kwargs.update({n: getattr(args, n) for n in ("max_tokens", "temperature", "top_p", "top_k")
+                   if getattr(args, n) is not None})
+    params = SamplingParams(**kwargs)
     if args.raw:
         outs = llm.generate(list(args.prompts), params)
     else:

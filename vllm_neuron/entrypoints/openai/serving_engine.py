@@ -124,17 +124,27 @@ class OpenAIServing:
                                   f"(size {self.vocab_size}).", param=param)
 
     def resolve_max_tokens(self, prompt_len: int, requested: int | None, param: str) -> int:
-        """max_tokens for the engine: the remaining context when not given; 400 when the prompt
+        """max_tokens for the engine: the remaining context when not given (at most the generation
+        config's max_new_tokens); 400 when the prompt
         (plus the requested completion) does not fit in max_model_len."""
         if requested is not None and requested < 1:
             raise BadRequestError(f"{param} must be at least 1, got {requested}.", param=param)
         if requested is None:
             if prompt_len >= self.max_model_len:
                 raise BadRequestError(context_error(self.max_model_len, prompt_len, None), param="messages")
-            return self.max_model_len - prompt_len
+            # vLLM's rule: the rest of the context, capped by the generation config's max_new_tokens.
+            return min(self.max_model_len - prompt_len, self.sampling_defaults.get("max_tokens", self.max_model_len))
         if prompt_len + requested > self.max_model_len:
             raise BadRequestError(context_error(self.max_model_len, prompt_len, requested), param=param)
         return requested
+
+    @property
+    def sampling_defaults(self) -> dict[str, Any]:
+        return getattr(self.engine.model_info, "sampling_defaults", None) or {}
+
+    def _default(self, value: Any, name: str, neutral: Any) -> Any:
+        """A request field left unset takes the generation config's default, else vLLM's neutral one."""
+        return value if value is not None else self.sampling_defaults.get(name, neutral)
 
     def build_sampling_params(self, req: Any, *, max_tokens: int, logprobs: int | None,
                               prompt_logprobs: int | None,
@@ -154,11 +164,11 @@ class OpenAIServing:
                 n=req.n if req.n is not None else 1,
                 presence_penalty=req.presence_penalty if req.presence_penalty is not None else 0.0,
                 frequency_penalty=req.frequency_penalty if req.frequency_penalty is not None else 0.0,
-                repetition_penalty=req.repetition_penalty if req.repetition_penalty is not None else 1.0,
-                temperature=req.temperature if req.temperature is not None else 1.0,
-                top_p=req.top_p if req.top_p is not None else 1.0,
-                top_k=req.top_k if req.top_k is not None else 0,
-                min_p=req.min_p if req.min_p is not None else 0.0,
+                repetition_penalty=self._default(req.repetition_penalty, "repetition_penalty", 1.0),
+                temperature=self._default(req.temperature, "temperature", 1.0),
+                top_p=self._default(req.top_p, "top_p", 1.0),
+                top_k=self._default(req.top_k, "top_k", 0),
+                min_p=self._default(req.min_p, "min_p", 0.0),
                 seed=req.seed, stop=req.stop, stop_token_ids=req.stop_token_ids,
                 bad_words=req.bad_words or None,
                 include_stop_str_in_output=req.include_stop_str_in_output, ignore_eos=req.ignore_eos,

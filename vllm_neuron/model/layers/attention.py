@@ -11,6 +11,9 @@ copy the whole cache per layer (FACTS.md).
   gathered through its block table to [B, kv, C, D]; query heads of one KV head are folded into the
   query-length axis of SDPA (faster on CPU than enable_gqa or repeat_interleave, FACTS.md). Speculative
   verification is the same with 1 + K query rows per sequence and a per-row causal mask.
+* Paged decode (`paged_decode`, on CUDA; model/layers/paged_decode.py): one Triton kernel per decode
+  step reads each sequence's K/V through its block table up to its own length, no gather and no mask
+  (one query row per sequence: speculative verification keeps the masked path).
 * With the custom kernel (model/layers/kernels; on by default on CPU) both cases are one call that
   reads each sequence's K/V in place through its block table, up to each query's real position: no
   gather, no mask, and a context bucket costs nothing beyond the tokens actually there.
@@ -26,6 +29,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from vllm_neuron.model.layers.paged_decode import paged_decode
+
 
 @dataclass
 class AttentionMetadata:
@@ -36,6 +41,7 @@ class AttentionMetadata:
     Kernel path (`use_kernels`, a Python constant fixed per graph): `block_tables` [S, n] per sequence,
     `query_start` [S + 1] (sequence s owns query rows query_start[s]..query_start[s + 1]) and
     `positions` [N]; no mask and no gather.
+    Paged decode (`paged_decode`, a constant too): `block_tables` [B, C // block_size] and `positions` [B].
     """
 
     slot_mapping: torch.Tensor  # [N] where each new token's K/V goes
@@ -47,6 +53,7 @@ class AttentionMetadata:
     query_start: torch.Tensor | None = None
     positions: torch.Tensor | None = None
     block_size: int = 0
+    paged_decode: bool = False
 
     def fields(self) -> tuple:
         """The fields in order, unpacked (a nested compile region takes tensors and constants, not
@@ -104,6 +111,10 @@ def paged_attention(
 
         out = kernel(q.to(k_cache.dtype), k_cache, v_cache, meta.block_tables, meta.query_start, meta.positions,
                      scale, meta.block_size)
+        return out.to(q.dtype).reshape(q.shape[0], -1)
+    if meta.paged_decode:
+        out = paged_decode(q.to(k_cache.dtype), k_cache, v_cache, meta.block_tables, meta.positions + 1, scale,
+                           meta.block_size)
         return out.to(q.dtype).reshape(q.shape[0], -1)
     if meta.is_decode:
         return _decode(q, k_cache, v_cache, meta, scale)

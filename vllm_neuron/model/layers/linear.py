@@ -1,7 +1,7 @@
-"""Linear layer: nn.Linear, plus the bf16 weight-streaming kernel for decode-sized batches.
+"""Linear layer: nn.Linear, plus the weight-streaming kernel for decode-sized batches.
 
 At a few rows a linear layer is bound by streaming its weights; the custom kernel
-(kernels/linear_bf16.cpp) gets 1.3-2.5x more bandwidth than oneDNN there on AVX512-BF16 CPUs. From
+(kernels/linear_bf16.cpp, bf16 and fp32) gets 1.3-2.5x more bandwidth than oneDNN there on AVX512-BF16 CPUs. From
 SMALL_BATCH_ROWS rows on, oneDNN is as fast and takes over. The switch is process-wide and set once
 by the model runner; a graph sees it as a constant, so the choice is made when a bucket is traced.
 A layer can also be quantized in place to weight-only int4 (quant_int4.py).
@@ -13,12 +13,13 @@ import torch.nn.functional as F
 from torch import nn
 
 SMALL_BATCH_ROWS = 4
-_kernel_enabled = False
+_kernel_dtypes: frozenset[torch.dtype] = frozenset()
 
 
-def set_small_batch_kernel(enabled: bool) -> None:
-    global _kernel_enabled
-    _kernel_enabled = enabled
+def set_small_batch_kernel(dtypes: frozenset[torch.dtype]) -> None:
+    """The dtypes whose small batches take the weight-streaming kernel (empty: none)."""
+    global _kernel_dtypes
+    _kernel_dtypes = frozenset(dtypes)
 
 
 class Linear(nn.Linear):
@@ -41,12 +42,11 @@ class Linear(nn.Linear):
             from vllm_neuron.model.layers.quant_int4 import int4_linear
 
             return int4_linear(x, self.qweight, self.qnibbles, self.qscale_zeros, self.bias)
-        if (_kernel_enabled and x.dim() == 2 and x.shape[0] <= SMALL_BATCH_ROWS and self.bias is None
-                and x.dtype == torch.bfloat16 and self.weight.dtype == torch.bfloat16
-                and self.in_features % 32 == 0):
-            from vllm_neuron.model.layers.kernels import linear_bf16
+        if (x.dtype in _kernel_dtypes and x.dim() == 2 and x.shape[0] <= SMALL_BATCH_ROWS and self.bias is None
+                and self.weight.dtype == x.dtype and self.in_features % 32 == 0):
+            from vllm_neuron.model.layers.kernels import linear_small_batch
 
-            return linear_bf16(x, self.weight)
+            return linear_small_batch(x, self.weight)
         return F.linear(x, self.weight, self.bias)
 
 

@@ -17,7 +17,8 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
 # generation_config.json bookkeeping that is not a generation setting
-_GENERATION_CONFIG_SKIP = {"transformers_version", "_from_model_config"}
+_GENERATION_CONFIG_SKIP = {"transformers_version", "_from_model_config", "_source"}
+BUNDLED_GENERATION_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bundled_generation_config.json")
 
 
 @dataclass
@@ -73,13 +74,15 @@ def resolve_model_path(model: str | None) -> str:
     )
 
 
-def _read_generation_config(model_dir: str) -> dict[str, Any]:
-    path = os.path.join(model_dir, "generation_config.json")
-    if not os.path.isfile(path):
-        return {}
+def _read_json(path: str) -> dict[str, Any]:
     with open(path, encoding="utf-8") as f:
         data = json.load(f)
     return {k: v for k, v in data.items() if k not in _GENERATION_CONFIG_SKIP}
+
+
+def _read_generation_config(model_dir: str) -> dict[str, Any]:
+    path = os.path.join(model_dir, "generation_config.json")
+    return _read_json(path) if os.path.isfile(path) else {}
 
 
 def _load_gguf(path: str) -> Checkpoint:
@@ -114,6 +117,11 @@ def _load_hf_dir(path: str) -> Checkpoint:
 def load_checkpoint(model: str | None) -> Checkpoint:
     """Config and weight access for `model` (see resolve_model_path); reads no tensor data yet."""
     path = resolve_model_path(model)
+    if model is None:
+        ckpt = _load_gguf(path)
+        # The GGUF carries no sampling metadata; the authors' recommendation ships beside this module.
+        ckpt.generation_config.update(_read_json(BUNDLED_GENERATION_CONFIG))
+        return ckpt
     if os.path.isfile(path):
         return _load_gguf(path)
     if os.path.isfile(os.path.join(path, "config.json")):

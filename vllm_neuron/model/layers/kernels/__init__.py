@@ -3,9 +3,13 @@
 Each kernel is C++ registered as a torch custom op (`torch.ops.vllm_neuron.*`) with a fake
 implementation, so torch.compile keeps it as one call inside a bucket's graph. The shared object is
 compiled once per machine with the system C++ compiler into `<cache root>/kernels/<hash>/` (the hash
-covers the source, torch's version, the flags, the compiler and the CPU's instruction set: the
-library is built with -march=native, so a cache root shared between machines never hands one CPU
-another's build) and reused by every later start.
+covers the source, torch's version, the CPU variant and its flags, the compiler and the CPU's instruction
+set: -march=native builds must never reach another CPU through a shared cache root) and reused by every
+later start.
+
+One build per CPU class (`VARIANTS`), picked from /proc/cpuinfo or forced with VLLM_NEURON_CPU_ISA:
+`avx512bf16` (bf16 dot products in hardware), `avx2` (x86-64-v3: AVX2 + FMA; bf16 widened to fp32),
+`generic` (baseline x86-64 / other architectures: attention only, compiler-vectorized).
 
 `VLLM_NEURON_DISABLE_NKI_KERNELS=1` turns them off; so does a non-CPU device or a failed build
 (logged once): the layers then take their pure-torch paths, which compute the same thing.
@@ -15,6 +19,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import platform
 import subprocess
 import sysconfig
 import tempfile
@@ -29,7 +34,52 @@ from vllm_neuron.logger import init_logger
 logger = init_logger(__name__)
 
 _SOURCES = ("paged_attention.cpp", "linear_bf16.cpp")
-_FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffast-math", "-fno-finite-math-only", "-shared", "-fPIC", "-std=c++17")
+_FLAGS = ("-O3", "-fopenmp", "-ffast-math", "-fno-finite-math-only", "-shared", "-fPIC", "-std=c++17")
+# CPU class -> target flags. avx2 is x86-64-v3 (Haswell and later, Zen 1 and later), so a forced avx2
+# build on an AVX-512 machine has no AVX-512 code in it.
+VARIANTS = {
+    "avx512bf16": ("-march=native",),
+    "avx2": ("-march=x86-64-v3", "-mtune=generic"),
+    "generic": ("-march=native",) if platform.machine() not in ("x86_64", "AMD64") else ("-march=x86-64",),
+}
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def detect_variant(flags: set[str]) -> str:
+    """The best build this CPU runs (pure)."""
+    if "avx512_bf16" in flags and "avx512bw" in flags:
+        return "avx512bf16"
+    if {"avx2", "fma", "f16c"} <= flags:
+        return "avx2"
+    return "generic"
+
+
+def choose_variant(flags: set[str], forced: str | None) -> tuple[str, str]:
+    """(variant, why): `forced` (VLLM_NEURON_CPU_ISA) when this CPU runs it, else the best it runs (pure)."""
+    best = detect_variant(flags)
+    if forced is None:
+        return best, "detected from /proc/cpuinfo"
+    order = list(VARIANTS)  # best first
+    if order.index(forced) < order.index(best):
+        raise ValueError(f"VLLM_NEURON_CPU_ISA={forced} needs instructions this CPU lacks (best here: {best}); "
+                         f"valid values: {', '.join(order[order.index(best):])}")
+    return forced, "forced by VLLM_NEURON_CPU_ISA"
+
+
+@functools.lru_cache(maxsize=1)
+def kernel_variant() -> tuple[str, str]:
+    """(variant, why) of this process' build."""
+    return choose_variant(_cpu_flags(), envs.VLLM_NEURON_CPU_ISA)
 
 
 def _build_dir(digest: str) -> Path:
@@ -46,9 +96,11 @@ def _compile(out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
-    cmd = [_cxx(), *_FLAGS, abi, *includes, *[str(here / s) for s in _SOURCES],
+    cmd = [_cxx(), *_FLAGS, *VARIANTS[kernel_variant()[0]], abi, *includes,
+           *[str(here / s) for s in _SOURCES],
            "-o", tmp, f"-L{torch_lib}", "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{torch_lib}"]
-    logger.info("Building the custom CPU kernels (once per machine) into %s", out.parent)
+    logger.info("Building the custom CPU kernels, %s build (once per machine and CPU class) into %s",
+                kernel_variant()[0], out.parent)
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         os.unlink(tmp)
@@ -62,7 +114,8 @@ def _digest() -> str:
     for s in _SOURCES:
         h.update((here / s).read_bytes())
     h.update(torch.__version__.encode())
-    h.update(" ".join(_FLAGS).encode())
+    variant = kernel_variant()[0]
+    h.update(" ".join((*_FLAGS, variant, *VARIANTS[variant])).encode())
     h.update(compiler_id(_cxx()).encode())
     h.update(cpu_isa().encode())
     return h.hexdigest()[:16]
@@ -74,6 +127,7 @@ def _cxx() -> str:
 
 @functools.lru_cache(maxsize=1)
 def _load() -> bool:
+    kernel_variant()  # a VLLM_NEURON_CPU_ISA this CPU cannot run is refused here, not fallen back from
     try:
         so = _build_dir(_digest()) / "vllm_neuron_kernels.so"
         if not so.exists():
@@ -87,12 +141,15 @@ def _load() -> bool:
     def _(q, k_cache, v_cache, block_tables, query_start, positions, scale, block_size):
         return torch.empty_like(q)
 
-    if _has_op("linear_bf16"):
-        @torch.library.register_fake("vllm_neuron::linear_bf16")
-        def _(x, w):
-            return x.new_empty((x.shape[0], w.shape[0]))
+    for op in ("linear_bf16", "linear_f32"):
+        if _has_op(op):
+            torch.library.register_fake(f"vllm_neuron::{op}")(_linear_fake)
 
     return True
+
+
+def _linear_fake(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((x.shape[0], w.shape[0]))
 
 
 def _has_op(name: str) -> bool:
@@ -103,9 +160,27 @@ def _has_op(name: str) -> bool:
         return False
 
 
-def linear_kernel_available(device: torch.device) -> bool:
-    """Whether the bf16 weight-streaming linear is built here (it needs a CPU with AVX512-BF16)."""
-    return kernels_enabled(device) and _has_op("linear_bf16")
+def linear_kernel_dtypes(device: torch.device) -> frozenset[torch.dtype]:
+    """The dtypes the weight-streaming linear is built for here (AVX512-BF16: bf16 and fp32; AVX2: the
+    same via conversion; generic: none)."""
+    if not kernels_enabled(device):
+        return frozenset()
+    ops = {torch.bfloat16: "linear_bf16", torch.float32: "linear_f32"}
+    return frozenset(dt for dt, op in ops.items() if _has_op(op))
+
+
+def describe_kernels(device: torch.device, dtype: torch.dtype) -> str:
+    """One start-up line: which kernels serve this model and why (or why not)."""
+    if device.type != "cpu":
+        return f"Custom CPU kernels: off ({device.type} device); torch's attention and matmuls"
+    if envs.VLLM_NEURON_DISABLE_NKI_KERNELS:
+        return "Custom CPU kernels: off (VLLM_NEURON_DISABLE_NKI_KERNELS=1); torch's attention and matmuls"
+    if not kernels_enabled(device):
+        return "Custom CPU kernels: unavailable (the build failed, see above); torch's attention and matmuls"
+    variant, why = kernel_variant()
+    linear = ("weight-streaming linear for decode-sized batches" if dtype in linear_kernel_dtypes(device)
+              else f"no {str(dtype).removeprefix('torch.')} linear kernel in this build: oneDNN matmuls")
+    return f"Custom CPU kernels: {variant} build ({why}): paged attention; {linear}"
 
 
 def kernels_enabled(device: torch.device) -> bool:
@@ -126,6 +201,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                                                  scale, block_size)
 
 
-def linear_bf16(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x [M, K] bf16 @ w[N, K]^T -> [M, N] bf16, K a multiple of 32; for small M (decode)."""
-    return torch.ops.vllm_neuron.linear_bf16(x, w)
+def linear_small_batch(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ w[N, K]^T -> [M, N] in x's dtype (bf16 or fp32), K a multiple of 32; for small M (decode)."""
+    if x.dtype == torch.bfloat16:
+        return torch.ops.vllm_neuron.linear_bf16(x, w)
+    return torch.ops.vllm_neuron.linear_f32(x, w)

@@ -1,0 +1,68 @@
+"""What a served log says and what a server leaves behind: a start from a fresh cache (the C++ kernels
+built first) under a realistic timeout, vLLM's periodic stats line within 15 s of work and none with
+--disable-log-stats, and no temporary folder left after a clean shutdown."""
+from __future__ import annotations
+
+import os
+import time
+
+import httpx
+import pytest
+
+from tests.integration.server_utils import ServerProcess, wait_for
+
+ARGS = ["--enforce-eager", "--max-model-len", "256", "--num-gpu-blocks-override", "32", "--max-num-seqs", "2"]
+STATS = "Avg prompt throughput:"
+# Building the kernels and starting the engine from an empty cache on 2 busy cores: minutes, not 60 s.
+FRESH_START_TIMEOUT = 420
+
+
+def _complete(srv: ServerProcess) -> None:
+    r = httpx.post(srv.url + "/v1/completions", timeout=120,
+                   json={"model": srv_model(srv), "prompt": "Hello there", "max_tokens": 8})
+    assert r.status_code == 200, r.text
+
+
+def srv_model(srv: ServerProcess) -> str:
+    return httpx.get(srv.url + "/v1/models", timeout=10).json()["data"][0]["id"]
+
+
+@pytest.fixture(scope="module")
+def cache_root(tmp_path_factory) -> str:
+    """Empty for the first test (the kernels are built), reused by the second."""
+    return str(tmp_path_factory.mktemp("fresh_cache"))
+
+
+def test_fresh_cache_stats_line_and_no_litter(tiny_llama_dir, tmp_path, cache_root):
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    srv = ServerProcess(tiny_llama_dir, ARGS, str(tmp_path), VLLM_CACHE_ROOT=cache_root,
+                        TMPDIR=str(tmp), PROMETHEUS_MULTIPROC_DIR="")
+    try:
+        srv.wait_healthy(timeout=FRESH_START_TIMEOUT)
+        assert "Building the custom CPU kernels" in srv.log()  # the cache really was empty
+        assert any(n.startswith("vllm_neuron_prometheus_") for n in os.listdir(tmp))
+        t0 = time.monotonic()
+        _complete(srv)
+        wait_for(lambda: STATS in srv.log(), timeout=15, interval=0.5, what="the periodic stats line")
+        assert time.monotonic() - t0 < 15
+        line = next(ln for ln in srv.log().splitlines() if STATS in ln)
+        assert "Running:" in line and "GPU KV cache usage:" in line and "Prefix cache hit rate:" in line
+        code, _ = srv.stop(timeout=30)
+        assert code == 0, srv.log()[-4000:]
+    finally:
+        srv.kill()
+    assert not [n for n in os.listdir(tmp) if n.startswith("vllm_neuron_")], os.listdir(tmp)
+
+
+def test_disable_log_stats_turns_the_line_off(tiny_llama_dir, tmp_path, cache_root):
+    srv = ServerProcess(tiny_llama_dir, ARGS + ["--disable-log-stats"], str(tmp_path), VLLM_LOG_STATS_INTERVAL="1",
+                        VLLM_CACHE_ROOT=cache_root)
+    try:
+        srv.wait_healthy(timeout=FRESH_START_TIMEOUT)
+        _complete(srv)
+        _complete(srv)
+        time.sleep(3)  # three intervals
+        assert STATS not in srv.log()
+    finally:
+        srv.kill()

@@ -1,0 +1,79 @@
+"""Every flag of every `vllm-neuron` command has help and shows one default; groups follow vLLM's topics."""
+from __future__ import annotations
+
+import argparse
+import re
+
+import pytest
+
+from vllm_neuron.config.arg_utils import GROUPS, arg_group
+from vllm_neuron.entrypoints.cli.main import _parser
+
+
+def _subparsers(parser: argparse.ArgumentParser, path: str = "vllm-neuron"):
+    yield path, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _subparsers(sub, f"{path} {name}")
+
+
+ALL = list(_subparsers(_parser()))
+
+
+def _flag_help(parser: argparse.ArgumentParser, action: argparse.Action) -> str:
+    fmt = parser._get_formatter()
+    fmt.add_argument(action)
+    return fmt.format_help()
+
+
+@pytest.mark.parametrize("path, parser", ALL, ids=[p for p, _ in ALL])
+def test_every_flag_has_help_and_one_default(path, parser):
+    problems = []
+    for action in parser._actions:
+        if isinstance(action, (argparse._HelpAction, argparse._SubParsersAction)):
+            continue
+        name = "/".join(action.option_strings) or action.dest
+        if not action.help or action.help == argparse.SUPPRESS:
+            problems.append(f"{name}: no help")
+            continue
+        if not action.option_strings:
+            continue  # positionals state their default in the text when they have one
+        text = " ".join(_flag_help(parser, action).split())
+        shown = len(re.findall(r"\(default", text, re.IGNORECASE))
+        if shown != 1:
+            problems.append(f"{name}: {shown} defaults shown: {text!r}")
+        if "_FLAG" in text:
+            problems.append(f"{name}: internal metavar in {text!r}")
+        if "(default: None)" in text:
+            problems.append(f"{name}: says 'default: None' instead of what None means")
+    assert not problems, f"{path}: " + "; ".join(problems)
+
+
+def test_serve_groups_by_topic():
+    serve = dict(ALL)["vllm-neuron serve"]
+    titles = [g.title for g in serve._action_groups]
+    for topic in GROUPS:
+        assert GROUPS[topic] in titles, topic
+    where = {a.dest: g.title for g in serve._action_groups for a in g._group_actions}
+    assert where["block_size"] == GROUPS["cache"] and where["max_num_seqs"] == GROUPS["scheduler"]
+    assert where["tensor_parallel_size"] == GROUPS["parallel"] and where["port"] == GROUPS["server"]
+    assert where["enforce_eager"] == GROUPS["compilation"] and where["chat_template"] == GROUPS["frontend"]
+
+
+def test_arg_group_reuses_and_refuses_unknown_topics():
+    p = argparse.ArgumentParser()
+    assert arg_group(p, "cache") is arg_group(p, "cache")
+    with pytest.raises(ValueError, match="valid groups"):
+        arg_group(p, "caches")
+
+
+def test_generate_help_is_true_to_it():
+    gen = dict(ALL)["vllm-neuron generate"]
+    dests = {a.dest for a in gen._actions}
+    assert "served_model_name" not in dests and "host" not in dests
+    model = next(a for a in gen._actions if a.dest == "model_flag")
+    assert "positional" not in model.help and model.metavar == "MODEL"
+    # Sampling flags left unset take the generation config's defaults.
+    args = gen.parse_args(["hi"])
+    assert (args.temperature, args.top_p, args.top_k, args.max_tokens) == (None, None, None, None)
