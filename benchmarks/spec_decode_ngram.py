@@ -96,7 +96,9 @@ def main() -> None:
 
     from vllm_neuron import LLM
 
-    common = dict(max_model_len=1024, max_num_seqs=max(batches), max_num_batched_tokens=512,
+    # A fixed KV size: both engines then share one compile-cache entry (a budget-sized pool differs between
+    # the two, and a different KV size recompiles every graph).
+    common = dict(max_model_len=1024, max_num_seqs=max(batches), max_num_batched_tokens=512, num_gpu_blocks_override=512,
                   enforce_eager=args.enforce_eager, additional_config={"neuron_config": {
                       "num_seqs_buckets": sorted(set(batches)), "num_batched_tokens_buckets": [128, 512]}})
     spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": args.lookup_min,

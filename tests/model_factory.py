@@ -178,7 +178,9 @@ def build_tiny_model(arch: str = "llama", *, dtype: torch.dtype = torch.float32,
     with torch.no_grad():
         for name, p in model.named_parameters():
             noise = torch.randn(p.shape, generator=gen)
-            if p.ndim == 1:
+            if name.endswith("self_attn.sinks"):
+                p.copy_(2.0 + 2.0 * noise)  # large enough that a missing sink changes tokens
+            elif p.ndim == 1:
                 p.copy_(1.0 + 0.2 * noise)
             elif "embed_tokens" in name:
                 p.copy_(noise)
@@ -388,3 +390,43 @@ def make_tiny_gguf(
     w.write_tensors_to_file()
     w.close()
     return file
+
+
+def build_tiny_gpt_oss_mxfp4(**config_kwargs: Any):
+    """(transformers gpt-oss whose expert weights are MXFP4-representable, {param name: (blocks, scales)}):
+    the experts are rounded to MXFP4, so the model holds exactly what the packed tensors dequantize to."""
+    from vllm_neuron.model.layers.mxfp4 import dequantize_mxfp4, quantize_mxfp4
+
+    hf = build_tiny_model("gpt_oss", **config_kwargs)
+    packed = {}
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                blocks, scales = quantize_mxfp4(p.transpose(1, 2))  # checkpoints pack [E, out, in]
+                p.copy_(dequantize_mxfp4(blocks, scales, p.dtype).transpose(1, 2))
+                packed[name] = (blocks, scales)
+    return hf, packed
+
+
+def make_tiny_gpt_oss_mxfp4(path: str, **config_kwargs: Any) -> str:
+    """A gpt-oss HF directory as gpt-oss ships: experts as `<name>_blocks` + `<name>_scales` (uint8),
+    `quantization_config` {"quant_method": "mxfp4"}; its twin is build_tiny_gpt_oss_mxfp4(**config_kwargs)[0]."""
+    from safetensors.torch import load_file, save_file
+
+    hf, packed = build_tiny_gpt_oss_mxfp4(**config_kwargs)
+    make_tiny_model(path, "gpt_oss", model=hf)
+    file = os.path.join(path, "model.safetensors")
+    state = load_file(file)
+    for name, (blocks, scales) in packed.items():
+        del state[name]
+        state[name + "_blocks"], state[name + "_scales"] = blocks.contiguous(), scales.contiguous()
+    save_file(state, file, metadata={"format": "pt"})
+    cfg_path = os.path.join(path, "config.json")
+    with open(cfg_path, encoding="utf-8") as f:
+        cfg = json.load(f)
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn",
+                                                                                     "model.layers.*.mlp.router",
+                                                                                     "model.embed_tokens", "lm_head"]}
+    with open(cfg_path, "w", encoding="utf-8") as f:
+        json.dump(cfg, f, indent=2)
+    return path

@@ -31,10 +31,11 @@ def _readme_question() -> str:
 
 
 @pytest.mark.slow
-def test_readme_question_answered_with_the_default_sampling():
+@pytest.mark.parametrize("dtype", ["auto", "float32"])  # float32: what a CPU without AVX512-BF16/AMX runs
+def test_readme_question_answered_with_the_default_sampling(dtype):
     """No sampling fields, as in the README: the shipped generation config (the model card's temperature
     0.2 / top_p 0.9, max_new_tokens 256) must give a short, correct answer, whatever the seed."""
-    llm = LLM(enforce_eager=True, max_model_len=512, max_num_seqs=2, num_gpu_blocks_override=64)
+    llm = LLM(enforce_eager=True, max_model_len=512, max_num_seqs=2, num_gpu_blocks_override=64, dtype=dtype)
     defaults = llm.get_default_sampling_params()
     assert (defaults.temperature, defaults.top_p, defaults.max_tokens) == (0.2, 0.9, 256)
     params = []

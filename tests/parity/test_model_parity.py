@@ -6,13 +6,19 @@ tiny buckets, padded decode batches, a second pass served from the prefix cache,
 """
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
-from tests.model_factory import build_tiny_model, make_tiny_gguf, make_tiny_model, shared_prefix_prompts
+from tests.model_factory import (build_tiny_gpt_oss_mxfp4, build_tiny_model, make_tiny_gguf, make_tiny_gpt_oss_mxfp4,
+                                 make_tiny_model, shared_prefix_prompts)
 from vllm_neuron import LLM, SamplingParams
+from vllm_neuron.config.runner_selection import V2_LOG_LINE
+from vllm_neuron.worker.model_runner_v2 import ModelRunnerV2
 
-ARCHS = ["qwen3"]
+ARCHS = ["qwen3", "qwen3_moe", "gpt_oss"]
+MOE_ARCHS = ["qwen3_moe", "gpt_oss"]
 MAX_NEW = 8
 # Around block (16) and bucket (8/32) edges; beyond max_num_batched_tokens (32): segmented prefill.
 LENGTHS = [3, 17, 40, 70, 100]
@@ -89,11 +95,93 @@ def test_eager_segmented_prefill_prefix_cache_and_logits(model_dir, reference):
     assert core.scheduler.kv.pool.num_free_blocks == core.num_blocks - 1
 
 
-def test_compiled_matches_transformers(model_dir, reference, tmp_path, monkeypatch):
+def test_compiled_matches_transformers(arch, model_dir, reference, tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("NEURON_COMPILED_ARTIFACTS", str(tmp_path / "cache"))
-    llm = _engine(model_dir, enforce_eager=False)
-    assert llm.llm_engine.core.compiler.backend == "native"
+    with caplog.at_level(logging.INFO, logger="vllm_neuron"):
+        llm = _engine(model_dir, enforce_eager=False)
+    core = llm.llm_engine.core
+    assert core.compiler.backend == "native"
+    # Dense models default to MRv2; MoE and sliding-window models to MRv1, without a log line (seeds).
+    assert isinstance(core.runner, ModelRunnerV2) == (arch not in MOE_ARCHS)
+    assert (V2_LOG_LINE in caplog.text) == (arch not in MOE_ARCHS)
+    assert "does not yet support" not in caplog.text
     _assert_tokens(_run(llm), reference[0])
+    hits_before = core.scheduler.kv.prefix_hits
+    _assert_tokens(_run(llm), reference[0])  # second pass from the prefix cache, segmented prefill
+    assert core.scheduler.kv.prefix_hits > hits_before
+
+
+def _hf_greedy(hf) -> list[list[int]]:
+    out = []
+    with torch.no_grad():
+        for p in _prompts():
+            seq = hf.generate(torch.tensor([p]), max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW, do_sample=False,
+                              pad_token_id=2)
+            out.append(seq[0, len(p):].tolist())
+    return out
+
+
+@pytest.fixture(scope="module")
+def mxfp4_dir(tmp_path_factory) -> str:
+    return make_tiny_gpt_oss_mxfp4(str(tmp_path_factory.mktemp("gpt_oss_mxfp4")), max_position_embeddings=512)
+
+
+@pytest.fixture(scope="module")
+def mxfp4_reference() -> list[list[int]]:
+    return _hf_greedy(build_tiny_gpt_oss_mxfp4(max_position_embeddings=512)[0])
+
+
+def _packed_experts(llm: LLM) -> bool:
+    experts = llm.llm_engine.core.runner.model.model.layers[0].mlp.experts
+    names = dict(experts.named_parameters())
+    return "gate_up_proj" not in names and names["gate_up_proj_blocks"].dtype == torch.uint8
+
+
+def test_mxfp4_checkpoint_dequantized_at_load_and_kept_packed(mxfp4_dir, mxfp4_reference):
+    # As gpt-oss ships: experts as MXFP4 blocks + scales. Dequantized at load -> transformers' tokens on the
+    # same (MXFP4-rounded) weights; kept packed (neuron_config.quantization) -> the same tokens and logits.
+    dense = _engine(mxfp4_dir, enforce_eager=True)
+    assert not _packed_experts(dense)
+    dense_outs = _run(dense, logprobs=3)
+    _assert_tokens(dense_outs, mxfp4_reference)
+    packed = _engine(mxfp4_dir, enforce_eager=True, additional_config={"neuron_config": {
+        **SMALL_BUCKETS["neuron_config"], "quantization": "mxfp4"}})
+    assert _packed_experts(packed)
+    packed_outs = _run(packed, logprobs=3)
+    _assert_tokens(packed_outs, mxfp4_reference)
+    for a, b in zip(dense_outs, packed_outs):
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert max(abs(la[t].logprob - lb[t].logprob) for t in la) < 1e-5
+
+
+def test_mxfp4_packed_compiled(mxfp4_dir, mxfp4_reference, tmp_path, monkeypatch):
+    monkeypatch.setenv("NEURON_COMPILED_ARTIFACTS", str(tmp_path / "cache"))
+    llm = _engine(mxfp4_dir, enforce_eager=False, additional_config={"neuron_config": {
+        **SMALL_BUCKETS["neuron_config"], "quantization": "mxfp4"}})
+    assert _packed_experts(llm)
+    _assert_tokens(_run(llm), mxfp4_reference)
+
+
+def test_mxfp4_is_refused_for_other_architectures(tmp_path):
+    path = make_tiny_model(str(tmp_path / "q3"), "qwen3", vocab_size=49152, num_hidden_layers=1)
+    with pytest.raises(ValueError, match=r"quantization='mxfp4' is not supported for Qwen3ForCausalLM \(MXFP4 is "
+                                         r"supported only for gpt-oss"):
+        _engine(path, enforce_eager=True, additional_config={"neuron_config": {"quantization": "mxfp4"}})
+
+
+@pytest.mark.parametrize("moe_arch", MOE_ARCHS)
+def test_moe_forced_onto_mrv2_matches_transformers(moe_arch, tmp_path, monkeypatch, caplog):
+    # MoE also works on MRv2: forced there it starts without the unsupported-features warning.
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    model_dir = make_tiny_model(str(tmp_path / "m"), moe_arch, max_position_embeddings=512)
+    ref = build_tiny_model(moe_arch, max_position_embeddings=512)
+    with caplog.at_level(logging.INFO, logger="vllm_neuron"):
+        llm = _engine(model_dir, enforce_eager=True, additional_config={"neuron_config": {
+            **SMALL_BUCKETS["neuron_config"], "on_device_sampling_config": {}}})
+    assert isinstance(llm.llm_engine.core.runner, ModelRunnerV2)
+    assert "forces Neuron Model Runner V2 with unsupported features (eager" in caplog.text  # eager, not MoE
+    assert "MoE" not in caplog.text
+    _assert_tokens(_run(llm), _hf_greedy(ref))
 
 
 def test_qwen3_gguf_matches_its_safetensors_twin(tmp_path, monkeypatch):
@@ -107,3 +195,20 @@ def test_qwen3_gguf_matches_its_safetensors_twin(tmp_path, monkeypatch):
         for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
             assert la.keys() == lb.keys()
             assert max(abs(la[t].logprob - lb[t].logprob) for t in la) < 1e-5
+
+
+HARMONY = ("{%- for m in messages -%}<|start|>{{ m.role }}<|message|>{{ m.content }}<|end|>{%- endfor -%}"
+           "{%- if add_generation_prompt -%}<|start|>assistant{%- endif -%}")
+
+
+def test_gpt_oss_chat_renders_the_checkpoints_harmony_template(tmp_path):
+    # The chat template is the checkpoint's own (gpt-oss ships the harmony format in its tokenizer files).
+    path = make_tiny_model(str(tmp_path / "oss"), "gpt_oss", num_hidden_layers=1, max_position_embeddings=512)
+    with open(f"{path}/chat_template.jinja", "w", encoding="utf-8") as f:
+        f.write(HARMONY)
+    llm = _engine(path, enforce_eager=True)
+    out = llm.chat([{"role": "user", "content": "Hi there"}], SamplingParams(temperature=0.0, max_tokens=2),
+                   use_tqdm=False)
+    assert llm.get_tokenizer().decode(out[0].prompt_token_ids) == \
+        "<|start|>user<|message|>Hi there<|end|><|start|>assistant"
+    assert len(out[0].outputs[0].token_ids) == 2

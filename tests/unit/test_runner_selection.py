@@ -61,6 +61,20 @@ def test_one_forces_v2_and_warns_only_about_unsupported_features():
                                     f"features ({CPU}, {EAGER}); execution may fail.")
 
 
+@pytest.mark.parametrize("model", [dict(moe=True), dict(sliding_window=True), dict(moe=True, sliding_window=True)])
+def test_moe_and_sliding_window_models_use_v1_without_a_log_line_unless_forced(model):
+    # Seeds: "MoE, sliding-window ... models use MRv1 without a log message"; forced to MRv2 they start
+    # without the warning (it names only the configuration's unsupported features).
+    for cpu, eager in ((False, False), (True, True)):
+        choice = select_model_runner(None, cpu_sampling=cpu, enforce_eager=eager, **model)
+        assert not choice.use_v2 and choice.log_message() is None
+    forced = select_model_runner(True, cpu_sampling=False, enforce_eager=False, **model)
+    assert forced.use_v2 and forced.log_message() is None
+    forced_eager = select_model_runner(True, cpu_sampling=False, enforce_eager=True, **model)
+    assert forced_eager.log_message() == (f"VLLM_USE_V2_MODEL_RUNNER=1 forces Neuron Model Runner V2 with "
+                                          f"unsupported features ({EAGER}); execution may fail.")
+
+
 def test_v2_log_line_is_the_seeds():
     assert V2_LOG_LINE == "Using the standalone V2 Neuron model runner."
 

@@ -125,7 +125,8 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool =
     g = arg_group(parser, "parallel")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="tensor parallel ranks; only 1 for now")
     g.add_argument("--data-parallel-size", "-dp", type=int, default=1, help="data parallel ranks; only 1 for now")
-    g.add_argument("--enable-expert-parallel", action="store_true", help="refused: no MoE model is supported yet")
+    g.add_argument("--enable-expert-parallel", action="store_true",
+                   help="refused: expert parallelism is not supported yet")
     g.add_argument("--kv-transfer-config", type=_json_arg, default=None,
                    help="refused: disaggregated prefill is not supported yet (default: none)")
     g.add_argument("--ec-transfer-config", type=_json_arg, default=None,

@@ -106,7 +106,7 @@ class EngineConfig:
         if self.data_parallel_size != 1:
             raise _not_supported("data_parallel_size", self.data_parallel_size, "only 1 for now")
         if self.enable_expert_parallel:
-            raise _not_supported("enable_expert_parallel", True, "no MoE model is supported yet")
+            raise _not_supported("enable_expert_parallel", True, "expert parallelism is not supported yet")
         if self.async_scheduling not in (None, True, False):
             raise ValueError(f"async_scheduling must be true, false or unset, got {self.async_scheduling!r}")
         if self.enable_prompt_embeds:
@@ -136,17 +136,19 @@ class EngineConfig:
         if self.additional_config.mm_language_model_only:
             raise _not_supported("mm_language_model_only", True, "no multimodal model is supported yet")
         nc = self.additional_config.neuron_config
-        if nc.quantization not in (None, "int4"):
+        if nc.quantization not in (None, "int4", "mxfp4"):
+            # Which model honours which scheme is the model's to say (ModelSpec.quantizations).
             raise _not_supported("neuron_config.quantization", nc.quantization,
-                                 "only 'int4' (weight-only, CPU) for now")
+                                 "only 'int4' (weight-only, CPU) and 'mxfp4' (gpt-oss experts) for now")
         if nc.quantization == "int4":
             device = resolve_device(self.device)
             check_int4_support(resolve_dtype(self.dtype, device), device)
         if nc.fp8_packed_kv or nc.gk_decode:
             raise _not_supported("neuron_config.fp8_packed_kv/gk_decode", True)
 
-    def finalize(self, model_max_len: int) -> NeuronConfig:
-        """Fills the model-dependent defaults and resolves the bucket lists."""
+    def finalize(self, model_max_len: int, *, moe: bool = False, sliding_window: bool = False) -> NeuronConfig:
+        """Fills the model-dependent defaults and resolves the bucket lists; `moe` / `sliding_window`
+        describe the model (they select MRv1 by default)."""
         if self.max_model_len is None:
             self.max_model_len = model_max_len
         elif self.max_model_len > model_max_len:
@@ -203,7 +205,8 @@ class EngineConfig:
         self.runner_choice = select_model_runner(envs.VLLM_USE_V2_MODEL_RUNNER,
                                                  cpu_sampling=nc.on_device_sampling_config is None,
                                                  enforce_eager=self.enforce_eager,
-                                                 speculative=spec is not None)
+                                                 speculative=spec is not None, moe=moe,
+                                                 sliding_window=sliding_window)
         if spec is not None and self.runner_choice.use_v2:
             raise ValueError("VLLM_USE_V2_MODEL_RUNNER=1 cannot serve speculative decoding: Neuron Model Runner V2 "
                              "does not support it; unset VLLM_USE_V2_MODEL_RUNNER (MRv1 is then selected)")

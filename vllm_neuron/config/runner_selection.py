@@ -3,6 +3,8 @@
 Resolved once per engine, when the configuration is finalized, and exposed as
 `EngineConfig.use_v2_model_runner`. `VLLM_USE_V2_MODEL_RUNNER` unset picks MRv2 unless the
 configuration uses a feature MRv2 does not support; 0 forces MRv1; 1 forces MRv2 and only warns.
+MoE and sliding-window models use MRv1 without a log line unless 1 forces MRv2, where they start
+without the warning (the seeds' rules).
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ class RunnerChoice:
     use_v2: bool
     unsupported: tuple[str, ...]  # features of this configuration MRv2 does not support
     forced: bool | None  # the VLLM_USE_V2_MODEL_RUNNER value (None: unset)
+    mrv1_model: bool = False  # an MoE or sliding-window model: MRv1 by default, silently
 
     def log_message(self) -> str | None:
         """The line the seeds document for this decision, or None when nothing is logged."""
@@ -23,7 +26,7 @@ class RunnerChoice:
         if self.use_v2 and self.forced and self.unsupported:
             return (f"VLLM_USE_V2_MODEL_RUNNER=1 forces Neuron Model Runner V2 with unsupported features "
                     f"({features}); execution may fail.")
-        if not self.use_v2 and self.forced is None and self.unsupported:
+        if not self.use_v2 and self.forced is None and self.unsupported and not self.mrv1_model:
             return f"Neuron Model Runner V2 does not yet support {features}; using V1."
         return None
 
@@ -42,9 +45,10 @@ def mrv2_unsupported_features(*, cpu_sampling: bool, enforce_eager: bool, specul
 
 
 def select_model_runner(env_value: bool | None, *, cpu_sampling: bool, enforce_eager: bool,
-                        speculative: bool = False) -> RunnerChoice:
+                        speculative: bool = False, moe: bool = False, sliding_window: bool = False) -> RunnerChoice:
     unsupported = mrv2_unsupported_features(cpu_sampling=cpu_sampling, enforce_eager=enforce_eager,
                                             speculative=speculative)
+    mrv1_model = moe or sliding_window
     if env_value is None:
-        return RunnerChoice(not unsupported, unsupported, None)
-    return RunnerChoice(env_value, unsupported, env_value)
+        return RunnerChoice(not unsupported and not mrv1_model, unsupported, None, mrv1_model)
+    return RunnerChoice(env_value, unsupported, env_value, mrv1_model)

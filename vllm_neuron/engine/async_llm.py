@@ -25,6 +25,7 @@ from vllm_neuron.engine.output_processor import OutputProcessor
 from vllm_neuron.engine.protocol import EngineClient, EngineDeadError, EngineRequestError, ModelInfo, PromptType
 from vllm_neuron.logger import init_logger
 from vllm_neuron.model.loader import load_checkpoint, load_tokenizer
+from vllm_neuron.model.registry import model_spec
 from vllm_neuron.outputs import RequestOutput
 from vllm_neuron.sampling_params import SamplingParams
 
@@ -34,7 +35,9 @@ logger = init_logger(__name__)
 class AsyncLLM(EngineClient):
     def __init__(self, config: EngineConfig, model_name: str | None = None) -> None:
         ckpt = load_checkpoint(config.model)
-        nc = config.finalize(ckpt.hf_config.max_position_embeddings)  # bad options fail here, before spawning
+        spec = model_spec(ckpt.hf_config, config.neuron_config.quantization)  # bad models fail before spawning
+        nc = config.finalize(ckpt.hf_config.max_position_embeddings, moe=spec.is_moe,
+                             sliding_window=spec.has_sliding_window)
         self.config = config
         self.model_name = model_name or config.served_names()[0]
         self._queues: dict[str, asyncio.Queue] = {}

@@ -16,6 +16,7 @@ from vllm_neuron.engine.messages import EngineCoreOutput, EngineCoreOutputs, Eng
 from vllm_neuron.logger import init_logger
 from vllm_neuron.step import ModelRunnerOutput, SchedulerOutput
 from vllm_neuron.model.loader import Checkpoint, load_checkpoint
+from vllm_neuron.model.registry import model_spec
 from vllm_neuron.worker import memory
 from vllm_neuron.worker.model_runner_v1 import ModelRunnerV1
 
@@ -33,7 +34,9 @@ class EngineCore:
         t0 = time.perf_counter()
         self.config = config
         self.ckpt = checkpoint or load_checkpoint(config.model)
-        nc = config.finalize(self.ckpt.hf_config.max_position_embeddings)
+        spec = model_spec(self.ckpt.hf_config, config.neuron_config.quantization)
+        nc = config.finalize(self.ckpt.hf_config.max_position_embeddings, moe=spec.is_moe,
+                             sliding_window=spec.has_sliding_window)
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         logger.info("dtype %s (%s)", str(self.dtype).removeprefix("torch."), dtype_reason(config.dtype, self.device))

@@ -1,6 +1,8 @@
 """The model contract: what every architecture takes, returns and declares to the runner.
 
-A model is a `CausalLM` (an nn.Module) built from a Hugging Face config. The runner only ever:
+A model is a `CausalLM` (an nn.Module) built as `cls(hf_config, quantization=None)` from a Hugging
+Face config (`quantization` is neuron_config.quantization, for models that apply one themselves). The
+runner only ever:
 
 * asks `cls.spec(hf_config)` - before building it - what the KV cache and the graphs need
   (`ModelSpec`: layers, KV heads, head dim, per-layer sliding windows, MoE, attention sinks);

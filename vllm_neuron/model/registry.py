@@ -8,9 +8,12 @@ from vllm_neuron.model.base import CausalLM, ModelSpec
 _MODELS = {
     "LlamaForCausalLM": ("vllm_neuron.model.llama", "LlamaForCausalLM"),
     "Qwen3ForCausalLM": ("vllm_neuron.model.qwen3", "Qwen3ForCausalLM"),
+    "Qwen3MoeForCausalLM": ("vllm_neuron.model.qwen3_moe", "Qwen3MoeForCausalLM"),
+    "GptOssForCausalLM": ("vllm_neuron.model.gpt_oss", "GptOssForCausalLM"),
 }
 # Configs without `architectures` (e.g. built by hand) name their family by model_type.
-_MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                "gpt_oss": "GptOssForCausalLM"}
 
 
 def supported_architectures() -> list[str]:
@@ -26,6 +29,15 @@ def resolve_model_class(hf_config) -> type[CausalLM]:
             module, name = _MODELS[arch]
             return getattr(importlib.import_module(module), name)
     raise ValueError(f"model architectures {archs} are not supported; supported: {supported_architectures()}")
+
+
+def model_spec(hf_config, quantization: str | None = None) -> ModelSpec:
+    """What the checkpoint's architecture declares (raises for an unsupported one, or one that does not
+    honour `quantization`)."""
+    cls = resolve_model_class(hf_config)
+    spec = cls.spec(hf_config)
+    check_quantization(cls, spec, quantization)
+    return spec
 
 
 def check_quantization(cls: type[CausalLM], spec: ModelSpec, quantization: str | None) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm_neuron.model.layers.attention import AttentionMetadata, decode_mask, prefill_mask
+from vllm_neuron.model.layers.attention import AttentionMetadata, context_positions, decode_mask, prefill_mask
 from vllm_neuron.model.layers.in_graph_sampler import (apply_token_bitmask, counter_uniform, greedy_in_graph,
                                                        sample_in_graph)
 
@@ -39,7 +39,9 @@ class StepGraphs:
         if self.use_kernels:
             return AttentionMetadata(slot_mapping, block_tables=attn_a, query_start=attn_b, positions=positions,
                                      block_size=self.block_size, use_kernels=True)
-        return AttentionMetadata(slot_mapping, prefill_mask(positions, query_seq, attn_b), context_slots=attn_a)
+        return AttentionMetadata(slot_mapping, prefill_mask(positions, query_seq, attn_b), context_slots=attn_a,
+                                 positions=positions,
+                                 context_positions=None if attn_b is None else context_positions(attn_b))
 
     def decode_meta(self, slot_mapping, block_tables, positions) -> AttentionMetadata:
         if self.use_kernels:
@@ -50,7 +52,7 @@ class StepGraphs:
             return AttentionMetadata(slot_mapping, block_tables=block_tables, positions=positions, is_decode=True,
                                      block_size=self.block_size, paged_decode=True)
         mask = decode_mask(positions + 1, block_tables.shape[1] * self.block_size)
-        return AttentionMetadata(slot_mapping, mask, block_tables=block_tables, is_decode=True)
+        return AttentionMetadata(slot_mapping, mask, block_tables=block_tables, is_decode=True, positions=positions)
 
     def prefill(self, input_ids, positions, slot_mapping, query_seq, attn_a, attn_b,
                 logits_indices, bitmask, temperature, top_k, top_p, uniform, kv_caches):

@@ -24,7 +24,7 @@ from vllm_neuron.model.layers.linear import quantize_linears_int4_, set_small_ba
 from vllm_neuron.model.layers.paged_decode import paged_decode_available
 from vllm_neuron.model.layers.quant_int4 import INT4_GROUP_SIZE
 from vllm_neuron.model.loader import Checkpoint
-from vllm_neuron.model.registry import check_quantization, resolve_model_class
+from vllm_neuron.model.registry import model_spec, resolve_model_class
 from vllm_neuron.step import ModelRunnerOutput, SchedulerOutput
 from vllm_neuron.worker import memory
 from vllm_neuron.worker.compilation import GraphCompiler, cache_key_parts
@@ -74,8 +74,7 @@ class ModelRunnerBase:
         self._free_before_load: int | None = None
         self._kv_sizing: dict | None = None
         self.model_cls = resolve_model_class(checkpoint.hf_config)
-        self.model_spec = self.model_cls.spec(checkpoint.hf_config)
-        check_quantization(self.model_cls, self.model_spec, config.neuron_config.quantization)
+        self.model_spec = model_spec(checkpoint.hf_config, config.neuron_config.quantization)
         # Sinks and sliding windows take the torch attention path (the kernel is plain causal).
         self.use_kernels = kernels_enabled(device) and not self.model_spec.needs_torch_attention
         kernel_dtypes = linear_kernel_dtypes(device)
@@ -97,7 +96,7 @@ class ModelRunnerBase:
         torch.set_default_dtype(self.dtype)
         try:
             with torch.device(self.device):
-                model = cls(self.ckpt.hf_config)
+                model = cls(self.ckpt.hf_config, quantization=self.config.neuron_config.quantization)
         finally:
             torch.set_default_dtype(prev)
         nbytes = model.load_weights(tqdm(self.ckpt.iter_weights(self.dtype), desc="Loading weights",

@@ -44,7 +44,7 @@ class VerifyGraphs(StepGraphs):
                                      block_size=self.block_size, is_decode=True, use_kernels=True)
         else:
             mask = verify_mask(positions.view(b, k + 1), block_tables.shape[1] * self.block_size)
-            meta = AttentionMetadata(slot_mapping, mask, block_tables=block_tables, is_decode=True)
+            meta = AttentionMetadata(slot_mapping, mask, block_tables=block_tables, is_decode=True, positions=positions)
         hidden = self.model(input_ids, positions, kv_caches, meta)
         logits = self.model.compute_logits(hidden).float().view(b, k + 1, -1)
         if bitmask is not None:  # grammar rows carry no drafts: only their first row samples

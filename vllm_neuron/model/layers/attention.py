@@ -20,6 +20,11 @@ copy the whole cache per layer (FACTS.md).
 
 Masks are built once per step by the model (`prefill_mask` / `decode_mask`) and shared by all layers.
 Padding rows always see at least one finite key, so no NaN is ever produced or written.
+
+Attention sinks (a learned per-head logit that takes part in the softmax and is then dropped, gpt-oss)
+and sliding windows (a query sees the `window` most recent positions, itself included) are torch-path
+features: the kernel is plain causal, so models that need them run with the torch path (ModelSpec).
+A layer's window narrows the shared mask with the key positions (`positions`, `context_positions`).
 """
 from __future__ import annotations
 
@@ -54,6 +59,7 @@ class AttentionMetadata:
     positions: torch.Tensor | None = None
     block_size: int = 0
     paged_decode: bool = False
+    context_positions: torch.Tensor | None = None  # torch prefill: [C] position of each context slot
 
     def fields(self) -> tuple:
         """The fields in order, unpacked (a nested compile region takes tensors and constants, not
@@ -73,6 +79,15 @@ def prefill_mask(
         return new_part
     ctx_part = context_seq[None, :] == query_seq[:, None]
     return torch.cat([ctx_part, new_part], dim=1)
+
+
+def context_positions(context_seq: torch.Tensor) -> torch.Tensor:
+    """[C] position of each context slot within its sequence: each sequence's context is laid out
+    contiguously from position 0 (input_builder), so it is the distance to the start of its run."""
+    idx = torch.arange(context_seq.shape[0], device=context_seq.device)
+    starts = torch.ones_like(context_seq, dtype=torch.bool)
+    starts[1:] = context_seq[1:] != context_seq[:-1]
+    return idx - torch.cummax(torch.where(starts, idx, torch.zeros_like(idx)), dim=0).values
 
 
 def decode_mask(seq_lens: torch.Tensor, context_len: int) -> torch.Tensor:
@@ -103,9 +118,13 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    sinks: torch.Tensor | None = None,  # [H]
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Returns [N, H * D]."""
     write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+    if (meta.use_kernels or meta.paged_decode) and (sinks is not None or sliding_window is not None):
+        raise ValueError("attention sinks and sliding windows need the torch attention path (ModelSpec)")
     if meta.use_kernels:
         from vllm_neuron.model.layers.kernels import paged_attention as kernel
 
@@ -117,27 +136,47 @@ def paged_attention(
                            meta.block_size)
         return out.to(q.dtype).reshape(q.shape[0], -1)
     if meta.is_decode:
-        return _decode(q, k_cache, v_cache, meta, scale)
-    return _prefill(q, k, v, k_cache, v_cache, meta, scale)
+        return _decode(q, k_cache, v_cache, meta, scale, sinks, sliding_window)
+    return _prefill(q, k, v, k_cache, v_cache, meta, scale, sinks, sliding_window)
 
 
-def _prefill(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def _attend(q, k, v, mask, scale: float, sinks: torch.Tensor | None) -> torch.Tensor:
+    """SDPA, or with sinks: softmax over [scores, sink] with the sink column dropped afterwards.
+    q [..., M, D], k/v [..., L, D], mask broadcastable to [..., M, L], sinks to [..., M, 1]."""
+    if sinks is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
+    scores = scores.masked_fill(~mask, float("-inf"))
+    logits = torch.cat([scores, sinks.float().expand(*scores.shape[:-1], 1)], dim=-1)
+    probs = torch.softmax(logits - logits.amax(dim=-1, keepdim=True), dim=-1)[..., :-1]
+    return torch.matmul(probs.to(v.dtype), v)
+
+
+def _prefill(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, sinks=None,
+             sliding_window: int | None = None) -> torch.Tensor:
     t, h, d = q.shape
     kv = k.shape[1]
+    key_pos = meta.positions
     if meta.context_slots is not None:
         k = torch.cat([k_cache[meta.context_slots].to(q.dtype), k], dim=0)
         v = torch.cat([v_cache[meta.context_slots].to(q.dtype), v], dim=0)
+        if sliding_window is not None:
+            key_pos = torch.cat([meta.context_positions, meta.positions])
     g = h // kv
     # Fold the g query heads sharing a KV head into the query-length axis: [kv, g * T, D].
     qf = q.view(t, kv, g, d).permute(1, 2, 0, 3).reshape(kv, g * t, d)
-    mask = meta.mask.repeat(g, 1)  # rows ordered (group, token) like qf
-    out = F.scaled_dot_product_attention(
-        qf, k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale
-    )  # [kv, g * T, D]
+    mask = meta.mask
+    if sliding_window is not None:
+        mask = mask & (meta.positions[:, None] - key_pos[None, :] < sliding_window)
+    mask = mask.repeat(g, 1)  # rows ordered (group, token) like qf
+    if sinks is not None:
+        sinks = sinks.view(kv, g, 1, 1).expand(kv, g, t, 1).reshape(kv, g * t, 1)
+    out = _attend(qf, k.transpose(0, 1), v.transpose(0, 1), mask, scale, sinks)  # [kv, g * T, D]
     return out.view(kv, g, t, d).permute(2, 0, 1, 3).reshape(t, h * d)
 
 
-def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, sinks=None,
+            sliding_window: int | None = None) -> torch.Tensor:
     """S = N / B query rows per sequence: 1 for decode, 1 + K for speculative verification (then the mask
     is `verify_mask`'s [B, 1, S, C]); a sequence's rows and head groups share one query axis."""
     n, h, d = q.shape
@@ -149,6 +188,12 @@ def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch
     kc = k_cache.view(-1, block_size, kv, d)[tables].view(b, nblk * block_size, kv, d).transpose(1, 2)
     vc = v_cache.view(-1, block_size, kv, d)[tables].view(b, nblk * block_size, kv, d).transpose(1, 2)
     qf = q.view(b, s, kv, g, d).transpose(1, 2).reshape(b, kv, s * g, d)
-    mask = meta.mask if s == 1 else meta.mask.repeat_interleave(g, dim=2)  # rows ordered (row, group)
-    out = F.scaled_dot_product_attention(qf, kc.to(q.dtype), vc.to(q.dtype), attn_mask=mask, scale=scale)
+    mask = meta.mask
+    if sliding_window is not None:
+        idx = torch.arange(mask.shape[-1], device=mask.device)
+        mask = mask & (idx[None, :] > meta.positions[:, None] - sliding_window).view(b, 1, s, -1)
+    mask = mask if s == 1 else mask.repeat_interleave(g, dim=2)  # rows ordered (row, group)
+    if sinks is not None:
+        sinks = sinks.view(1, kv, 1, g).expand(1, kv, s, g).reshape(1, kv, s * g, 1)
+    out = _attend(qf, kc.to(q.dtype), vc.to(q.dtype), mask, scale, sinks)
     return out.view(b, kv, s, g, d).transpose(1, 2).reshape(n, h * d)

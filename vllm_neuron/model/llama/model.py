@@ -2,7 +2,7 @@
 
 Parameter names equal transformers' so checkpoints load by name. The model knows tokens, positions and
 KV slots, never requests. Subclasses change the arch config (`arch_config`) and a layer's MLP
-(`LlamaDecoderLayer.make_mlp`), nothing else.
+and attention (`LlamaDecoderLayer.make_mlp` / `make_attention`).
 """
 from __future__ import annotations
 
@@ -33,6 +33,7 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
         self.scale = d**-0.5
+        self.sliding_window: int | None = None  # set by families with sliding-window layers
 
     def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         n = x.shape[0]
@@ -43,7 +44,8 @@ class LlamaAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         v = v.reshape(n, self.num_kv_heads, self.head_dim)
-        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, getattr(self, "sinks", None),
+                              self.sliding_window)
         return self.o_proj(out)
 
 
@@ -62,10 +64,13 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: LlamaArchConfig, layer_idx: int) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(cfg)
+        self.self_attn = self.make_attention(cfg, layer_idx)
         self.mlp = self.make_mlp(cfg, layer_idx)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def make_attention(self, cfg: LlamaArchConfig, layer_idx: int) -> nn.Module:
+        return LlamaAttention(cfg)
 
     def make_mlp(self, cfg: LlamaArchConfig, layer_idx: int) -> nn.Module:
         return LlamaMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
@@ -74,13 +79,18 @@ class LlamaDecoderLayer(nn.Module):
         return _decoder_layer(self, x, cos, sin, kv_cache[0], kv_cache[1], *meta.fields())
 
 
+def decoder_layer_body(layer: LlamaDecoderLayer, x, cos, sin, k_cache, v_cache, *meta_fields) -> torch.Tensor:
+    meta = AttentionMetadata(*meta_fields)
+    x = x + layer.self_attn(layer.input_layernorm(x), cos, sin, (k_cache, v_cache), meta)
+    return x + layer.mlp(layer.post_attention_layernorm(x))
+
+
 @torch.compiler.nested_compile_region
 def _decoder_layer(layer: LlamaDecoderLayer, x, cos, sin, k_cache, v_cache, *meta_fields) -> torch.Tensor:
     # One nested compile region for every layer: torch.compile traces and compiles the layer once per
     # graph and stamps it out 30 times (2.5x faster cold compile, 2-3x faster warm load, same step).
-    meta = AttentionMetadata(*meta_fields)
-    x = x + layer.self_attn(layer.input_layernorm(x), cos, sin, (k_cache, v_cache), meta)
-    return x + layer.mlp(layer.post_attention_layernorm(x))
+    # Layers that differ in a Python constant need a region of their own (gpt-oss's sliding layers).
+    return decoder_layer_body(layer, x, cos, sin, k_cache, v_cache, *meta_fields)
 
 
 class LlamaModel(nn.Module):
@@ -101,6 +111,10 @@ class LlamaModel(nn.Module):
 
 class LlamaForCausalLM(CausalLM):
     layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer
+    # What subclasses declare in their ModelSpec.
+    is_moe = False
+    attention_sinks = False
+    quantizations: tuple[str, ...] = ("int4",)
 
     @classmethod
     def arch_config(cls, hf_config) -> LlamaArchConfig:
@@ -109,9 +123,12 @@ class LlamaForCausalLM(CausalLM):
     @classmethod
     def spec(cls, hf_config) -> ModelSpec:
         a = cls.arch_config(hf_config)
-        return ModelSpec(a.num_layers, a.num_kv_heads, a.head_dim, (None,) * a.num_layers)
+        windows = getattr(a, "sliding_windows", None) or (None,) * a.num_layers
+        return ModelSpec(a.num_layers, a.num_kv_heads, a.head_dim, windows, is_moe=cls.is_moe,
+                         attention_sinks=cls.attention_sinks, quantizations=cls.quantizations)
 
-    def __init__(self, hf_config) -> None:
+    def __init__(self, hf_config, quantization: str | None = None) -> None:
+        """`quantization`: neuron_config.quantization when the model applies it itself (gpt-oss MXFP4)."""
         super().__init__()
         self.arch = self.arch_config(hf_config)
         self.model_spec = self.spec(hf_config)

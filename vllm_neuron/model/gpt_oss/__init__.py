@@ -1,0 +1,3 @@
+from vllm_neuron.model.gpt_oss.model import GptOssForCausalLM
+
+__all__ = ["GptOssForCausalLM"]
