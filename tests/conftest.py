@@ -28,6 +28,14 @@ def pytest_configure(config: pytest.Config) -> None:
     # Before the first `import torch` of any test module: CUDA reads this when it initializes.
     if not _gpu_requested(config):
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    # Never the user's cache (unset or ~/.cache/vllm_neuron): the tests' own, kept between runs so the
+    # custom kernels and the GGUF conversions are built once. A root set elsewhere (a test running pytest
+    # in a subprocess with its own temporary root) is kept.
+    from tests.model_factory import _cache_root
+
+    users = os.path.expanduser(os.path.join("~", ".cache", "vllm_neuron"))
+    if os.path.abspath(os.path.expanduser(os.environ.get("VLLM_CACHE_ROOT") or users)) == os.path.abspath(users):
+        os.environ["VLLM_CACHE_ROOT"] = os.path.join(_cache_root(), "vllm_cache_root")
     import torch
 
     torch.set_num_threads(2)

@@ -185,24 +185,26 @@ _VARS: dict[str, EnvVar] = {
         EnvVar(
             "VLLM_NEURON_CPU_COMPILE",
             lambda: _bool("VLLM_NEURON_CPU_COMPILE"),
-            "Compile-only mode: fill the compile cache for NEURON_PLATFORM_TARGET_OVERRIDE "
-            "without that device being present. Default 0.",
+            "Compile-only mode for a device that is not present. Not supported yet: 1 is refused at "
+            "start-up (compile on a machine with the device; share with NEURON_LIBTORCH_REMOTE_CACHE).",
         ),
         EnvVar(
             "NEURON_PLATFORM_TARGET_OVERRIDE",
             lambda: _str("NEURON_PLATFORM_TARGET_OVERRIDE"),
-            "Target device type for compile-only mode; required when VLLM_NEURON_CPU_COMPILE=1.",
+            "Target device type for compile-only mode. Not supported yet: refused at start-up when set.",
         ),
         EnvVar(
             "NEURON_LIBTORCH_PARALLEL_COMPILE_WORKERS",
             lambda: _int("NEURON_LIBTORCH_PARALLEL_COMPILE_WORKERS", None, minimum=1),
-            "Number of graphs compiled in parallel during warm-up (unset: the compiler's choice).",
+            "Number of graphs compiled in parallel during warm-up. Only 1 (or unset) is supported "
+            "yet: larger values are refused at start-up.",
         ),
         EnvVar(
             "NEURON_LIBTORCH_REMOTE_CACHE",
             lambda: _str("NEURON_LIBTORCH_REMOTE_CACHE"),
-            "Shared (NFS-style) folder consulted after the local compile cache and filled with "
-            "new artifacts, so that other nodes skip compilation.",
+            "Shared (NFS-style) folder: buckets missing from the local compile cache are taken from "
+            "<folder>/<key>/ before compiling, and what warm-up compiled is published there, so "
+            "other machines of the same kind (the key covers the CPU/GPU and compiler) skip compilation.",
         ),
         EnvVar(
             "NEURON_LIBTORCH_DISABLE_COMPILE_CACHE",
@@ -212,7 +214,8 @@ _VARS: dict[str, EnvVar] = {
         EnvVar(
             "NEURON_LIBTORCH_COMPILATION_TIMEOUT",
             lambda: _int("NEURON_LIBTORCH_COMPILATION_TIMEOUT", None, minimum=1),
-            "Timeout in seconds for compiling one graph (unset: no timeout).",
+            "Timeout in seconds for compiling one graph: warm-up fails naming the bucket (unset: no "
+            "timeout). Needs warm-up on the process's main thread.",
         ),
         EnvVar(
             "VLLM_NEURON_DISABLE_WARMUP_COMPILE",
@@ -268,8 +271,9 @@ _VARS: dict[str, EnvVar] = {
         EnvVar(
             "VLLM_NEURON_ATTN_MASK_TORCH",
             lambda: _bool("VLLM_NEURON_ATTN_MASK_TORCH"),
-            "Build the decode attention mask with plain torch ops instead of the custom mask "
-            "kernel. Default 0.",
+            "Build the decode attention mask with plain torch ops instead of a mask kernel. There is "
+            "no mask kernel here: 1 is refused at start-up (VLLM_NEURON_DISABLE_NKI_KERNELS=1 selects "
+            "the torch attention and its torch mask).",
         ),
         EnvVar("VLLM_USE_V2_MODEL_RUNNER", _use_v2_model_runner, _use_v2_model_runner.__doc__ or ""),
         # -- memory management --
@@ -339,18 +343,24 @@ def compile_cache_dir() -> str:
     return os.path.join(_cache_root(), "compiled_artifacts")
 
 
-def cpu_compile_target() -> str | None:
-    """Target of compile-only mode: None when VLLM_NEURON_CPU_COMPILE is off; the value of
-    NEURON_PLATFORM_TARGET_OVERRIDE when on (ValueError when it is then missing)."""
-    if not _bool("VLLM_NEURON_CPU_COMPILE"):
-        return None
-    target = _str("NEURON_PLATFORM_TARGET_OVERRIDE")
-    if target is None:
-        raise ValueError(
-            "NEURON_PLATFORM_TARGET_OVERRIDE is required when VLLM_NEURON_CPU_COMPILE=1 "
-            "(the device type to compile for, e.g. cpu or cuda)"
-        )
-    return target
+def check_supported() -> None:
+    """Refuses, at start-up, the seeds' variables whose feature is not built here (set to anything
+    but their default), naming the variable: none of them is ever read and ignored."""
+    refused = []
+    if _bool("VLLM_NEURON_CPU_COMPILE") or _str("NEURON_PLATFORM_TARGET_OVERRIDE") is not None:
+        refused.append("VLLM_NEURON_CPU_COMPILE / NEURON_PLATFORM_TARGET_OVERRIDE (compiling for a device "
+                       "that is not present: compile on a machine with the device, e.g. `vllm-neuron compile`, "
+                       "and share the graphs with NEURON_LIBTORCH_REMOTE_CACHE)")
+    if _bool("VLLM_NEURON_ATTN_MASK_TORCH"):
+        refused.append("VLLM_NEURON_ATTN_MASK_TORCH (there is no mask kernel to replace: the custom attention "
+                       "kernel needs no mask, and VLLM_NEURON_DISABLE_NKI_KERNELS=1 selects the torch attention "
+                       "with a torch-built mask)")
+    workers = _int("NEURON_LIBTORCH_PARALLEL_COMPILE_WORKERS", None, minimum=1)
+    if workers is not None and workers > 1:
+        refused.append(f"NEURON_LIBTORCH_PARALLEL_COMPILE_WORKERS={workers} (buckets compile one after the "
+                       "other; 1 or unset)")
+    if refused:
+        raise ValueError("not supported yet by vllm-neuron: " + "; ".join(refused))
 
 
 def describe() -> dict[str, Any]:

@@ -20,7 +20,8 @@ from tests.model_factory import build_tiny_llama, make_tiny_llama, shared_prefix
 from vllm_neuron import LLM, SamplingParams
 from vllm_neuron.config.runner_selection import V2_LOG_LINE
 from vllm_neuron.step import PLACEHOLDER_TOKEN_ID
-from vllm_neuron.worker.batch_state import BatchState, SlotParams, counter_uniform, fold_seed
+from vllm_neuron.model.layers.in_graph_sampler import counter_uniform, fold_seed
+from vllm_neuron.worker.batch_state import BatchState, SlotParams
 from vllm_neuron.worker.model_runner_v1 import ModelRunnerV1
 from vllm_neuron.worker.model_runner_v2 import ModelRunnerV2
 
@@ -185,6 +186,38 @@ def test_seeded_sampling_does_not_depend_on_batch(model_dir, reference, monkeypa
     assert batch[1] == reference[1]
     other_seed = SamplingParams(temperature=1.5, top_k=40, top_p=0.95, seed=99, max_tokens=MAX_NEW, ignore_eos=True)
     assert _gen(llm, other_seed, [prompts[4]])[0] != alone
+
+
+def test_seeded_tokens_do_not_depend_on_the_sampling_path(model_dir, reference, monkeypatch):
+    """One seeded scheme: in the graph of MRv1 or MRv2, or on the host (logprobs, a no-op logit bias),
+    a seeded request samples the same tokens; top_k off samples the whole vocabulary on every path."""
+    prompts = _prompts()[:3]
+    base = dict(temperature=1.0, seed=42, max_tokens=MAX_NEW, ignore_eos=True)
+    variants = {"graph": SamplingParams(**base), "logprobs": SamplingParams(**base, logprobs=1),
+                "no-op logit_bias": SamplingParams(**base, logit_bias={5: 0.0}),
+                "top_p": SamplingParams(**base, top_p=0.9), "top_p on host": SamplingParams(**base, top_p=0.9, logprobs=0)}
+    results = {}
+    for runner in ("0", "1"):
+        llm = _engine(model_dir, monkeypatch, runner=runner)
+        for name, params in variants.items():
+            results[(runner, name)] = _gen(llm, params, prompts)
+    plain, top_p = results[("1", "graph")], results[("1", "top_p")]
+    assert plain != reference[:3] and plain != top_p  # really sampled
+    for (runner, name), out in results.items():
+        assert out == (top_p if name.startswith("top_p") else plain), (runner, name)
+
+
+@pytest.mark.parametrize("runner", ["0", "1"])
+def test_preemption_keeps_seeded_output(model_dir, monkeypatch, runner):
+    rng = random.Random(2)
+    prompts = [[rng.randrange(3, 49152) for _ in range(n)] for n in (16, 16, 32, 48, 64, 80)]
+    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=MAX_NEW, ignore_eos=True, logprobs=i % 2 or None)
+              for i in range(len(prompts))]
+    kw = dict(max_model_len=256, max_num_batched_tokens=256, async_scheduling=True)
+    roomy = _gen(_engine(model_dir, monkeypatch, runner=runner, **kw), params, prompts)
+    tight = _engine(model_dir, monkeypatch, runner=runner, num_gpu_blocks_override=17, **kw)
+    assert _gen(tight, params, prompts) == roomy
+    assert tight.llm_engine.core.scheduler.num_preemptions > 0
 
 
 def test_host_sampled_rows_match_mrv1(model_dir, monkeypatch):

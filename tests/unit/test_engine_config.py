@@ -118,3 +118,16 @@ def test_async_scheduling_default_and_on_device_sampling(monkeypatch):
 def test_no_async_scheduling_flag():
     c = _cli("--no-async-scheduling")
     assert c.async_scheduling is False
+
+
+@pytest.mark.parametrize("flag, option", [
+    (["--mm-encoder-only"], "mm_encoder_only"),
+    (["--ec-transfer-config", '{"ec_role": "ec_producer"}'], "ec_transfer_config"),
+    (["--limit-mm-per-prompt", '{"image": 4}'], "limit_mm_per_prompt"),
+])
+def test_multimodal_flags_parse_and_are_refused(flag, option):
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    args = parser.parse_args(flag)  # not argparse's "unrecognized arguments"
+    with pytest.raises(ValueError, match=f"{option}=.* is not supported yet"):
+        engine_config_from_args(args)

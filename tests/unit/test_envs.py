@@ -146,13 +146,39 @@ def test_compile_cache_dir(monkeypatch, tmp_path):
     assert envs.compile_cache_dir() == str(tmp_path / "arts")
 
 
-def test_cpu_compile_target(monkeypatch):
-    assert envs.cpu_compile_target() is None
-    monkeypatch.setenv("VLLM_NEURON_CPU_COMPILE", "1")
-    with pytest.raises(ValueError, match="NEURON_PLATFORM_TARGET_OVERRIDE is required"):
-        envs.cpu_compile_target()
-    monkeypatch.setenv("NEURON_PLATFORM_TARGET_OVERRIDE", "cuda")
-    assert envs.cpu_compile_target() == "cuda"
+@pytest.mark.parametrize("name, value", [
+    ("VLLM_NEURON_CPU_COMPILE", "1"), ("NEURON_PLATFORM_TARGET_OVERRIDE", "cuda"),
+    ("VLLM_NEURON_ATTN_MASK_TORCH", "true"), ("NEURON_LIBTORCH_PARALLEL_COMPILE_WORKERS", "4"),
+])
+def test_variables_without_a_feature_here_are_refused_at_startup(monkeypatch, name, value):
+    from vllm_neuron.config.engine_config import EngineConfig
+
+    EngineConfig.from_kwargs()
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=f"not supported yet.*{name}"):
+        EngineConfig.from_kwargs()
+
+
+def test_unset_or_default_values_are_accepted(monkeypatch):
+    from vllm_neuron.config.engine_config import EngineConfig
+
+    for name, value in [("VLLM_NEURON_CPU_COMPILE", "0"), ("VLLM_NEURON_ATTN_MASK_TORCH", "0"),
+                        ("NEURON_LIBTORCH_PARALLEL_COMPILE_WORKERS", "1")]:
+        monkeypatch.setenv(name, value)
+    EngineConfig.from_kwargs()
+
+
+def test_cpu_mode_forces_the_cpu(monkeypatch):
+    import torch
+
+    from vllm_neuron.config.device import resolve_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert resolve_device("auto").type == "cuda"
+    monkeypatch.setenv("VLLM_NEURON_CPU_MODE", "1")
+    assert resolve_device("auto").type == "cpu" and resolve_device("cpu").type == "cpu"
+    with pytest.raises(ValueError, match="VLLM_NEURON_CPU_MODE=1"):
+        resolve_device("cuda")
 
 
 def test_describe_lists_set_values(monkeypatch):
@@ -203,3 +229,4 @@ def test_warning_once(caplog):
     msgs = [r.getMessage() for r in caplog.records if r.name == "vllm_neuron.test_once"]
     assert msgs == ["batch composition changed", "batch size changed"]
     assert all(r.filename == "test_envs.py" for r in caplog.records if r.name == "vllm_neuron.test_once")
+

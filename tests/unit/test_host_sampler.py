@@ -10,9 +10,9 @@ from vllm_neuron.worker.host_sampler import HostSamplingRow, host_sample
 V = 8
 
 
-def row(params=None, prompt=(), output=(), generator=None, min_tok_stops=(), bad_words=()):
+def row(params=None, prompt=(), output=(), uniform=0.5, min_tok_stops=(), bad_words=()):
     return HostSamplingRow(params or SamplingParams(temperature=0.0), list(prompt), list(output),
-                           generator, list(min_tok_stops), bad_words)
+                           uniform, list(min_tok_stops), bad_words)
 
 
 def greedy(logits, **kw):
@@ -89,9 +89,8 @@ def test_logit_bias_and_allowed_token_ids():
     assert greedy(logits, params=SamplingParams(temperature=0.0, logit_bias={1: 3.5})) == 0
     assert greedy(logits, params=SamplingParams(temperature=0.0, allowed_token_ids=[3, 6])) == 3
     # Random sampling never leaves the allowed set.
-    gen = torch.Generator().manual_seed(0)
     p = SamplingParams(temperature=1.0, allowed_token_ids=[3, 6], seed=0)
-    toks = {host_sample(torch.zeros(1, V), [row(p, generator=gen)]).token_ids[0] for _ in range(50)}
+    toks = {host_sample(torch.zeros(1, V), [row(p, uniform=u / 50)]).token_ids[0] for u in range(50)}
     assert toks == {3, 6}
 
 
@@ -112,7 +111,7 @@ def _empirical(logits, params, n=4000, seed=0):
     counts = torch.zeros(len(logits))
     x = torch.tensor([logits])
     for _ in range(n):
-        counts[host_sample(x, [row(params, generator=gen)]).token_ids[0]] += 1
+        counts[host_sample(x, [row(params, uniform=float(torch.rand(1, generator=gen)))]).token_ids[0]] += 1
     return counts / n
 
 
@@ -145,34 +144,22 @@ def test_greedy_applies_processing_but_not_truncation():
     assert greedy([1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0], params=p) == 3
 
 
-def test_seeded_row_independent_of_batch_neighbours():
+def test_row_token_depends_only_on_its_own_number_and_logits():
     torch.manual_seed(1)
     logits = torch.randn(5, 300)
     p = SamplingParams(temperature=0.9, top_k=40, top_p=0.9, seed=123)
 
-    def run(batch_rows, target_pos):
-        rows = [row(SamplingParams(temperature=1.0, top_p=0.5, min_p=0.05)) for _ in range(batch_rows)]
-        rows[target_pos] = row(p, generator=torch.Generator().manual_seed(123))
+    def run(batch_rows, target_pos, u):
+        rows = [row(SamplingParams(temperature=1.0, top_p=0.5, min_p=0.05), uniform=0.3) for _ in range(batch_rows)]
+        rows[target_pos] = row(p, uniform=u)
         x = logits[:batch_rows].clone()
         x[target_pos] = logits[0]
-        results = []
-        for _ in range(20):
-            results.append(host_sample(x, rows).token_ids[target_pos])
-        return results
+        return host_sample(x, rows).token_ids[target_pos]
 
-    alone = run(1, 0)
+    alone = [run(1, 0, u / 20) for u in range(20)]
     assert len(set(alone)) > 1  # really random
-    assert run(5, 3) == alone
-    assert run(3, 1) == alone
-
-
-def test_unseeded_rows_use_global_rng():
-    torch.manual_seed(5)
-    x = torch.zeros(2, 100)
-    a = host_sample(x, [row(SamplingParams()), row(SamplingParams())]).token_ids
-    torch.manual_seed(5)
-    b = host_sample(x, [row(SamplingParams()), row(SamplingParams())]).token_ids
-    assert a == b
+    assert [run(5, 3, u / 20) for u in range(20)] == alone
+    assert [run(3, 1, u / 20) for u in range(20)] == alone
 
 
 def test_logprobs_raw_with_ranks():

@@ -49,11 +49,13 @@ def test_mixed_batch_greedy_and_random_rows():
 def _expected(logits_row, temperature, top_k, top_p, max_top_k):
     probs = torch.softmax(logits_row.double() / temperature, -1)
     order = torch.argsort(probs, descending=True)
-    k = max_top_k if top_k <= 0 else min(top_k, max_top_k)
-    kept = order[:k]
-    p = probs[kept] / probs[kept].sum()
+    if top_k <= 0 and top_p >= 1.0:
+        return probs  # nothing truncates: the whole vocabulary
+    # top_k off: top-p's mass is over the whole vocabulary, looking at no more than max_top_k tokens.
+    kept = order[:max_top_k] if top_k <= 0 else order[:min(top_k, max_top_k)]
+    p = probs[kept] if top_k <= 0 else probs[kept] / probs[kept].sum()
     # Smallest prefix whose mass reaches top_p.
-    n = int((torch.cumsum(p, 0) < top_p).sum()) + 1
+    n = min(int((torch.cumsum(p, 0) < top_p).sum()) + 1, len(kept))
     kept = kept[:n]
     out = torch.zeros_like(probs)
     out[kept] = probs[kept] / probs[kept].sum()
@@ -61,7 +63,8 @@ def _expected(logits_row, temperature, top_k, top_p, max_top_k):
 
 
 @pytest.mark.parametrize("temperature, top_k, top_p, max_top_k", [
-    (1.0, 0, 1.0, 16),   # top_k off -> max_top_k
+    (1.0, 0, 1.0, 16),   # top_k off: the whole vocabulary
+    (1.0, 0, 0.99, 8),   # top_k off: top-p cut at max_top_k tokens
     (0.7, 5, 1.0, 16),
     (1.3, 0, 0.6, 16),
     (1.0, 8, 0.8, 16),
@@ -87,7 +90,8 @@ def test_uniform_extremes_stay_in_kept_set():
     logits = torch.randn(3, 100)
     temp, k, p = _params(3, top_k=4, top_p=0.5)
     lo = sample_in_graph(logits, temp, k, p, torch.zeros(3))
-    assert lo.tolist() == logits.argmax(-1).tolist()
+    # u = 0: the first kept token in token-id order.
+    assert lo.tolist() == [int(torch.nonzero(_expected(logits[r], 1.0, 4, 0.5, 256))[0]) for r in range(3)]
     # 1.0 is outside the contract, but rounding can make u * mass reach the mass: it must still
     # land on a kept token, never on a masked one or past the end.
     for u in (1.0 - 2 ** -24, 1.0):
@@ -115,3 +119,46 @@ def test_compiled_equals_eager():
         u = torch.rand(b)
         assert compiled(logits, temp, k, p, u, max_top_k=32).tolist() == \
             sample_in_graph(logits, temp, k, p, u, max_top_k=32).tolist()
+
+
+def _greedy_fast_path_ops(temperature: torch.Tensor) -> set[str]:
+    torch.manual_seed(6)
+    logits = torch.randn(4, 300)
+    k, p = torch.tensor([0, 5, 0, 0]), torch.tensor([1.0, 1.0, 0.9, 1.0])
+    compiled = torch.compile(sample_in_graph, fullgraph=True, dynamic=False)
+    out = compiled(logits, temperature, k, p, torch.rand(4))
+    with torch.profiler.profile() as prof:
+        again = compiled(logits, temperature, k, p, torch.rand(4))
+    if not bool((temperature > 0).any()):
+        assert out.tolist() == again.tolist() == logits.argmax(-1).tolist()  # parity with the argmax
+    return {e.name for e in prof.events()}
+
+
+def test_all_greedy_batch_skips_top_k_top_p_and_cdf_in_the_compiled_graph():
+    greedy_ops = _greedy_fast_path_ops(torch.zeros(4))
+    mixed_ops = _greedy_fast_path_ops(torch.tensor([0.0, 0.8, 1.0, 0.0]))
+    assert "aten::topk" in mixed_ops and "aten::topk" not in greedy_ops
+    assert "aten::cumsum" not in greedy_ops
+
+
+def test_host_sampler_and_graph_give_the_same_token_for_the_same_number():
+    """One seeded scheme on every path: host_sample (temperature, top-k, top-p) picks the graph's token
+    from the same logits and the same counter_uniform number."""
+    from vllm_neuron.model.layers.in_graph_sampler import counter_uniform
+    from vllm_neuron.sampling_params import SamplingParams
+    from vllm_neuron.worker.host_sampler import HostSamplingRow, host_sample
+
+    torch.manual_seed(7)
+    n, v = 64, 500
+    logits = torch.randn(n, v) * 2
+    gen = torch.Generator().manual_seed(8)
+    temp = torch.rand(n, generator=gen) * 1.5 + 0.2
+    top_k = torch.randint(-1, 60, (n,), generator=gen)
+    top_p = torch.where(torch.rand(n, generator=gen) < 0.5, torch.ones(n), torch.rand(n, generator=gen) * 0.9 + 0.1)
+    u = counter_uniform(torch.arange(n), torch.full((n,), 17))
+    graph = sample_in_graph(logits, temp, top_k, top_p, u, max_top_k=64)
+    rows = [HostSamplingRow(SamplingParams(temperature=float(temp[i]), top_k=int(top_k[i]), top_p=float(top_p[i])),
+                            [1], [], float(u[i]), []) for i in range(n)]
+    host = host_sample(logits, rows, max_top_k=64).token_ids
+    assert host == graph.tolist()
+    assert len(set(host)) > n // 2  # really random rows

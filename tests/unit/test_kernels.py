@@ -60,6 +60,28 @@ def test_paged_attention_prefill_and_decode(dtype, tol, heads, kv_heads):
                                atol=tol, rtol=tol)
 
 
+def _attention_inputs():
+    d, bs, nblocks = 16, 16, 4
+    kc = torch.zeros(nblocks * bs, 2, d)
+    return dict(q=torch.zeros(3, 4, d), k_cache=kc, v_cache=torch.zeros_like(kc),
+                block_tables=torch.tensor([[1, 2], [3, 0], [0, 0]]), query_start=torch.arange(4),
+                positions=torch.tensor([5, 20, 0]), scale=0.25, block_size=bs)
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(positions=torch.tensor([5, 20])), "one entry per query row"),
+    (dict(q=torch.zeros(3, 4, 8)), "head dim"),
+    (dict(v_cache=torch.zeros(64, 2, 8)), "same shape"),
+    (dict(block_tables=torch.tensor([[1, 4], [3, 0], [0, 0]])), "block ids"),
+    (dict(block_tables=torch.tensor([[1, -1], [3, 0], [0, 0]])), "block ids"),
+    (dict(block_size=24), "whole blocks"),
+])
+def test_paged_attention_checks_the_bounds_it_relies_on(change, message):
+    K.paged_attention(**_attention_inputs())  # the valid inputs run
+    with pytest.raises(RuntimeError, match=message):
+        K.paged_attention(**{**_attention_inputs(), **change})
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("rows", [1, 3, 4])
 @pytest.mark.parametrize("n, k", [(1536, 576), (576, 1536), (190, 576), (7, 64)])

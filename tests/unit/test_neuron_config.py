@@ -72,7 +72,7 @@ def test_request_defaults_and_top_k():
     }
     assert OnDeviceSamplingConfig(all_greedy=True).request_defaults() == {"temperature": 0.0}
     cfg = OnDeviceSamplingConfig()
-    assert cfg.effective_top_k(-1) == 256 and cfg.effective_top_k(0) == 256
+    assert cfg.effective_top_k(-1) == 0 and cfg.effective_top_k(0) == 0  # off: the whole vocabulary
     assert cfg.effective_top_k(40) == 40
     assert cfg.effective_top_k(1000) == 256
     assert OnDeviceSamplingConfig(top_k=-1).top_k == 256

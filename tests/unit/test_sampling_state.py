@@ -25,7 +25,7 @@ def test_in_graph_rows_and_host_rows():
     assert _states(None, temperature=0.7).states["r"].on_host  # CPU sampling: every row
 
 
-def test_top_k_off_is_capped_with_one_warning_only_when_asked(caplog, monkeypatch):
+def test_top_k_off_samples_the_vocabulary_and_warns_once_about_top_p(caplog, monkeypatch):
     from vllm_neuron import logger as vlog
 
     monkeypatch.setattr(vlog, "_once_keys", set())  # earlier tests in this process may have warned already
@@ -33,10 +33,12 @@ def test_top_k_off_is_capped_with_one_warning_only_when_asked(caplog, monkeypatc
         _states(temperature=0.5)  # top_k left at its default: the user asked for nothing to warn about
         assert "limited to" not in caplog.text
         st = _states(temperature=0.7, top_k=-1)
-        _states(temperature=0.5, top_k=-1)
-    assert caplog.text.count("limited to 256") == 1
+        assert "most likely tokens" not in caplog.text  # top_p 1: the whole vocabulary, nothing capped
+        _states(temperature=0.5, top_k=0, top_p=0.9)
+        _states(temperature=0.5, top_k=-1, top_p=0.8)
+    assert caplog.text.count("keeps at most the 256 most likely tokens") == 1
     t = st.graph_tensors(["r"], rows=2)
-    assert t["top_k"][0] == 256 and t["temperature"][1] == 0.0  # padded row is greedy
+    assert t["top_k"][0] == 0 and t["temperature"][1] == 0.0  # padded row is greedy
 
 
 def test_seeded_uniforms_do_not_depend_on_neighbours():
@@ -64,3 +66,24 @@ def test_finalize_mixes_graph_and_host_tokens():
     sampled, logprobs = st.finalize(["g", "h"], torch.tensor([3, 3]), logits)
     assert sampled == {"g": [3], "h": [5]}  # the host row applied its logit bias
     assert st.states["h"].output_token_ids == [5]
+
+
+def test_a_token_draws_the_same_number_on_every_path_and_after_preemption():
+    """The number is counter_uniform(seed, position): the same for the graph's rows and the host's, and
+    drawn again, not advanced, when preemption drops a token and the request samples it anew."""
+    from vllm_neuron.model.layers.in_graph_sampler import counter_uniform, fold_seed
+
+    graph_row = SamplingStates(OnDeviceSamplingConfig(), seed=0)
+    graph_row.add(NewRequestData("r", [1, 2, 3], SamplingParams(temperature=1.0, seed=42), 2))
+    host_row = SamplingStates(OnDeviceSamplingConfig(), seed=5)
+    host_row.add(NewRequestData("r", [1, 2, 3], SamplingParams(temperature=1.0, seed=42, logprobs=1), 2))
+    assert not graph_row.states["r"].on_host and host_row.states["r"].on_host
+    expected = float(counter_uniform(torch.tensor([fold_seed(42)]), torch.tensor([3])))
+    assert float(graph_row.graph_tensors(["r"], rows=1)["uniform"][0]) == expected
+    assert float(host_row.uniforms(["r"])[0]) == expected
+    logits = torch.randn(1, 50)
+    first = graph_row.finalize(["r"], torch.tensor([7]), logits)[0]["r"]
+    after = float(graph_row.graph_tensors(["r"], rows=1)["uniform"][0])
+    graph_row.truncate("r", 0)  # preempted with that token in flight
+    assert float(graph_row.graph_tensors(["r"], rows=1)["uniform"][0]) == expected != after
+    assert first == [7]

@@ -129,6 +129,12 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool =
                    help="refused: expert parallelism is not supported yet")
     g.add_argument("--kv-transfer-config", type=_json_arg, default=None,
                    help="refused: disaggregated prefill is not supported yet (default: none)")
+    g.add_argument("--ec-transfer-config", type=_json_arg, default=None,
+                   help="refused: encoder-disaggregated (EPD) inference is not supported yet (default: none)")
+    g.add_argument("--mm-encoder-only", action="store_true",
+                   help="refused: no multimodal model is supported yet")
+    g.add_argument("--limit-mm-per-prompt", type=_json_arg, default=None,
+                   help="refused: no multimodal model is supported yet (default: none)")
 
     g = arg_group(parser, "compilation")
     g.add_argument("--enforce-eager", action="store_true", help="run the bucket graphs uncompiled")

@@ -3,6 +3,9 @@ from __future__ import annotations
 
 import functools
 import os
+import platform
+import shutil
+import subprocess
 
 import torch
 
@@ -13,13 +16,57 @@ _DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.b
 
 
 def resolve_device(device: str) -> torch.device:
+    """`auto` picks CUDA when present, unless VLLM_NEURON_CPU_MODE=1 forces the CPU."""
+    from vllm_neuron import envs
+
     if device not in DEVICE_CHOICES:
         raise ValueError(f"device={device!r} is not valid; choose one of {list(DEVICE_CHOICES)}")
+    if envs.VLLM_NEURON_CPU_MODE:
+        if device == "cuda":
+            raise ValueError("device='cuda' conflicts with VLLM_NEURON_CPU_MODE=1 (which forces the CPU); "
+                             "unset one of them")
+        return torch.device("cpu")
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("device='cuda' was requested but torch sees no CUDA device; use --device cpu or auto")
     return torch.device(device)
+
+
+# /proc/cpuinfo flags that change what a compiler may emit for this CPU (-march=native, inductor's
+# vector ISA); a cache built with one set must never run on a CPU that lacks one of them.
+_ISA_FLAG_PREFIXES = ("sse", "ssse", "avx", "amx", "fma", "f16c", "bmi", "popcnt", "lzcnt", "movbe", "adx",
+                      "aes", "pclmul", "sha", "gfni", "vaes", "vpclmul", "asimd", "sve", "sme", "fp", "neon")
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_isa() -> str:
+    """The host's architecture and instruction-set extensions, e.g. 'x86_64:avx,avx2,avx512f,...'
+    (part of the compile-cache and kernel-cache keys)."""
+    flags: set[str] = set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() in ("flags", "Features"):
+                    flags.update(value.split())
+    except OSError:
+        pass
+    isa = sorted(f for f in flags if f.startswith(_ISA_FLAG_PREFIXES))
+    return f"{platform.machine()}:{','.join(isa)}"
+
+
+@functools.lru_cache(maxsize=None)
+def compiler_id(cxx: str) -> str:
+    """`cxx --version`'s first line (the C++ compiler a kernel or graph is built with), or 'missing'."""
+    path = shutil.which(cxx)
+    if path is None:
+        return f"{cxx}: missing"
+    try:
+        out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return f"{path}: unknown"
+    return f"{path}: {out.splitlines()[0] if out else 'unknown'}"
 
 
 @functools.lru_cache(maxsize=1)

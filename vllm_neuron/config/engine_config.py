@@ -54,6 +54,9 @@ class EngineConfig:
     enable_prompt_embeds: bool = False
     speculative_config: dict | str | SpeculativeConfig | None = None  # parsed by validate_static
     kv_transfer_config: dict | str | None = None
+    ec_transfer_config: dict | str | None = None
+    mm_encoder_only: bool = False
+    limit_mm_per_prompt: dict | str | None = None
     chat_template: str | None = None
     trust_remote_code: bool = False  # accepted for vLLM compatibility; no remote code is ever run
     disable_log_stats: bool = False
@@ -115,8 +118,18 @@ class EngineConfig:
                                  "only 'ngram' for now")
         if self.kv_transfer_config:
             raise _not_supported("kv_transfer_config", self.kv_transfer_config)
+        if self.ec_transfer_config:
+            raise _not_supported("ec_transfer_config", self.ec_transfer_config, "no multimodal model is supported yet")
+        if self.mm_encoder_only:
+            raise _not_supported("mm_encoder_only", True, "no multimodal model is supported yet")
+        if self.limit_mm_per_prompt:
+            raise _not_supported("limit_mm_per_prompt", self.limit_mm_per_prompt,
+                                 "no multimodal model is supported yet")
         check_generation_config_arg(self.generation_config)
         self.override_generation_config = parse_override(self.override_generation_config)
+        from vllm_neuron import envs
+
+        envs.check_supported()
         if not isinstance(self.additional_config, AdditionalConfig):
             self.additional_config = parse_additional_config(self.additional_config)
         if self.additional_config.encoder_neuron_config is not None:

@@ -123,8 +123,10 @@ class OnDeviceSamplingConfig:
     * all_greedy: the graph only takes the argmax; a request with temperature > 0 is rejected
       with "Only support greedy sampling" (check_request). A temperature of 0 here also means
       all_greedy.
-    * top_k: the in-graph top-k width. Requests with top_k -1 or 0 (off) use this width; the
-      seeds' "top_k -1 is internally limited to 256" is this default.
+    * top_k: the in-graph top-k width (requests with a larger top_k are sampled on the host). A
+      request with top_k -1 or 0 (off) samples the whole vocabulary; with top_p < 1 its top-p set is
+      cut at this many tokens, in the graph and on the host alike (the seeds' "top_k -1 is internally
+      limited to 256", narrowed to where it matters).
     * temperature / top_p: when set, the defaults for requests that do not set their own
       (request_defaults()). Numbers may be given as strings ("0.7", "0"), as in the seeds.
     """
@@ -186,10 +188,11 @@ class OnDeviceSamplingConfig:
             raise ValueError(ONLY_GREEDY_MESSAGE.format(temperature=temperature))
 
     def effective_top_k(self, request_top_k: int) -> int:
-        """A request's top_k inside the graph: -1/0 (off) and values above the graph's width
-        become the width."""
+        """A request's top_k inside the graph: -1/0 (off) stays off (the whole vocabulary; top-p then
+        looks at no more than `top_k` tokens); values above the graph's width become the width (such
+        requests are sampled on the host)."""
         if request_top_k <= 0:
-            return self.top_k
+            return 0
         return min(request_top_k, self.top_k)
 
 

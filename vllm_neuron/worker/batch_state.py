@@ -5,44 +5,14 @@ rows point to (null block table -> block 0, position 0, greedy), so a padded row
 The host side only tracks which request owns which slot and which block-table entries it already
 wrote, so a step sends joins, leaves and new blocks, never the whole batch.
 
-Also here: the in-graph random numbers of seeded sampling (`counter_uniform`), a pure function of a
-slot's seed and the position being sampled, so a request's draws never depend on its neighbours.
+Each slot holds its request's 32-bit sampling seed; the graph draws `counter_uniform(seed, position)`
+(model/layers/in_graph_sampler.py), the same number the host sampler and MRv1 use for that token.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
-
-_M32 = 0xFFFFFFFF
-# Multipliers below 2**31: a 32-bit value times one stays below 2**63, so int64 never overflows.
-_MUL_A = 0x7FEB352D
-_MUL_B = 0x6A09E667
-_POS_SALT = 0x5BD1E995
-
-
-def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """An avalanching 32-bit integer mix; x holds values in [0, 2**32) as int64."""
-    x = x ^ (x >> 16)
-    x = (x * _MUL_A) & _M32
-    x = x ^ (x >> 15)
-    x = (x * _MUL_B) & _M32
-    return x ^ (x >> 16)
-
-
-def counter_uniform(seed: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
-    """[N] float32 in [0, 1) from int64 seeds in [0, 2**32) and positions (counter-based: the same
-    (seed, position) always gives the same number, whatever else is computed alongside)."""
-    h = _mix32((seed & _M32) ^ _mix32((position & _M32) ^ _POS_SALT))
-    # 24 bits: exactly representable in float32, so the result is strictly below 1.
-    return (h >> 8).to(torch.float32) * (1.0 / (1 << 24))
-
-
-def fold_seed(seed: int) -> int:
-    """A request's integer seed (any size or sign) folded to the 32 bits the graph hashes."""
-    s = seed % (1 << 64)
-    return (s ^ (s >> 32)) & _M32
-
 
 @dataclass
 class SlotParams:

@@ -7,13 +7,21 @@ functions uncompiled. The cache has two layers:
 * a manifest per cache key `<cache root>/<key>/manifest.json` recording which buckets were compiled.
   The key covers what the seeds list under "What triggers recompilation": library versions, the
   model's config and our model code, bucket-independent graph options, dtype, device type and TP
-  degree. `VLLM_NEURON_DISABLE_WARMUP_COMPILE=1` makes a bucket missing from the manifest fatal.
+  degree, plus the host the code was generated for (CPU instruction set, C++ compiler; GPU model), so a
+  cache on shared storage is never run on a machine it was not built for.
+  `VLLM_NEURON_DISABLE_WARMUP_COMPILE=1` makes a bucket missing from the manifest fatal.
 Each bucket's graph is compiled ahead of time (`torch.compile(...).aot_compile`) and saved as
 `<key>/aot/<bucket>.bin`: dynamo's bytecode, guards and the compiled inductor graph, without weights. A
 warm start loads that file instead of re-tracing the model with dynamo, which is what made warm starts
 slow (about 1.5 s per graph traced, against 0.1-0.3 s loaded). Where ahead-of-time compilation is
 unavailable (disabled cache, `VLLM_NEURON_AOT_COMPILE=0`, or a failure) the bucket is compiled with plain
-torch.compile and inductor's cache alone speeds up its next start.
+torch.compile and inductor's cache alone speeds up its next start. A torch without `aot_compile` (torch
+2.11 on CUDA) saves what it offers instead: `torch.compiler.save_cache_artifacts()` after warm-up into
+`<key>/cache_artifacts.bin`, loaded at the next start (graphs are re-traced, their compiled code is
+not rebuilt). The log says which path runs.
+`NEURON_LIBTORCH_COMPILATION_TIMEOUT` bounds each bucket's compilation (warm-up fails naming the
+bucket); `NEURON_LIBTORCH_REMOTE_CACHE` is a shared folder: buckets missing locally are taken from
+`<remote>/<key>/` before compiling, and what warm-up compiled is published there.
 Every shape is static, the KV cache's included: a dynamic slot dimension makes inductor copy the
 whole cache on every in-place write (24 ms per layer and step measured). So the manifest also records
 the KV size it was compiled for and the sizing configuration that chose it; worker/memory.py's
@@ -22,11 +30,15 @@ when it no longer fits).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
 import os
+import shutil
+import signal
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -37,6 +49,7 @@ import torch
 import torch.utils._pytree
 
 from vllm_neuron import envs
+from vllm_neuron.config.device import compiler_id, cpu_isa
 from vllm_neuron.logger import init_logger
 
 logger = init_logger(__name__)
@@ -58,6 +71,19 @@ def _code_fingerprint() -> str:
     return h.hexdigest()[:16]
 
 
+def host_key(device: torch.device) -> dict[str, Any]:
+    """What the generated code depends on beyond the libraries: the CPU's instruction set and the C++
+    compiler inductor builds CPU graphs with; on CUDA the GPU model and compute capability."""
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return {"gpu": torch.cuda.get_device_name(index), "capability": list(torch.cuda.get_device_capability(index)),
+                "cuda": torch.version.cuda}
+    from torch._inductor import cpp_builder
+
+    return {"cpu_isa": cpu_isa(), "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "cxx": compiler_id(cpp_builder.get_cpp_compiler()), "cxxflags": os.environ.get("CXXFLAGS", "")}
+
+
 def cache_key_parts(hf_config_dict: dict, dtype: torch.dtype, device: torch.device, tp_size: int,
                     graph_options: dict) -> dict[str, Any]:
     import transformers
@@ -75,7 +101,44 @@ def cache_key_parts(hf_config_dict: dict, dtype: torch.dtype, device: torch.devi
         "device_type": device.type,
         "tp_size": tp_size,
         "graph_options": graph_options,
+        "host": host_key(device),
     }
+
+
+def aot_compile_available() -> bool:
+    """Whether this torch saves compiled functions ahead of time (`torch.compile(...).aot_compile`; torch
+    2.11 on CUDA has none)."""
+    return (callable(getattr(torch.compile(_identity), "aot_compile", None))
+            and hasattr(torch.compiler, "load_compiled_function"))
+
+
+def _identity(x):
+    return x
+
+
+class CompileTimeout(RuntimeError):
+    pass
+
+
+@contextlib.contextmanager
+def _deadline(name: str, seconds: int | None):
+    """Raises CompileTimeout when the block runs longer than `seconds` (None: no limit). A signal timer:
+    compilation is Python code and subprocess waits, which a signal interrupts."""
+    if seconds is None:
+        yield
+        return
+
+    def expired(signum, frame):
+        raise CompileTimeout(f"Bucket {name}: compilation took longer than NEURON_LIBTORCH_COMPILATION_TIMEOUT="
+                             f"{seconds} s; raise the timeout, or compile it once with `vllm-neuron compile`")
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 @dataclass
@@ -119,6 +182,20 @@ class GraphCompiler:
         self.num_blocks: int | None = None
         self.kv_sizing: dict[str, Any] | None = None
         self._source: str | None = None  # how the last bucket materialized: loaded / compiled / traced
+        self.timeout = envs.NEURON_LIBTORCH_COMPILATION_TIMEOUT
+        if self.timeout is not None and self.backend == "native" \
+                and threading.current_thread() is not threading.main_thread():
+            raise ValueError("NEURON_LIBTORCH_COMPILATION_TIMEOUT needs warm-up on the process's main thread "
+                             "(it interrupts compilation with a signal); unset it, or start the engine from the "
+                             "main thread")
+        self.aot = (self.backend == "native" and not self.disabled and bool(envs.VLLM_NEURON_AOT_COMPILE)
+                    and aot_compile_available())
+        # torch without aot_compile: its portable cache artifacts stand in for the saved graphs.
+        self.artifacts = (self.backend == "native" and not self.disabled and not self.aot
+                          and bool(envs.VLLM_NEURON_AOT_COMPILE))
+        remote = envs.NEURON_LIBTORCH_REMOTE_CACHE
+        self.remote_dir = Path(remote) / self.key if remote and not self.disabled and self.backend == "native" \
+            else None
         if self.backend == "native":
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(inductor_dir)
             import torch._dynamo
@@ -130,8 +207,100 @@ class GraphCompiler:
             torch._dynamo.config.automatic_dynamic_shapes = False
             if self.disabled:
                 torch._inductor.config.force_disable_caches = True
-        with open(self.dir / "key.json", "w") as f:
-            json.dump(self.key_parts, f, indent=1, sort_keys=True, default=str)
+        _write_text_atomic(self.dir / "key.json", json.dumps(self.key_parts, indent=1, sort_keys=True, default=str))
+        if self.remote_dir is not None:
+            self._pull()
+        if self.backend == "native":
+            logger.info("Compile cache path: %s", (
+                "saved ahead-of-time graphs (torch.compile aot_compile)" if self.aot else
+                "torch.compiler cache artifacts (this torch has no aot_compile: graphs are re-traced on each "
+                "start, their compiled code is loaded)" if self.artifacts else
+                "inductor's cache only (graphs are re-traced on each start)"))
+        if self.artifacts and self._artifacts_path.exists():
+            try:
+                torch.compiler.load_cache_artifacts(self._artifacts_path.read_bytes())
+                logger.info("Loaded torch.compiler cache artifacts from %s", self._artifacts_path)
+            except Exception as e:  # noqa: BLE001 - another torch's artifacts: compile as if cold
+                logger.warning("Cannot load %s (%s: %s); compiling cold", self._artifacts_path, type(e).__name__, e)
+
+    @property
+    def _artifacts_path(self) -> Path:
+        return self.dir / "cache_artifacts.bin"
+
+    def _files(self, name: str) -> list[Path]:
+        """A bucket's saved files, relative to the key folder."""
+        return [Path("aot") / f"{name}.bin", Path("aot") / f"{name}.inputs"]
+
+    def _pull(self) -> None:
+        """Takes from the remote folder what the local cache lacks (buckets of the same KV size)."""
+        remote = self.remote_dir
+        try:
+            saved = json.loads((remote / "manifest.json").read_text())
+        except (OSError, ValueError):
+            return
+        if self.manifest and saved.get("num_blocks") != self.manifest_num_blocks:
+            logger.info("Remote compile cache %s holds another KV size (%s blocks, local %s): not used", remote,
+                        saved.get("num_blocks"), self.manifest_num_blocks)
+            return
+        taken = []
+        for name, entry in saved.get("buckets", {}).items():
+            files = self._files(name)
+            if name in self.manifest or not all((remote / f).exists() for f in files):
+                continue
+            for f in files:
+                _copy_atomic(remote / f, self.dir / f)
+            self.manifest[name] = entry
+            taken.append(name)
+        if (remote / "cache_artifacts.bin").exists() and not self._artifacts_path.exists():
+            _copy_atomic(remote / "cache_artifacts.bin", self._artifacts_path)
+        if taken:
+            self.manifest_num_blocks = saved.get("num_blocks")
+            logger.info("Remote compile cache %s: took %d saved graphs (%s)", remote, len(taken), ", ".join(taken))
+
+    def _publish(self) -> None:
+        """Copies this cache's graphs the remote folder lacks there, then merges the manifests."""
+        remote = self.remote_dir
+        remote.mkdir(parents=True, exist_ok=True)
+        with open(remote / "manifest.lock", "a") as lock:
+            import fcntl
+
+            fcntl.flock(lock, fcntl.LOCK_EX)  # concurrent publishers merge one after the other
+            try:
+                saved = json.loads((remote / "manifest.json").read_text())
+            except (OSError, ValueError):
+                saved = {"key": self.key, "num_blocks": self.num_blocks, "buckets": {}}
+            if saved.get("num_blocks") != self.num_blocks:
+                logger.info("Remote compile cache %s holds another KV size (%s blocks, here %s): not published",
+                            remote, saved.get("num_blocks"), self.num_blocks)
+                return
+            sent = []
+            for name, entry in self.manifest.items():
+                files = self._files(name)
+                if name in saved["buckets"] or not all((self.dir / f).exists() for f in files):
+                    continue
+                for f in files:
+                    _copy_atomic(self.dir / f, remote / f)
+                saved["buckets"][name] = entry
+                sent.append(name)
+            if self._artifacts_path.exists():
+                _copy_atomic(self._artifacts_path, remote / "cache_artifacts.bin")
+            _write_text_atomic(remote / "key.json", json.dumps(self.key_parts, indent=1, sort_keys=True, default=str))
+            _write_text_atomic(remote / "manifest.json", json.dumps(saved, indent=1, sort_keys=True))
+        if sent:
+            logger.info("Remote compile cache %s: published %d graphs (%s)", remote, len(sent), ", ".join(sent))
+
+    def finish(self) -> None:
+        """After warm-up: saves torch's cache artifacts (no-aot torch) and publishes to the remote folder."""
+        if self.backend != "native" or self.disabled:
+            return
+        if self.artifacts:
+            saved = torch.compiler.save_cache_artifacts()
+            if saved is not None:
+                _write_bytes_atomic(self._artifacts_path, saved[0])
+                logger.info("Saved torch.compiler cache artifacts (%.1f MiB) to %s", len(saved[0]) / 2**20,
+                            self._artifacts_path)
+        if self.remote_dir is not None:
+            self._publish()
 
     def set_num_blocks(self, num_blocks: int, kv_sizing: dict[str, Any] | None = None) -> None:
         """The KV size the graphs are compiled for, and what chose it (recorded with it); a different
@@ -156,7 +325,7 @@ class GraphCompiler:
             return fn
         owner = fn.__self__
         external = {"graphs": owner, "model": owner.model}
-        use_aot = not self.disabled and bool(envs.VLLM_NEURON_AOT_COMPILE)
+        use_aot = self.aot
         path = self._aot_path(name)
         signature = input_signature(args)
         sig_path = path.with_suffix(".inputs")
@@ -186,7 +355,8 @@ class GraphCompiler:
                     # The guards are saved with the graph: only tensor guards survive serialization.
                     "guard_filter_fn": torch.compiler.keep_tensor_guards_unsafe}).aot_compile((args, {}))
                 path.parent.mkdir(parents=True, exist_ok=True)
-                compiled.save_compiled_function(str(path), external_data=external)
+                # Atomic like its signature: a crash mid-write never leaves a truncated graph to load.
+                _write_atomic(path, lambda tmp: compiled.save_compiled_function(tmp, external_data=external))
                 _write_text_atomic(sig_path, signature)
                 compiled.disable_guard_check()
                 self._source = "compiled"
@@ -205,7 +375,8 @@ class GraphCompiler:
         misses0 = counters["inductor"]["fxgraph_cache_miss"]
         self._source = None
         t0 = time.perf_counter()
-        run()
+        with _deadline(name, self.timeout if self.backend == "native" else None):
+            run()
         seconds = time.perf_counter() - t0
         misses = counters["inductor"]["fxgraph_cache_miss"] - misses0
         # A traced bucket counts as a hit when inductor's cache served it; a loaded one always does.
@@ -235,10 +406,30 @@ class GraphCompiler:
         return sum(1 for r in self.records if not r.cache_hit) if self.backend == "native" else 0
 
 
+def _write_atomic(path: Path, write: Callable[[str], None]) -> None:
+    """write(tmp) fills a temporary file next to `path`, which then replaces `path` in one step: a
+    concurrent start never reads half a file, and a crash leaves the old file or none."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
 def _write_text_atomic(path: Path, text: str) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)  # a concurrent start never reads half a file
+    _write_atomic(path, lambda tmp: Path(tmp).write_text(text))
+
+
+def _write_bytes_atomic(path: Path, data: bytes) -> None:
+    _write_atomic(path, lambda tmp: Path(tmp).write_bytes(data))
+
+
+def _copy_atomic(src: Path, dst: Path) -> None:
+    _write_atomic(dst, lambda tmp: shutil.copyfile(src, tmp))
 
 
 def input_signature(args: tuple) -> str:

@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 
 from vllm_neuron.model.layers.attention import AttentionMetadata, context_positions, decode_mask, prefill_mask
-from vllm_neuron.model.layers.in_graph_sampler import apply_token_bitmask, greedy_in_graph, sample_in_graph
-from vllm_neuron.worker.batch_state import counter_uniform
+from vllm_neuron.model.layers.in_graph_sampler import (apply_token_bitmask, counter_uniform, greedy_in_graph,
+                                                       sample_in_graph)
 
 
 class StepGraphs:

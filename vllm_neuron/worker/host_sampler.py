@@ -3,6 +3,9 @@
 Order per row, as vLLM V1's Sampler: raw logprobs (log_softmax of the model's logits) ->
 allowed_token_ids -> bad words -> min_tokens suppression -> logit_bias -> repetition / frequency /
 presence penalties -> greedy argmax, or temperature -> min_p -> top-k -> top-p -> random sample.
+Temperature, top-k, top-p and the draw are the in-graph sampler's own function (`sample_in_graph`) with
+the row's `counter_uniform` number, so a row sampled here gets the token the graph would have given it
+from the same logits.
 Each stage is one batched op over the rows that need it, not a loop over rows: on a busy CPU every
 parallel op over the vocabulary can cost a scheduler wake-up (measured: ~5 ms each on 2 cores).
 """
@@ -13,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from vllm_neuron.model.layers.in_graph_sampler import sample_in_graph
 from vllm_neuron.sampling_params import SAMPLING_EPS, SamplingParams
 
 
@@ -21,7 +25,7 @@ class HostSamplingRow:
     params: SamplingParams
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]
-    generator: torch.Generator | None  # the request's own generator when params.seed is set
+    uniform: float  # the row's random number, counter_uniform(seed, position)
     stop_token_ids_for_min_tokens: Sequence[int]  # EOS + stop ids, banned while output < min_tokens
     bad_words_token_ids: Sequence[Sequence[int]] = ()
 
@@ -123,46 +127,10 @@ def _process_logits(x: torch.Tensor, rows: Sequence[HostSamplingRow]) -> None:
         _apply_penalties(x, penalized, rows)
 
 
-def _apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+def _min_p_mask(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     probs = torch.softmax(logits, dim=-1)
     threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
-    return logits.masked_fill(probs < threshold, float("-inf"))
-
-
-def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
-                       top_p: torch.Tensor | None) -> torch.Tensor:
-    """top_k: [N] int (vocab size = off); top_p: [N] float (1.0 = off)."""
-    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
-    if top_k is not None:
-        # Ties with the k-th value stay in, as in vLLM (a threshold, not a count).
-        kth = sorted_logits.gather(1, (top_k - 1).clamp(min=0).unsqueeze(1))
-        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
-    if top_p is not None:
-        probs = torch.softmax(sorted_logits, dim=-1)
-        # Keep the smallest prefix whose mass reaches top_p: a token stays if the mass before it < p.
-        mass_before = probs.cumsum(dim=-1) - probs
-        drop = mass_before >= top_p.unsqueeze(1)
-        # Rounding can push the running mass to 1.0 before the tail; p = 1 must keep every token.
-        drop &= (top_p < 1.0).unsqueeze(1)
-        drop[:, 0] = False
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.empty_like(logits).scatter_(1, sorted_idx, sorted_logits)
-
-
-def _random_sample(probs: torch.Tensor, rows: Sequence[HostSamplingRow]) -> torch.Tensor:
-    # Exponential race (argmax of p / q, q ~ Exp(1)) equals sampling from p. Seeded rows draw q from
-    # their own generator, so their result does not depend on the rest of the batch.
-    q = torch.empty_like(probs)
-    unseeded = [i for i, r in enumerate(rows) if r.generator is None]
-    if unseeded:
-        if len(unseeded) == len(rows):
-            q.exponential_()
-        else:
-            q[unseeded] = torch.empty_like(probs[unseeded]).exponential_()
-    for i, r in enumerate(rows):
-        if r.generator is not None:
-            q[i].exponential_(generator=r.generator)
-    return (probs / q).argmax(dim=-1)
+    return probs < threshold
 
 
 def _gather_logprobs(raw_logprobs: torch.Tensor, token_ids: list[int],
@@ -186,30 +154,32 @@ def _gather_logprobs(raw_logprobs: torch.Tensor, token_ids: list[int],
     return results
 
 
-def _sample_random(x: torch.Tensor, rows: Sequence[HostSamplingRow]) -> torch.Tensor:
+def _sample_random(x: torch.Tensor, rows: Sequence[HostSamplingRow], max_top_k: int) -> torch.Tensor:
     """Temperature -> min_p -> top-k -> top-p -> sample, for rows with temperature > 0."""
     dev = x.device
     vocab = x.shape[1]
     temp = torch.tensor([r.params.temperature for r in rows], dtype=torch.float32, device=dev)
-    x = x / temp.unsqueeze(1)
     min_p_rows = [j for j, r in enumerate(rows) if r.params.min_p > 0.0]
     if min_p_rows:
         min_p = torch.tensor([rows[j].params.min_p for j in min_p_rows], dtype=torch.float32, device=dev)
-        x[min_p_rows] = _apply_min_p(x[min_p_rows], min_p)
-    # Rows without truncation skip the sort entirely (and keep every token exactly).
-    trunc_rows = [j for j, r in enumerate(rows) if 0 < r.params.top_k < vocab or r.params.top_p < 1.0]
-    if trunc_rows:
-        ks = [rows[j].params.top_k if 0 < rows[j].params.top_k < vocab else vocab for j in trunc_rows]
-        ps = [rows[j].params.top_p for j in trunc_rows]
-        x[trunc_rows] = _apply_top_k_top_p(
-            x[trunc_rows],
-            torch.tensor(ks, dtype=torch.long, device=dev) if any(k < vocab for k in ks) else None,
-            torch.tensor(ps, dtype=torch.float32, device=dev) if any(p < 1.0 for p in ps) else None)
-    return _random_sample(torch.softmax(x, dim=-1), rows)
+        # min_p judges the temperature-scaled probabilities; the masked logits go on unscaled.
+        x[min_p_rows] = x[min_p_rows].masked_fill(
+            _min_p_mask(x[min_p_rows] / temp[min_p_rows].unsqueeze(1), min_p), float("-inf"))
+    top_k = [r.params.top_k if 0 < r.params.top_k < vocab else 0 for r in rows]
+    top_p = [r.params.top_p for r in rows]
+    # The threshold search needs the largest top_k (or the top-p cap) of the batch; none at all
+    # when no row truncates.
+    width = max([*top_k, max_top_k if any(p < 1.0 for p in top_p) else 1])
+    return sample_in_graph(x, temp, torch.tensor(top_k, dtype=torch.long, device=dev),
+                           torch.tensor(top_p, dtype=torch.float32, device=dev),
+                           torch.tensor([r.uniform for r in rows], dtype=torch.float32, device=dev),
+                           max_top_k=max_top_k, width=width)
 
 
-def host_sample(logits: torch.Tensor, rows: Sequence[HostSamplingRow]) -> HostSampleResult:
-    """Samples one token per row of logits [N, V] with each row's SamplingParams."""
+def host_sample(logits: torch.Tensor, rows: Sequence[HostSamplingRow], max_top_k: int | None = None
+                ) -> HostSampleResult:
+    """Samples one token per row of logits [N, V] with each row's SamplingParams. max_top_k: how many
+    tokens top-p looks at when top_k is off (the in-graph sampler's cap; None: the whole vocabulary)."""
     if logits.dim() != 2 or logits.shape[0] != len(rows):
         raise ValueError(f"logits must be [num_rows, vocab] with num_rows={len(rows)}, "
                          f"got shape {tuple(logits.shape)}")
@@ -229,7 +199,8 @@ def host_sample(logits: torch.Tensor, rows: Sequence[HostSamplingRow]) -> HostSa
         sampled[:] = x.argmax(dim=-1)
     random_idx = [i for i in range(num_rows) if not greedy[i]]
     if random_idx:
-        sampled[random_idx] = _sample_random(x[random_idx], [rows[i] for i in random_idx])
+        cap = x.shape[1] if max_top_k is None else min(max_top_k, x.shape[1])
+        sampled[random_idx] = _sample_random(x[random_idx], [rows[i] for i in random_idx], cap)
 
     token_ids = sampled.tolist()
     logprobs: list[list[tuple[int, float, int]] | None] = [None] * num_rows

@@ -72,7 +72,7 @@ class ModelRunnerV1(ModelRunnerBase):
         x = build_verify_inputs(chunks, batch, self.spec.k, context // self.block_size, self.block_size)
         req_ids = [c.req_id for c in chunks]
         s = self.sampling.graph_tensors(req_ids, batch)
-        acc, smp = self.spec.uniforms(self.sampling.states, self.sampling.rng, req_ids, batch)
+        acc, smp = self.spec.uniforms(self.sampling.states, req_ids, batch)
         with torch.inference_mode():
             graph = self._graph("verify", batch, context)
             return graph(self._t(x.input_ids), self._t(x.positions), self._t(x.slot_mapping), self._t(x.block_tables),

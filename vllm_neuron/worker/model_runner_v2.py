@@ -11,7 +11,8 @@ bucket names and warm-up):
 * Prefill: prompt tokens are new data, so inputs are host-built as in MRv1, plus each sampled row's
   slot; the graph writes those rows' token state as well as the KV cache.
 * Random sampling draws a uniform per row inside the graph from (slot seed, position), so a seeded
-  request samples the same text whatever its neighbours, with no host RNG per step.
+  request samples the same text whatever its neighbours, with no host RNG per step; MRv1 and the host
+  sampler draw the same number for the same token (model/layers/in_graph_sampler.py).
 Rows that need host sampling (penalties, logprobs, ...) are sampled from the returned logits as in
 MRv1, and their token is written into the slot before execute returns.
 """
@@ -23,7 +24,7 @@ from vllm_neuron.config.engine_config import EngineConfig
 from vllm_neuron.model.loader import Checkpoint
 from vllm_neuron.sampling_params import SAMPLING_EPS
 from vllm_neuron.step import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
-from vllm_neuron.worker.batch_state import BatchState, SlotParams, fold_seed
+from vllm_neuron.worker.batch_state import BatchState, SlotParams
 from vllm_neuron.worker.graphs import StepGraphsV2
 from vllm_neuron.worker.runner_base import ModelRunnerBase
 
@@ -33,7 +34,6 @@ class ModelRunnerV2(ModelRunnerBase):
                  backend: str) -> None:
         super().__init__(config, checkpoint, device, dtype, backend)
         self.state = BatchState(config.max_num_seqs, config.max_model_len // self.block_size, device)
-        self._seeds: dict[str, int] = {}  # kept across preemption, dropped when the request finishes
         self._context_cols: dict[int, torch.Tensor] = {}
 
     def _graph_options(self) -> dict:
@@ -64,12 +64,7 @@ class ModelRunnerV2(ModelRunnerBase):
     def _slot_params(self, req_id: str) -> SlotParams:
         st = self.sampling.states[req_id]
         p = st.params
-        seed = self._seeds.get(req_id)
-        if seed is None:
-            # Unseeded requests draw their seed from the engine's seeded generator, once per request.
-            seed = fold_seed(p.seed) if p.seed is not None else int(
-                torch.randint(0, 1 << 32, (1,), generator=self.sampling.rng).item())
-            self._seeds[req_id] = seed
+        seed = st.seed  # kept across preemption: the rejoined slot draws the same numbers
         if self.odsc is None or self.odsc.all_greedy or st.on_host or p.temperature < SAMPLING_EPS:
             return SlotParams(seed=seed)  # greedy in the graph; host rows are resampled on the host
         return SlotParams(p.temperature, self.odsc.effective_top_k(p.top_k), p.top_p, seed)
@@ -78,7 +73,6 @@ class ModelRunnerV2(ModelRunnerBase):
         for rid in sched.finished_req_ids:
             self.state.leave(rid)
             self.sampling.remove(rid)
-            self._seeds.pop(rid, None)
         for rid, n in sched.preempted_req_ids.items():
             self.state.leave(rid)  # its KV is gone; it rejoins when prefilled again
             self.sampling.truncate(rid, n)

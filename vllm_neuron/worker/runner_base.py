@@ -213,6 +213,7 @@ class ModelRunnerBase:
                         name)
             run = getattr(self, f"_run_{kind}")  # _run_prefill / _run_decode / a runner's own kinds
             self.compiler.warm(name, lambda: run([], size, ctx))
+        self.compiler.finish()
         return self.compiler
 
     # -- graphs ----------------------------------------------------------------------------------

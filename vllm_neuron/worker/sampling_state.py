@@ -3,7 +3,9 @@
 Rows whose parameters the in-graph sampler covers (greedy / temperature / top-k / top-p) take the
 graph's token; rows that need more (penalties, min_p, logit bias, min_tokens, logprobs, bad words,
 allowed tokens) or all rows under CPU sampling go through `host_sample` on the graph's logits.
-Seeded requests own a torch.Generator, so their tokens do not depend on their batch neighbours.
+Every request holds a 32-bit seed (its own, folded, or one drawn from the engine's seeded generator
+when it has none) and each token's random number is `counter_uniform(seed, position)` on every path,
+so a request's tokens depend neither on its batch neighbours nor on which path sampled them.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import numpy as np
 import torch
 
 from vllm_neuron.config.neuron_config import OnDeviceSamplingConfig
+from vllm_neuron.model.layers.in_graph_sampler import counter_uniform, fold_seed
 from vllm_neuron.logger import init_logger, warning_once
 from vllm_neuron.sampling_params import SAMPLING_EPS
 from vllm_neuron.step import NewRequestData, StepLogprobs
@@ -24,9 +27,14 @@ logger = init_logger(__name__)
 @dataclass
 class RequestState:
     data: NewRequestData
+    seed: int  # 32 bits, folded (counter_uniform's input)
     output_token_ids: list[int] = field(default_factory=list)
-    generator: torch.Generator | None = None
     on_host: bool = False
+
+    @property
+    def next_position(self) -> int:
+        """Position of the token sampled next (what its random number is drawn for)."""
+        return len(self.data.prompt_token_ids) + len(self.output_token_ids)
 
     @property
     def params(self):
@@ -45,15 +53,16 @@ class SamplingStates:
 
     def add(self, data: NewRequestData) -> None:
         p = data.sampling_params
-        gen = torch.Generator().manual_seed(p.seed) if p.seed is not None else None
+        seed = fold_seed(p.seed) if p.seed is not None else int(
+            torch.randint(0, 1 << 32, (1,), generator=self.rng).item())
         # A top_k wider than the graph's top-k width would be silently narrowed: sample it on the host.
         on_host = self.odsc is None or p.needs_host_sampling or p.top_k > self.odsc.top_k
-        if not on_host and p.top_k == -1 and p.temperature >= SAMPLING_EPS and not self.odsc.all_greedy:
-            # Only an explicit -1 asks for the whole vocabulary; the default (0) is told once at start-up.
-            warning_once(logger, "top_k=-1 (off) is limited to %d by on-device sampling "
-                         "(neuron_config.on_device_sampling_config.top_k); set on_device_sampling_config to "
-                         "null for sampling over the full vocabulary", self.odsc.top_k)
-        self.states[data.req_id] = RequestState(data, generator=gen, on_host=on_host)
+        if (self.odsc is not None and p.top_k <= 0 and p.top_p < 1.0 and p.temperature >= SAMPLING_EPS
+                and not self.odsc.all_greedy):
+            warning_once(logger, "top_p with top_k=-1 (off) keeps at most the %d most likely tokens "
+                         "(neuron_config.on_device_sampling_config.top_k), in the graph and on the host alike; "
+                         "set on_device_sampling_config to null for top-p over the full vocabulary", self.odsc.top_k)
+        self.states[data.req_id] = RequestState(data, seed, on_host=on_host)
 
     def truncate(self, req_id: str, num_output_tokens: int) -> None:
         """Forgets samples the scheduler dropped (a preempted request's step in flight)."""
@@ -72,20 +81,23 @@ class SamplingStates:
         uniform = np.zeros(rows, np.float32)
         if self.odsc is None or self.odsc.all_greedy:
             return {"temperature": temp, "top_k": top_k, "top_p": top_p, "uniform": uniform}
-        unseeded = []
+        rows_in_graph = []
         for i, rid in enumerate(req_ids):
             st = self.states[rid]
             p = st.params
             if st.on_host or p.temperature < SAMPLING_EPS:
                 continue
             temp[i], top_k[i], top_p[i] = p.temperature, self.odsc.effective_top_k(p.top_k), p.top_p
-            if st.generator is not None:
-                uniform[i] = torch.rand(1, generator=st.generator).item()
-            else:
-                unseeded.append(i)
-        if unseeded:
-            uniform[unseeded] = torch.rand(len(unseeded), generator=self.rng).numpy()
+            rows_in_graph.append(i)
+        if rows_in_graph:
+            uniform[rows_in_graph] = self.uniforms([req_ids[i] for i in rows_in_graph]).numpy()
         return {"temperature": temp, "top_k": top_k, "top_p": top_p, "uniform": uniform}
+
+    def uniforms(self, req_ids: list[str]) -> torch.Tensor:
+        """[N] float32: each request's random number for the token it samples next."""
+        sts = [self.states[r] for r in req_ids]
+        return counter_uniform(torch.tensor([s.seed for s in sts], dtype=torch.int64),
+                               torch.tensor([s.next_position for s in sts], dtype=torch.int64))
 
     def finalize(self, req_ids: list[str], graph_tokens: torch.Tensor | None, logits: torch.Tensor
                  ) -> tuple[dict[str, list[int]], dict[str, StepLogprobs]]:
@@ -95,15 +107,17 @@ class SamplingStates:
         logprobs: dict[str, StepLogprobs] = {}
         if host_rows:
             rows = []
-            for i in host_rows:
+            uniforms = self.uniforms([req_ids[i] for i in host_rows]).tolist()
+            for i, u in zip(host_rows, uniforms):
                 st = self.states[req_ids[i]]
                 p = st.params
                 stop_ids = list(p.stop_token_ids or ())
                 if st.data.eos_token_id is not None:  # min_tokens holds EOS back even with ignore_eos
                     stop_ids.append(st.data.eos_token_id)
-                rows.append(HostSamplingRow(p, st.data.prompt_token_ids, st.output_token_ids, st.generator,
+                rows.append(HostSamplingRow(p, st.data.prompt_token_ids, st.output_token_ids, u,
                                             stop_ids, p._bad_words_token_ids or ()))
-            res = host_sample(logits[host_rows].float().cpu(), rows)
+            res = host_sample(logits[host_rows].float().cpu(), rows,
+                              max_top_k=self.odsc.top_k if self.odsc is not None else None)
             for j, i in enumerate(host_rows):
                 tokens[i] = res.token_ids[j]
                 if res.logprobs[j] is not None:

@@ -17,10 +17,13 @@ from vllm_neuron.config.speculative import SpeculativeConfig
 from vllm_neuron.logger import init_logger, warning_once
 from vllm_neuron.model.layers.attention import AttentionMetadata, verify_mask
 from vllm_neuron.model.layers.rejection_sampler import rejection_sample
-from vllm_neuron.model.layers.in_graph_sampler import apply_token_bitmask
+from vllm_neuron.model.layers.in_graph_sampler import apply_token_bitmask, counter_uniform
 from vllm_neuron.sampling_params import SAMPLING_EPS
 from vllm_neuron.spec_decode.ngram_proposer import propose_ngram
 from vllm_neuron.worker.graphs import StepGraphs
+
+# Speculative draws hash positions from here on, apart from plain sampling's (the token's position).
+_SPEC_STREAM = 1 << 31
 
 logger = init_logger(__name__)
 
@@ -88,8 +91,9 @@ class SpecDecoder:
             return False
         return True
 
-    def uniforms(self, states, rng: torch.Generator, req_ids: list[str], rows: int) -> tuple[np.ndarray, np.ndarray]:
-        """(accept [rows, K], sample [rows, K + 1]) uniforms; seeded requests draw from their own generator."""
+    def uniforms(self, states, req_ids: list[str], rows: int) -> tuple[np.ndarray, np.ndarray]:
+        """(accept [rows, K], sample [rows, K + 1]) uniforms: counter_uniform of the request's seed, on a
+        stream of positions apart from plain sampling's, so a row's draws depend on nothing else."""
         k = self.k
         acc = np.zeros((rows, k), np.float32)
         smp = np.zeros((rows, k + 1), np.float32)
@@ -97,6 +101,7 @@ class SpecDecoder:
             st = states[rid]
             if st.on_host or st.params.temperature < SAMPLING_EPS:
                 continue
-            u = torch.rand(2 * k + 1, generator=st.generator if st.generator is not None else rng).numpy()
+            pos = _SPEC_STREAM + st.next_position * (2 * k + 1) + torch.arange(2 * k + 1)
+            u = counter_uniform(torch.full((2 * k + 1,), st.seed), pos).numpy()
             acc[i], smp[i] = u[:k], u[k:]
         return acc, smp

@@ -1,8 +1,19 @@
-"""In-graph ("on-device") sampling: greedy, temperature, top-k, top-p, per row.
+"""The seeded sampler: greedy, temperature, top-k, top-p, per row; in the graph and on the host.
 
-Runs inside the compiled graph of every bucket, so it uses static shapes only: no `.item()`, no
-Python branch on tensor values. Randomness comes in as one uniform number per row (drawn on the host
-from the request's own generator when it has a seed), so the graph itself is deterministic.
+One definition of random sampling for every path a request can take, so that a seeded request's
+tokens do not depend on which path sampled them (in-graph on Model Runner V1 or V2, or the host
+sampler when logprobs, a penalty or any other host-only option is set, or after preemption):
+* the random number of a row is `counter_uniform(seed, position)`: a pure function of the request's
+  32-bit seed and the position of the token being sampled (no generator state to drift);
+* the kept set is a logit threshold: top-k keeps the k best tokens (ties with the k-th included),
+  top-p the smallest prefix of them, most likely first, whose probability reaches top_p (over the
+  top-k tokens when top_k is set, else over the whole vocabulary); with top_k off, top-p looks at
+  no more than `max_top_k` tokens (neuron_config.on_device_sampling_config.top_k, 256 by default),
+  on every path alike; with neither set the whole vocabulary is kept;
+* the token is the inverse CDF of the kept probabilities, in token-id order, at that number.
+Static shapes only (no `.item()`, no Python branch on tensor values): it runs inside the compiled
+graph of every bucket. A batch whose rows are all greedy skips the top-k, top-p and CDF work
+(`torch.cond`, a real branch in the compiled graph).
 """
 from __future__ import annotations
 
@@ -10,8 +21,37 @@ import torch
 
 # Below this temperature a row is greedy (same threshold as SamplingParams).
 _GREEDY_EPS = 1e-5
-# The seeds: "When top_k is set to -1, it is internally limited to 256".
+# The seeds: "When top_k is set to -1, it is internally limited to 256" (here: top-p's search width).
 DEFAULT_MAX_TOP_K = 256
+
+_M32 = 0xFFFFFFFF
+# Multipliers below 2**31: a 32-bit value times one stays below 2**63, so int64 never overflows.
+_MUL_A = 0x7FEB352D
+_MUL_B = 0x6A09E667
+_POS_SALT = 0x5BD1E995
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """An avalanching 32-bit integer mix; x holds values in [0, 2**32) as int64."""
+    x = x ^ (x >> 16)
+    x = (x * _MUL_A) & _M32
+    x = x ^ (x >> 15)
+    x = (x * _MUL_B) & _M32
+    return x ^ (x >> 16)
+
+
+def counter_uniform(seed: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+    """[N] float32 in [0, 1) from int64 seeds in [0, 2**32) and positions (counter-based: the same
+    (seed, position) always gives the same number, on any device, in or out of a graph)."""
+    h = _mix32((seed & _M32) ^ _mix32((position & _M32) ^ _POS_SALT))
+    # 24 bits: exactly representable in float32, so the result is strictly below 1.
+    return (h >> 8).to(torch.float32) * (1.0 / (1 << 24))
+
+
+def fold_seed(seed: int) -> int:
+    """A request's integer seed (any size or sign) folded to the 32 bits `counter_uniform` hashes."""
+    s = seed % (1 << 64)
+    return (s ^ (s >> 32)) & _M32
 
 
 def greedy_in_graph(logits: torch.Tensor) -> torch.Tensor:
@@ -19,10 +59,51 @@ def greedy_in_graph(logits: torch.Tensor) -> torch.Tensor:
     return torch.argmax(logits, dim=-1)
 
 
+def _sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                 uniform: torch.Tensor, max_top_k: int, width: int) -> torch.Tensor:
+    vocab = logits.shape[-1]
+    k = min(width, vocab)  # a Python int: shapes are static per compiled graph
+    is_greedy = temperature < _GREEDY_EPS
+    safe_temp = torch.where(is_greedy, torch.ones_like(temperature), temperature)
+    scaled = logits / safe_temp.unsqueeze(1)
+    lse_all = torch.logsumexp(scaled, dim=-1, keepdim=True)
+
+    # The kept set as a threshold on the scaled logits, found on the k best tokens.
+    top_vals = torch.topk(scaled, k, dim=-1).values
+    positions = torch.arange(k, device=logits.device).unsqueeze(0)
+    k_off = torch.full_like(top_k, min(max_top_k, k))
+    k_eff = torch.where(top_k <= 0, k_off, top_k.clamp(max=k))
+    in_k = positions < k_eff.unsqueeze(1)
+    masked = top_vals.masked_fill(~in_k, float("-inf"))
+    norm = torch.where((top_k > 0).unsqueeze(1), torch.logsumexp(masked, dim=-1, keepdim=True), lse_all)
+    probs_sorted = torch.exp(masked - norm)
+    # A token stays if the mass before it is below top_p; the first always stays, and top_p = 1
+    # keeps all (rounding must not drop the tail).
+    mass_before = torch.cumsum(probs_sorted, dim=-1) - probs_sorted
+    keep = in_k & ((mass_before < top_p.unsqueeze(1)) | (top_p >= 1.0).unsqueeze(1) | (positions == 0))
+    last_kept = (keep.sum(dim=-1, keepdim=True) - 1).clamp(min=0)
+    threshold = top_vals.gather(1, last_kept)
+    truncating = ((top_k > 0) | (top_p < 1.0)).unsqueeze(1)
+    threshold = torch.where(truncating, threshold, torch.full_like(threshold, float("-inf")))
+    kept = scaled >= threshold
+
+    # Inverse CDF over the kept probabilities in token-id order (no sort of the vocabulary).
+    probs = torch.exp(scaled - lse_all) * kept
+    cdf = torch.cumsum(probs, dim=-1)
+    target = uniform.to(torch.float32).unsqueeze(1) * cdf[:, -1:]
+    choice = (cdf <= target).sum(dim=-1)
+    # Rounding at the top end must not step past the last kept token.
+    ids = torch.arange(vocab, device=logits.device)
+    last_id = torch.where(kept & (probs > 0), ids, torch.zeros_like(ids)).amax(dim=-1)
+    sampled = torch.minimum(choice, last_id)
+    return torch.where(is_greedy, torch.argmax(logits, dim=-1), sampled)
+
+
 def filtered_top_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
                        top_p: torch.Tensor, max_top_k: int = DEFAULT_MAX_TOP_K
                        ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The distribution a random row samples from, in top-k space: (probs [B, k] unnormalized over the
+    """The speculative-decoding rejection sampler's distribution, in top-k space (top_k off is capped at
+    max_top_k here): (probs [B, k] unnormalized over the
     kept tokens, zero elsewhere; top_idx [B, k] their token ids), k = min(max_top_k, V).
 
     softmax of logits / temperature restricted to the top min(top_k, max_top_k) tokens, then to the
@@ -64,17 +145,20 @@ def inverse_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
 
 def sample_in_graph(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
                     top_p: torch.Tensor, uniform: torch.Tensor,
-                    max_top_k: int = DEFAULT_MAX_TOP_K) -> torch.Tensor:
-    """Samples one token per row.
+                    max_top_k: int = DEFAULT_MAX_TOP_K, width: int | None = None) -> torch.Tensor:
+    """Samples one token per row (the module docstring says how).
 
-    logits [B, V]; temperature [B] f32 (0 = greedy); top_k [B] int64 (<= 0: max_top_k);
-    top_p [B] f32 in (0, 1]; uniform [B] f32 in [0, 1). Returns [B] int64 token ids, drawn from
-    `filtered_top_probs` (inverse CDF on the unnormalized kept mass: same as renormalizing).
+    logits [B, V]; temperature [B] f32 (0 = greedy); top_k [B] int64 (<= 0: off); top_p [B] f32 in
+    (0, 1]; uniform [B] f32 in [0, 1) (`counter_uniform`). max_top_k caps top-p's tokens when top_k
+    is off; width (default max_top_k) is how many tokens the threshold search looks at, at least the
+    largest top_k of the batch. Returns [B] int64 token ids.
     """
-    greedy_tokens = torch.argmax(logits, dim=-1)
-    probs, top_idx = filtered_top_probs(logits, temperature, top_k, top_p, max_top_k)
-    sampled = top_idx.gather(1, inverse_cdf(probs, uniform).unsqueeze(1)).squeeze(1)
-    return torch.where(temperature < _GREEDY_EPS, greedy_tokens, sampled)
+    logits = logits.to(torch.float32)
+    width = max_top_k if width is None else width
+    all_greedy = (temperature < _GREEDY_EPS).all()
+    return torch.cond(all_greedy, lambda lg, t, k, p, u: torch.argmax(lg, dim=-1),
+                      lambda lg, t, k, p, u: _sample_rows(lg, t, k, p, u, max_top_k, width),
+                      (logits, temperature, top_k, top_p, uniform))
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:

@@ -3,7 +3,9 @@
 Each kernel is C++ registered as a torch custom op (`torch.ops.vllm_neuron.*`) with a fake
 implementation, so torch.compile keeps it as one call inside a bucket's graph. The shared object is
 compiled once per machine with the system C++ compiler into `<cache root>/kernels/<hash>/` (the hash
-covers the source, torch's version, the CPU variant and its flags) and reused by every later start.
+covers the source, torch's version, the CPU variant and its flags, the compiler and the CPU's instruction
+set: -march=native builds must never reach another CPU through a shared cache root) and reused by every
+later start.
 
 One build per CPU class (`VARIANTS`), picked from /proc/cpuinfo or forced with VLLM_NEURON_CPU_ISA:
 `avx512bf16` (bf16 dot products in hardware), `avx2` (x86-64-v3: AVX2 + FMA; bf16 widened to fp32),
@@ -26,6 +28,7 @@ from pathlib import Path
 import torch
 
 from vllm_neuron import envs
+from vllm_neuron.config.device import compiler_id, cpu_isa
 from vllm_neuron.logger import init_logger
 
 logger = init_logger(__name__)
@@ -93,7 +96,7 @@ def _compile(out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
-    cmd = [os.environ.get("CXX", "g++"), *_FLAGS, *VARIANTS[kernel_variant()[0]], abi, *includes,
+    cmd = [_cxx(), *_FLAGS, *VARIANTS[kernel_variant()[0]], abi, *includes,
            *[str(here / s) for s in _SOURCES],
            "-o", tmp, f"-L{torch_lib}", "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{torch_lib}"]
     logger.info("Building the custom CPU kernels, %s build (once per machine and CPU class) into %s",
@@ -113,7 +116,13 @@ def _digest() -> str:
     h.update(torch.__version__.encode())
     variant = kernel_variant()[0]
     h.update(" ".join((*_FLAGS, variant, *VARIANTS[variant])).encode())
+    h.update(compiler_id(_cxx()).encode())
+    h.update(cpu_isa().encode())
     return h.hexdigest()[:16]
+
+
+def _cxx() -> str:
+    return os.environ.get("CXX", "g++")
 
 
 @functools.lru_cache(maxsize=1)

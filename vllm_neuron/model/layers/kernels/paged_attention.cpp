@@ -261,6 +261,17 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
   TORCH_CHECK(query_start.size(0) == block_tables.size(0) + 1, "query_start must have one entry per sequence + 1");
   TORCH_CHECK(q.size(1) % k_cache.size(1) == 0, "query heads must be a multiple of KV heads");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
+  // What the loops index without further checks: head dims, one position per query row, the block
+  // table's ids inside the pool.
+  TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), "k_cache and v_cache must have the same shape");
+  TORCH_CHECK(q.size(2) == k_cache.size(2), "q's head dim must equal the caches' head dim");
+  TORCH_CHECK(block_size > 0 && k_cache.size(0) % block_size == 0, "cache slots must be whole blocks");
+  TORCH_CHECK(block_tables.dim() == 2 && query_start.dim() == 1 && positions.dim() == 1,
+              "block_tables [S, n], query_start [S + 1], positions [N]");
+  TORCH_CHECK(positions.size(0) == q.size(0), "positions must have one entry per query row");
+  TORCH_CHECK(block_tables.numel() == 0 || (block_tables.min().item<int64_t>() >= 0 &&
+                                            block_tables.max().item<int64_t>() < k_cache.size(0) / block_size),
+              "block ids must be in [0, number of cache blocks)");
   auto qc = q.contiguous();
   auto bt = block_tables.contiguous();
   auto qs = query_start.contiguous();
