@@ -171,7 +171,9 @@ def test_heavy_request_leaves_the_loop_free(trusted_url):
         time.sleep(0.05)
     worker.join()
     assert done["heavy"] > 1.0, "the template did not take long enough to measure anything"
-    assert worst < 0.5, f"/health stalled {worst:.2f} s while a {done['heavy']:.1f} s template rendered"
+    # Relative bound: a blocked loop stalls /health for most of the render (>= 0.7x of it); a free
+    # one answers in milliseconds, but a loaded 2-core machine can stretch that past a fixed 0.5 s.
+    assert worst < done["heavy"] / 3, f"/health stalled {worst:.2f} s while a {done['heavy']:.1f} s template rendered"
 
 
 def test_unsupported_method_is_405(base_url):
