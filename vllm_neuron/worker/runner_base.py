@@ -19,10 +19,11 @@ from vllm_neuron.config import buckets as B
 from vllm_neuron.config.device import check_weight_quantization
 from vllm_neuron.config.engine_config import EngineConfig
 from vllm_neuron.logger import init_logger
-from vllm_neuron.model.layers import kv_quant
+from vllm_neuron.model.layers import kv_quant, quant_fp8
 from vllm_neuron.model.layers.kernels import (describe_kernels, kernel_variant, kernels_enabled, linear_kernel_dtypes,
                                               quant_kernels_available)
-from vllm_neuron.model.layers.linear import quantize_linears_, set_quant_kernels, set_small_batch_kernel
+from vllm_neuron.model.layers.linear import (make_linears_fp8_, quantize_linears_, set_quant_kernels,
+                                             set_small_batch_kernel)
 from vllm_neuron.model.layers.paged_decode import paged_decode_available
 from vllm_neuron.model.loader import Checkpoint
 from vllm_neuron.model.registry import model_spec, resolve_model_class
@@ -77,6 +78,11 @@ class ModelRunnerBase:
         self._kv_sizing: dict | None = None
         self.model_cls = resolve_model_class(checkpoint.hf_config)
         self.model_spec = model_spec(checkpoint.hf_config, config.neuron_config.quantization)
+        # FP8 static weights come from the checkpoint's quantization_config (any other scheme is refused here).
+        self.ckpt_scheme, self.ckpt_unquantized = quant_fp8.checkpoint_weight_scheme(checkpoint.hf_config)
+        if self.ckpt_scheme and config.neuron_config.quantization:
+            raise ValueError(f"neuron_config.quantization={config.neuron_config.quantization!r} cannot apply to a "
+                             f"checkpoint whose weights are already quantized ({self.ckpt_scheme}); remove it")
         # Sinks and sliding windows take the torch attention path (the kernel is plain causal).
         self.use_kernels = kernels_enabled(device) and not self.model_spec.needs_torch_attention
         kernel_dtypes = linear_kernel_dtypes(device)
@@ -104,6 +110,10 @@ class ModelRunnerBase:
                 model = cls(self.ckpt.hf_config, quantization=self.config.neuron_config.quantization)
         finally:
             torch.set_default_dtype(prev)
+        if self.ckpt_scheme == "fp8":
+            n = make_linears_fp8_(model, self.ckpt_unquantized)
+            logger.info("FP8 static weights (ModelOpt checkpoint): %d linear layers hold float8_e4m3fn weights "
+                        "and compute in %s", n, self.dtype)
         kv_scales: list[str] = []
         nbytes = model.load_weights(tqdm(kv_quant.tap_scales(self.ckpt.iter_weights(self.dtype), kv_scales),
                                          desc="Loading weights", unit="tensor", leave=False, disable=None))

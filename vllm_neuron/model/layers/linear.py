@@ -47,7 +47,21 @@ class Linear(nn.Linear):
         self.register_buffer("qscale", qscale)
         self.quantization = scheme
 
+    def make_fp8_(self) -> None:
+        """Holds an FP8 checkpoint's weight as it is stored (float8_e4m3fn) with one fp32 scale per output
+        row (`weight_scale`), both filled by the checkpoint loader (quant_fp8.py)."""
+        from vllm_neuron.model.layers.quant_fp8 import FP8_DTYPE
+
+        shape, device = self.weight.shape, self.weight.device
+        self.weight = nn.Parameter(torch.empty(shape, dtype=FP8_DTYPE, device=device), requires_grad=False)
+        self.weight_scale = nn.Parameter(torch.ones(shape[0], dtype=torch.float32, device=device), requires_grad=False)
+        self.quantization = "fp8"
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quantization == "fp8":
+            from vllm_neuron.model.layers.quant_fp8 import linear
+
+            return linear(x, self.weight, self.weight_scale, self.bias)
         if self.quantization is not None:
             return _scheme(self.quantization).linear(x, self.qweight, self.qscale, self.bias, _quant_kernels_enabled)
         if (x.dtype in _kernel_dtypes and x.dim() == 2 and x.shape[0] <= SMALL_BATCH_ROWS and self.bias is None
@@ -56,6 +70,20 @@ class Linear(nn.Linear):
 
             return linear_small_batch(x, self.weight)
         return F.linear(x, self.weight, self.bias)
+
+
+def make_linears_fp8_(model: nn.Module, exclude: list[str]) -> int:
+    """Turns every `Linear` not matched by `exclude` (and not sharing its weight with an embedding) into an
+    FP8 holder before an FP8 checkpoint loads; returns how many."""
+    from vllm_neuron.model.layers.quant_fp8 import excluded
+
+    shared = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    count = 0
+    for name, module in model.named_modules():
+        if isinstance(module, Linear) and id(module.weight) not in shared and not excluded(name, exclude):
+            module.make_fp8_()
+            count += 1
+    return count
 
 
 def quantize_linears_(model: nn.Module, scheme: str) -> tuple[int, int, int]:

@@ -27,6 +27,12 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torc
     return (q.float() * scale[:, None]).to(dtype)
 
 
+def scaled_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x @ (q * scale[:, None])^T for int8 or FP8 `q` with one scale per output row: q's values are exact in
+    the compute dtype, and a per-row scale commutes with the matmul (one ordinary matmul, no dequantized copy)."""
+    return (torch.nn.functional.linear(x, q.to(x.dtype)).float() * scale).to(x.dtype)
+
+
 def linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
            use_kernel: bool) -> torch.Tensor:
     rows = x.reshape(-1, x.shape[-1])
@@ -35,8 +41,7 @@ def linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Te
 
         y = linear_int8(rows, q, scale)
     else:
-        # int8 values are exact in bf16/fp16/fp32, and a per-output-channel scale commutes with the matmul.
-        y = (torch.nn.functional.linear(rows, q.to(x.dtype)).float() * scale).to(x.dtype)
+        y = scaled_linear(rows, q, scale)
     if bias is not None:
         y = y + bias
     return y.reshape(*x.shape[:-1], y.shape[-1])

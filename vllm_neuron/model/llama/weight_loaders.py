@@ -18,14 +18,22 @@ def llama_checkpoint_target(model, name: str) -> Target | None:
     parts = name.split(".")
     if parts[-1] in KV_SCALES:
         return kv_scale_target(parts)
+    if parts[-1] == "input_scale":
+        return None  # FP8 checkpoints' activation scale: activations are not quantized here (quant_fp8.py)
+    # An FP8 checkpoint's per-tensor weight scale covers its projection's rows of the per-row scale.
+    per_row = (lambda t, n: t.reshape(1).expand(n)) if parts[-1] == "weight_scale" else None
     if len(parts) >= 2 and parts[-2] in STACKED:
         fused, shard = STACKED[parts[-2]]
         owner = ".".join(parts[:-2])
         module = _submodule(model, owner)
         sizes = getattr(module, "qkv_sizes" if fused == "qkv_proj" else "gate_up_sizes", None)
         if sizes is not None and hasattr(module, fused):
-            start = sum(sizes[:shard])
-            return f"{owner}.{fused}.{parts[-1]}", (slice(start, start + sizes[shard]),), None
+            start, n = sum(sizes[:shard]), sizes[shard]
+            return (f"{owner}.{fused}.{parts[-1]}", (slice(start, start + n),),
+                    per_row and (lambda t: per_row(t, n)))
+    if per_row is not None:
+        rows = getattr(_submodule(model, ".".join(parts[:-1])), "out_features", 1)
+        return name, None, lambda t: per_row(t, rows)
     return name, None, None
 
 
