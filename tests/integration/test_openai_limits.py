@@ -151,7 +151,7 @@ def test_request_chat_template_needs_trust(base_url, trusted_url, tokenizer):  #
 def test_heavy_request_leaves_the_loop_free(trusted_url):
     """A trusted template that loops for seconds runs off the event loop: /health and a running
     stream keep answering meanwhile."""
-    spin = "{% for i in range(20000) %}{% for j in range(1000) %}{% endfor %}{% endfor %}{{ messages[0]['content'] }}"
+    spin = "{% for i in range(80000) %}{% for j in range(1000) %}{% endfor %}{% endfor %}{{ messages[0]['content'] }}"
     done: dict[str, float] = {}
 
     def heavy() -> None:
@@ -170,7 +170,7 @@ def test_heavy_request_leaves_the_loop_free(trusted_url):
         worst = max(worst, time.monotonic() - t0)
         time.sleep(0.05)
     worker.join()
-    assert done["heavy"] > 1.0, "the template did not take long enough to measure anything"
+    assert done["heavy"] > 0.5, "the template did not take long enough to measure anything"
     # Relative bound: a blocked loop stalls /health for most of the render (>= 0.7x of it); a free
     # one answers in milliseconds, but a loaded 2-core machine can stretch that past a fixed 0.5 s.
     assert worst < done["heavy"] / 3, f"/health stalled {worst:.2f} s while a {done['heavy']:.1f} s template rendered"
