@@ -79,7 +79,8 @@ class ModelRunnerBase:
         self.model_cls = resolve_model_class(checkpoint.hf_config)
         self.model_spec = model_spec(checkpoint.hf_config, config.neuron_config.quantization)
         # FP8 static weights come from the checkpoint's quantization_config (any other scheme is refused here).
-        self.ckpt_scheme, self.ckpt_unquantized = quant_fp8.checkpoint_weight_scheme(checkpoint.hf_config)
+        self.ckpt_scheme, self.ckpt_unquantized = quant_fp8.checkpoint_weight_scheme(
+            checkpoint.hf_config, self.model_spec.quantizations)
         if self.ckpt_scheme and config.neuron_config.quantization:
             raise ValueError(f"neuron_config.quantization={config.neuron_config.quantization!r} cannot apply to a "
                              f"checkpoint whose weights are already quantized ({self.ckpt_scheme}); remove it")

@@ -27,14 +27,17 @@ def _as_dict(qc: Any) -> dict:
     return qc if isinstance(qc, dict) else (qc.to_dict() if hasattr(qc, "to_dict") else dict(vars(qc)))
 
 
-def checkpoint_weight_scheme(hf_config) -> tuple[str | None, list[str]]:
+def checkpoint_weight_scheme(hf_config, model_quantizations: tuple[str, ...] = ()) -> tuple[str | None, list[str]]:
     """("fp8", modules left unquantized) for a ModelOpt FP8 checkpoint, (None, []) without weight
-    quantization; ValueError naming any other scheme."""
+    quantization or with a scheme the model's own loader reads (`model_quantizations`, e.g. gpt-oss's
+    MXFP4 experts, dequantized at load); ValueError naming any other scheme."""
     qc = getattr(hf_config, "quantization_config", None)
     if not qc:
         return None, []
     qc = _as_dict(qc)
     method = str(qc.get("quant_method", "")).lower()
+    if method and method in model_quantizations:
+        return None, []
     if method == "compressed-tensors" and not qc.get("config_groups"):
         return None, []  # KV-cache scales only
     algo = str(qc.get("quant_algo") or (qc.get("quantization") or {}).get("quant_algo") or "").upper()
