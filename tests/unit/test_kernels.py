@@ -127,16 +127,18 @@ def test_variant_detection():
 @pytest.mark.slow
 @pytest.mark.skipif(bool(os.environ.get("VLLM_NEURON_CPU_ISA")), reason="already the forced run")
 def test_forced_avx2_build_passes_the_same_checks(tmp_path):
-    """The AVX2 code paths (what an AVX2-only CPU runs), built here by forcing the class, against torch.
+    """The AVX2 code paths (what an AVX2-only CPU runs), built here by forcing the class, against torch:
+    attention, the bf16/fp32 linear and the int8/int4 linears at every bucket shape.
     A process of its own: one process loads one build of the ops."""
     if K.detect_variant(K._cpu_flags()) == "generic":
         pytest.skip("this CPU has no AVX2")
     env = dict(os.environ, VLLM_NEURON_CPU_ISA="avx2", VLLM_CACHE_ROOT=str(tmp_path))
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "not forced_avx2",
-                           __file__],
+    quant = os.path.join(os.path.dirname(__file__), "test_quant_weights.py")
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k",
+                           "not forced_avx2 and (not test_quant_weights or dequantized_matmul)", __file__, quant],
                           env=env, capture_output=True, text=True, timeout=900, cwd=_REPO)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
-    assert "skipped" not in proc.stdout.strip().splitlines()[-1], proc.stdout[-2000:]  # both linear dtypes ran
+    assert "skipped" not in proc.stdout.strip().splitlines()[-1], proc.stdout[-2000:]  # every linear kernel ran
     assert [p.name for p in (tmp_path / "kernels").iterdir()], "nothing was built"
 
 

@@ -11,6 +11,7 @@ from vllm_neuron.config.engine_config import EngineConfig
 from vllm_neuron.model.layers import kernels as K
 from vllm_neuron.model.layers import quant_int4 as Q4
 from vllm_neuron.model.layers import quant_int8 as Q8
+from vllm_neuron.model.layers.quant_bands import from_bands, to_bands
 from vllm_neuron.config.device import check_weight_quantization
 from vllm_neuron.model.layers.linear import Linear, quantize_linears_
 
@@ -23,6 +24,21 @@ SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (190, 576), (7, 64)]
 
 def _weight(n: int = 48, k: int = 128, seed: int = 0) -> torch.Tensor:
     return torch.randn(n, k, generator=torch.Generator().manual_seed(seed))
+
+
+def test_band_layout_interleaves_each_bands_rows_chunk_by_chunk():
+    t = torch.arange(6 * 8).reshape(6, 8)  # rows 0-3 form a band, rows 4-5 the short last one
+    banded = to_bands(t, 4)
+    assert banded.shape == t.shape and banded.is_contiguous()
+    r = [list(range(8 * i, 8 * i + 8)) for i in range(6)]
+    expected = (r[0][:4] + r[1][:4] + r[2][:4] + r[3][:4] + r[0][4:] + r[1][4:] + r[2][4:] + r[3][4:]
+                + r[4][:4] + r[5][:4] + r[4][4:] + r[5][4:])
+    assert banded.flatten().tolist() == expected
+    for n in (1, 3, 4, 9):
+        w = torch.randn(n, 32)
+        assert torch.equal(from_bands(to_bands(w, 16), 16), w)
+    with pytest.raises(ValueError, match="divisible by 16"):
+        to_bands(torch.zeros(4, 40), 16)
 
 
 def test_int4_error_is_at_most_half_a_step_per_group():
@@ -65,7 +81,7 @@ def _reference(x, w_deq, bias):
 @pytest.mark.parametrize("n, k", SHAPES)
 def test_kernel_and_prefill_path_match_the_dequantized_matmul_at_every_bucket(scheme, dtype, n, k):
     if not K.quant_kernels_available(CPU):
-        pytest.skip("this CPU has no AVX-512: the int8/int4 kernels are not built and the torch path serves")
+        pytest.skip("this CPU has no AVX2: the int8/int4 kernels are not built and the torch path serves")
     mod = SCHEMES[scheme]
     g = torch.Generator().manual_seed(n + k)
     qweight, qscale = mod.quantize(torch.randn(n, k, generator=g) / k**0.5)
@@ -93,7 +109,7 @@ def test_kernel_and_prefill_path_match_the_dequantized_matmul_at_every_bucket(sc
 @pytest.mark.parametrize("use_kernel", [False, True])
 def test_torch_path_and_leading_dims(scheme, use_kernel):
     if use_kernel and not K.quant_kernels_available(CPU):
-        pytest.skip("no AVX-512 here")
+        pytest.skip("no AVX2 here")
     mod = SCHEMES[scheme]
     qweight, qscale = mod.quantize(_weight())
     x = torch.randn(2, 3, 128)

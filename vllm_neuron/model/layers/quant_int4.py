@@ -7,12 +7,15 @@ dequantizes in registers and reads each weight byte once; above, a prefill-sized
 weight to the activation dtype inside the graph and takes the ordinary (compute-efficient) matmul.
 
 Packing: two groups form a 64-weight superblock of 32 bytes whose byte j holds weight j (low nibble)
-and weight j + 32 (high nibble), the order the kernel widens in one AND and one shift. GGUF Q4_1
+and weight j + 32 (high nibble), the order the kernel widens in one AND and one shift. Bytes and scales
+are stored in the band order the kernel streams fastest (quant_bands.py, one superblock per chunk). GGUF Q4_1
 checkpoints (same 32-wide blocks, w = d * q + m) come back exactly when each block uses its full range.
 """
 from __future__ import annotations
 
 import torch
+
+from vllm_neuron.model.layers.quant_bands import from_bands, to_bands
 
 GROUP_SIZE = 32
 SUPERBLOCK = 2 * GROUP_SIZE
@@ -20,7 +23,8 @@ KERNEL_ROWS = 16  # the kernel up to this many rows, dequantize + matmul above
 
 
 def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(packed uint8 [N, K / 2], scales float32 [N, K / 32, 2] = (scale, min)) of a [N, K] weight."""
+    """(packed uint8 [N, K / 2], scales float32 [N, K / 32, 2] = (scale, min), both in band layout) of a
+    [N, K] weight."""
     n, k = weight.shape
     if k % SUPERBLOCK:
         raise ValueError(f"int4 quantization needs in_features divisible by {SUPERBLOCK} (two groups of "
@@ -30,13 +34,15 @@ def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = ((hi - lo) / 15).clamp(min=torch.finfo(torch.float32).tiny)
     q = ((w - lo) / scale).round_().clamp_(0, 15).to(torch.uint8).reshape(n, k // SUPERBLOCK, 2, GROUP_SIZE)
     packed = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(n, k // 2)
-    return packed.contiguous(), torch.cat([scale, lo], -1).contiguous()
+    scales = torch.cat([scale, lo], -1).reshape(n, k // 16)
+    return to_bands(packed, SUPERBLOCK // 2), to_bands(scales, 4).reshape(n, k // GROUP_SIZE, 2)
 
 
 def dequantize(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The [N, K] weight in `dtype` (computed in float32)."""
     n = packed.shape[0]
-    b = packed.reshape(n, -1, 1, GROUP_SIZE)
+    b = from_bands(packed, SUPERBLOCK // 2).reshape(n, -1, 1, GROUP_SIZE)
+    scales = from_bands(scales.reshape(n, -1), 4).reshape(n, -1, 2)
     q = torch.cat([b & 15, b >> 4], 2).reshape(n, -1, GROUP_SIZE).float()
     return torch.addcmul(scales[..., 1:], q, scales[..., :1]).reshape(n, -1).to(dtype)
 

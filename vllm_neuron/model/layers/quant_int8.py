@@ -2,29 +2,34 @@
 channel (w = q * scale[n], q in -127..127).
 
 Half of bf16's bytes per weight. Up to KERNEL_ROWS rows the project's kernel (kernels/linear_quant.cpp)
-widens the weights in registers and reads each byte once; prefill-sized inputs multiply by the int8
-weight converted to the activation dtype (exact) and scale the output columns, one ordinary matmul.
+widens the weights in registers and reads each byte once, in the band order it streams fastest
+(quant_bands.py, chunks of CHUNK weights); prefill-sized inputs multiply by the int8 weight put back in
+row order and converted to the activation dtype (exact) and scale the output columns, one ordinary matmul.
 """
 from __future__ import annotations
 
 import torch
 
+from vllm_neuron.model.layers.quant_bands import from_bands, to_bands
+
 KERNEL_ROWS = 16
+CHUNK = 16  # weights of one row per step of the kernel
 
 
 def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(int8 [N, K], scale float32 [N]) of a [N, K] weight."""
+    """(int8 [N, K] in band layout, scale float32 [N]) of a [N, K] weight."""
     n, k = weight.shape
     if k % 16:
         raise ValueError(f"int8 quantization needs in_features divisible by 16, got a [{n}, {k}] weight")
     w = weight.detach().float()
     scale = (w.abs().amax(1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
     q = (w / scale[:, None]).round_().clamp_(-127, 127).to(torch.int8)
-    return q.contiguous(), scale.contiguous()
+    return to_bands(q, CHUNK), scale.contiguous()
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return (q.float() * scale[:, None]).to(dtype)
+    """The row-major [N, K] weight in `dtype` of `quantize`'s output."""
+    return (from_bands(q, CHUNK).float() * scale[:, None]).to(dtype)
 
 
 def scaled_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -41,7 +46,7 @@ def linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Te
 
         y = linear_int8(rows, q, scale)
     else:
-        y = scaled_linear(rows, q, scale)
+        y = scaled_linear(rows, from_bands(q, CHUNK), scale)
     if bias is not None:
         y = y + bias
     return y.reshape(*x.shape[:-1], y.shape[-1])

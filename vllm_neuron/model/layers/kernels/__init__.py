@@ -34,6 +34,7 @@ from vllm_neuron.logger import init_logger
 logger = init_logger(__name__)
 
 _SOURCES = ("paged_attention.cpp", "linear_bf16.cpp", "linear_quant.cpp")
+_HEADERS = ("simd.h",)
 _FLAGS = ("-O3", "-fopenmp", "-ffast-math", "-fno-finite-math-only", "-shared", "-fPIC", "-std=c++17")
 # CPU class -> target flags. avx2 is x86-64-v3 (Haswell and later, Zen 1 and later), so a forced avx2
 # build on an AVX-512 machine has no AVX-512 code in it.
@@ -111,7 +112,7 @@ def _compile(out: Path) -> None:
 def _digest() -> str:
     h = hashlib.sha256()
     here = Path(__file__).resolve().parent
-    for s in _SOURCES:
+    for s in _SOURCES + _HEADERS:
         h.update((here / s).read_bytes())
     h.update(torch.__version__.encode())
     variant = kernel_variant()[0]
@@ -192,7 +193,7 @@ def describe_kernels(device: torch.device, dtype: torch.dtype) -> str:
 
 
 def quant_kernels_available(device: torch.device) -> bool:
-    """Whether the int8/int4 weight-streaming linears are built here (they need a CPU with AVX-512)."""
+    """Whether the int8/int4 weight-streaming linears are built here (AVX-512 and AVX2 builds)."""
     return kernels_enabled(device) and _has_op("linear_int8") and _has_op("linear_int4")
 
 
@@ -224,12 +225,13 @@ def paged_attention_fp8(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 
 
 def linear_int8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x [M, K] @ (q [N, K] int8 * scale [N])^T -> [M, N] in x's dtype, K a multiple of 16; for small M."""
+    """x [M, K] @ (q [N, K] int8 * scale [N])^T -> [M, N] in x's dtype, K a multiple of 16; for small M.
+    q in quant_int8's band layout."""
     return torch.ops.vllm_neuron.linear_int8(x, q, scale)
 
 
 def linear_int4(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """x [M, K] @ W^T, W in quant_int4's packed layout ([N, K / 2] uint8, [N, K / 32, 2] fp32) -> [M, N]."""
+    """x [M, K] @ W^T, W in quant_int4's packed band layout ([N, K / 2] uint8, [N, K / 32, 2] fp32) -> [M, N]."""
     return torch.ops.vllm_neuron.linear_int4(x, packed, scales)
 
 

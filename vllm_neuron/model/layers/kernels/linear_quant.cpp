@@ -1,26 +1,40 @@
 // Weight-only int8 and int4 linears for small batches (decode): y[M, N] = x[M, K] @ W^T, W dequantized in
 // registers.
 //
-// A decode step streams every weight once, so its time follows the weight bytes. Each thread streams a
-// band of four weight rows once per four input rows, widens the weights to fp32 in registers and
-// multiplies them against the input rows held in fp32 (fp32 products and sums, so an fp32 model gets
-// the dequantized matmul's result). Built where the compiler targets AVX-512; elsewhere the ops are
-// not registered and callers dequantize and use F.linear.
+// A decode step streams every weight once, so its time follows the weight bytes, and the bytes arrive at
+// full speed only as one sequential stream per thread: four weight rows read side by side (four streams
+// 576 bytes apart on the bundled model) reached a third of one core's read bandwidth. So the weights are
+// stored in bands of four output rows (quant_bands.py), a band's rows interleaved chunk by chunk, and
+// each thread reads its bands front to back, widening the weights to fp32 in registers and multiplying
+// them against up to four input rows held in fp32 (fp32 products and sums: an fp32 model gets the
+// dequantized matmul's result). The scale is applied once per output after the dot product.
 //
-// int8 (model/layers/quant_int8.py): q [N, K] int8, one fp32 scale per output row (w = q * scale[n]),
-// applied once per output.
+// One code path per vector width (simd.h), chosen when the library is built: 16 lanes where the compiler
+// targets AVX-512, 8 lanes on AVX2 + FMA. Elsewhere the ops are not registered and callers dequantize and use
+// F.linear.
+//
+// int8 (model/layers/quant_int8.py): q [N, K] int8, one fp32 scale per output row (w = q * scale[n]);
+// within a band, chunks of 16 weights: [K / 16][rows][16].
 // int4 (model/layers/quant_int4.py): groups of 32 weights along K with an fp32 (scale, min) pair each
 // (w = q * scale + min, q in 0..15). Two groups form a 64-weight superblock of 32 bytes whose byte j
-// holds weight j in its low nibble and weight j + 32 in its high nibble, so 16 bytes widen to two
-// vectors of 16 consecutive weights with one AND and one shift.
+// holds weight j in its low nibble and weight j + 32 in its high nibble, so bytes widen to two vectors of
+// consecutive weights with one AND and one shift; within a band, [K / 64][rows][32 bytes], and the
+// scales [K / 64][rows][4 floats].
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#include "simd.h"
 
 namespace {
+
+using vn_simd::Vec;
+
+constexpr int64_t kBand = 4;  // output rows per band (quant_bands.BAND)
+
+using R = Vec::R;
+constexpr int W = Vec::W;
 
 inline void put(float* p, float v) { *p = v; }
 inline void put(c10::BFloat16* p, float v) { *p = c10::BFloat16(v); }
@@ -30,24 +44,25 @@ struct Int8 {
   const int8_t* w;
   const float* scale;
 
+  // NB rows starting at n0 (one band), MB input rows starting at m0.
   template <int MB, int NB, typename T>
   void tile(const float* x, T* y, int64_t K, int64_t N, int64_t m0, int64_t n0) const {
-    __m512 acc[MB][NB];
+    const int8_t* band = w + n0 * K;
+    R acc[MB][NB];
     for (int i = 0; i < MB; ++i)
-      for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_setzero_ps();
+      for (int j = 0; j < NB; ++j) acc[i][j] = Vec::zero();
     for (int64_t k = 0; k < K; k += 16) {
-      __m512 wv[NB];
-      for (int j = 0; j < NB; ++j) {
-        const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + (n0 + j) * K + k));
-        wv[j] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
-      }
-      for (int i = 0; i < MB; ++i) {
-        const __m512 xv = _mm512_loadu_ps(x + (m0 + i) * K + k);
-        for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
+      const int8_t* p = band + k * NB;
+      for (int h = 0; h < 16; h += W) {
+        R wv[NB];
+        for (int j = 0; j < NB; ++j) wv[j] = Vec::i8(p + 16 * j + h);
+        for (int i = 0; i < MB; ++i) {
+          const R xv = Vec::load(x + (m0 + i) * K + k + h);
+          for (int j = 0; j < NB; ++j) acc[i][j] = Vec::fma(xv, wv[j], acc[i][j]);
+        }
       }
     }
-    for (int i = 0; i < MB; ++i)
-      for (int j = 0; j < NB; ++j) put(y + (m0 + i) * N + n0 + j, _mm512_reduce_add_ps(acc[i][j]) * scale[n0 + j]);
+    vn_simd::store_tile(acc, y, N, m0, n0, scale, [](T* p, float v) { put(p, v); });
   }
 };
 
@@ -57,42 +72,37 @@ struct Int4 {
 
   template <int MB, int NB, typename T>
   void tile(const float* x, T* y, int64_t K, int64_t N, int64_t m0, int64_t n0) const {
-    const int64_t row_bytes = K / 2, groups = K / 32;
-    const __m512i low = _mm512_set1_epi32(15);
-    __m512 acc[MB][NB];
+    const uint8_t* band = w + n0 * (K / 2);
+    const float* band_sm = sm + n0 * (K / 16);
+    R acc[MB][NB];
     for (int i = 0; i < MB; ++i)
-      for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_setzero_ps();
+      for (int j = 0; j < NB; ++j) acc[i][j] = Vec::zero();
     for (int64_t kb = 0; kb < K; kb += 64) {
-      const int64_t g = kb / 32;
-      for (int64_t h = 0; h < 32; h += 16) {  // weights kb+h.. (group g) and kb+32+h.. (group g+1)
-        __m512 wlo[NB], whi[NB];
+      const uint8_t* p = band + (kb / 64) * NB * 32;
+      const float* s = band_sm + (kb / 64) * NB * 4;  // per row: scale, min of group 2i, then of 2i + 1
+      for (int h = 0; h < 32; h += W) {  // weights kb+h.. (first group) and kb+32+h.. (second group)
+        R wlo[NB], whi[NB];
         for (int j = 0; j < NB; ++j) {
-          const __m128i b =
-              _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + (n0 + j) * row_bytes + kb / 2 + h));
-          const __m512i v = _mm512_cvtepu8_epi32(b);
-          const float* p = sm + ((n0 + j) * groups + g) * 2;
-          wlo[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(v, low)), _mm512_set1_ps(p[0]),
-                                   _mm512_set1_ps(p[1]));
-          whi[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)), _mm512_set1_ps(p[2]),
-                                   _mm512_set1_ps(p[3]));
+          R lo, hi;
+          Vec::u4(p + 32 * j + h, lo, hi);
+          wlo[j] = Vec::fma(lo, Vec::set1(s[4 * j]), Vec::set1(s[4 * j + 1]));
+          whi[j] = Vec::fma(hi, Vec::set1(s[4 * j + 2]), Vec::set1(s[4 * j + 3]));
         }
         for (int i = 0; i < MB; ++i) {
-          const __m512 xlo = _mm512_loadu_ps(x + (m0 + i) * K + kb + h);
-          const __m512 xhi = _mm512_loadu_ps(x + (m0 + i) * K + kb + 32 + h);
-          for (int j = 0; j < NB; ++j) {
-            acc[i][j] = _mm512_fmadd_ps(xlo, wlo[j], acc[i][j]);
-            acc[i][j] = _mm512_fmadd_ps(xhi, whi[j], acc[i][j]);
-          }
+          const R xlo = Vec::load(x + (m0 + i) * K + kb + h);
+          const R xhi = Vec::load(x + (m0 + i) * K + kb + 32 + h);
+          for (int j = 0; j < NB; ++j) acc[i][j] = Vec::fma(xhi, whi[j], Vec::fma(xlo, wlo[j], acc[i][j]));
         }
       }
     }
-    for (int i = 0; i < MB; ++i)
-      for (int j = 0; j < NB; ++j) put(y + (m0 + i) * N + n0 + j, _mm512_reduce_add_ps(acc[i][j]));
+    vn_simd::store_tile(acc, y, N, m0, n0, nullptr, [](T* p, float v) { put(p, v); });
   }
 };
 
-template <int NB, typename W, typename T>
-inline void band(const W& wt, const float* x, T* y, int64_t M, int64_t K, int64_t N, int64_t n0) {
+// One band (NB rows at n0) against every input row, four at a time: the band is read from memory once
+// and stays in L1 for the later row blocks.
+template <int NB, typename Q, typename T>
+inline void band(const Q& wt, const float* x, T* y, int64_t M, int64_t K, int64_t N, int64_t n0) {
   int64_t m0 = 0;
   for (; m0 + 4 <= M; m0 += 4) wt.template tile<4, NB>(x, y, K, N, m0, n0);
   switch (M - m0) {
@@ -103,19 +113,25 @@ inline void band(const W& wt, const float* x, T* y, int64_t M, int64_t K, int64_
   }
 }
 
-// Output rows in bands of four across threads, the last N % 4 one at a time; y in x's dtype.
-template <typename W>
-at::Tensor run(const W& wt, const at::Tensor& x, int64_t N) {
+// Full bands in contiguous ranges per thread (one sequential stream each), then the last N % 4 rows,
+// which form a band of their own; y in x's dtype.
+template <typename Q>
+at::Tensor run(const Q& wt, const at::Tensor& x, int64_t N) {
   const auto xf = x.to(at::kFloat).contiguous();
   const int64_t M = xf.size(0), K = xf.size(1);
   auto y = at::empty({M, N}, x.options());
   const float* xp = xf.data_ptr<float>();
   const auto go = [&](auto* yp) {
-    const int64_t bands = N / 4;
+    const int64_t bands = N / kBand, n_tail = bands * kBand;
     at::parallel_for(0, bands, 8, [&](int64_t b0, int64_t b1) {
-      for (int64_t b = b0; b < b1; ++b) band<4>(wt, xp, yp, M, K, N, b * 4);
+      for (int64_t b = b0; b < b1; ++b) band<kBand>(wt, xp, yp, M, K, N, b * kBand);
     });
-    for (int64_t n0 = bands * 4; n0 < N; ++n0) band<1>(wt, xp, yp, M, K, N, n0);
+    switch (N - n_tail) {
+      case 3: band<3>(wt, xp, yp, M, K, N, n_tail); break;
+      case 2: band<2>(wt, xp, yp, M, K, N, n_tail); break;
+      case 1: band<1>(wt, xp, yp, M, K, N, n_tail); break;
+      default: break;
+    }
   };
   switch (x.scalar_type()) {
     case at::kFloat: go(y.data_ptr<float>()); break;
@@ -157,4 +173,4 @@ TORCH_LIBRARY_IMPL(vllm_neuron, CPU, m) {
   m.impl("linear_int4", &linear_int4);
 }
 
-#endif  // __AVX512F__
+#endif  // AVX-512 or AVX2 + FMA

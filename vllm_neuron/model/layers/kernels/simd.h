@@ -1,0 +1,91 @@
+// fp32 vectors of the build's width for the linear kernels: 16 lanes where the compiler targets AVX-512,
+// 8 on AVX2 + FMA. Included only under one of those two.
+#pragma once
+#include <immintrin.h>
+
+#include <cstdint>
+
+namespace vn_simd {
+
+#if defined(__AVX512F__)
+struct Vec {
+  using R = __m512;
+  static constexpr int W = 16;
+  static R zero() { return _mm512_setzero_ps(); }
+  static R load(const float* p) { return _mm512_loadu_ps(p); }
+  static R load(const uint16_t* p) {  // W bf16 -> fp32 (bf16 is the upper half of an fp32)
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+  static R set1(float v) { return _mm512_set1_ps(v); }
+  static R fma(R a, R b, R c) { return _mm512_fmadd_ps(a, b, c); }
+  static R add(R a, R b) { return _mm512_add_ps(a, b); }
+  static float sum(R v) { return _mm512_reduce_add_ps(v); }
+  // The sums of four vectors at once (a third of four separate reductions' shuffles).
+  static __m128 sum4(R a, R b, R c, R d) {
+    const R ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));  // a b a b per 128-bit lane
+    const R cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+    const R s = _mm512_add_ps(_mm512_shuffle_ps(ab, cd, 0x44), _mm512_shuffle_ps(ab, cd, 0xEE));  // a b c d
+    const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(s), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(s), 1)));
+    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+  }
+  static R i8(const int8_t* p) {  // W int8 -> fp32
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  }
+  static void u4(const uint8_t* p, R& lo, R& hi) {  // W bytes -> their low and high nibbles as fp32
+    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    lo = _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(15)));
+    hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
+  }
+};
+#else
+struct Vec {
+  using R = __m256;
+  static constexpr int W = 8;
+  static R zero() { return _mm256_setzero_ps(); }
+  static R load(const float* p) { return _mm256_loadu_ps(p); }
+  static R load(const uint16_t* p) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+  static R set1(float v) { return _mm256_set1_ps(v); }
+  static R fma(R a, R b, R c) { return _mm256_fmadd_ps(a, b, c); }
+  static R add(R a, R b) { return _mm256_add_ps(a, b); }
+  static float sum(R v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+  }
+  static __m128 sum4(R a, R b, R c, R d) {
+    const R ab = _mm256_add_ps(_mm256_unpacklo_ps(a, b), _mm256_unpackhi_ps(a, b));
+    const R cd = _mm256_add_ps(_mm256_unpacklo_ps(c, d), _mm256_unpackhi_ps(c, d));
+    const R s = _mm256_add_ps(_mm256_shuffle_ps(ab, cd, 0x44), _mm256_shuffle_ps(ab, cd, 0xEE));
+    return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+  }
+  static R i8(const int8_t* p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  }
+  static void u4(const uint8_t* p, R& lo, R& hi) {
+    const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    lo = _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(15)));
+    hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
+  }
+};
+#endif
+
+// Writes the MB x NB dot products acc to y (row stride N) at (m0, n0), each times mul[j] (or 1), as T.
+template <int MB, int NB, typename T, typename Put>
+inline void store_tile(Vec::R (&acc)[MB][NB], T* y, int64_t N, int64_t m0, int64_t n0, const float* mul, Put put) {
+  for (int i = 0; i < MB; ++i) {
+    float s[NB];
+    if constexpr (NB == 4) {
+      _mm_storeu_ps(s, Vec::sum4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]));
+    } else {
+      for (int j = 0; j < NB; ++j) s[j] = Vec::sum(acc[i][j]);
+    }
+    for (int j = 0; j < NB; ++j) put(y + (m0 + i) * N + n0 + j, mul ? s[j] * mul[n0 + j] : s[j]);
+  }
+}
+
+}  // namespace vn_simd
