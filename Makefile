@@ -50,6 +50,10 @@ gpu-check:  ## on a CUDA machine: parity, kernels, graph replay, the speed table
 clean:
 	rm -rf $(VENV) .pytest_cache
 
+.PHONY: bench-bounds
+bench-bounds: setup  ## the machine's bf16 matmul peak and read bandwidth, and each step kind of ours against its bound
+	$(BIN)/python benchmarks/step_bounds.py $(ARGS)
+
 .PHONY: bench-peers
 bench-peers: setup  ## our server vs vLLM CPU and llama.cpp's llama-server (peers install once into ~/.cache/vllm_neuron_peers)
 	$(BIN)/python benchmarks/compare_peers.py $(ARGS)

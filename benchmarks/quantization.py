@@ -3,8 +3,10 @@ greedy answers to knowledge questions for bf16 / int8 / int4 weights; KV capacit
 (the default budget, the model's full context).
 
 TPOT is timed as (time of a request with --max-tokens output tokens - time with 1) / (--max-tokens - 1),
-best of --repeat, the schemes interleaved so that a shared machine's load hits each alike. Compiled
-graphs (a decode bucket of 1 and one prefill bucket) are built once per scheme first.
+best of --repeat. Each scheme runs in a process of its own (no shared caches, threads or allocator), and
+the parent asks them for one measurement at a time in turn, so that a shared machine's load hits each
+alike while the others wait idle. Compiled graphs (a decode bucket of 1 and one prefill bucket) are
+built once per scheme first.
 
     python benchmarks/quantization.py [--schemes bf16,int8,int4] [--max-tokens 64] [--repeat 3] [--capacity-only]
 """
@@ -12,6 +14,10 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
+import os
+import subprocess
+import sys
 import time
 
 QUESTIONS = [  # (question, a word the answer must contain)
@@ -80,6 +86,31 @@ def _capacity() -> None:
         gc.collect()
 
 
+def _serve_one(scheme: str, kv_cache_dtype: str, compiled: bool) -> None:
+    """Child process: builds one engine, reports its memory and answers, then one TPOT per 'tpot N' line."""
+    llm = _make(scheme, kv_cache_dtype, compiled)
+    model = llm.llm_engine.core.runner.model
+    answers = _answers(llm)
+    _tpot(llm, 4)  # warm
+    print(json.dumps({"mib": _weight_mib(model), "answers": answers}), flush=True)
+    for line in sys.stdin:
+        print(json.dumps({"tpot": _tpot(llm, int(line.split()[1]))}), flush=True)
+
+
+def _spawn(scheme: str, args) -> subprocess.Popen:
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", scheme, "--kv-cache-dtype", args.kv_cache_dtype]
+    if args.eager:
+        cmd.append("--eager")
+    return subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+
+def _reply(proc: subprocess.Popen) -> dict:
+    for line in proc.stdout:  # the engine's own prints may come first
+        if line.startswith("{"):
+            return json.loads(line)
+    raise RuntimeError(f"the benchmark process exited ({proc.wait()})")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--schemes", default="bf16,int8,int4")
@@ -88,23 +119,34 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--eager", action="store_true", help="run the buckets uncompiled")
     p.add_argument("--capacity-only", action="store_true", help="only the bf16 vs FP8 KV capacity")
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.child:
+        _serve_one(args.child, args.kv_cache_dtype, not args.eager)
+        return
     if args.capacity_only:
         _capacity()
         return
     schemes = args.schemes.split(",")
-    engines, mib, answers = {}, {}, {}
-    for s in schemes:
-        engines[s] = _make(s, args.kv_cache_dtype, not args.eager)
-        model = engines[s].llm_engine.core.runner.model
-        mib[s] = _weight_mib(model)
-        answers[s] = _answers(engines[s])
-        _tpot(engines[s], 4)  # warm
-    best = {s: float("inf") for s in schemes}
-    for _ in range(args.repeat):
-        for s in schemes:
-            best[s] = min(best[s], _tpot(engines[s], args.max_tokens))
-    print(f"\nbatch-1 decode, bundled model, kv_cache_dtype={args.kv_cache_dtype}, best of {args.repeat}")
+    procs, mib, answers = {}, {}, {}
+    try:
+        for s in schemes:  # one at a time: building and compiling would disturb the others' measurements
+            procs[s] = _spawn(s, args)
+            first = _reply(procs[s])
+            mib[s], answers[s] = first["mib"], first["answers"]
+        runs: dict[str, list[float]] = {s: [] for s in schemes}
+        for _ in range(args.repeat):
+            for s in schemes:
+                procs[s].stdin.write(f"tpot {args.max_tokens}\n")
+                procs[s].stdin.flush()
+                runs[s].append(_reply(procs[s])["tpot"])
+    finally:
+        for proc in procs.values():
+            proc.stdin.close()
+            proc.wait()
+    best = {s: min(v) for s, v in runs.items()}
+    print(f"\nbatch-1 decode, bundled model, kv_cache_dtype={args.kv_cache_dtype}, best of {args.repeat}, "
+          "one process per scheme")
     print("| weights | TPOT (ms) | vs bf16 | weight memory (MiB) | knowledge answers |")
     print("| --- | --- | --- | --- | --- |")
     base = best.get("bf16")
@@ -115,8 +157,6 @@ def main() -> None:
     for s in schemes:
         for (q, _), a in zip(QUESTIONS, answers[s]):
             print(f"{s}: {q.split('?')[0]}? -> {a.strip()!r}")
-    del engines
-    gc.collect()
     _capacity()
 
 

@@ -60,6 +60,27 @@ def test_paged_attention_prefill_and_decode(dtype, tol, heads, kv_heads):
                                atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("batch", [1, 4, 16])
+def test_paged_decode_attention_gqa_at_every_decode_bucket(dtype, tol, batch):
+    """Decode rows of the bundled model's head layout (9 query heads on 3 KV heads, one pass over each KV
+    head's blocks for its group) at odd lengths, block edges and a full block table."""
+    g = torch.Generator().manual_seed(batch)
+    heads, kv_heads, d, bs, per_seq = 9, 3, 64, 32, 6
+    nblocks = batch * per_seq + 1
+    kc = (torch.randn(nblocks * bs, kv_heads, d, generator=g) * 4).to(dtype)
+    vc = torch.randn(nblocks * bs, kv_heads, d, generator=g).to(dtype)
+    tables = (torch.randperm(nblocks - 1, generator=g) + 1).view(batch, per_seq)
+    edges = [0, 1, bs - 1, bs, bs + 1, 3 * bs + 7, per_seq * bs - 1]  # the last: every slot of the table
+    positions = torch.tensor([edges[i % len(edges)] if i < len(edges) else
+                              int(torch.randint(per_seq * bs, (1,), generator=g)) for i in range(batch)])
+    q = torch.randn(batch, heads, d, generator=g).to(dtype)
+    starts = torch.arange(batch + 1)
+    out = K.paged_attention(q, kc, vc, tables, starts, positions, 0.125, bs)
+    ref = _reference(q, kc, vc, tables, starts, positions, 0.125, bs)
+    torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
+
+
 def _attention_inputs():
     d, bs, nblocks = 16, 16, 4
     kc = torch.zeros(nblocks * bs, 2, d)

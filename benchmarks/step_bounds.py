@@ -1,0 +1,184 @@
+"""Each step kind of our engine against this machine's bound, in one run (`make bench-bounds`).
+
+Measures the machine first, with nothing else of ours running: the bf16 matmul peak (GFLOP/s of torch
+matmuls on large square shapes, every core) and the read bandwidth (an fp32 sum of 1 GiB). Then serves
+the bundled model offline with the default buckets, times every step the model runner executes
+(prefill at each prefill bucket; decode with 1, 4 and 16 sequences), and prints per step kind our
+median step time next to its bound:
+
+    bound = max(linear FLOPs of the step / matmul peak, bytes the step must read / bandwidth)
+
+A step's linear FLOPs are 2 x (weights of every linear layer) x (rows of the bucket); its bytes are
+every linear weight once (the embedding's rows are negligible) plus the KV cache the sequences read.
+Attention FLOPs are left out (at most a few percent of the linears' at these lengths), so the bound is
+optimistic.
+
+    python benchmarks/step_bounds.py [--quantization int8] [--repeat 5] [--threads 2] [--decode-batches 1,4,16]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from peers.report import measure_read_bandwidth  # noqa: E402
+
+
+@dataclass(frozen=True)
+class StepCost:
+    flops: float
+    bytes: float
+
+
+def step_cost(linear_params: int, weight_bytes: int, rows: int, kv_bytes_per_token: int,
+              context_tokens: int) -> StepCost:
+    """What one step must do at least: `rows` rows through every linear layer, every weight read once,
+    and `context_tokens` cached tokens' K and V read (pure)."""
+    return StepCost(flops=2.0 * linear_params * rows, bytes=float(weight_bytes + kv_bytes_per_token * context_tokens))
+
+
+def bound_ms(cost: StepCost, peak_flop_s: float, bandwidth_b_s: float) -> tuple[float, str]:
+    """(bound in ms, which resource sets it) of a step (pure)."""
+    compute, memory = cost.flops / peak_flop_s, cost.bytes / bandwidth_b_s
+    return (compute * 1e3, "compute") if compute >= memory else (memory * 1e3, "memory")
+
+
+def measure_matmul_peak(threads: int, n: int = 2048, repeats: int = 5) -> float:
+    """FLOP/s of an n x n x n bf16 matmul through torch with `threads` threads (best of N)."""
+    import torch
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        a, b = torch.randn(n, n).bfloat16(), torch.randn(n, n).bfloat16()
+        a @ b  # oneDNN's first call picks and prepares its kernel
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            a @ b
+            best = min(best, time.perf_counter() - t0)
+        return 2.0 * n**3 / best
+    finally:
+        torch.set_num_threads(old)
+
+
+def _model_sizes(model) -> tuple[int, int]:
+    """(linear weight elements, their bytes as held) of the loaded model."""
+    from vllm_neuron.model.layers.linear import Linear
+
+    params = nbytes = 0
+    for m in model.modules():
+        if isinstance(m, Linear):
+            params += m.in_features * m.out_features
+            held = [m.qweight, m.qscale] if m.quantization in ("int8", "int4") else [m.weight]
+            nbytes += sum(t.numel() * t.element_size() for t in held)
+    return params, nbytes
+
+
+def _kv_bytes_per_token(llm) -> int:
+    runner = llm.llm_engine.core.runner
+    return sum(k[0].numel() * k.element_size() + v[0].numel() * v.element_size() for k, v in runner.kv_caches)
+
+
+def _timed_steps(llm) -> dict[str, list[float]]:
+    """Wraps the runner's execute so every step's wall time lands under its bucket graph's name."""
+    runner = llm.llm_engine.core.runner
+    times: dict[str, list[float]] = defaultdict(list)
+    execute = runner.execute
+
+    def timed(sched):
+        name = runner._step_bucket(sched)[2]
+        t0 = time.perf_counter()
+        out = execute(sched)
+        times[name].append(time.perf_counter() - t0)
+        return out
+
+    runner.execute = timed
+    return times
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quantization", choices=("int8", "int4"), default=None, help="weight-only quantization")
+    p.add_argument("--repeat", type=int, default=5, help="prefill steps per bucket")
+    p.add_argument("--decode-tokens", type=int, default=32, help="output tokens per decode measurement")
+    p.add_argument("--decode-batches", default="1,4,16", help="sequences decoding together")
+    p.add_argument("--prefill-buckets", default=None, help="num_batched_tokens_buckets (default: the engine's)")
+    p.add_argument("--decode-buckets", default=None, help="num_seqs_buckets (default: the engine's)")
+    p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    p.add_argument("--model", default=None, help="model path (default: the bundled model)")
+    p.add_argument("--eager", action="store_true", help="run the buckets uncompiled")
+    p.add_argument("--matmul-size", type=int, default=2048, help="n of the n^3 peak matmul")
+    p.add_argument("--bandwidth-gib", type=float, default=1.0, help="GiB summed for the read bandwidth")
+    args = p.parse_args(argv)
+
+    peak = measure_matmul_peak(args.threads, args.matmul_size)
+    bandwidth = measure_read_bandwidth(args.threads, args.bandwidth_gib)
+    print(f"machine: bf16 matmul peak {peak / 1e9:.0f} GFLOP/s ({args.matmul_size}^3, torch, {args.threads} "
+          f"threads), read bandwidth {bandwidth / 1e9:.1f} GB/s (fp32 sum of {args.bandwidth_gib:g} GiB)", flush=True)
+
+    from vllm_neuron import LLM, SamplingParams
+    from vllm_neuron.config.buckets import parse_bucket_name
+
+    nc: dict = {"quantization": args.quantization} if args.quantization else {}
+    kw: dict = {"model": args.model} if args.model else {}
+    if args.prefill_buckets:
+        nc["num_batched_tokens_buckets"] = [int(b) for b in args.prefill_buckets.split(",")]
+        kw["max_num_batched_tokens"] = nc["num_batched_tokens_buckets"][-1]
+    if args.decode_buckets:
+        nc["num_seqs_buckets"] = [int(b) for b in args.decode_buckets.split(",")]
+        kw["max_num_seqs"] = nc["num_seqs_buckets"][-1]
+    llm = LLM(**kw, enable_prefix_caching=False, enforce_eager=args.eager, additional_config={"neuron_config": nc})
+    runner = llm.llm_engine.core.runner
+    params, weight_bytes = _model_sizes(runner.model)
+    kv_per_token = _kv_bytes_per_token(llm)
+    times = _timed_steps(llm)
+    vocab = runner.ckpt.hf_config.vocab_size
+    greedy = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    seed = 0
+
+    def prompt(n: int) -> dict:
+        nonlocal seed
+        seed += 1
+        return {"prompt_token_ids": [(seed * 7919 + 31 * i) % (vocab - 10) + 5 for i in range(n)]}
+
+    context: dict[str, int] = {}
+    for size in runner.prefill_buckets:  # one prompt filling the bucket exactly: one prefill step
+        for _ in range(args.repeat + 1):
+            llm.generate([prompt(size)], greedy, use_tqdm=False)
+        name = runner._graph_name("prefill", size, 0)
+        times[name] = times[name][1:]  # the first of each bucket may still pay a one-time cost
+        context[name] = size
+    decode_len = 32
+    for batch in [int(b) for b in args.decode_batches.split(",")]:
+        before = {k: len(v) for k, v in times.items()}
+        llm.generate([prompt(decode_len) for _ in range(batch)],
+                     SamplingParams(temperature=0.0, max_tokens=args.decode_tokens, ignore_eos=True), use_tqdm=False)
+        for name, v in times.items():
+            if name.startswith("decode") and len(v) > before.get(name, 0) and name not in context:
+                context[name] = batch * (decode_len + args.decode_tokens // 2)
+
+    print(f"\n{args.model or 'bundled model'}, {args.quantization or str(runner.dtype).removeprefix('torch.')} weights "
+          f"({weight_bytes / 1e6:.0f} MB, {params / 1e6:.0f} M linear weights), medians of every step")
+    print("| step (bucket graph) | steps | median (ms) | bound (ms) | bound by | median / bound |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for name, v in sorted(times.items(), key=lambda kv: (not kv[0].startswith("prefill"), len(kv[0]), kv[0])):
+        if not v or name not in context:
+            continue
+        rows = parse_bucket_name(name)[1]
+        cost = step_cost(params, weight_bytes, rows, kv_per_token, context[name])
+        b, by = bound_ms(cost, peak, bandwidth)
+        med = statistics.median(v) * 1e3
+        print(f"| {name} | {len(v)} | {med:.1f} | {b:.1f} | {by} | {med / b:.1f}x |")
+    print("\n(Wall time of each step as the runner executes it, host work included; a loaded machine "
+          "inflates the medians, not the bounds.)")
+
+
+if __name__ == "__main__":
+    main()

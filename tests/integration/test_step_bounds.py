@@ -1,0 +1,47 @@
+"""benchmarks/step_bounds.py: the bound of a step (pure), and one run on a tiny model printing a row per
+step kind it ran."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+
+_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_SCRIPT = os.path.join(_REPO, "benchmarks", "step_bounds.py")
+
+
+@pytest.fixture(scope="module")
+def sb():
+    spec = importlib.util.spec_from_file_location("step_bounds", _SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["step_bounds"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bound_is_the_slower_of_compute_and_memory(sb):
+    decode = sb.step_cost(linear_params=100e6, weight_bytes=200_000_000, rows=1, kv_bytes_per_token=1000,
+                          context_tokens=1000)
+    assert decode.flops == 2 * 100e6 and decode.bytes == 201_000_000
+    assert sb.bound_ms(decode, peak_flop_s=100e9, bandwidth_b_s=20e9) == (pytest.approx(10.05), "memory")
+    prefill = sb.step_cost(100e6, 200_000_000, rows=512, kv_bytes_per_token=1000, context_tokens=512)
+    ms, by = sb.bound_ms(prefill, peak_flop_s=100e9, bandwidth_b_s=20e9)
+    assert by == "compute" and ms == pytest.approx(2 * 100e6 * 512 / 100e9 * 1e3)
+
+
+def test_tiny_model_run_prints_every_step_kind(tiny_llama_dir):
+    env = dict(os.environ)  # the tests' cache root (conftest): kernels built once; eager writes no graphs
+    proc = subprocess.run([sys.executable, _SCRIPT, "--model", tiny_llama_dir, "--eager", "--repeat", "1",
+                           "--prefill-buckets", "16,32", "--decode-buckets", "1,2", "--decode-tokens", "3",
+                           "--decode-batches", "1,2", "--matmul-size", "256", "--bandwidth-gib", "0.05",
+                           "--threads", "1"],
+                          env=env, capture_output=True, text=True, timeout=600, cwd=_REPO)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    out = proc.stdout
+    assert "bf16 matmul peak" in out and "read bandwidth" in out
+    rows = [line.split("|")[1].strip() for line in out.splitlines() if line.startswith("| ") and "---" not in line]
+    assert rows[0] == "step (bucket graph)"
+    assert rows[1:] == ["prefill_s16", "prefill_s32", "decode_b1", "decode_b2"], out
