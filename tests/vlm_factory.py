@@ -125,3 +125,10 @@ def hf_greedy(ids: list[int], images: list, max_new: int, **kw) -> list[int]:
         out = model.generate(torch.tensor([full]), mm_token_type_ids=torch.tensor([types]), max_new_tokens=max_new,
                              min_new_tokens=max_new, do_sample=False, pad_token_id=EOS_ID, **extra)
     return out[0, len(full):].tolist()
+
+
+def solid_image(h: int, w: int, color: tuple[int, int, int]):
+    """One colour: unlike two noise images, it moves the tiny model's greedy tokens."""
+    from PIL import Image
+
+    return Image.new("RGB", (w, h), color)
