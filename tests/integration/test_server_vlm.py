@@ -4,8 +4,6 @@ an unsupported media type, too many images and a path outside the allowed folder
 naming the problem, and the server keeps serving."""
 from __future__ import annotations
 
-import base64
-import io
 import os
 
 import httpx
@@ -13,19 +11,11 @@ import openai
 import pytest
 
 from tests.integration.server_utils import ServerProcess
-from tests.vlm_factory import IMAGE, hf_greedy, make_tiny_qwen3_vl, random_image
+from tests.vlm_factory import IMAGE, data_url, hf_greedy, make_tiny_qwen3_vl, png_bytes, random_image
 
 MAX_NEW = 6
 
 
-def _png(img) -> bytes:
-    buf = io.BytesIO()
-    img.save(buf, format="PNG")
-    return buf.getvalue()
-
-
-def _data_url(data: bytes, media_type: str = "image/png") -> str:
-    return f"data:{media_type};base64," + base64.b64encode(data).decode()
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +53,7 @@ def test_openai_sdk_chat_with_a_data_image_matches_transformers(setup):
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     img = random_image(56, 84, 0)
-    messages = _message(_data_url(_png(img)))
+    messages = _message(data_url(png_bytes(img)))
     out = _chat(srv, model_dir, messages)
     text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert text.count(IMAGE) == 1
@@ -76,15 +66,15 @@ def test_file_url_under_the_allowed_folder(setup):
     srv, model_dir, media = setup
     path = os.path.join(media, "cat.png")
     with open(path, "wb") as f:
-        f.write(_png(random_image(56, 56, 1)))
+        f.write(png_bytes(random_image(56, 56, 1)))
     out = _chat(srv, model_dir, _message("file://" + path))
     assert out.choices[0].finish_reason == "length"
 
 
 @pytest.mark.parametrize("urls, needle", [
-    ([_data_url(b"definitely not an image")], "cannot decode the data: URL image"),
-    ([_data_url(b"hello", "text/plain")], "media type 'text/plain' of the data: URL is not supported"),
-    ([_data_url(_png(random_image(56, 56, 2)))] * 3, "At most 2 image(s) may be provided in one prompt, got 3"),
+    ([data_url(b"definitely not an image")], "cannot decode the data: URL image"),
+    ([data_url(b"hello", "text/plain")], "media type 'text/plain' of the data: URL is not supported"),
+    ([data_url(png_bytes(random_image(56, 56, 2)))] * 3, "At most 2 image(s) may be provided in one prompt, got 3"),
     (["file:///etc/hostname"], "outside the allowed local media folder"),
 ])
 def test_bad_media_get_a_400_and_the_server_keeps_serving(setup, urls, needle):
@@ -93,5 +83,5 @@ def test_bad_media_get_a_400_and_the_server_keeps_serving(setup, urls, needle):
                    json={"model": model_dir, "messages": _message(*urls), "max_tokens": 2})
     assert r.status_code == 400, r.text
     assert needle in r.json()["error"]["message"]
-    ok = _chat(srv, model_dir, _message(_data_url(_png(random_image(56, 56, 3)))))
+    ok = _chat(srv, model_dir, _message(data_url(png_bytes(random_image(56, 56, 3)))))
     assert ok.choices[0].finish_reason == "length"

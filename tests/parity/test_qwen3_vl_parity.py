@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.vlm_factory import IMAGE, hf_greedy, make_tiny_qwen3_vl, random_image, solid_image
+from tests.vlm_factory import IMAGE, data_url, hf_greedy, make_tiny_qwen3_vl, png_bytes, random_image, solid_image
 from vllm_neuron import LLM, SamplingParams
 
 MAX_NEW = 6
@@ -99,13 +99,8 @@ def test_compiled_matches_transformers(model_dir, reference):
 
 def test_chat_with_image_content_parts(eager, tokenizer):
     """LLM.chat: an image_url data: URL and a PIL image part render through the chat template."""
-    import base64
-    import io
-
     img = random_image(56, 84, 0)
-    buf = io.BytesIO()
-    img.save(buf, format="PNG")
-    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    url = data_url(png_bytes(img))
     conv = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
                                          {"type": "text", "text": "Describe."}]},
             {"role": "assistant", "content": "A square."},
