@@ -137,6 +137,13 @@ SPEC_DECODE_NUM_ACCEPTED_TOKENS = Counter("vllm:spec_decode_num_accepted_tokens"
                                           _M, registry=None)
 SPEC_DECODE_ACCEPTED_PER_POS = Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
                                        "Accepted tokens per draft position.", _M + ["position"], registry=None)
+ENCODER_CACHE_HITS = Counter("vllm_neuron:encoder_cache_hits", "Media items whose vision embeddings came from the "
+                             "encoder cache.", _M, registry=None)
+ENCODER_CACHE_MISSES = Counter("vllm_neuron:encoder_cache_misses", "Media items the vision encoder ran for.", _M,
+                               registry=None)
+# Only with a multimodal model.
+ENCODER_CACHE_SERIES: tuple[str, ...] = ("vllm_neuron:encoder_cache_hits_total",
+                                         "vllm_neuron:encoder_cache_misses_total")
 # Only with --speculative-config (as in vLLM).
 SPEC_DECODE_SERIES: tuple[str, ...] = (
     "vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens_total",
@@ -221,6 +228,13 @@ def record_spec_decode(num_drafts: int, num_draft_tokens: int, num_accepted_toke
     SPEC_DECODE_NUM_ACCEPTED_TOKENS.labels(name).inc(num_accepted_tokens)
     for pos, n in enumerate(accepted_per_pos):
         SPEC_DECODE_ACCEPTED_PER_POS.labels(name, str(pos)).inc(n)
+
+
+def record_encoder_cache(hits: int, misses: int) -> None:
+    """One step's increments of the encoder cache's hits and misses (media items). Called every step with
+    a multimodal model, so the series exist from the start."""
+    ENCODER_CACHE_HITS.labels(_name()).inc(hits)
+    ENCODER_CACHE_MISSES.labels(_name()).inc(misses)
 
 
 def record_padding(kind: Literal["seqs", "tokens"], bucket_name: str, padding: int) -> None:

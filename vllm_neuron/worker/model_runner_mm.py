@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from vllm_neuron.logger import init_logger
 from vllm_neuron.model.qwen3_vl.mrope import VisionRun, mrope_positions, rope_positions_for
 from vllm_neuron.model.qwen3_vl.preprocessing import vision_inputs
 from vllm_neuron.step import ModelRunnerOutput, SchedulerOutput
@@ -21,6 +22,7 @@ from vllm_neuron.worker.encoder_cache import EncoderCache
 from vllm_neuron.worker.graphs_mm import MultimodalStepGraphs
 from vllm_neuron.worker.model_runner_v1 import ModelRunnerV1
 
+logger = init_logger(__name__)
 DEFAULT_ENCODER_CACHE_BYTES = 256 * 2**20
 
 
@@ -37,6 +39,15 @@ class MultimodalRunnerV1(ModelRunnerV1):
         self.media: dict[str, _MediaState] = {}
         self.encoder_cache = EncoderCache(DEFAULT_ENCODER_CACHE_BYTES)
         self.num_encoder_runs = 0
+
+    def num_blocks(self, weight_bytes: int) -> int:
+        """The encoder cache's bound is reserved beside the weights before the KV pool is sized."""
+        logger.info("Encoder cache: up to %.1f MiB of vision embeddings (reserved in the memory budget)",
+                    self.encoder_cache.max_bytes / 2**20)
+        return super().num_blocks(weight_bytes + self.encoder_cache.max_bytes)
+
+    def encoder_cache_stats(self) -> tuple[int, int]:
+        return self.encoder_cache.hits, self.encoder_cache.misses
 
     def _make_graphs(self) -> MultimodalStepGraphs:
         return MultimodalStepGraphs(self.model, self.odsc, self.block_size, self.use_kernels, self.paged_decode)
