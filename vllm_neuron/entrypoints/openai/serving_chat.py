@@ -56,6 +56,7 @@ class _Ctx:
     created: int
     arrival: float
     tool: ToolChoice
+    mm_items: list | None = None  # processed media (EngineClient.process_multimodal)
 
 
 def check_generation_prompt_flags(data: dict[str, Any]) -> None:
@@ -101,13 +102,24 @@ class OpenAIServingChat(OpenAIServing):
         if structured is not None:
             await validate_structured_outputs(structured, self.tokenizer, structured_param)
 
+        media: dict[str, list] | None = {} if self.engine.is_multimodal else None
         text = await self.render_chat(req.messages, request_template=req.chat_template,
                                       add_generation_prompt=req.add_generation_prompt,
                                       continue_final_message=req.continue_final_message,
                                       template_kwargs=self._template_kwargs(req), documents=req.documents,
-                                      tools=req.tools)
+                                      tools=req.tools, media=media)
         # The template writes the special tokens itself: no second BOS unless asked for.
         prompt_ids = await self.encode(text, req.add_special_tokens)
+        mm_items = None
+        if media:
+            if req.truncate_prompt_tokens is not None:
+                raise BadRequestError("truncate_prompt_tokens cannot be combined with media content parts.",
+                                      param="truncate_prompt_tokens")
+            try:  # fetching and decoding media blocks: off the event loop
+                prompt_ids, mm_items = await self.run_blocking(self.engine.process_multimodal, prompt_ids, media,
+                                                               req.mm_processor_kwargs)
+            except ValueError as e:
+                raise BadRequestError(str(e), param="messages") from None
         if req.truncate_prompt_tokens is not None:
             keep = self.max_model_len if req.truncate_prompt_tokens == -1 else req.truncate_prompt_tokens
             if keep < 1:
@@ -130,7 +142,7 @@ class OpenAIServingChat(OpenAIServing):
             if last.get("role") == _ROLE and isinstance(last.get("content"), str):
                 echo_text = last["content"]
         ctx = _Ctx(req, model, f"chatcmpl-{req.request_id or random_uuid()}", prompt_ids, text, echo_text,
-                   int(time.time()), arrival, tool)
+                   int(time.time()), arrival, tool, mm_items)
         if req.stream:
             return StreamingResponse(self._stream(ctx, sp), media_type="text/event-stream")
         result = await run_until_disconnect(self._full(ctx, sp), raw_request)
@@ -146,6 +158,9 @@ class OpenAIServingChat(OpenAIServing):
         return kwargs
 
     def _engine_prompt(self, ctx: _Ctx) -> TokensPrompt:
+        if ctx.mm_items:
+            return TokensPrompt(prompt_token_ids=ctx.prompt_ids, prompt=ctx.prompt_text,
+                                multi_modal_items=ctx.mm_items)
         return TokensPrompt(prompt_token_ids=ctx.prompt_ids, prompt=ctx.prompt_text)
 
     def _logprobs(self, token_ids: list[int], steps: list[dict[int, Logprob]], num_top: int,
