@@ -98,11 +98,11 @@ def test_multi_node_dp_on_loopback_serves_and_reports_a_lost_node_replica(tiny_l
                  and _metric(generate_latest(registry).decode(), "vllm:num_requests_running") >= 1,
                  timeout=60, interval=0.05, what="a request running on each replica")
         os.kill(_started(node)[1], signal.SIGKILL)
-        ended = wait_for(lambda: [i for i in (0, 1) if not threads[i].is_alive()], timeout=15,
-                         what="the stream on the dead replica to end")
-        victim = ended[0]
-        assert streams[victim][-1] == "data: [DONE]", streams[victim][-3:]
-        assert "data parallel replica 1 died" in streams[victim][-2], streams[victim][-3:]
+        failed = wait_for(lambda: [i for i in (0, 1) if not threads[i].is_alive()
+                                   and any("data parallel replica 1 died" in line for line in streams[i])],
+                          timeout=15, what="the stream on the dead replica to end with its error")
+        victim = failed[0]
+        assert streams[victim][-1] == "data: [DONE]" and "error" in streams[victim][-2], streams[victim][-3:]
         leave.set()
         threads[1 - victim].join(60)
         assert streams[1 - victim] and not any('"error"' in line for line in streams[1 - victim])  # replica 0's
