@@ -119,3 +119,18 @@ def test_killed_replica_fails_its_requests_and_health_while_the_other_serves(dp_
         else:
             assert not isinstance(res, BaseException) and res.finished
     assert after.finished and len(after.outputs[0].token_ids) == MAX_TOKENS
+
+
+def test_offline_llm_data_parallel_matches_one_engine(tiny_llama_dir):
+    from vllm_neuron import LLM
+
+    prompts = [{"prompt_token_ids": ids} for _, ids in _prompts()[:8]] + ["Hello there", "One two three"]
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    llm = LLM(tiny_llama_dir, data_parallel_size=2, **OPTS)
+    got = llm.generate(prompts, params, use_tqdm=False)
+    assert llm._dp.client.router.routed[0] > 0 and llm._dp.client.router.routed[1] > 0
+    assert llm.get_tokenizer() is not None
+    del llm
+    single = LLM(tiny_llama_dir, **OPTS).generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in single]
+    assert [o.outputs[0].text for o in got] == [o.outputs[0].text for o in single]
