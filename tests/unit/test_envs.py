@@ -230,3 +230,13 @@ def test_warning_once(caplog):
     assert msgs == ["batch composition changed", "batch size changed"]
     assert all(r.filename == "test_envs.py" for r in caplog.records if r.name == "vllm_neuron.test_once")
 
+
+def test_warning_once_memory_is_bounded(monkeypatch):
+    monkeypatch.setattr(vlog, "_once_keys", {})
+    log = vlog.init_logger("vllm_neuron.test_once_bound")
+    for i in range(vlog.ONCE_CAPACITY + 10):
+        assert vlog.warning_once(log, "request %d is odd", i)
+    assert len(vlog._once_keys) == vlog.ONCE_CAPACITY
+    assert vlog.warning_once(log, "request %d is odd", 0)  # the oldest was forgotten
+    assert not vlog.warning_once(log, "request %d is odd", vlog.ONCE_CAPACITY + 9)  # recent ones are kept
+
