@@ -93,3 +93,20 @@ def test_weight_counts_n_completions_and_the_table_is_bounded():
     for p in range(2, 6):
         r.route(_prompt(p, 2))
     assert len(r._owner) == 5
+
+
+def test_replica_placements_split_threads_and_gpus():
+    from vllm_neuron.engine.replica import plan_placements
+
+    cpu = plan_placements(range(2), on_cuda=False, cuda_count=0, cpu_threads=2)
+    assert [(p.rank, p.num_threads, p.cuda_index, p.kv_budget_shared_by) for p in cpu] == [(0, 1, None, 2),
+                                                                                         (1, 1, None, 2)]
+    assert plan_placements(range(1), on_cuda=False, cuda_count=0, cpu_threads=8)[0].num_threads is None
+    assert [p.num_threads for p in plan_placements(range(2, 5), on_cuda=False, cuda_count=0, cpu_threads=2)] == [1] * 3
+    assert [p.num_threads for p in plan_placements(range(2), on_cuda=False, cuda_count=0, cpu_threads=16,
+                                                   tensor_parallel_size=2)] == [4, 4]
+    gpu = plan_placements(range(3), on_cuda=True, cuda_count=2, cpu_threads=8)
+    assert [(p.cuda_index, p.kv_budget_shared_by) for p in gpu] == [(0, 2), (1, 2), (0, 2)]
+    assert plan_placements(range(0), on_cuda=False, cuda_count=0, cpu_threads=2) == []
+    with pytest.raises(ValueError, match="at least one visible GPU"):
+        plan_placements(range(1), on_cuda=True, cuda_count=0, cpu_threads=2)

@@ -40,6 +40,8 @@ def plan_placements(ranks: range, *, on_cuda: bool, cuda_count: int, cpu_threads
     """The placements of this host's replicas `ranks` (pure). cpu_threads: the threads one engine would
     use alone (torch's default); each of n replicas x TP ranks gets an equal share, at least one."""
     n = len(ranks)
+    if n == 0:  # a head that runs only the API server
+        return []
     if on_cuda:
         if cuda_count < 1:
             raise ValueError("placing data parallel replicas on CUDA needs at least one visible GPU")
