@@ -2,7 +2,9 @@
 
 32 concurrent requests in 4 prefix-sharing groups all complete on both replicas, each group on one
 replica, with the greedy tokens of a single in-process engine. Then one replica is killed mid-request:
-its requests fail with an error naming it, health reports it, and the survivor keeps serving.
+its requests fail with an error naming it, health reports it, and the survivor keeps serving. The
+offline LLM(data_parallel_size=2) gives one engine's outputs, and a replica that hangs (SIGSTOP) is
+found by its silence, killed, and fails its request instead of hanging it.
 """
 from __future__ import annotations
 
@@ -128,8 +130,23 @@ def test_offline_llm_data_parallel_matches_one_engine(tiny_llama_dir):
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     llm = LLM(tiny_llama_dir, data_parallel_size=2, **OPTS)
     got = llm.generate(prompts, params, use_tqdm=False)
-    assert llm._dp.client.router.routed[0] > 0 and llm._dp.client.router.routed[1] > 0
+    client = llm._dp.client
+    assert client.router.routed[0] > 0 and client.router.routed[1] > 0
     assert llm.get_tokenizer() is not None
+
+    # A replica that hangs (stopped) is found by its silence, killed, and its request fails; no hang.
+    client.cores.iteration_timeout = 3.0  # VLLM_ENGINE_ITERATION_TIMEOUT_S
+    hung = client.cores.replicas[1].proc
+    os.kill(hung.pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(EngineDeadError, match="data parallel replica 1 died: it made no progress for"):
+            llm.generate(["a", "b", "c", "d"], params, use_tqdm=False)
+        hung.join(10)
+        assert hung.exitcode == -signal.SIGKILL
+    finally:
+        if hung.is_alive():
+            os.kill(hung.pid, signal.SIGKILL)
+    assert len(llm.generate(["e", "f"], params, use_tqdm=False)) == 2  # replica 0 serves on
     del llm
     single = LLM(tiny_llama_dir, **OPTS).generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in single]

@@ -110,3 +110,17 @@ def test_replica_placements_split_threads_and_gpus():
     assert plan_placements(range(0), on_cuda=False, cuda_count=0, cpu_threads=2) == []
     with pytest.raises(ValueError, match="at least one visible GPU"):
         plan_placements(range(1), on_cuda=True, cuda_count=0, cpu_threads=2)
+
+
+def test_a_node_whose_ranks_do_not_fit_is_refused():
+    from vllm_neuron.engine.core_client import CoreClient, Replica
+
+    head = CoreClient.__new__(CoreClient)
+    head.replicas = [Replica(0, proc=object()), Replica(1), Replica(2, node=b"node-2")]
+    fits = {"size": 3, "ranks": [1]}
+    assert head._node_problem(b"node-1", fits) is None
+    assert "--data-parallel-size 4, the head with 3" in head._node_problem(b"node-1", {"size": 4, "ranks": [1]})
+    assert "rank 0 runs on the head" in head._node_problem(b"node-0", {"size": 3, "ranks": [0]})
+    assert "rank 3 is outside 0..2" in head._node_problem(b"node-3", {"size": 3, "ranks": [3]})
+    assert "belongs to node node-2" in head._node_problem(b"node-1", {"size": 3, "ranks": [1, 2]})
+    assert head._node_problem(b"node-2", {"size": 3, "ranks": [2]}) is None  # the same node again

@@ -105,6 +105,8 @@ class AsyncLLM(EngineClient):
         text, ids, reqs = self.input_processor.process(request_id, prompt, sampling_params)
         q: asyncio.Queue = asyncio.Queue()
         decision = self.router.route(ids, weight=len(reqs))
+        if self.router.loads[decision.replica] == len(reqs):
+            self.cores.got_work(decision.replica)
         self._queues[request_id] = q
         self._replica_of[request_id] = decision.replica
         self._weight[request_id] = len(reqs)
@@ -179,7 +181,7 @@ class AsyncLLM(EngineClient):
             now = time.monotonic()
             if now >= next_check:  # also while outputs stream without a pause
                 next_check = now + _LIVENESS_S
-                for rank, reason in self.cores.check_liveness(now):
+                for rank, reason in self.cores.check_liveness(self.router.loads, now):
                     self._replica_died(rank, reason)
             if not got:
                 continue

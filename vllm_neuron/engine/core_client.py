@@ -5,7 +5,9 @@ The replicas of this host are spawned here and connect over ipc; with multi-node
 socket also listens on tcp://data_parallel_address:data_parallel_rpc_port, where the replicas of a
 `serve --headless` node connect, next to that node's supervisor (`node-<first rank>`), whose
 heartbeats say which of its replicas live. A replica is dead when its process exits (this host), when
-its node reports it, or when its node's heartbeats stop for NODE_TIMEOUT_S.
+its node reports it, when its node's heartbeats stop for NODE_TIMEOUT_S, or when it sends nothing for
+VLLM_ENGINE_ITERATION_TIMEOUT_S while it has requests in flight (hung; a busy engine reports every
+second, core_proc.ALIVE_S).
 
 Messages are pickled tuples (engine/core_proc.py lists them); the RPC port must face a trusted network.
 """
@@ -38,6 +40,7 @@ class Replica:
     rank: int
     proc: Any = None  # multiprocessing.Process on this host; None for a remote replica
     node: bytes | None = None  # the supervisor identity of a remote replica's node
+    last_heard: float = 0.0  # monotonic time of its last message (or of getting work while idle)
     connected: bool = False
     ready: bool = False
     dead: str | None = None
@@ -48,7 +51,10 @@ class CoreClient:
     """Spawns this host's replicas and carries messages to and from all of them (one event loop)."""
 
     def __init__(self, config: EngineConfig, model_name: str) -> None:
+        from vllm_neuron import envs
+
         self.replicas = [Replica(r) for r in range(config.data_parallel_size)]
+        self.iteration_timeout: float = envs.VLLM_ENGINE_ITERATION_TIMEOUT_S
         self._nodes: dict[bytes, float] = {}  # supervisor identity -> last heartbeat (monotonic)
         self._ipc_dir = tempfile.mkdtemp(prefix="vllm_neuron_ipc_")
         self.ctx = zmq.asyncio.Context()
@@ -90,8 +96,9 @@ class CoreClient:
     def dead_reasons(self) -> dict[int, str]:
         return {r.rank: r.dead for r in self.replicas if r.dead is not None}
 
-    def check_liveness(self, now: float | None = None) -> list[tuple[int, str]]:
-        """Replicas found dead since the last call: exited processes, silent nodes."""
+    def check_liveness(self, loads: list[int], now: float | None = None) -> list[tuple[int, str]]:
+        """Replicas found dead since the last call: exited processes, silent nodes, and replicas silent
+        for iteration_timeout with requests in flight (loads[rank] > 0), whose local process is killed."""
         now = time.monotonic() if now is None else now
         found = []
         for r in self.replicas:
@@ -101,7 +108,17 @@ class CoreClient:
                 found.append((r.rank, f"process exited with code {r.proc.exitcode}"))
             elif r.node is not None and now - self._nodes.get(r.node, now) > NODE_TIMEOUT_S:
                 found.append((r.rank, f"its node sent no heartbeat for {NODE_TIMEOUT_S:.0f} s"))
+            elif r.ready and loads[r.rank] > 0 and now - r.last_heard > self.iteration_timeout:
+                found.append((r.rank, f"it made no progress for {now - r.last_heard:.0f} s with {loads[r.rank]} "
+                                      f"request(s) in flight (VLLM_ENGINE_ITERATION_TIMEOUT_S="
+                                      f"{self.iteration_timeout:g}); its process was killed"))
+                if r.proc is not None:
+                    r.proc.kill()
         return found
+
+    def got_work(self, rank: int) -> None:
+        """An idle replica was given a request: its silence counts from now."""
+        self.replicas[rank].last_heard = time.monotonic()
 
     def mark_dead(self, rank: int, reason: str) -> bool:
         """Records a replica's death; False if it was already recorded."""
@@ -141,6 +158,7 @@ class CoreClient:
         rank = rank_of_identity(identity)
         if rank is not None and 0 <= rank < self.size:
             r = self.replicas[rank]
+            r.last_heard = time.monotonic()
             if msg[0] == "hello":
                 r.connected, r.info = True, dict(msg[1])
                 if r.proc is None:
@@ -155,25 +173,46 @@ class CoreClient:
         return None, ("ignored",)
 
     def _node_message(self, identity: bytes, msg: tuple) -> tuple:
-        self._nodes[identity] = time.monotonic()
         if msg[0] == "node":
+            problem = self._node_problem(identity, msg[1])
+            if problem:
+                logger.error("Data parallel node %s (host %s) refused: %s", identity.decode(), msg[1].get("host"),
+                             problem)
+                self._send_to(identity, ("reject", problem))
+                return ("ignored",)
             for rank in msg[1]["ranks"]:
-                if 0 <= rank < self.size and self.replicas[rank].proc is None:
-                    self.replicas[rank].node = identity
+                self.replicas[rank].node = identity
             logger.info("Data parallel node %s (host %s) joined with ranks %s", identity.decode(),
                         msg[1].get("host"), list(msg[1]["ranks"]))
+        elif identity not in self._nodes:
+            return ("ignored",)  # a refused node's heartbeats
+        self._nodes[identity] = time.monotonic()
         self._send_to(identity, ("ack",))
         dead = [(rank, f"reported by its node: {why}") for rank, why in msg[1].get("dead", {}).items()] \
             if msg[0] == "heartbeat" else []
         return ("node_dead", dead)
 
+    def _node_problem(self, identity: bytes, hello: dict) -> str | None:
+        """Why a node's ranks do not fit this deployment (None: they fit)."""
+        if hello.get("size") != self.size:
+            return f"it was started with --data-parallel-size {hello.get('size')}, the head with {self.size}"
+        for rank in hello["ranks"]:
+            if not 0 <= rank < self.size:
+                return f"rank {rank} is outside 0..{self.size - 1}"
+            r = self.replicas[rank]
+            if r.proc is not None:
+                return f"rank {rank} runs on the head (--data-parallel-size-local there)"
+            if r.node is not None and r.node != identity:
+                return f"rank {rank} belongs to node {r.node.decode()} already"
+        return None
+
     # -- shutdown --------------------------------------------------------------------------------
     def shutdown(self) -> None:
+        for identity in list(self._nodes):  # first: a node must not take its replicas' exit for a failure
+            self._send_to(identity, ("shutdown",))
         for r in self.replicas:
             if r.dead is None and (r.proc is None or r.proc.is_alive()):
                 self.send(r.rank, ("shutdown",))
-        for identity in list(self._nodes):
-            self._send_to(identity, ("shutdown",))
         deadline = time.monotonic() + 10
         for r in self.replicas:
             if r.proc is None:

@@ -3,7 +3,7 @@
 One DEALER socket, identity `engine-<dp rank>`, connected to the API server's ROUTER (ipc on one
 host, tcp for data-parallel replicas on other hosts). Messages are pickled tuples ("add",
 EngineCoreRequest) / ("abort", [ids]) / ("shutdown",) in, and ("hello", info) / ("ready", info) /
-("outputs", EngineCoreOutputs) / ("dead", message) out. The loop blocks on the socket only when no
+("outputs", EngineCoreOutputs) / ("alive", None) / ("dead", message) out. The loop blocks on the socket only when no
 request is unfinished, so an idle engine costs nothing.
 """
 from __future__ import annotations
@@ -23,6 +23,9 @@ from vllm_neuron.engine.replica import ReplicaPlacement, apply_placement, engine
 from vllm_neuron.logger import init_logger
 
 logger = init_logger(__name__)
+
+# A busy engine sends something at least this often (the client's hang detection: VLLM_ENGINE_ITERATION_TIMEOUT_S).
+ALIVE_S = 1.0
 
 
 def _send(sock: zmq.Socket, msg: Any) -> None:
@@ -70,6 +73,7 @@ def _loop(core, inp: zmq.Socket, out: zmq.Socket, metrics, log_stats: bool = Tru
     from vllm_neuron.engine.stats_logger import StatsLogger
 
     stats_logger = StatsLogger(envs.VLLM_LOG_STATS_INTERVAL, time.monotonic()) if log_stats else None
+    last_sent = time.monotonic()
     while True:
         timeout = 0 if core.has_unfinished() else _idle_timeout_ms(stats_logger)
         handled = False
@@ -89,8 +93,13 @@ def _loop(core, inp: zmq.Socket, out: zmq.Socket, metrics, log_stats: bool = Tru
         recorder.record(outs.stats)
         if stats_logger is not None:
             stats_logger.record(outs)
+        now = time.monotonic()
         if outs.outputs:
             _send(out, ("outputs", outs))
+            last_sent = now
+        elif now - last_sent > ALIVE_S:  # steps without tokens (long prompts' segments) still show progress
+            _send(out, ("alive", None))
+            last_sent = now
 
 
 def _idle_timeout_ms(stats_logger) -> int | None:

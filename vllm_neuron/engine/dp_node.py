@@ -4,8 +4,9 @@ The node spawns its replicas (ranks data_parallel_start_rank .. + data_parallel_
 connect straight to the head's socket at tcp://data_parallel_address:data_parallel_rpc_port and take
 requests from its router. This process stays as their supervisor: it tells the head which ranks it
 runs, then sends a heartbeat every HEARTBEAT_S with the replicas that died (and why), so that the head
-fails their requests and reports them. It exits when the head says shutdown, when the head stops
-answering for NODE_TIMEOUT_S after it had answered once, on SIGTERM / SIGINT, or when every replica died.
+fails their requests and reports them. It exits when the head says shutdown, when the head refuses its
+ranks (taken, or another --data-parallel-size), when the head stops answering for NODE_TIMEOUT_S after
+it had answered once, on SIGTERM / SIGINT, or when every replica died.
 """
 from __future__ import annotations
 
@@ -51,7 +52,7 @@ def run_headless(config: EngineConfig) -> int:
     sock.setsockopt(zmq.LINGER, 500)
     sock.connect(address)
     try:
-        return _supervise(sock, procs, ranks, stop)
+        return _supervise(sock, procs, ranks, config.data_parallel_size, stop)
     finally:
         for p in procs.values():
             if p.is_alive():
@@ -64,11 +65,11 @@ def run_headless(config: EngineConfig) -> int:
         ctx.term()
 
 
-def _supervise(sock: zmq.Socket, procs: dict, ranks: range, stop: dict) -> int:
+def _supervise(sock: zmq.Socket, procs: dict, ranks: range, size: int, stop: dict) -> int:
     def send(msg: tuple) -> None:
         sock.send(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
 
-    send(("node", {"ranks": list(ranks), "host": socket.gethostname(), "pid": os.getpid()}))
+    send(("node", {"ranks": list(ranks), "size": size, "host": socket.gethostname(), "pid": os.getpid()}))
     dead: dict[int, str] = {}
     last_ack: float | None = None
     next_beat = 0.0
@@ -93,6 +94,9 @@ def _supervise(sock: zmq.Socket, procs: dict, ranks: range, stop: dict) -> int:
             msg = pickle.loads(sock.recv())
             if msg[0] == "ack":
                 last_ack = time.monotonic()
+            elif msg[0] == "reject":
+                logger.error("The head refused this node: %s", msg[1])
+                return 2
             elif msg[0] == "shutdown":
                 logger.info("The head shut down; stopping this node's replicas")
                 return 0
