@@ -182,9 +182,18 @@ class EngineCore:
     def _schedule(self) -> SchedulerOutput | None:
         sched = self.scheduler.schedule()
         if sched is not None and self.structured is not None:
-            sched.grammar_bitmask = {c.req_id: self.structured.bitmask(c.req_id) for c in sched.chunks
-                                     if c.sample and self.structured.has(c.req_id)}
+            sched.grammar_bitmask = {c.req_id: self.structured.bitmask(c.req_id, self._tokens_left(c.req_id))
+                                     for c in sched.chunks if c.sample and self.structured.has(c.req_id)}
         return sched
+
+    def _tokens_left(self, rid: str) -> int:
+        """Tokens the request may still sample, the one now scheduled included (a grammar closes within them)."""
+        req = self.scheduler.requests[rid]
+        pending = len(req.output_token_ids) + req.num_output_placeholders
+        left = self.config.max_model_len - req.num_prompt_tokens - pending
+        if req.sampling_params.max_tokens is not None:
+            left = min(left, req.sampling_params.max_tokens - pending)
+        return left
 
     def _grammar_in_flight(self) -> bool:
         return self.structured is not None and any(

@@ -30,10 +30,10 @@ from vllm_neuron.entrypoints.openai.protocol import (
 )
 from vllm_neuron.entrypoints.openai.request_policy import check_unsupported_fields, parse_request
 from vllm_neuron.entrypoints.openai.serving_engine import (
+    PROMPT_LOGPROBS_UNSUPPORTED,
     ChoiceAccumulator,
     OpenAIServing,
     RequestTracker,
-    prompt_logprobs_json,
 )
 from vllm_neuron.entrypoints.openai.streaming import SSE_DONE, run_until_disconnect, sse
 from vllm_neuron.entrypoints.openai.structured import structured_outputs_from_request, validate_structured_outputs
@@ -88,9 +88,8 @@ class OpenAIServingChat(OpenAIServing):
         if req.top_logprobs and not req.logprobs:
             raise BadRequestError("when using `top_logprobs`, `logprobs` must be set to true.", param="top_logprobs")
         self.check_logprobs_cap(req.top_logprobs, "top_logprobs")
-        self.check_logprobs_cap(req.prompt_logprobs, "prompt_logprobs")
-        if req.stream and req.prompt_logprobs:
-            raise BadRequestError("`prompt_logprobs` are not available when `stream=True`.", param="prompt_logprobs")
+        if req.prompt_logprobs is not None:
+            raise BadRequestError(PROMPT_LOGPROBS_UNSUPPORTED, param="prompt_logprobs")
         self.limits.check_n(req.n)
         tool = resolve_tool_choice(req.tools, req.tool_choice, req.parallel_tool_calls, self.tool_parser)
         structured, structured_param = structured_outputs_from_request(req)
@@ -133,7 +132,7 @@ class OpenAIServingChat(OpenAIServing):
         max_tokens = self.resolve_max_tokens(len(prompt_ids), requested, param)
         sp = self.build_sampling_params(req, max_tokens=max_tokens,
                                         logprobs=(req.top_logprobs or 0) if req.logprobs else None,
-                                        prompt_logprobs=req.prompt_logprobs, structured_outputs=structured)
+                                        structured_outputs=structured)
         if tool.mode == "auto":
             self.tool_parser(self.tokenizer).adjust_request(sp)
         echo_text = None
@@ -185,13 +184,10 @@ class OpenAIServingChat(OpenAIServing):
         req = ctx.req
         tracker = RequestTracker(self, ctx.arrival)
         choices = {j: ChoiceAccumulator() for j in range(sp.n)}
-        prompt_lps = None
         error: BaseException | None = None
         try:
             async for res in self.generate(tracker, self._engine_prompt(ctx), sp, ctx.request_id,
                                            len(ctx.prompt_ids)):
-                if res.prompt_logprobs is not None and prompt_lps is None:
-                    prompt_lps = res.prompt_logprobs
                 for o in res.outputs:
                     choices[o.index].add(o)
         except Exception as e:
@@ -227,7 +223,6 @@ class OpenAIServingChat(OpenAIServing):
             id=ctx.request_id, created=ctx.created, model=ctx.model, choices=out,
             usage=UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                             total_tokens=prompt_tokens + completion_tokens),
-            prompt_logprobs=prompt_logprobs_json(prompt_lps) if req.prompt_logprobs is not None else None,
             prompt_token_ids=ctx.prompt_ids if req.return_token_ids else None)
 
     def _parser(self, ctx: _Ctx) -> ToolParser | None:
