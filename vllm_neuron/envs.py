@@ -297,6 +297,23 @@ _VARS: dict[str, EnvVar] = {
             lambda: _float("VLLM_NEURON_MIN_KV_BUDGET_GIB", 1.0, minimum=0.0),
             "Minimum KV budget in GiB; start-up fails fast below it. Default 1.0.",
         ),
+        EnvVar(
+            "VLLM_ENGINE_ITERATION_TIMEOUT_S",
+            lambda: _float("VLLM_ENGINE_ITERATION_TIMEOUT_S", 60.0, minimum=0.0, min_exclusive=True),
+            "Seconds an engine replica with requests in flight may stay silent (vLLM's variable): past "
+            "it the replica counts as hung, its requests fail and its process is killed. Default 60.",
+        ),
+        # -- multimodal --
+        EnvVar(
+            "VLLM_IMAGE_FETCH_TIMEOUT",
+            lambda: _float("VLLM_IMAGE_FETCH_TIMEOUT", 5.0, minimum=0.0, min_exclusive=True),
+            "Seconds to fetch one http(s) media URL (vLLM's variable). Default 5.",
+        ),
+        EnvVar(
+            "VLLM_MEDIA_MAX_BYTES",
+            lambda: _int("VLLM_MEDIA_MAX_BYTES", 20 * 2**20, minimum=1),
+            "Largest media item, in bytes, read from an http(s) URL or a local file. Default 20 MiB.",
+        ),
         # -- metrics --
         EnvVar(
             "VLLM_LOG_STATS_INTERVAL",

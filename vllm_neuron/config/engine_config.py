@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +24,34 @@ KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")  # fp8 = fp8_e4m3
 DEFAULT_MAX_NUM_SEQS = 16
 BUNDLED_MODEL_NAME = "SmolLM2-135M-Instruct"  # served name of the bundled model (no MODEL given)
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 512
+
+
+MM_MODALITIES = ("image", "video")
+
+
+def parse_limit_mm_per_prompt(value: dict | str | None) -> dict[str, int]:
+    """vLLM's --limit-mm-per-prompt ('{"image": 4, "video": 1}') -> {modality: max items}; a modality
+    left out is limited by the context length only."""
+    limits = _json_dict("limit_mm_per_prompt", value)
+    for k, v in limits.items():
+        if k not in MM_MODALITIES:
+            raise ValueError(f"limit_mm_per_prompt has unknown modality {k!r}; valid modalities: {list(MM_MODALITIES)}")
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise ValueError(f"limit_mm_per_prompt[{k!r}] must be a non-negative integer, got {v!r}")
+    return limits
+
+
+def _json_dict(option: str, value: dict | str | None) -> dict:
+    if value is None or value == "":
+        return {}
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{option} must be a JSON object, got {value!r}: {e}") from e
+    if not isinstance(value, dict):
+        raise ValueError(f"{option} must be a JSON object, got {value!r}")
+    return dict(value)
 
 
 def _not_supported(option: str, value: Any, hint: str = "") -> ValueError:
@@ -47,6 +76,15 @@ class EngineConfig:
     device: str = "auto"
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
+    # Multi-node data parallelism (vLLM's names): replicas on this node, the first one's rank (a
+    # --headless node), and the head's address / port that remote replicas connect to.
+    data_parallel_size_local: int | None = None  # None: every replica on this node
+    data_parallel_start_rank: int = 0
+    data_parallel_address: str = "127.0.0.1"
+    data_parallel_rpc_port: int = 29550
+    data_parallel_rank: int | None = None  # external load balancing (one server per rank): refused
+    data_parallel_backend: str = "mp"
+    data_parallel_hybrid_lb: bool = False
     enable_expert_parallel: bool = False
     kv_cache_dtype: str = "auto"
     async_scheduling: bool | None = None
@@ -56,7 +94,9 @@ class EngineConfig:
     kv_transfer_config: dict | str | None = None
     ec_transfer_config: dict | str | None = None
     mm_encoder_only: bool = False
-    limit_mm_per_prompt: dict | str | None = None
+    limit_mm_per_prompt: dict | str | None = None  # {"image": N, "video": M}; parsed by validate_static
+    mm_processor_kwargs: dict | str | None = None  # the image processor's options, e.g. {"max_pixels": ...}
+    allowed_local_media_path: str | None = None  # file:// media must lie under this folder
     chat_template: str | None = None
     trust_remote_code: bool = False  # accepted for vLLM compatibility; no remote code is ever run
     disable_log_stats: bool = False
@@ -67,6 +107,9 @@ class EngineConfig:
     neuron: AdditionalConfig = field(default=None, init=False, repr=False)  # type: ignore[assignment]
     runner_choice: RunnerChoice | None = field(default=None, init=False, repr=False)
     async_scheduling_reason: str = field(default="set explicitly", init=False, repr=False)
+    # Engine processes sharing this engine's memory (DP replicas on one host or GPU); its KV budget
+    # is that share (worker/memory.py's local_workers). Set in each replica's process.
+    kv_budget_shared_by: int = field(default=1, init=False, repr=False)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
@@ -104,8 +147,7 @@ class EngineConfig:
                              f"{list(KV_CACHE_DTYPES)}")
         if self.tensor_parallel_size != 1:
             raise _not_supported("tensor_parallel_size", self.tensor_parallel_size, "only 1 for now")
-        if self.data_parallel_size != 1:
-            raise _not_supported("data_parallel_size", self.data_parallel_size, "only 1 for now")
+        self._validate_data_parallel()
         if self.enable_expert_parallel:
             raise _not_supported("enable_expert_parallel", True, "expert parallelism is not supported yet")
         if self.async_scheduling not in (None, True, False):
@@ -119,12 +161,14 @@ class EngineConfig:
         if self.kv_transfer_config:
             raise _not_supported("kv_transfer_config", self.kv_transfer_config)
         if self.ec_transfer_config:
-            raise _not_supported("ec_transfer_config", self.ec_transfer_config, "no multimodal model is supported yet")
+            raise _not_supported("ec_transfer_config", self.ec_transfer_config,
+                                 "encoder-disaggregated (EPD) inference is not supported yet")
         if self.mm_encoder_only:
-            raise _not_supported("mm_encoder_only", True, "no multimodal model is supported yet")
-        if self.limit_mm_per_prompt:
-            raise _not_supported("limit_mm_per_prompt", self.limit_mm_per_prompt,
-                                 "no multimodal model is supported yet")
+            raise _not_supported("mm_encoder_only", True, "encoder-disaggregated (EPD) inference is not supported yet")
+        self.limit_mm_per_prompt = parse_limit_mm_per_prompt(self.limit_mm_per_prompt)
+        self.mm_processor_kwargs = _json_dict("mm_processor_kwargs", self.mm_processor_kwargs)
+        if self.allowed_local_media_path is not None and not os.path.isdir(self.allowed_local_media_path):
+            raise ValueError(f"allowed_local_media_path={self.allowed_local_media_path!r} is not an existing folder")
         check_generation_config_arg(self.generation_config)
         self.override_generation_config = parse_override(self.override_generation_config)
         from vllm_neuron import envs
@@ -132,10 +176,6 @@ class EngineConfig:
         envs.check_supported()
         if not isinstance(self.additional_config, AdditionalConfig):
             self.additional_config = parse_additional_config(self.additional_config)
-        if self.additional_config.encoder_neuron_config is not None:
-            raise _not_supported("encoder_neuron_config", "...", "no multimodal model is supported yet")
-        if self.additional_config.mm_language_model_only:
-            raise _not_supported("mm_language_model_only", True, "no multimodal model is supported yet")
         nc = self.additional_config.neuron_config
         if nc.quantization not in (None, "int8", "int4", "mxfp4"):
             # Which model honours which scheme is the model's to say (ModelSpec.quantizations).
@@ -152,9 +192,65 @@ class EngineConfig:
         if nc.gk_decode:
             raise _not_supported("neuron_config.gk_decode", True)
 
-    def finalize(self, model_max_len: int, *, moe: bool = False, sliding_window: bool = False) -> NeuronConfig:
-        """Fills the model-dependent defaults and resolves the bucket lists; `moe` / `sliding_window`
-        describe the model (they select MRv1 by default)."""
+    def _validate_data_parallel(self) -> None:
+        dp = self.data_parallel_size
+        if self.data_parallel_rank is not None:
+            raise _not_supported("data_parallel_rank", self.data_parallel_rank,
+                                 "external load balancing (one server per rank); use --data-parallel-size with "
+                                 "--data-parallel-size-local / --headless for replicas behind one API server")
+        if self.data_parallel_backend != "mp":
+            raise _not_supported("data_parallel_backend", self.data_parallel_backend, "only 'mp' (multiprocessing)")
+        if self.data_parallel_hybrid_lb:
+            raise _not_supported("data_parallel_hybrid_lb", True, "replicas on every node join the head's router")
+        local = self.data_parallel_size_local
+        if local is not None and (not isinstance(local, int) or isinstance(local, bool) or not 0 <= local <= dp):
+            raise ValueError(f"data_parallel_size_local must be an integer in [0, data_parallel_size={dp}], "
+                             f"got {local!r}")
+        start = self.data_parallel_start_rank
+        if not isinstance(start, int) or isinstance(start, bool) or not 0 <= start < dp:
+            raise ValueError(f"data_parallel_start_rank must be an integer in [0, data_parallel_size={dp}), "
+                             f"got {start!r}")
+        if start + self.local_dp_replicas > dp:
+            raise ValueError(f"data_parallel_start_rank={start} + data_parallel_size_local={self.local_dp_replicas} "
+                             f"exceeds data_parallel_size={dp}")
+        port = self.data_parallel_rpc_port
+        if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
+            raise ValueError(f"data_parallel_rpc_port must be a TCP port in [1, 65535], got {port!r}")
+        if not isinstance(self.data_parallel_address, str) or not self.data_parallel_address:
+            raise ValueError(f"data_parallel_address must be a host name or IP address, got "
+                             f"{self.data_parallel_address!r}")
+
+    @property
+    def local_dp_replicas(self) -> int:
+        """Data-parallel replicas this node runs."""
+        local = self.data_parallel_size_local
+        return self.data_parallel_size if local is None else local
+
+    @property
+    def multi_node_dp(self) -> bool:
+        """Some replicas run on other nodes: the head listens on data_parallel_address:rpc_port."""
+        return self.local_dp_replicas < self.data_parallel_size
+
+    def finalize(self, model_max_len: int, *, moe: bool = False, sliding_window: bool = False,
+                 multimodal: bool = False) -> NeuronConfig:
+        """Fills the model-dependent defaults and resolves the bucket lists; `moe` / `sliding_window` /
+        `multimodal` describe the model (they select MRv1 by default)."""
+        if not multimodal:
+            for option in ("limit_mm_per_prompt", "mm_processor_kwargs"):
+                if getattr(self, option):
+                    raise ValueError(f"{option} applies to multimodal models only; this model takes text only")
+            if self.additional_config.mm_language_model_only:
+                raise ValueError("mm_language_model_only applies to multimodal models only; this model is text only")
+            if self.additional_config.encoder_neuron_config is not None:
+                raise ValueError("encoder_neuron_config applies to multimodal models only; this model is text only")
+        enc = self.additional_config.encoder_neuron_config
+        if enc is not None:
+            if enc.parallel_sizes(self.tensor_parallel_size) != (1, 1):
+                raise _not_supported("encoder_neuron_config tp_size/dp_size", (enc.tp_size, enc.dp_size),
+                                     "the encoder runs on one device")
+            if enc.encoder_cache_min_hold_time_ms:
+                raise _not_supported("encoder_neuron_config.encoder_cache_min_hold_time_ms",
+                                     enc.encoder_cache_min_hold_time_ms, "it guards EPD transfers, which are not built")
         if self.max_model_len is None:
             self.max_model_len = model_max_len
         elif self.max_model_len > model_max_len:
@@ -211,8 +307,13 @@ class EngineConfig:
         self.runner_choice = select_model_runner(envs.VLLM_USE_V2_MODEL_RUNNER,
                                                  cpu_sampling=nc.on_device_sampling_config is None,
                                                  enforce_eager=self.enforce_eager,
-                                                 speculative=spec is not None, moe=moe,
+                                                 speculative=spec is not None, moe=moe or multimodal,
                                                  sliding_window=sliding_window)
+        if multimodal and self.runner_choice.use_v2:
+            raise _not_supported("VLLM_USE_V2_MODEL_RUNNER", "1", "multimodal models run on Model Runner V1 only; "
+                                 "unset it")
+        if multimodal and spec is not None:
+            raise _not_supported("speculative_config", spec.method, "speculative decoding with a multimodal model")
         if spec is not None and self.runner_choice.use_v2:
             raise ValueError("VLLM_USE_V2_MODEL_RUNNER=1 cannot serve speculative decoding: Neuron Model Runner V2 "
                              "does not support it; unset VLLM_USE_V2_MODEL_RUNNER (MRv1 is then selected)")

@@ -16,7 +16,7 @@ from vllm_neuron.engine.messages import EngineCoreOutput, EngineCoreOutputs, Eng
 from vllm_neuron.logger import init_logger
 from vllm_neuron.step import ModelRunnerOutput, SchedulerOutput
 from vllm_neuron.model.loader import Checkpoint, load_checkpoint
-from vllm_neuron.model.registry import model_spec
+from vllm_neuron.model.registry import is_multimodal, model_spec
 from vllm_neuron.worker import memory
 from vllm_neuron.worker.model_runner_v1 import ModelRunnerV1
 
@@ -35,8 +35,8 @@ class EngineCore:
         self.config = config
         self.ckpt = checkpoint or load_checkpoint(config.model)
         spec = model_spec(self.ckpt.hf_config, config.neuron_config.quantization)
-        nc = config.finalize(self.ckpt.hf_config.max_position_embeddings, moe=spec.is_moe,
-                             sliding_window=spec.has_sliding_window)
+        nc = config.finalize(self.ckpt.hf_config.get_text_config().max_position_embeddings, moe=spec.is_moe,
+                             sliding_window=spec.has_sliding_window, multimodal=is_multimodal(self.ckpt.hf_config))
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         logger.info("dtype %s (%s)", str(self.dtype).removeprefix("torch."), dtype_reason(config.dtype, self.device))
@@ -52,25 +52,32 @@ class EngineCore:
         choice = config.runner_choice
         if choice.log_message():
             (logger.warning if choice.use_v2 else logger.info)("%s", choice.log_message())
+        if choice.model_reason():
+            logger.info("%s", choice.model_reason())
         if config.use_v2_model_runner:
             from vllm_neuron.worker.model_runner_v2 import ModelRunnerV2
 
             logger.info("%s", V2_LOG_LINE)
             self.runner = ModelRunnerV2(config, self.ckpt, self.device, self.dtype, backend)
         else:
-            self.runner = ModelRunnerV1(config, self.ckpt, self.device, self.dtype, backend)
+            runner_cls = ModelRunnerV1
+            if is_multimodal(self.ckpt.hf_config):
+                from vllm_neuron.worker.model_runner_mm import MultimodalRunnerV1 as runner_cls
+            self.runner = runner_cls(config, self.ckpt, self.device, self.dtype, backend)
         logger.info("%s", B.format_bucket_table(nc.num_batched_tokens_buckets, nc.num_seqs_buckets,
                                                 nc.context_buckets, self.runner.prefill_needs_context()))
         self.load_stats = self.runner.load_model()
         self.num_blocks = self.runner.num_blocks(self.load_stats.nbytes)
         self.runner.init_kv_cache(self.num_blocks)
-        logger.info(memory.capacity_summary(self.num_blocks - 1, config.block_size, config.max_model_len))
+        logger.info(memory.capacity_summary(self.num_blocks - 1, config.block_size, config.max_model_len,
+                                            self.runner.request_blocks()))
         self.compiler = self.runner.warmup()
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=config.max_model_len, block_size=config.block_size, num_blocks=self.num_blocks,
             enable_prefix_caching=config.enable_prefix_caching,
-            max_prefill_context_tokens=max(nc.context_buckets), num_speculative_tokens=config.num_speculative_tokens))
+            max_prefill_context_tokens=max(nc.context_buckets), num_speculative_tokens=config.num_speculative_tokens,
+            kv_cache_layout=self.runner.kv_layout))
         self.structured = None  # StructuredOutputManager, created with the first grammar request
         self._grammar_wait: dict[str, Request] = {}
         self.async_scheduling = bool(config.async_scheduling)
@@ -93,8 +100,10 @@ class EngineCore:
                         len(self.compiler.records) - self.compiler.num_compiled)
 
     def add_request(self, req: EngineCoreRequest) -> None:
+        # Media hashes join the prefix-cache keys: prompts that differ only in their media share no KV.
+        salt = tuple(item.mm_hash for item in req.mm_items) if req.mm_items else ()
         request = Request(req.request_id, req.prompt_token_ids, req.sampling_params, req.eos_token_id,
-                          arrival_time=req.arrival_time)
+                          arrival_time=req.arrival_time, cache_salt=salt, mm_items=req.mm_items)
         if req.sampling_params.structured_outputs is None:
             self.scheduler.add_request(request)
             return
@@ -108,7 +117,7 @@ class EngineCore:
             from vllm_neuron.structured_output.manager import StructuredOutputManager
 
             tok = load_tokenizer(self.config.tokenizer or self.ckpt)
-            self.structured = StructuredOutputManager(tok, self.ckpt.hf_config.vocab_size)
+            self.structured = StructuredOutputManager(tok, self.ckpt.hf_config.get_text_config().vocab_size)
         return self.structured
 
     def abort_requests(self, req_ids: list[str], reason: str = "abort") -> None:
@@ -173,9 +182,18 @@ class EngineCore:
     def _schedule(self) -> SchedulerOutput | None:
         sched = self.scheduler.schedule()
         if sched is not None and self.structured is not None:
-            sched.grammar_bitmask = {c.req_id: self.structured.bitmask(c.req_id) for c in sched.chunks
-                                     if c.sample and self.structured.has(c.req_id)}
+            sched.grammar_bitmask = {c.req_id: self.structured.bitmask(c.req_id, self._tokens_left(c.req_id))
+                                     for c in sched.chunks if c.sample and self.structured.has(c.req_id)}
         return sched
+
+    def _tokens_left(self, rid: str) -> int:
+        """Tokens the request may still sample, the one now scheduled included (a grammar closes within them)."""
+        req = self.scheduler.requests[rid]
+        pending = len(req.output_token_ids) + req.num_output_placeholders
+        left = self.config.max_model_len - req.num_prompt_tokens - pending
+        if req.sampling_params.max_tokens is not None:
+            left = min(left, req.sampling_params.max_tokens - pending)
+        return left
 
     def _grammar_in_flight(self) -> bool:
         return self.structured is not None and any(
@@ -278,4 +296,5 @@ class EngineCore:
             prefix_queries=s.kv.prefix_queries, prefix_hits=s.kv.prefix_hits, num_preemptions=s.num_preemptions,
             step_kind=sched.kind if sched else "", bucket_name=result.bucket_name if result else "",
             num_padding=result.num_padding if result else 0, num_tokens=sched.num_tokens if sched else 0,
-            num_async_sync_fallbacks=self.num_async_sync_fallbacks, spec_decode=s.spec_stats.cumulative())
+            num_async_sync_fallbacks=self.num_async_sync_fallbacks, spec_decode=s.spec_stats.cumulative(),
+            encoder_cache=self.runner.encoder_cache_stats())

@@ -16,6 +16,7 @@ class EngineCoreRequest:
     sampling_params: SamplingParams
     eos_token_id: int | None
     arrival_time: float
+    mm_items: list | None = None  # multimodal.inputs.MultiModalItem per media item, in prompt order
 
 
 @dataclass
@@ -46,6 +47,8 @@ class SchedulerStats:
     # Speculative decoding (cumulative; None without --speculative-config): drafts, draft tokens,
     # accepted tokens, accepted tokens per draft position.
     spec_decode: tuple[int, int, int, list[int]] | None = None
+    # Encoder cache hits and misses in media items (cumulative; None without a multimodal model).
+    encoder_cache: tuple[int, int] | None = None
     step_kind: str = ""
     bucket_name: str = ""
     num_padding: int = 0

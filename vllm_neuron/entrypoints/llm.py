@@ -1,7 +1,10 @@
-"""The offline `LLM`: vLLM's Python API over the in-process engine."""
+"""The offline `LLM`: vLLM's Python API over the in-process engine; with data_parallel_size > 1, over
+the server's engine client (one process per replica, the same router) on a private event loop."""
 from __future__ import annotations
 
+import asyncio
 import itertools
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -9,6 +12,8 @@ from tqdm import tqdm
 
 from vllm_neuron.config.engine_config import EngineConfig
 from vllm_neuron.engine.llm_engine import LLMEngine
+from vllm_neuron.entrypoints.openai.chat_template import normalize_messages
+from vllm_neuron.entrypoints.openai.errors import BadRequestError
 from vllm_neuron.outputs import RequestOutput
 from vllm_neuron.sampling_params import RequestOutputKind, SamplingParams
 
@@ -29,14 +34,20 @@ class LLM:
         return llm
 
     def _init(self, config: EngineConfig) -> None:
-        self.llm_engine = LLMEngine(config)
         self._counter = itertools.count()
+        self._dp: _DataParallelEngine | None = None
+        if config.data_parallel_size > 1:
+            self._dp = _DataParallelEngine(config)
+            weakref.finalize(self, self._dp.shutdown)
+            self.llm_engine = None
+        else:
+            self.llm_engine = LLMEngine(config)
 
     def get_tokenizer(self):
-        return self.llm_engine.tokenizer
+        return (self._dp or self.llm_engine).tokenizer
 
     def get_default_sampling_params(self) -> SamplingParams:
-        return self.llm_engine.input_processor.default_sampling_params()
+        return (self._dp or self.llm_engine).input_processor.default_sampling_params()
 
     def generate(self, prompts: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
@@ -52,12 +63,16 @@ class LLM:
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling_params")
         ids = []
+        requests = []
+        for prompt, p in zip(prompts, params):
+            if p.output_kind != RequestOutputKind.FINAL_ONLY:
+                p = p.clone()
+                p.output_kind = RequestOutputKind.FINAL_ONLY
+            requests.append((str(next(self._counter)), prompt, p))
+        if self._dp is not None:
+            return self._dp.run(requests, use_tqdm)
         try:
-            for prompt, p in zip(prompts, params):
-                rid = str(next(self._counter))
-                if p.output_kind != RequestOutputKind.FINAL_ONLY:
-                    p = p.clone()
-                    p.output_kind = RequestOutputKind.FINAL_ONLY
+            for rid, prompt, p in requests:
                 self.llm_engine.add_request(rid, prompt, p)
                 ids.append(rid)
             return self._run(ids, use_tqdm)
@@ -69,17 +84,25 @@ class LLM:
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
              use_tqdm: bool = True, chat_template: str | None = None, add_generation_prompt: bool = True,
              continue_final_message: bool = False, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
-        """One conversation (a list of {"role", "content"} dicts) or a list of conversations."""
+        """One conversation (a list of {"role", "content"} dicts) or a list of conversations. With a
+        multimodal model, content parts may carry media: {"type": "image_url", "image_url": {"url": ...}}
+        (data:, file:// under allowed_local_media_path, http(s)), {"type": "image", "image": PIL image}."""
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tok = self.get_tokenizer()
+        multimodal = self.llm_engine.input_processor.mm_processor is not None
         prompts = []
         for conv in convs:
+            media: dict[str, list] | None = {} if multimodal else None
+            try:
+                conv = normalize_messages(conv, media)
+            except BadRequestError as e:  # the server's 400 is the offline API's ValueError
+                raise ValueError(e.message) from None
             ids = tok.apply_chat_template(conv, tokenize=True, add_generation_prompt=add_generation_prompt,
                                           continue_final_message=continue_final_message,
                                           chat_template=chat_template, **(chat_template_kwargs or {}))
             if isinstance(ids, dict) or hasattr(ids, "input_ids"):
                 ids = ids["input_ids"]
-            prompts.append({"prompt_token_ids": list(ids)})
+            prompts.append({"prompt_token_ids": list(ids), **({"multi_modal_data": media} if media else {})})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _as_prompt_list(self, prompts: Any) -> list[Any]:
@@ -104,3 +127,45 @@ class LLM:
                     bar.set_postfix_str(f"output: {out_tokens / max(bar.format_dict['elapsed'], 1e-9):.1f} tok/s")
         bar.close()
         return [done[i] for i in ids]
+
+
+class _DataParallelEngine:
+    """The replicas of LLM(data_parallel_size=N): AsyncLLM (engine/async_llm.py) driven to completion."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        from vllm_neuron.engine.async_llm import AsyncLLM
+
+        self.loop = asyncio.new_event_loop()
+        self.client = AsyncLLM(config)
+        try:
+            self.loop.run_until_complete(self.client.wait_until_ready())
+        except BaseException:
+            self.shutdown()
+            raise
+        self.tokenizer = self.client.tokenizer
+        self.input_processor = self.client.input_processor
+
+    def run(self, requests: list[tuple[str, Any, SamplingParams]], use_tqdm: bool) -> list[RequestOutput]:
+        bar = tqdm(total=len(requests), desc="Processed prompts", disable=not use_tqdm or None, unit="req")
+
+        async def one(rid: str, prompt: Any, params: SamplingParams) -> RequestOutput:
+            final = None
+            async for out in self.client.generate(prompt, params, rid):
+                final = out
+            bar.update(1)
+            return final
+
+        async def every() -> list[RequestOutput]:
+            return await asyncio.gather(*(one(*r) for r in requests))  # a failure cancels (aborts) the rest
+
+        try:
+            return self.loop.run_until_complete(every())
+        finally:
+            bar.close()
+
+    def shutdown(self) -> None:
+        if self.loop.is_closed():
+            return
+        self.client.shutdown()
+        self.loop.run_until_complete(asyncio.sleep(0))  # the cancelled output task ends in its loop
+        self.loop.close()
