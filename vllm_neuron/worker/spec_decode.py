@@ -37,6 +37,17 @@ class VerifyGraphs(StepGraphs):
 
     def verify(self, input_ids, positions, slot_mapping, block_tables, draft_ids, num_drafts, bitmask,
                temperature, top_k, top_p, uniform_accept, uniform_sample, kv_caches):
+        tokens, num_emitted, logits0, _, _ = self._verify(
+            input_ids, positions, slot_mapping, block_tables, draft_ids, num_drafts, bitmask, temperature, top_k,
+            top_p, uniform_accept, uniform_sample, kv_caches)
+        return tokens, num_emitted, logits0
+
+    def _forward(self, input_ids, positions, kv_caches, meta):
+        """(hidden, extra): extra is what a draft model reads from the target (None for n-gram)."""
+        return self.model(input_ids, positions, kv_caches, meta), None
+
+    def _verify(self, input_ids, positions, slot_mapping, block_tables, draft_ids, num_drafts, bitmask,
+                temperature, top_k, top_p, uniform_accept, uniform_sample, kv_caches):
         b, k = draft_ids.shape
         if self.use_kernels:
             starts = torch.arange(b + 1, device=positions.device) * (k + 1)
@@ -45,14 +56,14 @@ class VerifyGraphs(StepGraphs):
         else:
             mask = verify_mask(positions.view(b, k + 1), block_tables.shape[1] * self.block_size)
             meta = AttentionMetadata(slot_mapping, mask, block_tables=block_tables, is_decode=True, positions=positions)
-        hidden = self.model(input_ids, positions, kv_caches, meta)
+        hidden, extra = self._forward(input_ids, positions, kv_caches, meta)
         logits = self.model.compute_logits(hidden).float().view(b, k + 1, -1)
         if bitmask is not None:  # grammar rows carry no drafts: only their first row samples
             logits = torch.cat([apply_token_bitmask(logits[:, 0], bitmask)[:, None], logits[:, 1:]], dim=1)
         tokens, num_emitted = rejection_sample(
             logits, draft_ids, num_drafts, temperature, top_k, top_p, uniform_accept, uniform_sample,
             all_greedy=self.odsc.all_greedy, max_top_k=self.odsc.top_k)
-        return tokens, num_emitted, logits[:, 0]
+        return tokens, num_emitted, logits[:, 0], meta, extra
 
 
 class SpecDecoder:
@@ -77,6 +88,15 @@ class SpecDecoder:
             drafts = propose_ngram(tokens, self.spec.prompt_lookup_min, self.spec.prompt_lookup_max, self.k)
             if drafts:
                 out[rid] = drafts
+        return out
+
+    def take(self, states, rows: dict[str, int], drafts: list[list[int]]) -> dict[str, list[int]]:
+        """A draft model's proposals: request -> its row of `drafts`, for the requests that may speculate."""
+        out = {}
+        for rid, i in rows.items():
+            st = states.get(rid)
+            if st is not None and self._eligible(st) and st.next_position < self.max_model_len - 1:
+                out[rid] = drafts[i]
         return out
 
     @staticmethod
