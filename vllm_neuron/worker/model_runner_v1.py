@@ -9,6 +9,7 @@ instead, and every step ends by proposing the next drafts (worker/spec_decode.py
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from vllm_neuron.config import buckets as B
@@ -120,9 +121,23 @@ class ModelRunnerV1(ModelRunnerBase):
         with torch.inference_mode():
             graph = self._graph("verify", batch, context)
             return graph(self._t(x.input_ids), self._t(x.positions), self._t(x.slot_mapping), self._t(x.block_tables),
-                         self._t(x.draft_ids), self._t(x.num_drafts), self._t(self._bitmask(chunks, batch, masks or {})),
+                         self._t(x.draft_ids), self._t(x.num_drafts), self._t(self._verify_bitmask(chunks, batch, masks)),
                          self._t(s["temperature"]), self._t(s["top_k"]), self._t(s["top_p"]), self._t(acc),
                          self._t(smp), self.kv_caches)
+
+    def _verify_bitmask(self, chunks, batch: int, masks: dict | None) -> np.ndarray | None:
+        """[B * (1 + K), words]: a grammar request's masks at its verified positions, all-allowed elsewhere."""
+        rows = self._bitmask(chunks, batch * (self.spec.k + 1), {})
+        if rows is None and not masks:
+            return None
+        rows = rows if rows is not None else np.full((batch * (self.spec.k + 1), self._bitmask_words), -1, np.int32)
+        for i, c in enumerate(chunks):
+            m = (masks or {}).get(c.req_id)
+            if m is not None:
+                m = np.atleast_2d(m)
+                start = i * (self.spec.k + 1)
+                rows[start:start + m.shape[0]] = m
+        return rows
 
     def _execute_verify(self, sched: SchedulerOutput, size: int, context: int):
         """A decode step with drafts: (sampled, logprobs); row i emits its accepted drafts and one more."""

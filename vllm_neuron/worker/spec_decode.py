@@ -3,10 +3,11 @@ randomness, and the drafts proposed after every step.
 
 A decode step whose chunks carry drafts runs `verify_b{B}_k{K}`: the target's forward over 1 + K rows
 per sequence (K/V of the last token and the drafts written in place), logits at every row, the
-grammar bitmask on each sequence's first row, and the rejection sampler - all in one compiled graph.
+grammar bitmask at every verified position, and the rejection sampler - all in one compiled graph.
 Steps without drafts run the ordinary decode graph, so a workload the proposer finds nothing in
-costs nothing extra. Requests whose tokens need host sampling (penalties, logprobs, ...) or that
-follow a grammar get no drafts: their rows are plain one-token rows of the same graph.
+costs nothing extra. Requests whose tokens need host sampling (penalties, logprobs, ...) get no
+drafts: their rows are plain one-token rows of the same graph. Grammar requests speculate: the engine
+walks the matcher through the drafts for the masks of every position and rolls it back.
 """
 from __future__ import annotations
 
@@ -58,8 +59,8 @@ class VerifyGraphs(StepGraphs):
             meta = AttentionMetadata(slot_mapping, mask, block_tables=block_tables, is_decode=True, positions=positions)
         hidden, extra = self._forward(input_ids, positions, kv_caches, meta)
         logits = self.model.compute_logits(hidden).float().view(b, k + 1, -1)
-        if bitmask is not None:  # grammar rows carry no drafts: only their first row samples
-            logits = torch.cat([apply_token_bitmask(logits[:, 0], bitmask)[:, None], logits[:, 1:]], dim=1)
+        if bitmask is not None:  # [B * (1 + K), words]: the grammar's mask at every verified position
+            logits = apply_token_bitmask(logits.view(b * (k + 1), -1), bitmask).view(b, k + 1, -1)
         tokens, num_emitted = rejection_sample(
             logits, draft_ids, num_drafts, temperature, top_k, top_p, uniform_accept, uniform_sample,
             all_greedy=self.odsc.all_greedy, max_top_k=self.odsc.top_k)
@@ -104,10 +105,6 @@ class SpecDecoder:
         if st.on_host:
             warning_once(logger, "Speculative decoding is off for requests that need host sampling (penalties, "
                          "logprobs, min_tokens, logit_bias, ...): they decode one token per step")
-            return False
-        if st.params.structured_outputs is not None:
-            warning_once(logger, "Speculative decoding is off for requests with structured outputs: the grammar "
-                         "bitmask is applied to one token per step")
             return False
         return True
 
