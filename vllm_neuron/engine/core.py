@@ -16,7 +16,7 @@ from vllm_neuron.engine.messages import EngineCoreOutput, EngineCoreOutputs, Eng
 from vllm_neuron.logger import init_logger
 from vllm_neuron.step import ModelRunnerOutput, SchedulerOutput
 from vllm_neuron.model.loader import Checkpoint, load_checkpoint
-from vllm_neuron.model.registry import model_spec
+from vllm_neuron.model.registry import is_multimodal, model_spec
 from vllm_neuron.worker import memory
 from vllm_neuron.worker.model_runner_v1 import ModelRunnerV1
 
@@ -35,8 +35,8 @@ class EngineCore:
         self.config = config
         self.ckpt = checkpoint or load_checkpoint(config.model)
         spec = model_spec(self.ckpt.hf_config, config.neuron_config.quantization)
-        nc = config.finalize(self.ckpt.hf_config.max_position_embeddings, moe=spec.is_moe,
-                             sliding_window=spec.has_sliding_window)
+        nc = config.finalize(self.ckpt.hf_config.get_text_config().max_position_embeddings, moe=spec.is_moe,
+                             sliding_window=spec.has_sliding_window, multimodal=is_multimodal(self.ckpt.hf_config))
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         logger.info("dtype %s (%s)", str(self.dtype).removeprefix("torch."), dtype_reason(config.dtype, self.device))
@@ -58,7 +58,10 @@ class EngineCore:
             logger.info("%s", V2_LOG_LINE)
             self.runner = ModelRunnerV2(config, self.ckpt, self.device, self.dtype, backend)
         else:
-            self.runner = ModelRunnerV1(config, self.ckpt, self.device, self.dtype, backend)
+            runner_cls = ModelRunnerV1
+            if is_multimodal(self.ckpt.hf_config):
+                from vllm_neuron.worker.model_runner_mm import MultimodalRunnerV1 as runner_cls
+            self.runner = runner_cls(config, self.ckpt, self.device, self.dtype, backend)
         logger.info("%s", B.format_bucket_table(nc.num_batched_tokens_buckets, nc.num_seqs_buckets,
                                                 nc.context_buckets, self.runner.prefill_needs_context()))
         self.load_stats = self.runner.load_model()
@@ -93,8 +96,10 @@ class EngineCore:
                         len(self.compiler.records) - self.compiler.num_compiled)
 
     def add_request(self, req: EngineCoreRequest) -> None:
+        # Media hashes join the prefix-cache keys: prompts that differ only in their media share no KV.
+        salt = tuple(item.mm_hash for item in req.mm_items) if req.mm_items else ()
         request = Request(req.request_id, req.prompt_token_ids, req.sampling_params, req.eos_token_id,
-                          arrival_time=req.arrival_time)
+                          arrival_time=req.arrival_time, cache_salt=salt, mm_items=req.mm_items)
         if req.sampling_params.structured_outputs is None:
             self.scheduler.add_request(request)
             return
@@ -108,7 +113,7 @@ class EngineCore:
             from vllm_neuron.structured_output.manager import StructuredOutputManager
 
             tok = load_tokenizer(self.config.tokenizer or self.ckpt)
-            self.structured = StructuredOutputManager(tok, self.ckpt.hf_config.vocab_size)
+            self.structured = StructuredOutputManager(tok, self.ckpt.hf_config.get_text_config().vocab_size)
         return self.structured
 
     def abort_requests(self, req_ids: list[str], reason: str = "abort") -> None:

@@ -40,8 +40,12 @@ class ModelRunnerV1(ModelRunnerBase):
         if self.spec is None or self.spec.spec.method != "eagle3":
             return 0
         from vllm_neuron.model.eagle3 import load_eagle3_draft
+        from vllm_neuron.model.llama.model import LlamaModel
 
-        hf = self.ckpt.hf_config
+        if type(getattr(self.model, "model", None)).forward is not LlamaModel.forward:
+            raise ValueError(f"speculative_config.method='eagle3' needs a target whose layers' hidden states can be "
+                             f"tapped (Llama, Qwen3, Qwen3-MoE, gpt-oss); {type(self.model).__name__} is not one")
+        hf = self.ckpt.hf_config.get_text_config()
         self.draft, nbytes = load_eagle3_draft(self.spec.spec.model, dtype=self.dtype, device=self.device,
                                                target_vocab=hf.vocab_size, target_hidden=hf.hidden_size,
                                                max_positions=self.config.max_model_len)
@@ -111,7 +115,12 @@ class ModelRunnerV1(ModelRunnerBase):
             graph = self._graph("decode", batch, context)
             return graph(ids, self._t(x.positions), self._t(x.slot_mapping), self._t(x.block_tables),
                          self._t(self._bitmask(chunks, batch, masks or {})), self._t(s["temperature"]),
-                         self._t(s["top_k"]), self._t(s["top_p"]), self._t(s["uniform"]), self.kv_caches)
+                         self._t(s["top_k"]), self._t(s["top_p"]), self._t(s["uniform"]),
+                         *self._decode_extra(chunks, x), self.kv_caches)
+
+    def _decode_extra(self, chunks, x) -> tuple:
+        """Further decode-graph inputs after the sampling ones (a multimodal runner's)."""
+        return ()
 
     def _run_verify(self, chunks, batch: int, context: int, masks: dict | None = None):
         x = build_verify_inputs(chunks, batch, self.spec.k, context // self.block_size, self.block_size)
