@@ -434,14 +434,15 @@ def make_tiny_gpt_oss_mxfp4(path: str, **config_kwargs: Any) -> str:
 
 def make_tiny_eagle3(path: str, *, target_hidden: int = 64, hidden_size: int = 64, vocab_size: int = SMOLLM2_VOCAB_SIZE,
                      draft_vocab_size: int = 4096, aux_layer_ids: list[int] | None = None, seed: int = 0,
-                     own_embedding: bool = False, scale: float = 0.2) -> str:
+                     own_embedding: bool = False, scale: float = 0.2, num_heads: int = 4, num_kv_heads: int = 2,
+                     intermediate_size: int = 128) -> str:
     """A random EAGLE3 draft in vLLM's `LlamaForCausalLMEagle3` layout (midlayer.*, fc, norm, lm_head,
     d2t / t2d over a draft vocabulary of the target ids 0, 12, 24, ... ), written as config.json +
     model.safetensors. Returns `path`."""
     from safetensors.torch import save_file
 
     g = torch.Generator().manual_seed(seed)
-    heads, kv_heads, inter = 4, 2, 128
+    heads, kv_heads, inter = num_heads, num_kv_heads, intermediate_size
     d = hidden_size // heads
 
     def w(*shape):
