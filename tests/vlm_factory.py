@@ -132,3 +132,17 @@ def solid_image(h: int, w: int, color: tuple[int, int, int]):
     from PIL import Image
 
     return Image.new("RGB", (w, h), color)
+
+
+def png_bytes(img) -> bytes:
+    import io
+
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def data_url(data: bytes, media_type: str = "image/png") -> str:
+    import base64
+
+    return f"data:{media_type};base64," + base64.b64encode(data).decode()

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.vlm_factory import IMAGE, hf_greedy, make_tiny_qwen3_vl, random_image, solid_image
+from tests.vlm_factory import IMAGE, data_url, hf_greedy, make_tiny_qwen3_vl, png_bytes, random_image, solid_image
 from vllm_neuron import LLM, SamplingParams
 
 MAX_NEW = 6
@@ -95,3 +95,22 @@ def test_compiled_matches_transformers(model_dir, reference):
     llm = _engine(model_dir, additional_config={"neuron_config": {"num_batched_tokens_buckets": [32],
                                                                   "num_seqs_buckets": [4]}})
     assert _generate(llm) == reference
+
+
+def test_chat_with_image_content_parts(eager, tokenizer):
+    """LLM.chat: an image_url data: URL and a PIL image part render through the chat template."""
+    img = random_image(56, 84, 0)
+    url = data_url(png_bytes(img))
+    conv = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                         {"type": "text", "text": "Describe."}]},
+            {"role": "assistant", "content": "A square."},
+            {"role": "user", "content": [{"type": "image", "image": solid_image(56, 56, (0, 0, 0))},
+                                         {"type": "text", "text": "And this?"}]}]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    out = eager.chat(conv, params, use_tqdm=False)
+    text = tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
+    assert text.count(IMAGE) == 2
+    ref = hf_greedy(tokenizer.encode(text, add_special_tokens=False), [img, solid_image(56, 56, (0, 0, 0))], MAX_NEW)
+    assert out[0].outputs[0].token_ids == ref
+    with pytest.raises(ValueError, match="Content part type 'audio_url' is not supported"):
+        eager.chat([{"role": "user", "content": [{"type": "audio_url", "audio_url": {"url": url}}]}], params)

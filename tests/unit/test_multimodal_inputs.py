@@ -2,24 +2,15 @@
 follow the pixels, and every bad input refused with a ValueError naming the problem."""
 from __future__ import annotations
 
-import base64
-import io
 
 import pytest
 
-from tests.vlm_factory import IMAGE_PAD, MERGE, random_image, solid_image, tiny_qwen3_vl_config
+from tests.vlm_factory import (IMAGE_PAD, MERGE, data_url, png_bytes, random_image, solid_image,
+                                tiny_qwen3_vl_config)
 from vllm_neuron.multimodal.media import load_image
 from vllm_neuron.multimodal.processor import MultiModalProcessor
 
 
-def _png_bytes(img) -> bytes:
-    buf = io.BytesIO()
-    img.save(buf, format="PNG")
-    return buf.getvalue()
-
-
-def _data_url(data: bytes, media_type: str = "image/png") -> str:
-    return f"data:{media_type};base64," + base64.b64encode(data).decode()
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +36,7 @@ def test_placeholders_expand_per_image_grid(processor):
 def test_hash_follows_the_pixels_not_the_source(processor):
     img = random_image(56, 56, 3)
     _, a = processor.process([IMAGE_PAD], {"image": img})
-    _, b = processor.process([IMAGE_PAD], {"image": _data_url(_png_bytes(img))})
+    _, b = processor.process([IMAGE_PAD], {"image": data_url(png_bytes(img))})
     _, c = processor.process([IMAGE_PAD], {"image": solid_image(56, 56, (0, 0, 0))})
     assert a[0].mm_hash == b[0].mm_hash != c[0].mm_hash
 
@@ -72,7 +63,7 @@ def test_bad_inputs_are_refused(processor, ids, data, match):
 def test_local_files_load_only_under_the_allowed_folder(processor, tmp_path):
     inside = processor.allowed_local_media_path + "/cat.png"
     with open(inside, "wb") as f:
-        f.write(_png_bytes(random_image(56, 56, 4)))
+        f.write(png_bytes(random_image(56, 56, 4)))
     assert load_image("file://" + inside, processor.allowed_local_media_path).size == (56, 56)
     with pytest.raises(ValueError, match="not started with --allowed-local-media-path"):
         load_image("file://" + inside, None)

@@ -77,6 +77,15 @@ class AsyncLLM(EngineClient):
 
     # -- EngineClient -----------------------------------------------------------------------------
     @property
+    def is_multimodal(self) -> bool:
+        return self.input_processor.mm_processor is not None
+
+    def process_multimodal(self, token_ids, media, mm_processor_kwargs=None):
+        if self.input_processor.mm_processor is None:
+            return super().process_multimodal(token_ids, media, mm_processor_kwargs)
+        return self.input_processor.mm_processor.process(token_ids, media, mm_processor_kwargs)
+
+    @property
     def is_ready(self) -> bool:
         return self._ready and self._dead is None
 

@@ -180,10 +180,19 @@ class EngineCore:
         if sched is not None and self.structured is not None:
             # A chunk with drafts gets one mask per verified position (the matcher walks its drafts).
             sched.grammar_bitmask = {
-                c.req_id: self.structured.bitmasks(c.req_id, c.token_ids[1:]) if c.num_draft_tokens
-                else self.structured.bitmask(c.req_id)
+                c.req_id: self.structured.bitmasks(c.req_id, c.token_ids[1:], self._tokens_left(c.req_id))
+                if c.num_draft_tokens else self.structured.bitmask(c.req_id, self._tokens_left(c.req_id))
                 for c in sched.chunks if c.sample and self.structured.has(c.req_id)}
         return sched
+
+    def _tokens_left(self, rid: str) -> int:
+        """Tokens the request may still sample, the one now scheduled included (a grammar closes within them)."""
+        req = self.scheduler.requests[rid]
+        pending = len(req.output_token_ids) + req.num_output_placeholders
+        left = self.config.max_model_len - req.num_prompt_tokens - pending
+        if req.sampling_params.max_tokens is not None:
+            left = min(left, req.sampling_params.max_tokens - pending)
+        return left
 
     def _grammar_in_flight(self) -> bool:
         return self.structured is not None and any(

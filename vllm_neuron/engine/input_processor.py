@@ -66,6 +66,10 @@ class InputProcessor:
 
     def tokenize_multimodal(self, prompt: Any) -> tuple[str | None, list[int], list | None]:
         """(text, token ids with media placeholders expanded, media items or None)."""
+        if isinstance(prompt, Mapping) and prompt.get("multi_modal_items"):
+            if self.mm_processor is None:
+                raise ValueError("media inputs are not supported by this model (it takes text only)")
+            return prompt.get("prompt"), list(prompt["prompt_token_ids"]), list(prompt["multi_modal_items"])
         if isinstance(prompt, Mapping) and prompt.get("multi_modal_data"):
             if self.mm_processor is None:
                 raise ValueError("multi_modal_data is not supported by this model (it takes text only)")

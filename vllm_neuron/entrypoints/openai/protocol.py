@@ -201,7 +201,6 @@ class CompletionResponseChoice(OpenAIBaseModel):
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     token_ids: list[int] | None = None
-    prompt_logprobs: list[dict[int, dict[str, Any]] | None] | None = None
     prompt_token_ids: list[int] | None = None
 
 
@@ -321,7 +320,6 @@ class ChatCompletionResponse(OpenAIBaseModel):
     choices: list[ChatCompletionResponseChoice]
     system_fingerprint: str | None = None
     usage: UsageInfo
-    prompt_logprobs: list[dict[int, dict[str, Any]] | None] | None = None
     prompt_token_ids: list[int] | None = None
 
 
