@@ -151,7 +151,8 @@ class ModelRunnerBase:
         def budget() -> memory.KVBudget:
             b = memory.kv_budget_for_device(self.device, model_weight_bytes=weight_bytes,
                                             gpu_memory_utilization=self.config.gpu_memory_utilization,
-                                            free_before_load=self._free_before_load, check_minimum=False)
+                                            free_before_load=self._free_before_load, check_minimum=False,
+                                            local_workers=self.config.kv_budget_shared_by)
             logger.info("%s", b.describe())  # the line starts with "KV budget"
             return b
 
