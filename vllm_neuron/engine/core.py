@@ -52,6 +52,8 @@ class EngineCore:
         choice = config.runner_choice
         if choice.log_message():
             (logger.warning if choice.use_v2 else logger.info)("%s", choice.log_message())
+        if choice.model_reason():
+            logger.info("%s", choice.model_reason())
         if config.use_v2_model_runner:
             from vllm_neuron.worker.model_runner_v2 import ModelRunnerV2
 
@@ -67,13 +69,15 @@ class EngineCore:
         self.load_stats = self.runner.load_model()
         self.num_blocks = self.runner.num_blocks(self.load_stats.nbytes)
         self.runner.init_kv_cache(self.num_blocks)
-        logger.info(memory.capacity_summary(self.num_blocks - 1, config.block_size, config.max_model_len))
+        logger.info(memory.capacity_summary(self.num_blocks - 1, config.block_size, config.max_model_len,
+                                            self.runner.request_blocks()))
         self.compiler = self.runner.warmup()
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=config.max_model_len, block_size=config.block_size, num_blocks=self.num_blocks,
             enable_prefix_caching=config.enable_prefix_caching,
-            max_prefill_context_tokens=max(nc.context_buckets), num_speculative_tokens=config.num_speculative_tokens))
+            max_prefill_context_tokens=max(nc.context_buckets), num_speculative_tokens=config.num_speculative_tokens,
+            kv_cache_layout=self.runner.kv_layout))
         self.structured = None  # StructuredOutputManager, created with the first grammar request
         self._grammar_wait: dict[str, Request] = {}
         self.async_scheduling = bool(config.async_scheduling)

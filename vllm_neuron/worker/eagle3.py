@@ -26,14 +26,15 @@ from vllm_neuron.worker.spec_decode import VerifyGraphs
 
 
 class Eagle3Graphs(VerifyGraphs):
-    def __init__(self, model, odsc, block_size: int, use_kernels: bool, paged_decode: bool, draft,
+    def __init__(self, model, odsc, block_size: int, use_kernels: bool, paged_decode: bool, kv_layout, draft,
                  aux_layers: tuple[int, ...], k: int) -> None:
-        super().__init__(model, odsc, block_size, use_kernels, paged_decode)
+        super().__init__(model, odsc, block_size, use_kernels, paged_decode, kv_layout)
         self.draft = draft
         self.aux_layers = aux_layers
         self.k = k
 
-    def _forward(self, input_ids, positions, kv_caches, meta):
+    def _target_forward(self, input_ids, positions, kv_caches, meta):
+        # Speculative decoding keeps one KV cache group: one K/V pair per layer, then the draft's.
         return self.model(input_ids, positions, kv_caches[:-1], meta, aux_layers=self.aux_layers)
 
     def _draft_pass(self, ids, positions, aux, kv_cache, meta):
@@ -55,7 +56,7 @@ class Eagle3Graphs(VerifyGraphs):
     def prefill(self, input_ids, positions, slot_mapping, query_seq, attn_a, attn_b, logits_indices, bitmask,
                 temperature, top_k, top_p, uniform, draft_next, draft_src, kv_caches):
         meta = self.prefill_meta(slot_mapping, positions, query_seq, attn_a, attn_b)
-        hidden, aux = self._forward(input_ids, positions, kv_caches, meta)
+        hidden, aux = self._target_forward(input_ids, positions, kv_caches, meta)
         logits = self.model.compute_logits(hidden[logits_indices]).float()
         tokens, logits = self._sample(logits, bitmask, temperature, top_k, top_p, uniform)
         ids = torch.where(draft_next >= 0, draft_next, tokens[draft_src])
@@ -65,7 +66,7 @@ class Eagle3Graphs(VerifyGraphs):
     def decode(self, input_ids, positions, slot_mapping, block_tables, bitmask, temperature, top_k, top_p,
                uniform, kv_caches):
         meta = self.decode_meta(slot_mapping, block_tables, positions)
-        hidden, aux = self._forward(input_ids, positions, kv_caches, meta)
+        hidden, aux = self._target_forward(input_ids, positions, kv_caches, meta)
         logits = self.model.compute_logits(hidden).float()
         tokens, logits = self._sample(logits, bitmask, temperature, top_k, top_p, uniform)
         prenorm = self._draft_pass(tokens, positions, aux, kv_caches[-1], meta)

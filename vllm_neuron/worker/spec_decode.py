@@ -43,9 +43,9 @@ class VerifyGraphs(StepGraphs):
             top_p, uniform_accept, uniform_sample, kv_caches)
         return tokens, num_emitted, logits0
 
-    def _forward(self, input_ids, positions, kv_caches, meta):
+    def _target_forward(self, input_ids, positions, kv_caches, meta):
         """(hidden, extra): extra is what a draft model reads from the target (None for n-gram)."""
-        return self.model(input_ids, positions, kv_caches, meta), None
+        return self._forward(input_ids, positions, kv_caches, meta), None
 
     def _verify(self, input_ids, positions, slot_mapping, block_tables, draft_ids, num_drafts, bitmask,
                 temperature, top_k, top_p, uniform_accept, uniform_sample, kv_caches):
@@ -57,7 +57,7 @@ class VerifyGraphs(StepGraphs):
         else:
             mask = verify_mask(positions.view(b, k + 1), block_tables.shape[1] * self.block_size)
             meta = AttentionMetadata(slot_mapping, mask, block_tables=block_tables, is_decode=True, positions=positions)
-        hidden, extra = self._forward(input_ids, positions, kv_caches, meta)
+        hidden, extra = self._target_forward(input_ids, positions, kv_caches, meta)
         logits = self.model.compute_logits(hidden).float().view(b, k + 1, -1)
         if bitmask is not None:  # [B * (1 + K), words]: the grammar's mask at every verified position
             logits = apply_token_bitmask(logits.view(b * (k + 1), -1), bitmask).view(b, k + 1, -1)

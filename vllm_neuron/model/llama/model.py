@@ -107,11 +107,12 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids, positions, kv_caches, meta, inputs_embeds=None, aux_layers: tuple[int, ...] = ()):
         x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         cos, sin = self.rotary(positions, x.dtype)
+        metas = meta if isinstance(meta, (list, tuple)) else [meta] * len(self.layers)
         taps = {}
-        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+        for i, (layer, kv_cache, m) in enumerate(zip(self.layers, kv_caches, metas)):
             if i in aux_layers:
                 taps[i] = x
-            x = layer(x, cos, sin, kv_cache, meta)
+            x = layer(x, cos, sin, kv_cache, m)
         if aux_layers:  # EAGLE3: the input hidden states of three layers, side by side
             return self.norm(x), torch.cat([taps[i] for i in aux_layers], dim=-1)
         return self.norm(x)
