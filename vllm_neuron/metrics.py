@@ -141,6 +141,13 @@ SPEC_DECODE_NUM_ACCEPTED_TOKENS = Counter("vllm:spec_decode_num_accepted_tokens"
                                           _ME, registry=None)
 SPEC_DECODE_ACCEPTED_PER_POS = Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
                                        "Accepted tokens per draft position.", _ME + ["position"], registry=None)
+ENCODER_CACHE_HITS = Counter("vllm_neuron:encoder_cache_hits", "Media items whose vision embeddings came from the "
+                             "encoder cache.", _ME, registry=None)
+ENCODER_CACHE_MISSES = Counter("vllm_neuron:encoder_cache_misses", "Media items the vision encoder ran for.", _ME,
+                               registry=None)
+# Only with a multimodal model.
+ENCODER_CACHE_SERIES: tuple[str, ...] = ("vllm_neuron:encoder_cache_hits_total",
+                                         "vllm_neuron:encoder_cache_misses_total")
 # Only with --speculative-config (as in vLLM).
 SPEC_DECODE_SERIES: tuple[str, ...] = (
     "vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens_total",
@@ -230,6 +237,14 @@ def record_spec_decode(num_drafts: int, num_draft_tokens: int, num_accepted_toke
     SPEC_DECODE_NUM_ACCEPTED_TOKENS.labels(*me).inc(num_accepted_tokens)
     for pos, n in enumerate(accepted_per_pos):
         SPEC_DECODE_ACCEPTED_PER_POS.labels(*me, str(pos)).inc(n)
+
+
+def record_encoder_cache(hits: int, misses: int) -> None:
+    """One step's increments of the encoder cache's hits and misses (media items). Called every step with
+    a multimodal model, so the series exist from the start."""
+    me = _name(), _engine
+    ENCODER_CACHE_HITS.labels(*me).inc(hits)
+    ENCODER_CACHE_MISSES.labels(*me).inc(misses)
 
 
 def record_padding(kind: Literal["seqs", "tokens"], bucket_name: str, padding: int) -> None:

@@ -178,8 +178,6 @@ class EngineConfig:
         envs.check_supported()
         if not isinstance(self.additional_config, AdditionalConfig):
             self.additional_config = parse_additional_config(self.additional_config)
-        if self.additional_config.encoder_neuron_config is not None:
-            raise _not_supported("encoder_neuron_config", "...", "no multimodal model is supported yet")
         nc = self.additional_config.neuron_config
         if nc.quantization not in (None, "int8", "int4", "mxfp4"):
             # Which model honours which scheme is the model's to say (ModelSpec.quantizations).
@@ -245,6 +243,16 @@ class EngineConfig:
                     raise ValueError(f"{option} applies to multimodal models only; this model takes text only")
             if self.additional_config.mm_language_model_only:
                 raise ValueError("mm_language_model_only applies to multimodal models only; this model is text only")
+            if self.additional_config.encoder_neuron_config is not None:
+                raise ValueError("encoder_neuron_config applies to multimodal models only; this model is text only")
+        enc = self.additional_config.encoder_neuron_config
+        if enc is not None:
+            if enc.parallel_sizes(self.tensor_parallel_size) != (1, 1):
+                raise _not_supported("encoder_neuron_config tp_size/dp_size", (enc.tp_size, enc.dp_size),
+                                     "the encoder runs on one device")
+            if enc.encoder_cache_min_hold_time_ms:
+                raise _not_supported("encoder_neuron_config.encoder_cache_min_hold_time_ms",
+                                     enc.encoder_cache_min_hold_time_ms, "it guards EPD transfers, which are not built")
         if self.max_model_len is None:
             self.max_model_len = model_max_len
         elif self.max_model_len > model_max_len:

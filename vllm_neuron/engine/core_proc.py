@@ -131,6 +131,7 @@ class _StatsRecorder:
         self.metrics = metrics
         self.prev = (0, 0, 0, 0)
         self.prev_spec = (0, 0, 0, [])
+        self.prev_encoder = (0, 0)
 
     def record(self, s) -> None:
         if s is None:
@@ -148,6 +149,10 @@ class _StatsRecorder:
             self.metrics.record_spec_decode(d - pd, t - pt, a - pa,
                                             [n - (prev_pos[i] if i < len(prev_pos) else 0) for i, n in enumerate(per_pos)])
             self.prev_spec = s.spec_decode
+        if s.encoder_cache is not None:
+            (h, m), (ph, pm) = s.encoder_cache, self.prev_encoder
+            self.metrics.record_encoder_cache(h - ph, m - pm)
+            self.prev_encoder = s.encoder_cache
         if s.bucket_name:
             self.metrics.record_execution(s.bucket_name)
             self.metrics.record_padding("tokens" if s.step_kind == "prefill" else "seqs", s.bucket_name,

@@ -369,3 +369,7 @@ class ModelRunnerBase:
 
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         raise NotImplementedError
+
+    def encoder_cache_stats(self) -> tuple[int, int] | None:
+        """(hits, misses) of the encoder cache, cumulative; None for a model without one."""
+        return None
