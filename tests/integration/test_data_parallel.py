@@ -13,6 +13,7 @@ import os
 import signal
 
 import pytest
+import torch
 
 from vllm_neuron.config.engine_config import EngineConfig
 from vllm_neuron.engine.async_llm import AsyncLLM
@@ -87,6 +88,9 @@ def test_dp2_serves_32_concurrent_requests_colocated_with_dp1_tokens(dp_engine, 
         placed = {seen[f"r{i}"] for i, (grp, _) in enumerate(prompts) if grp == g}
         assert len(placed) == 1, f"prefix group {g} was split over replicas {placed}"
     assert dp_engine.router.loads == [0, 0]  # every request's work was released
+    # The host's cores are split between the replicas (2 cores, 2 replicas: 1 thread each).
+    share = max(1, torch.get_num_threads() // 2)
+    assert [r.info["threads"] for r in dp_engine.cores.replicas] == [share, share]
 
     # Greedy tokens are those of one engine (DP changes where a request runs, never what it computes).
     want = single.generate([{"prompt_token_ids": ids} for _, ids in prompts], _greedy(), use_tqdm=False)
