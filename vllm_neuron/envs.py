@@ -297,6 +297,14 @@ _VARS: dict[str, EnvVar] = {
             lambda: _float("VLLM_NEURON_MIN_KV_BUDGET_GIB", 1.0, minimum=0.0),
             "Minimum KV budget in GiB; start-up fails fast below it. Default 1.0.",
         ),
+        # -- parallelism --
+        EnvVar(
+            "VLLM_NEURON_DIST_TIMEOUT_S",
+            lambda: _float("VLLM_NEURON_DIST_TIMEOUT_S", 120.0, minimum=1.0),
+            "Tensor parallelism: seconds a collective waits for the other ranks before the step fails and "
+            "the engine reports the rank as hung (a rank that exits fails it at once). Covers the start-up "
+            "too, where ranks compile the same bucket at slightly different speeds. Default 120.",
+        ),
         # -- metrics --
         EnvVar(
             "VLLM_LOG_STATS_INTERVAL",

@@ -18,6 +18,7 @@ from tqdm import tqdm
 from vllm_neuron.config import buckets as B
 from vllm_neuron.config.device import check_weight_quantization
 from vllm_neuron.config.engine_config import EngineConfig
+from vllm_neuron.distributed import parallel_state as ps
 from vllm_neuron.logger import init_logger
 from vllm_neuron.model.layers import kv_quant, quant_fp8
 from vllm_neuron.model.layers.kernels import (describe_kernels, kernel_variant, kernels_enabled, linear_kernel_dtypes,
@@ -144,6 +145,7 @@ class ModelRunnerBase:
         def budget() -> memory.KVBudget:
             b = memory.kv_budget_for_device(self.device, model_weight_bytes=weight_bytes,
                                             gpu_memory_utilization=self.config.gpu_memory_utilization,
+                                            local_workers=self.config.local_tp_ranks,
                                             free_before_load=self._free_before_load, check_minimum=False)
             logger.info("%s", b.describe())  # the line starts with "KV budget"
             return b
@@ -203,6 +205,8 @@ class ModelRunnerBase:
                 "kernel_variant": kernel_variant()[0] if self.use_kernels else None,
                 "quant_kernels": self.use_quant_kernels, "kv_dtype": str(self.kv_dtype),
                 "paged_decode": self.paged_decode,
+                # Each tensor-parallel rank compiles its own shard's graphs.
+                "tp_rank": ps.info().rank, "ep_degree": ps.info().ep_degree,
                 "quantization": self.config.neuron_config.quantization}
 
     def _make_compiler(self) -> GraphCompiler:

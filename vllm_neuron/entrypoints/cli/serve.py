@@ -21,6 +21,12 @@ def run_serve(args: argparse.Namespace) -> int:
         raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
     limits = RequestLimits(args.max_n, args.max_request_body_bytes, args.trust_request_chat_template)
     config = engine_config_from_args(args)
+    if getattr(args, "headless", False):
+        from vllm_neuron.worker.tp_executor import run_headless_ranks
+
+        return run_headless_ranks(config)
+    if config.node_rank != 0:
+        raise ValueError(f"--node-rank {config.node_rank} is for --headless nodes; node 0 runs the API server")
     api_key = args.api_key or os.environ.get("VLLM_API_KEY")
     return asyncio.run(_serve(config, args, api_key, limits, t0))
 
