@@ -1,11 +1,11 @@
 """Who this process is in the tensor-parallel group, and the groups themselves (torch.distributed).
 
-One process per rank. The model's collectives (all-reduce after row-parallel layers, all-gather of the
-vocab-parallel logits) run on the world group: gloo on CPU, NCCL on CUDA. Step inputs travel on a
-separate gloo group (`control_group`) with no practical timeout, because a follower waits there for
-as long as the engine is idle; a rank that dies closes its connections, which fails the peer's
-pending operation at once, and a rank that hangs fails the model group's collectives after
-`timeout_s` (VLLM_NEURON_DIST_TIMEOUT_S).
+One process per rank, gloo on CPU. The model's collectives (all-reduce after row-parallel layers,
+all-gather of the vocab-parallel logits) run on `model_group`, whose operations time out after
+`timeout_s` (VLLM_NEURON_DIST_TIMEOUT_S): a rank that hangs fails its peers' step. Step inputs travel on
+`control_group`, with no practical timeout, because a follower waits there for as long as the engine is
+idle. A rank that dies closes its connections, which fails its peers' pending operations at once. The
+world group itself only serves the rendezvous, which waits up to JOIN_TIMEOUT for nodes that start late.
 
 The rules on how heads and experts are split are pure functions here, so that the model, the KV
 allocator and the tests agree on them.
@@ -19,6 +19,7 @@ from datetime import timedelta
 import torch
 
 CONTROL_TIMEOUT = timedelta(days=365)
+JOIN_TIMEOUT = timedelta(minutes=10)
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,7 @@ class ParallelInfo:
 
 _info = ParallelInfo()
 _control = None
+_model = None
 
 
 def info() -> ParallelInfo:
@@ -60,11 +62,13 @@ def init(rank: int, world: int, master_addr: str, master_port: int, *, device_ty
     """Joins the process group (rank 0 hosts the TCP store) and records this rank's place."""
     import torch.distributed as dist
 
-    global _control
-    backend = "nccl" if device_type == "cuda" else "gloo"
-    dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}", rank=rank,
-                            world_size=world, timeout=timedelta(seconds=timeout_s))
+    global _control, _model
+    if device_type != "cpu":
+        raise ValueError(f"tensor parallelism runs on CPU only for now, not on {device_type}")
+    dist.init_process_group("gloo", init_method=f"tcp://{master_addr}:{master_port}", rank=rank,
+                            world_size=world, timeout=JOIN_TIMEOUT)
     _control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+    _model = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
     set_info(ParallelInfo(rank, world, ep_degree))
 
 
@@ -73,18 +77,16 @@ def control_group():
 
 
 def model_group():
-    import torch.distributed as dist
-
-    return dist.group.WORLD
+    return _model
 
 
 def shutdown() -> None:
     import torch.distributed as dist
 
-    global _control
+    global _control, _model
     if dist.is_initialized():
         dist.destroy_process_group()
-    _control = None
+    _control = _model = None
     set_info(ParallelInfo())
 
 

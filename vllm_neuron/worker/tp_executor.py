@@ -1,7 +1,7 @@
 """Tensor parallelism: one model runner per rank, driven by the engine core through rank 0.
 
 Rank 0 lives in the engine core's process; ranks 1..N-1 are processes of their own (this node's are
-spawned here, other nodes' by `serve --headless`, `run_headless_ranks`). At start-up rank 0 sends every
+started here, other nodes' by `serve --headless`, `run_headless_ranks`). At start-up rank 0 sends every
 rank the finalized engine config, and each builds the same runner on its shard of the model. After
 that, each runner call the engine core makes (load, KV sizing, warm-up, every step) is broadcast on the
 gloo control group and replayed by every rank in the same order, so the ranks run the same bucket graph
@@ -16,12 +16,16 @@ requests fail with that message and the server reports itself unhealthy.
 """
 from __future__ import annotations
 
-import multiprocessing as mp
+import atexit
+import json
 import os
+import pickle
 import signal
+import subprocess
+import sys
 import threading
 import traceback
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -92,12 +96,36 @@ def _join(setup: RankSetup, rank: int) -> int:
     return threads
 
 
-def _broadcast(obj: Any = None) -> Any:
+def _send(obj: Any, timeout_s: float | None = None) -> None:
+    """Rank 0: broadcasts `obj` to the other ranks. A gloo broadcast waits for its receivers, and theirs waits
+    for as long as the engine is idle (no timeout on the control group), so rank 0 bounds its own wait:
+    a step's inputs that a rank does not take within `timeout_s` mean that rank hangs."""
+    import time
+
     import torch.distributed as dist
 
-    box = [obj]
-    dist.broadcast_object_list(box, src=0, group=ps.control_group())
-    return box[0]
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    size = torch.tensor([len(data)], dtype=torch.int64)
+    payload = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    works = [dist.broadcast(t, src=0, group=ps.control_group(), async_op=True) for t in (size, payload)]
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    for work in works:
+        while deadline is not None and not work.is_completed():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"a rank did not take the step's inputs within {timeout_s:g} s (timed out)")
+            time.sleep(0.0002)
+        work.wait()
+
+
+def _recv() -> Any:
+    """A follower: the next object rank 0 broadcasts (_send)."""
+    import torch.distributed as dist
+
+    size = torch.empty(1, dtype=torch.int64)
+    dist.broadcast(size, src=0, group=ps.control_group())
+    payload = torch.empty(int(size.item()), dtype=torch.uint8)
+    dist.broadcast(payload, src=0, group=ps.control_group())
+    return pickle.loads(payload.numpy().tobytes())
 
 
 def _min_over_ranks(value: int) -> int:
@@ -114,12 +142,9 @@ class TPExecutor:
     def __init__(self, config: EngineConfig, ckpt, device: torch.device, dtype: torch.dtype, backend: str) -> None:
         self.setup = RankSetup.of(config)
         self._threads_before = torch.get_num_threads()
-        ctx = mp.get_context("spawn")
+        _check_shardable(ckpt.hf_config, self.setup.world)
         # This node's other ranks (node 0 holds ranks 0 .. local_ranks - 1).
-        self.procs = [ctx.Process(target=follower_main, args=(self.setup, r), name=f"vllm-neuron-tp{r}", daemon=True)
-                      for r in range(1, self.setup.local_ranks)]
-        for p in self.procs:
-            p.start()
+        self.procs = [_start_rank(self.setup, r) for r in range(1, self.setup.local_ranks)]
         self._failure: str | None = None
         self._closed = False
         try:
@@ -134,7 +159,8 @@ class TPExecutor:
                     threads, [p.pid for p in self.procs], self.setup.ep_degree)
         self._watch = threading.Thread(target=self._watch_followers, name="vllm-neuron-tp-watch", daemon=True)
         self._watch.start()
-        self._call(_broadcast, (config, device, dtype, backend))
+        atexit.register(self.shutdown)  # before multiprocessing's exit handler joins the followers
+        self._call(_send, (config, device, dtype, backend))
         self.runner = create_runner(config, ckpt, device, dtype, backend)
 
     @property
@@ -142,16 +168,20 @@ class TPExecutor:
         return [p.pid for p in self.procs]
 
     def _watch_followers(self) -> None:
-        from multiprocessing.connection import wait
+        import time
 
-        sentinels = {p.sentinel: p for p in self.procs}
-        while sentinels and not self._closed:
-            for s in wait(list(sentinels), timeout=1.0):
-                p = sentinels.pop(s)
-                if not self._closed:
-                    self._failure = f"tensor parallel rank {self.procs.index(p) + 1} (pid {p.pid}) exited with code " \
-                                    f"{p.exitcode}"
+        while not self._closed and self._failure is None and not self._dead_follower():
+            time.sleep(0.5)
+
+    def _dead_follower(self) -> bool:
+        """Records the first of this node's ranks that exited (True when one did)."""
+        for rank, p in enumerate(self.procs, 1):
+            if p.poll() is not None and not self._closed:
+                if self._failure is None:
+                    self._failure = f"tensor parallel rank {rank} (pid {p.pid}) exited with code {p.returncode}"
                     logger.error("%s", self._failure)
+                return True
+        return False
 
     def _call(self, fn, *args):
         """Runs one step of the group protocol, turning a broken group into WorkerRankError."""
@@ -161,7 +191,11 @@ class TPExecutor:
             return fn(*args)
         except Exception as e:
             if self._failure is not None or _is_group_failure(e):
-                reason = self._failure or f"a collective failed ({type(e).__name__}: {e})"
+                import time
+
+                time.sleep(0.5)  # a local rank that died has exited by now: name it
+                self._dead_follower()
+                reason = self._failure or f"a rank died or hung (a collective failed: {type(e).__name__}: {e})"
                 self._failure = reason
                 raise WorkerRankError(f"{reason}; the tensor parallel group is broken, the engine stops") from e
             raise
@@ -172,7 +206,8 @@ class TPExecutor:
             return attr
 
         def on_every_rank(*args):
-            self._call(_broadcast, (name, args))
+            # Steps are bounded (a rank that does not take them hangs); set-up calls such as warm-up are not.
+            self._call(_send, (name, args), self.setup.timeout_s if name == "execute" else None)
             result = self._call(attr, *args)
             if name in _MIN_REDUCED:
                 result = self._call(_min_over_ranks, result)
@@ -186,7 +221,7 @@ class TPExecutor:
         self._closed = True
         if self._failure is None:
             try:
-                _broadcast(None)
+                _send(None, self.setup.timeout_s)
             except Exception:  # noqa: BLE001 - followers gone already
                 pass
         ps.shutdown()
@@ -195,10 +230,27 @@ class TPExecutor:
 
     def _stop_procs(self) -> None:
         for p in self.procs:
-            p.join(timeout=10)
-            if p.is_alive():
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
                 p.kill()
-                p.join(timeout=5)
+                p.wait(timeout=5)
+
+
+def _start_rank(setup: RankSetup, rank: int) -> subprocess.Popen:
+    """A follower rank as a process of its own (`python -m vllm_neuron.worker.tp_executor`): the server's engine
+    core is a daemonic multiprocessing child, which multiprocessing does not let have children."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    return subprocess.Popen([sys.executable, "-m", "vllm_neuron.worker.tp_executor", json.dumps(asdict(setup)),
+                             str(rank)], env=env)
+
+
+def _check_shardable(hf_config, world: int) -> None:
+    """The head-split rules, before any process starts (parallel_state.local_kv_heads)."""
+    heads = getattr(hf_config, "num_attention_heads", None)
+    if heads:
+        ps.check_tp_divides("the number of attention heads", heads, world)
+        ps.local_kv_heads(getattr(hf_config, "num_key_value_heads", None) or heads, world)
 
 
 def _is_group_failure(e: BaseException) -> bool:
@@ -214,17 +266,18 @@ def _is_group_failure(e: BaseException) -> bool:
 def follower_main(setup: RankSetup, rank: int) -> None:
     """A rank other than 0: joins, builds its runner from rank 0's config, replays rank 0's calls."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the head decides when the group ends
+    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
     os.environ.setdefault("VLLM_NEURON_TP_RANK", str(rank))
     _join(setup, rank)
     try:
-        config, device, dtype, backend = _broadcast()
+        config, device, dtype, backend = _recv()
         from vllm_neuron.model.loader import load_checkpoint
 
         ps.set_info(ps.ParallelInfo(rank, setup.world, config.neuron_config.ep_degree or 1))
 
         runner = create_runner(config, load_checkpoint(config.model), device, dtype, backend)
         while True:
-            msg = _broadcast()
+            msg = _recv()
             if msg is None:
                 break
             name, args = msg
@@ -244,6 +297,15 @@ def follower_main(setup: RankSetup, rank: int) -> None:
         ps.shutdown()
 
 
+def _exit_with_parent(parent: int) -> None:
+    """A rank whose parent (the engine core, or a headless node's process) is gone has no one to serve."""
+    import time
+
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os._exit(1)
+
+
 def run_headless_ranks(config: EngineConfig) -> int:
     """`serve --headless --nnodes N --node-rank K`: this node's ranks of a multi-node tensor-parallel
     engine (no API server); returns when they end (the head shut down or failed)."""
@@ -252,13 +314,11 @@ def run_headless_ranks(config: EngineConfig) -> int:
                          "and --node-rank >= 1 (node 0 runs the API server)")
     setup = RankSetup.of(config)
     first = config.node_rank * setup.local_ranks
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=follower_main, args=(setup, r), name=f"vllm-neuron-tp{r}")
-             for r in range(first, first + setup.local_ranks)]
-    for p in procs:
-        p.start()
+    procs = [_start_rank(setup, r) for r in range(first, first + setup.local_ranks)]
     logger.info("Headless node %d: tensor parallel ranks %d..%d (pids %s) join %s:%d", config.node_rank, first,
                 first + setup.local_ranks - 1, [p.pid for p in procs], config.master_addr, config.master_port)
-    for p in procs:
-        p.join()
-    return max((p.exitcode or 0) for p in procs)
+    return max(p.wait() for p in procs)
+
+
+if __name__ == "__main__":
+    follower_main(RankSetup(**json.loads(sys.argv[1])), int(sys.argv[2]))
