@@ -33,7 +33,7 @@ run: setup  ## serve the bundled model (OpenAI API on http://$(HOST):$(PORT)/v1)
 	$(BIN)/vllm-neuron serve --host $(HOST) --port $(PORT) $(SERVE_ARGS) $(ARGS)
 
 test: setup  ## the whole test suite (CPU)
-	$(BIN)/python -m pytest -q $(ARGS)
+	$(BIN)/python -m pytest -q --durations=30 $(ARGS)
 
 test-fast: setup  ## unit tests only
 	$(BIN)/python -m pytest -q tests/unit $(ARGS)

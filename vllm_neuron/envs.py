@@ -297,6 +297,17 @@ _VARS: dict[str, EnvVar] = {
             lambda: _float("VLLM_NEURON_MIN_KV_BUDGET_GIB", 1.0, minimum=0.0),
             "Minimum KV budget in GiB; start-up fails fast below it. Default 1.0.",
         ),
+        # -- multimodal --
+        EnvVar(
+            "VLLM_IMAGE_FETCH_TIMEOUT",
+            lambda: _float("VLLM_IMAGE_FETCH_TIMEOUT", 5.0, minimum=0.0, min_exclusive=True),
+            "Seconds to fetch one http(s) media URL (vLLM's variable). Default 5.",
+        ),
+        EnvVar(
+            "VLLM_MEDIA_MAX_BYTES",
+            lambda: _int("VLLM_MEDIA_MAX_BYTES", 20 * 2**20, minimum=1),
+            "Largest media item, in bytes, read from an http(s) URL or a local file. Default 20 MiB.",
+        ),
         # -- parallelism --
         EnvVar(
             "VLLM_NEURON_DIST_TIMEOUT_S",

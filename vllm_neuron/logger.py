@@ -26,7 +26,10 @@ VALID_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 _lock = threading.Lock()
 _configured = False
 _handler: logging.Handler | None = None
-_once_keys: set[tuple[str, str]] = set()
+# Bounded: messages that embed a per-request value would otherwise grow the set forever. Past the
+# bound the oldest keys are forgotten, so such a message may repeat after ONCE_CAPACITY others.
+ONCE_CAPACITY = 1024
+_once_keys: dict[tuple[str, str], None] = {}
 
 
 def _level_from_env() -> tuple[int, str | None]:
@@ -101,7 +104,9 @@ def warning_once(logger: logging.Logger, msg: str, *args: object) -> bool:
     with _lock:
         if key in _once_keys:
             return False
-        _once_keys.add(key)
+        _once_keys[key] = None
+        if len(_once_keys) > ONCE_CAPACITY:
+            del _once_keys[next(iter(_once_keys))]
     # stacklevel=2 makes [file:line] point at the caller, not at this helper.
     logger.warning(text, stacklevel=2)
     return True

@@ -131,10 +131,6 @@ class SamplingParams:
         return converted
 
     def _verify_args(self) -> None:
-        if not self.spaces_between_special_tokens and not self.skip_special_tokens:
-            # The fast tokenizers decode special tokens as they are, with no option for the spacing.
-            raise ValueError("spaces_between_special_tokens=false is not supported yet (with "
-                             "skip_special_tokens=false, special tokens are decoded as the tokenizer writes them)")
         if not _is_int(self.n):
             raise ValueError(f"n must be an int, but is of type {type(self.n)}")
         if self.n < 1:

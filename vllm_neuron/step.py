@@ -27,6 +27,7 @@ class NewRequestData:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     eos_token_id: int | None
+    mm_items: list | None = None  # multimodal.inputs.MultiModalItem per media item
 
 
 @dataclass

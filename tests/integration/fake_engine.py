@@ -2,8 +2,8 @@
 
 Choice j of a request generates the token ids of SCRIPT (cyclically) starting at position
 `(seed or 0) + 5 * j`, so tests can compute the expected text with `expected_ids`. It honours
-max_tokens, stop strings (with include_stop_str_in_output), stop_token_ids, logprobs and
-prompt_logprobs, n and the three output kinds, and records every request and abort.
+max_tokens, stop strings (with include_stop_str_in_output), stop_token_ids, logprobs, n and the
+three output kinds, and records every request and abort.
 
 Markers in the decoded prompt trigger behaviours:
   [[slow]]     0.05 s between tokens (for disconnect tests)
@@ -111,9 +111,6 @@ class FakeEngine(EngineClient):
         lps: list[list[dict[int, Logprob]]] = [[] for _ in range(n)]
         finish: list[tuple[str, Any] | None] = [None] * n
         reported = [False] * n
-        prompt_lps = None
-        if sp.prompt_logprobs is not None:
-            prompt_lps = [None] + [self._step_logprobs(t, k, sp.prompt_logprobs) for k, t in enumerate(ids[1:])]
         metrics.record_step(num_running=1, num_waiting=0, kv_cache_usage=len(ids) / self.max_model_len,
                             prefix_cache_queries=len(ids), prefix_cache_hits=0)
         metrics.record_padding("tokens", "prefill_s256", 256 - len(ids))
@@ -166,7 +163,7 @@ class FakeEngine(EngineClient):
                         stop_reason=finish[j][1] if finish[j] else None))
                     sent_tokens[j], sent_text[j], sent_lps[j] = len(gen_ids[j]), len(texts[j]), len(lps[j])
                 yield RequestOutput(request_id=request_id, prompt=text, prompt_token_ids=ids,
-                                    prompt_logprobs=prompt_lps if call.outputs_sent == 0 else None,
+                                    prompt_logprobs=None,
                                     outputs=outs, finished=done, num_cached_tokens=0)
                 call.outputs_sent += 1
             call.finished = True

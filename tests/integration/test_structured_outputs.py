@@ -8,6 +8,7 @@ real `serve` process, then auto tool calling over a canned engine.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -166,18 +167,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server(tiny_path, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("so_server")
+@contextlib.contextmanager
+def _serve_process(args: list[str], tmp):
+    """A real `serve` process on a free port; yields (url, served model id)."""
     port = _free_port()
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
                PROMETHEUS_MULTIPROC_DIR=str(tmp))
     log = open(tmp / "server.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "vllm_neuron.entrypoints.cli.main", "serve", tiny_path,
-                             "--enforce-eager", "--port", str(port), "--max-model-len", "512",
-                             "--num-gpu-blocks-override", "128", "--max-num-seqs", "8",
-                             "--enable-auto-tool-choice", "--tool-call-parser", "hermes"],
-                            cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen([sys.executable, "-m", "vllm_neuron.entrypoints.cli.main", "serve", *args,
+                             "--port", str(port)], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
     try:
@@ -200,6 +198,14 @@ def server(tiny_path, tmp_path_factory):
             proc.kill()
             proc.wait(5)
         log.close()
+
+
+@pytest.fixture(scope="module")
+def server(tiny_path, tmp_path_factory):
+    with _serve_process([tiny_path, "--enforce-eager", "--max-model-len", "512", "--num-gpu-blocks-override", "128",
+                         "--max-num-seqs", "8", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"],
+                        tmp_path_factory.mktemp("so_server")) as served:
+        yield served
 
 
 @pytest.fixture(scope="module")
@@ -331,6 +337,55 @@ def test_server_errors(server, path, body, param, needle):
         assert r.status_code == 400, r.text
         err = r.json()["error"]
         assert err["type"] == "BadRequestError" and err["param"] == param and needle in err["message"], err
+
+
+# ---- the bundled model at temperature 1 ----------------------------------------------------------------
+
+# Free strings and an unbounded integer: what a real model can run on without end.
+FREE_TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
+                                      "parameters": {"type": "object", "properties": {
+                                          "city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+                                          "required": ["city"]}}},
+    {"type": "function", "function": {"name": "search", "description": "Search the web", "parameters": {
+        "type": "object", "properties": {"query": {"type": "string"}, "max_results": {"type": "integer"}},
+        "required": ["query"]}}},
+]
+FREE_SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in FREE_TOOLS}
+
+
+@pytest.fixture(scope="module")
+def bundled_server(tmp_path_factory):
+    with _serve_process(["--enforce-eager", "--max-model-len", "1024", "--num-gpu-blocks-override", "96",
+                         "--max-num-seqs", "8"], tmp_path_factory.mktemp("bundled_server")) as served:
+        yield served
+
+
+def test_bundled_model_finishes_tool_calls_at_temperature_1(bundled_server):
+    """SmolLM2 sampled at temperature 1 (top_p 1) loops on call items, digits and prose inside strings:
+    unconstrained by the budget, 5 of 16 such calls ran to max_tokens without closing. Every call must
+    now close within max_tokens, parse and follow its function's schema."""
+    url, model = bundled_server
+    client = openai.OpenAI(base_url=url + "/v1", api_key="EMPTY", max_retries=0, timeout=300)
+    msgs = [{"role": "user", "content": "What's the weather like in Paris today?"}]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    jobs = [("required", s) for s in range(4)] + [("named", s) for s in range(4)]
+
+    def run(job):
+        mode, seed = job
+        return client.chat.completions.create(model=model, messages=msgs, tools=FREE_TOOLS, seed=seed,
+                                              tool_choice=named if mode == "named" else "required",
+                                              temperature=1.0, top_p=1.0, max_tokens=96)
+
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        results = list(pool.map(run, jobs))
+    for (mode, seed), r in zip(jobs, results):
+        choice = r.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.tool_calls, (mode, seed, choice)
+        assert r.usage.completion_tokens <= 96
+        for tc in choice.message.tool_calls:
+            assert mode == "required" or tc.function.name == "get_weather"
+            assert parses_and_conforms(tc.function.arguments, FREE_SCHEMAS[tc.function.name]), (mode, seed, tc)
 
 
 # ---- auto tool choice over a canned engine ----------------------------------------------------------------

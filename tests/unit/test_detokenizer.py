@@ -179,3 +179,32 @@ def test_decode_token_helpers(tok):
     d = IncrementalDetokenizer(tok, [], SamplingParams())
     assert d.decode_token(tok.eos_token_id) == tok.eos_token
     assert d.convert_ids_to_text(ids) == texts
+
+
+@pytest.fixture(scope="module")
+def wordpiece_tok():
+    """A fast tokenizer whose decoder (WordPiece) puts a space before every token, added ones included."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"[UNK]": 0, "[CLS]": 1, "[SEP]": 2, "hello": 3, "world": 4, "##s": 5, "<tool>": 6}
+    t = Tokenizer(models.WordPiece(vocab, unk_token="[UNK]"))
+    t.pre_tokenizer = pre_tokenizers.Whitespace()
+    t.decoder = decoders.WordPiece()
+    tok = PreTrainedTokenizerFast(tokenizer_object=t, unk_token="[UNK]", cls_token="[CLS]", sep_token="[SEP]")
+    tok.add_special_tokens({"additional_special_tokens": ["<tool>"]})
+    return tok
+
+
+@pytest.mark.parametrize("chunk", [1, 4])
+def test_spaces_between_special_tokens(wordpiece_tok, chunk):
+    ids = [3, 1, 2, 6, 4, 5, 6]  # hello [CLS] [SEP] <tool> world ##s <tool>
+
+    def text(**kw):
+        return feed(wordpiece_tok, ids, SamplingParams(max_tokens=None, **kw), chunk=chunk)[0].get_cumulative_text(True)
+
+    assert text(skip_special_tokens=False) == "hello [CLS] [SEP] <tool> worlds <tool>"
+    # A run of added tokens loses its inner spaces; the space before a run and after it stays (vLLM).
+    assert text(skip_special_tokens=False, spaces_between_special_tokens=False) == "hello [CLS][SEP]<tool> worlds <tool>"
+    # Special tokens skipped: nothing to space, both settings give the tokenizer's text.
+    assert text(spaces_between_special_tokens=False) == text() == "hello worlds"

@@ -123,11 +123,29 @@ def test_no_async_scheduling_flag():
 @pytest.mark.parametrize("flag, option", [
     (["--mm-encoder-only"], "mm_encoder_only"),
     (["--ec-transfer-config", '{"ec_role": "ec_producer"}'], "ec_transfer_config"),
-    (["--limit-mm-per-prompt", '{"image": 4}'], "limit_mm_per_prompt"),
 ])
-def test_multimodal_flags_parse_and_are_refused(flag, option):
+def test_epd_flags_parse_and_are_refused(flag, option):
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
     args = parser.parse_args(flag)  # not argparse's "unrecognized arguments"
     with pytest.raises(ValueError, match=f"{option}=.* is not supported yet"):
         engine_config_from_args(args)
+
+
+def test_multimodal_options_are_validated_and_refused_for_text_models():
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    cfg = engine_config_from_args(parser.parse_args(["--limit-mm-per-prompt", '{"image": 4}',
+                                                     "--mm-processor-kwargs", '{"max_pixels": 50176}']))
+    assert cfg.limit_mm_per_prompt == {"image": 4} and cfg.mm_processor_kwargs == {"max_pixels": 50176}
+    with pytest.raises(ValueError, match="limit_mm_per_prompt applies to multimodal models only"):
+        cfg.finalize(model_max_len=2048)
+    with pytest.raises(ValueError, match="unknown modality 'audio'; valid modalities: \\['image', 'video'\\]"):
+        EngineConfig.from_kwargs(limit_mm_per_prompt={"audio": 1})
+    with pytest.raises(ValueError, match="must be a non-negative integer"):
+        EngineConfig.from_kwargs(limit_mm_per_prompt='{"image": -1}')
+    with pytest.raises(ValueError, match="not an existing folder"):
+        EngineConfig.from_kwargs(allowed_local_media_path="/no/such/folder")
+    text_only = EngineConfig.from_kwargs(additional_config={"mm_language_model_only": True})
+    with pytest.raises(ValueError, match="mm_language_model_only applies to multimodal models only"):
+        text_only.finalize(model_max_len=2048)

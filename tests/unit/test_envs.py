@@ -29,7 +29,8 @@ def test_every_seed_variable_is_known_and_documented():
         "VLLM_NEURON_MIN_KV_BUDGET_GIB", "PROMETHEUS_MULTIPROC_DIR",
     ]
     ours = ["VLLM_NEURON_AOT_COMPILE", "VLLM_NEURON_GGUF_CACHE_MAX_GIB", "VLLM_NEURON_CUDA_GRAPHS",
-            "VLLM_LOG_STATS_INTERVAL", "VLLM_NEURON_CPU_ISA"]  # beyond the seeds
+            "VLLM_LOG_STATS_INTERVAL", "VLLM_NEURON_CPU_ISA", "VLLM_IMAGE_FETCH_TIMEOUT",
+            "VLLM_MEDIA_MAX_BYTES"]  # beyond the seeds
     assert sorted(seeds + ours) == sorted(ALL)
     for name in seeds + ours:
         assert len(envs.doc(name)) > 20, name
@@ -229,4 +230,14 @@ def test_warning_once(caplog):
     msgs = [r.getMessage() for r in caplog.records if r.name == "vllm_neuron.test_once"]
     assert msgs == ["batch composition changed", "batch size changed"]
     assert all(r.filename == "test_envs.py" for r in caplog.records if r.name == "vllm_neuron.test_once")
+
+
+def test_warning_once_memory_is_bounded(monkeypatch):
+    monkeypatch.setattr(vlog, "_once_keys", {})
+    log = vlog.init_logger("vllm_neuron.test_once_bound")
+    for i in range(vlog.ONCE_CAPACITY + 10):
+        assert vlog.warning_once(log, "request %d is odd", i)
+    assert len(vlog._once_keys) == vlog.ONCE_CAPACITY
+    assert vlog.warning_once(log, "request %d is odd", 0)  # the oldest was forgotten
+    assert not vlog.warning_once(log, "request %d is odd", vlog.ONCE_CAPACITY + 9)  # recent ones are kept
 

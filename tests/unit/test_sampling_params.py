@@ -129,8 +129,3 @@ def test_outputs_shapes():
     text = repr(r)
     assert "r1" in text and "'hi'" in text and "finish_reason=stop" in text
 
-
-def test_spaces_between_special_tokens_false_is_refused_where_it_would_matter():
-    SamplingParams(spaces_between_special_tokens=False)  # special tokens skipped: nothing to space
-    with pytest.raises(ValueError, match="spaces_between_special_tokens=false is not supported yet"):
-        SamplingParams(spaces_between_special_tokens=False, skip_special_tokens=False)

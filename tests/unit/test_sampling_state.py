@@ -28,7 +28,7 @@ def test_in_graph_rows_and_host_rows():
 def test_top_k_off_samples_the_vocabulary_and_warns_once_about_top_p(caplog, monkeypatch):
     from vllm_neuron import logger as vlog
 
-    monkeypatch.setattr(vlog, "_once_keys", set())  # earlier tests in this process may have warned already
+    monkeypatch.setattr(vlog, "_once_keys", {})  # earlier tests in this process may have warned already
     with caplog.at_level(logging.WARNING, logger="vllm_neuron"):
         _states(temperature=0.5)  # top_k left at its default: the user asked for nothing to warn about
         assert "limited to" not in caplog.text

@@ -259,3 +259,65 @@ def test_manager_reports_compile_errors(manager):
     ready, error = manager.status("bad2")
     assert not ready and "only one kind" in error
     assert not manager.has("bad") and not manager.has("bad2")
+
+
+# ---- closing within the token budget ----------------------------------------------------------------
+
+CALL = {"type": "array", "minItems": 1, "items": {
+    "type": "object", "properties": {"name": {"enum": ["search"]},
+                                     "parameters": {"type": "object", "properties": {
+                                         "query": {"type": "string"}, "n": {"type": "integer"}},
+                                         "required": ["query"]}},
+    "required": ["name", "parameters"]}}
+
+
+def _random_walk(manager, tokenizer, rid: str, seed: int, budget: int, close: bool) -> tuple[str, bool]:
+    """Samples uniformly among the allowed tokens (no stop token unless it is the only one): a model with
+    no wish to finish. Returns the text and whether it ended with the stop token within `budget`."""
+    rng = np.random.default_rng(seed)
+    manager.submit(rid, StructuredOutputsParams(json=CALL, disable_any_whitespace=True))
+    assert _wait_ready(manager, rid) == (True, None)
+    ids = []
+    try:
+        for i in range(budget):
+            allowed = _allowed(manager.bitmask(rid, budget - i if close else None))
+            choices = sorted(allowed - {EOS}) or [EOS]
+            t = int(rng.choice(choices))
+            if t == EOS:
+                return tokenizer.decode(ids), True
+            manager.accept(rid, [t])
+            ids.append(t)
+        return tokenizer.decode(ids), False
+    finally:
+        manager.remove(rid)
+
+
+def test_budget_closes_free_strings_arrays_and_numbers(manager, tokenizer):
+    """Free strings, unbounded arrays and integers never end by themselves under a model that does not want
+    them to; with the budget every output closes in time, parses and follows the schema."""
+    budget = 48
+    unclosed = 0
+    for seed in range(6):
+        text, ended = _random_walk(manager, tokenizer, f"open{seed}", seed, budget, close=False)
+        unclosed += not ended
+        text, ended = _random_walk(manager, tokenizer, f"close{seed}", seed, budget, close=True)
+        assert ended, text
+        calls = json.loads(text)
+        assert calls and all(c["name"] == "search" and isinstance(c["parameters"]["query"], str) for c in calls)
+    assert unclosed >= 4  # the walk is a fair adversary: without the budget it runs out
+
+
+def test_budget_never_forbids_what_fits(manager, tokenizer):
+    """Far from the end the mask is exactly the grammar's; an answer fitting its budget (plus the reserve of
+    one opened item) is allowed token by token."""
+    answer = tokenizer.encode('[{"name": "search", "parameters": {"query": "weather in Paris today", "n": 3}}]',
+                              add_special_tokens=False)
+    manager.submit("fit", StructuredOutputsParams(json=CALL, disable_any_whitespace=True))
+    assert _wait_ready(manager, "fit") == (True, None)
+    assert (manager.bitmask("fit", 10_000) == manager.bitmask("fit")).all()
+    budget = len(answer) + 1 + manager._plans["fit"].reserve
+    for i, t in enumerate(answer):
+        assert t in _allowed(manager.bitmask("fit", budget - i)), (i, tokenizer.decode(answer[:i + 1]))
+        manager.accept("fit", [t])
+    assert _allowed(manager.bitmask("fit", budget - len(answer))) == {EOS}
+    manager.remove("fit")

@@ -27,6 +27,7 @@ GROUPS = {
     "compilation": "Compilation: bucket graphs and neuron_config",
     "server": "Server: HTTP listener, authentication, logging",
     "frontend": "Frontend: OpenAI API behaviour (chat templates, tools, served names)",
+    "multimodal": "Multimodal: images and video (limits, processor options, local media)",
 }
 
 
@@ -139,9 +140,16 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool =
     g.add_argument("--ec-transfer-config", type=_json_arg, default=None,
                    help="refused: encoder-disaggregated (EPD) inference is not supported yet (default: none)")
     g.add_argument("--mm-encoder-only", action="store_true",
-                   help="refused: no multimodal model is supported yet")
+                   help="refused: encoder-disaggregated (EPD) inference is not supported yet")
+
+    g = arg_group(parser, "multimodal")
     g.add_argument("--limit-mm-per-prompt", type=_json_arg, default=None,
-                   help="refused: no multimodal model is supported yet (default: none)")
+                   help='most media items per prompt, e.g. \'{"image": 4, "video": 1}\' (default: no limit but the context length)')
+    g.add_argument("--mm-processor-kwargs", type=_json_arg, default=None,
+                   help='image/video processor options, e.g. \'{"max_pixels": 1003520, "fps": 2}\' (default: the '
+                   "checkpoint's preprocessor_config.json)")
+    g.add_argument("--allowed-local-media-path", default=None,
+                   help="folder whose files requests may name as file:// media URLs (default: none allowed)")
 
     g = arg_group(parser, "compilation")
     g.add_argument("--enforce-eager", action="store_true", help="run the bucket graphs uncompiled")

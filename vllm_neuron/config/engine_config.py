@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +24,34 @@ KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")  # fp8 = fp8_e4m3
 DEFAULT_MAX_NUM_SEQS = 16
 BUNDLED_MODEL_NAME = "SmolLM2-135M-Instruct"  # served name of the bundled model (no MODEL given)
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 512
+
+
+MM_MODALITIES = ("image", "video")
+
+
+def parse_limit_mm_per_prompt(value: dict | str | None) -> dict[str, int]:
+    """vLLM's --limit-mm-per-prompt ('{"image": 4, "video": 1}') -> {modality: max items}; a modality
+    left out is limited by the context length only."""
+    limits = _json_dict("limit_mm_per_prompt", value)
+    for k, v in limits.items():
+        if k not in MM_MODALITIES:
+            raise ValueError(f"limit_mm_per_prompt has unknown modality {k!r}; valid modalities: {list(MM_MODALITIES)}")
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise ValueError(f"limit_mm_per_prompt[{k!r}] must be a non-negative integer, got {v!r}")
+    return limits
+
+
+def _json_dict(option: str, value: dict | str | None) -> dict:
+    if value is None or value == "":
+        return {}
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{option} must be a JSON object, got {value!r}: {e}") from e
+    if not isinstance(value, dict):
+        raise ValueError(f"{option} must be a JSON object, got {value!r}")
+    return dict(value)
 
 
 def _not_supported(option: str, value: Any, hint: str = "") -> ValueError:
@@ -62,7 +91,9 @@ class EngineConfig:
     kv_transfer_config: dict | str | None = None
     ec_transfer_config: dict | str | None = None
     mm_encoder_only: bool = False
-    limit_mm_per_prompt: dict | str | None = None
+    limit_mm_per_prompt: dict | str | None = None  # {"image": N, "video": M}; parsed by validate_static
+    mm_processor_kwargs: dict | str | None = None  # the image processor's options, e.g. {"max_pixels": ...}
+    allowed_local_media_path: str | None = None  # file:// media must lie under this folder
     chat_template: str | None = None
     trust_remote_code: bool = False  # accepted for vLLM compatibility; no remote code is ever run
     disable_log_stats: bool = False
@@ -119,12 +150,14 @@ class EngineConfig:
         if self.kv_transfer_config:
             raise _not_supported("kv_transfer_config", self.kv_transfer_config)
         if self.ec_transfer_config:
-            raise _not_supported("ec_transfer_config", self.ec_transfer_config, "no multimodal model is supported yet")
+            raise _not_supported("ec_transfer_config", self.ec_transfer_config,
+                                 "encoder-disaggregated (EPD) inference is not supported yet")
         if self.mm_encoder_only:
-            raise _not_supported("mm_encoder_only", True, "no multimodal model is supported yet")
-        if self.limit_mm_per_prompt:
-            raise _not_supported("limit_mm_per_prompt", self.limit_mm_per_prompt,
-                                 "no multimodal model is supported yet")
+            raise _not_supported("mm_encoder_only", True, "encoder-disaggregated (EPD) inference is not supported yet")
+        self.limit_mm_per_prompt = parse_limit_mm_per_prompt(self.limit_mm_per_prompt)
+        self.mm_processor_kwargs = _json_dict("mm_processor_kwargs", self.mm_processor_kwargs)
+        if self.allowed_local_media_path is not None and not os.path.isdir(self.allowed_local_media_path):
+            raise ValueError(f"allowed_local_media_path={self.allowed_local_media_path!r} is not an existing folder")
         check_generation_config_arg(self.generation_config)
         self.override_generation_config = parse_override(self.override_generation_config)
         from vllm_neuron import envs
@@ -135,8 +168,6 @@ class EngineConfig:
         self._validate_parallel()
         if self.additional_config.encoder_neuron_config is not None:
             raise _not_supported("encoder_neuron_config", "...", "no multimodal model is supported yet")
-        if self.additional_config.mm_language_model_only:
-            raise _not_supported("mm_language_model_only", True, "no multimodal model is supported yet")
         nc = self.additional_config.neuron_config
         if nc.quantization not in (None, "int8", "int4", "mxfp4"):
             # Which model honours which scheme is the model's to say (ModelSpec.quantizations).
@@ -183,9 +214,16 @@ class EngineConfig:
         """Tensor-parallel ranks on this node."""
         return self.tensor_parallel_size // self.nnodes
 
-    def finalize(self, model_max_len: int, *, moe: bool = False, sliding_window: bool = False) -> NeuronConfig:
-        """Fills the model-dependent defaults and resolves the bucket lists; `moe` / `sliding_window`
-        describe the model (they select MRv1 by default)."""
+    def finalize(self, model_max_len: int, *, moe: bool = False, sliding_window: bool = False,
+                 multimodal: bool = False) -> NeuronConfig:
+        """Fills the model-dependent defaults and resolves the bucket lists; `moe` / `sliding_window` /
+        `multimodal` describe the model (they select MRv1 by default)."""
+        if not multimodal:
+            for option in ("limit_mm_per_prompt", "mm_processor_kwargs"):
+                if getattr(self, option):
+                    raise ValueError(f"{option} applies to multimodal models only; this model takes text only")
+            if self.additional_config.mm_language_model_only:
+                raise ValueError("mm_language_model_only applies to multimodal models only; this model is text only")
         if self.max_model_len is None:
             self.max_model_len = model_max_len
         elif self.max_model_len > model_max_len:
@@ -242,8 +280,13 @@ class EngineConfig:
         self.runner_choice = select_model_runner(envs.VLLM_USE_V2_MODEL_RUNNER,
                                                  cpu_sampling=nc.on_device_sampling_config is None,
                                                  enforce_eager=self.enforce_eager,
-                                                 speculative=spec is not None, moe=moe,
+                                                 speculative=spec is not None, moe=moe or multimodal,
                                                  sliding_window=sliding_window)
+        if multimodal and self.runner_choice.use_v2:
+            raise _not_supported("VLLM_USE_V2_MODEL_RUNNER", "1", "multimodal models run on Model Runner V1 only; "
+                                 "unset it")
+        if multimodal and spec is not None:
+            raise _not_supported("speculative_config", spec.method, "speculative decoding with a multimodal model")
         if spec is not None and self.runner_choice.use_v2:
             raise ValueError("VLLM_USE_V2_MODEL_RUNNER=1 cannot serve speculative decoding: Neuron Model Runner V2 "
                              "does not support it; unset VLLM_USE_V2_MODEL_RUNNER (MRv1 is then selected)")

@@ -35,6 +35,7 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     # Keys that must match besides the tokens for a prefix-cache hit (e.g. image hashes, LoRA).
     cache_salt: tuple = ()
+    mm_items: list | None = None  # media items (opaque here; the runner encodes them)
 
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING

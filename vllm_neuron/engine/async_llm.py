@@ -20,12 +20,12 @@ from vllm_neuron import metrics
 from vllm_neuron.config.engine_config import EngineConfig
 from vllm_neuron.config.generation_config import effective_generation_config
 from vllm_neuron.engine.core_proc import run_engine_core
-from vllm_neuron.engine.input_processor import InputProcessor
+from vllm_neuron.engine.input_processor import InputProcessor, multimodal_processor
 from vllm_neuron.engine.output_processor import OutputProcessor
 from vllm_neuron.engine.protocol import EngineClient, EngineDeadError, EngineRequestError, ModelInfo, PromptType
 from vllm_neuron.logger import init_logger
 from vllm_neuron.model.loader import load_checkpoint, load_tokenizer
-from vllm_neuron.model.registry import model_spec
+from vllm_neuron.model.registry import is_multimodal, model_spec
 from vllm_neuron.outputs import RequestOutput
 from vllm_neuron.sampling_params import SamplingParams
 
@@ -36,8 +36,8 @@ class AsyncLLM(EngineClient):
     def __init__(self, config: EngineConfig, model_name: str | None = None) -> None:
         ckpt = load_checkpoint(config.model)
         spec = model_spec(ckpt.hf_config, config.neuron_config.quantization)  # bad models fail before spawning
-        nc = config.finalize(ckpt.hf_config.max_position_embeddings, moe=spec.is_moe,
-                             sliding_window=spec.has_sliding_window)
+        nc = config.finalize(ckpt.hf_config.get_text_config().max_position_embeddings, moe=spec.is_moe,
+                             sliding_window=spec.has_sliding_window, multimodal=is_multimodal(ckpt.hf_config))
         self.config = config
         self.model_name = model_name or config.served_names()[0]
         self._queues: dict[str, asyncio.Queue] = {}
@@ -69,12 +69,22 @@ class AsyncLLM(EngineClient):
                                                  config.override_generation_config)
         self.input_processor = InputProcessor(self.tokenizer, config.max_model_len, generation,
                                               nc.on_device_sampling_config, config.max_logprobs,
-                                              ckpt.hf_config.vocab_size)
+                                              ckpt.hf_config.get_text_config().vocab_size,
+                                              multimodal_processor(config, ckpt))
         self.output_processor = OutputProcessor(self.tokenizer)
         self.model_info = ModelInfo(ckpt.path, config.max_model_len, self.input_processor.eos_token_id,
                                     self.input_processor.generation_defaults)
 
     # -- EngineClient -----------------------------------------------------------------------------
+    @property
+    def is_multimodal(self) -> bool:
+        return self.input_processor.mm_processor is not None
+
+    def process_multimodal(self, token_ids, media, mm_processor_kwargs=None):
+        if self.input_processor.mm_processor is None:
+            return super().process_multimodal(token_ids, media, mm_processor_kwargs)
+        return self.input_processor.mm_processor.process(token_ids, media, mm_processor_kwargs)
+
     @property
     def is_ready(self) -> bool:
         return self._ready and self._dead is None

@@ -16,7 +16,7 @@ from vllm_neuron.engine.messages import EngineCoreOutput, EngineCoreOutputs, Eng
 from vllm_neuron.logger import init_logger
 from vllm_neuron.step import ModelRunnerOutput, SchedulerOutput
 from vllm_neuron.model.loader import Checkpoint, load_checkpoint
-from vllm_neuron.model.registry import model_spec
+from vllm_neuron.model.registry import is_multimodal, model_spec
 from vllm_neuron.worker import memory
 from vllm_neuron.worker.tp_executor import TPExecutor, WorkerRankError, create_runner
 
@@ -35,8 +35,8 @@ class EngineCore:
         self.config = config
         self.ckpt = checkpoint or load_checkpoint(config.model)
         spec = model_spec(self.ckpt.hf_config, config.neuron_config.quantization)
-        nc = config.finalize(self.ckpt.hf_config.max_position_embeddings, moe=spec.is_moe,
-                             sliding_window=spec.has_sliding_window)
+        nc = config.finalize(self.ckpt.hf_config.get_text_config().max_position_embeddings, moe=spec.is_moe,
+                             sliding_window=spec.has_sliding_window, multimodal=is_multimodal(self.ckpt.hf_config))
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         logger.info("dtype %s (%s)", str(self.dtype).removeprefix("torch."), dtype_reason(config.dtype, self.device))
@@ -100,8 +100,10 @@ class EngineCore:
             self.runner.shutdown()
 
     def add_request(self, req: EngineCoreRequest) -> None:
+        # Media hashes join the prefix-cache keys: prompts that differ only in their media share no KV.
+        salt = tuple(item.mm_hash for item in req.mm_items) if req.mm_items else ()
         request = Request(req.request_id, req.prompt_token_ids, req.sampling_params, req.eos_token_id,
-                          arrival_time=req.arrival_time)
+                          arrival_time=req.arrival_time, cache_salt=salt, mm_items=req.mm_items)
         if req.sampling_params.structured_outputs is None:
             self.scheduler.add_request(request)
             return
@@ -115,7 +117,7 @@ class EngineCore:
             from vllm_neuron.structured_output.manager import StructuredOutputManager
 
             tok = load_tokenizer(self.config.tokenizer or self.ckpt)
-            self.structured = StructuredOutputManager(tok, self.ckpt.hf_config.vocab_size)
+            self.structured = StructuredOutputManager(tok, self.ckpt.hf_config.get_text_config().vocab_size)
         return self.structured
 
     def abort_requests(self, req_ids: list[str], reason: str = "abort") -> None:
@@ -184,9 +186,18 @@ class EngineCore:
     def _schedule(self) -> SchedulerOutput | None:
         sched = self.scheduler.schedule()
         if sched is not None and self.structured is not None:
-            sched.grammar_bitmask = {c.req_id: self.structured.bitmask(c.req_id) for c in sched.chunks
-                                     if c.sample and self.structured.has(c.req_id)}
+            sched.grammar_bitmask = {c.req_id: self.structured.bitmask(c.req_id, self._tokens_left(c.req_id))
+                                     for c in sched.chunks if c.sample and self.structured.has(c.req_id)}
         return sched
+
+    def _tokens_left(self, rid: str) -> int:
+        """Tokens the request may still sample, the one now scheduled included (a grammar closes within them)."""
+        req = self.scheduler.requests[rid]
+        pending = len(req.output_token_ids) + req.num_output_placeholders
+        left = self.config.max_model_len - req.num_prompt_tokens - pending
+        if req.sampling_params.max_tokens is not None:
+            left = min(left, req.sampling_params.max_tokens - pending)
+        return left
 
     def _grammar_in_flight(self) -> bool:
         return self.structured is not None and any(

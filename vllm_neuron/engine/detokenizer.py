@@ -8,6 +8,11 @@ alone shows a replacement character that the next token turns into the real one.
 The window starts at the first output token, not in the prompt, so the final text equals
 `tokenizer.decode(output_ids, skip_special_tokens=...)` exactly (with byte-level BPE, as for SmolLM2
 and Llama 3, decoding is context-free and nothing is lost).
+
+`spaces_between_special_tokens` as vLLM's detokenizer for (fast) tokenizers: true writes added tokens as
+the tokenizer's decoder does; false (with special tokens kept) writes an added token that follows
+another one as its bare content, without the space some decoders (WordPiece, Metaspace) put before it.
+Byte-level decoders put none, so for SmolLM2 and Llama 3 both give the same text.
 """
 from __future__ import annotations
 
@@ -26,6 +31,10 @@ class IncrementalDetokenizer:
         self.tokenizer = tokenizer
         self.prompt_len = len(prompt_token_ids)
         self.skip_special_tokens = params.skip_special_tokens
+        # Added token id -> its content, where a run of added tokens is written without spaces.
+        self._bare_added: dict[int, str] = {}
+        if not params.spaces_between_special_tokens and not params.skip_special_tokens:
+            self._bare_added = {tid: str(tok) for tid, tok in getattr(tokenizer, "added_tokens_decoder", {}).items()}
         self.stop: list[str] = list(params.stop or [])
         self.include_stop_str_in_output = params.include_stop_str_in_output
         self.min_tokens = params.min_tokens
@@ -72,7 +81,11 @@ class IncrementalDetokenizer:
         check_from = len(self.output_text)
         for token_id in new_token_ids:
             self.output_token_ids.append(token_id)
-            self.output_text += self._decode_next()
+            delta = self._decode_next()
+            if delta and token_id in self._bare_added and len(self.output_token_ids) > 1 \
+                    and self.output_token_ids[-2] in self._bare_added:
+                delta = self._bare_added[token_id]
+            self.output_text += delta
             if self.min_tokens and len(self.output_token_ids) <= self.min_tokens:
                 check_from = len(self.output_text)
         if skipped is not None:

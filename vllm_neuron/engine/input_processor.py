@@ -4,15 +4,31 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vllm_neuron.config.generation_config import sampling_defaults
 from vllm_neuron.logger import init_logger
 from vllm_neuron.engine.messages import EngineCoreRequest
 from vllm_neuron.config.neuron_config import OnDeviceSamplingConfig
+from vllm_neuron.model.registry import is_multimodal
 from vllm_neuron.sampling_params import SamplingParams
 
+if TYPE_CHECKING:
+    from vllm_neuron.multimodal.processor import MultiModalProcessor
+
 logger = init_logger(__name__)
+
+
+def multimodal_processor(config, ckpt) -> "MultiModalProcessor | None":
+    """The media processor of a multimodal checkpoint (None for a text model)."""
+    if not is_multimodal(ckpt.hf_config):
+        return None
+    from vllm_neuron.multimodal.processor import MultiModalProcessor
+
+    return MultiModalProcessor(ckpt.hf_config, ckpt.path, mm_processor_kwargs=config.mm_processor_kwargs,
+                               limits=config.limit_mm_per_prompt,
+                               allowed_local_media_path=config.allowed_local_media_path,
+                               language_model_only=config.additional_config.mm_language_model_only)
 
 
 def child_request_id(index: int, request_id: str) -> str:
@@ -21,8 +37,10 @@ def child_request_id(index: int, request_id: str) -> str:
 
 class InputProcessor:
     def __init__(self, tokenizer: Any, max_model_len: int, generation_config: Mapping[str, Any],
-                 odsc: OnDeviceSamplingConfig | None, max_logprobs: int, vocab_size: int) -> None:
+                 odsc: OnDeviceSamplingConfig | None, max_logprobs: int, vocab_size: int,
+                 mm_processor: "MultiModalProcessor | None" = None) -> None:
         self.tokenizer = tokenizer
+        self.mm_processor = mm_processor
         self.max_model_len = max_model_len
         self.odsc = odsc
         self.max_logprobs = max_logprobs
@@ -46,15 +64,30 @@ class InputProcessor:
             kwargs.update(self.odsc.request_defaults())
         return SamplingParams(**kwargs)
 
-    def tokenize_prompt(self, prompt: Any) -> tuple[str | None, list[int]]:
+    def tokenize_multimodal(self, prompt: Any) -> tuple[str | None, list[int], list | None]:
+        """(text, token ids with media placeholders expanded, media items or None)."""
+        if isinstance(prompt, Mapping) and prompt.get("multi_modal_items"):
+            if self.mm_processor is None:
+                raise ValueError("media inputs are not supported by this model (it takes text only)")
+            return prompt.get("prompt"), list(prompt["prompt_token_ids"]), list(prompt["multi_modal_items"])
+        if isinstance(prompt, Mapping) and prompt.get("multi_modal_data"):
+            if self.mm_processor is None:
+                raise ValueError("multi_modal_data is not supported by this model (it takes text only)")
+            text, ids = self._tokenize(prompt)
+            ids, items = self.mm_processor.process(ids, prompt["multi_modal_data"], prompt.get("mm_processor_kwargs"))
+            return text, ids, items or None
+        text, ids = self._tokenize(prompt)
+        if self.mm_processor is not None:  # placeholders without media would reach the model as text
+            ids, _ = self.mm_processor.process(ids, {})
+        return text, ids, None
+
+    def _tokenize(self, prompt: Any) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
         if isinstance(prompt, Mapping):
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), list(prompt["prompt_token_ids"])
             if "prompt" in prompt:
-                if prompt.get("multi_modal_data"):
-                    raise ValueError("multi_modal_data is not supported by this model")
                 return prompt["prompt"], self.tokenizer.encode(prompt["prompt"], add_special_tokens=True)
             if "prompt_embeds" in prompt:
                 raise ValueError("prompt_embeds requires enable_prompt_embeds, which is not supported yet")
@@ -65,7 +98,7 @@ class InputProcessor:
 
     def process(self, request_id: str, prompt: Any, params: SamplingParams) -> tuple[str | None, list[int],
                                                                                      list[EngineCoreRequest]]:
-        text, ids = self.tokenize_prompt(prompt)
+        text, ids, mm_items = self.tokenize_multimodal(prompt)
         self.validate(ids, params)
         params = params.clone()
         if params.max_tokens is None:
@@ -76,11 +109,12 @@ class InputProcessor:
             params._bad_words_token_ids = self._bad_words_ids(params.bad_words)
         now = time.monotonic()
         if params.n == 1:
-            return text, ids, [EngineCoreRequest(request_id, ids, params, self.eos_token_id, now)]
+            return text, ids, [EngineCoreRequest(request_id, ids, params, self.eos_token_id, now, mm_items)]
         reqs = []
         for i in range(params.n):
             child = dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + i)
-            reqs.append(EngineCoreRequest(child_request_id(i, request_id), ids, child, self.eos_token_id, now))
+            reqs.append(EngineCoreRequest(child_request_id(i, request_id), ids, child, self.eos_token_id, now,
+                                          mm_items))
         return text, ids, reqs
 
     def validate(self, ids: list[int], params: SamplingParams) -> None:

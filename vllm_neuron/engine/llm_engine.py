@@ -10,7 +10,7 @@ from typing import Any
 from vllm_neuron.config.engine_config import EngineConfig
 from vllm_neuron.config.generation_config import effective_generation_config
 from vllm_neuron.engine.core import EngineCore
-from vllm_neuron.engine.input_processor import InputProcessor
+from vllm_neuron.engine.input_processor import InputProcessor, multimodal_processor
 from vllm_neuron.engine.output_processor import OutputProcessor
 from vllm_neuron.model.loader import load_checkpoint, load_tokenizer
 from vllm_neuron.outputs import RequestOutput
@@ -27,7 +27,8 @@ class LLMEngine:
         self.input_processor = InputProcessor(
             self.tokenizer, config.max_model_len, effective_generation_config(
                 config.generation_config, ckpt.generation_config, config.override_generation_config),
-            config.neuron_config.on_device_sampling_config, config.max_logprobs, ckpt.hf_config.vocab_size)
+            config.neuron_config.on_device_sampling_config, config.max_logprobs,
+            ckpt.hf_config.get_text_config().vocab_size, multimodal_processor(config, ckpt))
         self.output_processor = OutputProcessor(self.tokenizer)
 
     @classmethod

@@ -16,6 +16,7 @@ class EngineCoreRequest:
     sampling_params: SamplingParams
     eos_token_id: int | None
     arrival_time: float
+    mm_items: list | None = None  # multimodal.inputs.MultiModalItem per media item, in prompt order
 
 
 @dataclass

@@ -22,6 +22,9 @@ class TextPrompt(TypedDict, total=False):
 class TokensPrompt(TypedDict, total=False):
     prompt_token_ids: list[int]
     prompt: str  # optional original text, echoed back in outputs
+    multi_modal_data: dict[str, Any]  # {"image": [...]}: the prompt holds one placeholder per item
+    # Media already processed by `EngineClient.process_multimodal` (placeholders expanded in the ids).
+    multi_modal_items: list[Any]
 
 
 PromptType = Union[str, list[int], TextPrompt, TokensPrompt]
@@ -60,6 +63,18 @@ class EngineClient(ABC):
         finished=True. Raises ValueError for invalid input (prompt longer than max_model_len, ...) before
         the first output; EngineRequestError if the engine fails this request; EngineDeadError if the
         engine dies. Cancelling the consumer aborts the request."""
+
+    @property
+    def is_multimodal(self) -> bool:
+        """Whether the model takes media (image / video content parts)."""
+        return False
+
+    def process_multimodal(self, token_ids: list[int], media: dict[str, list],
+                           mm_processor_kwargs: dict[str, Any] | None = None) -> tuple[list[int], list[Any]]:
+        """Blocking (fetches and decodes media; call it off the event loop): token ids with one placeholder
+        per media item -> (expanded ids, processed items for TokensPrompt.multi_modal_items). Raises
+        ValueError naming the problem for bad media."""
+        raise ValueError("media content parts are not supported by this model (it takes text only)")
 
     @abstractmethod
     async def abort(self, request_id: str) -> None:

@@ -9,6 +9,8 @@ from tqdm import tqdm
 
 from vllm_neuron.config.engine_config import EngineConfig
 from vllm_neuron.engine.llm_engine import LLMEngine
+from vllm_neuron.entrypoints.openai.chat_template import normalize_messages
+from vllm_neuron.entrypoints.openai.errors import BadRequestError
 from vllm_neuron.outputs import RequestOutput
 from vllm_neuron.sampling_params import RequestOutputKind, SamplingParams
 
@@ -69,17 +71,25 @@ class LLM:
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
              use_tqdm: bool = True, chat_template: str | None = None, add_generation_prompt: bool = True,
              continue_final_message: bool = False, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
-        """One conversation (a list of {"role", "content"} dicts) or a list of conversations."""
+        """One conversation (a list of {"role", "content"} dicts) or a list of conversations. With a
+        multimodal model, content parts may carry media: {"type": "image_url", "image_url": {"url": ...}}
+        (data:, file:// under allowed_local_media_path, http(s)), {"type": "image", "image": PIL image}."""
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tok = self.get_tokenizer()
+        multimodal = self.llm_engine.input_processor.mm_processor is not None
         prompts = []
         for conv in convs:
+            media: dict[str, list] | None = {} if multimodal else None
+            try:
+                conv = normalize_messages(conv, media)
+            except BadRequestError as e:  # the server's 400 is the offline API's ValueError
+                raise ValueError(e.message) from None
             ids = tok.apply_chat_template(conv, tokenize=True, add_generation_prompt=add_generation_prompt,
                                           continue_final_message=continue_final_message,
                                           chat_template=chat_template, **(chat_template_kwargs or {}))
             if isinstance(ids, dict) or hasattr(ids, "input_ids"):
                 ids = ids["input_ids"]
-            prompts.append({"prompt_token_ids": list(ids)})
+            prompts.append({"prompt_token_ids": list(ids), **({"multi_modal_data": media} if media else {})})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _as_prompt_list(self, prompts: Any) -> list[Any]:

@@ -10,10 +10,11 @@ _MODELS = {
     "Qwen3ForCausalLM": ("vllm_neuron.model.qwen3", "Qwen3ForCausalLM"),
     "Qwen3MoeForCausalLM": ("vllm_neuron.model.qwen3_moe", "Qwen3MoeForCausalLM"),
     "GptOssForCausalLM": ("vllm_neuron.model.gpt_oss", "GptOssForCausalLM"),
+    "Qwen3VLForConditionalGeneration": ("vllm_neuron.model.qwen3_vl", "Qwen3VLForConditionalGeneration"),
 }
 # Configs without `architectures` (e.g. built by hand) name their family by model_type.
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-                "gpt_oss": "GptOssForCausalLM"}
+                "gpt_oss": "GptOssForCausalLM", "qwen3_vl": "Qwen3VLForConditionalGeneration"}
 
 
 def supported_architectures() -> list[str]:
@@ -29,6 +30,11 @@ def resolve_model_class(hf_config) -> type[CausalLM]:
             module, name = _MODELS[arch]
             return getattr(importlib.import_module(module), name)
     raise ValueError(f"model architectures {archs} are not supported; supported: {supported_architectures()}")
+
+
+def is_multimodal(hf_config) -> bool:
+    """Whether the architecture takes media (a vision tower beside the text tower)."""
+    return bool(getattr(resolve_model_class(hf_config), "multimodal", False))
 
 
 def model_spec(hf_config, quantization: str | None = None) -> ModelSpec:

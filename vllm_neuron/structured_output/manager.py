@@ -16,6 +16,7 @@ import numpy as np
 import xgrammar as xgr
 
 from vllm_neuron.logger import init_logger
+from vllm_neuron.structured_output.closing import ClosingPlan, TokenWriter
 from vllm_neuron.structured_output.compiler import compile_params, make_tokenizer_info
 from vllm_neuron.structured_output.params import StructuredOutputsParams
 
@@ -37,6 +38,8 @@ class StructuredOutputManager:
         self._pending: dict[str, Future] = {}
         self._matchers: dict[str, xgr.GrammarMatcher] = {}
         self._buffers: dict[str, np.ndarray] = {}
+        self._plans: dict[str, ClosingPlan] = {}
+        self._writer: TokenWriter | None = None
         # After the grammar has accepted its stop token only a stop token may follow (ignore_eos).
         stop_only = np.zeros(self.num_words, np.uint32)
         for t in self.tokenizer_info.stop_token_ids:
@@ -80,21 +83,35 @@ class StructuredOutputManager:
             del self._pending[req_id]
             return False, str(error) or type(error).__name__
         del self._pending[req_id]
-        self._matchers[req_id] = xgr.GrammarMatcher(fut.result())
+        matcher = xgr.GrammarMatcher(fut.result())
+        self._matchers[req_id] = matcher
         self._buffers[req_id] = np.zeros(self.num_words, np.int32)
+        if self._writer is None:
+            info = self.tokenizer_info
+            self._writer = TokenWriter(info.decoded_vocab, set(info.special_token_ids) | set(info.stop_token_ids))
+        self._plans[req_id] = ClosingPlan(matcher, self._writer)
         return True, None
 
     def has(self, req_id: str) -> bool:
         return req_id in self._matchers
 
     # -- decoding -----------------------------------------------------------------------------------
-    def bitmask(self, req_id: str) -> np.ndarray:
-        """int32 [ceil(vocab_size / 32)]: bit t & 31 of word t >> 5 allows token t as the next token."""
+    def bitmask(self, req_id: str, tokens_left: int | None = None) -> np.ndarray:
+        """int32 [ceil(vocab_size / 32)]: bit t & 31 of word t >> 5 allows token t as the next token.
+        `tokens_left` (this one included, before max_tokens or max_model_len): near the end only the
+        grammar's shortest completion is allowed, so that the output closes (structured_output/closing.py)."""
         matcher = self._matchers[req_id]
         if matcher.is_terminated():
             return self._stop_only.copy()
         buf = self._buffers[req_id]
         matcher.fill_next_token_bitmask(buf)
+        forced = self._plans[req_id].forced_token(matcher, tokens_left) if tokens_left is not None else None
+        if forced == -1 and (buf & self._stop_only).any():
+            return self._stop_only.copy()
+        if forced is not None and forced >= 0 and (int(buf[forced >> 5]) >> (forced & 31)) & 1:
+            only = np.zeros(self.num_words, np.uint32)
+            only[forced >> 5] = np.uint32(1) << np.uint32(forced & 31)
+            return only.view(np.int32)
         return buf.copy()
 
     def accept(self, req_id: str, token_ids: list[int]) -> None:
@@ -113,6 +130,7 @@ class StructuredOutputManager:
         self._pending.pop(req_id, None)
         self._matchers.pop(req_id, None)
         self._buffers.pop(req_id, None)
+        self._plans.pop(req_id, None)
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

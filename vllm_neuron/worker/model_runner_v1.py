@@ -66,7 +66,12 @@ class ModelRunnerV1(ModelRunnerBase):
             graph = self._graph("decode", batch, context)
             return graph(ids, self._t(x.positions), self._t(x.slot_mapping), self._t(x.block_tables),
                          self._t(self._bitmask(chunks, batch, masks or {})), self._t(s["temperature"]),
-                         self._t(s["top_k"]), self._t(s["top_p"]), self._t(s["uniform"]), self.kv_caches)
+                         self._t(s["top_k"]), self._t(s["top_p"]), self._t(s["uniform"]),
+                         *self._decode_extra(chunks, x), self.kv_caches)
+
+    def _decode_extra(self, chunks, x) -> tuple:
+        """Further decode-graph inputs after the sampling ones (a multimodal runner's)."""
+        return ()
 
     def _run_verify(self, chunks, batch: int, context: int, masks: dict | None = None):
         x = build_verify_inputs(chunks, batch, self.spec.k, context // self.block_size, self.block_size)

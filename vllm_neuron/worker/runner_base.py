@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -109,7 +110,9 @@ class ModelRunnerBase:
         torch.set_default_dtype(self.dtype)
         try:
             with torch.device(self.device):
-                model = cls(self.ckpt.hf_config, quantization=self.config.neuron_config.quantization)
+                extra = {"language_model_only": self.config.additional_config.mm_language_model_only} \
+                    if getattr(cls, "multimodal", False) else {}
+                model = cls(self.ckpt.hf_config, quantization=self.config.neuron_config.quantization, **extra)
         finally:
             torch.set_default_dtype(prev)
         if self.ckpt_scheme == "fp8":
@@ -128,7 +131,7 @@ class ModelRunnerBase:
             layers, before, after = quantize_linears_(self.model, scheme)
             logger.info("Weight-only %s: %d linear layers, %.1f MiB -> %.1f MiB (%s kernel for decode)", scheme,
                         layers, before / 2**20, after / 2**20, "custom" if self.use_quant_kernels else "no")
-        self._bitmask_words = -(-self.ckpt.hf_config.vocab_size // 32)
+        self._bitmask_words = -(-self.ckpt.hf_config.get_text_config().vocab_size // 32)
         self.compiler = self._make_compiler()
         self.graphs = self._make_graphs()
         stats = LoadStats(time.perf_counter() - t0, nbytes)
@@ -276,9 +279,10 @@ class ModelRunnerBase:
         raise NotImplementedError
 
     def _prefill_graph(self, chunks, num_tokens: int, num_context: int, masks: dict | None,
-                       row_inputs: Callable[[int], tuple]):
+                       row_inputs: Callable[[int], tuple], step_inputs: Callable[[Any], tuple] | None = None):
         """Runs the prefill graph on host-built inputs (prompt tokens are new data for both runners);
-        row_inputs(rows) gives the runner's per-row sampling inputs, which follow the shared ones."""
+        row_inputs(rows) gives the runner's per-row sampling inputs, which follow the shared ones, and
+        step_inputs(prefill inputs) any further model inputs (a multimodal runner's), which come last."""
         rows = min(self.config.max_num_seqs, num_tokens)
         x = build_prefill_inputs(chunks, num_tokens, num_context, rows, self.block_size, self._max_blocks())
         attn_a, attn_b = self._prefill_attn_inputs(x)
@@ -287,7 +291,7 @@ class ModelRunnerBase:
             return graph(self._t(x.input_ids), self._t(x.positions), self._t(x.slot_mapping),
                          self._t(x.query_seq), self._t(attn_a), self._t(attn_b),
                          self._t(x.logits_indices), self._t(self._bitmask(chunks, rows, masks or {})),
-                         *row_inputs(rows), self.kv_caches)
+                         *row_inputs(rows), *(step_inputs(x) if step_inputs else ()), self.kv_caches)
 
     def _run_decode(self, chunks, batch: int, context: int, masks: dict | None = None):
         """Runs one decode bucket graph; warm-up calls it with no chunks. Returns (tokens, logits)."""

@@ -79,11 +79,17 @@ def _free_port() -> int:
 
 
 def create_runner(config: EngineConfig, ckpt, device: torch.device, dtype: torch.dtype, backend: str):
-    """The model runner the config selects (MRv2 or MRv1)."""
+    """The model runner the config selects (MRv2, MRv1, or MRv1's multimodal runner)."""
     if config.use_v2_model_runner:
         from vllm_neuron.worker.model_runner_v2 import ModelRunnerV2
 
         return ModelRunnerV2(config, ckpt, device, dtype, backend)
+    from vllm_neuron.model.registry import is_multimodal
+
+    if is_multimodal(ckpt.hf_config):
+        from vllm_neuron.worker.model_runner_mm import MultimodalRunnerV1
+
+        return MultimodalRunnerV1(config, ckpt, device, dtype, backend)
     from vllm_neuron.worker.model_runner_v1 import ModelRunnerV1
 
     return ModelRunnerV1(config, ckpt, device, dtype, backend)
@@ -247,6 +253,11 @@ def _start_rank(setup: RankSetup, rank: int) -> subprocess.Popen:
 
 def _check_shardable(hf_config, world: int) -> None:
     """The head-split rules, before any process starts (parallel_state.local_kv_heads)."""
+    from vllm_neuron.model.registry import is_multimodal
+
+    if is_multimodal(hf_config):
+        raise ValueError(f"tensor_parallel_size={world} is not supported yet by vllm-neuron for multimodal models "
+                         "(the vision tower is not sharded); use tensor_parallel_size=1")
     heads = getattr(hf_config, "num_attention_heads", None)
     if heads:
         ps.check_tp_divides("the number of attention heads", heads, world)

@@ -23,8 +23,15 @@ def load_chat_template(template: str | None) -> str | None:
     raise ValueError(f"--chat-template {template!r} is neither an existing file nor a Jinja template")
 
 
-def normalize_messages(messages: list[Any]) -> list[dict[str, Any]]:
-    """Turns OpenAI messages into what chat templates expect: text content as one string."""
+# Media content parts: OpenAI's image_url / video_url (a URL), vLLM's offline image / image_pil / video (an
+# object or a URL); the template sees {"type": "image"} or {"type": "video"} in their place.
+MEDIA_PARTS = {"image_url": "image", "image": "image", "image_pil": "image", "video_url": "video", "video": "video"}
+
+
+def normalize_messages(messages: list[Any], media: dict[str, list] | None = None) -> list[dict[str, Any]]:
+    """Turns OpenAI messages into what chat templates expect: text content as one string, or - when
+    `media` is given (a multimodal model) - a list of text and image / video parts, whose sources are
+    appended to media["image"] / media["video"] in order."""
     if not messages:
         raise BadRequestError("`messages` must contain at least one message.", param="messages")
     out = []
@@ -37,19 +44,34 @@ def normalize_messages(messages: list[Any]) -> list[dict[str, Any]]:
             msg["tool_calls"] = [_template_tool_call(tc) for tc in msg["tool_calls"]]
         content = msg.get("content")
         if isinstance(content, list):
-            texts = []
-            for j, part in enumerate(content):
-                kind = part.get("type") if isinstance(part, dict) else None
-                if kind != "text" or not isinstance(part.get("text"), str):
-                    raise BadRequestError(f"Content part type {kind!r} is not supported; only 'text' parts are.",
-                                          param=f"messages[{i}].content[{j}].type")
-                texts.append(part["text"])
-            msg["content"] = "\n".join(texts)
+            parts = [_content_part(part, media, f"messages[{i}].content[{j}]") for j, part in enumerate(content)]
+            msg["content"] = parts if media is not None else "\n".join(p["text"] for p in parts)
         elif content is not None and not isinstance(content, str):
             raise BadRequestError(f"messages[{i}].content must be a string or a list of content parts.",
                                   param=f"messages[{i}].content")
         out.append(msg)
     return out
+
+
+def _content_part(part: Any, media: dict[str, list] | None, where: str) -> dict[str, Any]:
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind == "text" and isinstance(part.get("text"), str):
+        return {"type": "text", "text": part["text"]}
+    if kind not in MEDIA_PARTS:
+        raise BadRequestError(f"Content part type {kind!r} is not supported; supported: "
+                              f"{['text'] + (list(MEDIA_PARTS) if media is not None else [])}.", param=f"{where}.type")
+    if media is None:
+        raise BadRequestError(f"Content part type {kind!r} is not supported: this model takes text only.",
+                              param=f"{where}.type")
+    source = part.get(kind)
+    if kind.endswith("_url"):
+        source = source.get("url") if isinstance(source, dict) else source
+        if not isinstance(source, str):
+            raise BadRequestError(f"{where}.{kind}.url must be a string.", param=f"{where}.{kind}")
+    if source is None:
+        raise BadRequestError(f"{where} of type {kind!r} has no {kind!r} field.", param=f"{where}.{kind}")
+    media.setdefault(MEDIA_PARTS[kind], []).append(source)
+    return {"type": MEDIA_PARTS[kind]}
 
 
 def _template_tool_call(tool_call: Any) -> Any:
@@ -67,9 +89,11 @@ def _template_tool_call(tool_call: Any) -> Any:
 
 def render_chat(tokenizer: Any, messages: list[Any], *, template: str | None, add_generation_prompt: bool,
                 continue_final_message: bool, template_kwargs: dict[str, Any] | None = None,
-                documents: list[dict[str, str]] | None = None, tools: list[dict] | None = None) -> str:
-    """The prompt text of a conversation; any template failure is the request's fault (400)."""
-    msgs = normalize_messages(messages)
+                documents: list[dict[str, str]] | None = None, tools: list[dict] | None = None,
+                media: dict[str, list] | None = None) -> str:
+    """The prompt text of a conversation; any template failure is the request's fault (400). With
+    `media` (a multimodal model) media parts reach the template and their sources are collected there."""
+    msgs = normalize_messages(messages, media)
     if continue_final_message and msgs[-1].get("role") != "assistant":
         raise BadRequestError("continue_final_message requires the last message to be from the assistant.",
                               param="continue_final_message")

@@ -148,7 +148,7 @@ def install(app: FastAPI, limits: RequestLimits, max_logprobs: int, vocab_size: 
                 messages["items"] = {"type": "object", "required": ["role"], "additionalProperties": True,
                                      "properties": {"role": {"type": "string"}}}
             if max_logprobs >= 0:
-                for field in ("logprobs", "top_logprobs", "prompt_logprobs"):
+                for field in ("logprobs", "top_logprobs"):
                     _set_maximum(schema, field, max_logprobs)
         app.openapi_schema = doc
         return doc

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal, Union
+from typing import Any, Literal, Union, get_args
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from vllm_neuron.sampling_params import MAX_TEMPERATURE, SEED_MAX, SEED_MIN
 
@@ -30,6 +30,37 @@ class OpenAIRequestModel(OpenAIBaseModel):
     n) is a 400, as /openapi.json says, never silently converted."""
 
     model_config = ConfigDict(extra="allow", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _integral_floats_are_integers(cls, data: Any) -> Any:
+        # JSON has one number type and JSON Schema's "integer" includes 16.0: clients that count in
+        # floating point (JavaScript, pandas) send 16.0 for 16. 1.5, true and "2" stay errors.
+        if not isinstance(data, dict):
+            return data
+        fields = _integer_fields(cls)
+        return {k: (_integral_to_int(v) if k in fields else v) for k, v in data.items()}
+
+
+_INT_FIELDS: dict[type, frozenset[str]] = {}
+
+
+def _takes_int(annotation: Any) -> bool:
+    return annotation is int or any(_takes_int(arg) for arg in get_args(annotation))
+
+
+def _integer_fields(model: type[BaseModel]) -> frozenset[str]:
+    if model not in _INT_FIELDS:
+        _INT_FIELDS[model] = frozenset(name for name, f in model.model_fields.items() if _takes_int(f.annotation))
+    return _INT_FIELDS[model]
+
+
+def _integral_to_int(value: Any) -> Any:
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, list):
+        return [_integral_to_int(v) for v in value]
+    return value
 
 
 # ---- errors, models, usage ----------------------------------------------------------------------
@@ -170,7 +201,6 @@ class CompletionResponseChoice(OpenAIBaseModel):
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     token_ids: list[int] | None = None
-    prompt_logprobs: list[dict[int, dict[str, Any]] | None] | None = None
     prompt_token_ids: list[int] | None = None
 
 
@@ -290,7 +320,6 @@ class ChatCompletionResponse(OpenAIBaseModel):
     choices: list[ChatCompletionResponseChoice]
     system_fingerprint: str | None = None
     usage: UsageInfo
-    prompt_logprobs: list[dict[int, dict[str, Any]] | None] | None = None
     prompt_token_ids: list[int] | None = None
 
 

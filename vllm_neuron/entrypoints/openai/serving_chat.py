@@ -30,10 +30,10 @@ from vllm_neuron.entrypoints.openai.protocol import (
 )
 from vllm_neuron.entrypoints.openai.request_policy import check_unsupported_fields, parse_request
 from vllm_neuron.entrypoints.openai.serving_engine import (
+    PROMPT_LOGPROBS_UNSUPPORTED,
     ChoiceAccumulator,
     OpenAIServing,
     RequestTracker,
-    prompt_logprobs_json,
 )
 from vllm_neuron.entrypoints.openai.streaming import SSE_DONE, run_until_disconnect, sse
 from vllm_neuron.entrypoints.openai.structured import structured_outputs_from_request, validate_structured_outputs
@@ -56,6 +56,7 @@ class _Ctx:
     created: int
     arrival: float
     tool: ToolChoice
+    mm_items: list | None = None  # processed media (EngineClient.process_multimodal)
 
 
 def check_generation_prompt_flags(data: dict[str, Any]) -> None:
@@ -87,9 +88,8 @@ class OpenAIServingChat(OpenAIServing):
         if req.top_logprobs and not req.logprobs:
             raise BadRequestError("when using `top_logprobs`, `logprobs` must be set to true.", param="top_logprobs")
         self.check_logprobs_cap(req.top_logprobs, "top_logprobs")
-        self.check_logprobs_cap(req.prompt_logprobs, "prompt_logprobs")
-        if req.stream and req.prompt_logprobs:
-            raise BadRequestError("`prompt_logprobs` are not available when `stream=True`.", param="prompt_logprobs")
+        if req.prompt_logprobs is not None:
+            raise BadRequestError(PROMPT_LOGPROBS_UNSUPPORTED, param="prompt_logprobs")
         self.limits.check_n(req.n)
         tool = resolve_tool_choice(req.tools, req.tool_choice, req.parallel_tool_calls, self.tool_parser)
         structured, structured_param = structured_outputs_from_request(req)
@@ -101,13 +101,24 @@ class OpenAIServingChat(OpenAIServing):
         if structured is not None:
             await validate_structured_outputs(structured, self.tokenizer, structured_param)
 
+        media: dict[str, list] | None = {} if self.engine.is_multimodal else None
         text = await self.render_chat(req.messages, request_template=req.chat_template,
                                       add_generation_prompt=req.add_generation_prompt,
                                       continue_final_message=req.continue_final_message,
                                       template_kwargs=self._template_kwargs(req), documents=req.documents,
-                                      tools=req.tools)
+                                      tools=req.tools, media=media)
         # The template writes the special tokens itself: no second BOS unless asked for.
         prompt_ids = await self.encode(text, req.add_special_tokens)
+        mm_items = None
+        if media:
+            if req.truncate_prompt_tokens is not None:
+                raise BadRequestError("truncate_prompt_tokens cannot be combined with media content parts.",
+                                      param="truncate_prompt_tokens")
+            try:  # fetching and decoding media blocks: off the event loop
+                prompt_ids, mm_items = await self.run_blocking(self.engine.process_multimodal, prompt_ids, media,
+                                                               req.mm_processor_kwargs)
+            except ValueError as e:
+                raise BadRequestError(str(e), param="messages") from None
         if req.truncate_prompt_tokens is not None:
             keep = self.max_model_len if req.truncate_prompt_tokens == -1 else req.truncate_prompt_tokens
             if keep < 1:
@@ -121,7 +132,7 @@ class OpenAIServingChat(OpenAIServing):
         max_tokens = self.resolve_max_tokens(len(prompt_ids), requested, param)
         sp = self.build_sampling_params(req, max_tokens=max_tokens,
                                         logprobs=(req.top_logprobs or 0) if req.logprobs else None,
-                                        prompt_logprobs=req.prompt_logprobs, structured_outputs=structured)
+                                        structured_outputs=structured)
         if tool.mode == "auto":
             self.tool_parser(self.tokenizer).adjust_request(sp)
         echo_text = None
@@ -130,7 +141,7 @@ class OpenAIServingChat(OpenAIServing):
             if last.get("role") == _ROLE and isinstance(last.get("content"), str):
                 echo_text = last["content"]
         ctx = _Ctx(req, model, f"chatcmpl-{req.request_id or random_uuid()}", prompt_ids, text, echo_text,
-                   int(time.time()), arrival, tool)
+                   int(time.time()), arrival, tool, mm_items)
         if req.stream:
             return StreamingResponse(self._stream(ctx, sp), media_type="text/event-stream")
         result = await run_until_disconnect(self._full(ctx, sp), raw_request)
@@ -146,6 +157,9 @@ class OpenAIServingChat(OpenAIServing):
         return kwargs
 
     def _engine_prompt(self, ctx: _Ctx) -> TokensPrompt:
+        if ctx.mm_items:
+            return TokensPrompt(prompt_token_ids=ctx.prompt_ids, prompt=ctx.prompt_text,
+                                multi_modal_items=ctx.mm_items)
         return TokensPrompt(prompt_token_ids=ctx.prompt_ids, prompt=ctx.prompt_text)
 
     def _logprobs(self, token_ids: list[int], steps: list[dict[int, Logprob]], num_top: int,
@@ -170,13 +184,10 @@ class OpenAIServingChat(OpenAIServing):
         req = ctx.req
         tracker = RequestTracker(self, ctx.arrival)
         choices = {j: ChoiceAccumulator() for j in range(sp.n)}
-        prompt_lps = None
         error: BaseException | None = None
         try:
             async for res in self.generate(tracker, self._engine_prompt(ctx), sp, ctx.request_id,
                                            len(ctx.prompt_ids)):
-                if res.prompt_logprobs is not None and prompt_lps is None:
-                    prompt_lps = res.prompt_logprobs
                 for o in res.outputs:
                     choices[o.index].add(o)
         except Exception as e:
@@ -212,7 +223,6 @@ class OpenAIServingChat(OpenAIServing):
             id=ctx.request_id, created=ctx.created, model=ctx.model, choices=out,
             usage=UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                             total_tokens=prompt_tokens + completion_tokens),
-            prompt_logprobs=prompt_logprobs_json(prompt_lps) if req.prompt_logprobs is not None else None,
             prompt_token_ids=ctx.prompt_ids if req.return_token_ids else None)
 
     def _parser(self, ctx: _Ctx) -> ToolParser | None:

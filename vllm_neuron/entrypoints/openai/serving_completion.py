@@ -23,14 +23,14 @@ from vllm_neuron.entrypoints.openai.protocol import (
 )
 from vllm_neuron.entrypoints.openai.request_policy import check_unsupported_fields, parse_request
 from vllm_neuron.entrypoints.openai.serving_engine import (
+    PROMPT_LOGPROBS_UNSUPPORTED,
     ChoiceAccumulator,
     OpenAIServing,
     RequestTracker,
-    prompt_logprobs_json,
 )
 from vllm_neuron.entrypoints.openai.streaming import SSE_DONE, merge_async_iterators, run_until_disconnect, sse
 from vllm_neuron.entrypoints.openai.structured import structured_outputs_from_request, validate_structured_outputs
-from vllm_neuron.outputs import Logprob, PromptLogprobs
+from vllm_neuron.outputs import Logprob
 
 _DEFAULT_MAX_TOKENS = 16  # vLLM's and OpenAI's default for this endpoint
 
@@ -54,22 +54,22 @@ class OpenAIServingCompletion(OpenAIServing):
         if req.stream_options is not None and not req.stream:
             raise BadRequestError("Stream options can only be defined when `stream=True`.", param="stream_options")
         self.check_logprobs_cap(req.logprobs, "logprobs")
-        self.check_logprobs_cap(req.prompt_logprobs, "prompt_logprobs")
-        if req.stream and req.prompt_logprobs:
-            raise BadRequestError("`prompt_logprobs` are not available when `stream=True`.", param="prompt_logprobs")
+        if req.prompt_logprobs is not None:
+            raise BadRequestError(PROMPT_LOGPROBS_UNSUPPORTED, param="prompt_logprobs")
+        if req.echo and req.logprobs is not None:
+            # The echoed prompt's tokens would need their logprobs (prompt_logprobs).
+            raise BadRequestError("`logprobs` with `echo` is not supported yet: " + PROMPT_LOGPROBS_UNSUPPORTED,
+                                  param="echo")
         prompts = await self._prompts(req)
         echo_only = bool(req.echo) and req.max_tokens == 0
         requested = 1 if echo_only else req.max_tokens
         for p in prompts:
             self.resolve_max_tokens(len(p.token_ids), requested, "max_tokens")
-        prompt_logprobs = req.prompt_logprobs
-        if prompt_logprobs is None and req.echo and req.logprobs is not None:
-            prompt_logprobs = req.logprobs
         structured, structured_param = structured_outputs_from_request(req)
         if structured is not None:
             await validate_structured_outputs(structured, self.tokenizer, structured_param)
         sp = self.build_sampling_params(req, max_tokens=requested, logprobs=req.logprobs,
-                                        prompt_logprobs=prompt_logprobs, structured_outputs=structured)
+                                        structured_outputs=structured)
         request_id = f"cmpl-{req.request_id or random_uuid()}"
         ctx = _Ctx(req, model, request_id, prompts, echo_only, int(time.time()), arrival)
         if req.stream:
@@ -153,12 +153,9 @@ class OpenAIServingCompletion(OpenAIServing):
         req, n = ctx.req, sp.n
         tracker = RequestTracker(self, ctx.arrival)
         choices = {(i, j): ChoiceAccumulator() for i in range(len(ctx.prompts)) for j in range(n)}
-        prompt_lps: dict[int, PromptLogprobs] = {}
         error: BaseException | None = None
         try:
             async for i, res in merge_async_iterators(*self._generators(ctx, sp, tracker)):
-                if res.prompt_logprobs is not None and i not in prompt_lps:
-                    prompt_lps[i] = res.prompt_logprobs
                 for o in res.outputs:
                     choices[(i, o.index)].add(o)
         except Exception as e:
@@ -177,19 +174,13 @@ class OpenAIServingCompletion(OpenAIServing):
             completion_tokens += len(ids)
             logprobs = None
             if req.echo:
-                prompt_text = self._prompt_text(p)
-                if req.logprobs is not None:
-                    plp = list(prompt_lps.get(i) or [None] * len(p.token_ids))
-                    logprobs = self._logprobs(p.token_ids + ids, plp + steps, req.logprobs, 0, as_ids)
-                text = prompt_text + text
+                text = self._prompt_text(p) + text
             elif req.logprobs is not None:
                 logprobs = self._logprobs(ids, steps, req.logprobs, 0, as_ids)
             out_choices.append(CompletionResponseChoice(
                 index=i * n + j, text=text, logprobs=logprobs, finish_reason=finish, stop_reason=stop_reason,
                 token_ids=ids if req.return_token_ids else None,
-                prompt_token_ids=p.token_ids if req.return_token_ids else None,
-                prompt_logprobs=prompt_logprobs_json(prompt_lps.get(i)) if req.prompt_logprobs is not None
-                else None))
+                prompt_token_ids=p.token_ids if req.return_token_ids else None))
         prompt_tokens = sum(len(p.token_ids) for p in ctx.prompts)
         usage = UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                           total_tokens=prompt_tokens + completion_tokens)
@@ -221,12 +212,9 @@ class OpenAIServingCompletion(OpenAIServing):
                     if ctx.echo_only:
                         text, ids, steps = "", [], []
                         finish, stop_reason = ("length", None) if finish is not None else (None, None)
-                    prefix_ids: list[int] = []
-                    prefix_steps: list[dict[int, Logprob] | None] = []
-                    if req.echo and key not in sent_chars:
+                    echoed = req.echo and key not in sent_chars
+                    if echoed:
                         text = self._prompt_text(p) + text
-                        prefix_ids = p.token_ids
-                        prefix_steps = list(res.prompt_logprobs or [None] * len(p.token_ids))
                     if not text and not ids and finish is None and key in sent_chars:
                         continue
                     offset = sent_chars.get(key, 0)
@@ -234,14 +222,13 @@ class OpenAIServingCompletion(OpenAIServing):
                     tokens[key] = tokens.get(key, 0) + len(ids)
                     logprobs = None
                     if req.logprobs is not None:
-                        logprobs = self._logprobs(prefix_ids + ids, prefix_steps + steps, req.logprobs, offset,
-                                                  as_ids)
+                        logprobs = self._logprobs(ids, steps, req.logprobs, offset, as_ids)
                     choice = CompletionResponseStreamChoice(
                         index=i * n + o.index, text=text, logprobs=logprobs, finish_reason=finish,
                         stop_reason=stop_reason)
                     if req.return_token_ids:
                         choice.token_ids = ids
-                        if prefix_ids or offset == 0:
+                        if echoed or offset == 0:
                             choice.prompt_token_ids = p.token_ids
                     chunk = CompletionStreamResponse(id=ctx.request_id, object="text_completion",
                                                      created=ctx.created, model=ctx.model, choices=[choice])

@@ -20,13 +20,15 @@ from vllm_neuron.entrypoints.openai.errors import BadRequestError, InternalServe
 from vllm_neuron.entrypoints.openai.request_policy import RequestLimits, context_error, param_of_error
 from vllm_neuron.entrypoints.openai.serving_models import OpenAIServingModels
 from vllm_neuron.logger import init_logger
-from vllm_neuron.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
+from vllm_neuron.outputs import CompletionOutput, Logprob, RequestOutput
 from vllm_neuron.sampling_params import RequestOutputKind, SamplingParams
 from vllm_neuron.structured_output.params import StructuredOutputsParams
 
 logger = init_logger(__name__)
 
 T = TypeVar("T")
+PROMPT_LOGPROBS_UNSUPPORTED = ("prompt_logprobs is not supported yet: the prefill graphs compute the logits of each "
+                               "sequence's last position only")
 
 # Template rendering and tokenization of one request run here, so that a heavy request (a looping
 # template, a megabyte prompt) delays only itself: /health and running streams keep the event loop.
@@ -147,7 +149,6 @@ class OpenAIServing:
         return value if value is not None else self.sampling_defaults.get(name, neutral)
 
     def build_sampling_params(self, req: Any, *, max_tokens: int, logprobs: int | None,
-                              prompt_logprobs: int | None,
                               structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
         self.check_token_ids(list(req.stop_token_ids or []), "stop_token_ids")
         self.check_token_ids(list(req.allowed_token_ids or []), "allowed_token_ids")
@@ -173,7 +174,7 @@ class OpenAIServing:
                 bad_words=req.bad_words or None,
                 include_stop_str_in_output=req.include_stop_str_in_output, ignore_eos=req.ignore_eos,
                 max_tokens=max_tokens, min_tokens=req.min_tokens, logprobs=logprobs,
-                prompt_logprobs=prompt_logprobs, skip_special_tokens=req.skip_special_tokens,
+                skip_special_tokens=req.skip_special_tokens,
                 spaces_between_special_tokens=req.spaces_between_special_tokens, logit_bias=logit_bias,
                 allowed_token_ids=req.allowed_token_ids, structured_outputs=structured_outputs,
                 # DELTA even for non-streaming requests: the server sees every token arrive (metrics,
@@ -266,10 +267,4 @@ class ChoiceAccumulator:
             self.finish_reason, self.stop_reason = o.finish_reason, o.stop_reason
 
 
-def prompt_logprobs_json(plp: PromptLogprobs | None) -> list[dict[int, dict[str, Any]] | None] | None:
-    if plp is None:
-        return None
-    return [None if step is None else
-            {tid: {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
-             for tid, lp in step.items()} for step in plp]
 

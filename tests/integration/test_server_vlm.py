@@ -1,0 +1,87 @@
+"""`vllm-neuron serve` on the tiny Qwen3-VL: the openai SDK's chat with a data: image gives
+transformers' greedy tokens; a file:// image under --allowed-local-media-path works; a broken image,
+an unsupported media type, too many images and a path outside the allowed folder each get a 400
+naming the problem, and the server keeps serving."""
+from __future__ import annotations
+
+import os
+
+import httpx
+import openai
+import pytest
+
+from tests.integration.server_utils import ServerProcess
+from tests.vlm_factory import IMAGE, data_url, hf_greedy, make_tiny_qwen3_vl, png_bytes, random_image
+
+MAX_NEW = 6
+
+
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vlm_server")
+    model_dir = make_tiny_qwen3_vl(str(root / "model"))
+    media = root / "media"
+    media.mkdir()
+    srv = ServerProcess(model_dir, ["--enforce-eager", "--dtype", "float32", "--max-model-len", "256",
+                                    "--num-gpu-blocks-override", "64", "--max-num-seqs", "4",
+                                    "--limit-mm-per-prompt", '{"image": 2}', "--allowed-local-media-path",
+                                    str(media)], str(root))
+    try:
+        srv.wait_healthy(timeout=120)
+        yield srv, model_dir, str(media)
+    finally:
+        srv.stop()
+        srv.kill()
+
+
+def _message(*urls: str, text: str = "Describe.") -> list[dict]:
+    parts = [{"type": "image_url", "image_url": {"url": u}} for u in urls]
+    return [{"role": "user", "content": parts + [{"type": "text", "text": text}]}]
+
+
+def _chat(srv, model_dir, messages):
+    client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    return client.chat.completions.create(model=model_dir, messages=messages, max_tokens=MAX_NEW, temperature=0.0,
+                                          extra_body={"ignore_eos": True})
+
+
+def test_openai_sdk_chat_with_a_data_image_matches_transformers(setup):
+    srv, model_dir, _ = setup
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    img = random_image(56, 84, 0)
+    messages = _message(data_url(png_bytes(img)))
+    out = _chat(srv, model_dir, messages)
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert text.count(IMAGE) == 1
+    ref = hf_greedy(tok.encode(text, add_special_tokens=False), [img], MAX_NEW)
+    assert out.choices[0].message.content == tok.decode(ref)
+    assert out.usage.prompt_tokens == len(tok.encode(text, add_special_tokens=False)) - 1 + 6  # 6 image tokens
+
+
+def test_file_url_under_the_allowed_folder(setup):
+    srv, model_dir, media = setup
+    path = os.path.join(media, "cat.png")
+    with open(path, "wb") as f:
+        f.write(png_bytes(random_image(56, 56, 1)))
+    out = _chat(srv, model_dir, _message("file://" + path))
+    assert out.choices[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("urls, needle", [
+    ([data_url(b"definitely not an image")], "cannot decode the data: URL image"),
+    ([data_url(b"hello", "text/plain")], "media type 'text/plain' of the data: URL is not supported"),
+    ([data_url(png_bytes(random_image(56, 56, 2)))] * 3, "At most 2 image(s) may be provided in one prompt, got 3"),
+    (["file:///etc/hostname"], "outside the allowed local media folder"),
+])
+def test_bad_media_get_a_400_and_the_server_keeps_serving(setup, urls, needle):
+    srv, model_dir, _ = setup
+    r = httpx.post(srv.url + "/v1/chat/completions", timeout=60,
+                   json={"model": model_dir, "messages": _message(*urls), "max_tokens": 2})
+    assert r.status_code == 400, r.text
+    assert needle in r.json()["error"]["message"]
+    ok = _chat(srv, model_dir, _message(data_url(png_bytes(random_image(56, 56, 3)))))
+    assert ok.choices[0].finish_reason == "length"

@@ -1,0 +1,116 @@
+"""Qwen3-VL greedy tokens against transformers on a tiny random-weight model (fp32): one image, two
+images of different sizes, an image plus text turns, a prompt whose image is split across prefill
+segments, all batched together; eager and compiled. The encoder cache serves a repeated image with
+identical output; with prefix caching on, two prompts that differ only in their image share no KV."""
+from __future__ import annotations
+
+import pytest
+
+from tests.vlm_factory import IMAGE, data_url, hf_greedy, make_tiny_qwen3_vl, png_bytes, random_image, solid_image
+from vllm_neuron import LLM, SamplingParams
+
+MAX_NEW = 6
+BUCKETS = {"neuron_config": {"num_batched_tokens_buckets": [16, 32], "num_seqs_buckets": [1, 4]}}
+# (prompt text, images). 56x84 -> 6 tokens, 56x56 -> 4, 112x112 -> 16; max_num_batched_tokens=32 splits the
+# long prompt's 112x112 image across two prefill segments.
+CASES = [
+    ("Look: " + IMAGE + " what is it?", [(56, 84)]),
+    ("First " + IMAGE + " then " + IMAGE + " compare.", [(56, 56), (112, 112)]),
+    ("<|im_start|>user\n" + IMAGE + "Describe.<|im_end|>\n<|im_start|>assistant\nA square.<|im_end|>\n"
+     "<|im_start|>user\nAnd its colour?<|im_end|>\n<|im_start|>assistant\n", [(84, 56)]),
+    ("one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen " + IMAGE + " end", [(112, 112)]),
+]
+
+
+def _images(sizes, seed0=0):
+    return [random_image(h, w, seed0 + i) for i, (h, w) in enumerate(sizes)]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    return make_tiny_qwen3_vl(str(tmp_path_factory.mktemp("qwen3_vl")))
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+@pytest.fixture(scope="module")
+def reference(tokenizer) -> list[list[int]]:
+    return [hf_greedy(tokenizer.encode(text), _images(sizes), MAX_NEW) for text, sizes in CASES]
+
+
+def _engine(model_dir: str, **kw) -> LLM:
+    base = dict(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=32, block_size=16, dtype="float32",
+                device="cpu", num_gpu_blocks_override=96, additional_config=BUCKETS)
+    base.update(kw)
+    return LLM(model_dir, **base)
+
+
+def _generate(llm: LLM, cases=CASES, seed0: int = 0):
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    prompts = [{"prompt": text, "multi_modal_data": {"image": _images(sizes, seed0)}} for text, sizes in cases]
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+@pytest.fixture(scope="module")
+def eager(model_dir) -> LLM:
+    return _engine(model_dir, enforce_eager=True)
+
+
+def test_eager_matches_transformers(eager, reference, tokenizer):
+    segmented = tokenizer.encode(CASES[3][0])
+    start = segmented.index(tokenizer.convert_tokens_to_ids("<|image_pad|>"))
+    assert start < 32 < start + 16  # the image spans the segment boundary
+    assert _generate(eager) == reference
+
+
+def test_encoder_cache_hit_gives_identical_output(eager, reference):
+    runner = eager.llm_engine.core.runner
+    runs, hits = runner.num_encoder_runs, runner.encoder_cache.hits
+    assert _generate(eager, CASES[:1]) == reference[:1]
+    assert runner.num_encoder_runs == runs and runner.encoder_cache.hits > hits
+
+
+def test_prompts_differing_only_in_image_share_no_kv(eager, tokenizer):
+    text, sizes = CASES[3]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    first = eager.generate({"prompt": text, "multi_modal_data": {"image": _images(sizes, 0)}}, params, use_tqdm=False)
+    black = [solid_image(*sizes[0], (0, 0, 0))]
+    other = eager.generate({"prompt": text, "multi_modal_data": {"image": black}}, params, use_tqdm=False)
+    again = eager.generate({"prompt": text, "multi_modal_data": {"image": black}}, params, use_tqdm=False)
+    assert other[0].num_cached_tokens == 0  # the text prefix is equal, the image is not
+    assert again[0].num_cached_tokens > 0  # same image: its blocks are reused
+    ref_other = hf_greedy(tokenizer.encode(text), black, MAX_NEW)
+    assert other[0].outputs[0].token_ids == again[0].outputs[0].token_ids == ref_other
+    assert first[0].outputs[0].token_ids != ref_other
+
+
+@pytest.mark.slow
+def test_compiled_matches_transformers(model_dir, reference):
+    # One prefill and one decode bucket: two graphs to compile.
+    llm = _engine(model_dir, additional_config={"neuron_config": {"num_batched_tokens_buckets": [32],
+                                                                  "num_seqs_buckets": [4]}})
+    assert _generate(llm) == reference
+
+
+def test_chat_with_image_content_parts(eager, tokenizer):
+    """LLM.chat: an image_url data: URL and a PIL image part render through the chat template."""
+    img = random_image(56, 84, 0)
+    url = data_url(png_bytes(img))
+    conv = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                         {"type": "text", "text": "Describe."}]},
+            {"role": "assistant", "content": "A square."},
+            {"role": "user", "content": [{"type": "image", "image": solid_image(56, 56, (0, 0, 0))},
+                                         {"type": "text", "text": "And this?"}]}]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    out = eager.chat(conv, params, use_tqdm=False)
+    text = tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
+    assert text.count(IMAGE) == 2
+    ref = hf_greedy(tokenizer.encode(text, add_special_tokens=False), [img, solid_image(56, 56, (0, 0, 0))], MAX_NEW)
+    assert out[0].outputs[0].token_ids == ref
+    with pytest.raises(ValueError, match="Content part type 'audio_url' is not supported"):
+        eager.chat([{"role": "user", "content": [{"type": "audio_url", "audio_url": {"url": url}}]}], params)

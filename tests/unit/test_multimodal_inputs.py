@@ -1,0 +1,85 @@
+"""Media loading and the Qwen3-VL input processor: placeholders expanded per image grid, hashes that
+follow the pixels, and every bad input refused with a ValueError naming the problem."""
+from __future__ import annotations
+
+
+import pytest
+
+from tests.vlm_factory import (IMAGE_PAD, MERGE, data_url, png_bytes, random_image, solid_image,
+                                tiny_qwen3_vl_config)
+from vllm_neuron.multimodal.media import load_image
+from vllm_neuron.multimodal.processor import MultiModalProcessor
+
+
+
+
+@pytest.fixture(scope="module")
+def processor(tmp_path_factory):
+    from tests.vlm_factory import image_processor
+
+    path = str(tmp_path_factory.mktemp("proc"))
+    image_processor().save_pretrained(path)
+    return MultiModalProcessor(tiny_qwen3_vl_config(), path, limits={"image": 2},
+                               allowed_local_media_path=str(tmp_path_factory.mktemp("media")))
+
+
+def test_placeholders_expand_per_image_grid(processor):
+    ids, items = processor.process([5, IMAGE_PAD, 6, IMAGE_PAD], {"image": [random_image(56, 84, 0),
+                                                                           random_image(112, 112, 1)]})
+    assert [i.grid_thw for i in items] == [(1, 4, 6), (1, 8, 8)]
+    n0, n1 = 4 * 6 // MERGE ** 2, 8 * 8 // MERGE ** 2
+    assert ids == [5] + [IMAGE_PAD] * n0 + [6] + [IMAGE_PAD] * n1
+    assert items[0].runs == [(1, (1, 2, 3))] and items[1].runs == [(2 + n0, (1, 4, 4))]
+    assert items[0].mm_hash != items[1].mm_hash
+
+
+def test_hash_follows_the_pixels_not_the_source(processor):
+    img = random_image(56, 56, 3)
+    _, a = processor.process([IMAGE_PAD], {"image": img})
+    _, b = processor.process([IMAGE_PAD], {"image": data_url(png_bytes(img))})
+    _, c = processor.process([IMAGE_PAD], {"image": solid_image(56, 56, (0, 0, 0))})
+    assert a[0].mm_hash == b[0].mm_hash != c[0].mm_hash
+
+
+@pytest.mark.parametrize("ids, data, match", [
+    ([5, IMAGE_PAD], {"image": []}, "1 image placeholder.* but 0 image"),
+    ([5], {"image": "IMG"}, "0 image placeholder.* but 1 image"),
+    ([IMAGE_PAD] * 3, {"image": ["IMG"] * 3}, r"At most 2 image\(s\) .* got 3 \(--limit-mm-per-prompt\)"),
+    ([IMAGE_PAD], {"audio": "x"}, "unknown modality 'audio'"),
+    ([IMAGE_PAD], {"video": ["x"]}, "video input is not supported yet"),
+    ([IMAGE_PAD], {"image": "data:image/png;base64,bm90IGFuIGltYWdl"}, "cannot decode the data: URL image"),
+    ([IMAGE_PAD], {"image": "data:text/plain;base64,aGVsbG8="}, "media type 'text/plain' .* not supported"),
+    ([IMAGE_PAD], {"image": "data:image/png;base64,@@@"}, "not valid base64"),
+    ([IMAGE_PAD], {"image": "file:///etc/passwd"}, "outside the allowed local media folder"),
+    ([IMAGE_PAD], {"image": "ftp://host/x.png"}, "scheme 'ftp' is not supported"),
+])
+def test_bad_inputs_are_refused(processor, ids, data, match):
+    data = {k: ([random_image(56, 56, 0) if x == "IMG" else x for x in v] if isinstance(v, list)
+                else (random_image(56, 56, 0) if v == "IMG" else v)) for k, v in data.items()}
+    with pytest.raises(ValueError, match=match):
+        processor.process(ids, data)
+
+
+def test_local_files_load_only_under_the_allowed_folder(processor, tmp_path):
+    inside = processor.allowed_local_media_path + "/cat.png"
+    with open(inside, "wb") as f:
+        f.write(png_bytes(random_image(56, 56, 4)))
+    assert load_image("file://" + inside, processor.allowed_local_media_path).size == (56, 56)
+    with pytest.raises(ValueError, match="not started with --allowed-local-media-path"):
+        load_image("file://" + inside, None)
+    with pytest.raises(ValueError, match="outside the allowed"):
+        load_image("file://" + processor.allowed_local_media_path + "/../x.png", processor.allowed_local_media_path)
+
+
+def test_unknown_processor_kwargs_are_refused(processor):
+    with pytest.raises(ValueError, match="mm_processor_kwargs has unknown key.*'max_pixel'.*valid keys"):
+        processor.process([IMAGE_PAD], {"image": random_image(56, 56, 0)}, {"max_pixel": 10})
+    # max_pixels shrinks the image: fewer tokens.
+    ids, items = processor.process([IMAGE_PAD], {"image": random_image(112, 112, 0)}, {"max_pixels": 56 * 56})
+    assert items[0].grid_thw == (1, 4, 4) and len(ids) == 4
+
+
+def test_language_model_only_refuses_media(processor):
+    text_only = MultiModalProcessor(tiny_qwen3_vl_config(), processor.model_path, language_model_only=True)
+    with pytest.raises(ValueError, match="mm_language_model_only"):
+        text_only.process([IMAGE_PAD], {"image": random_image(56, 56, 0)})
