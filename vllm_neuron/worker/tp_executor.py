@@ -54,6 +54,7 @@ class RankSetup:
     master_port: int
     ep_degree: int
     timeout_s: float
+    replicas_on_node: int = 1  # data-parallel replicas sharing this node's cores
 
     @property
     def local_ranks(self) -> int:
@@ -67,7 +68,7 @@ class RankSetup:
         addr, port = (config.master_addr, config.master_port) if config.nnodes > 1 else ("127.0.0.1", _free_port())
         # A headless node's config is not finalized (no model yet): its ranks take ep_degree from rank 0.
         return cls(config.tensor_parallel_size, config.nnodes, addr, port, config.neuron_config.ep_degree or 1,
-                   envs.VLLM_NEURON_DIST_TIMEOUT_S)
+                   envs.VLLM_NEURON_DIST_TIMEOUT_S, config.kv_budget_shared_by)
 
 
 def _free_port() -> int:
@@ -96,7 +97,7 @@ def create_runner(config: EngineConfig, ckpt, device: torch.device, dtype: torch
 
 
 def _join(setup: RankSetup, rank: int) -> int:
-    threads = ps.set_rank_threads(setup.local_ranks)
+    threads = ps.set_rank_threads(setup.local_ranks * setup.replicas_on_node)
     ps.init(rank, setup.world, setup.master_addr, setup.master_port, device_type="cpu",
             ep_degree=setup.ep_degree, timeout_s=setup.timeout_s)
     return threads
