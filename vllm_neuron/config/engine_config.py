@@ -179,8 +179,6 @@ class EngineConfig:
         if not isinstance(self.additional_config, AdditionalConfig):
             self.additional_config = parse_additional_config(self.additional_config)
         self._validate_parallel()
-        if self.additional_config.encoder_neuron_config is not None:
-            raise _not_supported("encoder_neuron_config", "...", "no multimodal model is supported yet")
         nc = self.additional_config.neuron_config
         if nc.quantization not in (None, "int8", "int4", "mxfp4"):
             # Which model honours which scheme is the model's to say (ModelSpec.quantizations).
