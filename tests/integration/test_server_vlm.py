@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from tests.integration.server_utils import ServerProcess
-from tests.vlm_factory import IMAGE, data_url, hf_greedy, make_tiny_qwen3_vl, png_bytes, random_image
+from tests.vlm_factory import IMAGE, data_url, hf_greedy, make_tiny_qwen3_vl, mp4_bytes, png_bytes, random_image
 
 MAX_NEW = 6
 
@@ -101,3 +101,13 @@ def test_encoder_cache_hits_and_misses_in_metrics(setup):
     assert first.choices[0].message.content == second.choices[0].message.content
     assert _metric(srv, "vllm_neuron:encoder_cache_misses_total") == misses + 1
     assert _metric(srv, "vllm_neuron:encoder_cache_hits_total") == hits + 1
+
+
+def test_video_url_content_part(setup):
+    srv, model_dir, _ = setup
+    messages = [{"role": "user", "content": [
+        {"type": "video_url", "video_url": {"url": data_url(mp4_bytes(8, 4), "video/mp4")}},
+        {"type": "text", "text": "What happens?"}]}]
+    out = _chat(srv, model_dir, messages)
+    assert out.choices[0].finish_reason == "length"
+    assert out.usage.prompt_tokens > 2 * 4  # two frame pairs of 4 tokens, their timestamps and markers

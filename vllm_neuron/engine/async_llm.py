@@ -61,7 +61,7 @@ class AsyncLLM(EngineClient):
         self.input_processor = InputProcessor(self.tokenizer, config.max_model_len, generation,
                                               nc.on_device_sampling_config, config.max_logprobs,
                                               ckpt.hf_config.get_text_config().vocab_size,
-                                              multimodal_processor(config, ckpt))
+                                              multimodal_processor(config, ckpt, self.tokenizer))
         self.output_processor = OutputProcessor(self.tokenizer)
         self.model_info = ModelInfo(ckpt.path, config.max_model_len, self.input_processor.eos_token_id,
                                     self.input_processor.generation_defaults)

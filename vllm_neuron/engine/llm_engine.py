@@ -28,7 +28,7 @@ class LLMEngine:
             self.tokenizer, config.max_model_len, effective_generation_config(
                 config.generation_config, ckpt.generation_config, config.override_generation_config),
             config.neuron_config.on_device_sampling_config, config.max_logprobs,
-            ckpt.hf_config.get_text_config().vocab_size, multimodal_processor(config, ckpt))
+            ckpt.hf_config.get_text_config().vocab_size, multimodal_processor(config, ckpt, self.tokenizer))
         self.output_processor = OutputProcessor(self.tokenizer)
 
     @classmethod
