@@ -166,6 +166,7 @@ class CoreClient:
                                 msg[1].get("pid"))
             elif msg[0] == "ready":
                 r.ready = True
+                r.info.update(msg[1])
             return rank, msg
         if identity.startswith(b"node-"):
             return None, self._node_message(identity, msg)

@@ -54,8 +54,10 @@ def run_engine_core(config: EngineConfig, address: str, placement: ReplicaPlacem
         for rec in core.compiler.records:
             metrics.record_compilation_time(rec.name, rec.seconds)
         metrics.record_model_load(core.load_stats.seconds, core.load_stats.nbytes)
+        import torch
+
         _send(out, ("ready", {"pid": os.getpid(), "startup_seconds": core.startup_seconds,
-                              "num_blocks": core.num_blocks}))
+                              "num_blocks": core.num_blocks, "threads": torch.get_num_threads()}))
         _loop(core, inp, out, metrics, log_stats=not config.disable_log_stats)
         core.shutdown()
     except Exception as e:  # noqa: BLE001 - the client must learn why the engine died
