@@ -164,6 +164,9 @@ def test_tensor_parallel_refused_where_not_built(monkeypatch):
     with pytest.raises(ValueError, match="tensor_parallel_size=2 is not supported yet.*CPU"):
         EngineConfig.from_kwargs(device="cuda", tensor_parallel_size=2)
     monkeypatch.undo()
+    with pytest.raises(ValueError, match="speculative_config='ngram' is not supported yet.*tensor_parallel_size=2"):
+        EngineConfig.from_kwargs(device="cpu", tensor_parallel_size=2,
+                                 speculative_config={"method": "ngram", "num_speculative_tokens": 2})
     with pytest.raises(ValueError, match="not supported yet for gpt-oss"):
         from vllm_neuron.model.gpt_oss.model import GptOssForCausalLM
 

@@ -157,9 +157,11 @@ class EngineConfig:
         if self.enable_prompt_embeds:
             raise _not_supported("enable_prompt_embeds", True)
         self.speculative_config = parse_speculative_config(self.speculative_config)
-        if self.speculative_config is not None and self.speculative_config.uses_draft_model:
-            raise _not_supported("speculative_config.method", self.speculative_config.method,
-                                 "only 'ngram' for now")
+        if self.speculative_config is not None and self.speculative_config.method == "dflash":
+            raise _not_supported("speculative_config.method", "dflash",
+                                 "the block-parallel DFlash drafter (target features projected into each draft "
+                                 "layer's KV, one non-causal forward over a [bonus, mask, ...] block) is not "
+                                 "implemented; use 'eagle3' or 'ngram'")
         if self.kv_transfer_config:
             raise _not_supported("kv_transfer_config", self.kv_transfer_config)
         if self.ec_transfer_config:
@@ -204,6 +206,9 @@ class EngineConfig:
             # The seeds' rule holds (checked above); experts shared across replicas would put them in lock-step.
             raise _not_supported("enable_expert_parallel", True, f"with data_parallel_size={self.data_parallel_size} "
                                  "(experts over the replicas); use expert parallelism within one replica")
+        if tp > 1 and self.speculative_config is not None:
+            raise _not_supported("speculative_config", self.speculative.method,
+                                 f"with tensor_parallel_size={tp} (speculative decoding is not sharded yet)")
         if tp > 1 and resolve_device(self.device).type != "cpu":
             raise _not_supported("tensor_parallel_size", tp, "tensor parallelism runs on CPU (gloo) only for now")
         if not isinstance(self.nnodes, int) or isinstance(self.nnodes, bool) or self.nnodes < 1 or tp % self.nnodes:

@@ -190,8 +190,11 @@ class EngineCore:
     def _schedule(self) -> SchedulerOutput | None:
         sched = self.scheduler.schedule()
         if sched is not None and self.structured is not None:
-            sched.grammar_bitmask = {c.req_id: self.structured.bitmask(c.req_id, self._tokens_left(c.req_id))
-                                     for c in sched.chunks if c.sample and self.structured.has(c.req_id)}
+            # A chunk with drafts gets one mask per verified position (the matcher walks its drafts).
+            sched.grammar_bitmask = {
+                c.req_id: self.structured.bitmasks(c.req_id, c.token_ids[1:], self._tokens_left(c.req_id))
+                if c.num_draft_tokens else self.structured.bitmask(c.req_id, self._tokens_left(c.req_id))
+                for c in sched.chunks if c.sample and self.structured.has(c.req_id)}
         return sched
 
     def _tokens_left(self, rid: str) -> int:
@@ -290,6 +293,8 @@ class EngineCore:
                 continue
             lp = result.logprobs.get(rid)
             fin = finished.get(rid)
+            if fin is not None and fin.num_new_tokens is not None:
+                toks = toks[:fin.num_new_tokens]  # drafts accepted past a stop token are not output
             outputs.append(EngineCoreOutput(
                 rid, list(toks), [lp.entries] if lp is not None else None,
                 finish_reason=fin.finish_reason if fin else None,

@@ -115,12 +115,17 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(hf_config, cfg.max_position_embeddings)
 
-    def forward(self, input_ids, positions, kv_caches, meta, inputs_embeds=None) -> torch.Tensor:
+    def forward(self, input_ids, positions, kv_caches, meta, inputs_embeds=None, aux_layers: tuple[int, ...] = ()):
         x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         cos, sin = self.rotary(positions, x.dtype)
         metas = meta if isinstance(meta, (list, tuple)) else [meta] * len(self.layers)
-        for layer, kv_cache, m in zip(self.layers, kv_caches, metas):
+        taps = {}
+        for i, (layer, kv_cache, m) in enumerate(zip(self.layers, kv_caches, metas)):
+            if i in aux_layers:
+                taps[i] = x
             x = layer(x, cos, sin, kv_cache, m)
+        if aux_layers:  # EAGLE3: the input hidden states of three layers, side by side
+            return self.norm(x), torch.cat([taps[i] for i in aux_layers], dim=-1)
         return self.norm(x)
 
 
@@ -159,9 +164,11 @@ class LlamaForCausalLM(CausalLM):
         elif tp_world() > 1:
             mark_split(self.lm_head.weight)
 
-    def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata, inputs_embeds=None) -> torch.Tensor:
-        """Hidden states [N, hidden] for N (padded) tokens."""
-        return self.model(input_ids, positions, kv_caches, meta, inputs_embeds)
+    def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata, inputs_embeds=None,
+                aux_layers: tuple[int, ...] = ()):
+        """Hidden states [N, hidden] for N (padded) tokens; with `aux_layers` also the input hidden states
+        of those layers concatenated, [N, len(aux_layers) * hidden] (EAGLE3's draft features)."""
+        return self.model(input_ids, positions, kv_caches, meta, inputs_embeds, aux_layers)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return gather_last_dim(self.lm_head(hidden), self.arch.vocab_size)
