@@ -57,6 +57,7 @@ def run_engine_core(config: EngineConfig, address: str, placement: ReplicaPlacem
         _send(out, ("ready", {"pid": os.getpid(), "startup_seconds": core.startup_seconds,
                               "num_blocks": core.num_blocks, "threads": torch.get_num_threads()}))
         _loop(core, inp, out, metrics, log_stats=not config.disable_log_stats)
+        core.shutdown()
     except Exception as e:  # noqa: BLE001 - the client must learn why the engine died
         logger.error("EngineCore died: %s\n%s", e, traceback.format_exc())
         _send(out, ("dead", f"{type(e).__name__}: {e}"))
