@@ -5,6 +5,7 @@ naming the problem, and the server keeps serving."""
 from __future__ import annotations
 
 import os
+import re
 
 import httpx
 import openai
@@ -111,3 +112,19 @@ def test_video_url_content_part(setup):
     out = _chat(srv, model_dir, messages)
     assert out.choices[0].finish_reason == "length"
     assert out.usage.prompt_tokens > 2 * 4  # two frame pairs of 4 tokens, their timestamps and markers
+
+
+def test_bench_serve_random_mm(setup, tmp_path):
+    """`vllm-neuron bench serve --dataset-name random-mm` against the server: every request with its images
+    succeeds."""
+    from tests.integration.server_utils import run_cli
+
+    srv, model_dir, _ = setup
+    out = run_cli(["bench", "serve", "--backend", "openai-chat", "--base-url", srv.url, "--model", model_dir,
+                   "--tokenizer", model_dir, "--dataset-name", "random-mm", "--num-prompts", "3",
+                   "--random-input-len", "16", "--random-output-len", "4", "--random-mm-base-items-per-request", "2",
+                   "--random-mm-limit-mm-per-prompt", '{"image": 2, "video": 1}',
+                   "--random-mm-bucket-config", "{(56, 56, 1): 0.5, (56, 84, 1): 0.3, (56, 56, 4): 0.2}",
+                   "--ignore-eos", "--disable-tqdm"], str(tmp_path), timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert re.search(r"Successful requests:\s+3", out.stdout), out.stdout
