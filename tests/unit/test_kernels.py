@@ -230,17 +230,9 @@ def test_forced_avx2_build_passes_the_same_checks(tmp_path):
     A process of its own: one process loads one build of the ops."""
     if K.detect_variant(K._cpu_flags()) == "generic":
         pytest.skip("this CPU has no AVX2")
-    env = dict(os.environ, VLLM_NEURON_CPU_ISA="avx2", VLLM_CACHE_ROOT=str(tmp_path))
     quant = os.path.join(os.path.dirname(__file__), "test_quant_weights.py")
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k",
-                           "not forced_avx2 and (not test_quant_weights or dequantized_matmul)", __file__, quant],
-                          env=env, capture_output=True, text=True, timeout=900, cwd=_REPO)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    proc = _forced_run("avx2", "not forced and (not test_quant_weights or dequantized_matmul)", tmp_path, quant)
     assert "skipped" not in proc.stdout.strip().splitlines()[-1], proc.stdout[-2000:]  # every linear kernel ran
-
-
-    proc = _forced_run("avx2", "not forced", tmp_path)
-    assert "skipped" not in proc.stdout.strip().splitlines()[-1], proc.stdout[-2000:]  # both linear dtypes ran
 
 
 @pytest.mark.slow
@@ -250,9 +242,10 @@ def test_forced_generic_build_passes_the_attention_checks(tmp_path):
     _forced_run("generic", "paged_attention and not forced", tmp_path)
 
 
-def _forced_run(variant: str, select: str, tmp_path) -> subprocess.CompletedProcess:
+def _forced_run(variant: str, select: str, tmp_path, *more_files: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, VLLM_NEURON_CPU_ISA=variant, VLLM_CACHE_ROOT=str(tmp_path))
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", select, __file__],
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", select, __file__,
+                           *more_files],
                           env=env, capture_output=True, text=True, timeout=900, cwd=_REPO)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     assert " passed" in proc.stdout, proc.stdout[-2000:]
