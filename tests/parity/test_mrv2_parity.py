@@ -16,7 +16,7 @@ import random
 import pytest
 import torch
 
-from tests.model_factory import build_tiny_llama, make_tiny_llama, shared_prefix_prompts
+from tests.model_factory import build_tiny_llama, hf_greedy_reference, make_tiny_llama, shared_prefix_prompts
 from vllm_neuron import LLM, SamplingParams
 from vllm_neuron.config.runner_selection import V2_LOG_LINE
 from vllm_neuron.step import PLACEHOLDER_TOKEN_ID
@@ -46,13 +46,7 @@ def hf():
 
 
 def _hf_greedy(hf, prompts: list[list[int]], n: int = MAX_NEW) -> list[list[int]]:
-    """transformers greedy tokens, one prompt at a time (no padding)."""
-    out = []
-    with torch.no_grad():
-        for p in prompts:
-            seq = hf.generate(torch.tensor([p]), max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=2)
-            out.append(seq[0, len(p):].tolist())
-    return out
+    return hf_greedy_reference(hf, prompts, n, logits=False)[0]
 
 
 @pytest.fixture(scope="module")
