@@ -236,3 +236,46 @@ def test_kv_pool_and_graphs_survive_a_restart_with_less_free_memory(model, tmp_p
     refused = start(0.1, expect_ok=False)
     assert "no longer fits in memory" in refused.output and f"{blocks} blocks" in refused.output, refused.output
     assert "num_gpu_blocks_override (at most" in refused.output, refused.output
+
+
+def test_parallel_workers_save_the_graphs_one_process_saves(model, tmp_path):
+    """NEURON_LIBTORCH_PARALLEL_COMPILE_WORKERS=2: the buckets are compiled by two worker processes into
+    the cache, then the engine loads every saved graph without re-tracing; the saved graphs (names and
+    input signatures) and the greedy text are those of one process compiling them all."""
+    prompts = ["hello world", "a b c d e f g h i j k l m n o p q r s t u v", "x"]
+
+    def generate(root: str, **env: str) -> tuple[str, str]:
+        proc = run_cli(["generate", "--model", model, "--raw", "--max-tokens", "12", "--temperature", "0",
+                        "--dtype", "float32", *_args((1, 2)), *prompts],
+                       str(tmp_path), timeout=400, NEURON_COMPILED_ARTIFACTS=root, **env)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        return proc.stdout.split(">>> ", 1)[1], proc.stdout + proc.stderr
+
+    one_root, two_root = str(tmp_path / "one"), str(tmp_path / "two")
+    text_one, _ = generate(one_root)
+    text_two, log = generate(two_root, NEURON_LIBTORCH_PARALLEL_COMPILE_WORKERS="2")
+    assert text_two == text_one, (text_one, text_two)
+    buckets = {"prefill_s32", "decode_b1", "decode_b2"}
+    workers = dict(re.findall(r"Bucket (\w+): compiled in worker (\d+)", log))
+    assert set(workers) == buckets, log
+    assert len(set(workers.values())) == 2, log  # both workers took buckets
+    loaded = re.findall(r"Bucket (\w+): compile cache hit, loaded the saved graph", log)
+    assert sorted(loaded) == sorted(buckets) and "compile cache miss" not in log, log
+
+    def saved(root: str) -> dict[str, str]:
+        (key,) = [d for d in os.listdir(root) if os.path.isfile(os.path.join(root, d, "manifest.json"))]
+        aot = os.path.join(root, key, "aot")
+        assert sorted(f[:-4] for f in os.listdir(aot) if f.endswith(".bin")) == sorted(buckets)
+        return {f: open(os.path.join(aot, f)).read() for f in os.listdir(aot) if f.endswith(".inputs")}
+
+    assert saved(two_root) == saved(one_root)
+
+
+def test_parallel_worker_timeout_names_the_bucket(model, tmp_path):
+    proc = run_cli(["compile", model, *_args((1, 2))], str(tmp_path), timeout=300,
+                   NEURON_COMPILED_ARTIFACTS=str(tmp_path / "cache"), NEURON_LIBTORCH_PARALLEL_COMPILE_WORKERS="2",
+                   NEURON_LIBTORCH_COMPILATION_TIMEOUT="1")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out
+    assert re.search(r"Parallel compilation failed: bucket (prefill_s32|decode_b1|decode_b2): CompileTimeout: "
+                     r"Bucket \1: compilation took longer than NEURON_LIBTORCH_COMPILATION_TIMEOUT=1 s", out), out

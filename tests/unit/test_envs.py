@@ -149,7 +149,7 @@ def test_compile_cache_dir(monkeypatch, tmp_path):
 
 @pytest.mark.parametrize("name, value", [
     ("VLLM_NEURON_CPU_COMPILE", "1"), ("NEURON_PLATFORM_TARGET_OVERRIDE", "cuda"),
-    ("VLLM_NEURON_ATTN_MASK_TORCH", "true"), ("NEURON_LIBTORCH_PARALLEL_COMPILE_WORKERS", "4"),
+    ("VLLM_NEURON_ATTN_MASK_TORCH", "true"),
 ])
 def test_variables_without_a_feature_here_are_refused_at_startup(monkeypatch, name, value):
     from vllm_neuron.config.engine_config import EngineConfig
@@ -164,7 +164,7 @@ def test_unset_or_default_values_are_accepted(monkeypatch):
     from vllm_neuron.config.engine_config import EngineConfig
 
     for name, value in [("VLLM_NEURON_CPU_COMPILE", "0"), ("VLLM_NEURON_ATTN_MASK_TORCH", "0"),
-                        ("NEURON_LIBTORCH_PARALLEL_COMPILE_WORKERS", "1")]:
+                        ("NEURON_LIBTORCH_PARALLEL_COMPILE_WORKERS", "4")]:
         monkeypatch.setenv(name, value)
     EngineConfig.from_kwargs()
 

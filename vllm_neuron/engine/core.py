@@ -18,7 +18,7 @@ from vllm_neuron.step import ModelRunnerOutput, SchedulerOutput
 from vllm_neuron.model.loader import Checkpoint, load_checkpoint
 from vllm_neuron.model.registry import is_multimodal, model_spec
 from vllm_neuron.worker import memory
-from vllm_neuron.worker.model_runner_v1 import ModelRunnerV1
+from vllm_neuron.worker.runner_factory import make_runner
 
 logger = init_logger(__name__)
 
@@ -53,15 +53,8 @@ class EngineCore:
         if choice.log_message():
             (logger.warning if choice.use_v2 else logger.info)("%s", choice.log_message())
         if config.use_v2_model_runner:
-            from vllm_neuron.worker.model_runner_v2 import ModelRunnerV2
-
             logger.info("%s", V2_LOG_LINE)
-            self.runner = ModelRunnerV2(config, self.ckpt, self.device, self.dtype, backend)
-        else:
-            runner_cls = ModelRunnerV1
-            if is_multimodal(self.ckpt.hf_config):
-                from vllm_neuron.worker.model_runner_mm import MultimodalRunnerV1 as runner_cls
-            self.runner = runner_cls(config, self.ckpt, self.device, self.dtype, backend)
+        self.runner = make_runner(config, self.ckpt, self.device, self.dtype, backend)
         logger.info("%s", B.format_bucket_table(nc.num_batched_tokens_buckets, nc.num_seqs_buckets,
                                                 nc.context_buckets, self.runner.prefill_needs_context()))
         self.load_stats = self.runner.load_model()

@@ -20,7 +20,8 @@ torch.compile and inductor's cache alone speeds up its next start. A torch witho
 `<key>/cache_artifacts.bin`, loaded at the next start (graphs are re-traced, their compiled code is
 not rebuilt). The log says which path runs.
 `NEURON_LIBTORCH_COMPILATION_TIMEOUT` bounds each bucket's compilation (warm-up fails naming the
-bucket); `NEURON_LIBTORCH_REMOTE_CACHE` is a shared folder: buckets missing locally are taken from
+bucket); `NEURON_LIBTORCH_PARALLEL_COMPILE_WORKERS` > 1 compiles the missing buckets in that many
+processes first (worker/parallel_compile.py), whose saved graphs warm-up then loads; `NEURON_LIBTORCH_REMOTE_CACHE` is a shared folder: buckets missing locally are taken from
 `<remote>/<key>/` before compiling, and what warm-up compiled is published there.
 Every shape is static, the KV cache's included: a dynamic slot dimension makes inductor copy the
 whole cache on every in-place write (24 ms per layer and step measured). So the manifest also records
@@ -181,6 +182,7 @@ class GraphCompiler:
             self.manifest_kv_sizing = saved.get("kv_sizing")
         self.num_blocks: int | None = None
         self.kv_sizing: dict[str, Any] | None = None
+        self.writes_manifest = True  # False in a parallel compile worker: the engine's process records
         self._source: str | None = None  # how the last bucket materialized: loaded / compiled / traced
         self.timeout = envs.NEURON_LIBTORCH_COMPILATION_TIMEOUT
         if self.timeout is not None and self.backend == "native" \
@@ -312,6 +314,18 @@ class GraphCompiler:
         self.num_blocks = num_blocks
         self.kv_sizing = kv_sizing
 
+    def missing(self, names: list[str]) -> list[str]:
+        """The buckets warm-up would compile: not in the manifest, or (saved graphs) without their file."""
+        if self.backend != "native":
+            return []
+        return [n for n in names if n not in self.manifest or (self.aot and not self._aot_path(n).exists())]
+
+    def record_compiled(self, seconds: dict[str, float]) -> None:
+        """Buckets compiled by parallel workers into this cache (worker/parallel_compile.py)."""
+        for name, s in seconds.items():
+            self.manifest[name] = {"compile_seconds": round(s, 3), "time": time.time()}
+        self._save()
+
     def bucket(self, name: str, fn: Callable) -> "BucketGraph":
         """The graph of bucket `name` running the bound method `fn` (of an object holding the model)."""
         return BucketGraph(self, name, fn)
@@ -394,7 +408,7 @@ class GraphCompiler:
         return rec
 
     def _save(self) -> None:
-        if self.disabled:
+        if self.disabled or not self.writes_manifest:
             return
         _write_text_atomic(self.manifest_path, json.dumps(
             {"key": self.key, "num_blocks": self.num_blocks, "kv_sizing": self.kv_sizing, "buckets": self.manifest},

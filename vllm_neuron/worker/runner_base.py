@@ -18,6 +18,7 @@ from tqdm import tqdm
 
 from vllm_neuron.config import buckets as B
 from vllm_neuron.config.device import check_weight_quantization
+from vllm_neuron import envs
 from vllm_neuron.config.engine_config import EngineConfig
 from vllm_neuron.logger import init_logger
 from vllm_neuron.model.layers import kv_quant, quant_fp8
@@ -33,6 +34,7 @@ from vllm_neuron.worker import memory
 from vllm_neuron.worker.compilation import GraphCompiler, cache_key_parts
 from vllm_neuron.worker.cuda_graphs import ReplayedGraph, cuda_graph_capturer, wants_capture
 from vllm_neuron.worker.input_builder import build_prefill_inputs
+from vllm_neuron.worker.parallel_compile import compile_worker, run_bucket_workers
 from vllm_neuron.worker.sampling_state import SamplingStates
 
 logger = init_logger(__name__)
@@ -220,6 +222,7 @@ class ModelRunnerBase:
                         "uncompiled; nothing to warm up", len(graphs))
             return self.compiler
         logger.info("Warm-up: %d graphs (%s route); compile cache %s", len(graphs), self.backend, self.compiler.dir)
+        self._compile_in_workers([g[0] for g in graphs])
         for i, (name, kind, size, ctx) in enumerate(tqdm(graphs, desc="Compiling buckets", unit="graph",
                                                          disable=None), 1):
             # Each line says what runs next: a cold compile is minutes of silence otherwise.
@@ -229,6 +232,25 @@ class ModelRunnerBase:
             self.compiler.warm(name, lambda: run([], size, ctx))
         self.compiler.finish()
         return self.compiler
+
+    def _compile_in_workers(self, names: list[str]) -> None:
+        """NEURON_LIBTORCH_PARALLEL_COMPILE_WORKERS > 1: the buckets missing from the cache are compiled by
+        that many processes first; the warm-up loop then loads them."""
+        workers = envs.NEURON_LIBTORCH_PARALLEL_COMPILE_WORKERS or 1
+        missing = self.compiler.missing(names)
+        if workers <= 1 or len(missing) <= 1 or self.compiler.disabled:
+            return
+        n = min(workers, len(missing))
+        threads = max(1, torch.get_num_threads() // n)
+        logger.info("Compiling %d buckets in %d worker processes (%d torch threads each; each holds its own "
+                    "copy of the weights and the KV pool): %s", len(missing), n, threads, ", ".join(missing))
+        t0 = time.perf_counter()
+        seconds = run_bucket_workers(missing, n, compile_worker, (
+            self.config, self.device, self.dtype, self.backend, self.compiler.num_blocks, self._kv_sizing,
+            self.compiler.key, threads), timeout=self.compiler.timeout)
+        self.compiler.record_compiled(seconds)
+        logger.info("Parallel compilation of %d buckets done in %.1f s (%.1f s of compilation)", len(missing),
+                    time.perf_counter() - t0, sum(seconds.values()))
 
     # -- graphs ----------------------------------------------------------------------------------
     def _make_graphs(self):
