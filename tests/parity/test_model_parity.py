@@ -287,3 +287,28 @@ def test_llama_compiled_matches_transformers(llama_dir, llama_reference, tmp_pat
     assert compiler.backend == "native" and len(compiler.records) == (4 if llm.llm_engine.core.runner.use_kernels
                                                                       else 6)
     _assert_tokens(_llama_run(llm), llama_reference[0], LLAMA_LENGTHS)
+
+
+def test_llama_kv_segments_match_transformers(tmp_path, monkeypatch):
+    """kv_segment_size_buckets on the torch attention path: prompts longer than the 512-token prefill bucket
+    read their cached context (a 1536-slot context bucket) in 512-slot segments, first pass and from the
+    prefix cache, and stay token-identical to transformers."""
+    from vllm_neuron.model.layers import attention
+
+    calls = []
+    segmented = attention._prefill_segmented
+    monkeypatch.setattr(attention, "_prefill_segmented", lambda *a: calls.append(a[5].kv_segment) or segmented(*a))
+    monkeypatch.setenv("VLLM_NEURON_DISABLE_NKI_KERNELS", "1")
+    path = make_tiny_llama(str(tmp_path / "m"), max_position_embeddings=2048)
+    prompts = shared_prefix_prompts([600, 1100, 1300], 900, first_shared=1, seed=5)
+    ref = hf_greedy_reference(build_tiny_llama(max_position_embeddings=2048), prompts, 6, logits=False)[0]
+    llm = _llama_engine(path, enforce_eager=True, max_model_len=1536, max_num_seqs=2, max_num_batched_tokens=512,
+                        num_gpu_blocks_override=256,
+                        additional_config={"neuron_config": {"kv_segment_size_buckets": [512],
+                                                             "num_batched_tokens_buckets": [512],
+                                                             "num_seqs_buckets": [1, 2]}})
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    for _ in range(2):  # the second pass starts from the prefix cache
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == ref
+    assert calls and set(calls) == {512}

@@ -17,6 +17,8 @@ from vllm_neuron.model.layers.in_graph_sampler import (apply_token_bitmask, coun
 class StepGraphs:
     """MRv1's graphs: host-built inputs; forward, logits of the sampled rows and in-graph sampling."""
 
+    kv_segment = 0  # kv_segment_size_buckets: the torch prefill reads the context this many slots at a time
+
     def __init__(self, model: torch.nn.Module, odsc, block_size: int, use_kernels: bool,
                  paged_decode: bool = False) -> None:
         self.model = model
@@ -41,7 +43,8 @@ class StepGraphs:
                                      block_size=self.block_size, use_kernels=True)
         return AttentionMetadata(slot_mapping, prefill_mask(positions, query_seq, attn_b), context_slots=attn_a,
                                  positions=positions,
-                                 context_positions=None if attn_b is None else context_positions(attn_b))
+                                 context_positions=None if attn_b is None else context_positions(attn_b),
+                                 kv_segment=self.kv_segment)
 
     def decode_meta(self, slot_mapping, block_tables, positions) -> AttentionMetadata:
         if self.use_kernels:

@@ -70,6 +70,7 @@ class ModelRunnerBase:
         self.prefill_buckets = nc.num_batched_tokens_buckets
         self.decode_buckets = nc.num_seqs_buckets
         self.context_buckets = nc.context_buckets
+        self.kv_segment = nc.kv_segment_size_buckets[0] if nc.kv_segment_size_buckets else 0
         self.odsc = nc.on_device_sampling_config
         self.sampling = SamplingStates(self.odsc, config.seed)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -135,6 +136,14 @@ class ModelRunnerBase:
         self._bitmask_words = -(-self.ckpt.hf_config.get_text_config().vocab_size // 32)
         self.compiler = self._make_compiler()
         self.graphs = self._make_graphs()
+        self.graphs.kv_segment = self.kv_segment
+        if self.kv_segment and not self.prefill_needs_context():
+            logger.info("kv_segment_size_buckets=[%d]: %s", self.kv_segment, "the custom attention kernel reads the "
+                        "cached context block by block itself; the segment size bounds the torch attention path"
+                        if self.use_kernels else "no prefill graph reads cached context")
+        elif self.kv_segment:
+            logger.info("kv_segment_size_buckets=[%d]: prefill attention reads the cached context (%d slots) in "
+                        "segments of %d", self.kv_segment, self.context_buckets[-1], self.kv_segment)
         stats = LoadStats(time.perf_counter() - t0, nbytes)
         logger.info("Loaded %s (%s) in %.1f s: %.1f MiB of weights on %s as %s", type(model).__name__,
                     self.ckpt.path, stats.seconds, nbytes / 2**20, self.device, self.dtype)
@@ -207,7 +216,7 @@ class ModelRunnerBase:
                 "kernels": self.use_kernels, "linear_kernel": self.use_linear_kernel,
                 "kernel_variant": kernel_variant()[0] if self.use_kernels else None,
                 "quant_kernels": self.use_quant_kernels, "kv_dtype": str(self.kv_dtype),
-                "paged_decode": self.paged_decode,
+                "paged_decode": self.paged_decode, "kv_segment": self.kv_segment,
                 "quantization": self.config.neuron_config.quantization}
 
     def _make_compiler(self) -> GraphCompiler:
