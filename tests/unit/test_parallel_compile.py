@@ -39,3 +39,21 @@ def test_failed_and_dead_workers_are_reported_by_bucket():
     assert failures["decode_b1"] == "RuntimeError: no luck"
     assert failures["decode_b2"] == "the compile worker died (exit code 3)"
     assert "bucket decode_b1: RuntimeError: no luck" in str(info.value)
+
+
+def _run_in_daemon(out) -> None:
+    out.put(sorted(run_bucket_workers(["x", "y"], 2, _fake_worker, ("-", "-"))))
+
+
+def test_workers_start_from_a_daemonic_engine_process():
+    """The API server runs the EngineCore as a daemonic process; warm-up's workers must start there too."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    proc = ctx.Process(target=_run_in_daemon, args=(out,), daemon=True)
+    proc.start()
+    try:
+        assert out.get(timeout=120) == ["x", "y"]
+    finally:
+        proc.join(30)

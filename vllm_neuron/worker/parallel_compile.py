@@ -13,6 +13,7 @@ signal cannot reach, by this process) or dies fails warm-up with the bucket it w
 """
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import queue
@@ -46,6 +47,23 @@ class ParallelCompileError(RuntimeError):
                                                                       for f in failures))
 
 
+@contextlib.contextmanager
+def _children_allowed():
+    """The API server's EngineCore is a daemonic process, which multiprocessing forbids to start children
+    (they could outlive it unnoticed). Ours are daemonic themselves and are killed and joined below, so
+    the flag is lifted while they start."""
+    config = multiprocessing.current_process()._config
+    daemon = config.get("daemon")
+    config["daemon"] = False
+    try:
+        yield
+    finally:
+        if daemon is not None:
+            config["daemon"] = daemon
+        else:
+            config.pop("daemon", None)
+
+
 def run_bucket_workers(names: list[str], workers: int, target: Callable[..., None], args: tuple,
                        timeout: int | None = None) -> dict[str, float]:
     """Runs `target(tasks, results, *args)` in `workers` spawned processes that take bucket names from
@@ -61,8 +79,9 @@ def run_bucket_workers(names: list[str], workers: int, target: Callable[..., Non
         tasks.put(None)
     procs = [ctx.Process(target=target, args=(tasks, results, *args), name=f"compile-worker-{i}", daemon=True)
              for i in range(n)]
-    for p in procs:
-        p.start()
+    with _children_allowed():
+        for p in procs:
+            p.start()
     by_pid = {p.pid: p for p in procs}
     current: dict[int, tuple[str, float]] = {}  # pid -> (bucket, started)
     seen_dead: set[int] = set()
