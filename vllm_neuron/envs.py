@@ -298,6 +298,12 @@ _VARS: dict[str, EnvVar] = {
             lambda: _float("VLLM_NEURON_MIN_KV_BUDGET_GIB", 1.0, minimum=0.0),
             "Minimum KV budget in GiB; start-up fails fast below it. Default 1.0.",
         ),
+        EnvVar(
+            "VLLM_ENGINE_ITERATION_TIMEOUT_S",
+            lambda: _float("VLLM_ENGINE_ITERATION_TIMEOUT_S", 60.0, minimum=0.0, min_exclusive=True),
+            "Seconds an engine replica with requests in flight may stay silent (vLLM's variable): past "
+            "it the replica counts as hung, its requests fail and its process is killed. Default 60.",
+        ),
         # -- multimodal --
         EnvVar(
             "VLLM_IMAGE_FETCH_TIMEOUT",

@@ -7,7 +7,9 @@ created here, at import, when the variable is unset; child processes inherit it 
 environment. Wipe it between server restarts (a fresh temporary folder is used when unset).
 
 Callers pass plain numbers and strings only; nothing here knows about requests or tensors.
-Call `configure(model_name, rank_id)` once per process before recording: it fixes the labels.
+Call `configure(model_name, rank_id, engine)` once per process before recording: it fixes the labels.
+The series the engine records carry an `engine` label (vLLM's: the data-parallel replica's rank), so
+/metrics shows each replica's queues, KV usage, prefix-cache hits and graph executions apart.
 
 Who records what (exactly one owner per series, or counts double):
 
@@ -74,26 +76,28 @@ _SEQS_PADDING_BUCKETS = [0, 1, 2, 4, 8, 16, 32, 64, 128, 256]
 _TOKENS_PADDING_BUCKETS = [0] + [2 ** i for i in range(0, 17)]
 
 _M = ["model_name"]
-_MB = ["model_name", "bucket_name"]
-_MBR = ["model_name", "bucket_name", "rank_id"]
-_MR = ["model_name", "rank_id"]
+# Series the engine records carry vLLM's `engine` label: the data-parallel rank of the replica.
+_ME = ["model_name", "engine"]
+_MB = ["model_name", "engine", "bucket_name"]
+_MBR = ["model_name", "engine", "bucket_name", "rank_id"]
+_MR = ["model_name", "engine", "rank_id"]
 
 # registry=None: the series live only in the multiprocess files; /metrics builds a fresh registry
 # from them, so nothing is exposed twice and a second import cannot collide.
 # Gauges: "livesum" adds the values of live processes (one per DP replica); "livemax" keeps the
 # fullest pool; start-up gauges are set once per process, so "max" survives that process' exit.
 NUM_REQUESTS_RUNNING = Gauge("vllm:num_requests_running", "Number of requests in model execution batches.",
-                             _M, registry=None, multiprocess_mode="livesum")
+                             _ME, registry=None, multiprocess_mode="livesum")
 NUM_REQUESTS_WAITING = Gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
-                             _M, registry=None, multiprocess_mode="livesum")
+                             _ME, registry=None, multiprocess_mode="livesum")
 KV_CACHE_USAGE = Gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
-                       _M, registry=None, multiprocess_mode="livemax")
+                       _ME, registry=None, multiprocess_mode="livemax")
 PREFIX_CACHE_QUERIES = Counter("vllm:prefix_cache_queries",
-                               "Prefix cache queries, in terms of number of queried tokens.", _M, registry=None)
+                               "Prefix cache queries, in terms of number of queried tokens.", _ME, registry=None)
 PREFIX_CACHE_HITS = Counter("vllm:prefix_cache_hits",
-                            "Prefix cache hits, in terms of number of cached tokens.", _M, registry=None)
+                            "Prefix cache hits, in terms of number of cached tokens.", _ME, registry=None)
 NUM_PREEMPTIONS = Counter("vllm:num_preemptions", "Cumulative number of preemptions from the engine.",
-                          _M, registry=None)
+                          _ME, registry=None)
 PROMPT_TOKENS = Counter("vllm:prompt_tokens", "Number of prefill tokens processed.", _M, registry=None)
 GENERATION_TOKENS = Counter("vllm:generation_tokens", "Number of generation tokens processed.",
                             _M, registry=None)
@@ -119,7 +123,7 @@ NUM_BATCHED_TOKENS_PADDING = Histogram("vllm_neuron:num_batched_tokens_padding",
 NEFF_EXECUTION_COUNT = Counter("vllm_neuron:neff_execution_count", "Compiled-graph executions, by bucket.",
                                _MB, registry=None)
 ASYNC_SYNC_FALLBACKS = Counter("vllm_neuron:async_sync_fallbacks",
-                               "Steps where async scheduling fell back to a synchronous step.", _M, registry=None)
+                               "Steps where async scheduling fell back to a synchronous step.", _ME, registry=None)
 STARTUP_TIME = Gauge("vllm_neuron:startup_time_seconds", "Total server startup time.", _M, registry=None,
                      multiprocess_mode="max")
 COMPILATION_TIME = Gauge("vllm_neuron:compilation_time_seconds", "Graph compilation time, by bucket.",
@@ -129,14 +133,21 @@ MODEL_LOAD_TIME = Gauge("vllm_neuron:model_load_time_seconds", "Weight load time
 MODEL_LOAD_SIZE = Gauge("vllm_neuron:model_load_size_bytes", "Weight size transferred to device.",
                         _MR, registry=None, multiprocess_mode="max")
 
-SPEC_DECODE_NUM_DRAFTS = Counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", _M,
+SPEC_DECODE_NUM_DRAFTS = Counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", _ME,
                                  registry=None)
-SPEC_DECODE_NUM_DRAFT_TOKENS = Counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", _M,
+SPEC_DECODE_NUM_DRAFT_TOKENS = Counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", _ME,
                                        registry=None)
 SPEC_DECODE_NUM_ACCEPTED_TOKENS = Counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.",
-                                          _M, registry=None)
+                                          _ME, registry=None)
 SPEC_DECODE_ACCEPTED_PER_POS = Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
-                                       "Accepted tokens per draft position.", _M + ["position"], registry=None)
+                                       "Accepted tokens per draft position.", _ME + ["position"], registry=None)
+ENCODER_CACHE_HITS = Counter("vllm_neuron:encoder_cache_hits", "Media items whose vision embeddings came from the "
+                             "encoder cache.", _ME, registry=None)
+ENCODER_CACHE_MISSES = Counter("vllm_neuron:encoder_cache_misses", "Media items the vision encoder ran for.", _ME,
+                               registry=None)
+# Only with a multimodal model.
+ENCODER_CACHE_SERIES: tuple[str, ...] = ("vllm_neuron:encoder_cache_hits_total",
+                                         "vllm_neuron:encoder_cache_misses_total")
 # Only with --speculative-config (as in vLLM).
 SPEC_DECODE_SERIES: tuple[str, ...] = (
     "vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens_total",
@@ -159,26 +170,31 @@ SERIES_NAMES: tuple[str, ...] = (
 _lock = threading.Lock()
 _model_name: str | None = None
 _rank_id: str = "0"
+_engine: str = "0"
 
 
-def configure(model_name: str, rank_id: int = 0) -> None:
-    """Sets this process' `model_name` label (the served model name) and `rank_id` (local rank).
+def configure(model_name: str, rank_id: int = 0, engine: int = 0) -> None:
+    """Sets this process' `model_name` label (the served model name), `rank_id` (local rank) and
+    `engine` (the data-parallel rank of the engine replica it belongs to).
 
     Also creates the label sets that are known up front, so that /metrics lists the vLLM series
     with a 0 value before the first request (dashboards and scrapers expect them).
     """
-    global _model_name, _rank_id
+    global _model_name, _rank_id, _engine
     if not isinstance(model_name, str) or not model_name:
         raise ValueError(f"model_name must be a non-empty string, got {model_name!r}")
-    if not isinstance(rank_id, int) or rank_id < 0:
-        raise ValueError(f"rank_id must be a non-negative int, got {rank_id!r}")
+    for name, value in (("rank_id", rank_id), ("engine", engine)):
+        if not isinstance(value, int) or value < 0:
+            raise ValueError(f"{name} must be a non-negative int, got {value!r}")
     with _lock:
         _model_name = model_name
         _rank_id = str(rank_id)
+        _engine = str(engine)
     for metric in (NUM_REQUESTS_RUNNING, NUM_REQUESTS_WAITING, KV_CACHE_USAGE, PREFIX_CACHE_QUERIES,
-                   PREFIX_CACHE_HITS, NUM_PREEMPTIONS, PROMPT_TOKENS,
-                   GENERATION_TOKENS, TIME_TO_FIRST_TOKEN, INTER_TOKEN_LATENCY, E2E_REQUEST_LATENCY,
-                   REQUEST_PROMPT_TOKENS, REQUEST_GENERATION_TOKENS, ASYNC_SYNC_FALLBACKS):
+                   PREFIX_CACHE_HITS, NUM_PREEMPTIONS, ASYNC_SYNC_FALLBACKS):
+        metric.labels(model_name, _engine)
+    for metric in (PROMPT_TOKENS, GENERATION_TOKENS, TIME_TO_FIRST_TOKEN, INTER_TOKEN_LATENCY, E2E_REQUEST_LATENCY,
+                   REQUEST_PROMPT_TOKENS, REQUEST_GENERATION_TOKENS):
         metric.labels(model_name)
     for reason in ("stop", "length", "abort", "error"):
         REQUEST_SUCCESS.labels(model_name, reason)
@@ -199,60 +215,68 @@ def record_step(*, num_running: int, num_waiting: int, kv_cache_usage: float,
                 num_preemptions: int = 0) -> None:
     """Once per engine step, by the scheduler: queue sizes, KV usage (fraction in [0, 1]) and the
     step's increments of prefix-cache queried/hit tokens and preemptions."""
-    name = _name()
-    NUM_REQUESTS_RUNNING.labels(name).set(num_running)
-    NUM_REQUESTS_WAITING.labels(name).set(num_waiting)
-    KV_CACHE_USAGE.labels(name).set(kv_cache_usage)
+    me = _name(), _engine
+    NUM_REQUESTS_RUNNING.labels(*me).set(num_running)
+    NUM_REQUESTS_WAITING.labels(*me).set(num_waiting)
+    KV_CACHE_USAGE.labels(*me).set(kv_cache_usage)
     if prefix_cache_queries:
-        PREFIX_CACHE_QUERIES.labels(name).inc(prefix_cache_queries)
+        PREFIX_CACHE_QUERIES.labels(*me).inc(prefix_cache_queries)
     if prefix_cache_hits:
-        PREFIX_CACHE_HITS.labels(name).inc(prefix_cache_hits)
+        PREFIX_CACHE_HITS.labels(*me).inc(prefix_cache_hits)
     if num_preemptions:
-        NUM_PREEMPTIONS.labels(name).inc(num_preemptions)
+        NUM_PREEMPTIONS.labels(*me).inc(num_preemptions)
 
 
 def record_spec_decode(num_drafts: int, num_draft_tokens: int, num_accepted_tokens: int,
                        accepted_per_pos: list[int]) -> None:
     """One step's increments of the speculative-decoding counters (accepted_per_pos[i]: drafts accepted
     at position i). Called every step when speculation is on, so the series exist from the start."""
-    name = _name()
-    SPEC_DECODE_NUM_DRAFTS.labels(name).inc(num_drafts)
-    SPEC_DECODE_NUM_DRAFT_TOKENS.labels(name).inc(num_draft_tokens)
-    SPEC_DECODE_NUM_ACCEPTED_TOKENS.labels(name).inc(num_accepted_tokens)
+    me = _name(), _engine
+    SPEC_DECODE_NUM_DRAFTS.labels(*me).inc(num_drafts)
+    SPEC_DECODE_NUM_DRAFT_TOKENS.labels(*me).inc(num_draft_tokens)
+    SPEC_DECODE_NUM_ACCEPTED_TOKENS.labels(*me).inc(num_accepted_tokens)
     for pos, n in enumerate(accepted_per_pos):
-        SPEC_DECODE_ACCEPTED_PER_POS.labels(name, str(pos)).inc(n)
+        SPEC_DECODE_ACCEPTED_PER_POS.labels(*me, str(pos)).inc(n)
+
+
+def record_encoder_cache(hits: int, misses: int) -> None:
+    """One step's increments of the encoder cache's hits and misses (media items). Called every step with
+    a multimodal model, so the series exist from the start."""
+    me = _name(), _engine
+    ENCODER_CACHE_HITS.labels(*me).inc(hits)
+    ENCODER_CACHE_MISSES.labels(*me).inc(misses)
 
 
 def record_padding(kind: Literal["seqs", "tokens"], bucket_name: str, padding: int) -> None:
     """Padding of one model execution in bucket `bucket_name` (e.g. "decode_b8"): "seqs" counts
     padded batch lines, "tokens" padded token positions. Driver rank only."""
     if kind == "seqs":
-        NUM_SEQS_PADDING.labels(_name(), bucket_name).observe(padding)
+        NUM_SEQS_PADDING.labels(_name(), _engine, bucket_name).observe(padding)
     elif kind == "tokens":
-        NUM_BATCHED_TOKENS_PADDING.labels(_name(), bucket_name).observe(padding)
+        NUM_BATCHED_TOKENS_PADDING.labels(_name(), _engine, bucket_name).observe(padding)
     else:
         raise ValueError(f"kind must be one of 'seqs', 'tokens'; got {kind!r}")
 
 
 def record_execution(bucket_name: str, count: int = 1) -> None:
     """`count` executions of the compiled graph of `bucket_name`. Driver rank only."""
-    NEFF_EXECUTION_COUNT.labels(_name(), bucket_name).inc(count)
+    NEFF_EXECUTION_COUNT.labels(_name(), _engine, bucket_name).inc(count)
 
 
 def record_async_sync_fallback() -> None:
     """One step where async scheduling fell back to a synchronous step (batch changed)."""
-    ASYNC_SYNC_FALLBACKS.labels(_name()).inc()
+    ASYNC_SYNC_FALLBACKS.labels(_name(), _engine).inc()
 
 
 def record_compilation_time(bucket_name: str, seconds: float) -> None:
     """Compile (or cache load) time of one bucket's graph, on this rank."""
-    COMPILATION_TIME.labels(_name(), bucket_name, _rank_id).set(seconds)
+    COMPILATION_TIME.labels(_name(), _engine, bucket_name, _rank_id).set(seconds)
 
 
 def record_model_load(seconds: float, size_bytes: int) -> None:
     """Weight load time and bytes moved to the device, on this rank."""
-    MODEL_LOAD_TIME.labels(_name(), _rank_id).set(seconds)
-    MODEL_LOAD_SIZE.labels(_name(), _rank_id).set(size_bytes)
+    MODEL_LOAD_TIME.labels(_name(), _engine, _rank_id).set(seconds)
+    MODEL_LOAD_SIZE.labels(_name(), _engine, _rank_id).set(size_bytes)
 
 
 def record_startup_time(seconds: float) -> None:

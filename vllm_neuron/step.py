@@ -35,8 +35,11 @@ class ScheduledChunk:
     req_id: str
     token_ids: list[int]  # tokens whose K/V this step computes
     start_pos: int  # position of token_ids[0]; tokens before it are already in the cache
-    block_ids: list[int]  # the request's whole block table
-    sample: bool  # whether this step samples the request's next token
+    block_ids: list[int]  # the request's whole block table (KV cache group 0's)
+    # The tables of KV cache groups 1.. (kv_cache_groups.py; empty for a one-group model), indexed by
+    # block like block_ids; NULL (0) entries are blocks a sliding-window group gave back.
+    group_block_ids: tuple[list[int], ...] = ()
+    sample: bool = False  # whether this step samples the request's next token
     # Speculative decoding: the last token_ids are this many draft tokens to verify (decode only).
     num_draft_tokens: int = 0
 

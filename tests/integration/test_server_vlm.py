@@ -85,3 +85,19 @@ def test_bad_media_get_a_400_and_the_server_keeps_serving(setup, urls, needle):
     assert needle in r.json()["error"]["message"]
     ok = _chat(srv, model_dir, _message(data_url(png_bytes(random_image(56, 56, 3)))))
     assert ok.choices[0].finish_reason == "length"
+
+
+def _metric(srv, name: str) -> float:
+    text = httpx.get(srv.url + "/metrics", timeout=10).text
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + "{"))
+
+
+def test_encoder_cache_hits_and_misses_in_metrics(setup):
+    srv, model_dir, _ = setup
+    hits, misses = (_metric(srv, f"vllm_neuron:encoder_cache_{k}_total") for k in ("hits", "misses"))
+    url = data_url(png_bytes(random_image(56, 56, 9)))
+    first = _chat(srv, model_dir, _message(url, text="Hi."))
+    second = _chat(srv, model_dir, _message(url, text="Hi."))  # shorter than a KV block: no prefix-cache hit
+    assert first.choices[0].message.content == second.choices[0].message.content
+    assert _metric(srv, "vllm_neuron:encoder_cache_misses_total") == misses + 1
+    assert _metric(srv, "vllm_neuron:encoder_cache_hits_total") == hits + 1

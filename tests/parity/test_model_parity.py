@@ -77,8 +77,27 @@ def _max_logprob_error(outs, ref_logprobs) -> float:
     return worst
 
 
-def test_eager_segmented_prefill_prefix_cache_and_logits(model_dir, reference):
+def _spy_sliding_blocks(kv) -> list[tuple[int, int]]:
+    """Records, at every allocation, the blocks the request holds in (the full group, the sliding group)."""
+    held, allocate = [], kv.allocate
+
+    def spy(request, n, hit=None):
+        ok = allocate(request, n, hit)
+        held.append((kv.num_held_blocks(request.request_id, 0), kv.num_held_blocks(request.request_id, 1)))
+        return ok
+
+    kv.allocate = spy
+    return held
+
+
+def test_eager_segmented_prefill_prefix_cache_and_logits(arch, model_dir, reference):
     llm = _engine(model_dir, enforce_eager=True)
+    kv = llm.llm_engine.core.scheduler.kv
+    held = None
+    if arch == "gpt_oss":  # two KV cache groups: full-attention layers, sliding-window (24) layers
+        assert kv.windows == (None, 24)
+        assert llm.llm_engine.core.runner.use_kernels  # sinks and windows in the CPU kernel
+        held = _spy_sliding_blocks(kv)
     outs = _run(llm, logprobs=5)
     _assert_tokens(outs, reference[0])
     worst = _max_logprob_error(outs, reference[1])
@@ -89,6 +108,10 @@ def test_eager_segmented_prefill_prefix_cache_and_logits(model_dir, reference):
     _assert_tokens(_run(llm), reference[0])  # second pass: prompts start from cached blocks
     assert core.scheduler.kv.prefix_hits > hits_before
     assert core.scheduler.kv.pool.num_free_blocks == core.num_blocks - 1
+    if held:
+        # The sliding group holds the window (23 tokens of history) plus one chunk of at most 32 tokens,
+        # while the full group grows with the sequence (108 tokens: 7 blocks).
+        assert max(s for _, s in held) <= -(-(24 - 1 + 32) // 16) + 1 < max(f for f, _ in held)
 
 
 def test_compiled_matches_transformers(arch, model_dir, reference, tmp_path, monkeypatch, caplog):
@@ -101,6 +124,7 @@ def test_compiled_matches_transformers(arch, model_dir, reference, tmp_path, mon
     assert isinstance(core.runner, ModelRunnerV2) == (arch not in MOE_ARCHS)
     assert (V2_LOG_LINE in caplog.text) == (arch not in MOE_ARCHS)
     assert "does not yet support" not in caplog.text
+    assert ("Model Runner V1: MoE" in caplog.text) == (arch in MOE_ARCHS)  # why, in a line of its own
     _assert_tokens(_run(llm), reference[0])
     hits_before = core.scheduler.kv.prefix_hits
     _assert_tokens(_run(llm), reference[0])  # second pass from the prefix cache, segmented prefill
@@ -109,6 +133,21 @@ def test_compiled_matches_transformers(arch, model_dir, reference, tmp_path, mon
 
 def _hf_greedy(hf) -> list[list[int]]:
     return hf_greedy_reference(hf, _prompts(), MAX_NEW, logits=False)[0]
+
+
+def test_gpt_oss_torch_attention_path_with_kv_groups(tmp_path, monkeypatch):
+    # Kernels off: sinks and windows through masks, each group's cached context read through its own slots.
+    monkeypatch.setenv("VLLM_NEURON_DISABLE_NKI_KERNELS", "1")
+    model_dir = make_tiny_model(str(tmp_path / "m"), "gpt_oss", max_position_embeddings=512)
+    llm = _engine(model_dir, enforce_eager=True)
+    core = llm.llm_engine.core
+    assert not core.runner.use_kernels and core.runner.prefill_needs_context()
+    assert core.scheduler.kv.windows == (None, 24)
+    ref = _hf_greedy(build_tiny_model("gpt_oss", max_position_embeddings=512))
+    _assert_tokens(_run(llm), ref)
+    hits_before = core.scheduler.kv.prefix_hits
+    _assert_tokens(_run(llm), ref)
+    assert core.scheduler.kv.prefix_hits > hits_before
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,10 @@ from tests.vlm_factory import IMAGE, data_url, hf_greedy, make_tiny_qwen3_vl, pn
 from vllm_neuron import LLM, SamplingParams
 
 MAX_NEW = 6
-BUCKETS = {"neuron_config": {"num_batched_tokens_buckets": [16, 32], "num_seqs_buckets": [1, 4]}}
+# Vision attention in blocks of 128 patches (56x56 = 16, 112x112 = 64), encoder buckets of 1 and 2 blocks.
+ENCODER = {"encoder_attention_block_size": 128, "num_encoder_input_buckets": [128, 256]}
+BUCKETS = {"neuron_config": {"num_batched_tokens_buckets": [16, 32], "num_seqs_buckets": [1, 4]},
+           "encoder_neuron_config": ENCODER}
 # (prompt text, images). 56x84 -> 6 tokens, 56x56 -> 4, 112x112 -> 16; max_num_batched_tokens=32 splits the
 # long prompt's 112x112 image across two prefill segments.
 CASES = [
@@ -18,7 +21,10 @@ CASES = [
     ("First " + IMAGE + " then " + IMAGE + " compare.", [(56, 56), (112, 112)]),
     ("<|im_start|>user\n" + IMAGE + "Describe.<|im_end|>\n<|im_start|>assistant\nA square.<|im_end|>\n"
      "<|im_start|>user\nAnd its colour?<|im_end|>\n<|im_start|>assistant\n", [(84, 56)]),
-    ("one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen " + IMAGE + " end", [(112, 112)]),
+    ("one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen " + IMAGE
+     + " end", [(112, 112)]),
+    # Three 64-patch images: two attention blocks, one encoder call in the 256-patch bucket.
+    ("Three: " + IMAGE + IMAGE + IMAGE + ".", [(112, 112)] * 3),
 ]
 
 
@@ -68,6 +74,14 @@ def test_eager_matches_transformers(eager, reference, tokenizer):
     assert _generate(eager) == reference
 
 
+def test_encoder_groups_fit_the_largest_bucket(model_dir, reference):
+    """With one 128-patch bucket the three images of the last case need two encoder calls."""
+    llm = _engine(model_dir, enforce_eager=True, additional_config={**BUCKETS, "encoder_neuron_config": {
+        "encoder_attention_block_size": 128, "num_encoder_input_buckets": [128]}})
+    assert _generate(llm, CASES[-1:]) == reference[-1:]
+    assert llm.llm_engine.core.runner.num_encoder_runs == 2
+
+
 def test_encoder_cache_hit_gives_identical_output(eager, reference):
     runner = eager.llm_engine.core.runner
     runs, hits = runner.num_encoder_runs, runner.encoder_cache.hits
@@ -91,9 +105,11 @@ def test_prompts_differing_only_in_image_share_no_kv(eager, tokenizer):
 
 @pytest.mark.slow
 def test_compiled_matches_transformers(model_dir, reference):
-    # One prefill and one decode bucket: two graphs to compile.
-    llm = _engine(model_dir, additional_config={"neuron_config": {"num_batched_tokens_buckets": [32],
-                                                                  "num_seqs_buckets": [4]}})
+    # One prefill, one decode and one encoder bucket (two blocks of 128 patches): three graphs to compile.
+    llm = _engine(model_dir, additional_config={
+        "neuron_config": {"num_batched_tokens_buckets": [32], "num_seqs_buckets": [4]},
+        "encoder_neuron_config": {"encoder_attention_block_size": 128, "num_encoder_input_buckets": [256]}})
+    assert [r.name for r in llm.llm_engine.core.compiler.records] == ["prefill_s32", "decode_b4", "encoder_p256"]
     assert _generate(llm) == reference
 
 

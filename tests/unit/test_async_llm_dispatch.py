@@ -21,7 +21,7 @@ def client(smollm2_tokenizer_dir):
     llm = AsyncLLM.__new__(AsyncLLM)
     llm.output_processor = OutputProcessor(AutoTokenizer.from_pretrained(smollm2_tokenizer_dir))
     llm._queues, llm._dead, llm.sent = {}, None, []
-    llm._send = lambda msg, block=True: llm.sent.append(msg)
+    llm._send = lambda msg, rank: llm.sent.append(msg)
     params = SamplingParams(max_tokens=5, output_kind=RequestOutputKind.DELTA)
     for rid in ("good", "bad"):
         llm.output_processor.add_request(rid, None, [1, 2, 3], params,

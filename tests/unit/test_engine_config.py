@@ -149,3 +149,17 @@ def test_multimodal_options_are_validated_and_refused_for_text_models():
     text_only = EngineConfig.from_kwargs(additional_config={"mm_language_model_only": True})
     with pytest.raises(ValueError, match="mm_language_model_only applies to multimodal models only"):
         text_only.finalize(model_max_len=2048)
+
+
+def test_encoder_neuron_config_needs_a_multimodal_model_and_one_device():
+    text = EngineConfig.from_kwargs(additional_config={"encoder_neuron_config": {"encoder_attention_block_size": 256}})
+    with pytest.raises(ValueError, match="encoder_neuron_config applies to multimodal models only"):
+        text.finalize(model_max_len=2048)
+    tp = EngineConfig.from_kwargs(additional_config={"encoder_neuron_config": {"tp_size": 2, "dp_size": 1}})
+    with pytest.raises(ValueError, match="tp_size \\* dp_size must equal world_size"):
+        tp.finalize(model_max_len=2048, multimodal=True)
+    hold = EngineConfig.from_kwargs(additional_config={"encoder_neuron_config": {"encoder_cache_min_hold_time_ms": 5}})
+    with pytest.raises(ValueError, match="encoder_cache_min_hold_time_ms=5.* is not supported yet"):
+        hold.finalize(model_max_len=2048, multimodal=True)
+    ok = EngineConfig.from_kwargs(additional_config={"encoder_neuron_config": {"encoder_attention_block_size": 256}})
+    ok.finalize(model_max_len=2048, multimodal=True)

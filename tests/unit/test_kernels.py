@@ -60,6 +60,83 @@ def test_paged_attention_prefill_and_decode(dtype, tol, heads, kv_heads):
                                atol=tol, rtol=tol)
 
 
+def _reference_sinks_window(q, kc, vc, tables, starts, positions, scale, bs, sinks, window):
+    """Per row: softmax over [its window's scores, its head's sink] with the sink dropped, against V."""
+    n, h, d = q.shape
+    kv = kc.shape[1]
+    out = torch.zeros(n, h, d)
+    for s in range(tables.shape[0]):
+        for r in range(int(starts[s]), int(starts[s + 1])):
+            pos = int(positions[r])
+            p = torch.arange(max(0, pos - window + 1) if window else 0, pos + 1)
+            slots = tables[s][p // bs] * bs + p % bs
+            k, v = kc[slots].float().transpose(0, 1), vc[slots].float().transpose(0, 1)  # [kv, L, d]
+            qr = q[r].float().view(kv, h // kv, d)
+            scores = qr @ k.transpose(1, 2) * scale  # [kv, g, L]
+            if sinks is not None:
+                scores = torch.cat([scores, sinks.float().view(kv, h // kv, 1)], dim=-1)
+            probs = torch.softmax(scores, -1)[..., :len(p)]
+            out[r] = (probs @ v).reshape(h, d)
+    return out
+
+
+def _null_out_of_window(tables, starts, positions, window, bs):
+    """The tables a sliding-window KV group would hold: null (0) for blocks every row's window has left."""
+    tables = tables.clone()
+    for s in range(tables.shape[0]):
+        rows = positions[int(starts[s]):int(starts[s + 1])]
+        if window and len(rows):
+            tables[s, :max(0, int(rows.min()) - window + 1) // bs] = 0
+    return tables
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float8_e4m3fn, 1e-5)])
+@pytest.mark.parametrize("window, with_sinks", [(0, True), (1, False), (23, True), (40, True), (200, False)])
+def test_paged_attention_sinks_and_window(dtype, tol, window, with_sinks):
+    # Windows of one key, odd sizes across block (16) and tile (32) edges, and one longer than every sequence.
+    g = torch.Generator().manual_seed(window + with_sinks)
+    heads, kv_heads, d, bs, nblocks = 8, 2, 32, 16, 40
+    cache_dtype = dtype
+    dtype = torch.float32 if dtype == torch.float8_e4m3fn else dtype
+    kc = (torch.randn(nblocks * bs, kv_heads, d, generator=g) * 2).to(cache_dtype)
+    vc = torch.randn(nblocks * bs, kv_heads, d, generator=g).to(cache_dtype)
+    # Block 0 (the null block) holds NaN: a kernel that reads a key outside the window fails the test.
+    kc[:bs] = float("nan")
+    vc[:bs] = float("nan")
+    sinks = torch.randn(heads, generator=g) * 2 if with_sinks else None
+    tables = torch.randperm(nblocks - 1, generator=g)[:30].add(1).view(3, 10)
+
+    def run(q, tables, starts, positions):
+        if cache_dtype == torch.float8_e4m3fn:
+            one = torch.tensor(1.0)
+            return K.paged_attention_fp8(q, kc, vc, tables, starts, positions, 0.125, bs, one, one, sinks, window)
+        return K.paged_attention(q, kc, vc, tables, starts, positions, 0.125, bs, sinks, window)
+
+    # Prefill: seq 0 has 70 cached tokens and 5 new rows, seq 1 is 40 new rows from 0, then 3 padding rows.
+    starts = torch.tensor([0, 5, 45, 45])
+    positions = torch.cat([torch.arange(70, 75), torch.arange(40), torch.zeros(3, dtype=torch.long)])
+    t = _null_out_of_window(tables, starts, positions, window, bs)
+    q = torch.randn(48, heads, d, generator=g).to(dtype)
+    out = run(q, t, starts, positions)
+    ref = _reference_sinks_window(q, kc, vc, t, starts, positions, 0.125, bs, sinks, window)
+    torch.testing.assert_close(out[:45].float(), ref[:45], atol=tol, rtol=tol)
+    assert torch.equal(out[45:], torch.zeros_like(out[45:]))  # padding rows
+    # Decode: one row per sequence, at block and tile edges.
+    starts, positions = torch.arange(4), torch.tensor([0, 32, 159])
+    t = _null_out_of_window(tables, starts, positions, window, bs)
+    q = torch.randn(3, heads, d, generator=g).to(dtype)
+    torch.testing.assert_close(run(q, t, starts, positions).float(),
+                               _reference_sinks_window(q, kc, vc, t, starts, positions, 0.125, bs, sinks, window),
+                               atol=tol, rtol=tol)
+
+
+def test_paged_attention_refuses_bad_sinks_and_window():
+    with pytest.raises(RuntimeError, match="one logit per query head"):
+        K.paged_attention(**_attention_inputs(), sinks=torch.zeros(3))
+    with pytest.raises(RuntimeError, match="window must be >= 0"):
+        K.paged_attention(**_attention_inputs(), window=-1)
+
+
 def _attention_inputs():
     d, bs, nblocks = 16, 16, 4
     kc = torch.zeros(nblocks * bs, 2, d)
@@ -131,13 +208,25 @@ def test_forced_avx2_build_passes_the_same_checks(tmp_path):
     A process of its own: one process loads one build of the ops."""
     if K.detect_variant(K._cpu_flags()) == "generic":
         pytest.skip("this CPU has no AVX2")
-    env = dict(os.environ, VLLM_NEURON_CPU_ISA="avx2", VLLM_CACHE_ROOT=str(tmp_path))
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "not forced_avx2",
-                           __file__],
+    proc = _forced_run("avx2", "not forced", tmp_path)
+    assert "skipped" not in proc.stdout.strip().splitlines()[-1], proc.stdout[-2000:]  # both linear dtypes ran
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(bool(os.environ.get("VLLM_NEURON_CPU_ISA")), reason="already the forced run")
+def test_forced_generic_build_passes_the_attention_checks(tmp_path):
+    """The baseline build (no linear kernels) runs the paged attention with sinks and windows like the others."""
+    _forced_run("generic", "paged_attention and not forced", tmp_path)
+
+
+def _forced_run(variant: str, select: str, tmp_path) -> subprocess.CompletedProcess:
+    env = dict(os.environ, VLLM_NEURON_CPU_ISA=variant, VLLM_CACHE_ROOT=str(tmp_path))
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", select, __file__],
                           env=env, capture_output=True, text=True, timeout=900, cwd=_REPO)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
-    assert "skipped" not in proc.stdout.strip().splitlines()[-1], proc.stdout[-2000:]  # both linear dtypes ran
+    assert " passed" in proc.stdout, proc.stdout[-2000:]
     assert [p.name for p in (tmp_path / "kernels").iterdir()], "nothing was built"
+    return proc
 
 
 def test_a_variant_the_cpu_cannot_run_is_refused():

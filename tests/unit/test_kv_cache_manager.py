@@ -1,5 +1,5 @@
 """KVCacheManager: block tables, prefix-cache lookup and counters, allocation accounting, freeing."""
-from vllm_neuron.core.kv_cache_manager import KVCacheManager, blocks_needed
+from vllm_neuron.core.kv_cache_manager import KVCacheManager, PrefixHit, blocks_needed
 from vllm_neuron.core.request import Request
 from vllm_neuron.sampling_params import SamplingParams
 
@@ -10,9 +10,9 @@ def req(rid: str, tokens: list[int], salt: tuple = ()) -> Request:
     return Request(rid, list(tokens), SamplingParams(max_tokens=8), eos_token_id=None, cache_salt=salt)
 
 
-def prefill(kv: KVCacheManager, r: Request, cached: list[int] = ()) -> None:
+def prefill(kv: KVCacheManager, r: Request, cached: PrefixHit | None = None) -> None:
     """Admits and fully computes `r`'s tokens, as the scheduler + runner would."""
-    r.num_computed_tokens = len(cached) * BS
+    r.num_computed_tokens = cached.num_blocks * BS if cached else 0
     assert kv.allocate(r, r.num_tokens - r.num_computed_tokens, cached)
     r.num_computed_tokens = r.num_tokens
     kv.cache_computed_blocks(r)
@@ -60,9 +60,9 @@ def test_prefix_hit_for_identical_prompt_leaves_last_token():
     b = req("b", prompt)
     hit = kv.find_cached_prefix(b)
     # The last token must be computed for its logits, so its (full) block is recomputed.
-    assert hit == kv.block_table("a")[:2]
+    assert hit.blocks[0] == kv.block_table("a")[:2]
     c = req("c", prompt + [1])  # one token past the cached blocks: all 3 blocks hit
-    assert kv.find_cached_prefix(c) == kv.block_table("a")
+    assert kv.find_cached_prefix(c).blocks[0] == kv.block_table("a")
 
 
 def test_prefix_counters_count_prompt_tokens_looked_up_and_found():
@@ -86,15 +86,15 @@ def test_hit_stops_at_first_miss_because_of_chaining():
     # Block 1 differs; block 2 is identical to a's but its prefix is not, so it cannot hit.
     toks = list(range(13))
     toks[5] = 99
-    assert kv.find_cached_prefix(req("b", toks)) == kv.block_table("a")[:1]
+    assert kv.find_cached_prefix(req("b", toks)).blocks[0] == kv.block_table("a")[:1]
 
 
 def test_cache_salt_separates_prefixes():
     kv = KVCacheManager(num_blocks=20, block_size=BS)
     prefill(kv, req("a", range(9), salt=("x",)))
-    assert kv.find_cached_prefix(req("b", range(9))) == []
-    assert kv.find_cached_prefix(req("c", range(9), salt=("y",))) == []
-    assert len(kv.find_cached_prefix(req("d", range(9), salt=("x",)))) == 2
+    assert kv.find_cached_prefix(req("b", range(9))).num_blocks == 0
+    assert kv.find_cached_prefix(req("c", range(9), salt=("y",))).num_blocks == 0
+    assert kv.find_cached_prefix(req("d", range(9), salt=("x",))).num_blocks == 2
 
 
 def test_prefix_survives_free_and_is_shared_with_ref_counts():
@@ -106,7 +106,7 @@ def test_prefix_survives_free_and_is_shared_with_ref_counts():
     assert kv.num_free_blocks() == 19
     b = req("b", range(9))
     hit = kv.find_cached_prefix(b)
-    assert hit == table_a[:2]
+    assert hit.blocks[0] == table_a[:2]
     prefill(kv, b, hit)
     assert kv.block_table("b")[:2] == table_a[:2]
     c = req("c", list(range(8)) + [77])
@@ -132,7 +132,7 @@ def test_can_allocate_accounts_for_cached_free_blocks():
     assert kv.num_free_blocks() == 3
     b = req("b", list(range(8)) + [50, 51, 52, 53, 54])  # 13 tokens: 4 blocks, 2 of them hit
     hit = kv.find_cached_prefix(b)
-    assert len(hit) == 2
+    assert hit.num_blocks == 2
     b.num_computed_tokens = 8
     # The 2 hit blocks come out of the free list, leaving 1 for the 2 new blocks: must refuse.
     assert not kv.can_allocate(b, 5, hit)
@@ -144,7 +144,7 @@ def test_can_allocate_accounts_for_cached_free_blocks():
     b2.num_computed_tokens = 8
     assert kv.can_allocate(b2, 3, hit2)
     assert kv.allocate(b2, 3, hit2)
-    assert kv.block_table("b2")[:2] == hit2
+    assert kv.block_table("b2")[:2] == hit2.blocks[0]
     assert kv.num_free_blocks() == 0
 
 
@@ -154,7 +154,7 @@ def test_can_allocate_with_hit_blocks_held_by_another_request():
     prefill(kv, a)  # holds 3, 1 free
     b = req("b", list(range(8)) + [5, 6, 7])
     hit = kv.find_cached_prefix(b)
-    assert len(hit) == 2
+    assert hit.num_blocks == 2
     b.num_computed_tokens = 8
     # Held hit blocks cost nothing: only 1 new block is needed and 1 is free.
     assert kv.allocate(b, 3, hit)
@@ -167,7 +167,7 @@ def test_can_allocate_with_hit_blocks_held_by_another_request():
 def test_caching_disabled():
     kv = KVCacheManager(num_blocks=20, block_size=BS, enable_caching=False)
     prefill(kv, req("a", range(9)))
-    assert kv.find_cached_prefix(req("b", range(9))) == []
+    assert kv.find_cached_prefix(req("b", range(9))).num_blocks == 0
     assert (kv.prefix_queries, kv.prefix_hits) == (0, 0)
 
 
@@ -178,7 +178,7 @@ def test_cache_computed_blocks_hashes_only_computed_full_blocks():
     r.num_computed_tokens = 6  # a segment of 6 computed: one full block
     kv.cache_computed_blocks(r)
     assert len(r.block_hashes) == 1
-    assert kv.find_cached_prefix(req("b", range(10))) == kv.block_table("a")[:1]
+    assert kv.find_cached_prefix(req("b", range(10))).blocks[0] == kv.block_table("a")[:1]
     r.num_computed_tokens = 10
     kv.cache_computed_blocks(r)
     assert len(r.block_hashes) == 2
@@ -193,4 +193,4 @@ def test_reset_prefix_cache():
     assert not kv.reset_prefix_cache()
     kv.free(a)
     assert kv.reset_prefix_cache()
-    assert kv.find_cached_prefix(req("b", range(9))) == []
+    assert kv.find_cached_prefix(req("b", range(9))).num_blocks == 0

@@ -83,3 +83,9 @@ def test_language_model_only_refuses_media(processor):
     text_only = MultiModalProcessor(tiny_qwen3_vl_config(), processor.model_path, language_model_only=True)
     with pytest.raises(ValueError, match="mm_language_model_only"):
         text_only.process([IMAGE_PAD], {"image": random_image(56, 56, 0)})
+
+
+def test_an_image_larger_than_an_encoder_block_is_refused(processor):
+    small = MultiModalProcessor(tiny_qwen3_vl_config(), processor.model_path, max_frame_patches=32)
+    with pytest.raises(ValueError, match="an image of 64 patches \\(8x8\\) does not fit encoder_attention_block_size=32"):
+        small.process([IMAGE_PAD], {"image": random_image(112, 112, 0)})

@@ -97,3 +97,15 @@ def test_engine_config_resolves_use_v2_model_runner(monkeypatch, raw, kwargs, ex
     config.finalize(model_max_len=2048)
     assert config.use_v2_model_runner is expected
     assert config.runner_choice.forced == (None if raw is None else raw == "1")
+
+
+@pytest.mark.parametrize("model, kind", [(dict(moe=True), "MoE"), (dict(sliding_window=True), "sliding-window"),
+                                         (dict(moe=True, sliding_window=True), "MoE, sliding-window")])
+def test_mrv1_model_reason_says_why_but_is_not_the_seeds_line(model, kind):
+    choice = select_model_runner(None, cpu_sampling=False, enforce_eager=False, **model)
+    assert choice.model_reason().startswith(f"Model Runner V1: {kind} models use MRv1 by default")
+    assert "does not yet support" not in choice.model_reason()
+    # Forced either way, or a dense model: the choice needs no explanation.
+    assert select_model_runner(False, cpu_sampling=False, enforce_eager=False, **model).model_reason() is None
+    assert select_model_runner(True, cpu_sampling=False, enforce_eager=False, **model).model_reason() is None
+    assert select_model_runner(None, cpu_sampling=False, enforce_eager=True).model_reason() is None

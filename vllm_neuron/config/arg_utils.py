@@ -125,7 +125,23 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool =
 
     g = arg_group(parser, "parallel")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="tensor parallel ranks; only 1 for now")
-    g.add_argument("--data-parallel-size", "-dp", type=int, default=1, help="data parallel ranks; only 1 for now")
+    g.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                   help="engine replicas behind one API server; each request goes to the least loaded one, or "
+                   "to the one that cached its prompt's prefix")
+    g.add_argument("--data-parallel-size-local", "-dpl", type=int, default=None,
+                   help="replicas on this node; the others join from --headless nodes (default: all of them)")
+    g.add_argument("--data-parallel-start-rank", "-dpr", type=int, default=d.data_parallel_start_rank,
+                   help="rank of this node's first replica (a --headless node)")
+    g.add_argument("--data-parallel-address", "-dpa", default=d.data_parallel_address,
+                   help="the head node's address, where replicas on other nodes connect")
+    g.add_argument("--data-parallel-rpc-port", "-dpp", type=int, default=d.data_parallel_rpc_port,
+                   help="the head node's port for replicas on other nodes (trusted network only)")
+    g.add_argument("--data-parallel-rank", type=int, default=None,
+                   help="refused: external load balancing (one server per rank) is not supported yet (default: unset)")
+    g.add_argument("--data-parallel-backend", "-dpb", default=d.data_parallel_backend, choices=("mp", "ray"),
+                   help="how replicas start; only mp (multiprocessing)")
+    g.add_argument("--data-parallel-hybrid-lb", action="store_true",
+                   help="refused: per-node API servers are not supported yet; replicas join the head's router")
     g.add_argument("--enable-expert-parallel", action="store_true",
                    help="refused: expert parallelism is not supported yet")
     g.add_argument("--kv-transfer-config", type=_json_arg, default=None,

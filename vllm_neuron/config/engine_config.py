@@ -76,6 +76,15 @@ class EngineConfig:
     device: str = "auto"
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
+    # Multi-node data parallelism (vLLM's names): replicas on this node, the first one's rank (a
+    # --headless node), and the head's address / port that remote replicas connect to.
+    data_parallel_size_local: int | None = None  # None: every replica on this node
+    data_parallel_start_rank: int = 0
+    data_parallel_address: str = "127.0.0.1"
+    data_parallel_rpc_port: int = 29550
+    data_parallel_rank: int | None = None  # external load balancing (one server per rank): refused
+    data_parallel_backend: str = "mp"
+    data_parallel_hybrid_lb: bool = False
     enable_expert_parallel: bool = False
     kv_cache_dtype: str = "auto"
     async_scheduling: bool | None = None
@@ -98,6 +107,9 @@ class EngineConfig:
     neuron: AdditionalConfig = field(default=None, init=False, repr=False)  # type: ignore[assignment]
     runner_choice: RunnerChoice | None = field(default=None, init=False, repr=False)
     async_scheduling_reason: str = field(default="set explicitly", init=False, repr=False)
+    # Engine processes sharing this engine's memory (DP replicas on one host or GPU); its KV budget
+    # is that share (worker/memory.py's local_workers). Set in each replica's process.
+    kv_budget_shared_by: int = field(default=1, init=False, repr=False)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
@@ -135,8 +147,7 @@ class EngineConfig:
                              f"{list(KV_CACHE_DTYPES)}")
         if self.tensor_parallel_size != 1:
             raise _not_supported("tensor_parallel_size", self.tensor_parallel_size, "only 1 for now")
-        if self.data_parallel_size != 1:
-            raise _not_supported("data_parallel_size", self.data_parallel_size, "only 1 for now")
+        self._validate_data_parallel()
         if self.enable_expert_parallel:
             raise _not_supported("enable_expert_parallel", True, "expert parallelism is not supported yet")
         if self.async_scheduling not in (None, True, False):
@@ -165,8 +176,6 @@ class EngineConfig:
         envs.check_supported()
         if not isinstance(self.additional_config, AdditionalConfig):
             self.additional_config = parse_additional_config(self.additional_config)
-        if self.additional_config.encoder_neuron_config is not None:
-            raise _not_supported("encoder_neuron_config", "...", "no multimodal model is supported yet")
         nc = self.additional_config.neuron_config
         if nc.quantization not in (None, "int8", "int4", "mxfp4"):
             # Which model honours which scheme is the model's to say (ModelSpec.quantizations).
@@ -183,6 +192,45 @@ class EngineConfig:
         if nc.gk_decode:
             raise _not_supported("neuron_config.gk_decode", True)
 
+    def _validate_data_parallel(self) -> None:
+        dp = self.data_parallel_size
+        if self.data_parallel_rank is not None:
+            raise _not_supported("data_parallel_rank", self.data_parallel_rank,
+                                 "external load balancing (one server per rank); use --data-parallel-size with "
+                                 "--data-parallel-size-local / --headless for replicas behind one API server")
+        if self.data_parallel_backend != "mp":
+            raise _not_supported("data_parallel_backend", self.data_parallel_backend, "only 'mp' (multiprocessing)")
+        if self.data_parallel_hybrid_lb:
+            raise _not_supported("data_parallel_hybrid_lb", True, "replicas on every node join the head's router")
+        local = self.data_parallel_size_local
+        if local is not None and (not isinstance(local, int) or isinstance(local, bool) or not 0 <= local <= dp):
+            raise ValueError(f"data_parallel_size_local must be an integer in [0, data_parallel_size={dp}], "
+                             f"got {local!r}")
+        start = self.data_parallel_start_rank
+        if not isinstance(start, int) or isinstance(start, bool) or not 0 <= start < dp:
+            raise ValueError(f"data_parallel_start_rank must be an integer in [0, data_parallel_size={dp}), "
+                             f"got {start!r}")
+        if start + self.local_dp_replicas > dp:
+            raise ValueError(f"data_parallel_start_rank={start} + data_parallel_size_local={self.local_dp_replicas} "
+                             f"exceeds data_parallel_size={dp}")
+        port = self.data_parallel_rpc_port
+        if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
+            raise ValueError(f"data_parallel_rpc_port must be a TCP port in [1, 65535], got {port!r}")
+        if not isinstance(self.data_parallel_address, str) or not self.data_parallel_address:
+            raise ValueError(f"data_parallel_address must be a host name or IP address, got "
+                             f"{self.data_parallel_address!r}")
+
+    @property
+    def local_dp_replicas(self) -> int:
+        """Data-parallel replicas this node runs."""
+        local = self.data_parallel_size_local
+        return self.data_parallel_size if local is None else local
+
+    @property
+    def multi_node_dp(self) -> bool:
+        """Some replicas run on other nodes: the head listens on data_parallel_address:rpc_port."""
+        return self.local_dp_replicas < self.data_parallel_size
+
     def finalize(self, model_max_len: int, *, moe: bool = False, sliding_window: bool = False,
                  multimodal: bool = False) -> NeuronConfig:
         """Fills the model-dependent defaults and resolves the bucket lists; `moe` / `sliding_window` /
@@ -193,6 +241,16 @@ class EngineConfig:
                     raise ValueError(f"{option} applies to multimodal models only; this model takes text only")
             if self.additional_config.mm_language_model_only:
                 raise ValueError("mm_language_model_only applies to multimodal models only; this model is text only")
+            if self.additional_config.encoder_neuron_config is not None:
+                raise ValueError("encoder_neuron_config applies to multimodal models only; this model is text only")
+        enc = self.additional_config.encoder_neuron_config
+        if enc is not None:
+            if enc.parallel_sizes(self.tensor_parallel_size) != (1, 1):
+                raise _not_supported("encoder_neuron_config tp_size/dp_size", (enc.tp_size, enc.dp_size),
+                                     "the encoder runs on one device")
+            if enc.encoder_cache_min_hold_time_ms:
+                raise _not_supported("encoder_neuron_config.encoder_cache_min_hold_time_ms",
+                                     enc.encoder_cache_min_hold_time_ms, "it guards EPD transfers, which are not built")
         if self.max_model_len is None:
             self.max_model_len = model_max_len
         elif self.max_model_len > model_max_len:

@@ -1,12 +1,14 @@
 """KV block pool: free list in eviction order, reference counts and the hash -> block map.
 
-Block 0 is the null block: never handed out, it absorbs the writes of padding tokens. A freed block
+Block 0 is the null block: never handed out, it absorbs the writes of padding tokens and stands in a
+sliding-window group's table for the blocks that left the window (touch / release skip it). A freed block
 that holds a hashed (full) prefix stays findable until it is reused, which is what makes prefix
 caching survive a request's end; eviction takes the least recently freed block first.
 """
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Hashable
 
 NULL_BLOCK = 0
 
@@ -18,8 +20,9 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.ref_cnt = [0] * num_blocks
-        self.block_hash: list[bytes | None] = [None] * num_blocks
-        self.cached: dict[bytes, int] = {}
+        # Cache keys are opaque: the KV cache manager uses (group, chained block hash).
+        self.block_hash: list[Hashable | None] = [None] * num_blocks
+        self.cached: dict[Hashable, int] = {}
         # Insertion order is eviction order: the front is reused first.
         self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(1, num_blocks))
 
@@ -32,12 +35,14 @@ class BlockPool:
         """Fraction of usable blocks held by requests (cached-but-free blocks count as free)."""
         return 1.0 - len(self.free) / (self.num_blocks - 1)
 
-    def lookup(self, block_hash: bytes) -> int | None:
+    def lookup(self, block_hash: Hashable) -> int | None:
         return self.cached.get(block_hash) if self.enable_caching else None
 
     def touch(self, blocks: list[int]) -> None:
         """Takes a reference on cached blocks (a prefix hit), pulling free ones out of the free list."""
         for b in blocks:
+            if b == NULL_BLOCK:
+                continue
             if self.ref_cnt[b] == 0:
                 del self.free[b]
             self.ref_cnt[b] += 1
@@ -56,11 +61,13 @@ class BlockPool:
     def release(self, blocks: list[int]) -> None:
         # Freed tail-first: a request's last blocks are the least likely to be shared, so go first.
         for b in reversed(blocks):
+            if b == NULL_BLOCK:
+                continue
             self.ref_cnt[b] -= 1
             if self.ref_cnt[b] == 0:
                 self.free[b] = None
 
-    def cache(self, block: int, block_hash: bytes) -> None:
+    def cache(self, block: int, block_hash: Hashable) -> None:
         if not self.enable_caching or self.block_hash[block] is not None:
             return
         if block_hash in self.cached:

@@ -32,6 +32,7 @@ from vllm_neuron.core.kv_cache_manager import KVCacheManager
 from vllm_neuron.core.request import Request, RequestStatus
 from vllm_neuron.core.spec_decode_stats import SpecDecodeStats
 from vllm_neuron.core.stop_checker import check_stop
+from vllm_neuron.kv_cache_groups import KVCacheLayout
 from vllm_neuron.step import (PLACEHOLDER_TOKEN_ID, ModelRunnerOutput, NewRequestData, ScheduledChunk,
                               SchedulerOutput)
 
@@ -48,6 +49,8 @@ class SchedulerConfig:
     # prefill context bucket).
     max_prefill_context_tokens: int | None = None
     num_speculative_tokens: int = 0  # K: most drafts verified per request and step (0: no speculation)
+    # KV cache groups (kv_cache_groups.py): None is one group of every layer.
+    kv_cache_layout: KVCacheLayout | None = None
 
 
 @dataclass
@@ -59,7 +62,8 @@ class FinishedRequest:
 class Scheduler:
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
-        self.kv = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching,
+                                 config.kv_cache_layout)
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order; the last is preempted first
@@ -153,8 +157,8 @@ class Scheduler:
                 break
             if new and (alone or req.request_id in self._isolated):
                 break  # a request set up again after a failed step is the only new one in its step
-            cached = [] if admitted else self.kv.find_cached_prefix(req)
-            start = req.num_computed_tokens if admitted else len(cached) * cfg.block_size
+            cached = None if admitted else self.kv.find_cached_prefix(req)
+            start = req.num_computed_tokens if admitted else cached.num_blocks * cfg.block_size
             if start > ctx_budget - sum(c.start_pos for c in chunks):
                 break  # FCFS: later requests wait rather than overtake
             n = min(req.num_tokens - start, budget)
@@ -182,7 +186,7 @@ class Scheduler:
                                               req.eos_token_id, req.mm_items))
             tokens = req.all_token_ids[start:start + n]
             sample = start + n == req.num_tokens
-            chunks.append(ScheduledChunk(req.request_id, tokens, start, list(self.kv.block_table(req.request_id)),
+            chunks.append(ScheduledChunk(req.request_id, tokens, start, *self._tables(req.request_id),
                                          sample=sample))
             req.num_computed_tokens = start + n
             req.num_output_placeholders += sample
@@ -214,12 +218,17 @@ class Scheduler:
             pos = r.num_computed_tokens
             # With async scheduling the token at `pos` may still be on the device (previous step).
             token = r.token_at(pos) if pos < r.num_tokens else PLACEHOLDER_TOKEN_ID
-            chunks.append(ScheduledChunk(r.request_id, [token, *drafts], pos, list(self.kv.block_table(r.request_id)),
+            chunks.append(ScheduledChunk(r.request_id, [token, *drafts], pos, *self._tables(r.request_id),
                                          sample=True, num_draft_tokens=len(drafts)))
             r.num_computed_tokens += 1 + len(drafts)
             r.num_output_placeholders += 1
             r.spec_token_ids = []
         return SchedulerOutput("decode", chunks)
+
+    def _tables(self, req_id: str) -> tuple[list[int], tuple[list[int], ...]]:
+        """(group 0's block table, the other groups' tables), copied: the runner may see them later."""
+        return list(self.kv.block_table(req_id)), tuple(list(self.kv.block_table(req_id, g))
+                                                        for g in range(1, self.kv.num_groups))
 
     def _drafts(self, req: Request) -> list[int]:
         """The request's drafts for this step, capped so every output they could yield is wanted."""

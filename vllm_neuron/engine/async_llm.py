@@ -1,25 +1,23 @@
 """AsyncLLM: the API server's engine client. Input and output processing run here, in the server's
-event loop; the EngineCore runs in its own (spawned) process behind two ZMQ sockets, so the HTTP loop
-never runs the model.
+event loop; the EngineCore replicas run in their own (spawned) processes behind one ZMQ socket
+(engine/core_client.py), so the HTTP loop never runs the model.
+
+With --data-parallel-size N there are N replicas; each request goes to one of them (engine/dp_router.py:
+least outstanding work, prefix affinity), and its outputs, aborts and failure stay with that replica.
+A replica that dies fails its own requests with EngineDeadError; the others keep serving, /health
+reports the dead one, and the server exits once none is left.
 """
 from __future__ import annotations
 
 import asyncio
-import multiprocessing
-import os
-import pickle
-import shutil
-import tempfile
+import time
 from collections.abc import AsyncGenerator
 from typing import Any
 
-import zmq
-import zmq.asyncio
-
-from vllm_neuron import metrics
 from vllm_neuron.config.engine_config import EngineConfig
 from vllm_neuron.config.generation_config import effective_generation_config
-from vllm_neuron.engine.core_proc import run_engine_core
+from vllm_neuron.engine.core_client import CoreClient
+from vllm_neuron.engine.dp_router import DPRouter
 from vllm_neuron.engine.input_processor import InputProcessor, multimodal_processor
 from vllm_neuron.engine.output_processor import OutputProcessor
 from vllm_neuron.engine.protocol import EngineClient, EngineDeadError, EngineRequestError, ModelInfo, PromptType
@@ -31,6 +29,8 @@ from vllm_neuron.sampling_params import SamplingParams
 
 logger = init_logger(__name__)
 
+_LIVENESS_S = 0.2  # how often replica processes and node heartbeats are checked
+
 
 class AsyncLLM(EngineClient):
     def __init__(self, config: EngineConfig, model_name: str | None = None) -> None:
@@ -41,29 +41,20 @@ class AsyncLLM(EngineClient):
         self.config = config
         self.model_name = model_name or config.served_names()[0]
         self._queues: dict[str, asyncio.Queue] = {}
+        self._replica_of: dict[str, int] = {}  # request id -> the replica serving it
+        self._weight: dict[str, int] = {}  # request id -> engine requests it holds (n)
         self._ready = False
         self._dead: str | None = None
         self._handler: asyncio.Task | None = None
         self.startup_info: dict[str, Any] = {}
-
-        self._ipc_dir = tempfile.mkdtemp(prefix="vllm_neuron_ipc_")
-        in_addr, out_addr = (f"ipc://{os.path.join(self._ipc_dir, n)}" for n in ("in", "out"))
-        self._sync_ctx = zmq.Context()
-        self._input = self._sync_ctx.socket(zmq.PUSH)
-        self._input.bind(in_addr)
-        self._async_ctx = zmq.asyncio.Context()
-        self._output = self._async_ctx.socket(zmq.PULL)
-        self._output.bind(out_addr)
-        self.proc = multiprocessing.get_context("spawn").Process(
-            target=run_engine_core, args=(config, in_addr, out_addr, self.model_name), name="EngineCore", daemon=True)
-        self.proc.start()
-        logger.info("EngineCore process started (pid %d)", self.proc.pid)
-        # The tokenizer loads while the engine process imports and loads the model (start-up overlap).
+        # A replica with a full batch more in flight than the least loaded one gives up its prefix affinity.
+        self.router = DPRouter(config.data_parallel_size, config.block_size, imbalance=config.max_num_seqs)
+        self.cores = CoreClient(config, self.model_name)
+        # The tokenizer loads while the engine processes import and load the model (start-up overlap).
         try:
             self.tokenizer = load_tokenizer(config.tokenizer or ckpt, config.chat_template)
         except BaseException:
-            self.proc.kill()
-            self.shutdown()  # sockets and the IPC folder
+            self.cores.shutdown()
             raise
         generation = effective_generation_config(config.generation_config, ckpt.generation_config,
                                                  config.override_generation_config)
@@ -87,10 +78,12 @@ class AsyncLLM(EngineClient):
 
     @property
     def is_ready(self) -> bool:
+        """Every replica finished its start-up, and one at least still serves."""
         return self._ready and self._dead is None
 
     @property
     def errored(self) -> bool:
+        """No replica is left: the server cannot serve (it exits)."""
         return self._dead is not None
 
     @property
@@ -98,8 +91,16 @@ class AsyncLLM(EngineClient):
         return self._dead
 
     async def check_health(self) -> None:
+        """Raises EngineDeadError when any replica is dead (the survivors still serve requests)."""
         if self._dead is not None:
             raise EngineDeadError(f"the engine process died: {self._dead}")
+        dead = self.cores.dead_reasons()
+        if dead:
+            raise EngineDeadError("; ".join(f"data parallel replica {r} died: {why}" for r, why in dead.items()))
+
+    def replica_of(self, request_id: str) -> int | None:
+        """The data-parallel replica serving an in-flight request (None when unknown or finished)."""
+        return self._replica_of.get(request_id)
 
     def get_default_sampling_params(self) -> SamplingParams:
         return self.input_processor.default_sampling_params()
@@ -107,15 +108,25 @@ class AsyncLLM(EngineClient):
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams,
                        request_id: str) -> AsyncGenerator[RequestOutput, None]:
         self._ensure_handler()
-        await self.check_health()
+        if self._dead is not None:
+            raise EngineDeadError(f"the engine process died: {self._dead}")
         if request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, ids, reqs = self.input_processor.process(request_id, prompt, sampling_params)
         q: asyncio.Queue = asyncio.Queue()
+        decision = self.router.route(ids, weight=len(reqs))
+        if self.router.loads[decision.replica] == len(reqs):
+            self.cores.got_work(decision.replica)
         self._queues[request_id] = q
+        self._replica_of[request_id] = decision.replica
+        self._weight[request_id] = len(reqs)
         self.output_processor.add_request(request_id, text, ids, sampling_params, reqs)
+        logger.debug("request %s -> replica %d (%s, %d cached blocks)", request_id, decision.replica,
+                     decision.reason, decision.matched_blocks)
         for r in reqs:
-            self._send(("add", r))
+            if not self.cores.send(decision.replica, ("add", r)):
+                self._fail_replica_request(request_id, decision.replica, "it is unreachable")
+                break
         finished = False
         try:
             while True:
@@ -130,24 +141,29 @@ class AsyncLLM(EngineClient):
             self._queues.pop(request_id, None)
             if not finished:  # consumer went away (client disconnect) or the engine died
                 self._abort_now(request_id)
+            self._release(request_id)
 
     async def abort(self, request_id: str) -> None:
         self._abort_now(request_id)
 
     # -- internals ---------------------------------------------------------------------------------
+    def _release(self, request_id: str) -> None:
+        rank = self._replica_of.pop(request_id, None)
+        if rank is not None:
+            self.router.finished(rank, self._weight.pop(request_id, 1))
+
     def _abort_now(self, request_id: str) -> None:
         ids = self.output_processor.engine_ids(request_id)
-        if ids and self._dead is None:
-            self._send(("abort", ids))
+        rank = self._replica_of.get(request_id)
+        if ids and rank is not None:
+            self._send(("abort", ids), rank)
         self.output_processor.abort(request_id)
         q = self._queues.pop(request_id, None)
         if q is not None:
             q.put_nowait(asyncio.CancelledError(f"request {request_id} aborted"))
 
-    def _send(self, msg: Any, block: bool = True) -> None:
-        if self._dead is not None:
-            return  # a PUSH to a dead peer would block forever
-        self._input.send(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL), flags=0 if block else zmq.NOBLOCK)
+    def _send(self, msg: Any, rank: int) -> None:
+        self.cores.send(rank, msg)  # a dead replica gets nothing: its requests have failed already
 
     def _ensure_handler(self) -> None:
         if self._handler is None or self._handler.done():
@@ -162,35 +178,52 @@ class AsyncLLM(EngineClient):
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
         while not self._ready:
-            await self.check_health()
+            if self._dead is not None or self.cores.dead_reasons():
+                await self.check_health()  # a replica that dies during start-up fails the start
             if deadline is not None and loop.time() > deadline:
                 raise TimeoutError("engine did not become ready in time")
             await asyncio.sleep(0.05)
 
     async def _output_loop(self) -> None:
+        next_check = 0.0
         while self._dead is None:
-            if not await self._output.poll(200):
-                if not self.proc.is_alive():
-                    self._mark_dead(f"process exited with code {self.proc.exitcode}")
+            got = await self.cores.poll(int(_LIVENESS_S * 1000))
+            now = time.monotonic()
+            if now >= next_check:  # also while outputs stream without a pause
+                next_check = now + _LIVENESS_S
+                for rank, reason in self.cores.check_liveness(self.router.loads, now):
+                    self._replica_died(rank, reason)
+            if not got:
                 continue
-            kind, payload = pickle.loads(await self._output.recv())
+            rank, (kind, *rest) = await self.cores.recv()
+            payload = rest[0] if rest else None
             if kind == "outputs":
-                self._dispatch(payload)
+                self._dispatch(payload, rank)
             elif kind == "ready":
-                self._ready = True
-                self.startup_info = payload
-                # The EngineCore logged its own "Engine ready" line with the details: no second one.
-                logger.debug("EngineCore reported ready (startup %.1f s)", payload["startup_seconds"])
+                self._on_ready(rank, payload)
             elif kind == "dead":
-                self._mark_dead(payload)
+                self._replica_died(rank, payload)
+            elif kind == "node_dead":
+                for r, reason in payload:
+                    self._replica_died(r, reason)
 
-    def _dispatch(self, outs) -> None:
+    def _on_ready(self, rank: int, info: dict) -> None:
+        # The EngineCore logged its own "Engine ready" line with the details: no second one.
+        logger.debug("EngineCore %d reported ready (startup %.1f s)", rank, info["startup_seconds"])
+        if rank == 0 or not self.startup_info:
+            self.startup_info = info
+        if all(r.ready or r.dead is not None for r in self.cores.replicas):
+            self._ready = True
+            if self.cores.size > 1:
+                logger.info("All %d data parallel replicas are ready", self.cores.size)
+
+    def _dispatch(self, outs, rank: int = 0) -> None:
         # One request's outputs at a time: an error while detokenizing one fails that request only,
         # never this loop (which every request in flight depends on).
         by_request: dict[str | None, list] = {}
         for out in outs.outputs:
             if out.error is not None:
-                self._fail_request(out.request_id, out.error)
+                self._fail_request(out.request_id, out.error, rank)
             else:
                 by_request.setdefault(self.output_processor.parent_of.get(out.request_id), []).append(out)
         for group in by_request.values():
@@ -198,16 +231,16 @@ class AsyncLLM(EngineClient):
                 results, to_abort = self.output_processor.process(group)
             except Exception as e:  # noqa: BLE001
                 logger.exception("output processing failed for request %s", group[0].request_id)
-                self._fail_request(group[0].request_id, f"{type(e).__name__}: {e}")
+                self._fail_request(group[0].request_id, f"{type(e).__name__}: {e}", rank)
                 continue
             if to_abort:
-                self._send(("abort", to_abort, "stop"))
+                self._send(("abort", to_abort, "stop"), rank)
             for res in results:
                 q = self._queues.get(res.request_id)
                 if q is not None:
                     q.put_nowait(res)
 
-    def _fail_request(self, engine_request_id: str, error: str) -> None:
+    def _fail_request(self, engine_request_id: str, error: str, rank: int = 0) -> None:
         """The engine failed one completion: the whole request fails with the error (its other
         completions are aborted); the engine goes on."""
         parent = self.output_processor.parent_of.get(engine_request_id)
@@ -216,36 +249,50 @@ class AsyncLLM(EngineClient):
         q = self._queues.pop(parent, None)
         ids = self.output_processor.engine_ids(parent)
         if ids:
-            self._send(("abort", ids))
+            self._send(("abort", ids), rank)
         self.output_processor.abort(parent)
         if q is not None:
             q.put_nowait(EngineRequestError(f"the engine failed this request: {error}"))
 
-    def _mark_dead(self, reason: str) -> None:
-        if self._dead is not None:
+    def _fail_replica_request(self, request_id: str, rank: int, why: str) -> None:
+        self.output_processor.abort(request_id)
+        q = self._queues.pop(request_id, None)
+        if q is not None:
+            q.put_nowait(self._replica_error(rank, why))
+
+    def _replica_error(self, rank: int, why: str) -> EngineDeadError:
+        if self.cores.size == 1:
+            return EngineDeadError(f"the engine process died: {why}")
+        return EngineDeadError(f"data parallel replica {rank} died: {why}")
+
+    def _replica_died(self, rank: int, reason: str) -> None:
+        """A replica is gone: its requests fail now, the router stops choosing it; the last one ends the
+        engine."""
+        if not self.cores.mark_dead(rank, reason):
             return
-        self._dead = reason
-        logger.error("EngineCore is dead: %s", reason)
-        err = EngineDeadError(f"the engine process died: {reason}")
-        for q in self._queues.values():
-            q.put_nowait(err)
+        self.router.mark_dead(rank)
+        mine = [rid for rid, r in self._replica_of.items() if r == rank]
+        if self.cores.size == 1:
+            logger.error("EngineCore is dead: %s", reason)
+        else:
+            logger.error("Data parallel replica %d is dead (%s): %d request(s) in flight on it fail; /health "
+                         "reports it; %d replica(s) still serve", rank, reason, len(mine),
+                         sum(self.cores.alive()))
+        err = self._replica_error(rank, reason)
+        for rid in mine:
+            self.output_processor.abort(rid)
+            q = self._queues.pop(rid, None)
+            if q is not None:
+                q.put_nowait(err)
+        if self.cores.all_dead:
+            self._dead = reason if self.cores.size == 1 else "every data parallel replica died (" + \
+                "; ".join(f"{r}: {why}" for r, why in self.cores.dead_reasons().items()) + ")"
+            for q in self._queues.values():
+                q.put_nowait(EngineDeadError(f"the engine process died: {self._dead}"))
+        elif not self._ready and all(r.ready or r.dead is not None for r in self.cores.replicas):
+            self._ready = True
 
     def shutdown(self) -> None:
-        if self.proc.is_alive():
-            try:
-                self._send(("shutdown",), block=False)
-            except zmq.ZMQError:  # zmq.Again: the core is gone or not listening; terminate() below
-                pass
-            self.proc.join(timeout=10)
-            if self.proc.is_alive():
-                self.proc.terminate()
-                self.proc.join(timeout=5)
-        if self.proc.pid is not None:
-            metrics.mark_process_dead(self.proc.pid)
         if self._handler is not None:
             self._handler.cancel()
-        self._input.close(linger=0)
-        self._output.close(linger=0)
-        self._sync_ctx.term()
-        self._async_ctx.term()
-        shutil.rmtree(self._ipc_dir, ignore_errors=True)
+        self.cores.shutdown()

@@ -52,6 +52,8 @@ class EngineCore:
         choice = config.runner_choice
         if choice.log_message():
             (logger.warning if choice.use_v2 else logger.info)("%s", choice.log_message())
+        if choice.model_reason():
+            logger.info("%s", choice.model_reason())
         if config.use_v2_model_runner:
             logger.info("%s", V2_LOG_LINE)
         self.runner = make_runner(config, self.ckpt, self.device, self.dtype, backend)
@@ -60,13 +62,15 @@ class EngineCore:
         self.load_stats = self.runner.load_model()
         self.num_blocks = self.runner.num_blocks(self.load_stats.nbytes)
         self.runner.init_kv_cache(self.num_blocks)
-        logger.info(memory.capacity_summary(self.num_blocks - 1, config.block_size, config.max_model_len))
+        logger.info(memory.capacity_summary(self.num_blocks - 1, config.block_size, config.max_model_len,
+                                            self.runner.request_blocks()))
         self.compiler = self.runner.warmup()
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=config.max_model_len, block_size=config.block_size, num_blocks=self.num_blocks,
             enable_prefix_caching=config.enable_prefix_caching,
-            max_prefill_context_tokens=max(nc.context_buckets), num_speculative_tokens=config.num_speculative_tokens))
+            max_prefill_context_tokens=max(nc.context_buckets), num_speculative_tokens=config.num_speculative_tokens,
+            kv_cache_layout=self.runner.kv_layout))
         self.structured = None  # StructuredOutputManager, created with the first grammar request
         self._grammar_wait: dict[str, Request] = {}
         self.async_scheduling = bool(config.async_scheduling)
@@ -285,4 +289,5 @@ class EngineCore:
             prefix_queries=s.kv.prefix_queries, prefix_hits=s.kv.prefix_hits, num_preemptions=s.num_preemptions,
             step_kind=sched.kind if sched else "", bucket_name=result.bucket_name if result else "",
             num_padding=result.num_padding if result else 0, num_tokens=sched.num_tokens if sched else 0,
-            num_async_sync_fallbacks=self.num_async_sync_fallbacks, spec_decode=s.spec_stats.cumulative())
+            num_async_sync_fallbacks=self.num_async_sync_fallbacks, spec_decode=s.spec_stats.cumulative(),
+            encoder_cache=self.runner.encoder_cache_stats())

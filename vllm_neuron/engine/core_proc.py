@@ -1,14 +1,17 @@
 """The EngineCore process: receives requests over ZMQ, steps the engine, sends outputs back.
 
-Messages are pickled tuples ("add", EngineCoreRequest) / ("abort", [ids]) / ("shutdown",) in, and
-("ready", info) / ("outputs", EngineCoreOutputs) / ("dead", message) out. The loop blocks on the input
-socket only when no request is unfinished, so an idle engine costs nothing.
+One DEALER socket, identity `engine-<dp rank>`, connected to the API server's ROUTER (ipc on one
+host, tcp for data-parallel replicas on other hosts). Messages are pickled tuples ("add",
+EngineCoreRequest) / ("abort", [ids]) / ("shutdown",) in, and ("hello", info) / ("ready", info) /
+("outputs", EngineCoreOutputs) / ("alive", None) / ("dead", message) out. The loop blocks on the socket only when no
+request is unfinished, so an idle engine costs nothing.
 """
 from __future__ import annotations
 
 import os
 import pickle
 import signal
+import socket
 import time
 import traceback
 from typing import Any
@@ -16,28 +19,37 @@ from typing import Any
 import zmq
 
 from vllm_neuron.config.engine_config import EngineConfig
+from vllm_neuron.engine.replica import ReplicaPlacement, apply_placement, engine_identity
 from vllm_neuron.logger import init_logger
 
 logger = init_logger(__name__)
+
+# A busy engine sends something at least this often (the client's hang detection: VLLM_ENGINE_ITERATION_TIMEOUT_S).
+ALIVE_S = 1.0
 
 
 def _send(sock: zmq.Socket, msg: Any) -> None:
     sock.send(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL), copy=False)
 
 
-def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, model_name: str) -> None:
+def run_engine_core(config: EngineConfig, address: str, placement: ReplicaPlacement, model_name: str) -> None:
     """Process entry point (spawned)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the API server process owns Ctrl-C and tells us
     ctx = zmq.Context()
-    inp = ctx.socket(zmq.PULL)
-    inp.connect(input_addr)
-    out = ctx.socket(zmq.PUSH)
-    out.connect(output_addr)
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.IDENTITY, engine_identity(placement.rank))
+    sock.connect(address)
+    inp = out = sock
     try:
         from vllm_neuron import metrics
         from vllm_neuron.engine.core import EngineCore
 
-        metrics.configure(model_name)
+        _send(out, ("hello", {"pid": os.getpid(), "host": socket.gethostname()}))
+        apply_placement(placement)
+        config.kv_budget_shared_by = placement.kv_budget_shared_by  # host RAM: split by local_workers
+        if placement.cuda_index is not None and placement.kv_budget_shared_by > 1:  # replicas sharing one GPU
+            config.gpu_memory_utilization /= placement.kv_budget_shared_by
+        metrics.configure(model_name, engine=placement.rank)
         core = EngineCore(config)
         for rec in core.compiler.records:
             metrics.record_compilation_time(rec.name, rec.seconds)
@@ -49,8 +61,7 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, mod
         logger.error("EngineCore died: %s\n%s", e, traceback.format_exc())
         _send(out, ("dead", f"{type(e).__name__}: {e}"))
     finally:
-        inp.close(linger=0)
-        out.close(linger=1000)
+        sock.close(linger=1000)
         ctx.term()
 
 
@@ -62,6 +73,7 @@ def _loop(core, inp: zmq.Socket, out: zmq.Socket, metrics, log_stats: bool = Tru
     from vllm_neuron.engine.stats_logger import StatsLogger
 
     stats_logger = StatsLogger(envs.VLLM_LOG_STATS_INTERVAL, time.monotonic()) if log_stats else None
+    last_sent = time.monotonic()
     while True:
         timeout = 0 if core.has_unfinished() else _idle_timeout_ms(stats_logger)
         handled = False
@@ -81,8 +93,13 @@ def _loop(core, inp: zmq.Socket, out: zmq.Socket, metrics, log_stats: bool = Tru
         recorder.record(outs.stats)
         if stats_logger is not None:
             stats_logger.record(outs)
+        now = time.monotonic()
         if outs.outputs:
             _send(out, ("outputs", outs))
+            last_sent = now
+        elif now - last_sent > ALIVE_S:  # steps without tokens (long prompts' segments) still show progress
+            _send(out, ("alive", None))
+            last_sent = now
 
 
 def _idle_timeout_ms(stats_logger) -> int | None:
@@ -114,6 +131,7 @@ class _StatsRecorder:
         self.metrics = metrics
         self.prev = (0, 0, 0, 0)
         self.prev_spec = (0, 0, 0, [])
+        self.prev_encoder = (0, 0)
 
     def record(self, s) -> None:
         if s is None:
@@ -131,6 +149,10 @@ class _StatsRecorder:
             self.metrics.record_spec_decode(d - pd, t - pt, a - pa,
                                             [n - (prev_pos[i] if i < len(prev_pos) else 0) for i, n in enumerate(per_pos)])
             self.prev_spec = s.spec_decode
+        if s.encoder_cache is not None:
+            (h, m), (ph, pm) = s.encoder_cache, self.prev_encoder
+            self.metrics.record_encoder_cache(h - ph, m - pm)
+            self.prev_encoder = s.encoder_cache
         if s.bucket_name:
             self.metrics.record_execution(s.bucket_name)
             self.metrics.record_padding("tokens" if s.step_kind == "prefill" else "seqs", s.bucket_name,

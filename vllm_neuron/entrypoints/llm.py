@@ -1,7 +1,10 @@
-"""The offline `LLM`: vLLM's Python API over the in-process engine."""
+"""The offline `LLM`: vLLM's Python API over the in-process engine; with data_parallel_size > 1, over
+the server's engine client (one process per replica, the same router) on a private event loop."""
 from __future__ import annotations
 
+import asyncio
 import itertools
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -31,14 +34,20 @@ class LLM:
         return llm
 
     def _init(self, config: EngineConfig) -> None:
-        self.llm_engine = LLMEngine(config)
         self._counter = itertools.count()
+        self._dp: _DataParallelEngine | None = None
+        if config.data_parallel_size > 1:
+            self._dp = _DataParallelEngine(config)
+            weakref.finalize(self, self._dp.shutdown)
+            self.llm_engine = None
+        else:
+            self.llm_engine = LLMEngine(config)
 
     def get_tokenizer(self):
-        return self.llm_engine.tokenizer
+        return (self._dp or self.llm_engine).tokenizer
 
     def get_default_sampling_params(self) -> SamplingParams:
-        return self.llm_engine.input_processor.default_sampling_params()
+        return (self._dp or self.llm_engine).input_processor.default_sampling_params()
 
     def generate(self, prompts: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
@@ -54,12 +63,16 @@ class LLM:
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling_params")
         ids = []
+        requests = []
+        for prompt, p in zip(prompts, params):
+            if p.output_kind != RequestOutputKind.FINAL_ONLY:
+                p = p.clone()
+                p.output_kind = RequestOutputKind.FINAL_ONLY
+            requests.append((str(next(self._counter)), prompt, p))
+        if self._dp is not None:
+            return self._dp.run(requests, use_tqdm)
         try:
-            for prompt, p in zip(prompts, params):
-                rid = str(next(self._counter))
-                if p.output_kind != RequestOutputKind.FINAL_ONLY:
-                    p = p.clone()
-                    p.output_kind = RequestOutputKind.FINAL_ONLY
+            for rid, prompt, p in requests:
                 self.llm_engine.add_request(rid, prompt, p)
                 ids.append(rid)
             return self._run(ids, use_tqdm)
@@ -114,3 +127,45 @@ class LLM:
                     bar.set_postfix_str(f"output: {out_tokens / max(bar.format_dict['elapsed'], 1e-9):.1f} tok/s")
         bar.close()
         return [done[i] for i in ids]
+
+
+class _DataParallelEngine:
+    """The replicas of LLM(data_parallel_size=N): AsyncLLM (engine/async_llm.py) driven to completion."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        from vllm_neuron.engine.async_llm import AsyncLLM
+
+        self.loop = asyncio.new_event_loop()
+        self.client = AsyncLLM(config)
+        try:
+            self.loop.run_until_complete(self.client.wait_until_ready())
+        except BaseException:
+            self.shutdown()
+            raise
+        self.tokenizer = self.client.tokenizer
+        self.input_processor = self.client.input_processor
+
+    def run(self, requests: list[tuple[str, Any, SamplingParams]], use_tqdm: bool) -> list[RequestOutput]:
+        bar = tqdm(total=len(requests), desc="Processed prompts", disable=not use_tqdm or None, unit="req")
+
+        async def one(rid: str, prompt: Any, params: SamplingParams) -> RequestOutput:
+            final = None
+            async for out in self.client.generate(prompt, params, rid):
+                final = out
+            bar.update(1)
+            return final
+
+        async def every() -> list[RequestOutput]:
+            return await asyncio.gather(*(one(*r) for r in requests))  # a failure cancels (aborts) the rest
+
+        try:
+            return self.loop.run_until_complete(every())
+        finally:
+            bar.close()
+
+    def shutdown(self) -> None:
+        if self.loop.is_closed():
+            return
+        self.client.shutdown()
+        self.loop.run_until_complete(asyncio.sleep(0))  # the cancelled output task ends in its loop
+        self.loop.close()

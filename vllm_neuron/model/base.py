@@ -8,7 +8,9 @@ runner only ever:
   (`ModelSpec`: layers, KV heads, head dim, per-layer sliding windows, MoE, attention sinks);
 * calls `forward(input_ids, positions, kv_caches, meta, inputs_embeds=None)` -> hidden states [N, hidden]
   for N (padded) tokens; `kv_caches[i]` is layer i's (K, V) pair of [slots, kv_heads, head_dim]
-  tensors, `meta` the step's `AttentionMetadata` (shared by all layers);
+  tensors, `meta` the step's `AttentionMetadata` shared by all layers, or a list of one per layer
+  (KV cache groups, kv_cache_groups.py: layers of different groups write and read through different
+  block tables, and layers of the same index in different groups share one K/V tensor pair);
 * calls `compute_logits(hidden)` -> [rows, vocab];
 * feeds `load_weights(iterable of (checkpoint name, tensor))` the tensors of a safetensors folder or
   a GGUF file (both yield transformers' names); it returns the bytes loaded and raises a ValueError
@@ -49,9 +51,9 @@ class ModelSpec:
         return any(w is not None for w in self.sliding_windows)
 
     @property
-    def needs_torch_attention(self) -> bool:
-        """The custom paged-attention kernel does causal attention only: sinks and sliding windows
-        take the torch path (masks built per step)."""
+    def has_sinks_or_windows(self) -> bool:
+        """The CPU kernel and the torch path do sinks and sliding windows; the CUDA paged decode (Triton)
+        is plain causal, so such models decode through the torch path there."""
         return self.attention_sinks or self.has_sliding_window
 
 

@@ -31,7 +31,7 @@ def _processor_keys() -> set[str]:
 class MultiModalProcessor:
     def __init__(self, hf_config, model_path: str, *, mm_processor_kwargs: Mapping[str, Any] | None = None,
                  limits: Mapping[str, int] | None = None, allowed_local_media_path: str | None = None,
-                 language_model_only: bool = False) -> None:
+                 language_model_only: bool = False, max_frame_patches: int | None = None) -> None:
         self.image_token_id = hf_config.image_token_id
         self.video_token_id = hf_config.video_token_id
         self.merge = hf_config.vision_config.spatial_merge_size
@@ -39,6 +39,7 @@ class MultiModalProcessor:
         self.limits = dict(limits or {})
         self.allowed_local_media_path = allowed_local_media_path
         self.language_model_only = language_model_only
+        self.max_frame_patches = max_frame_patches  # encoder_attention_block_size: a frame must fit a block
         self.default_kwargs = self.check_kwargs(mm_processor_kwargs or {})
 
     @staticmethod
@@ -104,6 +105,10 @@ class MultiModalProcessor:
                 ids.append(t)
                 continue
             g = next(it)
+            if self.max_frame_patches is not None and g[1] * g[2] > self.max_frame_patches:
+                raise ValueError(f"an image of {g[1] * g[2]} patches ({g[1]}x{g[2]}) does not fit "
+                                 f"encoder_attention_block_size={self.max_frame_patches}; lower max_pixels "
+                                 "(--mm-processor-kwargs) or raise the block size")
             llm = (g[0], g[1] // self.merge, g[2] // self.merge)
             n = llm[0] * llm[1] * llm[2]
             px = np.ascontiguousarray(pixels[start:start + g[0] * g[1] * g[2]], dtype=np.float32)

@@ -7,6 +7,8 @@ not survive the round trip.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from vllm_neuron.model.layers.attention import AttentionMetadata, context_positions, decode_mask, prefill_mask
@@ -20,12 +22,32 @@ class StepGraphs:
     kv_segment = 0  # kv_segment_size_buckets: the torch prefill reads the context this many slots at a time
 
     def __init__(self, model: torch.nn.Module, odsc, block_size: int, use_kernels: bool,
-                 paged_decode: bool = False) -> None:
+                 paged_decode: bool = False, kv_layout=None) -> None:
         self.model = model
         self.odsc = odsc
         self.block_size = block_size
         self.use_kernels = use_kernels
         self.paged_decode = paged_decode
+        # KV cache groups (kv_cache_groups.py): per layer its group and its K/V tensor pair; None for one
+        # group, where kv_caches holds one pair per layer and every layer shares one metadata.
+        multi = kv_layout is not None and kv_layout.num_groups > 1
+        self.layer_group = kv_layout.layer_group() if multi else None
+        self.layer_slot = kv_layout.layer_slot() if multi else None
+
+    def _forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata, group_metas=()):
+        """The model's forward; with KV cache groups each layer gets its group's metadata (slots, tables)
+        and the K/V pair it shares with the layers of the same index in the other groups."""
+        if self.layer_slot is not None:
+            metas = (meta, *group_metas)
+            kv_caches = [kv_caches[s] for s in self.layer_slot]
+            meta = [metas[g] for g in self.layer_group]
+        return self.model(input_ids, positions, kv_caches, meta)
+
+    def _group_metas(self, meta: AttentionMetadata, groups, prefill: bool) -> tuple:
+        """Metadata of KV cache groups 1..: `groups` holds each one's (slot_mapping, tables), the tables being
+        block tables (decode, kernel prefill) or context slots (torch prefill); masks are shared."""
+        tables_field = "context_slots" if prefill and not self.use_kernels else "block_tables"
+        return tuple(dataclasses.replace(meta, slot_mapping=sm, **{tables_field: t}) for sm, t in groups)
 
     def _sample(self, logits, bitmask, temperature, top_k, top_p, uniform):
         if bitmask is not None:
@@ -58,16 +80,16 @@ class StepGraphs:
         return AttentionMetadata(slot_mapping, mask, block_tables=block_tables, is_decode=True, positions=positions)
 
     def prefill(self, input_ids, positions, slot_mapping, query_seq, attn_a, attn_b,
-                logits_indices, bitmask, temperature, top_k, top_p, uniform, kv_caches):
+                logits_indices, bitmask, temperature, top_k, top_p, uniform, kv_caches, groups=()):
         meta = self.prefill_meta(slot_mapping, positions, query_seq, attn_a, attn_b)
-        hidden = self.model(input_ids, positions, kv_caches, meta)
+        hidden = self._forward(input_ids, positions, kv_caches, meta, self._group_metas(meta, groups, True))
         logits = self.model.compute_logits(hidden[logits_indices]).float()
         return self._sample(logits, bitmask, temperature, top_k, top_p, uniform)
 
     def decode(self, input_ids, positions, slot_mapping, block_tables,
-               bitmask, temperature, top_k, top_p, uniform, kv_caches):
+               bitmask, temperature, top_k, top_p, uniform, kv_caches, groups=()):
         meta = self.decode_meta(slot_mapping, block_tables, positions)
-        hidden = self.model(input_ids, positions, kv_caches, meta)
+        hidden = self._forward(input_ids, positions, kv_caches, meta, self._group_metas(meta, groups, False))
         logits = self.model.compute_logits(hidden).float()
         return self._sample(logits, bitmask, temperature, top_k, top_p, uniform)
 

@@ -257,6 +257,7 @@ def plan_kv_pool(
     bytes_per_block: int,
     max_model_len: int,
     block_size: int,
+    request_blocks: int | None = None,
     override: int | None = None,
     budget_fn: Any = None,
     recorded_blocks: int | None = None,
@@ -269,9 +270,13 @@ def plan_kv_pool(
     the minimum check (called only when no override is given). recorded_blocks / recorded_sizing:
     what the compile cache manifest at record_path holds from an earlier start, or None. record_path
     None: nothing is recorded (eager, or the compile cache disabled), so the budget decides every start.
+    request_blocks: the most blocks one request of max_model_len holds (KV cache groups, all together);
+    default max_model_len / block_size (one group).
     Raises ValueError naming the arithmetic when the configuration cannot be served.
     """
-    needed = -(-max_model_len // block_size) + 1  # one request of max_model_len, plus the null block
+    if request_blocks is None:
+        request_blocks = -(-max_model_len // block_size)
+    needed = request_blocks + 1  # one request of max_model_len, plus the null block
     if override is not None:
         if override < needed:
             raise ValueError(
@@ -300,7 +305,7 @@ def plan_kv_pool(
             f"{budget.describe_limit()}; the budget alone would size {budget.available_bytes // bytes_per_block} "
             f"blocks)"))
     check_budget_minimum(budget)
-    n = num_blocks_from_budget(budget.available_bytes, bytes_per_block, max_model_len=max_model_len + block_size,
+    n = num_blocks_from_budget(budget.available_bytes, bytes_per_block, max_model_len=needed * block_size,
                                block_size=block_size)
     # Rounded down to a power of two: slack under the limit, so the recorded size keeps fitting
     # when free memory drops a little before the next start.
@@ -374,10 +379,11 @@ def kv_budget_for_device(
     )
 
 
-def capacity_summary(num_blocks: int, block_size: int, max_model_len: int) -> str:
-    """Start-up line: blocks, tokens, and how many max_model_len requests fit at once."""
+def capacity_summary(num_blocks: int, block_size: int, max_model_len: int, request_blocks: int | None = None) -> str:
+    """Start-up line: blocks, tokens, and how many max_model_len requests fit at once (request_blocks: the
+    blocks one such request holds, KV cache groups together; default max_model_len / block_size)."""
     tokens = num_blocks * block_size
-    per_request = -(-max_model_len // block_size)
+    per_request = request_blocks or -(-max_model_len // block_size)
     concurrency = num_blocks / per_request
     return (
         f"KV cache: {num_blocks} usable blocks (+1 reserved) of {block_size} tokens = {tokens} tokens; maximum "

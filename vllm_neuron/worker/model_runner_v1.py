@@ -29,9 +29,12 @@ class ModelRunnerV1(ModelRunnerBase):
         self.token_passing = TokenPassing()
         self.spec = SpecDecoder(config.speculative, config.max_model_len) if config.speculative else None
 
+    def kv_groups_unsupported(self) -> str | None:
+        return "speculative decoding" if self.config.speculative else None
+
     def _make_graphs(self) -> StepGraphs:
         cls = VerifyGraphs if self.spec is not None else StepGraphs
-        return cls(self.model, self.odsc, self.block_size, self.use_kernels, self.paged_decode)
+        return cls(self.model, self.odsc, self.block_size, self.use_kernels, self.paged_decode, self.kv_layout)
 
     def graph_names(self) -> list[tuple[str, str, int, int]]:
         out = super().graph_names()
@@ -61,13 +64,17 @@ class ModelRunnerV1(ModelRunnerBase):
                     input_ids: torch.Tensor | None = None):
         x = build_decode_inputs(chunks, batch, context, self.block_size)
         s = self.sampling.graph_tensors([c.req_id for c in chunks], batch)
+        groups = []
+        for g in range(1, self.kv_layout.num_groups):  # KV cache group g's slots and block tables
+            xg = build_decode_inputs(self._group_chunks(chunks, g), batch, context, self.block_size)
+            groups.append((self._t(xg.slot_mapping), self._t(xg.block_tables)))
         with torch.inference_mode():
             ids = input_ids if input_ids is not None else self._t(x.input_ids)
             graph = self._graph("decode", batch, context)
             return graph(ids, self._t(x.positions), self._t(x.slot_mapping), self._t(x.block_tables),
                          self._t(self._bitmask(chunks, batch, masks or {})), self._t(s["temperature"]),
                          self._t(s["top_k"]), self._t(s["top_p"]), self._t(s["uniform"]),
-                         *self._decode_extra(chunks, x), self.kv_caches)
+                         *self._decode_extra(chunks, x), self.kv_caches, *((tuple(groups),) if groups else ()))
 
     def _decode_extra(self, chunks, x) -> tuple:
         """Further decode-graph inputs after the sampling ones (a multimodal runner's)."""

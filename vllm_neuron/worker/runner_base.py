@@ -7,6 +7,7 @@ and `execute`.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from vllm_neuron.config import buckets as B
 from vllm_neuron.config.device import check_weight_quantization
 from vllm_neuron import envs
 from vllm_neuron.config.engine_config import EngineConfig
+from vllm_neuron.kv_cache_groups import KVCacheLayout, plan_kv_cache_layout, single_group_layout
 from vllm_neuron.logger import init_logger
 from vllm_neuron.model.layers import kv_quant, quant_fp8
 from vllm_neuron.model.layers.kernels import (describe_kernels, kernel_variant, kernels_enabled, linear_kernel_dtypes,
@@ -88,8 +90,7 @@ class ModelRunnerBase:
         if self.ckpt_scheme and config.neuron_config.quantization:
             raise ValueError(f"neuron_config.quantization={config.neuron_config.quantization!r} cannot apply to a "
                              f"checkpoint whose weights are already quantized ({self.ckpt_scheme}); remove it")
-        # Sinks and sliding windows take the torch attention path (the kernel is plain causal).
-        self.use_kernels = kernels_enabled(device) and not self.model_spec.needs_torch_attention
+        self.use_kernels = kernels_enabled(device)  # sinks and sliding windows included
         kernel_dtypes = linear_kernel_dtypes(device)
         self.use_linear_kernel = self.dtype in kernel_dtypes
         set_small_batch_kernel(kernel_dtypes)
@@ -97,10 +98,26 @@ class ModelRunnerBase:
         self.use_quant_kernels = quant_kernels_available(device)
         set_quant_kernels(self.use_quant_kernels)
         # CUDA: decode attention reads each sequence's real context (Triton), and bucket graphs replay.
-        self.paged_decode = not self.use_kernels and not self.model_spec.needs_torch_attention and \
+        self.paged_decode = not self.use_kernels and not self.model_spec.has_sinks_or_windows and \
             paged_decode_available(device.type, self.model_spec.head_dim, self.block_size) and \
             not kv_quant.is_fp8(self.kv_dtype)  # the Triton kernel reads the model dtype only
         self.graph_capture, self._capturer = cuda_graph_capturer(device, backend)
+        self.kv_layout = self._plan_kv_layout()
+
+    def kv_groups_unsupported(self) -> str | None:
+        """Why this runner cannot serve several KV cache groups (None: it can)."""
+        return "Model Runner V2"
+
+    def _plan_kv_layout(self) -> KVCacheLayout:
+        spec = self.model_spec
+        layout = plan_kv_cache_layout(spec.sliding_windows)
+        why = self.kv_groups_unsupported() if layout.num_groups > 1 else None
+        if why:
+            logger.info("KV cache groups: 1 (%s keeps one block table per request: sliding-window layers hold "
+                        "the KV of their whole sequence)", why)
+            return single_group_layout(spec.num_layers)
+        logger.info("%s", layout.describe())
+        return layout
 
     # -- set-up ----------------------------------------------------------------------------------
     def load_model(self) -> LoadStats:
@@ -151,21 +168,23 @@ class ModelRunnerBase:
 
     def num_blocks(self, weight_bytes: int) -> int:
         """Total KV blocks (block 0 is the null block), under worker/memory.py's pool-size policy."""
-        layers, kv_heads, head_dim = self.model.kv_cache_spec()
-        per_block = memory.kv_cache_bytes_per_block(layers, kv_heads, head_dim, self.block_size,
+        _, kv_heads, head_dim = self.model.kv_cache_spec()
+        # One block holds the K/V of one group's layers (KV cache groups share the pool).
+        per_block = memory.kv_cache_bytes_per_block(self.kv_layout.group_size, kv_heads, head_dim, self.block_size,
                                                     torch.finfo(self.kv_dtype).bits // 8)
 
         def budget() -> memory.KVBudget:
             b = memory.kv_budget_for_device(self.device, model_weight_bytes=weight_bytes,
                                             gpu_memory_utilization=self.config.gpu_memory_utilization,
-                                            free_before_load=self._free_before_load, check_minimum=False)
+                                            free_before_load=self._free_before_load, check_minimum=False,
+                                            local_workers=self.config.kv_budget_shared_by)
             logger.info("%s", b.describe())  # the line starts with "KV budget"
             return b
 
         persistent = self.backend != "eager" and not self.compiler.disabled
         plan = memory.plan_kv_pool(
             bytes_per_block=per_block, max_model_len=self.config.max_model_len, block_size=self.block_size,
-            override=self.config.num_gpu_blocks_override, budget_fn=budget,
+            request_blocks=self.request_blocks(), override=self.config.num_gpu_blocks_override, budget_fn=budget,
             recorded_blocks=self.compiler.manifest_num_blocks if persistent else None,
             recorded_sizing=self.compiler.manifest_kv_sizing if persistent else None,
             record_path=str(self.compiler.manifest_path) if persistent else None)
@@ -173,11 +192,17 @@ class ModelRunnerBase:
         self._kv_sizing = plan.sizing
         return plan.num_blocks
 
+    def request_blocks(self) -> int:
+        """The most blocks one request of max_model_len holds at once, every KV cache group together."""
+        return self.kv_layout.blocks_per_request(self.config.max_model_len, self.block_size,
+                                                 self.config.max_num_batched_tokens)
+
     def init_kv_cache(self, num_blocks: int) -> None:
         _, kv_heads, head_dim = self.model.kv_cache_spec()
         shape = (num_blocks * self.block_size, kv_heads, head_dim)
+        # One K/V pair per layer of a group: with several groups, layer i uses pair layer_slot[i].
         self.kv_caches = [(_zeros(shape, self.kv_dtype, self.device), _zeros(shape, self.kv_dtype, self.device))
-                          for _ in range(self.model.kv_cache_spec()[0])]
+                          for _ in range(self.kv_layout.group_size)]
         logger.info("KV cache dtype: %s (kv_cache_dtype=%s, %d byte(s) per element, %.3f MiB per block)",
                     str(self.kv_dtype).removeprefix("torch."), self.config.kv_cache_dtype,
                     torch.finfo(self.kv_dtype).bits // 8,
@@ -217,7 +242,9 @@ class ModelRunnerBase:
                 "kernel_variant": kernel_variant()[0] if self.use_kernels else None,
                 "quant_kernels": self.use_quant_kernels, "kv_dtype": str(self.kv_dtype),
                 "paged_decode": self.paged_decode, "kv_segment": self.kv_segment,
-                "quantization": self.config.neuron_config.quantization}
+                "quantization": self.config.neuron_config.quantization,
+                **({"kv_groups": [list(g.layers) for g in self.kv_layout.groups]}
+                   if self.kv_layout.num_groups > 1 else {})}
 
     def _make_compiler(self) -> GraphCompiler:
         return GraphCompiler(cache_key_parts(self.ckpt.hf_config.to_dict(), self.dtype, self.device,
@@ -313,12 +340,23 @@ class ModelRunnerBase:
         rows = min(self.config.max_num_seqs, num_tokens)
         x = build_prefill_inputs(chunks, num_tokens, num_context, rows, self.block_size, self._max_blocks())
         attn_a, attn_b = self._prefill_attn_inputs(x)
+        groups = []
+        for g in range(1, self.kv_layout.num_groups):  # the same inputs through group g's block tables
+            xg = build_prefill_inputs(self._group_chunks(chunks, g), num_tokens, num_context, rows, self.block_size,
+                                      self._max_blocks())
+            groups.append((self._t(xg.slot_mapping), self._t(self._prefill_attn_inputs(xg)[0])))
         with torch.inference_mode():
             graph = self._graph("prefill", num_tokens, num_context)
             return graph(self._t(x.input_ids), self._t(x.positions), self._t(x.slot_mapping),
                          self._t(x.query_seq), self._t(attn_a), self._t(attn_b),
                          self._t(x.logits_indices), self._t(self._bitmask(chunks, rows, masks or {})),
-                         *row_inputs(rows), *(step_inputs(x) if step_inputs else ()), self.kv_caches)
+                         *row_inputs(rows), *(step_inputs(x) if step_inputs else ()), self.kv_caches,
+                         *((tuple(groups),) if groups else ()))
+
+    @staticmethod
+    def _group_chunks(chunks, group: int) -> list:
+        """The chunks with KV cache group `group`'s block tables in place of group 0's."""
+        return [dataclasses.replace(c, block_ids=c.group_block_ids[group - 1]) for c in chunks]
 
     def _run_decode(self, chunks, batch: int, context: int, masks: dict | None = None):
         """Runs one decode bucket graph; warm-up calls it with no chunks. Returns (tokens, logits)."""
@@ -349,3 +387,7 @@ class ModelRunnerBase:
 
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         raise NotImplementedError
+
+    def encoder_cache_stats(self) -> tuple[int, int] | None:
+        """(hits, misses) of the encoder cache, cumulative; None for a model without one."""
+        return None

@@ -38,6 +38,10 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    help='serve tool_choice="auto" (needs --tool-call-parser)')
     g.add_argument("--tool-call-parser", default=None, choices=ToolParserManager.names(),
                    help="how tool calls are read from the model's answer when tool_choice is auto (default: none)")
+    g = arg_group(parser, "parallel")
+    g.add_argument("--headless", action="store_true",
+                   help="run this node's data parallel replicas (--data-parallel-size-local of them, from "
+                   "--data-parallel-start-rank) for the head at --data-parallel-address, without an API server")
 
 
 

@@ -1,4 +1,5 @@
-"""`vllm-neuron serve`: the API server process plus one EngineCore process."""
+"""`vllm-neuron serve`: the API server process plus its EngineCore process(es); `--headless`: only a node's
+data-parallel replicas (engine/dp_node.py)."""
 from __future__ import annotations
 
 import argparse
@@ -21,6 +22,13 @@ def run_serve(args: argparse.Namespace) -> int:
         raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
     limits = RequestLimits(args.max_n, args.max_request_body_bytes, args.trust_request_chat_template)
     config = engine_config_from_args(args)
+    if getattr(args, "headless", False):
+        from vllm_neuron.engine.dp_node import run_headless
+
+        return run_headless(config)
+    if config.data_parallel_start_rank != 0:
+        raise ValueError(f"--data-parallel-start-rank {config.data_parallel_start_rank} is for --headless nodes; "
+                         "the head (the API server) runs ranks 0 .. --data-parallel-size-local - 1")
     api_key = args.api_key or os.environ.get("VLLM_API_KEY")
     return asyncio.run(_serve(config, args, api_key, limits, t0))
 

@@ -2,7 +2,8 @@
 
 * Attention: q/k/v/o with biases, one learned sink logit per head (it joins the softmax and is
   dropped), YaRN RoPE (transformers' initialiser, model/layers/rotary.py); `sliding_attention` layers
-  see the last `sliding_window` positions. Both run on the torch attention path (ModelSpec).
+  see the last `sliding_window` positions. Both run in the CPU kernel and on the torch path; the
+  sliding layers form their own KV cache group (kv_cache_groups.py), which frees out-of-window blocks.
 * MoE: router with bias, top-k then softmax over the k; experts with biases, gate/up interleaved in
   the stacked weight and the activation (up + 1) * gate * sigmoid(alpha * gate) with gate clamped
   above and up clamped both ways at `swiglu_limit`.

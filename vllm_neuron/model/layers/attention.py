@@ -24,9 +24,10 @@ Masks are built once per step by the model (`prefill_mask` / `decode_mask`) and 
 Padding rows always see at least one finite key, so no NaN is ever produced or written.
 
 Attention sinks (a learned per-head logit that takes part in the softmax and is then dropped, gpt-oss)
-and sliding windows (a query sees the `window` most recent positions, itself included) are torch-path
-features: the kernel is plain causal, so models that need them run with the torch path (ModelSpec).
-A layer's window narrows the shared mask with the key positions (`positions`, `context_positions`).
+and sliding windows (a query sees the `window` most recent positions, itself included) run in the
+kernel (it never reads keys before the window: a sliding-window KV cache group keeps null blocks
+there) and on the torch path, where a layer's window narrows the shared mask with the key positions
+(`positions`, `context_positions`). The CUDA paged decode does neither (ModelSpec: torch path then).
 """
 from __future__ import annotations
 
@@ -146,17 +147,20 @@ def paged_attention(
 ) -> torch.Tensor:
     """Returns [N, H * D]. `k_scale` / `v_scale` (0-d float32): the per-tensor scales of an FP8 cache."""
     k, v = write_kv(k_cache, v_cache, k, v, meta.slot_mapping, k_scale, v_scale)
-    if (meta.use_kernels or meta.paged_decode) and (sinks is not None or sliding_window is not None):
-        raise ValueError("attention sinks and sliding windows need the torch attention path (ModelSpec)")
+    if meta.paged_decode and (sinks is not None or sliding_window is not None):
+        raise ValueError("attention sinks and sliding windows need the CPU kernel or the torch attention path "
+                         "(ModelSpec)")
     if meta.use_kernels:
         from vllm_neuron.model.layers import kernels
 
         if kv_quant.is_fp8(k_cache.dtype):
             out = kernels.paged_attention_fp8(q, k_cache, v_cache, meta.block_tables, meta.query_start,
-                                              meta.positions, scale, meta.block_size, k_scale, v_scale)
+                                              meta.positions, scale, meta.block_size, k_scale, v_scale, sinks,
+                                              sliding_window)
         else:
             out = kernels.paged_attention(q.to(k_cache.dtype), k_cache, v_cache, meta.block_tables,
-                                          meta.query_start, meta.positions, scale, meta.block_size)
+                                          meta.query_start, meta.positions, scale, meta.block_size, sinks,
+                                          sliding_window)
         return out.to(q.dtype).reshape(q.shape[0], -1)
     if meta.paged_decode:
         out = paged_decode(q.to(k_cache.dtype), k_cache, v_cache, meta.block_tables, meta.positions + 1, scale,

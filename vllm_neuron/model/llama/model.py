@@ -107,8 +107,9 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids, positions, kv_caches, meta, inputs_embeds=None) -> torch.Tensor:
         x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         cos, sin = self.rotary(positions, x.dtype)
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, cos, sin, kv_cache, meta)
+        metas = meta if isinstance(meta, (list, tuple)) else [meta] * len(self.layers)
+        for layer, kv_cache, m in zip(self.layers, kv_caches, metas):
+            x = layer(x, cos, sin, kv_cache, m)
         return self.norm(x)
 
 

@@ -138,11 +138,12 @@ def _load() -> bool:
         return False
 
     @torch.library.register_fake("vllm_neuron::paged_attention")
-    def _(q, k_cache, v_cache, block_tables, query_start, positions, scale, block_size):
+    def _(q, k_cache, v_cache, block_tables, query_start, positions, scale, block_size, sinks=None, window=0):
         return torch.empty_like(q)
 
     @torch.library.register_fake("vllm_neuron::paged_attention_fp8")
-    def _(q, k_cache, v_cache, block_tables, query_start, positions, scale, block_size, k_scale, v_scale):
+    def _(q, k_cache, v_cache, block_tables, query_start, positions, scale, block_size, k_scale, v_scale, sinks=None,
+          window=0):
         return torch.empty_like(q)
 
     for op in ("linear_bf16", "linear_f32"):
@@ -204,23 +205,27 @@ def kernels_enabled(device: torch.device) -> bool:
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                    query_start: torch.Tensor, positions: torch.Tensor, scale: float, block_size: int) -> torch.Tensor:
+                    query_start: torch.Tensor, positions: torch.Tensor, scale: float, block_size: int,
+                    sinks: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
     """Causal attention of every query row over its sequence's cached keys 0..position.
 
     q [N, H, D]; caches [slots, KV, D] (the rows' own K/V already written); block_tables [S, n];
     query_start [S + 1] (rows of sequence s: query_start[s]..query_start[s + 1]); positions [N].
+    sinks [H]: one logit per query head joining the softmax (gpt-oss); window: a row sees only keys
+    position - window + 1 .. position (the rest of the table may be null blocks).
     Returns [N, H, D]; rows of no sequence (padding) are 0."""
     return torch.ops.vllm_neuron.paged_attention(q, k_cache, v_cache, block_tables, query_start, positions,
-                                                 scale, block_size)
+                                                 scale, block_size, sinks, window or 0)
 
 
 def paged_attention_fp8(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                         query_start: torch.Tensor, positions: torch.Tensor, scale: float, block_size: int,
-                        k_scale: torch.Tensor, v_scale: torch.Tensor) -> torch.Tensor:
+                        k_scale: torch.Tensor, v_scale: torch.Tensor, sinks: torch.Tensor | None = None,
+                        window: int | None = None) -> torch.Tensor:
     """`paged_attention` over FP8 caches (float8_e4m3fn / float8_e5m2) holding K / k_scale and V / v_scale;
     q and the result in the compute dtype."""
     return torch.ops.vllm_neuron.paged_attention_fp8(q, k_cache, v_cache, block_tables, query_start, positions,
-                                                     scale, block_size, k_scale, v_scale)
+                                                     scale, block_size, k_scale, v_scale, sinks, window or 0)
 
 
 def linear_int8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -5,6 +5,11 @@
 // sequence's block table. Its own new K/V must already be in the cache. Only real keys are visited,
 // whatever the context bucket, and nothing is gathered. Rows outside every sequence (padding) get 0.
 //
+// A sliding window (window > 0) narrows a row's keys to the `window` most recent positions, itself
+// included: keys before positions[row] - window + 1 are never read (a sliding-window KV group has
+// given their blocks back, its table holds the null block there). Attention sinks (one logit per query
+// head, gpt-oss) join each row's softmax denominator and contribute no value.
+//
 // Work item = (sequence, KV head, block of kRowBlock query rows): the rows' G query heads sharing the
 // KV head form one query tile, scored against kTile keys at a time (keys transposed, so the inner
 // loop runs across keys with no horizontal reduction) with an online softmax (flash attention).
@@ -94,6 +99,21 @@ inline void score_tile(const float* qv, const float* kt, int64_t D, float* sc) {
   }
 }
 
+// Sinks: the softmax over [scores, sink] with the sink's column dropped. acc / l hold sums relative to the
+// running max m; bring them to max(m, sink) and add the sink's term to the denominator.
+inline void add_sinks(const float* sinks, const Item& w, int64_t G, int64_t D, int64_t nq, const float* m, float* l,
+                      float* acc) {
+  if (sinks == nullptr) return;
+  for (int64_t qi = 0; qi < nq; ++qi) {
+    const float s = sinks[w.head * G + qi % G];
+    const float mx = m[qi] > s ? m[qi] : s;
+    const float corr = exp_nonpositive(m[qi] - mx);
+    l[qi] = l[qi] * corr + exp_nonpositive(s - mx);
+    float* a = acc + qi * D;
+    for (int64_t i = 0; i < D; ++i) a[i] *= corr;
+  }
+}
+
 template <typename T>
 inline void store_rows(T* op, const float* acc, const float* l, const Item& w, int64_t H, int64_t G, int64_t D,
                        float v_mul) {
@@ -112,7 +132,7 @@ template <typename T, typename C = T>
 void attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                       const at::Tensor& block_tables, const at::Tensor& query_start,
                       const at::Tensor& positions, double scale, int64_t block_size, at::Tensor& out,
-                      float k_mul = 1.f, float v_mul = 1.f) {
+                      const float* sinks, int64_t window, float k_mul = 1.f, float v_mul = 1.f) {
   const int64_t N = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t KV = k_cache.size(1), G = H / KV;
   const int64_t S = block_tables.size(0), nblk = block_tables.size(1);
@@ -143,36 +163,40 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::
     const int64_t nq_max = kRowBlock * G;
     std::vector<float> qf(nq_max * D), acc(nq_max * D), kt(D * kTile), vt(kTile * D);
     std::vector<float> m(nq_max), l(nq_max), p(nq_max * kTile), scores;
-    std::vector<int64_t> qpos(nq_max);
+    std::vector<int64_t> qpos(nq_max), qlo(nq_max);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t it = 0; it < n_items; ++it) {
       const Item& w = items[it];
       const int64_t nq = w.rows * G;
       const int64_t* table = bt + w.seq * nblk;
-      int64_t last = 0;  // keys 0..last are visited
+      int64_t last = 0, first = max_keys;  // keys first..last are visited
       for (int64_t r = 0; r < w.rows; ++r) {
         const int64_t row = w.row0 + r;
         const int64_t pr = std::min<int64_t>(std::max<int64_t>(pos[row], 0), max_keys - 1);
+        const int64_t lo = window > 0 ? std::max<int64_t>(0, pr - window + 1) : 0;
         last = std::max(last, pr);
+        first = std::min(first, lo);
         for (int64_t g = 0; g < G; ++g) {
           const int64_t qi = r * G + g;
           const T* src = qp + (row * H + w.head * G + g) * D;
           for (int64_t i = 0; i < D; ++i) qf[qi * D + i] = to_f(src[i]) * fscale;
           qpos[qi] = pr;
+          qlo[qi] = lo;
         }
       }
       if (w.rows == 1) {
         // Decode: one pass to score every key, an exact softmax, one pass over V (cheaper than the
-        // online softmax's per-tile rescaling when there is a single query row).
-        const int64_t len = last + 1;
+        // online softmax's per-tile rescaling when there is a single query row). Scores of keys
+        // first..last are kept at 0..len.
+        const int64_t len = last + 1 - first;
         scores.resize(G * len);
-        for (int64_t t0 = 0; t0 < len; t0 += kTile) {
-          const int64_t n = std::min<int64_t>(kTile, len - t0);
+        for (int64_t t0 = first; t0 <= last; t0 += kTile) {
+          const int64_t n = std::min<int64_t>(kTile, last + 1 - t0);
           load_k_tile(kp, table, block_size, slot_stride, w.head * D, D, t0, n, kt.data());
           for (int64_t g = 0; g < G; ++g) {
             float sc[kTile] = {0.f};
             score_tile(qf.data() + g * D, kt.data(), D, sc);
-            std::copy(sc, sc + n, scores.data() + g * len + t0);
+            std::copy(sc, sc + n, scores.data() + g * len + (t0 - first));
           }
         }
         std::fill(acc.begin(), acc.begin() + G * D, 0.f);
@@ -187,9 +211,10 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::
             sum += sg[t];
           }
           l[g] = sum;
+          m[g] = mx;
         }
         for (int64_t t = 0; t < len; ++t) {
-          const int64_t slot = table[t / block_size] * block_size + t % block_size;
+          const int64_t slot = table[(t + first) / block_size] * block_size + (t + first) % block_size;
           const C* vs = vp + slot * slot_stride + w.head * D;
 #pragma omp simd
           for (int64_t i = 0; i < D; ++i) vt[i] = to_f(vs[i]);
@@ -200,13 +225,14 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::
             for (int64_t i = 0; i < D; ++i) a[i] += pg * vt[i];
           }
         }
+        add_sinks(sinks, w, G, D, G, m.data(), l.data(), acc.data());
         store_rows(op, acc.data(), l.data(), w, H, G, D, v_mul);
         continue;
       }
       std::fill(acc.begin(), acc.begin() + nq * D, 0.f);
       std::fill(m.begin(), m.begin() + nq, -std::numeric_limits<float>::infinity());
       std::fill(l.begin(), l.begin() + nq, 0.f);
-      for (int64_t t0 = 0; t0 <= last; t0 += kTile) {
+      for (int64_t t0 = first; t0 <= last; t0 += kTile) {
         const int64_t n = std::min<int64_t>(kTile, last + 1 - t0);
         load_k_tile(kp, table, block_size, slot_stride, w.head * D, D, t0, n, kt.data());
         for (int64_t j = 0; j < n; ++j) {
@@ -220,15 +246,16 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::
           float sc[kTile] = {0.f};
           score_tile(qf.data() + qi * D, kt.data(), D, sc);
           const int64_t visible = std::min<int64_t>(n, qpos[qi] - t0 + 1);  // causal: keys <= position
-          if (visible <= 0) continue;
+          const int64_t j0 = std::max<int64_t>(0, qlo[qi] - t0);  // the window: keys >= its first
+          if (visible <= j0) continue;
           float mx = m[qi];
-          for (int64_t j = 0; j < visible; ++j) mx = sc[j] > mx ? sc[j] : mx;
+          for (int64_t j = j0; j < visible; ++j) mx = sc[j] > mx ? sc[j] : mx;
           const float corr = exp_nonpositive(m[qi] - mx);  // exp(-inf) -> 0 on the first tile
           float* pr = p.data() + qi * kTile;
           float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
           for (int64_t j = 0; j < kTile; ++j) {
-            const float e = j < visible ? exp_nonpositive(sc[j] - mx) : 0.f;
+            const float e = (j >= j0 && j < visible) ? exp_nonpositive(sc[j] - mx) : 0.f;
             pr[j] = e;
             sum += e;
           }
@@ -237,7 +264,7 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::
           float* a = acc.data() + qi * D;
 #pragma omp simd
           for (int64_t i = 0; i < D; ++i) a[i] *= corr;
-          for (int64_t j = 0; j < visible; ++j) {
+          for (int64_t j = j0; j < visible; ++j) {
             const float pj = pr[j];
             const float* vrow = vt.data() + j * D;
 #pragma omp simd
@@ -245,6 +272,7 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::
           }
         }
       }
+      add_sinks(sinks, w, G, D, nq, m.data(), l.data(), acc.data());
       store_rows(op, acc.data(), l.data(), w, H, G, D, v_mul);
     }
   }
@@ -253,7 +281,8 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::
 // Checks shared by both ops, then the kernel for q's dtype and the cache's (q's own, or FP8).
 at::Tensor attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                   const at::Tensor& block_tables, const at::Tensor& query_start, const at::Tensor& positions,
-                  double scale, int64_t block_size, float k_mul, float v_mul) {
+                  double scale, int64_t block_size, const c10::optional<at::Tensor>& sinks, int64_t window,
+                  float k_mul, float v_mul) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3, "q [N,H,D], caches [slots,KV,D]");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && query_start.scalar_type() == at::kLong &&
                   positions.scalar_type() == at::kLong,
@@ -276,39 +305,49 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
   auto bt = block_tables.contiguous();
   auto qs = query_start.contiguous();
   auto ps = positions.contiguous();
+  TORCH_CHECK(window >= 0, "window must be >= 0 (0: no sliding window)");
+  at::Tensor sk;
+  if (sinks.has_value()) {
+    TORCH_CHECK(sinks->dim() == 1 && sinks->size(0) == q.size(1), "sinks must hold one logit per query head");
+    sk = sinks->to(at::kFloat).contiguous();
+  }
+  const float* sp = sinks.has_value() ? sk.data_ptr<float>() : nullptr;
   auto out = at::empty_like(qc);
   const auto ct = k_cache.scalar_type();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
     if (ct == at::kFloat8_e4m3fn)
-      attention_kernel<scalar_t, c10::Float8_e4m3fn>(qc, k_cache, v_cache, bt, qs, ps, scale, block_size, out, k_mul,
-                                                     v_mul);
+      attention_kernel<scalar_t, c10::Float8_e4m3fn>(qc, k_cache, v_cache, bt, qs, ps, scale, block_size, out, sp,
+                                                     window, k_mul, v_mul);
     else if (ct == at::kFloat8_e5m2)
-      attention_kernel<scalar_t, c10::Float8_e5m2>(qc, k_cache, v_cache, bt, qs, ps, scale, block_size, out, k_mul,
-                                                   v_mul);
+      attention_kernel<scalar_t, c10::Float8_e5m2>(qc, k_cache, v_cache, bt, qs, ps, scale, block_size, out, sp,
+                                                   window, k_mul, v_mul);
     else
-      attention_kernel<scalar_t>(qc, k_cache, v_cache, bt, qs, ps, scale, block_size, out);
+      attention_kernel<scalar_t>(qc, k_cache, v_cache, bt, qs, ps, scale, block_size, out, sp, window);
   });
   return out;
 }
 
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_tables, const at::Tensor& query_start,
-                           const at::Tensor& positions, double scale, int64_t block_size) {
+                           const at::Tensor& positions, double scale, int64_t block_size,
+                           const c10::optional<at::Tensor>& sinks, int64_t window) {
   TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
               "q and the caches must share a dtype");
-  return attend(q, k_cache, v_cache, block_tables, query_start, positions, scale, block_size, 1.f, 1.f);
+  return attend(q, k_cache, v_cache, block_tables, query_start, positions, scale, block_size, sinks, window, 1.f,
+                1.f);
 }
 
 // The same over an FP8 cache (kv_cache_dtype fp8 / fp8_e4m3 / fp8_e5m2) holding K / k_scale, V / v_scale.
 at::Tensor paged_attention_fp8(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                const at::Tensor& block_tables, const at::Tensor& query_start,
                                const at::Tensor& positions, double scale, int64_t block_size,
-                               const at::Tensor& k_scale, const at::Tensor& v_scale) {
+                               const at::Tensor& k_scale, const at::Tensor& v_scale,
+                               const c10::optional<at::Tensor>& sinks, int64_t window) {
   const auto ct = k_cache.scalar_type();
   TORCH_CHECK((ct == at::kFloat8_e4m3fn || ct == at::kFloat8_e5m2) && v_cache.scalar_type() == ct,
               "the caches must share an FP8 dtype (float8_e4m3fn or float8_e5m2)");
   TORCH_CHECK(k_scale.numel() == 1 && v_scale.numel() == 1, "k_scale and v_scale must hold one value each");
-  return attend(q, k_cache, v_cache, block_tables, query_start, positions, scale, block_size,
+  return attend(q, k_cache, v_cache, block_tables, query_start, positions, scale, block_size, sinks, window,
                 k_scale.to(at::kFloat).item<float>(), v_scale.to(at::kFloat).item<float>());
 }
 
@@ -316,9 +355,10 @@ at::Tensor paged_attention_fp8(const at::Tensor& q, const at::Tensor& k_cache, c
 
 TORCH_LIBRARY(vllm_neuron, m) {
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor query_start, "
-        "Tensor positions, float scale, int block_size) -> Tensor");
+        "Tensor positions, float scale, int block_size, Tensor? sinks=None, int window=0) -> Tensor");
   m.def("paged_attention_fp8(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor query_start, "
-        "Tensor positions, float scale, int block_size, Tensor k_scale, Tensor v_scale) -> Tensor");
+        "Tensor positions, float scale, int block_size, Tensor k_scale, Tensor v_scale, Tensor? sinks=None, "
+        "int window=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(vllm_neuron, CPU, m) {
