@@ -238,39 +238,36 @@ def test_kv_pool_and_graphs_survive_a_restart_with_less_free_memory(model, tmp_p
     assert "num_gpu_blocks_override (at most" in refused.output, refused.output
 
 
-def test_parallel_workers_save_the_graphs_one_process_saves(cold_then_warm, model, tmp_path):
-    """NEURON_LIBTORCH_PARALLEL_COMPILE_WORKERS=2: the buckets are compiled by two worker processes into
-    the cache, then the engine loads every saved graph without re-tracing. The saved graphs (names and
-    input signatures) are those the one-process cold run saved, and the greedy text is the uncompiled
-    model's (which the one-process graphs give too, test_loaded_graphs_generate_what_eager_generates)."""
+def test_parallel_workers_save_the_graphs_one_process_saves(cold_then_warm, model, cache_root, tmp_path):
+    """NEURON_LIBTORCH_PARALLEL_COMPILE_WORKERS=2: two worker processes compile the buckets into the cache,
+    then the engine loads every saved graph without re-tracing. The saved graphs (names, input signatures)
+    are those the one-process cold run saved, and both caches generate the same greedy text."""
     cold, _ = cold_then_warm
-    prompts = ["hello world", "a b c d e f g h i j k l m n o p q r s t u v", "x"]
     root = str(tmp_path / "cache")
-
-    def generate(*extra: str, **env: str) -> tuple[str, str]:
-        proc = run_cli(["generate", "--model", model, "--raw", "--max-tokens", "12", "--temperature", "0",
-                        "--dtype", "float32", *_args((2,)), *extra, *prompts],
-                       str(tmp_path), timeout=400, NEURON_COMPILED_ARTIFACTS=root, **env)
-        assert proc.returncode == 0, proc.stdout + proc.stderr
-        return proc.stdout.split(">>> ", 1)[1], proc.stdout + proc.stderr
-
-    text, log = generate(NEURON_LIBTORCH_PARALLEL_COMPILE_WORKERS="2")
-    assert text == generate("--enforce-eager")[0]
-    workers = dict(re.findall(r"Bucket (\w+): compiled in worker (\d+)", log))
-    assert set(workers) == set(cold.buckets) and len(set(workers.values())) == 2, log  # both workers took one
-    engine_log = log.split("Parallel compilation of 2 buckets done", 1)[1]
+    run = _compile(model, root, str(tmp_path), NEURON_LIBTORCH_PARALLEL_COMPILE_WORKERS="2")
+    assert run.cache_dir == os.path.join(root, os.path.basename(cold.cache_dir)), run.output  # the same key
+    workers = dict(re.findall(r"Bucket (\w+): compiled in worker (\d+)", run.output))
+    assert set(workers) == set(cold.buckets) and len(set(workers.values())) == 2, run.output  # both took one
+    engine_log = run.output.split(f"Parallel compilation of {len(cold.buckets)} buckets done", 1)[1]
     loaded = re.findall(r"Bucket (\w+): compile cache hit, loaded the saved graph", engine_log)
-    assert sorted(loaded) == sorted(cold.buckets) and "compile cache miss" not in engine_log, log
+    assert sorted(loaded) == sorted(cold.buckets) and "compile cache miss" not in engine_log, run.output
 
     def saved(key_dir: str) -> dict[str, str]:
         """Saved graph -> the input signature it was compiled for."""
         aot = os.path.join(key_dir, "aot")
+        assert sorted(f[:-4] for f in os.listdir(aot) if f.endswith(".bin")) == sorted(cold.buckets)
         return {f: open(os.path.join(aot, f)).read() for f in os.listdir(aot) if f.endswith(".inputs")}
 
-    key_dir = os.path.join(root, os.path.basename(cold.cache_dir))
-    assert sorted(os.listdir(os.path.join(key_dir, "aot"))) == sorted(os.listdir(os.path.join(cold.cache_dir, "aot")))
-    assert saved(key_dir) == saved(cold.cache_dir)
-    assert set(json.loads(open(os.path.join(key_dir, "manifest.json")).read())["buckets"]) == set(cold.buckets)
+    assert saved(run.cache_dir) == saved(cold.cache_dir)
+
+    def generate(cache: str) -> str:
+        proc = run_cli(["generate", "--model", model, "--raw", "--max-tokens", "12", "--temperature", "0", *_args((2,)),
+                        "hello world", "a b c d e f g h i j k l m n o p q r s t u v"], str(tmp_path), timeout=300,
+                       NEURON_COMPILED_ARTIFACTS=cache, VLLM_NEURON_DISABLE_WARMUP_COMPILE="1")
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        return proc.stdout.split(">>> ", 1)[1]
+
+    assert generate(root) == generate(cache_root)
 
 
 def test_parallel_worker_timeout_names_the_bucket(model, tmp_path):

@@ -274,8 +274,8 @@ class ModelRunnerBase:
         that many processes first; the warm-up loop then loads them."""
         workers = envs.NEURON_LIBTORCH_PARALLEL_COMPILE_WORKERS or 1
         missing = self.compiler.missing(names)
-        if workers <= 1 or len(missing) <= 1 or self.compiler.disabled:
-            return
+        if workers <= 1 or len(missing) <= 1 or self.compiler.disabled or self.compiler.fail_on_miss:
+            return  # (VLLM_NEURON_DISABLE_WARMUP_COMPILE: a missing bucket stays fatal)
         n = min(workers, len(missing))
         threads = max(1, torch.get_num_threads() // n)
         logger.info("Compiling %d buckets in %d worker processes (%d torch threads each; each holds its own "
