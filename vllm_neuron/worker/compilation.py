@@ -375,6 +375,8 @@ class GraphCompiler:
                 compiled.disable_guard_check()
                 self._source = "compiled"
                 return functools.partial(compiled, owner)
+            except CompileTimeout:
+                raise  # NEURON_LIBTORCH_COMPILATION_TIMEOUT fails warm-up: no unbounded fallback compile
             except Exception as e:
                 logger.warning("Bucket %s: ahead-of-time compilation failed (%s: %s); using torch.compile, "
                                "which re-traces this graph on every start", name, type(e).__name__, e)
