@@ -30,7 +30,7 @@ def test_every_seed_variable_is_known_and_documented():
     ]
     ours = ["VLLM_NEURON_AOT_COMPILE", "VLLM_NEURON_GGUF_CACHE_MAX_GIB", "VLLM_NEURON_CUDA_GRAPHS",
             "VLLM_LOG_STATS_INTERVAL", "VLLM_NEURON_CPU_ISA", "VLLM_IMAGE_FETCH_TIMEOUT",
-            "VLLM_MEDIA_MAX_BYTES", "VLLM_ENGINE_ITERATION_TIMEOUT_S"]  # beyond the seeds
+            "VLLM_MEDIA_MAX_BYTES", "VLLM_ENGINE_ITERATION_TIMEOUT_S", "VLLM_NEURON_DIST_TIMEOUT_S"]  # beyond the seeds
     assert sorted(seeds + ours) == sorted(ALL)
     for name in seeds + ours:
         assert len(envs.doc(name)) > 20, name
@@ -241,3 +241,13 @@ def test_warning_once_memory_is_bounded(monkeypatch):
     assert vlog.warning_once(log, "request %d is odd", 0)  # the oldest was forgotten
     assert not vlog.warning_once(log, "request %d is odd", vlog.ONCE_CAPACITY + 9)  # recent ones are kept
 
+
+
+def test_parallel_compile_workers_refused_with_tensor_parallelism(monkeypatch):
+    from vllm_neuron.config.engine_config import EngineConfig
+
+    EngineConfig.from_kwargs(tensor_parallel_size=2)
+    monkeypatch.setenv("NEURON_LIBTORCH_PARALLEL_COMPILE_WORKERS", "2")
+    with pytest.raises(ValueError, match="NEURON_LIBTORCH_PARALLEL_COMPILE_WORKERS=2 is not supported yet.*"
+                                         "tensor_parallel_size=2"):
+        EngineConfig.from_kwargs(tensor_parallel_size=2)

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 logger = init_logger(__name__)
 
 
-def multimodal_processor(config, ckpt) -> "MultiModalProcessor | None":
+def multimodal_processor(config, ckpt, tokenizer) -> "MultiModalProcessor | None":
     """The media processor of a multimodal checkpoint (None for a text model)."""
     if not is_multimodal(ckpt.hf_config):
         return None
@@ -31,7 +31,7 @@ def multimodal_processor(config, ckpt) -> "MultiModalProcessor | None":
                                limits=config.limit_mm_per_prompt,
                                allowed_local_media_path=config.allowed_local_media_path,
                                language_model_only=config.additional_config.mm_language_model_only,
-                               max_frame_patches=enc.encoder_attention_block_size)
+                               max_frame_patches=enc.encoder_attention_block_size, tokenizer=tokenizer)
 
 
 def child_request_id(index: int, request_id: str) -> str:

@@ -154,13 +154,13 @@ def compile_worker(tasks: Any, results: Any, config: Any, device: Any, dtype: An
     import torch
 
     from vllm_neuron.model.loader import load_checkpoint
-    from vllm_neuron.worker.runner_factory import make_runner
+    from vllm_neuron.worker.tp_executor import create_runner
 
     torch.set_num_threads(threads)
     pid = os.getpid()
     runner = None
     try:
-        runner = make_runner(config, load_checkpoint(config.model), device, dtype, backend)
+        runner = create_runner(config, load_checkpoint(config.model), device, dtype, backend)
         runner.load_model()
         runner._kv_sizing = kv_sizing
         runner.init_kv_cache(num_blocks)
