@@ -276,5 +276,6 @@ def test_parallel_worker_timeout_names_the_bucket(model, tmp_path):
                    NEURON_LIBTORCH_COMPILATION_TIMEOUT="1")
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out
-    assert re.search(r"Parallel compilation failed: bucket (prefill_s32|decode_b1|decode_b2): CompileTimeout: "
-                     r"Bucket \1: compilation took longer than NEURON_LIBTORCH_COMPILATION_TIMEOUT=1 s", out), out
+    # Raised in the worker (CompileTimeout), or the worker killed by this process when its timer could not fire.
+    assert re.search(r"Parallel compilation failed: bucket (prefill_s32|decode_b1|decode_b2): (CompileTimeout: "
+                     r"Bucket \1: )?compilation took longer than NEURON_LIBTORCH_COMPILATION_TIMEOUT=1 s", out), out

@@ -121,6 +121,25 @@ class CompileTimeout(RuntimeError):
     pass
 
 
+def _timeout_message(name: str, seconds: int | None) -> str:
+    return (f"Bucket {name}: compilation took longer than NEURON_LIBTORCH_COMPILATION_TIMEOUT={seconds} s; raise "
+            "the timeout, or compile it once with `vllm-neuron compile`")
+
+
+def _compile_timeout(e: BaseException, name: str, seconds: int | None) -> CompileTimeout | None:
+    """The CompileTimeout behind `e`: dynamo wraps an exception raised while it traces (the timer's signal
+    lands anywhere) in its own errors, sometimes keeping only its text."""
+    first, seen = e, set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, CompileTimeout):
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    if seconds is not None and "NEURON_LIBTORCH_COMPILATION_TIMEOUT=" in str(first):
+        return CompileTimeout(_timeout_message(name, seconds))
+    return None
+
+
 @contextlib.contextmanager
 def _deadline(name: str, seconds: int | None):
     """Raises CompileTimeout when the block runs longer than `seconds` (None: no limit). A signal timer:
@@ -130,8 +149,7 @@ def _deadline(name: str, seconds: int | None):
         return
 
     def expired(signum, frame):
-        raise CompileTimeout(f"Bucket {name}: compilation took longer than NEURON_LIBTORCH_COMPILATION_TIMEOUT="
-                             f"{seconds} s; raise the timeout, or compile it once with `vllm-neuron compile`")
+        raise CompileTimeout(_timeout_message(name, seconds))
 
     previous = signal.signal(signal.SIGALRM, expired)
     signal.setitimer(signal.ITIMER_REAL, seconds)
@@ -375,9 +393,10 @@ class GraphCompiler:
                 compiled.disable_guard_check()
                 self._source = "compiled"
                 return functools.partial(compiled, owner)
-            except CompileTimeout:
-                raise  # NEURON_LIBTORCH_COMPILATION_TIMEOUT fails warm-up: no unbounded fallback compile
             except Exception as e:
+                timeout = _compile_timeout(e, name, self.timeout)
+                if timeout is not None:  # fails warm-up: no unbounded fallback compile
+                    raise timeout from None
                 logger.warning("Bucket %s: ahead-of-time compilation failed (%s: %s); using torch.compile, "
                                "which re-traces this graph on every start", name, type(e).__name__, e)
         self._source = "traced"
