@@ -36,7 +36,7 @@ class VerifyGraphs(StepGraphs):
     """The verification graph function (tensors in, tensors out), beside MRv1's prefill and decode."""
 
     def verify(self, input_ids, positions, slot_mapping, block_tables, draft_ids, num_drafts, bitmask,
-               temperature, top_k, top_p, uniform_accept, uniform_sample, kv_caches):
+               temperature, top_k, top_p, uniform_accept, uniform_sample, kv_caches, groups=()):
         b, k = draft_ids.shape
         if self.use_kernels:
             starts = torch.arange(b + 1, device=positions.device) * (k + 1)
@@ -45,7 +45,7 @@ class VerifyGraphs(StepGraphs):
         else:
             mask = verify_mask(positions.view(b, k + 1), block_tables.shape[1] * self.block_size)
             meta = AttentionMetadata(slot_mapping, mask, block_tables=block_tables, is_decode=True, positions=positions)
-        hidden = self.model(input_ids, positions, kv_caches, meta)
+        hidden = self._forward(input_ids, positions, kv_caches, meta, self._group_metas(meta, groups, False))
         logits = self.model.compute_logits(hidden).float().view(b, k + 1, -1)
         if bitmask is not None:  # grammar rows carry no drafts: only their first row samples
             logits = torch.cat([apply_token_bitmask(logits[:, 0], bitmask)[:, None], logits[:, 1:]], dim=1)
