@@ -1,15 +1,18 @@
-"""N-gram speculative decoding on the bundled model: TPOT and output tok/s with speculation off and on,
-acceptance rate and acceptance length, on a repetitive and a random workload, at batch 1 and 8 - all in
-one run, one process, so the ratios are comparable.
+"""Speculative decoding on the bundled model (n-gram and EAGLE3): TPOT and output tok/s with speculation off
+and on, acceptance rate and acceptance length, on a repetitive and a random workload, at batch 1 and 8 -
+all in one run, one process, so the ratios are comparable.
 
     python benchmarks/spec_decode_ngram.py                      # K=4, lookup 2..5, 8 requests per cell
     python benchmarks/spec_decode_ngram.py --num-requests 16 --k 3 --output-len 96
+    python benchmarks/spec_decode_ngram.py --methods ngram,eagle3 --eagle3-draft DIR
 
 Workloads: "repetitive" asks the model (chat template) to repeat a passage word for word, the work n-gram
 lookup is for (editing, extraction, code); "random" sends random token prompts, where lookup finds
 nothing and speculation should cost nothing. Greedy, ignore_eos, fixed output length, so both engines
 emit the same tokens. Batch B: B requests submitted together, the next wave when all finished.
 TPOT = (E2E - TTFT) / (output tokens - 1) per request, averaged; tok/s = output tokens / wall time.
+EAGLE3 without --eagle3-draft uses a random-weight draft head built for the bundled model (no trained
+EAGLE3 draft exists for it): it accepts almost nothing, so it measures what a low-acceptance draft costs.
 Timings on a shared machine are noisy: compare the on/off columns of one run only.
 """
 from __future__ import annotations
@@ -90,6 +93,8 @@ def main() -> None:
     ap.add_argument("--lookup-min", type=int, default=2)
     ap.add_argument("--lookup-max", type=int, default=5)
     ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--methods", default="ngram", help="comma list of ngram, eagle3")
+    ap.add_argument("--eagle3-draft", default=None, help="EAGLE3 draft directory (default: a random-weight one)")
     ap.add_argument("--enforce-eager", action="store_true")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
@@ -101,9 +106,13 @@ def main() -> None:
     common = dict(max_model_len=1024, max_num_seqs=max(batches), max_num_batched_tokens=512, num_gpu_blocks_override=512,
                   enforce_eager=args.enforce_eager, additional_config={"neuron_config": {
                       "num_seqs_buckets": sorted(set(batches)), "num_batched_tokens_buckets": [128, 512]}})
-    spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": args.lookup_min,
-            "prompt_lookup_max": args.lookup_max}
-    engines = {"off": LLM(**common), "on": LLM(speculative_config=spec, **common)}
+    specs = {"ngram": {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": args.lookup_min,
+                       "prompt_lookup_max": args.lookup_max},
+             "eagle3": {"method": "eagle3", "num_speculative_tokens": args.k, "model": args.eagle3_draft}}
+    methods = args.methods.split(",")
+    if "eagle3" in methods and args.eagle3_draft is None:
+        specs["eagle3"]["model"] = random_eagle3_draft()
+    engines = {"off": LLM(**common), **{m: LLM(speculative_config=specs[m], **common) for m in methods}}
     tok = engines["off"].get_tokenizer()
     workloads = {"repetitive": repetitive_prompts(tok, args.num_requests),
                  "random": random_prompts(len(tok), args.num_requests, args.random_input_len, seed=0)}
@@ -113,19 +122,34 @@ def main() -> None:
     for wname, prompts in workloads.items():
         for b in batches:
             res = {mode: run_cell(llm, prompts, b, args.output_len) for mode, llm in engines.items()}
-            rows.append((wname, b, res["off"], res["on"]))
+            rows += [(m, wname, b, res["off"], res[m]) for m in methods]
             print(f"[cell] {wname} batch {b}: {res}", flush=True)
-    print(f"\nn-gram speculation (K={args.k}, lookup {args.lookup_min}..{args.lookup_max}), bundled model, "
+    print(f"\nSpeculation off vs on (K={args.k}; n-gram lookup {args.lookup_min}..{args.lookup_max}; EAGLE3 draft "
+          f"{specs['eagle3']['model'] if 'eagle3' in methods else '-'}), bundled model, "
           f"{args.num_requests} requests x {args.output_len} tokens per cell")
-    head = (f"{'workload':<11} {'batch':>5} {'TPOT off':>9} {'TPOT on':>8} {'TPOT off/on':>11} "
+    head = (f"{'method':<7} {'workload':<11} {'batch':>5} {'TPOT off':>9} {'TPOT on':>8} {'TPOT off/on':>11} "
             f"{'tok/s off':>9} {'tok/s on':>8} {'accept %':>8} {'acc. len':>8}")
     print(head)
     print("-" * len(head))
-    for wname, b, off, on in rows:
+    for m, wname, b, off, on in rows:
         acc = f"{100 * on['acceptance']:.1f}" if on["acceptance"] is not None else "-"
         length = f"{on['length']:.2f}" if on["length"] is not None else "-"
-        print(f"{wname:<11} {b:>5} {off['tpot_ms']:>9.1f} {on['tpot_ms']:>8.1f} "
+        print(f"{m:<7} {wname:<11} {b:>5} {off['tpot_ms']:>9.1f} {on['tpot_ms']:>8.1f} "
               f"{off['tpot_ms'] / on['tpot_ms']:>10.2f}x {off['tok_s']:>9.1f} {on['tok_s']:>8.1f} {acc:>8} {length:>8}")
+
+
+def random_eagle3_draft() -> str:
+    """A random-weight EAGLE3 draft head shaped for the bundled SmolLM2-135M (hidden 576, 9 heads / 3 KV
+    heads), default taps; written once to a temporary directory."""
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tests.model_factory import make_tiny_eagle3
+
+    return make_tiny_eagle3(tempfile.mkdtemp(prefix="eagle3-random-"), target_hidden=576, hidden_size=576,
+                            num_heads=9, num_kv_heads=3, intermediate_size=1536, draft_vocab_size=4096, scale=0.05)
 
 
 if __name__ == "__main__":

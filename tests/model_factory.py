@@ -430,3 +430,49 @@ def make_tiny_gpt_oss_mxfp4(path: str, **config_kwargs: Any) -> str:
     with open(cfg_path, "w", encoding="utf-8") as f:
         json.dump(cfg, f, indent=2)
     return path
+
+
+def make_tiny_eagle3(path: str, *, target_hidden: int = 64, hidden_size: int = 64, vocab_size: int = SMOLLM2_VOCAB_SIZE,
+                     draft_vocab_size: int = 4096, aux_layer_ids: list[int] | None = None, seed: int = 0,
+                     own_embedding: bool = False, scale: float = 0.2, num_heads: int = 4, num_kv_heads: int = 2,
+                     intermediate_size: int = 128) -> str:
+    """A random EAGLE3 draft in vLLM's `LlamaForCausalLMEagle3` layout (midlayer.*, fc, norm, lm_head,
+    d2t / t2d over a draft vocabulary of the target ids 0, 12, 24, ... ), written as config.json +
+    model.safetensors. Returns `path`."""
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(seed)
+    heads, kv_heads, inter = num_heads, num_kv_heads, intermediate_size
+    d = hidden_size // heads
+
+    def w(*shape):
+        return (torch.randn(*shape, generator=g) * scale).contiguous()
+    ids = torch.arange(draft_vocab_size) * (vocab_size // draft_vocab_size)
+    t2d = torch.zeros(vocab_size, dtype=torch.bool)
+    t2d[ids] = True
+    state = {
+        "fc.weight": w(hidden_size, 3 * target_hidden), "norm.weight": 1 + w(hidden_size),
+        "lm_head.weight": w(draft_vocab_size, hidden_size), "d2t": ids - torch.arange(draft_vocab_size), "t2d": t2d,
+        "midlayer.input_layernorm.weight": 1 + w(hidden_size), "midlayer.hidden_norm.weight": 1 + w(hidden_size),
+        "midlayer.post_attention_layernorm.weight": 1 + w(hidden_size),
+        "midlayer.self_attn.q_proj.weight": w(heads * d, 2 * hidden_size),
+        "midlayer.self_attn.k_proj.weight": w(kv_heads * d, 2 * hidden_size),
+        "midlayer.self_attn.v_proj.weight": w(kv_heads * d, 2 * hidden_size),
+        "midlayer.self_attn.o_proj.weight": w(hidden_size, heads * d),
+        "midlayer.mlp.gate_proj.weight": w(inter, hidden_size), "midlayer.mlp.up_proj.weight": w(inter, hidden_size),
+        "midlayer.mlp.down_proj.weight": w(hidden_size, inter),
+    }
+    if own_embedding:
+        state["embed_tokens.weight"] = w(vocab_size, hidden_size)
+    cfg = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": hidden_size,
+           "intermediate_size": inter, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
+           "num_hidden_layers": 1, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "vocab_size": vocab_size,
+           "draft_vocab_size": draft_vocab_size, "target_hidden_size": target_hidden,
+           "max_position_embeddings": 2048, "torch_dtype": "float32"}
+    if aux_layer_ids is not None:
+        cfg["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": aux_layer_ids}
+    os.makedirs(path, exist_ok=True)
+    save_file(state, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(path, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(cfg, f, indent=2)
+    return path

@@ -121,9 +121,15 @@ def hf_greedy(ids: list[int], images: list, max_new: int, **kw) -> list[int]:
         grids = px["image_grid_thw"].tolist()
         extra = dict(pixel_values=px["pixel_values"], image_grid_thw=px["image_grid_thw"])
     full, types = expand(ids, grids)
+    return hf_generate(full, types, max_new, **extra, **kw)
+
+
+def hf_generate(full: list[int], types: list[int], max_new: int, seed: int = 0, **inputs) -> list[int]:
+    """transformers greedy tokens after expanded ids `full` (mm_token_type_ids `types`) and model inputs."""
+    model = build_tiny_qwen3_vl(seed=seed)
     with torch.no_grad():
         out = model.generate(torch.tensor([full]), mm_token_type_ids=torch.tensor([types]), max_new_tokens=max_new,
-                             min_new_tokens=max_new, do_sample=False, pad_token_id=EOS_ID, **extra)
+                             min_new_tokens=max_new, do_sample=False, pad_token_id=EOS_ID, **inputs)
     return out[0, len(full):].tolist()
 
 
@@ -146,3 +152,21 @@ def data_url(data: bytes, media_type: str = "image/png") -> str:
     import base64
 
     return f"data:{media_type};base64," + base64.b64encode(data).decode()
+
+
+def mp4_bytes(num_frames: int, fps: int, size: int = 56) -> bytes:
+    """An mpeg4 video of random frames, encoded with PyAV."""
+    import io
+
+    import av
+
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="mp4") as c:
+        s = c.add_stream("mpeg4", rate=fps)
+        s.width, s.height, s.pix_fmt = size, size, "yuv420p"
+        for i in range(num_frames):
+            for p in s.encode(av.VideoFrame.from_ndarray(np.asarray(random_image(size, size, i)), format="rgb24")):
+                c.mux(p)
+        for p in s.encode():
+            c.mux(p)
+    return buf.getvalue()

@@ -141,6 +141,13 @@ SPEC_DECODE_NUM_ACCEPTED_TOKENS = Counter("vllm:spec_decode_num_accepted_tokens"
                                           _ME, registry=None)
 SPEC_DECODE_ACCEPTED_PER_POS = Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
                                        "Accepted tokens per draft position.", _ME + ["position"], registry=None)
+ENCODER_CACHE_HITS = Counter("vllm_neuron:encoder_cache_hits", "Media items whose vision embeddings came from the "
+                             "encoder cache.", _ME, registry=None)
+ENCODER_CACHE_MISSES = Counter("vllm_neuron:encoder_cache_misses", "Media items the vision encoder ran for.", _ME,
+                               registry=None)
+# Only with a multimodal model.
+ENCODER_CACHE_SERIES: tuple[str, ...] = ("vllm_neuron:encoder_cache_hits_total",
+                                         "vllm_neuron:encoder_cache_misses_total")
 # Only with --speculative-config (as in vLLM).
 SPEC_DECODE_SERIES: tuple[str, ...] = (
     "vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens_total",
@@ -230,6 +237,14 @@ def record_spec_decode(num_drafts: int, num_draft_tokens: int, num_accepted_toke
     SPEC_DECODE_NUM_ACCEPTED_TOKENS.labels(*me).inc(num_accepted_tokens)
     for pos, n in enumerate(accepted_per_pos):
         SPEC_DECODE_ACCEPTED_PER_POS.labels(*me, str(pos)).inc(n)
+
+
+def record_encoder_cache(hits: int, misses: int) -> None:
+    """One step's increments of the encoder cache's hits and misses (media items). Called every step with
+    a multimodal model, so the series exist from the start."""
+    me = _name(), _engine
+    ENCODER_CACHE_HITS.labels(*me).inc(hits)
+    ENCODER_CACHE_MISSES.labels(*me).inc(misses)
 
 
 def record_padding(kind: Literal["seqs", "tokens"], bucket_name: str, padding: int) -> None:
@@ -330,10 +345,45 @@ class RequestTimer:
 
 # ---- exposition --------------------------------------------------------------------------------
 
+# Exposition text of the replicas on other nodes (multi-node data parallelism), by node: their
+# processes write to their own node's folder, and the node sends that folder's samples to the head.
+_remote: dict[str, str] = {}
+
+
+def set_remote_samples(node: str, text: str | None) -> None:
+    """The latest samples of `node`'s replicas (Prometheus text), or None to drop them (node gone)."""
+    with _lock:
+        if text is None:
+            _remote.pop(node, None)
+        else:
+            _remote[node] = text
+
+
+class _WithRemote:
+    """This host's multiprocess samples with the remote nodes' merged in, family by family."""
+
+    def collect(self):
+        from prometheus_client.parser import text_string_to_metric_families
+
+        families = {f.name: f for f in multiprocess.MultiProcessCollector(None, path=MULTIPROC_DIR).collect()}
+        with _lock:
+            texts = list(_remote.values())
+        for text in texts:
+            for fam in text_string_to_metric_families(text):
+                if fam.name in families:
+                    families[fam.name].samples.extend(fam.samples)
+                else:
+                    families[fam.name] = fam
+        return list(families.values())
+
+
 def metrics_response_body() -> bytes:
-    """Prometheus text of every process' samples (what /metrics returns)."""
+    """Prometheus text of every process' samples (what /metrics returns), remote replicas' included."""
     registry = CollectorRegistry()
-    multiprocess.MultiProcessCollector(registry, path=MULTIPROC_DIR)
+    if _remote:
+        registry.register(_WithRemote())
+    else:
+        multiprocess.MultiProcessCollector(registry, path=MULTIPROC_DIR)
     return prometheus_client.generate_latest(registry)
 
 

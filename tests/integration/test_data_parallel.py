@@ -13,10 +13,10 @@ import os
 import signal
 
 import pytest
+import torch
 
 from vllm_neuron.config.engine_config import EngineConfig
 from vllm_neuron.engine.async_llm import AsyncLLM
-from vllm_neuron.engine.llm_engine import LLMEngine
 from vllm_neuron.engine.protocol import EngineDeadError
 from vllm_neuron.sampling_params import RequestOutputKind, SamplingParams
 
@@ -49,6 +49,14 @@ def dp_engine(tiny_llama_dir):
     llm.shutdown()
 
 
+@pytest.fixture(scope="module")
+def single(tiny_llama_dir):
+    """One in-process engine with the same options: the reference outputs."""
+    from vllm_neuron import LLM
+
+    return LLM(tiny_llama_dir, **OPTS)
+
+
 def _run(coro):
     return _LOOP.run_until_complete(coro)
 
@@ -61,7 +69,7 @@ async def _one(llm: AsyncLLM, rid: str, ids: list[int], params: SamplingParams, 
     return final
 
 
-def test_dp2_serves_32_concurrent_requests_colocated_with_dp1_tokens(dp_engine, tiny_llama_dir):
+def test_dp2_serves_32_concurrent_requests_colocated_with_dp1_tokens(dp_engine, single):
     prompts = _prompts()
 
     async def main():
@@ -80,17 +88,46 @@ def test_dp2_serves_32_concurrent_requests_colocated_with_dp1_tokens(dp_engine, 
         placed = {seen[f"r{i}"] for i, (grp, _) in enumerate(prompts) if grp == g}
         assert len(placed) == 1, f"prefix group {g} was split over replicas {placed}"
     assert dp_engine.router.loads == [0, 0]  # every request's work was released
+    # The host's cores are split between the replicas (2 cores, 2 replicas: 1 thread each).
+    share = max(1, torch.get_num_threads() // 2)
+    assert [r.info["threads"] for r in dp_engine.cores.replicas] == [share, share]
 
     # Greedy tokens are those of one engine (DP changes where a request runs, never what it computes).
-    single = LLMEngine(EngineConfig.from_kwargs(model=tiny_llama_dir, **OPTS))
-    for i, (_, ids) in enumerate(prompts):
-        single.add_request(f"s{i}", {"prompt_token_ids": ids}, _greedy())
-    want = {}
-    while single.has_unfinished_requests():
-        for out in single.step():
-            if out.finished:
-                want[out.request_id] = out.outputs[0].token_ids
-    assert [list(o.outputs[0].token_ids) for o in outs] == [list(want[f"s{i}"]) for i in range(len(prompts))]
+    want = single.generate([{"prompt_token_ids": ids} for _, ids in prompts], _greedy(), use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outs] == [list(o.outputs[0].token_ids) for o in want]
+
+
+def test_a_disconnected_client_aborts_on_the_replica_serving_it(dp_engine):
+    long = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+    sent: list = []
+    real_send = dp_engine.cores.send
+
+    def spy(rank, msg):
+        sent.append((rank, msg[0], msg[1] if msg[0] == "abort" else msg[1].request_id))
+        return real_send(rank, msg)
+
+    async def leave_after_first_token(rid: str, ids: list[int]) -> int:
+        stream = dp_engine.generate({"prompt_token_ids": ids}, long, rid)
+        await stream.__anext__()
+        rank = dp_engine.replica_of(rid)
+        await stream.aclose()  # what the HTTP layer does when the client goes away
+        return rank
+
+    async def main():
+        await dp_engine.wait_until_ready(timeout=300)
+        return await asyncio.gather(leave_after_first_token("a0", [21, 22, 23]),
+                                    leave_after_first_token("a1", [31, 32, 33]))
+
+    dp_engine.cores.send = spy
+    try:
+        ranks = _run(main())
+    finally:
+        dp_engine.cores.send = real_send
+    assert sorted(ranks) == [0, 1]
+    for rid, rank in zip(("a0", "a1"), ranks):
+        assert (rank, "add", rid) in sent and (rank, "abort", [rid]) in sent
+        assert (1 - rank, "abort", [rid]) not in sent
+    assert dp_engine.router.loads == [0, 0]
 
 
 def test_killed_replica_fails_its_requests_and_health_while_the_other_serves(dp_engine):
@@ -105,25 +142,31 @@ def test_killed_replica_fails_its_requests_and_health_while_the_other_serves(dp_
             await asyncio.sleep(0.05)
         victim = dp_engine.cores.replicas[1].proc
         os.kill(victim.pid, signal.SIGKILL)
-        results = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), timeout=60)
+        on_victim = [i for i in range(4) if seen[f"k{i}"] == 1]
+        # Its requests fail at once; the others are still decoding their 200 tokens on replica 0.
+        failed = await asyncio.wait_for(asyncio.gather(*(tasks[i] for i in on_victim), return_exceptions=True),
+                                        timeout=30)
         with pytest.raises(EngineDeadError, match="data parallel replica 1 died"):
             await dp_engine.check_health()
         assert dp_engine.is_ready and not dp_engine.errored  # replica 0 still serves
         after = await _one(dp_engine, "after", [3, 4, 5], _greedy(), {})
-        return seen, results, after
+        survivors = [tasks[i] for i in range(4) if i not in on_victim]
+        survivor_errors = [t.exception() for t in survivors if t.done()]  # finished ones: no error
+        for t in survivors:
+            t.cancel()  # aborts them on replica 0
+        await asyncio.gather(*survivors, return_exceptions=True)
+        return on_victim, failed, after, survivor_errors
 
-    seen, results, after = _run(main())
-    on_victim = [i for i in range(4) if seen[f"k{i}"] == 1]
+    on_victim, failed, after, survivor_errors = _run(main())
     assert on_victim and len(on_victim) < 4
-    for i, res in enumerate(results):
-        if i in on_victim:
-            assert isinstance(res, EngineDeadError) and "data parallel replica 1 died" in str(res), res
-        else:
-            assert not isinstance(res, BaseException) and res.finished
+    for res in failed:
+        assert isinstance(res, EngineDeadError) and "data parallel replica 1 died" in str(res), res
+    assert survivor_errors == [None] * len(survivor_errors)
+    assert dp_engine.router.loads == [0, 0]
     assert after.finished and len(after.outputs[0].token_ids) == MAX_TOKENS
 
 
-def test_offline_llm_data_parallel_matches_one_engine(tiny_llama_dir):
+def test_offline_llm_data_parallel_matches_one_engine(tiny_llama_dir, single):
     from vllm_neuron import LLM
 
     prompts = [{"prompt_token_ids": ids} for _, ids in _prompts()[:8]] + ["Hello there", "One two three"]
@@ -132,7 +175,9 @@ def test_offline_llm_data_parallel_matches_one_engine(tiny_llama_dir):
     got = llm.generate(prompts, params, use_tqdm=False)
     client = llm._dp.client
     assert client.router.routed[0] > 0 and client.router.routed[1] > 0
-    assert llm.get_tokenizer() is not None
+    chat = [{"role": "user", "content": "Say hi"}]
+    assert [o.outputs[0].token_ids for o in llm.chat(chat, params, use_tqdm=False)] == \
+        [o.outputs[0].token_ids for o in single.chat(chat, params, use_tqdm=False)]
 
     # A replica that hangs (stopped) is found by its silence, killed, and its request fails; no hang.
     client.cores.iteration_timeout = 3.0  # VLLM_ENGINE_ITERATION_TIMEOUT_S
@@ -148,6 +193,6 @@ def test_offline_llm_data_parallel_matches_one_engine(tiny_llama_dir):
             os.kill(hung.pid, signal.SIGKILL)
     assert len(llm.generate(["e", "f"], params, use_tqdm=False)) == 2  # replica 0 serves on
     del llm
-    single = LLM(tiny_llama_dir, **OPTS).generate(prompts, params, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in single]
-    assert [o.outputs[0].text for o in got] == [o.outputs[0].text for o in single]
+    want = single.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert [o.outputs[0].text for o in got] == [o.outputs[0].text for o in want]

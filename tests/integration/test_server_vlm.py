@@ -5,13 +5,14 @@ naming the problem, and the server keeps serving."""
 from __future__ import annotations
 
 import os
+import re
 
 import httpx
 import openai
 import pytest
 
 from tests.integration.server_utils import ServerProcess
-from tests.vlm_factory import IMAGE, data_url, hf_greedy, make_tiny_qwen3_vl, png_bytes, random_image
+from tests.vlm_factory import IMAGE, data_url, hf_greedy, make_tiny_qwen3_vl, mp4_bytes, png_bytes, random_image
 
 MAX_NEW = 6
 
@@ -85,3 +86,45 @@ def test_bad_media_get_a_400_and_the_server_keeps_serving(setup, urls, needle):
     assert needle in r.json()["error"]["message"]
     ok = _chat(srv, model_dir, _message(data_url(png_bytes(random_image(56, 56, 3)))))
     assert ok.choices[0].finish_reason == "length"
+
+
+def _metric(srv, name: str) -> float:
+    text = httpx.get(srv.url + "/metrics", timeout=10).text
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + "{"))
+
+
+def test_encoder_cache_hits_and_misses_in_metrics(setup):
+    srv, model_dir, _ = setup
+    hits, misses = (_metric(srv, f"vllm_neuron:encoder_cache_{k}_total") for k in ("hits", "misses"))
+    url = data_url(png_bytes(random_image(56, 56, 9)))
+    first = _chat(srv, model_dir, _message(url, text="Hi."))
+    second = _chat(srv, model_dir, _message(url, text="Hi."))  # shorter than a KV block: no prefix-cache hit
+    assert first.choices[0].message.content == second.choices[0].message.content
+    assert _metric(srv, "vllm_neuron:encoder_cache_misses_total") == misses + 1
+    assert _metric(srv, "vllm_neuron:encoder_cache_hits_total") == hits + 1
+
+
+def test_video_url_content_part(setup):
+    srv, model_dir, _ = setup
+    messages = [{"role": "user", "content": [
+        {"type": "video_url", "video_url": {"url": data_url(mp4_bytes(8, 4), "video/mp4")}},
+        {"type": "text", "text": "What happens?"}]}]
+    out = _chat(srv, model_dir, messages)
+    assert out.choices[0].finish_reason == "length"
+    assert out.usage.prompt_tokens > 2 * 4  # two frame pairs of 4 tokens, their timestamps and markers
+
+
+def test_bench_serve_random_mm(setup, tmp_path):
+    """`vllm-neuron bench serve --dataset-name random-mm` against the server: every request with its images
+    succeeds."""
+    from tests.integration.server_utils import run_cli
+
+    srv, model_dir, _ = setup
+    out = run_cli(["bench", "serve", "--backend", "openai-chat", "--base-url", srv.url, "--model", model_dir,
+                   "--tokenizer", model_dir, "--dataset-name", "random-mm", "--num-prompts", "3",
+                   "--random-input-len", "16", "--random-output-len", "4", "--random-mm-base-items-per-request", "2",
+                   "--random-mm-limit-mm-per-prompt", '{"image": 2, "video": 1}',
+                   "--random-mm-bucket-config", "{(56, 56, 1): 0.5, (56, 84, 1): 0.3, (56, 56, 4): 0.2}",
+                   "--ignore-eos", "--disable-tqdm"], str(tmp_path), timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert re.search(r"Successful requests:\s+3", out.stdout), out.stdout

@@ -6,11 +6,15 @@ from __future__ import annotations
 
 import pytest
 
-from tests.vlm_factory import IMAGE, data_url, hf_greedy, make_tiny_qwen3_vl, png_bytes, random_image, solid_image
+from tests.vlm_factory import (IMAGE, data_url, hf_generate, hf_greedy, make_tiny_qwen3_vl, mp4_bytes, png_bytes,
+                               random_image, solid_image)
 from vllm_neuron import LLM, SamplingParams
 
 MAX_NEW = 6
-BUCKETS = {"neuron_config": {"num_batched_tokens_buckets": [16, 32], "num_seqs_buckets": [1, 4]}}
+# Vision attention in blocks of 128 patches (56x56 = 16, 112x112 = 64), encoder buckets of 1 and 2 blocks.
+ENCODER = {"encoder_attention_block_size": 128, "num_encoder_input_buckets": [128, 256]}
+BUCKETS = {"neuron_config": {"num_batched_tokens_buckets": [16, 32], "num_seqs_buckets": [1, 4]},
+           "encoder_neuron_config": ENCODER}
 # (prompt text, images). 56x84 -> 6 tokens, 56x56 -> 4, 112x112 -> 16; max_num_batched_tokens=32 splits the
 # long prompt's 112x112 image across two prefill segments.
 CASES = [
@@ -18,7 +22,10 @@ CASES = [
     ("First " + IMAGE + " then " + IMAGE + " compare.", [(56, 56), (112, 112)]),
     ("<|im_start|>user\n" + IMAGE + "Describe.<|im_end|>\n<|im_start|>assistant\nA square.<|im_end|>\n"
      "<|im_start|>user\nAnd its colour?<|im_end|>\n<|im_start|>assistant\n", [(84, 56)]),
-    ("one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen " + IMAGE + " end", [(112, 112)]),
+    ("one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen " + IMAGE
+     + " end", [(112, 112)]),
+    # Three 64-patch images: two attention blocks, one encoder call in the 256-patch bucket.
+    ("Three: " + IMAGE + IMAGE + IMAGE + ".", [(112, 112)] * 3),
 ]
 
 
@@ -68,11 +75,31 @@ def test_eager_matches_transformers(eager, reference, tokenizer):
     assert _generate(eager) == reference
 
 
+def test_encoder_groups_fit_the_largest_bucket(model_dir, reference):
+    """With one 128-patch bucket the three images of the last case need two encoder calls."""
+    llm = _engine(model_dir, enforce_eager=True, additional_config={**BUCKETS, "encoder_neuron_config": {
+        "encoder_attention_block_size": 128, "num_encoder_input_buckets": [128]}})
+    assert _generate(llm, CASES[-1:]) == reference[-1:]
+    assert llm.llm_engine.core.runner.num_encoder_runs == 2
+
+
 def test_encoder_cache_hit_gives_identical_output(eager, reference):
     runner = eager.llm_engine.core.runner
     runs, hits = runner.num_encoder_runs, runner.encoder_cache.hits
     assert _generate(eager, CASES[:1]) == reference[:1]
     assert runner.num_encoder_runs == runs and runner.encoder_cache.hits > hits
+
+
+def test_segmented_prefill_encodes_the_image_once(eager, tokenizer):
+    """The image spans two prefill segments: the first encodes it, the second takes it from the cache."""
+    text, sizes = CASES[3]
+    runner = eager.llm_engine.core.runner
+    runs, hits = runner.num_encoder_runs, runner.encoder_cache.hits
+    img = [solid_image(*sizes[0], (200, 30, 30))]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    out = eager.generate({"prompt": text, "multi_modal_data": {"image": img}}, params, use_tqdm=False)
+    assert runner.num_encoder_runs == runs + 1 and runner.encoder_cache.hits == hits + 1
+    assert out[0].outputs[0].token_ids == hf_greedy(tokenizer.encode(text), img, MAX_NEW)
 
 
 def test_prompts_differing_only_in_image_share_no_kv(eager, tokenizer):
@@ -91,9 +118,11 @@ def test_prompts_differing_only_in_image_share_no_kv(eager, tokenizer):
 
 @pytest.mark.slow
 def test_compiled_matches_transformers(model_dir, reference):
-    # One prefill and one decode bucket: two graphs to compile.
-    llm = _engine(model_dir, additional_config={"neuron_config": {"num_batched_tokens_buckets": [32],
-                                                                  "num_seqs_buckets": [4]}})
+    # One prefill, one decode and one encoder bucket (two blocks of 128 patches): three graphs to compile.
+    llm = _engine(model_dir, additional_config={
+        "neuron_config": {"num_batched_tokens_buckets": [32], "num_seqs_buckets": [4]},
+        "encoder_neuron_config": {"encoder_attention_block_size": 128, "num_encoder_input_buckets": [256]}})
+    assert [r.name for r in llm.llm_engine.core.compiler.records] == ["prefill_s32", "decode_b4", "encoder_p256"]
     assert _generate(llm) == reference
 
 
@@ -114,3 +143,51 @@ def test_chat_with_image_content_parts(eager, tokenizer):
     assert out[0].outputs[0].token_ids == ref
     with pytest.raises(ValueError, match="Content part type 'audio_url' is not supported"):
         eager.chat([{"role": "user", "content": [{"type": "audio_url", "audio_url": {"url": url}}]}], params)
+
+
+def test_video_matches_transformers(eager, tokenizer):
+    """Four frames without metadata (24 fps, as transformers assumes): two frame pairs, each written as
+    <t seconds><|vision_start|><|video_pad|> x 4<|vision_end|> with transformers' pair timestamps."""
+    import numpy as np
+    import torch
+    from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
+
+    frames = np.stack([np.asarray(random_image(56, 56, 10 + i)) for i in range(4)])
+    text = "Watch: <|vision_start|><|video_pad|><|vision_end|> what happens?"
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    out = eager.generate({"prompt": text, "multi_modal_data": {"video": frames}}, params, use_tqdm=False)
+    ids, items = eager.llm_engine.input_processor.mm_processor.process(tokenizer.encode(text), {"video": frames})
+    stamps = Qwen3VLProcessor._calculate_timestamps(None, [0, 1, 2, 3], 24, 2)
+    layout = "".join(f"<{t:.1f} seconds><|vision_start|>" + "<|video_pad|>" * 4 + "<|vision_end|>" for t in stamps)
+    assert layout in tokenizer.decode(ids)
+    assert items[0].grid_thw == (2, 4, 4) and len(items[0].runs) == 2
+    types = [2 if t == tokenizer.convert_tokens_to_ids("<|video_pad|>") else 0 for t in ids]
+    ref = hf_generate(ids, types, MAX_NEW, pixel_values_videos=torch.from_numpy(items[0].pixel_values),
+                      video_grid_thw=torch.tensor([items[0].grid_thw]))
+    assert out[0].outputs[0].token_ids == ref
+
+
+def test_video_file_is_decoded_and_sampled_at_fps(eager, tokenizer):
+    """An mp4 (PyAV) at 4 fps, 8 frames, sampled at 2 fps: frames 0, 2, 4, 6 -> two frame pairs."""
+    url = data_url(mp4_bytes(8, 4), "video/mp4")
+    text = "<|vision_start|><|video_pad|><|vision_end|>"
+    proc = eager.llm_engine.input_processor.mm_processor
+    ids, items = proc.process(tokenizer.encode(text), {"video": url}, {"fps": 2})
+    assert items[0].grid_thw == (2, 4, 4)
+    assert "<0.2 seconds>" in tokenizer.decode(ids) and "<1.2 seconds>" in tokenizer.decode(ids)  # (0+.5)/2, (1+1.5)/2
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    out = eager.generate({"prompt": text, "multi_modal_data": {"video": url}}, params, use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 2
+    with pytest.raises(ValueError, match="cannot decode the video"):
+        proc.process(tokenizer.encode(text), {"video": data_url(b"not a video", "video/mp4")})
+
+
+def test_language_model_only_serves_text_and_refuses_media(model_dir, eager, tokenizer):
+    llm = _engine(model_dir, enforce_eager=True, additional_config={**BUCKETS, "mm_language_model_only": True})
+    assert llm.llm_engine.core.runner.model.model.visual is None
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    text = "A text-only question about colours"
+    assert llm.generate(text, params, use_tqdm=False)[0].outputs[0].token_ids == \
+        eager.generate(text, params, use_tqdm=False)[0].outputs[0].token_ids
+    with pytest.raises(ValueError, match="mm_language_model_only"):
+        llm.generate({"prompt": CASES[0][0], "multi_modal_data": {"image": _images(CASES[0][1])}}, params)

@@ -10,6 +10,7 @@ speculation) or a random one. The n-gram path itself runs in the compiled test.
 from __future__ import annotations
 
 import functools
+import json
 import random
 from collections import Counter, defaultdict
 
@@ -198,42 +199,54 @@ def test_ngram_compiled_graphs(model_dir, monkeypatch, tmp_path):
     assert core.scheduler.spec_stats.num_drafts > 0
 
 
-def test_requests_that_cannot_speculate_share_batches_with_ones_that_do(model_dir, monkeypatch):
-    """Grammar-constrained and host-sampled (logprobs, penalties) requests get no drafts - one token per
-    step, the bitmask on it - while plain requests in the same verification steps speculate."""
+def test_grammar_requests_speculate_and_host_sampled_ones_share_their_batches(model_dir, monkeypatch):
+    """Grammar-constrained requests speculate: every verified position is masked (the matcher walks the
+    drafts and rolls back), and their output equals the non-speculative one, with drafts that the grammar
+    allows (accepted) and one it refuses (rejected) in every step. Host-sampled (logprobs, penalties)
+    requests get no drafts, one token per step in the same verification steps."""
     from vllm_neuron.structured_output import StructuredOutputsParams
     from vllm_neuron.worker import spec_decode
 
     plain = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
-    special = [SamplingParams(temperature=0.0, max_tokens=40, structured_outputs=StructuredOutputsParams(
-                   choice=["alpha beta", "gamma"])),
-               SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=2),
-               SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, repetition_penalty=1.3)]
-    prompts = ["Answer:", "Say something", "x y z"]
-    params = [plain] * 3 + special
-    texts = prompts + prompts
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "n": {"type": "integer"}},
+              "required": ["name", "n"]}
+    grammar = [SamplingParams(temperature=0.0, max_tokens=40, structured_outputs=StructuredOutputsParams(
+                   choice=["alpha beta gamma delta", "gamma"])),
+               SamplingParams(temperature=0.0, max_tokens=48, structured_outputs=StructuredOutputsParams(
+                   json=schema))]
+    host = [SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=2),
+            SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, repetition_penalty=1.3)]
+    texts = ["Answer:", "Say something", "x y z", "Answer:", "JSON:", "Say something", "x y z"]
+    params = [plain] * 3 + grammar + host
     off = _engine(model_dir, monkeypatch, spec=False).generate(texts, params, use_tqdm=False)
-    full = [list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in off[:3]]
+    full = [list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in off[:5]]
 
-    def oracle(tokens, lo, hi, k):  # the plain requests' own continuation; junk for anything else
+    def oracle(tokens, lo, hi, k):  # each request's own continuation, the last draft replaced by junk
         for f in full:
             if f[:len(tokens)] == list(tokens) and len(f) > len(tokens):
-                return f[len(tokens):len(tokens) + k]
+                return f[len(tokens):len(tokens) + k - 1] + [5]
         return [5, 6, 7][:k]
     monkeypatch.setattr(spec_decode, "propose_ngram", oracle)
     llm = _engine(model_dir, monkeypatch)
     core = llm.llm_engine.core
-    drafted = Counter()
+    drafted, steps = Counter(), Counter()
     orig = core.runner.execute
 
     def spy(sched):
         for c in sched.chunks:
             drafted[c.req_id] += c.num_draft_tokens
+            steps[c.req_id] += sched.kind == "decode"
         return orig(sched)
     core.runner.execute = spy
     on = llm.generate(texts, params, use_tqdm=False)
     ids = [o.request_id for o in on]
-    assert all(drafted[r] > 0 for r in ids[:3]) and not any(drafted[r] for r in ids[3:]), drafted
+    assert all(drafted[r] > 0 for r in ids[:5]) and not any(drafted[r] for r in ids[5:]), drafted
     assert [o.outputs[0].token_ids for o in on] == [o.outputs[0].token_ids for o in off]
-    assert on[3].outputs[0].text in ("alpha beta", "gamma") and on[3].outputs[0].finish_reason == "stop"
-    assert len(on[4].outputs[0].logprobs) == MAX_NEW
+    assert on[3].outputs[0].text in ("alpha beta gamma delta", "gamma") and on[3].outputs[0].finish_reason == "stop"
+    if on[4].outputs[0].finish_reason == "stop":
+        json.loads(on[4].outputs[0].text)
+    for o in on[3:5]:  # accepted drafts: fewer decode steps than tokens after the first
+        n = len(o.outputs[0].token_ids)
+        assert n < 4 or steps[o.request_id] < n - 1, (o.outputs[0].text, steps[o.request_id])
+    assert len(on[4].outputs[0].token_ids) > 8
+    assert len(on[5].outputs[0].logprobs) == MAX_NEW

@@ -21,7 +21,7 @@ def test_unknown_kwarg_names_the_valid_ones():
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    ({"tensor_parallel_size": 2}, "tensor_parallel_size=2 is not supported yet"),
+    ({"tensor_parallel_size": 3, "nnodes": 2}, "nnodes must be a positive integer that divides"),
     ({"kv_cache_dtype": "fp8_inc"}, r"kv_cache_dtype='fp8_inc' is not supported; valid values: \['auto', 'fp8', "),
     ({"kv_cache_dtype": "fp8", "additional_config": {"neuron_config": {"fp8_packed_kv": True}}},
      "fp8_packed_kv=True is not supported yet.*Model Runner V1.*kv_cache_dtype='fp8'"),
@@ -149,3 +149,17 @@ def test_multimodal_options_are_validated_and_refused_for_text_models():
     text_only = EngineConfig.from_kwargs(additional_config={"mm_language_model_only": True})
     with pytest.raises(ValueError, match="mm_language_model_only applies to multimodal models only"):
         text_only.finalize(model_max_len=2048)
+
+
+def test_encoder_neuron_config_needs_a_multimodal_model_and_one_device():
+    text = EngineConfig.from_kwargs(additional_config={"encoder_neuron_config": {"encoder_attention_block_size": 256}})
+    with pytest.raises(ValueError, match="encoder_neuron_config applies to multimodal models only"):
+        text.finalize(model_max_len=2048)
+    tp = EngineConfig.from_kwargs(additional_config={"encoder_neuron_config": {"tp_size": 2, "dp_size": 1}})
+    with pytest.raises(ValueError, match="tp_size \\* dp_size must equal world_size"):
+        tp.finalize(model_max_len=2048, multimodal=True)
+    hold = EngineConfig.from_kwargs(additional_config={"encoder_neuron_config": {"encoder_cache_min_hold_time_ms": 5}})
+    with pytest.raises(ValueError, match="encoder_cache_min_hold_time_ms=5.* is not supported yet"):
+        hold.finalize(model_max_len=2048, multimodal=True)
+    ok = EngineConfig.from_kwargs(additional_config={"encoder_neuron_config": {"encoder_attention_block_size": 256}})
+    ok.finalize(model_max_len=2048, multimodal=True)

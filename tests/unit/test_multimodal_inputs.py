@@ -46,7 +46,7 @@ def test_hash_follows_the_pixels_not_the_source(processor):
     ([5], {"image": "IMG"}, "0 image placeholder.* but 1 image"),
     ([IMAGE_PAD] * 3, {"image": ["IMG"] * 3}, r"At most 2 image\(s\) .* got 3 \(--limit-mm-per-prompt\)"),
     ([IMAGE_PAD], {"audio": "x"}, "unknown modality 'audio'"),
-    ([IMAGE_PAD], {"video": ["x"]}, "video input is not supported yet"),
+    ([5], {"video": "data:video/mp4;base64,AAAA"}, "0 video placeholder.* but 1 video"),
     ([IMAGE_PAD], {"image": "data:image/png;base64,bm90IGFuIGltYWdl"}, "cannot decode the data: URL image"),
     ([IMAGE_PAD], {"image": "data:text/plain;base64,aGVsbG8="}, "media type 'text/plain' .* not supported"),
     ([IMAGE_PAD], {"image": "data:image/png;base64,@@@"}, "not valid base64"),
@@ -83,3 +83,9 @@ def test_language_model_only_refuses_media(processor):
     text_only = MultiModalProcessor(tiny_qwen3_vl_config(), processor.model_path, language_model_only=True)
     with pytest.raises(ValueError, match="mm_language_model_only"):
         text_only.process([IMAGE_PAD], {"image": random_image(56, 56, 0)})
+
+
+def test_an_image_larger_than_an_encoder_block_is_refused(processor):
+    small = MultiModalProcessor(tiny_qwen3_vl_config(), processor.model_path, max_frame_patches=32)
+    with pytest.raises(ValueError, match="an image of 64 patches \\(8x8\\) does not fit encoder_attention_block_size=32"):
+        small.process([IMAGE_PAD], {"image": random_image(112, 112, 0)})

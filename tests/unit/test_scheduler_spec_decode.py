@@ -186,3 +186,19 @@ def test_preemption_and_random_workloads(seed):
 
 def test_random_workloads_did_preempt():
     assert sum(preempted) > 0
+
+
+def test_tokens_verified_past_a_stop_token_are_not_the_requests():
+    """A verification that accepts EOS among its drafts emits tokens after it: the request ends at EOS
+    and `num_new_tokens` tells the engine how many of the step's tokens to output."""
+    s = spec_make()
+    eos = 2
+    s.add_request(req("a", prompt_of(1, 6), max_tokens=20, eos=eos))
+    first = s.schedule()
+    assert not s.update(first, ModelRunnerOutput({"a": [11]}, {}, spec_token_ids={"a": [12, eos, 13]}))
+    step = s.schedule()
+    assert step.chunks[0].num_draft_tokens == K
+    (fin,) = s.update(step, ModelRunnerOutput({"a": [12, eos, 13, 14]}, {}))
+    assert fin.finish_reason == "stop" and fin.num_new_tokens == 2
+    assert fin.request.output_token_ids == [11, 12, eos]
+    assert_all_blocks_free(s)

@@ -20,7 +20,7 @@ import numpy as np
 
 logger = logging.getLogger(__name__)
 
-DATASET_NAMES = ("random", "sharegpt", "prefix_repetition")
+DATASET_NAMES = ("random", "sharegpt", "prefix_repetition", "random-mm")
 # Retries of the decode / re-encode adjustment per prompt before accepting a small mismatch.
 _MAX_FIT_RETRIES = 10
 
@@ -33,6 +33,8 @@ class SampleRequest:
     prompt_len: int
     expected_output_len: int
     request_id: str = ""
+    # Chat content parts sent before the prompt text (random-mm: image_url / video_url data: URLs).
+    multi_modal_content: list[dict] | None = None
 
 
 def add_dataset_args(parser: argparse.ArgumentParser) -> None:
@@ -42,7 +44,8 @@ def add_dataset_args(parser: argparse.ArgumentParser) -> None:
         "--dataset-name", type=str, default="random", choices=list(DATASET_NAMES),
         help="Prompt source. 'random': random token prompts (optionally after a shared random "
         "prefix, --random-prefix-len). 'prefix_repetition': a few random prefixes each shared "
-        "by many prompts. 'sharegpt': a local ShareGPT json (--dataset-path).")
+        "by many prompts. 'sharegpt': a local ShareGPT json (--dataset-path). 'random-mm': random prompts "
+        "with random images / videos (--random-mm-*; needs --backend openai-chat).")
     group.add_argument("--dataset-path", type=str, default=None,
                        help="Path to a local ShareGPT json file, sharegpt only (default: none).")
     group.add_argument("--num-prompts", type=int, default=1000, help="Number of prompts.")
@@ -73,6 +76,9 @@ def add_dataset_args(parser: argparse.ArgumentParser) -> None:
                               help="Number of distinct prefixes.")
     prefix_group.add_argument("--prefix-repetition-output-len", type=int, default=128,
                               help="Output tokens per request.")
+    from vllm_neuron.benchmarks.random_mm import add_random_mm_args
+
+    add_random_mm_args(parser)
     sharegpt_group = parser.add_argument_group("sharegpt dataset options")
     sharegpt_group.add_argument(
         "--sharegpt-output-len", type=int, default=None,
@@ -295,7 +301,7 @@ def get_samples(args: argparse.Namespace, tokenizer: Any) -> list[SampleRequest]
     name = args.dataset_name
     input_len = getattr(args, "input_len", None)
     output_len = getattr(args, "output_len", None)
-    if name in ("random", "prefix_repetition") and args.dataset_path is not None:
+    if name in ("random", "prefix_repetition", "random-mm") and args.dataset_path is not None:
         raise ValueError(f"--dataset-path cannot be used with --dataset-name {name}; "
                          "use --dataset-name sharegpt for a dataset file")
     if name == "random":
@@ -305,6 +311,17 @@ def get_samples(args: argparse.Namespace, tokenizer: Any) -> list[SampleRequest]
             output_len=output_len if output_len is not None else args.random_output_len,
             range_ratio=args.random_range_ratio, prefix_len=args.random_prefix_len,
             seed=args.seed)
+    if name == "random-mm":
+        from vllm_neuron.benchmarks import random_mm
+
+        return random_mm.sample_random_mm_requests(
+            tokenizer, args.num_prompts,
+            input_len=input_len if input_len is not None else args.random_input_len,
+            output_len=output_len if output_len is not None else args.random_output_len,
+            range_ratio=args.random_range_ratio, base_items=args.random_mm_base_items_per_request,
+            items_range_ratio=args.random_mm_num_mm_items_range_ratio,
+            limits=random_mm.parse_limits(args.random_mm_limit_mm_per_prompt),
+            buckets=random_mm.parse_buckets(args.random_mm_bucket_config), seed=args.seed)
     if name == "prefix_repetition":
         return sample_prefix_repetition_requests(
             tokenizer, args.num_prompts, prefix_len=args.prefix_repetition_prefix_len,

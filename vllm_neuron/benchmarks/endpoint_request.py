@@ -32,6 +32,7 @@ class RequestInput:
     # Sampling options and anything from --extra-body; merged last into the JSON body.
     extra_body: dict[str, Any] = field(default_factory=dict)
     headers: dict[str, str] = field(default_factory=dict)
+    multi_modal_content: list[dict] | None = None  # chat content parts before the prompt text
 
 
 @dataclass
@@ -57,7 +58,9 @@ def build_payload(req: RequestInput) -> dict[str, Any]:
     body: dict[str, Any] = {"model": req.model, "stream": True,
                             "stream_options": {"include_usage": True}}
     if req.chat:
-        body["messages"] = [{"role": "user", "content": req.prompt}]
+        content = req.prompt if not req.multi_modal_content else \
+            req.multi_modal_content + [{"type": "text", "text": req.prompt}]
+        body["messages"] = [{"role": "user", "content": content}]
         # Newer servers read max_completion_tokens, older ones (llama-server) max_tokens.
         body["max_completion_tokens"] = req.output_len
         body["max_tokens"] = req.output_len

@@ -128,6 +128,8 @@ class BenchServeConfig:
         if args.backend == "openai-chat" and not endpoint.rstrip("/").endswith("chat/completions"):
             raise ValueError(f"--backend openai-chat needs a chat completions --endpoint "
                              f"(e.g. /v1/chat/completions); got {endpoint!r}")
+        if getattr(args, "dataset_name", None) == "random-mm" and args.backend != "openai-chat":
+            raise ValueError("--dataset-name random-mm sends images in chat content parts: use --backend openai-chat")
         if args.base_url:
             base_url = args.base_url.rstrip("/")
         else:
@@ -218,7 +220,8 @@ def _request_input(cfg: BenchServeConfig, model: str, sample: SampleRequest) -> 
     return RequestInput(api_url=cfg.api_url, model=model, prompt=sample.prompt,
                         prompt_len=sample.prompt_len, output_len=sample.expected_output_len,
                         chat=cfg.backend == "openai-chat", ignore_eos=cfg.ignore_eos,
-                        extra_body=cfg.extra_body, headers=cfg.headers)
+                        extra_body=cfg.extra_body, headers=cfg.headers,
+                        multi_modal_content=sample.multi_modal_content)
 
 
 async def _run_requests(client: httpx.AsyncClient, inputs: list[RequestInput],

@@ -50,6 +50,8 @@ class SchedulerConfig:
 class FinishedRequest:
     request: Request
     finish_reason: str
+    # Of the step's sampled tokens, how many are the request's (a verification can emit tokens past a stop).
+    num_new_tokens: int | None = None
 
 
 class Scheduler:
@@ -259,7 +261,7 @@ class Scheduler:
             if chunk.num_draft_tokens and sampled:
                 self._roll_back_rejected(req, chunk.num_draft_tokens, len(sampled) - 1)
             self.kv.cache_computed_blocks(req)
-            for tok in sampled:
+            for i, tok in enumerate(sampled):
                 req.output_token_ids.append(tok)
                 stop = check_stop(req.output_token_ids, req.sampling_params, req.eos_token_id,
                                   req.num_prompt_tokens, self.config.max_model_len)
@@ -267,7 +269,7 @@ class Scheduler:
                     req.stop_reason = stop[1]
                     self.running.remove(req)
                     self._free(req, RequestStatus.from_finish_reason(stop[0]))
-                    finished.append(FinishedRequest(req, stop[0]))
+                    finished.append(FinishedRequest(req, stop[0], i + 1))
                     break
             if req.status == RequestStatus.RUNNING:
                 req.spec_token_ids = list(result.spec_token_ids.get(chunk.req_id, ()))

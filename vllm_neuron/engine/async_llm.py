@@ -30,6 +30,7 @@ from vllm_neuron.sampling_params import SamplingParams
 logger = init_logger(__name__)
 
 _LIVENESS_S = 0.2  # how often replica processes and node heartbeats are checked
+_WAIT_NOTE_S = 30.0  # how often start-up names the remote ranks that have not joined yet
 
 
 class AsyncLLM(EngineClient):
@@ -61,7 +62,7 @@ class AsyncLLM(EngineClient):
         self.input_processor = InputProcessor(self.tokenizer, config.max_model_len, generation,
                                               nc.on_device_sampling_config, config.max_logprobs,
                                               ckpt.hf_config.get_text_config().vocab_size,
-                                              multimodal_processor(config, ckpt))
+                                              multimodal_processor(config, ckpt, self.tokenizer))
         self.output_processor = OutputProcessor(self.tokenizer)
         self.model_info = ModelInfo(ckpt.path, config.max_model_len, self.input_processor.eos_token_id,
                                     self.input_processor.generation_defaults)
@@ -177,11 +178,17 @@ class AsyncLLM(EngineClient):
         self._ensure_handler()
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
+        next_note = loop.time() + _WAIT_NOTE_S
         while not self._ready:
             if self._dead is not None or self.cores.dead_reasons():
                 await self.check_health()  # a replica that dies during start-up fails the start
             if deadline is not None and loop.time() > deadline:
                 raise TimeoutError("engine did not become ready in time")
+            if loop.time() > next_note and self.cores.remote_address is not None:
+                absent = [r.rank for r in self.cores.replicas if r.proc is None and not r.connected]
+                if absent:  # a node that was never started, or cannot reach the head
+                    logger.info("Waiting for data parallel ranks %s to join at %s", absent, self.cores.remote_address)
+                next_note = loop.time() + _WAIT_NOTE_S
             await asyncio.sleep(0.05)
 
     async def _output_loop(self) -> None:

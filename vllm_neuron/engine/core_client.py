@@ -128,6 +128,8 @@ class CoreClient:
         r.dead = reason
         if r.proc is not None and r.proc.pid is not None:
             metrics.mark_process_dead(r.proc.pid)
+        if r.node is not None and all(x.dead is not None for x in self.replicas if x.node == r.node):
+            metrics.set_remote_samples(r.node.decode(), None)  # a node without replicas reports nothing live
         return True
 
     # -- messages --------------------------------------------------------------------------------
@@ -166,6 +168,7 @@ class CoreClient:
                                 msg[1].get("pid"))
             elif msg[0] == "ready":
                 r.ready = True
+                r.info.update(msg[1])
             return rank, msg
         if identity.startswith(b"node-"):
             return None, self._node_message(identity, msg)
@@ -188,6 +191,9 @@ class CoreClient:
             return ("ignored",)  # a refused node's heartbeats
         self._nodes[identity] = time.monotonic()
         self._send_to(identity, ("ack",))
+        if msg[0] == "metrics":
+            metrics.set_remote_samples(identity.decode(), msg[1])
+            return ("ignored",)
         dead = [(rank, f"reported by its node: {why}") for rank, why in msg[1].get("dead", {}).items()] \
             if msg[0] == "heartbeat" else []
         return ("node_dead", dead)

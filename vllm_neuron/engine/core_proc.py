@@ -19,7 +19,7 @@ from typing import Any
 import zmq
 
 from vllm_neuron.config.engine_config import EngineConfig
-from vllm_neuron.engine.replica import ReplicaPlacement, apply_placement, engine_identity
+from vllm_neuron.engine.replica import ReplicaPlacement, apply_placement, engine_identity, placement_config
 from vllm_neuron.logger import init_logger
 
 logger = init_logger(__name__)
@@ -46,17 +46,18 @@ def run_engine_core(config: EngineConfig, address: str, placement: ReplicaPlacem
 
         _send(out, ("hello", {"pid": os.getpid(), "host": socket.gethostname()}))
         apply_placement(placement)
-        config.kv_budget_shared_by = placement.kv_budget_shared_by  # host RAM: split by local_workers
-        if placement.cuda_index is not None and placement.kv_budget_shared_by > 1:  # replicas sharing one GPU
-            config.gpu_memory_utilization /= placement.kv_budget_shared_by
+        placement_config(config, placement)
         metrics.configure(model_name, engine=placement.rank)
         core = EngineCore(config)
         for rec in core.compiler.records:
             metrics.record_compilation_time(rec.name, rec.seconds)
         metrics.record_model_load(core.load_stats.seconds, core.load_stats.nbytes)
+        import torch
+
         _send(out, ("ready", {"pid": os.getpid(), "startup_seconds": core.startup_seconds,
-                              "num_blocks": core.num_blocks}))
+                              "num_blocks": core.num_blocks, "threads": torch.get_num_threads()}))
         _loop(core, inp, out, metrics, log_stats=not config.disable_log_stats)
+        core.shutdown()
     except Exception as e:  # noqa: BLE001 - the client must learn why the engine died
         logger.error("EngineCore died: %s\n%s", e, traceback.format_exc())
         _send(out, ("dead", f"{type(e).__name__}: {e}"))
@@ -131,6 +132,7 @@ class _StatsRecorder:
         self.metrics = metrics
         self.prev = (0, 0, 0, 0)
         self.prev_spec = (0, 0, 0, [])
+        self.prev_encoder = (0, 0)
 
     def record(self, s) -> None:
         if s is None:
@@ -148,6 +150,10 @@ class _StatsRecorder:
             self.metrics.record_spec_decode(d - pd, t - pt, a - pa,
                                             [n - (prev_pos[i] if i < len(prev_pos) else 0) for i, n in enumerate(per_pos)])
             self.prev_spec = s.spec_decode
+        if s.encoder_cache is not None:
+            (h, m), (ph, pm) = s.encoder_cache, self.prev_encoder
+            self.metrics.record_encoder_cache(h - ph, m - pm)
+            self.prev_encoder = s.encoder_cache
         if s.bucket_name:
             self.metrics.record_execution(s.bucket_name)
             self.metrics.record_padding("tokens" if s.step_kind == "prefill" else "seqs", s.bucket_name,

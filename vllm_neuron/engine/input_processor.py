@@ -19,16 +19,19 @@ if TYPE_CHECKING:
 logger = init_logger(__name__)
 
 
-def multimodal_processor(config, ckpt) -> "MultiModalProcessor | None":
+def multimodal_processor(config, ckpt, tokenizer) -> "MultiModalProcessor | None":
     """The media processor of a multimodal checkpoint (None for a text model)."""
     if not is_multimodal(ckpt.hf_config):
         return None
+    from vllm_neuron.config.neuron_config import EncoderNeuronConfig
     from vllm_neuron.multimodal.processor import MultiModalProcessor
 
+    enc = config.additional_config.encoder_neuron_config or EncoderNeuronConfig()
     return MultiModalProcessor(ckpt.hf_config, ckpt.path, mm_processor_kwargs=config.mm_processor_kwargs,
                                limits=config.limit_mm_per_prompt,
                                allowed_local_media_path=config.allowed_local_media_path,
-                               language_model_only=config.additional_config.mm_language_model_only)
+                               language_model_only=config.additional_config.mm_language_model_only,
+                               max_frame_patches=enc.encoder_attention_block_size, tokenizer=tokenizer)
 
 
 def child_request_id(index: int, request_id: str) -> str:

@@ -28,7 +28,7 @@ class LLMEngine:
             self.tokenizer, config.max_model_len, effective_generation_config(
                 config.generation_config, ckpt.generation_config, config.override_generation_config),
             config.neuron_config.on_device_sampling_config, config.max_logprobs,
-            ckpt.hf_config.get_text_config().vocab_size, multimodal_processor(config, ckpt))
+            ckpt.hf_config.get_text_config().vocab_size, multimodal_processor(config, ckpt, self.tokenizer))
         self.output_processor = OutputProcessor(self.tokenizer)
 
     @classmethod
@@ -44,6 +44,10 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> RequestOutput | None:
         self.core.abort_requests(self.output_processor.engine_ids(request_id))
         return self.output_processor.abort(request_id)
+
+    def shutdown(self) -> None:
+        """Ends the engine's other tensor-parallel ranks (nothing to do with one rank)."""
+        self.core.shutdown()
 
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished()

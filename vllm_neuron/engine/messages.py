@@ -47,6 +47,8 @@ class SchedulerStats:
     # Speculative decoding (cumulative; None without --speculative-config): drafts, draft tokens,
     # accepted tokens, accepted tokens per draft position.
     spec_decode: tuple[int, int, int, list[int]] | None = None
+    # Encoder cache hits and misses in media items (cumulative; None without a multimodal model).
+    encoder_cache: tuple[int, int] | None = None
     step_kind: str = ""
     bucket_name: str = ""
     num_padding: int = 0

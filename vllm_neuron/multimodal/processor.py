@@ -18,6 +18,8 @@ import numpy as np
 
 from vllm_neuron.multimodal.inputs import MultiModalItem, media_hash
 from vllm_neuron.multimodal.media import load_image
+from vllm_neuron.multimodal.video import (DEFAULT_SAMPLE_FPS, UNKNOWN_FPS, load_video, pair_frames, pair_timestamps,
+                                          sample_indices)
 
 MODALITIES = ("image", "video")
 
@@ -25,21 +27,27 @@ MODALITIES = ("image", "video")
 def _processor_keys() -> set[str]:
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorKwargs
 
-    return set(Qwen2VLImageProcessorKwargs.__annotations__) | {"min_pixels", "max_pixels"}
+    return set(Qwen2VLImageProcessorKwargs.__annotations__) | {"min_pixels", "max_pixels", "fps"}
 
 
 class MultiModalProcessor:
     def __init__(self, hf_config, model_path: str, *, mm_processor_kwargs: Mapping[str, Any] | None = None,
                  limits: Mapping[str, int] | None = None, allowed_local_media_path: str | None = None,
-                 language_model_only: bool = False) -> None:
+                 language_model_only: bool = False, max_frame_patches: int | None = None, tokenizer=None) -> None:
         self.image_token_id = hf_config.image_token_id
         self.video_token_id = hf_config.video_token_id
+        self.vision_start_token_id = hf_config.vision_start_token_id
+        self.vision_end_token_id = hf_config.vision_end_token_id
+        self.tokenizer = tokenizer  # for the timestamps written before each video frame pair
         self.merge = hf_config.vision_config.spatial_merge_size
         self.model_path = model_path
         self.limits = dict(limits or {})
         self.allowed_local_media_path = allowed_local_media_path
         self.language_model_only = language_model_only
-        self.default_kwargs = self.check_kwargs(mm_processor_kwargs or {})
+        self.max_frame_patches = max_frame_patches  # encoder_attention_block_size: a frame must fit a block
+        kwargs = self.check_kwargs(mm_processor_kwargs or {})
+        self.default_fps = float(kwargs.pop("fps", DEFAULT_SAMPLE_FPS))
+        self.default_kwargs = kwargs
 
     @staticmethod
     def check_kwargs(kwargs: Mapping[str, Any]) -> dict[str, Any]:
@@ -55,7 +63,7 @@ class MultiModalProcessor:
         return Qwen2VLImageProcessorPil.from_pretrained(self.model_path, **json.loads(kwargs_json))
 
     def image_processor(self, overrides: Mapping[str, Any] | None = None):
-        kwargs = {**self.default_kwargs, **self.check_kwargs(overrides or {})}
+        kwargs = {**self.default_kwargs, **{k: v for k, v in self.check_kwargs(overrides or {}).items() if k != "fps"}}
         return self._image_processor(json.dumps(kwargs, sort_keys=True))
 
     def count_items(self, mm_data: Mapping[str, Any]) -> dict[str, list]:
@@ -74,40 +82,78 @@ class MultiModalProcessor:
                 out[modality] = items
         if out and self.language_model_only:
             raise ValueError("this engine serves the text tower only (mm_language_model_only); media inputs are refused")
-        if "video" in out:
-            raise ValueError("video input is not supported yet; send the frames as images")
         return out
 
     def process(self, token_ids: list[int], mm_data: Mapping[str, Any],
                 mm_processor_kwargs: Mapping[str, Any] | None = None) -> tuple[list[int], list[MultiModalItem]]:
         items = self.count_items(mm_data)
-        images = [load_image(x, self.allowed_local_media_path) for x in items.get("image", [])]
-        n_slots = sum(1 for t in token_ids if t == self.image_token_id)
-        if n_slots != len(images):
-            raise ValueError(f"the prompt has {n_slots} image placeholder(s) (token {self.image_token_id}, "
-                             f"<|image_pad|>) but {len(images)} image(s) were given")
-        if any(t == self.video_token_id for t in token_ids):
-            raise ValueError("the prompt has a video placeholder (<|video_pad|>), but video input is not supported yet")
-        if not images:
+        kwargs = dict(mm_processor_kwargs or {})
+        fps = float(kwargs.pop("fps", self.default_fps))
+        for modality, token in (("image", self.image_token_id), ("video", self.video_token_id)):
+            n_slots = sum(1 for t in token_ids if t == token)
+            if n_slots != len(items.get(modality, [])):
+                raise ValueError(f"the prompt has {n_slots} {modality} placeholder(s) (token {token}, "
+                                 f"<|{modality}_pad|>) but {len(items.get(modality, []))} {modality}(s) were given")
+        if not items:
             return list(token_ids), []
-        out = self.image_processor(mm_processor_kwargs)(images=images, return_tensors="np")
-        pixels, grids = out["pixel_values"], [tuple(int(v) for v in g) for g in out["image_grid_thw"]]
-        return self._expand(token_ids, pixels, grids)
-
-    def _expand(self, token_ids: list[int], pixels: np.ndarray, grids: list[tuple[int, int, int]]):
+        processor = self.image_processor(kwargs)
+        images = iter(self._images(processor, items.get("image", [])))
+        videos = iter([self._video(processor, v, fps) for v in items.get("video", [])])
         ids: list[int] = []
         result: list[MultiModalItem] = []
-        start = 0
-        it = iter(grids)
         for t in token_ids:
-            if t != self.image_token_id:
+            if t == self.image_token_id:
+                px, g = next(images)
+                llm = (1, g[1] // self.merge, g[2] // self.merge)
+                result.append(MultiModalItem("image", media_hash("image", px, g), px, g, [(len(ids), llm)]))
+                ids.extend([t] * (llm[1] * llm[2]))
+            elif t == self.video_token_id:
+                px, g, stamps = next(videos)
+                runs = []
+                for ts in stamps:  # transformers' Qwen3-VL layout: <t seconds><start><pad * n><end> per frame pair
+                    ids.extend(self.tokenizer.encode(f"<{ts:.1f} seconds>", add_special_tokens=False))
+                    ids.append(self.vision_start_token_id)
+                    runs.append((len(ids), (1, g[1] // self.merge, g[2] // self.merge)))
+                    ids.extend([t] * (g[1] * g[2] // self.merge ** 2))
+                    ids.append(self.vision_end_token_id)
+                result.append(MultiModalItem("video", media_hash("video", px, g), px, g, runs))
+            else:
                 ids.append(t)
-                continue
-            g = next(it)
-            llm = (g[0], g[1] // self.merge, g[2] // self.merge)
-            n = llm[0] * llm[1] * llm[2]
-            px = np.ascontiguousarray(pixels[start:start + g[0] * g[1] * g[2]], dtype=np.float32)
-            start += px.shape[0]
-            result.append(MultiModalItem("image", media_hash("image", px, g), px, g, [(len(ids), llm)]))
-            ids.extend([self.image_token_id] * n)
         return ids, result
+
+    def _check_frame(self, g: tuple[int, int, int], what: str) -> None:
+        if self.max_frame_patches is not None and g[1] * g[2] > self.max_frame_patches:
+            raise ValueError(f"{what} of {g[1] * g[2]} patches ({g[1]}x{g[2]}) does not fit "
+                             f"encoder_attention_block_size={self.max_frame_patches}; lower max_pixels "
+                             "(--mm-processor-kwargs) or raise the block size")
+
+    def _images(self, processor, sources: list) -> list[tuple[np.ndarray, tuple[int, int, int]]]:
+        if not sources:
+            return []
+        images = [load_image(x, self.allowed_local_media_path) for x in sources]
+        out = processor(images=images, return_tensors="np")
+        result, start = [], 0
+        for g in out["image_grid_thw"]:
+            g = tuple(int(v) for v in g)
+            self._check_frame(g, "an image")
+            n = g[0] * g[1] * g[2]
+            result.append((np.ascontiguousarray(out["pixel_values"][start:start + n], dtype=np.float32), g))
+            start += n
+        return result
+
+    def _video(self, processor, source, fps: float):
+        """(pixel rows, patch grid (t, h, w), seconds of each temporal patch) of one video."""
+        from PIL import Image
+
+        frames, source_fps = load_video(source, self.allowed_local_media_path)
+        tp = processor.temporal_patch_size
+        idx = sample_indices(len(frames), source_fps, fps, tp)
+        first = Image.fromarray(frames[idx[0]])
+        # Every frame at the first frame's size: the processor then gives all of them one grid.
+        picked = [Image.fromarray(frames[i]).resize(first.size) for i in idx]
+        out = processor(images=picked, return_tensors="np")
+        _, h, w = (int(v) for v in out["image_grid_thw"][0])
+        grid = (len(idx) // tp, h, w)
+        self._check_frame(grid, "a video frame")
+        rows = pair_frames(out["pixel_values"], len(idx), 3, tp, processor.patch_size)
+        return rows, grid, pair_timestamps(idx, source_fps or UNKNOWN_FPS, tp)

@@ -114,6 +114,28 @@ class StructuredOutputManager:
             return only.view(np.int32)
         return buf.copy()
 
+    def bitmasks(self, req_id: str, drafts: list[int], tokens_left: int | None = None) -> np.ndarray:
+        """int32 [1 + len(drafts), words]: the masks of a verification's positions. The matcher walks
+        through the drafts (row i + 1 is the mask after drafts[:i + 1]) and is rolled back after, so the
+        tokens the step emits are accepted as usual. Rows past a draft the grammar refuses are never
+        reached (the row before rejects that draft) and allow everything. `tokens_left` as `bitmask`'s, for
+        the first position."""
+        matcher = self._matchers[req_id]
+        out = np.full((1 + len(drafts), self.num_words), -1, np.int32)
+        walked = 0
+        for i in range(len(drafts) + 1):
+            out[i] = self.bitmask(req_id, None if tokens_left is None else tokens_left - i)
+            if i == len(drafts):
+                break
+            if matcher.is_terminated():
+                continue  # past the grammar's end only stop tokens follow (bitmask says so)
+            if not matcher.accept_token(drafts[i]):
+                break
+            walked += 1
+        if walked:
+            matcher.rollback(walked)
+        return out
+
     def accept(self, req_id: str, token_ids: list[int]) -> None:
         matcher = self._matchers.get(req_id)
         if matcher is None:

@@ -14,6 +14,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from vllm_neuron.config import buckets as B
+from vllm_neuron.config.neuron_config import EncoderNeuronConfig
+from vllm_neuron.logger import init_logger
+from vllm_neuron.model.qwen3_vl.block_packing import check_buckets, pack_ffd
 from vllm_neuron.model.qwen3_vl.mrope import VisionRun, mrope_positions, rope_positions_for
 from vllm_neuron.model.qwen3_vl.preprocessing import vision_inputs
 from vllm_neuron.step import ModelRunnerOutput, SchedulerOutput
@@ -21,6 +25,7 @@ from vllm_neuron.worker.encoder_cache import EncoderCache
 from vllm_neuron.worker.graphs_mm import MultimodalStepGraphs
 from vllm_neuron.worker.model_runner_v1 import ModelRunnerV1
 
+logger = init_logger(__name__)
 DEFAULT_ENCODER_CACHE_BYTES = 256 * 2**20
 
 
@@ -31,12 +36,59 @@ class _MediaState:
     delta: int
 
 
+def encoder_settings(config, hf_config) -> tuple[int, list[int]]:
+    """(encoder_attention_block_size, encoder input buckets) in patches, from encoder_neuron_config: the
+    default buckets double from the block size up to what max_model_len tokens of media hold."""
+    enc = config.additional_config.encoder_neuron_config or EncoderNeuronConfig()
+    block = enc.encoder_attention_block_size
+    merge_unit = hf_config.vision_config.spatial_merge_size ** 2
+    return block, check_buckets(enc.input_buckets(config.max_model_len * merge_unit), block)
+
+
 class MultimodalRunnerV1(ModelRunnerV1):
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, config, checkpoint, *args, **kwargs) -> None:
+        super().__init__(config, checkpoint, *args, **kwargs)
         self.media: dict[str, _MediaState] = {}
-        self.encoder_cache = EncoderCache(DEFAULT_ENCODER_CACHE_BYTES)
+        self.encoder_block, self.encoder_buckets = encoder_settings(config, checkpoint.hf_config)
+        enc = config.additional_config.encoder_neuron_config
+        nbytes = DEFAULT_ENCODER_CACHE_BYTES
+        if enc is not None and enc.encoder_cache_num_blocks:  # a block: one attention block's merged tokens
+            text, vision = checkpoint.hf_config.get_text_config(), checkpoint.hf_config.vision_config
+            per_token = text.hidden_size * (1 + len(vision.deepstack_visual_indexes)) * self.dtype.itemsize
+            nbytes = enc.encoder_cache_num_blocks * self.encoder_block // vision.spatial_merge_size ** 2 * per_token
+        self.encoder_cache = EncoderCache(nbytes)
         self.num_encoder_runs = 0
+        self.language_model_only = config.additional_config.mm_language_model_only
+
+    def graph_names(self) -> list[tuple[str, str, int, int]]:
+        out = super().graph_names()
+        if not self.language_model_only:  # one vision-tower graph per encoder bucket
+            out += [(self._graph_name("encode", b, 0), "encode", b, 0) for b in self.encoder_buckets]
+        return out
+
+    def _graph_name(self, kind: str, size: int, context: int) -> str:
+        return f"encoder_p{size}" if kind == "encode" else super()._graph_name(kind, size, context)
+
+    def _run_encode(self, chunks, size: int, context: int, vi=None):
+        """One encoder bucket's graph; warm-up runs it on padding only."""
+        if vi is None:
+            vision = self.model.mm_arch.vision
+            seg = torch.full((size // self.encoder_block, self.encoder_block), -1, dtype=torch.long)
+            args = (torch.zeros(size, vision.patch_dim), torch.zeros(size, 4, dtype=torch.long),
+                    torch.zeros(size, 4), torch.zeros(size, 2, dtype=torch.long), seg)
+        else:
+            args = vi.tensors()
+        with torch.inference_mode():
+            return self._graph("encode", size, 0)(*(t.to(self.device) for t in args))
+
+    def num_blocks(self, weight_bytes: int) -> int:
+        """The encoder cache's bound is reserved beside the weights before the KV pool is sized."""
+        logger.info("Encoder cache: up to %.1f MiB of vision embeddings (reserved in the memory budget)",
+                    self.encoder_cache.max_bytes / 2**20)
+        return super().num_blocks(weight_bytes + self.encoder_cache.max_bytes)
+
+    def encoder_cache_stats(self) -> tuple[int, int]:
+        return self.encoder_cache.hits, self.encoder_cache.misses
 
     def _make_graphs(self) -> MultimodalStepGraphs:
         return MultimodalStepGraphs(self.model, self.odsc, self.block_size, self.use_kernels, self.paged_decode)
@@ -99,8 +151,8 @@ class MultimodalRunnerV1(ModelRunnerV1):
         return (self._t(rope), embeds.to(self.device), self._t(mask), deepstack.to(self.device))
 
     def _encode(self, items: list) -> dict:
-        """mm_hash -> (embeds, deepstack) for `items`: from the encoder cache, else one vision-tower call
-        for all the missing ones."""
+        """mm_hash -> (embeds, deepstack) for `items`: from the encoder cache, else from vision-tower calls
+        on block-packed groups of the missing ones (one call per group that fits the largest bucket)."""
         out, missing = {}, {}
         for item in items:
             if item.mm_hash in out or item.mm_hash in missing:
@@ -110,22 +162,35 @@ class MultimodalRunnerV1(ModelRunnerV1):
                 out[item.mm_hash] = hit
             else:
                 missing[item.mm_hash] = item
-        if not missing:
-            return out
-        todo = list(missing.values())
-        vi = vision_inputs(self.model.mm_arch.vision, [torch.from_numpy(i.pixel_values) for i in todo],
-                           [i.grid_thw for i in todo])
-        with torch.inference_mode():
-            embeds, deepstack = self.graphs.encode(*(t.to(self.device) for t in vi.tensors()))
-        self.num_encoder_runs += 1
-        start = 0
-        for item in todo:
-            n = item.num_tokens
-            value = (embeds[start:start + n].clone(), deepstack[:, start:start + n].clone())
-            self.encoder_cache.put(item.mm_hash, *value)
-            out[item.mm_hash] = value
-            start += n
+        for group in self._encoder_groups(list(missing.values())):
+            n_blocks = len(pack_ffd(_frame_sizes(group), self.encoder_block))
+            size = B.select_bucket(self.encoder_buckets, n_blocks * self.encoder_block)
+            vi = vision_inputs(self.model.mm_arch.vision, [torch.from_numpy(i.pixel_values) for i in group],
+                               [i.grid_thw for i in group], num_patches=size, block_size=self.encoder_block)
+            embeds, deepstack = self._run_encode([], size, 0, vi)
+            rows = vi.token_rows.to(embeds.device)
+            embeds, deepstack = embeds[rows], deepstack[:, rows]  # back to item order
+            self.num_encoder_runs += 1
+            start = 0
+            for item in group:
+                n = item.num_tokens
+                value = (embeds[start:start + n].clone(), deepstack[:, start:start + n].clone())
+                self.encoder_cache.put(item.mm_hash, *value)
+                out[item.mm_hash] = value
+                start += n
         return out
+
+    def _encoder_groups(self, items: list) -> list[list]:
+        """Items in order, cut into groups whose packed blocks fit the largest encoder bucket."""
+        groups: list[list] = []
+        for item in items:
+            trial = (groups[-1] if groups else []) + [item]
+            if groups and len(pack_ffd(_frame_sizes(trial), self.encoder_block)) * self.encoder_block \
+                    <= self.encoder_buckets[-1]:
+                groups[-1] = trial
+            else:
+                groups.append([item])
+        return groups
 
     # -- decode ----------------------------------------------------------------------------------
     def _decode_extra(self, chunks, x) -> tuple:
@@ -135,3 +200,8 @@ class MultimodalRunnerV1(ModelRunnerV1):
             if state is not None:
                 delta[i] = state.delta
         return (self._t(delta),)
+
+
+def _frame_sizes(items: list) -> list[int]:
+    """Patches of each attention segment (an image, or a video frame) of `items`."""
+    return [item.grid_thw[1] * item.grid_thw[2] for item in items for _ in range(item.grid_thw[0])]

@@ -20,6 +20,7 @@ from tqdm import tqdm
 from vllm_neuron.config import buckets as B
 from vllm_neuron.config.device import check_weight_quantization
 from vllm_neuron.config.engine_config import EngineConfig
+from vllm_neuron.distributed import parallel_state as ps
 from vllm_neuron.kv_cache_groups import KVCacheLayout, plan_kv_cache_layout, single_group_layout
 from vllm_neuron.logger import init_logger
 from vllm_neuron.model.layers import kv_quant, quant_fp8
@@ -148,6 +149,7 @@ class ModelRunnerBase:
             logger.info("Weight-only %s: %d linear layers, %.1f MiB -> %.1f MiB (%s kernel for decode)", scheme,
                         layers, before / 2**20, after / 2**20, "custom" if self.use_quant_kernels else "no")
         self._bitmask_words = -(-self.ckpt.hf_config.get_text_config().vocab_size // 32)
+        nbytes += self._load_draft()
         self.compiler = self._make_compiler()
         self.graphs = self._make_graphs()
         stats = LoadStats(time.perf_counter() - t0, nbytes)
@@ -161,12 +163,16 @@ class ModelRunnerBase:
         # One block holds the K/V of one group's layers (KV cache groups share the pool).
         per_block = memory.kv_cache_bytes_per_block(self.kv_layout.group_size, kv_heads, head_dim, self.block_size,
                                                     torch.finfo(self.kv_dtype).bits // 8)
+        for kv_heads, head_dim in self._extra_kv_layers():
+            per_block += memory.kv_cache_bytes_per_block(1, kv_heads, head_dim, self.block_size,
+                                                         torch.finfo(self.kv_dtype).bits // 8)
 
         def budget() -> memory.KVBudget:
             b = memory.kv_budget_for_device(self.device, model_weight_bytes=weight_bytes,
                                             gpu_memory_utilization=self.config.gpu_memory_utilization,
                                             free_before_load=self._free_before_load, check_minimum=False,
-                                            local_workers=self.config.kv_budget_shared_by)
+                                            # DP replicas and this node's TP ranks share the host.
+                                            local_workers=self.config.kv_budget_shared_by * self.config.local_tp_ranks)
             logger.info("%s", b.describe())  # the line starts with "KV budget"
             return b
 
@@ -188,10 +194,11 @@ class ModelRunnerBase:
 
     def init_kv_cache(self, num_blocks: int) -> None:
         _, kv_heads, head_dim = self.model.kv_cache_spec()
-        shape = (num_blocks * self.block_size, kv_heads, head_dim)
-        # One K/V pair per layer of a group: with several groups, layer i uses pair layer_slot[i].
-        self.kv_caches = [(_zeros(shape, self.kv_dtype, self.device), _zeros(shape, self.kv_dtype, self.device))
-                          for _ in range(self.kv_layout.group_size)]
+        # One K/V pair per layer of a group: with several groups, layer i uses pair layer_slot[i]; a draft
+        # model's layers follow (speculative decoding keeps one group).
+        shapes = [(kv_heads, head_dim)] * self.kv_layout.group_size + self._extra_kv_layers()
+        self.kv_caches = [tuple(_zeros((num_blocks * self.block_size, h, d), self.kv_dtype, self.device)
+                                for _ in range(2)) for h, d in shapes]
         logger.info("KV cache dtype: %s (kv_cache_dtype=%s, %d byte(s) per element, %.3f MiB per block)",
                     str(self.kv_dtype).removeprefix("torch."), self.config.kv_cache_dtype,
                     torch.finfo(self.kv_dtype).bits // 8,
@@ -231,6 +238,8 @@ class ModelRunnerBase:
                 "kernel_variant": kernel_variant()[0] if self.use_kernels else None,
                 "quant_kernels": self.use_quant_kernels, "kv_dtype": str(self.kv_dtype),
                 "paged_decode": self.paged_decode,
+                # Each tensor-parallel rank compiles its own shard's graphs.
+                "tp_rank": ps.info().rank, "ep_degree": ps.info().ep_degree,
                 "quantization": self.config.neuron_config.quantization,
                 **({"kv_groups": [list(g.layers) for g in self.kv_layout.groups]}
                    if self.kv_layout.num_groups > 1 else {})}
@@ -256,6 +265,14 @@ class ModelRunnerBase:
             self.compiler.warm(name, lambda: run([], size, ctx))
         self.compiler.finish()
         return self.compiler
+
+    def _load_draft(self) -> int:
+        """Loads a speculative draft model beside the target (bytes loaded; 0: none)."""
+        return 0
+
+    def _extra_kv_layers(self) -> list[tuple[int, int]]:
+        """(kv heads, head dim) of KV layers past the target's (a draft model's), same blocks and slots."""
+        return []
 
     # -- graphs ----------------------------------------------------------------------------------
     def _make_graphs(self):
@@ -357,3 +374,7 @@ class ModelRunnerBase:
 
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         raise NotImplementedError
+
+    def encoder_cache_stats(self) -> tuple[int, int] | None:
+        """(hits, misses) of the encoder cache, cumulative; None for a model without one."""
+        return None

@@ -70,6 +70,11 @@ class SamplingStates:
         if st is not None:
             del st.output_token_ids[num_output_tokens:]
 
+    def all_tokens(self, req_id: str) -> list[int]:
+        """The request's prompt and output tokens known on the worker."""
+        st = self.states[req_id]
+        return st.data.prompt_token_ids + st.output_token_ids
+
     def remove(self, req_id: str) -> None:
         self.states.pop(req_id, None)
 

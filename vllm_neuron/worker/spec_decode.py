@@ -3,10 +3,11 @@ randomness, and the drafts proposed after every step.
 
 A decode step whose chunks carry drafts runs `verify_b{B}_k{K}`: the target's forward over 1 + K rows
 per sequence (K/V of the last token and the drafts written in place), logits at every row, the
-grammar bitmask on each sequence's first row, and the rejection sampler - all in one compiled graph.
+grammar bitmask at every verified position, and the rejection sampler - all in one compiled graph.
 Steps without drafts run the ordinary decode graph, so a workload the proposer finds nothing in
-costs nothing extra. Requests whose tokens need host sampling (penalties, logprobs, ...) or that
-follow a grammar get no drafts: their rows are plain one-token rows of the same graph.
+costs nothing extra. Requests whose tokens need host sampling (penalties, logprobs, ...) get no
+drafts: their rows are plain one-token rows of the same graph. Grammar requests speculate: the engine
+walks the matcher through the drafts for the masks of every position and rolls it back.
 """
 from __future__ import annotations
 
@@ -37,6 +38,17 @@ class VerifyGraphs(StepGraphs):
 
     def verify(self, input_ids, positions, slot_mapping, block_tables, draft_ids, num_drafts, bitmask,
                temperature, top_k, top_p, uniform_accept, uniform_sample, kv_caches, groups=()):
+        tokens, num_emitted, logits0, _, _ = self._verify(
+            input_ids, positions, slot_mapping, block_tables, draft_ids, num_drafts, bitmask, temperature, top_k,
+            top_p, uniform_accept, uniform_sample, kv_caches, groups)
+        return tokens, num_emitted, logits0
+
+    def _target_forward(self, input_ids, positions, kv_caches, meta, group_metas=()):
+        """(hidden, extra): extra is what a draft model reads from the target (None for n-gram)."""
+        return self._forward(input_ids, positions, kv_caches, meta, group_metas), None
+
+    def _verify(self, input_ids, positions, slot_mapping, block_tables, draft_ids, num_drafts, bitmask,
+                temperature, top_k, top_p, uniform_accept, uniform_sample, kv_caches, groups=()):
         b, k = draft_ids.shape
         if self.use_kernels:
             starts = torch.arange(b + 1, device=positions.device) * (k + 1)
@@ -45,14 +57,15 @@ class VerifyGraphs(StepGraphs):
         else:
             mask = verify_mask(positions.view(b, k + 1), block_tables.shape[1] * self.block_size)
             meta = AttentionMetadata(slot_mapping, mask, block_tables=block_tables, is_decode=True, positions=positions)
-        hidden = self._forward(input_ids, positions, kv_caches, meta, self._group_metas(meta, groups, False))
+        hidden, extra = self._target_forward(input_ids, positions, kv_caches, meta,
+                                             self._group_metas(meta, groups, False))
         logits = self.model.compute_logits(hidden).float().view(b, k + 1, -1)
-        if bitmask is not None:  # grammar rows carry no drafts: only their first row samples
-            logits = torch.cat([apply_token_bitmask(logits[:, 0], bitmask)[:, None], logits[:, 1:]], dim=1)
+        if bitmask is not None:  # [B * (1 + K), words]: the grammar's mask at every verified position
+            logits = apply_token_bitmask(logits.view(b * (k + 1), -1), bitmask).view(b, k + 1, -1)
         tokens, num_emitted = rejection_sample(
             logits, draft_ids, num_drafts, temperature, top_k, top_p, uniform_accept, uniform_sample,
             all_greedy=self.odsc.all_greedy, max_top_k=self.odsc.top_k)
-        return tokens, num_emitted, logits[:, 0]
+        return tokens, num_emitted, logits[:, 0], meta, extra
 
 
 class SpecDecoder:
@@ -79,15 +92,20 @@ class SpecDecoder:
                 out[rid] = drafts
         return out
 
+    def take(self, states, rows: dict[str, int], drafts: list[list[int]]) -> dict[str, list[int]]:
+        """A draft model's proposals: request -> its row of `drafts`, for the requests that may speculate."""
+        out = {}
+        for rid, i in rows.items():
+            st = states.get(rid)
+            if st is not None and self._eligible(st) and st.next_position < self.max_model_len - 1:
+                out[rid] = drafts[i]
+        return out
+
     @staticmethod
     def _eligible(st) -> bool:
         if st.on_host:
             warning_once(logger, "Speculative decoding is off for requests that need host sampling (penalties, "
                          "logprobs, min_tokens, logit_bias, ...): they decode one token per step")
-            return False
-        if st.params.structured_outputs is not None:
-            warning_once(logger, "Speculative decoding is off for requests with structured outputs: the grammar "
-                         "bitmask is applied to one token per step")
             return False
         return True
 

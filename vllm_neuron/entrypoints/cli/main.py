@@ -40,8 +40,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    help="how tool calls are read from the model's answer when tool_choice is auto (default: none)")
     g = arg_group(parser, "parallel")
     g.add_argument("--headless", action="store_true",
-                   help="run this node's data parallel replicas (--data-parallel-size-local of them, from "
-                   "--data-parallel-start-rank) for the head at --data-parallel-address, without an API server")
+                   help="no API server: run this node's data parallel replicas (--data-parallel-size-local of them, "
+                   "from --data-parallel-start-rank) for the head at --data-parallel-address, or, with --nnodes > 1, "
+                   "this node's tensor parallel ranks (--node-rank >= 1) for the head at --master-addr")
 
 
 
@@ -75,6 +76,15 @@ def _parser() -> argparse.ArgumentParser:
                           "the same flags loads every graph without compiling.", formatter_class=HelpFormatter)
     add_engine_args(comp)
 
+    val = sub.add_parser("validate-logits", help="compare the engine's log-probabilities with transformers fp32 / bf16",
+                         description="Teacher-forced logit validation against transformers (fp32 and bf16) on the "
+                         "same prompts, text or with images / videos: per position the largest difference of the "
+                         "top-k log-probabilities and the top-k overlap.", formatter_class=HelpFormatter)
+    from vllm_neuron.entrypoints.cli.validate_logits import add_args as add_validate_args
+
+    add_validate_args(val)
+    add_engine_args(val)
+
     bench = sub.add_parser("bench", help="benchmarks")
     bsub = bench.add_subparsers(dest="bench_command", required=True)
     bserve = bsub.add_parser("serve", help="serving benchmark against an OpenAI-compatible server",
@@ -100,6 +110,10 @@ def main(argv: list[str] | None = None) -> int:
             from vllm_neuron.entrypoints.cli.offline import run_compile
 
             return run_compile(args)
+        if args.command == "validate-logits":
+            from vllm_neuron.entrypoints.cli.validate_logits import run_validate_logits
+
+            return run_validate_logits(args)
         if args.command == "bench":
             from vllm_neuron.benchmarks.serve import main as bench_main
 

@@ -2,8 +2,9 @@
 to each grid, 2D rotary attention isolated per image or frame, the patch merger and the deepstack mergers.
 
 The tower takes fixed-shape tensors only (`VisionInputs`, built on the host by preprocessing.py), so one
-graph serves every set of images that fits its patch bucket: padding patches carry segment id -1 and
-attend only among themselves. Parameter names equal transformers' (`model.visual.*`).
+graph serves every set of images that fits its patch bucket: images and frames are packed into blocks
+(block_packing.py) that attend only within themselves; padding patches carry segment id -1 and attend
+only among themselves. Parameter names equal transformers' (`model.visual.*`).
 """
 from __future__ import annotations
 
@@ -30,15 +31,17 @@ class VisionAttention(nn.Module):
         self.proj = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=True)
 
     def forward(self, x, cos, sin, mask) -> torch.Tensor:
+        """x [P, hidden] holding mask.shape[0] blocks of mask.shape[-1] patches; attention within blocks."""
         n = x.shape[0]
+        blocks, size = mask.shape[0], mask.shape[-1]
         q, k, v = self.qkv(x).reshape(n, 3, self.num_heads, self.head_dim).unbind(1)
         dtype = q.dtype
         # Rotary in fp32, like the reference.
         q = (q.float() * cos + _rotate_half(q.float()) * sin).to(dtype)
         k = (k.float() * cos + _rotate_half(k.float()) * sin).to(dtype)
-        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
-                                             v.transpose(0, 1)[None], attn_mask=mask)
-        return self.proj(out[0].transpose(0, 1).reshape(n, -1))
+        q, k, v = (t.reshape(blocks, size, self.num_heads, self.head_dim).transpose(1, 2) for t in (q, k, v))
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [blocks, heads, size, head_dim]
+        return self.proj(out.transpose(1, 2).reshape(n, -1))
 
 
 class VisionMLP(nn.Module):
@@ -117,12 +120,13 @@ class Qwen3VLVisionModel(nn.Module):
 
     def forward(self, pixels, interp_idx, interp_w, rot_pos, segment) -> tuple[torch.Tensor, torch.Tensor]:
         """pixels [P, patch_dim], interp_idx / interp_w [P, 4] (bilinear taps into pos_embed), rot_pos [P, 2],
-        segment [P] (patches attend within their segment) -> (embeds [P / merge_unit, out_hidden],
+        segment [blocks, block_size] (P = blocks x block_size; a patch attends to the patches of its block with
+        the same segment id) -> (embeds [P / merge_unit, out_hidden],
         deepstack [len(deepstack_visual_indexes), P / merge_unit, out_hidden])."""
         x = self.patch_embed(pixels.to(self.patch_embed.proj.weight.dtype))
         x = x + (self.pos_embed(interp_idx) * interp_w[..., None].to(x.dtype)).sum(1)
         cos, sin = self.rotary(rot_pos)
-        mask = (segment[:, None] == segment[None, :])[None, None]
+        mask = (segment[:, :, None] == segment[:, None, :])[:, None]  # [blocks, 1, size, size]
         deepstack = []
         for i, block in enumerate(self.blocks):
             x = block(x, cos, sin, mask)

@@ -1,0 +1,79 @@
+"""Video for Qwen3-VL without torchvision (which has no build for the CPU torch): frames decoded by
+PyAV, sampled at the requested fps, then each frame resized, normalized and patched by transformers'
+own image processor; consecutive frames are paired into the temporal patches the vision tower expects.
+
+The pairing is exact: the image processor fills both temporal slots of a patch with the same frame, so
+taking slot 0 of frames 2k and 2k+1 gives the [C, 2, P, P] patch of that frame pair. Frames are sized
+with the image processor's own min/max pixels per frame (transformers' video processor budgets pixels
+over the whole clip instead, so a long clip may get smaller frames there); timestamps in the prompt
+follow transformers' Qwen3-VL processor: the mean time of each frame pair, 24 fps when unknown.
+"""
+from __future__ import annotations
+
+import io
+
+import numpy as np
+
+from vllm_neuron.multimodal.media import fetch_url
+
+VIDEO_MEDIA_TYPES = ("video/mp4", "video/webm", "video/quicktime", "video/x-matroska", "video/avi", "video/mpeg")
+UNKNOWN_FPS = 24.0  # transformers' Qwen3-VL default for frames without metadata
+DEFAULT_SAMPLE_FPS = 2.0
+
+
+def load_video(source, allowed_local_media_path: str | None = None) -> tuple[list[np.ndarray], float | None]:
+    """(RGB uint8 frames [H, W, 3], the source fps or None) from frames (an array [T, H, W, 3] or a list of
+    arrays / PIL images), encoded bytes, or a data:/file:/http(s): URL."""
+    if isinstance(source, np.ndarray) and source.ndim == 4:
+        return [np.asarray(f, dtype=np.uint8) for f in source], None
+    if isinstance(source, (list, tuple)):
+        return [np.asarray(f.convert("RGB") if hasattr(f, "convert") else f, dtype=np.uint8) for f in source], None
+    if isinstance(source, str):
+        source = fetch_url(source, VIDEO_MEDIA_TYPES, allowed_local_media_path)
+    if isinstance(source, (bytes, bytearray)):
+        return _decode(bytes(source))
+    raise ValueError(f"a video must be frames ([T, H, W, 3] array or list), bytes or a URL, got {type(source).__name__}")
+
+
+def _decode(data: bytes) -> tuple[list[np.ndarray], float | None]:
+    import av
+
+    try:
+        with av.open(io.BytesIO(data)) as container:
+            stream = container.streams.video[0]
+            fps = float(stream.average_rate) if stream.average_rate else None
+            frames = [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
+    except (av.error.FFmpegError, IndexError, ValueError) as e:
+        raise ValueError(f"cannot decode the video: {e}") from None
+    if not frames:
+        raise ValueError("the video has no frames")
+    return frames, fps
+
+
+def sample_indices(num_frames: int, source_fps: float | None, fps: float, temporal_patch: int) -> list[int]:
+    """Frame indices sampled at `fps` (all frames when the source fps is unknown), padded with the last
+    index to a multiple of the temporal patch size."""
+    if source_fps is None or source_fps <= fps:
+        idx = list(range(num_frames))
+    else:
+        idx = sorted(set(int(round(t)) for t in np.arange(0, num_frames, source_fps / fps)))
+        idx = [i for i in idx if i < num_frames]
+    while len(idx) % temporal_patch:
+        idx.append(idx[-1])
+    return idx
+
+
+def pair_timestamps(indices: list[int], fps: float, temporal_patch: int) -> list[float]:
+    """Seconds of each temporal patch: the mean time of its first and last frame."""
+    t = [i / fps for i in indices]
+    return [(t[k] + t[k + temporal_patch - 1]) / 2 for k in range(0, len(t), temporal_patch)]
+
+
+def pair_frames(frame_rows: np.ndarray, num_frames: int, channels: int, temporal_patch: int,
+                patch: int) -> np.ndarray:
+    """Per-frame image-processor rows [T * N, C * tp * P * P] (each frame in every temporal slot) ->
+    video rows [T / tp * N, C * tp * P * P], slot j of a patch taken from frame tp * k + j."""
+    n = frame_rows.shape[0] // num_frames
+    x = frame_rows.reshape(num_frames // temporal_patch, temporal_patch, n, channels, temporal_patch, patch, patch)
+    x = np.stack([x[:, j, :, :, 0] for j in range(temporal_patch)], axis=3)  # [T/tp, N, C, tp, P, P]
+    return np.ascontiguousarray(x.reshape(-1, channels * temporal_patch * patch * patch), dtype=np.float32)
