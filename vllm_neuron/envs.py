@@ -314,6 +314,14 @@ _VARS: dict[str, EnvVar] = {
             lambda: _int("VLLM_MEDIA_MAX_BYTES", 20 * 2**20, minimum=1),
             "Largest media item, in bytes, read from an http(s) URL or a local file. Default 20 MiB.",
         ),
+        # -- parallelism --
+        EnvVar(
+            "VLLM_NEURON_DIST_TIMEOUT_S",
+            lambda: _float("VLLM_NEURON_DIST_TIMEOUT_S", 120.0, minimum=1.0),
+            "Tensor parallelism: seconds a collective waits for the other ranks before the step fails and "
+            "the engine reports the rank as hung (a rank that exits fails it at once). Covers the start-up "
+            "too, where ranks compile the same bucket at slightly different speeds. Default 120.",
+        ),
         # -- metrics --
         EnvVar(
             "VLLM_LOG_STATS_INTERVAL",

@@ -345,10 +345,45 @@ class RequestTimer:
 
 # ---- exposition --------------------------------------------------------------------------------
 
+# Exposition text of the replicas on other nodes (multi-node data parallelism), by node: their
+# processes write to their own node's folder, and the node sends that folder's samples to the head.
+_remote: dict[str, str] = {}
+
+
+def set_remote_samples(node: str, text: str | None) -> None:
+    """The latest samples of `node`'s replicas (Prometheus text), or None to drop them (node gone)."""
+    with _lock:
+        if text is None:
+            _remote.pop(node, None)
+        else:
+            _remote[node] = text
+
+
+class _WithRemote:
+    """This host's multiprocess samples with the remote nodes' merged in, family by family."""
+
+    def collect(self):
+        from prometheus_client.parser import text_string_to_metric_families
+
+        families = {f.name: f for f in multiprocess.MultiProcessCollector(None, path=MULTIPROC_DIR).collect()}
+        with _lock:
+            texts = list(_remote.values())
+        for text in texts:
+            for fam in text_string_to_metric_families(text):
+                if fam.name in families:
+                    families[fam.name].samples.extend(fam.samples)
+                else:
+                    families[fam.name] = fam
+        return list(families.values())
+
+
 def metrics_response_body() -> bytes:
-    """Prometheus text of every process' samples (what /metrics returns)."""
+    """Prometheus text of every process' samples (what /metrics returns), remote replicas' included."""
     registry = CollectorRegistry()
-    multiprocess.MultiProcessCollector(registry, path=MULTIPROC_DIR)
+    if _remote:
+        registry.register(_WithRemote())
+    else:
+        multiprocess.MultiProcessCollector(registry, path=MULTIPROC_DIR)
     return prometheus_client.generate_latest(registry)
 
 

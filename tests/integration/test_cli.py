@@ -53,10 +53,11 @@ def test_unknown_neuron_config_key_is_named(tiny_llama_dir, tmp_path):
     assert "num_seqs_buckets" in out, "the message should list the valid keys"
 
 
-def test_tensor_parallel_is_refused(tiny_llama_dir, tmp_path):
-    proc = run_cli(["serve", tiny_llama_dir, "--enforce-eager", "--tensor-parallel-size", "2"], str(tmp_path),
-                   timeout=60)
-    _assert_clean_failure(proc, "not supported yet", "tensor_parallel_size")
+def test_ep_degree_without_expert_parallel_fails_at_startup(tiny_llama_dir, tmp_path):
+    """The seeds' "Server fails with 'ep_degree requires --enable-expert-parallel'"."""
+    proc = run_cli(["serve", tiny_llama_dir, "--enforce-eager", "--tensor-parallel-size", "2", "--additional-config",
+                    json.dumps({"neuron_config": {"ep_degree": 2}})], str(tmp_path), timeout=60)
+    _assert_clean_failure(proc, "ep_degree requires --enable-expert-parallel")
 
 
 def test_hub_model_name_is_not_downloaded(tmp_path):

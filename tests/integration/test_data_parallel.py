@@ -175,7 +175,9 @@ def test_offline_llm_data_parallel_matches_one_engine(tiny_llama_dir, single):
     got = llm.generate(prompts, params, use_tqdm=False)
     client = llm._dp.client
     assert client.router.routed[0] > 0 and client.router.routed[1] > 0
-    assert llm.get_tokenizer() is not None
+    chat = [{"role": "user", "content": "Say hi"}]
+    assert [o.outputs[0].token_ids for o in llm.chat(chat, params, use_tqdm=False)] == \
+        [o.outputs[0].token_ids for o in single.chat(chat, params, use_tqdm=False)]
 
     # A replica that hangs (stopped) is found by its silence, killed, and its request fails; no hang.
     client.cores.iteration_timeout = 3.0  # VLLM_ENGINE_ITERATION_TIMEOUT_S

@@ -3,8 +3,8 @@
 --data-parallel-start-rank 1` (a node: replica 1) as separate process trees.
 
 The deployment serves concurrent requests on both replicas with the greedy texts of a single offline
-engine (the head's /metrics shows replica 0 by its `engine` label, the node's own metrics folder shows
-replica 1's executions). Killing the node's replica mid-request fails that request with an error
+engine (the head's /metrics shows both replicas by their `engine` label: the node forwards its
+replica's samples). Killing the node's replica mid-request fails that request with an error
 naming it, turns the head's /health 503 within seconds, and the head serves on with replica 0.
 (tests/integration/test_data_parallel.py covers one host: 32 requests, prefix co-location, a killed
 local replica.)
@@ -72,6 +72,10 @@ def test_multi_node_dp_on_loopback_serves_and_reports_a_lost_node_replica(tiny_l
         assert [r.json()["choices"][0]["text"] for r in got] == want
         head_text = httpx.get(head.url + "/metrics", timeout=10).text
         assert _metric(head_text, "vllm_neuron:neff_execution_count_total", engine="0") > 0
+        # The node sends its replicas' samples to the head every 2 s: /metrics shows both replicas.
+        wait_for(lambda: _metric(httpx.get(head.url + "/metrics", timeout=10).text,
+                                 "vllm_neuron:neff_execution_count_total", engine="1") > 0,
+                 timeout=15, what="the node's replica in the head's /metrics")
         # The headless node's replica executed graphs: its metrics live in the node's own folder.
         registry = CollectorRegistry()
         multiprocess.MultiProcessCollector(registry, path=node.env["PROMETHEUS_MULTIPROC_DIR"])

@@ -90,6 +90,18 @@ def test_encoder_cache_hit_gives_identical_output(eager, reference):
     assert runner.num_encoder_runs == runs and runner.encoder_cache.hits > hits
 
 
+def test_segmented_prefill_encodes_the_image_once(eager, tokenizer):
+    """The image spans two prefill segments: the first encodes it, the second takes it from the cache."""
+    text, sizes = CASES[3]
+    runner = eager.llm_engine.core.runner
+    runs, hits = runner.num_encoder_runs, runner.encoder_cache.hits
+    img = [solid_image(*sizes[0], (200, 30, 30))]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    out = eager.generate({"prompt": text, "multi_modal_data": {"image": img}}, params, use_tqdm=False)
+    assert runner.num_encoder_runs == runs + 1 and runner.encoder_cache.hits == hits + 1
+    assert out[0].outputs[0].token_ids == hf_greedy(tokenizer.encode(text), img, MAX_NEW)
+
+
 def test_prompts_differing_only_in_image_share_no_kv(eager, tokenizer):
     text, sizes = CASES[3]
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
@@ -168,3 +180,14 @@ def test_video_file_is_decoded_and_sampled_at_fps(eager, tokenizer):
     assert len(out[0].outputs[0].token_ids) == 2
     with pytest.raises(ValueError, match="cannot decode the video"):
         proc.process(tokenizer.encode(text), {"video": data_url(b"not a video", "video/mp4")})
+
+
+def test_language_model_only_serves_text_and_refuses_media(model_dir, eager, tokenizer):
+    llm = _engine(model_dir, enforce_eager=True, additional_config={**BUCKETS, "mm_language_model_only": True})
+    assert llm.llm_engine.core.runner.model.model.visual is None
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    text = "A text-only question about colours"
+    assert llm.generate(text, params, use_tqdm=False)[0].outputs[0].token_ids == \
+        eager.generate(text, params, use_tqdm=False)[0].outputs[0].token_ids
+    with pytest.raises(ValueError, match="mm_language_model_only"):
+        llm.generate({"prompt": CASES[0][0], "multi_modal_data": {"image": _images(CASES[0][1])}}, params)

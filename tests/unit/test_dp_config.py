@@ -47,3 +47,21 @@ def test_invalid_options_are_refused(kwargs, match):
 def test_serve_roles_are_checked_before_anything_starts(argv, match):
     with pytest.raises(ValueError, match=match):
         run_serve(_parser().parse_args(["serve", "m", *argv]))
+
+
+def test_validate_logits_refuses_data_parallelism():
+    from vllm_neuron.entrypoints.cli.validate_logits import run_validate_logits
+
+    with pytest.raises(ValueError, match="--data-parallel-size must be 1, got 2"):
+        run_validate_logits(_parser().parse_args(["validate-logits", "-dp", "2"]))
+
+
+def test_placement_sets_the_replicas_memory_share():
+    from vllm_neuron.engine.replica import ReplicaPlacement, placement_config
+
+    cpu = EngineConfig.from_kwargs(data_parallel_size=2)
+    placement_config(cpu, ReplicaPlacement(1, 1, None, 2))
+    assert (cpu.kv_budget_shared_by, cpu.gpu_memory_utilization) == (2, 0.9)
+    gpu = EngineConfig.from_kwargs(data_parallel_size=2)
+    placement_config(gpu, ReplicaPlacement(1, None, 0, 2))  # two replicas on one GPU
+    assert gpu.gpu_memory_utilization == pytest.approx(0.45)

@@ -124,3 +124,39 @@ def test_a_node_whose_ranks_do_not_fit_is_refused():
     assert "rank 3 is outside 0..2" in head._node_problem(b"node-3", {"size": 3, "ranks": [3]})
     assert "belongs to node node-2" in head._node_problem(b"node-1", {"size": 3, "ranks": [1, 2]})
     assert head._node_problem(b"node-2", {"size": 3, "ranks": [2]}) is None  # the same node again
+
+
+def test_remote_node_samples_merge_into_the_exposition(monkeypatch):
+    from prometheus_client.core import GaugeMetricFamily
+
+    from vllm_neuron import metrics
+
+    class LocalOnly:  # this host's samples, without touching the session's metrics folder
+        def __init__(self, registry, path):
+            if registry is not None:
+                registry.register(self)
+
+        def collect(self):
+            fam = GaugeMetricFamily("vllm:num_requests_running", "Number of requests in model execution batches.",
+                                    labels=["engine", "model_name"])
+            fam.add_metric(["0", "m"], 1.0)
+            return [fam]
+
+    monkeypatch.setattr(metrics.multiprocess, "MultiProcessCollector", LocalOnly)
+    remote = ('# HELP vllm:num_requests_running Number of requests in model execution batches.\n'
+              '# TYPE vllm:num_requests_running gauge\n'
+              'vllm:num_requests_running{engine="7",model_name="m"} 3.0\n'
+              '# HELP vllm_neuron:remote_only_total A family only the node has.\n'
+              '# TYPE vllm_neuron:remote_only_total counter\n'
+              'vllm_neuron:remote_only_total{engine="7"} 2.0\n')
+    try:
+        metrics.set_remote_samples("node-7", remote)
+        text = metrics.metrics_response_body().decode()
+        assert 'vllm:num_requests_running{engine="7",model_name="m"} 3.0' in text
+        assert 'vllm:num_requests_running{engine="0",model_name="m"} 1.0' in text
+        assert text.count("# TYPE vllm:num_requests_running gauge") == 1  # one family, both samples
+        assert 'vllm_neuron:remote_only_total{engine="7"} 2.0' in text
+    finally:
+        metrics.set_remote_samples("node-7", None)
+    text = metrics.metrics_response_body().decode()
+    assert 'engine="7"' not in text and 'engine="0"' in text

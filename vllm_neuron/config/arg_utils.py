@@ -124,7 +124,9 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool =
                    "only ngram for now (default: off)")
 
     g = arg_group(parser, "parallel")
-    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="tensor parallel ranks; only 1 for now")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="tensor parallel ranks (processes, CPU only for now); each node's cores are split between its "
+                   "ranks")
     g.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                    help="engine replicas behind one API server; each request goes to the least loaded one, or "
                    "to the one that cached its prompt's prefix")
@@ -143,7 +145,12 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool =
     g.add_argument("--data-parallel-hybrid-lb", action="store_true",
                    help="refused: per-node API servers are not supported yet; replicas join the head's router")
     g.add_argument("--enable-expert-parallel", action="store_true",
-                   help="refused: expert parallelism is not supported yet")
+                   help="shard MoE experts over the ranks (neuron_config.ep_degree, default: tensor-parallel-size)")
+    g.add_argument("--nnodes", type=int, default=1,
+                   help="nodes the tensor parallel ranks span (tensor-parallel-size / nnodes ranks each)")
+    g.add_argument("--node-rank", type=int, default=0, help="this node's index (0: the head, with the API server)")
+    g.add_argument("--master-addr", default="127.0.0.1", help="address of node 0, where the ranks meet")
+    g.add_argument("--master-port", type=int, default=29501, help="port of node 0 for the tensor parallel group")
     g.add_argument("--kv-transfer-config", type=_json_arg, default=None,
                    help="refused: disaggregated prefill is not supported yet (default: none)")
     g.add_argument("--ec-transfer-config", type=_json_arg, default=None,

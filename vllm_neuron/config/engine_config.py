@@ -86,6 +86,12 @@ class EngineConfig:
     data_parallel_backend: str = "mp"
     data_parallel_hybrid_lb: bool = False
     enable_expert_parallel: bool = False
+    # Multi-node tensor parallelism (vLLM's multiprocessing-backend names): nodes, this node's index, and
+    # where rank 0 (node 0) listens for the process group.
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29501
     kv_cache_dtype: str = "auto"
     async_scheduling: bool | None = None
     max_logprobs: int = 20
@@ -145,11 +151,7 @@ class EngineConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported; valid values: "
                              f"{list(KV_CACHE_DTYPES)}")
-        if self.tensor_parallel_size != 1:
-            raise _not_supported("tensor_parallel_size", self.tensor_parallel_size, "only 1 for now")
         self._validate_data_parallel()
-        if self.enable_expert_parallel:
-            raise _not_supported("enable_expert_parallel", True, "expert parallelism is not supported yet")
         if self.async_scheduling not in (None, True, False):
             raise ValueError(f"async_scheduling must be true, false or unset, got {self.async_scheduling!r}")
         if self.enable_prompt_embeds:
@@ -178,6 +180,7 @@ class EngineConfig:
         envs.check_supported()
         if not isinstance(self.additional_config, AdditionalConfig):
             self.additional_config = parse_additional_config(self.additional_config)
+        self._validate_parallel()
         nc = self.additional_config.neuron_config
         if nc.quantization not in (None, "int8", "int4", "mxfp4"):
             # Which model honours which scheme is the model's to say (ModelSpec.quantizations).
@@ -193,6 +196,37 @@ class EngineConfig:
                                  "gives the unpacked FP8 KV cache")
         if nc.gk_decode:
             raise _not_supported("neuron_config.gk_decode", True)
+
+    def _validate_parallel(self) -> None:
+        """Tensor / expert parallelism and the multi-node flags; the seeds' EP rules (neuron_config.py)."""
+        tp = self.tensor_parallel_size
+        self.additional_config.neuron_config.validate_parallel(self.enable_expert_parallel, tp,
+                                                               self.data_parallel_size, self.kv_transfer_config)
+        if self.enable_expert_parallel and self.data_parallel_size > 1:
+            # The seeds' rule holds (checked above); experts shared across replicas would put them in lock-step.
+            raise _not_supported("enable_expert_parallel", True, f"with data_parallel_size={self.data_parallel_size} "
+                                 "(experts over the replicas); use expert parallelism within one replica")
+        if tp > 1 and self.speculative_config is not None:
+            raise _not_supported("speculative_config", self.speculative.method,
+                                 f"with tensor_parallel_size={tp} (speculative decoding is not sharded yet)")
+        if tp > 1 and resolve_device(self.device).type != "cpu":
+            raise _not_supported("tensor_parallel_size", tp, "tensor parallelism runs on CPU (gloo) only for now")
+        if not isinstance(self.nnodes, int) or isinstance(self.nnodes, bool) or self.nnodes < 1 or tp % self.nnodes:
+            raise ValueError(f"nnodes must be a positive integer that divides tensor_parallel_size={tp} (each node "
+                             f"runs tensor_parallel_size / nnodes ranks), got {self.nnodes!r}")
+        if not isinstance(self.node_rank, int) or isinstance(self.node_rank, bool) or \
+                not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank must be an integer in [0, nnodes={self.nnodes}), got {self.node_rank!r}")
+        port = self.master_port
+        if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
+            raise ValueError(f"master_port must be a TCP port in [1, 65535], got {port!r}")
+        if not isinstance(self.master_addr, str) or not self.master_addr:
+            raise ValueError(f"master_addr must be a host name or IP address, got {self.master_addr!r}")
+
+    @property
+    def local_tp_ranks(self) -> int:
+        """Tensor-parallel ranks on this node."""
+        return self.tensor_parallel_size // self.nnodes
 
     def _validate_data_parallel(self) -> None:
         dp = self.data_parallel_size

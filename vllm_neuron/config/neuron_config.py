@@ -301,9 +301,9 @@ class NeuronConfig:
             B.default_decode_buckets(max_num_seqs)
         B.validate_context_buckets(self.decode_context_length_buckets, max_model_len, block_size)
         B.validate_kv_segment_buckets(self.kv_segment_size_buckets, prefill, block_size)
-        self._validate_parallel(enable_expert_parallel, tensor_parallel_size, data_parallel_size, kv_transfer_config)
+        self.validate_parallel(enable_expert_parallel, tensor_parallel_size, data_parallel_size, kv_transfer_config)
 
-    def _validate_parallel(self, enable_ep: bool, tp: int, dp: int, kv_transfer_config: object | None) -> None:
+    def validate_parallel(self, enable_ep: bool, tp: int, dp: int, kv_transfer_config: object | None) -> None:
         tp = _integer("tensor_parallel_size", tp)
         dp = _integer("data_parallel_size", dp)
         if self.ep_degree is not None and self.ep_degree > 1 and not enable_ep:

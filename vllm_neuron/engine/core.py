@@ -18,7 +18,7 @@ from vllm_neuron.step import ModelRunnerOutput, SchedulerOutput
 from vllm_neuron.model.loader import Checkpoint, load_checkpoint
 from vllm_neuron.model.registry import is_multimodal, model_spec
 from vllm_neuron.worker import memory
-from vllm_neuron.worker.model_runner_v1 import ModelRunnerV1
+from vllm_neuron.worker.tp_executor import TPExecutor, WorkerRankError, create_runner
 
 logger = init_logger(__name__)
 
@@ -55,15 +55,12 @@ class EngineCore:
         if choice.model_reason():
             logger.info("%s", choice.model_reason())
         if config.use_v2_model_runner:
-            from vllm_neuron.worker.model_runner_v2 import ModelRunnerV2
-
             logger.info("%s", V2_LOG_LINE)
-            self.runner = ModelRunnerV2(config, self.ckpt, self.device, self.dtype, backend)
+        if config.tensor_parallel_size > 1:
+            # Rank 0 here; the executor replays every runner call on the other ranks.
+            self.runner = TPExecutor(config, self.ckpt, self.device, self.dtype, backend)
         else:
-            runner_cls = ModelRunnerV1
-            if is_multimodal(self.ckpt.hf_config):
-                from vllm_neuron.worker.model_runner_mm import MultimodalRunnerV1 as runner_cls
-            self.runner = runner_cls(config, self.ckpt, self.device, self.dtype, backend)
+            self.runner = create_runner(config, self.ckpt, self.device, self.dtype, backend)
         logger.info("%s", B.format_bucket_table(nc.num_batched_tokens_buckets, nc.num_seqs_buckets,
                                                 nc.context_buckets, self.runner.prefill_needs_context()))
         self.load_stats = self.runner.load_model()
@@ -98,6 +95,13 @@ class EngineCore:
             logger.info("Engine ready in %.1f s (%d graphs: %d compiled, %d loaded from the compile cache)",
                         self.startup_seconds, len(self.compiler.records), self.compiler.num_compiled,
                         len(self.compiler.records) - self.compiler.num_compiled)
+
+    def shutdown(self) -> None:
+        """Lets the other tensor-parallel ranks go (nothing to do with one rank)."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+        if isinstance(self.runner, TPExecutor):
+            self.runner.shutdown()
 
     def add_request(self, req: EngineCoreRequest) -> None:
         # Media hashes join the prefix-cache keys: prompts that differ only in their media share no KV.
@@ -154,6 +158,8 @@ class EngineCore:
                 return EngineCoreOutputs(failed, stats=self._stats(None, None))
             try:
                 result = self.runner.execute(sched)
+            except WorkerRankError:
+                raise  # a rank is gone: no request can be served any more
             except Exception as e:  # noqa: BLE001 - one request's fault must not end the engine
                 return self._recover_from_failed_steps([(sched, e)], failed)
             return self._finish(sched, result, failed)
@@ -175,6 +181,8 @@ class EngineCore:
         sched, future = self._queue.popleft()
         try:
             result = future.result()
+        except WorkerRankError:
+            raise  # a rank is gone: no request can be served any more
         except Exception as e:  # noqa: BLE001 - one request's fault must not end the engine
             return self._recover_from_failed_steps([(sched, e)] + self._drain_queue(), failed)
         return self._finish(sched, result, failed)
@@ -232,6 +240,8 @@ class EngineCore:
         MAX_STEP_FAILURES_PER_REQUEST failed steps fails (a fault that follows a request).
         MAX_CONSECUTIVE_STEP_FAILURES in a row re-raise: an engine fault, not a request's."""
         error = next(e for _, e in steps if e is not None)
+        if isinstance(error, WorkerRankError):
+            raise error
         self._consecutive_step_failures += 1
         if self._consecutive_step_failures >= MAX_CONSECUTIVE_STEP_FAILURES:
             raise error

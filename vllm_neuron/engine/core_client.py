@@ -128,6 +128,8 @@ class CoreClient:
         r.dead = reason
         if r.proc is not None and r.proc.pid is not None:
             metrics.mark_process_dead(r.proc.pid)
+        if r.node is not None and all(x.dead is not None for x in self.replicas if x.node == r.node):
+            metrics.set_remote_samples(r.node.decode(), None)  # a node without replicas reports nothing live
         return True
 
     # -- messages --------------------------------------------------------------------------------
@@ -189,6 +191,9 @@ class CoreClient:
             return ("ignored",)  # a refused node's heartbeats
         self._nodes[identity] = time.monotonic()
         self._send_to(identity, ("ack",))
+        if msg[0] == "metrics":
+            metrics.set_remote_samples(identity.decode(), msg[1])
+            return ("ignored",)
         dead = [(rank, f"reported by its node: {why}") for rank, why in msg[1].get("dead", {}).items()] \
             if msg[0] == "heartbeat" else []
         return ("node_dead", dead)

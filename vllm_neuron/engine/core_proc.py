@@ -19,7 +19,7 @@ from typing import Any
 import zmq
 
 from vllm_neuron.config.engine_config import EngineConfig
-from vllm_neuron.engine.replica import ReplicaPlacement, apply_placement, engine_identity
+from vllm_neuron.engine.replica import ReplicaPlacement, apply_placement, engine_identity, placement_config
 from vllm_neuron.logger import init_logger
 
 logger = init_logger(__name__)
@@ -46,9 +46,7 @@ def run_engine_core(config: EngineConfig, address: str, placement: ReplicaPlacem
 
         _send(out, ("hello", {"pid": os.getpid(), "host": socket.gethostname()}))
         apply_placement(placement)
-        config.kv_budget_shared_by = placement.kv_budget_shared_by  # host RAM: split by local_workers
-        if placement.cuda_index is not None and placement.kv_budget_shared_by > 1:  # replicas sharing one GPU
-            config.gpu_memory_utilization /= placement.kv_budget_shared_by
+        placement_config(config, placement)
         metrics.configure(model_name, engine=placement.rank)
         core = EngineCore(config)
         for rec in core.compiler.records:
@@ -59,6 +57,7 @@ def run_engine_core(config: EngineConfig, address: str, placement: ReplicaPlacem
         _send(out, ("ready", {"pid": os.getpid(), "startup_seconds": core.startup_seconds,
                               "num_blocks": core.num_blocks, "threads": torch.get_num_threads()}))
         _loop(core, inp, out, metrics, log_stats=not config.disable_log_stats)
+        core.shutdown()
     except Exception as e:  # noqa: BLE001 - the client must learn why the engine died
         logger.error("EngineCore died: %s\n%s", e, traceback.format_exc())
         _send(out, ("dead", f"{type(e).__name__}: {e}"))

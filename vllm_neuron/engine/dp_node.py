@@ -4,7 +4,8 @@ The node spawns its replicas (ranks data_parallel_start_rank .. + data_parallel_
 connect straight to the head's socket at tcp://data_parallel_address:data_parallel_rpc_port and take
 requests from its router. This process stays as their supervisor: it tells the head which ranks it
 runs, then sends a heartbeat every HEARTBEAT_S with the replicas that died (and why), so that the head
-fails their requests and reports them. It exits when the head says shutdown, when the head refuses its
+fails their requests and reports them, and every METRICS_S its replicas' metrics, which the head's
+/metrics merges with its own. It exits when the head says shutdown, when the head refuses its
 ranks (taken, or another --data-parallel-size), when the head stops answering for NODE_TIMEOUT_S after
 it had answered once, on SIGTERM / SIGINT, or when every replica died.
 """
@@ -18,12 +19,15 @@ import time
 
 import zmq
 
+from vllm_neuron import metrics
 from vllm_neuron.config.engine_config import EngineConfig
 from vllm_neuron.engine.core_client import HEARTBEAT_S, NODE_TIMEOUT_S
 from vllm_neuron.engine.replica import host_placements, spawn_replica
 from vllm_neuron.logger import init_logger
 
 logger = init_logger(__name__)
+
+METRICS_S = 2.0  # how often the node sends its replicas' metrics to the head
 
 
 def run_headless(config: EngineConfig) -> int:
@@ -72,16 +76,20 @@ def _supervise(sock: zmq.Socket, procs: dict, ranks: range, size: int, stop: dic
     send(("node", {"ranks": list(ranks), "size": size, "host": socket.gethostname(), "pid": os.getpid()}))
     dead: dict[int, str] = {}
     last_ack: float | None = None
-    next_beat = 0.0
+    next_beat = next_metrics = 0.0
     while stop["signal"] is None:
         now = time.monotonic()
         for rank, p in procs.items():
             if rank not in dead and not p.is_alive():
                 dead[rank] = f"process exited with code {p.exitcode}"
+                metrics.mark_process_dead(p.pid)  # its live gauges stop counting
                 logger.error("Data parallel replica %d died (%s); reported to the head", rank, dead[rank])
         if now >= next_beat:
             send(("heartbeat", {"dead": dict(dead)}))
             next_beat = now + HEARTBEAT_S
+        if now >= next_metrics:  # the head's /metrics shows this node's replicas too
+            send(("metrics", metrics.metrics_response_body().decode()))
+            next_metrics = now + METRICS_S
         if len(dead) == len(procs):
             time.sleep(HEARTBEAT_S)  # the head gets the report before the node goes
             send(("heartbeat", {"dead": dict(dead)}))

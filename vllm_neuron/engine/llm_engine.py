@@ -45,6 +45,10 @@ class LLMEngine:
         self.core.abort_requests(self.output_processor.engine_ids(request_id))
         return self.output_processor.abort(request_id)
 
+    def shutdown(self) -> None:
+        """Ends the engine's other tensor-parallel ranks (nothing to do with one rank)."""
+        self.core.shutdown()
+
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished()
 

@@ -74,6 +74,13 @@ def spawn_replica(config: EngineConfig, address: str, placement: ReplicaPlacemen
     return proc
 
 
+def placement_config(config: EngineConfig, placement: ReplicaPlacement) -> None:
+    """The replica's share of its memory, in its config (the KV pool size, baked into every graph, follows)."""
+    config.kv_budget_shared_by = placement.kv_budget_shared_by  # host RAM: split by local_workers
+    if placement.cuda_index is not None and placement.kv_budget_shared_by > 1:  # replicas sharing one GPU
+        config.gpu_memory_utilization /= placement.kv_budget_shared_by
+
+
 def apply_placement(placement: ReplicaPlacement) -> None:
     """In the replica's own process, before the model loads."""
     import torch

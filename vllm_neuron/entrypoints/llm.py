@@ -89,7 +89,7 @@ class LLM:
         (data:, file:// under allowed_local_media_path, http(s)), {"type": "image", "image": PIL image}."""
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tok = self.get_tokenizer()
-        multimodal = self.llm_engine.input_processor.mm_processor is not None
+        multimodal = (self._dp or self.llm_engine).input_processor.mm_processor is not None
         prompts = []
         for conv in convs:
             media: dict[str, list] | None = {} if multimodal else None

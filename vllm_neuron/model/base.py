@@ -27,6 +27,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from vllm_neuron.model.layers.parallel import shard_tensor
+
 
 @dataclass(frozen=True)
 class ModelSpec:
@@ -109,6 +111,8 @@ def load_named_weights(model: CausalLM, weights: Iterable[tuple[str, torch.Tenso
         dest = p if index is None else p[index]
         if transform is not None:
             tensor = transform(tensor)
+        if getattr(p, "tp_split", False):
+            tensor = shard_tensor(tensor, tuple(dest.shape))  # tensor parallelism: this rank's piece
         if tuple(tensor.shape) != tuple(dest.shape):
             raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected "
                              f"{tuple(dest.shape)} (parameter {pname!r})")

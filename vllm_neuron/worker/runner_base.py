@@ -20,6 +20,7 @@ from tqdm import tqdm
 from vllm_neuron.config import buckets as B
 from vllm_neuron.config.device import check_weight_quantization
 from vllm_neuron.config.engine_config import EngineConfig
+from vllm_neuron.distributed import parallel_state as ps
 from vllm_neuron.kv_cache_groups import KVCacheLayout, plan_kv_cache_layout, single_group_layout
 from vllm_neuron.logger import init_logger
 from vllm_neuron.model.layers import kv_quant, quant_fp8
@@ -170,7 +171,8 @@ class ModelRunnerBase:
             b = memory.kv_budget_for_device(self.device, model_weight_bytes=weight_bytes,
                                             gpu_memory_utilization=self.config.gpu_memory_utilization,
                                             free_before_load=self._free_before_load, check_minimum=False,
-                                            local_workers=self.config.kv_budget_shared_by)
+                                            # DP replicas and this node's TP ranks share the host.
+                                            local_workers=self.config.kv_budget_shared_by * self.config.local_tp_ranks)
             logger.info("%s", b.describe())  # the line starts with "KV budget"
             return b
 
@@ -236,6 +238,8 @@ class ModelRunnerBase:
                 "kernel_variant": kernel_variant()[0] if self.use_kernels else None,
                 "quant_kernels": self.use_quant_kernels, "kv_dtype": str(self.kv_dtype),
                 "paged_decode": self.paged_decode,
+                # Each tensor-parallel rank compiles its own shard's graphs.
+                "tp_rank": ps.info().rank, "ep_degree": ps.info().ep_degree,
                 "quantization": self.config.neuron_config.quantization,
                 **({"kv_groups": [list(g.layers) for g in self.kv_layout.groups]}
                    if self.kv_layout.num_groups > 1 else {})}

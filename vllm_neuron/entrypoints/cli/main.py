@@ -40,8 +40,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    help="how tool calls are read from the model's answer when tool_choice is auto (default: none)")
     g = arg_group(parser, "parallel")
     g.add_argument("--headless", action="store_true",
-                   help="run this node's data parallel replicas (--data-parallel-size-local of them, from "
-                   "--data-parallel-start-rank) for the head at --data-parallel-address, without an API server")
+                   help="no API server: run this node's data parallel replicas (--data-parallel-size-local of them, "
+                   "from --data-parallel-start-rank) for the head at --data-parallel-address, or, with --nnodes > 1, "
+                   "this node's tensor parallel ranks (--node-rank >= 1) for the head at --master-addr")
 
 
 

@@ -29,7 +29,12 @@ def run_generate(args: argparse.Namespace) -> int:
 def run_compile(args: argparse.Namespace) -> int:
     from vllm_neuron.engine.core import EngineCore
 
-    core = EngineCore(engine_config_from_args(args))
+    config = engine_config_from_args(args)
+    if config.data_parallel_size > 1:  # the replicas' graphs: each replica's KV share sizes its pool
+        from vllm_neuron.engine.replica import host_placements, placement_config
+
+        placement_config(config, host_placements(config, range(max(config.local_dp_replicas, 1)))[0])
+    core = EngineCore(config)
     c = core.compiler
     print(f"compile cache {c.dir}: {len(c.records)} graphs, {c.num_compiled} compiled now, "
           f"{len(c.records) - c.num_compiled} already cached")

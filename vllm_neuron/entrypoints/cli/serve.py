@@ -1,5 +1,5 @@
 """`vllm-neuron serve`: the API server process plus its EngineCore process(es); `--headless`: only a node's
-data-parallel replicas (engine/dp_node.py)."""
+data-parallel replicas (engine/dp_node.py) or, with --nnodes > 1, its tensor-parallel ranks (worker/tp_executor.py)."""
 from __future__ import annotations
 
 import argparse
@@ -23,12 +23,18 @@ def run_serve(args: argparse.Namespace) -> int:
     limits = RequestLimits(args.max_n, args.max_request_body_bytes, args.trust_request_chat_template)
     config = engine_config_from_args(args)
     if getattr(args, "headless", False):
+        if config.nnodes > 1:
+            from vllm_neuron.worker.tp_executor import run_headless_ranks
+
+            return run_headless_ranks(config)
         from vllm_neuron.engine.dp_node import run_headless
 
         return run_headless(config)
     if config.data_parallel_start_rank != 0:
         raise ValueError(f"--data-parallel-start-rank {config.data_parallel_start_rank} is for --headless nodes; "
                          "the head (the API server) runs ranks 0 .. --data-parallel-size-local - 1")
+    if config.node_rank != 0:
+        raise ValueError(f"--node-rank {config.node_rank} is for --headless nodes; node 0 runs the API server")
     api_key = args.api_key or os.environ.get("VLLM_API_KEY")
     return asyncio.run(_serve(config, args, api_key, limits, t0))
 

@@ -21,6 +21,7 @@ from vllm_neuron.model.gpt_oss.weights import expert_tensors
 from vllm_neuron.model.layers.attention import AttentionMetadata
 from vllm_neuron.model.layers.linear import Linear
 from vllm_neuron.model.layers.moe import StackedExperts, topk_softmax
+from vllm_neuron.model.layers.parallel import tp_world
 from vllm_neuron.model.llama.model import (LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, _decoder_layer,
                                            decoder_layer_body)
 
@@ -88,6 +89,9 @@ class GptOssForCausalLM(LlamaForCausalLM):
         return GptOssArchConfig.from_hf(hf_config)
 
     def __init__(self, hf_config, quantization: str | None = None) -> None:
+        if tp_world() > 1:
+            raise ValueError(f"tensor_parallel_size={tp_world()} is not supported yet for gpt-oss (sinks and biased "
+                             "experts are not sharded); use tensor_parallel_size=1")
         self.mxfp4 = quantization == "mxfp4"
         self.layer_cls = GptOssMXFP4DecoderLayer if self.mxfp4 else GptOssDecoderLayer
         super().__init__(hf_config, quantization)

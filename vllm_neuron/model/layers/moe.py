@@ -121,5 +121,7 @@ class StackedExperts(nn.Module):
         if self.has_bias:
             y = y + self.down_proj_bias[:, None, :]
         combine = torch.zeros(x.shape[0], self.num_experts, dtype=y.dtype, device=x.device)
-        combine.scatter_(1, ids, weights.to(y.dtype))  # [N, E]: router weight of each chosen expert
+        # [N, E]: router weight of each chosen expert; added, because expert parallelism maps the pairs of
+        # other ranks' experts onto a local one with weight 0 (Qwen3-MoE), which must not overwrite it.
+        combine.scatter_add_(1, ids, weights.to(y.dtype))
         return torch.einsum("ne,enh->nh", combine, y)

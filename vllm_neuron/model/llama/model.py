@@ -10,10 +10,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vllm_neuron.distributed import parallel_state as ps
 from vllm_neuron.model.base import CausalLM, ModelSpec, Target
 from vllm_neuron.model.layers.attention import AttentionMetadata, paged_attention
 from vllm_neuron.model.layers.linear import Linear
 from vllm_neuron.model.layers.norm import RMSNorm
+from vllm_neuron.model.layers.parallel import (VocabParallelEmbedding, all_reduce, gather_last_dim, mark_split,
+                                               split_size, tp_world)
 from vllm_neuron.model.layers.rotary import RotaryEmbedding, apply_rotary
 from vllm_neuron.model.llama.config import LlamaArchConfig
 from vllm_neuron.model.llama.weight_loaders import llama_checkpoint_target
@@ -22,12 +25,17 @@ from vllm_neuron.model.llama.weight_loaders import llama_checkpoint_target
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: LlamaArchConfig) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        # Tensor parallelism: this rank's query heads and KV heads (parallel_state.local_kv_heads).
+        self.num_heads = split_size(cfg.num_heads, "the number of attention heads")
+        self.num_kv_heads = ps.local_kv_heads(cfg.num_kv_heads, tp_world())
+        self.head_dim = cfg.head_dim
         h, d = cfg.hidden_size, cfg.head_dim
         # q, k and v as one matmul (checkpoint tensors are stacked at load): one weight stream per step.
-        self.qkv_sizes = (cfg.num_heads * d, cfg.num_kv_heads * d, cfg.num_kv_heads * d)
+        self.qkv_sizes = (self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d)
         self.qkv_proj = Linear(h, sum(self.qkv_sizes), bias=cfg.attention_bias)
-        self.o_proj = Linear(cfg.num_heads * d, h, bias=cfg.attention_bias)
+        self.o_proj = Linear(self.num_heads * d, h, bias=cfg.attention_bias)
+        if tp_world() > 1:
+            mark_split(self.qkv_proj.weight, self.qkv_proj.bias, self.o_proj.weight)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
@@ -49,19 +57,22 @@ class LlamaAttention(nn.Module):
         v = v.reshape(n, self.num_kv_heads, self.head_dim)
         out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, getattr(self, "sinks", None),
                               self.sliding_window, self.k_scale, self.v_scale)
-        return self.o_proj(out)
+        return all_reduce(self.o_proj(out))
 
 
 class LlamaMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
         super().__init__()
+        intermediate_size = split_size(intermediate_size, "the MLP intermediate size")
         self.gate_up_sizes = (intermediate_size, intermediate_size)
         self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=bias)
         self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
+        if tp_world() > 1:
+            mark_split(self.gate_up_proj.weight, self.gate_up_proj.bias, self.down_proj.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return all_reduce(self.down_proj(F.silu(gate) * up))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -99,7 +110,7 @@ def _decoder_layer(layer: LlamaDecoderLayer, x, cos, sin, k_cache, v_cache, *met
 class LlamaModel(nn.Module):
     def __init__(self, cfg: LlamaArchConfig, hf_config, layer_cls: type[LlamaDecoderLayer]) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList([layer_cls(cfg, i) for i in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(hf_config, cfg.max_position_embeddings)
@@ -141,16 +152,30 @@ class LlamaForCausalLM(CausalLM):
         super().__init__()
         self.arch = self.arch_config(hf_config)
         self.model_spec = self.spec(hf_config)
+        if tp_world() > 1 and (self.arch.attention_bias or self.arch.mlp_bias):
+            # A row-parallel bias would be added once per rank by the all-reduce.
+            raise ValueError(f"tensor_parallel_size={tp_world()} is not supported yet for {type(self).__name__} with "
+                             "attention_bias or mlp_bias; use tensor_parallel_size=1")
         self.model = LlamaModel(self.arch, hf_config, self.layer_cls)
-        self.lm_head = Linear(self.arch.hidden_size, self.arch.vocab_size, bias=False)
+        # Split over the vocabulary like the embedding (parallel.py); logits are gathered in compute_logits.
+        self.lm_head = Linear(self.arch.hidden_size, self.model.embed_tokens.local_vocab, bias=False)
         if self.arch.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        elif tp_world() > 1:
+            mark_split(self.lm_head.weight)
 
     def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata, inputs_embeds=None,
                 aux_layers: tuple[int, ...] = ()):
         """Hidden states [N, hidden] for N (padded) tokens; with `aux_layers` also the input hidden states
         of those layers concatenated, [N, len(aux_layers) * hidden] (EAGLE3's draft features)."""
         return self.model(input_ids, positions, kv_caches, meta, inputs_embeds, aux_layers)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return gather_last_dim(self.lm_head(hidden), self.arch.vocab_size)
+
+    def kv_cache_spec(self) -> tuple[int, int, int]:
+        s = self.model_spec
+        return s.num_layers, ps.local_kv_heads(s.num_kv_heads, tp_world()), s.head_dim
 
     def checkpoint_target(self, name: str) -> Target | None:
         return llama_checkpoint_target(self, name)

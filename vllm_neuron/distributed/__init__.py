@@ -1,0 +1,1 @@
+"""Tensor / expert parallel state on torch.distributed (see parallel_state.py)."""

@@ -1,0 +1,336 @@
+"""Tensor parallelism: one model runner per rank, driven by the engine core through rank 0.
+
+Rank 0 lives in the engine core's process; ranks 1..N-1 are processes of their own (this node's are
+started here, other nodes' by `serve --headless`, `run_headless_ranks`). At start-up rank 0 sends every
+rank the finalized engine config, and each builds the same runner on its shard of the model. After
+that, each runner call the engine core makes (load, KV sizing, warm-up, every step) is broadcast on the
+gloo control group and replayed by every rank in the same order, so the ranks run the same bucket graph
+on the same inputs; the graphs' collectives keep them in step. Logits are all-gathered inside the graph,
+so every rank samples the same token from the same row; only rank 0's result goes back to the engine.
+KV pools: each rank sizes its own from its own budget and the smallest count wins (an all-reduce), so
+the scheduler's block numbers are valid on every rank.
+
+Failure: a follower that exits (watched by a thread) or a collective that fails or times out
+(VLLM_NEURON_DIST_TIMEOUT_S) raises `WorkerRankError`, which the engine core treats as fatal: its
+requests fail with that message and the server reports itself unhealthy.
+"""
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import threading
+import traceback
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from vllm_neuron.config.engine_config import EngineConfig
+from vllm_neuron.distributed import parallel_state as ps
+from vllm_neuron.logger import init_logger
+
+logger = init_logger(__name__)
+
+# Runner calls whose result is reduced over the ranks (min): the KV pool every rank can hold.
+_MIN_REDUCED = ("num_blocks",)
+
+
+class WorkerRankError(RuntimeError):
+    """A tensor-parallel rank died or stopped answering: the engine cannot go on."""
+
+
+@dataclass(frozen=True)
+class RankSetup:
+    """What a rank needs to join the group before it knows anything else."""
+
+    world: int
+    nnodes: int
+    master_addr: str
+    master_port: int
+    ep_degree: int
+    timeout_s: float
+    replicas_on_node: int = 1  # data-parallel replicas sharing this node's cores
+
+    @property
+    def local_ranks(self) -> int:
+        return self.world // self.nnodes
+
+    @classmethod
+    def of(cls, config: EngineConfig) -> "RankSetup":
+        from vllm_neuron import envs
+
+        # One node: the group meets on a free loopback port (--master-port matters across nodes only).
+        addr, port = (config.master_addr, config.master_port) if config.nnodes > 1 else ("127.0.0.1", _free_port())
+        # A headless node's config is not finalized (no model yet): its ranks take ep_degree from rank 0.
+        return cls(config.tensor_parallel_size, config.nnodes, addr, port, config.neuron_config.ep_degree or 1,
+                   envs.VLLM_NEURON_DIST_TIMEOUT_S, config.kv_budget_shared_by)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def create_runner(config: EngineConfig, ckpt, device: torch.device, dtype: torch.dtype, backend: str):
+    """The model runner the config selects (MRv2, MRv1, or MRv1's multimodal runner)."""
+    if config.use_v2_model_runner:
+        from vllm_neuron.worker.model_runner_v2 import ModelRunnerV2
+
+        return ModelRunnerV2(config, ckpt, device, dtype, backend)
+    from vllm_neuron.model.registry import is_multimodal
+
+    if is_multimodal(ckpt.hf_config):
+        from vllm_neuron.worker.model_runner_mm import MultimodalRunnerV1
+
+        return MultimodalRunnerV1(config, ckpt, device, dtype, backend)
+    from vllm_neuron.worker.model_runner_v1 import ModelRunnerV1
+
+    return ModelRunnerV1(config, ckpt, device, dtype, backend)
+
+
+def _join(setup: RankSetup, rank: int) -> int:
+    threads = ps.set_rank_threads(setup.local_ranks * setup.replicas_on_node)
+    ps.init(rank, setup.world, setup.master_addr, setup.master_port, device_type="cpu",
+            ep_degree=setup.ep_degree, timeout_s=setup.timeout_s)
+    return threads
+
+
+def _send(obj: Any, timeout_s: float | None = None) -> None:
+    """Rank 0: broadcasts `obj` to the other ranks. A gloo broadcast waits for its receivers, and theirs waits
+    for as long as the engine is idle (no timeout on the control group), so rank 0 bounds its own wait:
+    a step's inputs that a rank does not take within `timeout_s` mean that rank hangs."""
+    import time
+
+    import torch.distributed as dist
+
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    size = torch.tensor([len(data)], dtype=torch.int64)
+    payload = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    works = [dist.broadcast(t, src=0, group=ps.control_group(), async_op=True) for t in (size, payload)]
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    for work in works:
+        while deadline is not None and not work.is_completed():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"a rank did not take the step's inputs within {timeout_s:g} s (timed out)")
+            time.sleep(0.0002)
+        work.wait()
+
+
+def _recv() -> Any:
+    """A follower: the next object rank 0 broadcasts (_send)."""
+    import torch.distributed as dist
+
+    size = torch.empty(1, dtype=torch.int64)
+    dist.broadcast(size, src=0, group=ps.control_group())
+    payload = torch.empty(int(size.item()), dtype=torch.uint8)
+    dist.broadcast(payload, src=0, group=ps.control_group())
+    return pickle.loads(payload.numpy().tobytes())
+
+
+def _min_over_ranks(value: int) -> int:
+    import torch.distributed as dist
+
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=ps.control_group())
+    return int(t.item())
+
+
+class TPExecutor:
+    """Rank 0: stands in for the runner (same methods); each call runs on every rank."""
+
+    def __init__(self, config: EngineConfig, ckpt, device: torch.device, dtype: torch.dtype, backend: str) -> None:
+        self.setup = RankSetup.of(config)
+        self._threads_before = torch.get_num_threads()
+        _check_shardable(ckpt.hf_config, self.setup.world)
+        # This node's other ranks (node 0 holds ranks 0 .. local_ranks - 1).
+        self.procs = [_start_rank(self.setup, r) for r in range(1, self.setup.local_ranks)]
+        self._failure: str | None = None
+        self._closed = False
+        try:
+            threads = _join(self.setup, 0)
+        except Exception as e:
+            self._stop_procs()
+            raise WorkerRankError(f"tensor parallel group did not form at {self.setup.master_addr}:"
+                                  f"{self.setup.master_port}: "
+                                  f"{e}") from e
+        logger.info("Tensor parallel: %d ranks (%d node(s), %d on this node, %d thread(s) each; follower pids %s), "
+                    "ep_degree %d, collectives on gloo", self.setup.world, self.setup.nnodes, self.setup.local_ranks,
+                    threads, [p.pid for p in self.procs], self.setup.ep_degree)
+        self._watch = threading.Thread(target=self._watch_followers, name="vllm-neuron-tp-watch", daemon=True)
+        self._watch.start()
+        atexit.register(self.shutdown)  # before multiprocessing's exit handler joins the followers
+        self._call(_send, (config, device, dtype, backend))
+        self.runner = create_runner(config, ckpt, device, dtype, backend)
+
+    @property
+    def follower_pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    def _watch_followers(self) -> None:
+        import time
+
+        while not self._closed and self._failure is None and not self._dead_follower():
+            time.sleep(0.5)
+
+    def _dead_follower(self) -> bool:
+        """Records the first of this node's ranks that exited (True when one did)."""
+        for rank, p in enumerate(self.procs, 1):
+            if p.poll() is not None and not self._closed:
+                if self._failure is None:
+                    self._failure = f"tensor parallel rank {rank} (pid {p.pid}) exited with code {p.returncode}"
+                    logger.error("%s", self._failure)
+                return True
+        return False
+
+    def _call(self, fn, *args):
+        """Runs one step of the group protocol, turning a broken group into WorkerRankError."""
+        if self._failure is not None:
+            raise WorkerRankError(self._failure)
+        try:
+            return fn(*args)
+        except Exception as e:
+            if self._failure is not None or _is_group_failure(e):
+                import time
+
+                time.sleep(0.5)  # a local rank that died has exited by now: name it
+                self._dead_follower()
+                reason = self._failure or f"a rank died or hung (a collective failed: {type(e).__name__}: {e})"
+                self._failure = reason
+                raise WorkerRankError(f"{reason}; the tensor parallel group is broken, the engine stops") from e
+            raise
+
+    def __getattr__(self, name: str):
+        attr = getattr(self.runner, name)
+        if not callable(attr):
+            return attr
+
+        def on_every_rank(*args):
+            # Steps are bounded (a rank that does not take them hangs); set-up calls such as warm-up are not.
+            self._call(_send, (name, args), self.setup.timeout_s if name == "execute" else None)
+            result = self._call(attr, *args)
+            if name in _MIN_REDUCED:
+                result = self._call(_min_over_ranks, result)
+            return result
+
+        return on_every_rank
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._failure is None:
+            try:
+                _send(None, self.setup.timeout_s)
+            except Exception:  # noqa: BLE001 - followers gone already
+                pass
+        ps.shutdown()
+        self._stop_procs()
+        torch.set_num_threads(self._threads_before)
+
+    def _stop_procs(self) -> None:
+        for p in self.procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(timeout=5)
+
+
+def _start_rank(setup: RankSetup, rank: int) -> subprocess.Popen:
+    """A follower rank as a process of its own (`python -m vllm_neuron.worker.tp_executor`): the server's engine
+    core is a daemonic multiprocessing child, which multiprocessing does not let have children."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    return subprocess.Popen([sys.executable, "-m", "vllm_neuron.worker.tp_executor", json.dumps(asdict(setup)),
+                             str(rank)], env=env)
+
+
+def _check_shardable(hf_config, world: int) -> None:
+    """The head-split rules, before any process starts (parallel_state.local_kv_heads)."""
+    from vllm_neuron.model.registry import is_multimodal
+
+    if is_multimodal(hf_config):
+        raise ValueError(f"tensor_parallel_size={world} is not supported yet by vllm-neuron for multimodal models "
+                         "(the vision tower is not sharded); use tensor_parallel_size=1")
+    heads = getattr(hf_config, "num_attention_heads", None)
+    if heads:
+        ps.check_tp_divides("the number of attention heads", heads, world)
+        ps.local_kv_heads(getattr(hf_config, "num_key_value_heads", None) or heads, world)
+
+
+def _is_group_failure(e: BaseException) -> bool:
+    """A collective's failure (peer gone, timeout) rather than an error of the step's own."""
+    import torch.distributed as dist
+
+    if isinstance(e, (dist.DistError, TimeoutError)):
+        return True
+    text = str(e).lower()
+    return any(s in text for s in ("gloo", "connection closed", "connection reset", "timed out", "broken pipe"))
+
+
+def follower_main(setup: RankSetup, rank: int) -> None:
+    """A rank other than 0: joins, builds its runner from rank 0's config, replays rank 0's calls."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the head decides when the group ends
+    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
+    os.environ.setdefault("VLLM_NEURON_TP_RANK", str(rank))
+    _join(setup, rank)
+    try:
+        config, device, dtype, backend = _recv()
+        from vllm_neuron.model.loader import load_checkpoint
+
+        ps.set_info(ps.ParallelInfo(rank, setup.world, config.neuron_config.ep_degree or 1))
+
+        runner = create_runner(config, load_checkpoint(config.model), device, dtype, backend)
+        while True:
+            msg = _recv()
+            if msg is None:
+                break
+            name, args = msg
+            try:
+                result = getattr(runner, name)(*args)
+            except Exception as e:  # noqa: BLE001 - rank 0 saw the same error; it decides
+                if _is_group_failure(e):
+                    raise
+                logger.warning("rank %d: %s failed like on rank 0: %s", rank, name, e)
+                result = 0
+            if name in _MIN_REDUCED:
+                _min_over_ranks(result)
+    except Exception as e:  # noqa: BLE001
+        logger.error("tensor parallel rank %d stops: %s\n%s", rank, e, traceback.format_exc())
+        raise SystemExit(1) from None
+    finally:
+        ps.shutdown()
+
+
+def _exit_with_parent(parent: int) -> None:
+    """A rank whose parent (the engine core, or a headless node's process) is gone has no one to serve."""
+    import time
+
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os._exit(1)
+
+
+def run_headless_ranks(config: EngineConfig) -> int:
+    """`serve --headless --nnodes N --node-rank K`: this node's ranks of a multi-node tensor-parallel
+    engine (no API server); returns when they end (the head shut down or failed)."""
+    if config.nnodes < 2 or config.node_rank < 1:
+        raise ValueError("--headless with tensor parallelism runs the ranks of a follower node: it needs --nnodes > 1 "
+                         "and --node-rank >= 1 (node 0 runs the API server)")
+    setup = RankSetup.of(config)
+    first = config.node_rank * setup.local_ranks
+    procs = [_start_rank(setup, r) for r in range(first, first + setup.local_ranks)]
+    logger.info("Headless node %d: tensor parallel ranks %d..%d (pids %s) join %s:%d", config.node_rank, first,
+                first + setup.local_ranks - 1, [p.pid for p in procs], config.master_addr, config.master_port)
+    return max(p.wait() for p in procs)
+
+
+if __name__ == "__main__":
+    follower_main(RankSetup(**json.loads(sys.argv[1])), int(sys.argv[2]))
