@@ -208,6 +208,8 @@ def test_moe_forced_onto_mrv2_matches_transformers(moe_arch, tmp_path, monkeypat
         llm = _engine(model_dir, enforce_eager=True, additional_config={"neuron_config": {
             **SMALL_BUCKETS["neuron_config"], "on_device_sampling_config": {}}})
     assert isinstance(llm.llm_engine.core.runner, ModelRunnerV2)
+    # gpt-oss: the sliding-window layers' KV cache group has its own slot block tables on MRv2 too.
+    assert llm.llm_engine.core.scheduler.kv.windows == ((None, 24) if moe_arch == "gpt_oss" else (None,))
     assert "forces Neuron Model Runner V2 with unsupported features (eager" in caplog.text  # eager, not MoE
     assert "MoE" not in caplog.text
     _assert_tokens(_run(llm), _hf_greedy(ref))

@@ -107,7 +107,7 @@ class ModelRunnerBase:
 
     def kv_groups_unsupported(self) -> str | None:
         """Why this runner cannot serve several KV cache groups (None: it can)."""
-        return "Model Runner V2"
+        return "this model runner"
 
     def _plan_kv_layout(self) -> KVCacheLayout:
         spec = self.model_spec
@@ -357,23 +357,24 @@ class ModelRunnerBase:
         rows = min(self.config.max_num_seqs, num_tokens)
         x = build_prefill_inputs(chunks, num_tokens, num_context, rows, self.block_size, self._max_blocks())
         attn_a, attn_b = self._prefill_attn_inputs(x)
-        groups = []
-        for g in range(1, self.kv_layout.num_groups):  # the same inputs through group g's block tables
-            xg = build_prefill_inputs(self._group_chunks(chunks, g), num_tokens, num_context, rows, self.block_size,
-                                      self._max_blocks())
-            groups.append((self._t(xg.slot_mapping), self._t(self._prefill_attn_inputs(xg)[0])))
+        groups = self._group_inputs(chunks, lambda c: build_prefill_inputs(
+            c, num_tokens, num_context, rows, self.block_size, self._max_blocks()),
+            "seq_tables" if self.use_kernels else "context_slots")
         with torch.inference_mode():
             graph = self._graph("prefill", num_tokens, num_context)
             return graph(self._t(x.input_ids), self._t(x.positions), self._t(x.slot_mapping),
                          self._t(x.query_seq), self._t(attn_a), self._t(attn_b),
                          self._t(x.logits_indices), self._t(self._bitmask(chunks, rows, masks or {})),
-                         *row_inputs(rows), *(step_inputs(x) if step_inputs else ()), self.kv_caches,
-                         *((tuple(groups),) if groups else ()))
+                         *row_inputs(rows), *(step_inputs(x) if step_inputs else ()), self.kv_caches, *groups)
 
-    @staticmethod
-    def _group_chunks(chunks, group: int) -> list:
-        """The chunks with KV cache group `group`'s block tables in place of group 0's."""
-        return [dataclasses.replace(c, block_ids=c.group_block_ids[group - 1]) for c in chunks]
+    def _group_inputs(self, chunks, build: Callable[[list], Any], tables: str) -> tuple:
+        """The graphs' trailing input for KV cache groups 1..: each group's (slot_mapping, `tables` field) of
+        the same step inputs built through its block tables; () for a one-group model."""
+        out = []
+        for g in range(1, self.kv_layout.num_groups):
+            x = build([dataclasses.replace(c, block_ids=c.group_block_ids[g - 1]) for c in chunks])
+            out.append((self._t(x.slot_mapping), self._t(getattr(x, tables))))
+        return (tuple(out),) if out else ()
 
     def _run_decode(self, chunks, batch: int, context: int, masks: dict | None = None):
         """Runs one decode bucket graph; warm-up calls it with no chunks. Returns (tokens, logits)."""
