@@ -1,6 +1,7 @@
 """Tensor parallelism on this machine's CPU: TP=1 (all cores in one process) against TP=2 (two rank
 processes, the cores split between them), prefill and decode step times, and the share of rank 0's step
-spent in collectives.
+spent in collectives; TP=1 on one thread as a third row (on a busy machine a multi-threaded step waits
+for its slowest thread).
 
     python benchmarks/tp_step_cost.py [--prompt-len 128 --decode-tokens 32 --reps 3 --compiled]
 
@@ -95,8 +96,9 @@ def main() -> None:
     os.environ.setdefault("NEURON_COMPILED_ARTIFACTS", os.path.join(work, "cache"))
     clock = None if a.compiled else _CollectiveClock()
     rows = []
-    for tp in (1, 2):
-        torch.set_num_threads(cores)  # TP=1 uses every core; the executor splits them for TP=2
+    # TP=1 on every core and on one (a loaded machine punishes multi-threaded steps), TP=2 split by the executor.
+    for tp, threads in ((1, cores), (1, 1), (2, cores)):
+        torch.set_num_threads(threads)
         llm = LLM(model, tensor_parallel_size=tp, enforce_eager=not a.compiled, dtype=a.dtype, device="cpu",
                   max_model_len=1024, max_num_seqs=1, max_num_batched_tokens=a.prompt_len, enable_prefix_caching=False,
                   additional_config={"neuron_config": {"num_batched_tokens_buckets": [a.prompt_len],

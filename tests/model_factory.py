@@ -47,6 +47,21 @@ def shared_prefix_prompts(lengths: list[int], shared_len: int, first_shared: int
     return out
 
 
+def hf_greedy_reference(hf, prompts: list[list[int]], max_new: int,
+                        logits: bool = True) -> tuple[list[list[int]], list[torch.Tensor] | None]:
+    """transformers' greedy generate of `max_new` tokens (EOS ignored), one prompt at a time (no padding):
+    the tokens, and with `logits` each step's log-softmax [max_new, vocab] (fp32)."""
+    tokens, logprobs = [], []
+    with torch.no_grad():
+        for p in prompts:
+            out = hf.generate(torch.tensor([p]), max_new_tokens=max_new, min_new_tokens=max_new, do_sample=False,
+                              output_logits=logits, return_dict_in_generate=True, pad_token_id=EOS_ID)
+            tokens.append(out.sequences[0, len(p):].tolist())
+            if logits:
+                logprobs.append(torch.log_softmax(torch.stack(out.logits)[:, 0].float(), -1))
+    return tokens, (logprobs if logits else None)
+
+
 def _cache_root() -> str:
     root = os.environ.get(CACHE_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "vllm_neuron_test")
     os.makedirs(root, exist_ok=True)

@@ -196,8 +196,9 @@ _VARS: dict[str, EnvVar] = {
         EnvVar(
             "NEURON_LIBTORCH_PARALLEL_COMPILE_WORKERS",
             lambda: _int("NEURON_LIBTORCH_PARALLEL_COMPILE_WORKERS", None, minimum=1),
-            "Number of graphs compiled in parallel during warm-up. Only 1 (or unset) is supported "
-            "yet: larger values are refused at start-up.",
+            "Number of processes compiling the buckets missing from the compile cache during warm-up "
+            "(each holds its own copy of the weights and KV pool); the engine then loads their saved "
+            "graphs. 1 or unset: one bucket after the other.",
         ),
         EnvVar(
             "NEURON_LIBTORCH_REMOTE_CACHE",
@@ -380,10 +381,6 @@ def check_supported() -> None:
         refused.append("VLLM_NEURON_ATTN_MASK_TORCH (there is no mask kernel to replace: the custom attention "
                        "kernel needs no mask, and VLLM_NEURON_DISABLE_NKI_KERNELS=1 selects the torch attention "
                        "with a torch-built mask)")
-    workers = _int("NEURON_LIBTORCH_PARALLEL_COMPILE_WORKERS", None, minimum=1)
-    if workers is not None and workers > 1:
-        refused.append(f"NEURON_LIBTORCH_PARALLEL_COMPILE_WORKERS={workers} (buckets compile one after the "
-                       "other; 1 or unset)")
     if refused:
         raise ValueError("not supported yet by vllm-neuron: " + "; ".join(refused))
 

@@ -236,3 +236,46 @@ def test_kv_pool_and_graphs_survive_a_restart_with_less_free_memory(model, tmp_p
     refused = start(0.1, expect_ok=False)
     assert "no longer fits in memory" in refused.output and f"{blocks} blocks" in refused.output, refused.output
     assert "num_gpu_blocks_override (at most" in refused.output, refused.output
+
+
+def test_parallel_workers_save_the_graphs_one_process_saves(cold_then_warm, model, cache_root, tmp_path):
+    """NEURON_LIBTORCH_PARALLEL_COMPILE_WORKERS=2: two worker processes compile the buckets into the cache,
+    then the engine loads every saved graph without re-tracing. The saved graphs (names, input signatures)
+    are those the one-process cold run saved, and both caches generate the same greedy text."""
+    cold, _ = cold_then_warm
+    root = str(tmp_path / "cache")
+    run = _compile(model, root, str(tmp_path), NEURON_LIBTORCH_PARALLEL_COMPILE_WORKERS="2")
+    assert run.cache_dir == os.path.join(root, os.path.basename(cold.cache_dir)), run.output  # the same key
+    workers = dict(re.findall(r"Bucket (\w+): compiled in worker (\d+)", run.output))
+    assert set(workers) == set(cold.buckets) and len(set(workers.values())) == 2, run.output  # both took one
+    engine_log = run.output.split(f"Parallel compilation of {len(cold.buckets)} buckets done", 1)[1]
+    loaded = re.findall(r"Bucket (\w+): compile cache hit, loaded the saved graph", engine_log)
+    assert sorted(loaded) == sorted(cold.buckets) and "compile cache miss" not in engine_log, run.output
+
+    def saved(key_dir: str) -> dict[str, str]:
+        """Saved graph -> the input signature it was compiled for."""
+        aot = os.path.join(key_dir, "aot")
+        assert sorted(f[:-4] for f in os.listdir(aot) if f.endswith(".bin")) == sorted(cold.buckets)
+        return {f: open(os.path.join(aot, f)).read() for f in os.listdir(aot) if f.endswith(".inputs")}
+
+    assert saved(run.cache_dir) == saved(cold.cache_dir)
+
+    def generate(cache: str) -> str:
+        proc = run_cli(["generate", "--model", model, "--raw", "--max-tokens", "12", "--temperature", "0", *_args((2,)),
+                        "hello world", "a b c d e f g h i j k l m n o p q r s t u v"], str(tmp_path), timeout=300,
+                       NEURON_COMPILED_ARTIFACTS=cache, VLLM_NEURON_DISABLE_WARMUP_COMPILE="1")
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        return proc.stdout.split(">>> ", 1)[1]
+
+    assert generate(root) == generate(cache_root)
+
+
+def test_parallel_worker_timeout_names_the_bucket(model, tmp_path):
+    proc = run_cli(["compile", model, *_args((1, 2))], str(tmp_path), timeout=300,
+                   NEURON_COMPILED_ARTIFACTS=str(tmp_path / "cache"), NEURON_LIBTORCH_PARALLEL_COMPILE_WORKERS="2",
+                   NEURON_LIBTORCH_COMPILATION_TIMEOUT="1")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out
+    # Raised in the worker (CompileTimeout), or the worker killed by this process when its timer could not fire.
+    assert re.search(r"Parallel compilation failed: bucket (prefill_s32|decode_b1|decode_b2): (CompileTimeout: "
+                     r"Bucket \1: )?compilation took longer than NEURON_LIBTORCH_COMPILATION_TIMEOUT=1 s", out), out

@@ -128,3 +128,13 @@ def test_bench_serve_random_mm(setup, tmp_path):
                    "--ignore-eos", "--disable-tqdm"], str(tmp_path), timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert re.search(r"Successful requests:\s+3", out.stdout), out.stdout
+
+
+def test_tokenize_counts_the_image_tokens(setup):
+    srv, model_dir, _ = setup
+    body = {"model": model_dir, "messages": _message(data_url(png_bytes(random_image(56, 84, 0))))}
+    with_image = httpx.post(srv.url + "/tokenize", json=body, timeout=60).json()
+    text_only = httpx.post(srv.url + "/tokenize", timeout=60, json={
+        "model": model_dir, "messages": [{"role": "user", "content": [{"type": "text", "text": "Describe."}]}]}).json()
+    # <|vision_start|> + 6 image tokens + <|vision_end|> more than the text-only conversation
+    assert with_image["count"] == text_only["count"] + 8

@@ -1,8 +1,11 @@
-"""Greedy tokens and logits of every non-Llama architecture vs transformers, on tiny random-weight
-configs built with transformers' own classes (fp32). Llama has its own, larger file
-(test_llama_parity.py); this one runs the same checks per architecture: segmented prefill forced by
-tiny buckets, padded decode batches, a second pass served from the prefix cache, logprobs within
-1e-4 of transformers' logits, and one compiled run.
+"""Greedy tokens and logits of every architecture vs transformers, on tiny random-weight configs built
+with transformers' own classes (fp32).
+
+Per architecture (Qwen3, Qwen3-MoE, gpt-oss): segmented prefill forced by tiny buckets, padded decode
+batches, a second pass served from the prefix cache, logprobs within 1e-4 of transformers' logits,
+and one compiled run. Llama, the reference architecture, runs a wider set (its section below): more
+prompt lengths around block and bucket edges, prefix caching on and off, the custom kernels and the
+torch path, eager and compiled.
 """
 from __future__ import annotations
 
@@ -11,8 +14,9 @@ import logging
 import pytest
 import torch
 
-from tests.model_factory import (build_tiny_gpt_oss_mxfp4, build_tiny_model, make_tiny_gguf, make_tiny_gpt_oss_mxfp4,
-                                 make_tiny_model, shared_prefix_prompts)
+from tests.model_factory import (build_tiny_gpt_oss_mxfp4, build_tiny_llama, build_tiny_model, hf_greedy_reference,
+                                 make_tiny_gguf, make_tiny_gpt_oss_mxfp4, make_tiny_llama, make_tiny_model,
+                                 shared_prefix_prompts)
 from vllm_neuron import LLM, SamplingParams
 from vllm_neuron.config.runner_selection import V2_LOG_LINE
 from vllm_neuron.worker.model_runner_v2 import ModelRunnerV2
@@ -44,15 +48,7 @@ def model_dir(arch, tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def reference(arch) -> tuple[list[list[int]], list[torch.Tensor]]:
     """transformers greedy generate (eager attention), one prompt at a time, and its per-step logprobs."""
-    hf = build_tiny_model(arch, max_position_embeddings=512)
-    tokens, logprobs = [], []
-    with torch.no_grad():
-        for p in _prompts():
-            out = hf.generate(torch.tensor([p]), max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW, do_sample=False,
-                              output_logits=True, return_dict_in_generate=True, pad_token_id=2)
-            tokens.append(out.sequences[0, len(p):].tolist())
-            logprobs.append(torch.log_softmax(torch.stack(out.logits)[:, 0].float(), -1))
-    return tokens, logprobs
+    return hf_greedy_reference(build_tiny_model(arch, max_position_embeddings=512), _prompts(), MAX_NEW)
 
 
 def _engine(model_dir: str, **kw) -> LLM:
@@ -67,9 +63,9 @@ def _run(llm: LLM, logprobs: int | None = None):
     return llm.generate([{"prompt_token_ids": p} for p in _prompts()], params, use_tqdm=False)
 
 
-def _assert_tokens(outs, ref_tokens) -> None:
+def _assert_tokens(outs, ref_tokens, lengths: list[int] = LENGTHS) -> None:
     for i, (o, ref) in enumerate(zip(outs, ref_tokens)):
-        assert o.outputs[0].token_ids == ref, f"prompt {i} (length {LENGTHS[i]}) diverged"
+        assert o.outputs[0].token_ids == ref, f"prompt {i} (length {lengths[i]}) diverged"
 
 
 def _max_logprob_error(outs, ref_logprobs) -> float:
@@ -136,13 +132,7 @@ def test_compiled_matches_transformers(arch, model_dir, reference, tmp_path, mon
 
 
 def _hf_greedy(hf) -> list[list[int]]:
-    out = []
-    with torch.no_grad():
-        for p in _prompts():
-            seq = hf.generate(torch.tensor([p]), max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW, do_sample=False,
-                              pad_token_id=2)
-            out.append(seq[0, len(p):].tolist())
-    return out
+    return hf_greedy_reference(hf, _prompts(), MAX_NEW, logits=False)[0]
 
 
 def test_gpt_oss_torch_attention_path_with_kv_groups(tmp_path, monkeypatch):
@@ -218,6 +208,8 @@ def test_moe_forced_onto_mrv2_matches_transformers(moe_arch, tmp_path, monkeypat
         llm = _engine(model_dir, enforce_eager=True, additional_config={"neuron_config": {
             **SMALL_BUCKETS["neuron_config"], "on_device_sampling_config": {}}})
     assert isinstance(llm.llm_engine.core.runner, ModelRunnerV2)
+    # gpt-oss: the sliding-window layers' KV cache group has its own slot block tables on MRv2 too.
+    assert llm.llm_engine.core.scheduler.kv.windows == ((None, 24) if moe_arch == "gpt_oss" else (None,))
     assert "forces Neuron Model Runner V2 with unsupported features (eager" in caplog.text  # eager, not MoE
     assert "MoE" not in caplog.text
     _assert_tokens(_run(llm), _hf_greedy(ref))
@@ -251,3 +243,113 @@ def test_gpt_oss_chat_renders_the_checkpoints_harmony_template(tmp_path):
     assert llm.get_tokenizer().decode(out[0].prompt_token_ids) == \
         "<|start|>user<|message|>Hi there<|end|><|start|>assistant"
     assert len(out[0].outputs[0].token_ids) == 2
+
+
+# ---- Llama --------------------------------------------------------------------------------------------
+
+LLAMA_MAX_NEW = 10
+# Lengths around block (16) and bucket (32/64/128) edges, and beyond max_num_batched_tokens (128).
+LLAMA_LENGTHS = [3, 15, 16, 17, 33, 64, 65, 100, 129, 200, 300]
+LLAMA_SHARED = 80  # prompts 6.. share an 80-token prefix with each other
+
+
+def _llama_prompts() -> list[list[int]]:
+    return shared_prefix_prompts(LLAMA_LENGTHS, LLAMA_SHARED, first_shared=6, seed=0)
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory) -> str:
+    return make_tiny_llama(str(tmp_path_factory.mktemp("parity_llama")), max_position_embeddings=512)
+
+
+@pytest.fixture(scope="module")
+def llama_reference() -> tuple[list[list[int]], list[torch.Tensor]]:
+    return hf_greedy_reference(build_tiny_llama(max_position_embeddings=512), _llama_prompts(), LLAMA_MAX_NEW)
+
+
+def _llama_engine(model_dir: str, **kw) -> LLM:
+    base = dict(max_model_len=512, max_num_seqs=8, max_num_batched_tokens=128, block_size=16, dtype="float32",
+                device="cpu", num_gpu_blocks_override=512)
+    base.update(kw)
+    return LLM(model_dir, **base)
+
+
+def _llama_run(llm: LLM, logprobs: int | None = None):
+    params = SamplingParams(temperature=0.0, max_tokens=LLAMA_MAX_NEW, ignore_eos=True, logprobs=logprobs)
+    return llm.generate([{"prompt_token_ids": p} for p in _llama_prompts()], params, use_tqdm=False)
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_llama_eager_greedy_matches_transformers(llama_dir, llama_reference, prefix_caching):
+    llm = _llama_engine(llama_dir, enforce_eager=True, enable_prefix_caching=prefix_caching)
+    _assert_tokens(_llama_run(llm), llama_reference[0], LLAMA_LENGTHS)
+    # Second pass: with prefix caching every prompt now starts from cached blocks.
+    core = llm.llm_engine.core
+    hits_before = core.scheduler.kv.prefix_hits
+    _assert_tokens(_llama_run(llm), llama_reference[0], LLAMA_LENGTHS)
+    assert (core.scheduler.kv.prefix_hits > hits_before) == prefix_caching
+    # Every block is free again once all requests are done.
+    assert core.scheduler.kv.pool.num_free_blocks == core.num_blocks - 1
+
+
+def test_llama_logprobs_match_transformers_logits(llama_dir, llama_reference):
+    outs = _llama_run(_llama_engine(llama_dir, enforce_eager=True), logprobs=5)
+    worst = _max_logprob_error(outs, llama_reference[1])
+    for o, ref_lp in zip(outs, llama_reference[1]):
+        for step, entry in enumerate(o.outputs[0].logprobs):
+            top5 = torch.topk(ref_lp[step], 5).indices.tolist()
+            assert set(top5) <= set(entry), "top-5 tokens differ from transformers"
+    print(f"max |logprob - transformers| = {worst:.2e}")
+    assert worst < 1e-4
+
+
+@pytest.mark.parametrize("kernels", [True, False])
+def test_llama_small_buckets_force_padding_and_segments(llama_dir, llama_reference, kernels, monkeypatch):
+    # Tiny prefill buckets: every prompt above 32 tokens is segmented, decode batches are padded; the
+    # custom paged-attention kernel and the pure-torch path (gather + SDPA) must agree token for token.
+    monkeypatch.setenv("VLLM_NEURON_DISABLE_NKI_KERNELS", "0" if kernels else "1")
+    llm = _llama_engine(llama_dir, enforce_eager=True, max_num_batched_tokens=32, max_num_seqs=4,
+                        additional_config={"neuron_config": {"num_batched_tokens_buckets": [8, 32],
+                                                             "num_seqs_buckets": [1, 4],
+                                                             "decode_context_length_buckets": [128, 256]}})
+    assert llm.llm_engine.core.runner.use_kernels == kernels
+    _assert_tokens(_llama_run(llm), llama_reference[0], LLAMA_LENGTHS)
+
+
+@pytest.mark.parametrize("kernels", [True, False])
+def test_llama_compiled_matches_transformers(llama_dir, llama_reference, tmp_path, monkeypatch, kernels):
+    monkeypatch.setenv("NEURON_COMPILED_ARTIFACTS", str(tmp_path / "cache"))
+    monkeypatch.setenv("VLLM_NEURON_DISABLE_NKI_KERNELS", "0" if kernels else "1")
+    llm = _llama_engine(llama_dir, enforce_eager=False, max_num_seqs=4,
+                        additional_config={"neuron_config": {"num_batched_tokens_buckets": [64, 128],
+                                                             "num_seqs_buckets": [2, 4]}})
+    compiler = llm.llm_engine.core.compiler
+    # 2 prefill + 2 decode graphs; the torch path adds a cached-context variant of each prefill bucket.
+    assert compiler.backend == "native" and len(compiler.records) == (4 if llm.llm_engine.core.runner.use_kernels
+                                                                      else 6)
+    _assert_tokens(_llama_run(llm), llama_reference[0], LLAMA_LENGTHS)
+
+
+def test_llama_kv_segments_match_transformers(tmp_path, monkeypatch):
+    """kv_segment_size_buckets on the torch attention path: prompts longer than the 512-token prefill bucket
+    read their cached context (a 1536-slot context bucket) in 512-slot segments, first pass and from the
+    prefix cache, and stay token-identical to transformers."""
+    from vllm_neuron.model.layers import attention
+
+    calls = []
+    segmented = attention._prefill_segmented
+    monkeypatch.setattr(attention, "_prefill_segmented", lambda *a: calls.append(a[5].kv_segment) or segmented(*a))
+    monkeypatch.setenv("VLLM_NEURON_DISABLE_NKI_KERNELS", "1")
+    path = make_tiny_llama(str(tmp_path / "m"), max_position_embeddings=2048)
+    prompts = shared_prefix_prompts([600, 1100, 1300], 900, first_shared=1, seed=5)
+    ref = hf_greedy_reference(build_tiny_llama(max_position_embeddings=2048), prompts, 6, logits=False)[0]
+    llm = _llama_engine(path, enforce_eager=True, max_model_len=1536, max_num_seqs=2, max_num_batched_tokens=512,
+                        num_gpu_blocks_override=256,
+                        additional_config={"neuron_config": {"kv_segment_size_buckets": [512],
+                                                             "num_batched_tokens_buckets": [512],
+                                                             "num_seqs_buckets": [1, 2]}})
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    for _ in range(2):  # the second pass starts from the prefix cache
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == ref
+    assert calls and set(calls) == {512}

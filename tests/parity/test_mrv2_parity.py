@@ -16,7 +16,7 @@ import random
 import pytest
 import torch
 
-from tests.model_factory import build_tiny_llama, make_tiny_llama, shared_prefix_prompts
+from tests.model_factory import build_tiny_llama, hf_greedy_reference, make_tiny_llama, shared_prefix_prompts
 from vllm_neuron import LLM, SamplingParams
 from vllm_neuron.config.runner_selection import V2_LOG_LINE
 from vllm_neuron.step import PLACEHOLDER_TOKEN_ID
@@ -46,13 +46,7 @@ def hf():
 
 
 def _hf_greedy(hf, prompts: list[list[int]], n: int = MAX_NEW) -> list[list[int]]:
-    """transformers greedy tokens, one prompt at a time (no padding)."""
-    out = []
-    with torch.no_grad():
-        for p in prompts:
-            seq = hf.generate(torch.tensor([p]), max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=2)
-            out.append(seq[0, len(p):].tolist())
-    return out
+    return hf_greedy_reference(hf, prompts, n, logits=False)[0]
 
 
 @pytest.fixture(scope="module")
@@ -324,3 +318,15 @@ def test_batch_state_writes_only_new_block_entries_and_reuses_slots():
     c = st.join("c", SlotParams())
     assert c == a and st.block_table[c].tolist() == [0, 0, 0, 0] and int(st.last_token[c]) == 0
     assert st.row_slots(["b", None, "c"], 5).tolist() == [b, st.dummy, c, st.dummy, st.dummy]
+
+
+def test_batch_state_keeps_a_block_table_per_kv_cache_group():
+    st = BatchState(max_num_seqs=2, max_blocks=4, device=torch.device("cpu"), num_kv_groups=2)
+    a = st.join("a", SlotParams())
+    assert st.sync_block_tables([("a", [3, 4])]) == 2
+    assert st.sync_block_tables([("a", [5, 6, 7])], group=1) == 3  # written apart from group 0's
+    assert st.block_table[a].tolist() == [3, 4, 0, 0] and st.group_tables[0][a].tolist() == [5, 6, 7, 0]
+    assert st.sync_block_tables([("a", [0, 6, 7, 9])], group=1) == 1  # only the new entry; the window's null stays
+    st.leave("a")
+    b = st.join("b", SlotParams())
+    assert b == a and st.group_tables[0][b].tolist() == [0, 0, 0, 0]

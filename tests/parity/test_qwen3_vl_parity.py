@@ -119,11 +119,15 @@ def test_prompts_differing_only_in_image_share_no_kv(eager, tokenizer):
 @pytest.mark.slow
 def test_compiled_matches_transformers(model_dir, reference):
     # One prefill, one decode and one encoder bucket (two blocks of 128 patches): three graphs to compile.
-    llm = _engine(model_dir, additional_config={
-        "neuron_config": {"num_batched_tokens_buckets": [32], "num_seqs_buckets": [4]},
-        "encoder_neuron_config": {"encoder_attention_block_size": 128, "num_encoder_input_buckets": [256]}})
+    config = {"neuron_config": {"num_batched_tokens_buckets": [32], "num_seqs_buckets": [4]},
+              "encoder_neuron_config": {"encoder_attention_block_size": 128, "num_encoder_input_buckets": [256]}}
+    llm = _engine(model_dir, additional_config=config)
     assert [r.name for r in llm.llm_engine.core.compiler.records] == ["prefill_s32", "decode_b4", "encoder_p256"]
     assert _generate(llm) == reference
+    # A second engine with the same configuration loads all three graphs, the encoder's included.
+    again = _engine(model_dir, additional_config=config)
+    assert again.llm_engine.core.compiler.num_compiled == 0
+    assert _generate(again, CASES[:2]) == reference[:2]
 
 
 def test_chat_with_image_content_parts(eager, tokenizer):

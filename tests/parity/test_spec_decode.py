@@ -17,7 +17,7 @@ from collections import Counter, defaultdict
 import pytest
 import torch
 
-from tests.model_factory import build_tiny_llama, make_tiny_llama, shared_prefix_prompts
+from tests.model_factory import build_tiny_llama, make_tiny_llama, make_tiny_model, shared_prefix_prompts
 from vllm_neuron import LLM, SamplingParams
 from vllm_neuron.worker.spec_decode import SpecDecoder
 
@@ -105,6 +105,24 @@ def test_greedy_identical_and_acceptance_at_both_ends(model_dir, reference, monk
     assert len({b for b in buckets if b.startswith("verify_b")}) >= 2, buckets
     assert core.scheduler.kv.prefix_hits > 0
     assert not core.has_unfinished() and core.scheduler.kv.pool.num_free_blocks == core.num_blocks - 1
+
+
+def test_gpt_oss_kv_cache_groups_greedy_identical(tmp_path, monkeypatch):
+    # Sliding-window layers in their own KV cache group: verification writes and reads each group's blocks,
+    # rejected drafts are trimmed from both, and out-of-window blocks are given back meanwhile.
+    model = make_tiny_model(str(tmp_path / "gpt_oss"), "gpt_oss", max_position_embeddings=256)
+    prompts = _prompts()[3:8]
+    ref_llm = _engine(model, monkeypatch, spec=False)
+    reference = {tuple(p): out for p, out in zip(prompts, _gen(ref_llm, prompts, GREEDY))}
+    monkeypatch.setattr(SpecDecoder, "propose", _oracle(reference, True))
+    llm = _engine(model, monkeypatch)
+    core = llm.llm_engine.core
+    assert core.scheduler.kv.windows == (None, 24)
+    assert _gen(llm, prompts, GREEDY) == [reference[tuple(p)] for p in prompts]
+    st = core.scheduler.spec_stats
+    assert st.num_drafts > 0 and st.acceptance_rate > 0.95
+    assert core.scheduler.kv.prefix_hits > 0
+    assert core.scheduler.kv.pool.num_free_blocks == core.num_blocks - 1
 
 
 def test_greedy_identical_under_preemption(model_dir, reference, monkeypatch):

@@ -73,3 +73,31 @@ def test_prefill_with_context_and_decode_match_reference():
     for r in range(2):
         torch.testing.assert_close(vout[r].reshape(-1), _reference(qv[r], keys, vals, vpos[r], torch.arange(13), sinks,
                                                                    scale))
+
+
+import dataclasses  # noqa: E402
+
+import pytest  # noqa: E402
+
+
+@pytest.mark.parametrize("segment", [1, 3, 5, 15])
+@pytest.mark.parametrize("sinks_window", [False, True])
+def test_context_read_in_segments_equals_all_at_once(segment, sinks_window):
+    """kv_segment_size: the context in segments (online softmax) gives what one pass over it gives, with
+    two sequences' contexts, padding slots, uneven last segments, sinks and a window."""
+    g = torch.Generator().manual_seed(1)
+    kc, vc = torch.randn(64, KV, D, generator=g), torch.randn(64, KV, D, generator=g)
+    ctx_seq = torch.tensor([0] * 7 + [1] * 5 + [-2] * 4)  # C = 16 slots, 4 of them padding
+    ctx_slots = torch.tensor(list(range(8, 15)) + list(range(20, 25)) + [0] * 4)
+    pos = torch.tensor([7, 8, 9, 5, 6, 0])  # the last row is padding (sequence -1)
+    seq = torch.tensor([0, 0, 0, 1, 1, -1])
+    slots = torch.tensor([15, 16, 17, 25, 26, 63])
+    q, k, v = (torch.randn(6, n, D, generator=g) for n in (H, KV, KV))
+    sinks, window = (torch.randn(H, generator=g), WINDOW) if sinks_window else (None, None)
+    meta = AttentionMetadata(slots, prefill_mask(pos, seq, ctx_seq), context_slots=ctx_slots, positions=pos,
+                             context_positions=context_positions(ctx_seq))
+    whole = paged_attention(q, k, v, kc.clone(), vc.clone(), meta, D**-0.5, sinks, window)
+    parts = paged_attention(q, k, v, kc.clone(), vc.clone(), dataclasses.replace(meta, kv_segment=segment),
+                            D**-0.5, sinks, window)
+    assert torch.isfinite(parts).all()
+    torch.testing.assert_close(parts[:5], whole[:5], rtol=1e-5, atol=1e-5)

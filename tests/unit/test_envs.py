@@ -149,7 +149,7 @@ def test_compile_cache_dir(monkeypatch, tmp_path):
 
 @pytest.mark.parametrize("name, value", [
     ("VLLM_NEURON_CPU_COMPILE", "1"), ("NEURON_PLATFORM_TARGET_OVERRIDE", "cuda"),
-    ("VLLM_NEURON_ATTN_MASK_TORCH", "true"), ("NEURON_LIBTORCH_PARALLEL_COMPILE_WORKERS", "4"),
+    ("VLLM_NEURON_ATTN_MASK_TORCH", "true"),
 ])
 def test_variables_without_a_feature_here_are_refused_at_startup(monkeypatch, name, value):
     from vllm_neuron.config.engine_config import EngineConfig
@@ -164,7 +164,7 @@ def test_unset_or_default_values_are_accepted(monkeypatch):
     from vllm_neuron.config.engine_config import EngineConfig
 
     for name, value in [("VLLM_NEURON_CPU_COMPILE", "0"), ("VLLM_NEURON_ATTN_MASK_TORCH", "0"),
-                        ("NEURON_LIBTORCH_PARALLEL_COMPILE_WORKERS", "1")]:
+                        ("NEURON_LIBTORCH_PARALLEL_COMPILE_WORKERS", "4")]:
         monkeypatch.setenv(name, value)
     EngineConfig.from_kwargs()
 
@@ -241,3 +241,13 @@ def test_warning_once_memory_is_bounded(monkeypatch):
     assert vlog.warning_once(log, "request %d is odd", 0)  # the oldest was forgotten
     assert not vlog.warning_once(log, "request %d is odd", vlog.ONCE_CAPACITY + 9)  # recent ones are kept
 
+
+
+def test_parallel_compile_workers_refused_with_tensor_parallelism(monkeypatch):
+    from vllm_neuron.config.engine_config import EngineConfig
+
+    EngineConfig.from_kwargs(tensor_parallel_size=2)
+    monkeypatch.setenv("NEURON_LIBTORCH_PARALLEL_COMPILE_WORKERS", "2")
+    with pytest.raises(ValueError, match="NEURON_LIBTORCH_PARALLEL_COMPILE_WORKERS=2 is not supported yet.*"
+                                         "tensor_parallel_size=2"):
+        EngineConfig.from_kwargs(tensor_parallel_size=2)

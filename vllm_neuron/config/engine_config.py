@@ -206,6 +206,13 @@ class EngineConfig:
             # The seeds' rule holds (checked above); experts shared across replicas would put them in lock-step.
             raise _not_supported("enable_expert_parallel", True, f"with data_parallel_size={self.data_parallel_size} "
                                  "(experts over the replicas); use expert parallelism within one replica")
+        from vllm_neuron import envs
+
+        workers = envs.NEURON_LIBTORCH_PARALLEL_COMPILE_WORKERS or 1
+        if tp > 1 and workers > 1:
+            raise _not_supported("NEURON_LIBTORCH_PARALLEL_COMPILE_WORKERS", workers,
+                                 f"with tensor_parallel_size={tp} (each rank compiles its own shard's graphs; "
+                                 "compile workers would have to join the ranks' process group); unset it or use 1")
         if tp > 1 and self.speculative_config is not None:
             raise _not_supported("speculative_config", self.speculative.method,
                                  f"with tensor_parallel_size={tp} (speculative decoding is not sharded yet)")

@@ -37,8 +37,7 @@ class RunnerChoice:
         if self.use_v2 or self.forced is not None or not self.mrv1_model:
             return None
         return (f"Model Runner V1: {self.model_kind} models use MRv1 by default (MRv2 support for them is in "
-                f"bring-up; VLLM_USE_V2_MODEL_RUNNER=1 runs them on MRv2, where sliding-window layers keep the KV "
-                f"of their whole sequence)")
+                f"bring-up; VLLM_USE_V2_MODEL_RUNNER=1 runs them on MRv2)")
 
 
 def mrv2_unsupported_features(*, cpu_sampling: bool, enforce_eager: bool, speculative: bool = False

@@ -4,8 +4,15 @@ Policy:
 * Prefill batches take partially prefilled requests first, then waiting ones in arrival order, up to
   `max_num_batched_tokens` tokens; a longer prompt is split over steps (segmented prefill). Cached
   prefix blocks are skipped.
-* After a prefill step, if any request is ready to decode, the next step is a decode step, so a
-  stream of arriving prompts cannot starve running decodes.
+* TTFT first, decodes bounded: prefill work runs as soon as it can, and between two decode steps the
+  prefill steps together process at most `max_num_batched_tokens` tokens (the work of one full prefill
+  step). While requests are ready to decode, a first prefill step may take the whole budget (splitting
+  a long prompt); further prefill steps before the next decode step only take requests whose remaining
+  prompt fits whole in what is left. So a waiting prefill waits for at most one decode step, a decode
+  waits for at most one budget of prefill tokens however many prompts arrive (small prompts arriving
+  one by one, e.g. short suffixes after a cached prefix, run back to back), and each kind is served
+  first come, first served: prefills in admission then arrival order, never overtaking; every decodable
+  request in every decode step.
 * Speculative decoding: a decode chunk carries the request's draft tokens after its last token (capped
   so that no output can pass max_tokens or max_model_len); their slots are allocated with it, or the
   drafts are dropped when blocks are short. After the step, the rejected drafts' positions are rolled
@@ -66,7 +73,7 @@ class Scheduler:
         self._preempted_ids: dict[str, int] = {}
         self._sent_to_runner: set[str] = set()
         self._isolated: set[str] = set()  # requests whose next setup must be the only one in its step
-        self._last_kind: str | None = None
+        self._prefill_tokens_since_decode = 0
         self.num_preemptions = 0
         self.spec_stats = SpecDecodeStats(config.num_speculative_tokens)
 
@@ -117,21 +124,28 @@ class Scheduler:
         decodable = [r for r in self.running if not r.is_prefilling]
         want_prefill = bool(self.waiting) or any(r.is_prefilling for r in self.running)
         out = None
-        if want_prefill and not (self._last_kind == "prefill" and decodable):
-            out = self._schedule_prefill()
+        if want_prefill:
+            used = self._prefill_tokens_since_decode if decodable else 0
+            if used < self.config.max_num_batched_tokens:
+                out = self._schedule_prefill(self.config.max_num_batched_tokens - used, whole=used > 0)
         if out is None and decodable:
             out = self._schedule_decode()
         if out is None and want_prefill:
             out = self._schedule_prefill()
         if out is not None:
-            self._last_kind = out.kind
+            if out.kind == "decode":
+                self._prefill_tokens_since_decode = 0
+            else:
+                self._prefill_tokens_since_decode += sum(len(c.token_ids) for c in out.chunks)
             out.finished_req_ids, self._finished_ids = self._finished_ids, []
             out.preempted_req_ids, self._preempted_ids = self._preempted_ids, {}
         return out
 
-    def _schedule_prefill(self) -> SchedulerOutput | None:
+    def _schedule_prefill(self, budget: int | None = None, whole: bool = False) -> SchedulerOutput | None:
+        """Up to `budget` tokens (default max_num_batched_tokens); `whole`: no request is split, the
+        first that does not fit ends the batch (FCFS)."""
         cfg = self.config
-        budget = cfg.max_num_batched_tokens
+        budget = cfg.max_num_batched_tokens if budget is None else budget
         ctx_budget = cfg.max_prefill_context_tokens or cfg.max_model_len
         chunks: list[ScheduledChunk] = []
         new: list[NewRequestData] = []
@@ -150,6 +164,8 @@ class Scheduler:
             if start > ctx_budget - sum(c.start_pos for c in chunks):
                 break  # FCFS: later requests wait rather than overtake
             n = min(req.num_tokens - start, budget)
+            if whole and n < req.num_tokens - start:
+                break
             if not admitted:
                 req.num_computed_tokens = start
             if not self.kv.allocate(req, n, cached):

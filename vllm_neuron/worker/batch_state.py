@@ -27,7 +27,7 @@ class SlotParams:
 class BatchState:
     """Device tensors indexed by slot, and the host bookkeeping that keeps them current."""
 
-    def __init__(self, max_num_seqs: int, max_blocks: int, device: torch.device) -> None:
+    def __init__(self, max_num_seqs: int, max_blocks: int, device: torch.device, num_kv_groups: int = 1) -> None:
         self.num_slots = max_num_seqs + 1
         self.dummy = max_num_seqs
         self.max_blocks = max_blocks
@@ -36,13 +36,16 @@ class BatchState:
         self.last_token = torch.zeros(n, dtype=torch.int64, device=device)
         self.position = torch.zeros(n, dtype=torch.int64, device=device)  # of last_token, i.e. the next fed
         self.block_table = torch.zeros((n, max_blocks), dtype=torch.int64, device=device)
+        # KV cache groups 1.. (kv_cache_groups.py): their own block tables, indexed like block_table.
+        self.group_tables = [torch.zeros((n, max_blocks), dtype=torch.int64, device=device)
+                             for _ in range(num_kv_groups - 1)]
         self.temperature = torch.zeros(n, dtype=torch.float32, device=device)
         self.top_k = torch.zeros(n, dtype=torch.int64, device=device)
         self.top_p = torch.ones(n, dtype=torch.float32, device=device)
         self.seed = torch.zeros(n, dtype=torch.int64, device=device)
         self._free = list(range(max_num_seqs - 1, -1, -1))  # pop() hands out low slots first
         self._slots: dict[str, int] = {}
-        self._written: dict[str, list[int]] = {}  # block ids already in the slot's device row
+        self._written: dict[tuple[str, int], list[int]] = {}  # (request, group) -> ids already in its device row
         self._version = 0  # bumps on every join/leave: cached row->slot maps go stale
         self._rows_key: tuple | None = None
         self._rows: torch.Tensor | None = None
@@ -66,7 +69,8 @@ class BatchState:
                                f"{self.num_slots - 1} slots (max_num_seqs) are held by {sorted(self._slots)}")
         s = self._free.pop()
         self._slots[req_id] = s
-        self._written[req_id] = []
+        for g in range(1 + len(self.group_tables)):
+            self._written[(req_id, g)] = []
         self._version += 1
         # One small write per parameter; joins are rare next to steps.
         self.temperature[s] = params.temperature
@@ -76,6 +80,8 @@ class BatchState:
         self.last_token[s] = 0
         self.position[s] = 0
         self.block_table[s].zero_()
+        for t in self.group_tables:
+            t[s].zero_()
         return s
 
     def leave(self, req_id: str) -> None:
@@ -83,18 +89,21 @@ class BatchState:
         s = self._slots.pop(req_id, None)
         if s is None:
             return
-        self._written.pop(req_id, None)
+        for g in range(1 + len(self.group_tables)):
+            self._written.pop((req_id, g), None)
         self._free.append(s)
         self._version += 1
 
     # -- per-step host -> device updates --------------------------------------------------------
-    def sync_block_tables(self, tables: list[tuple[str, list[int]]]) -> int:
-        """Writes the block-table entries the device does not have yet (one scatter for the whole
-        step). Tables only grow while a request holds its slot; a table that changed under the
-        written prefix is rewritten whole. Returns the number of entries written."""
+    def sync_block_tables(self, tables: list[tuple[str, list[int]]], group: int = 0) -> int:
+        """Writes the block-table entries (of KV cache group `group`) the device does not have yet (one
+        scatter for the whole step). Tables only grow while a request holds its slot; a table that changed
+        under the written prefix is rewritten whole. A sliding-window group's given-back entries (null in
+        the host table) may stay stale here: attention never reads before the window. Returns the number
+        of entries written."""
         slots, cols, blocks = [], [], []
         for req_id, block_ids in tables:
-            done = self._written[req_id]
+            done = self._written[(req_id, group)]
             n = len(done)
             ids = block_ids[:self.max_blocks]  # columns past max_model_len can never be addressed
             if len(ids) == n and (n == 0 or ids[-1] == done[-1]):
@@ -106,10 +115,11 @@ class BatchState:
                 slots.append(s)
                 cols.append(c)
                 blocks.append(ids[c])
-            self._written[req_id] = list(ids)
+            self._written[(req_id, group)] = list(ids)
         if slots:
             idx = torch.tensor([slots, cols], dtype=torch.int64).to(self.device)
-            self.block_table.index_put_((idx[0], idx[1]), torch.tensor(blocks, dtype=torch.int64).to(self.device))
+            table = self.block_table if group == 0 else self.group_tables[group - 1]
+            table.index_put_((idx[0], idx[1]), torch.tensor(blocks, dtype=torch.int64).to(self.device))
         return len(slots)
 
     def set_last_tokens(self, req_ids: list[str], tokens: list[int]) -> None:

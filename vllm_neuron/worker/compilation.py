@@ -20,7 +20,8 @@ torch.compile and inductor's cache alone speeds up its next start. A torch witho
 `<key>/cache_artifacts.bin`, loaded at the next start (graphs are re-traced, their compiled code is
 not rebuilt). The log says which path runs.
 `NEURON_LIBTORCH_COMPILATION_TIMEOUT` bounds each bucket's compilation (warm-up fails naming the
-bucket); `NEURON_LIBTORCH_REMOTE_CACHE` is a shared folder: buckets missing locally are taken from
+bucket); `NEURON_LIBTORCH_PARALLEL_COMPILE_WORKERS` > 1 compiles the missing buckets in that many
+processes first (worker/parallel_compile.py), whose saved graphs warm-up then loads; `NEURON_LIBTORCH_REMOTE_CACHE` is a shared folder: buckets missing locally are taken from
 `<remote>/<key>/` before compiling, and what warm-up compiled is published there.
 Every shape is static, the KV cache's included: a dynamic slot dimension makes inductor copy the
 whole cache on every in-place write (24 ms per layer and step measured). So the manifest also records
@@ -120,6 +121,25 @@ class CompileTimeout(RuntimeError):
     pass
 
 
+def _timeout_message(name: str, seconds: int | None) -> str:
+    return (f"Bucket {name}: compilation took longer than NEURON_LIBTORCH_COMPILATION_TIMEOUT={seconds} s; raise "
+            "the timeout, or compile it once with `vllm-neuron compile`")
+
+
+def _compile_timeout(e: BaseException, name: str, seconds: int | None) -> CompileTimeout | None:
+    """The CompileTimeout behind `e`: dynamo wraps an exception raised while it traces (the timer's signal
+    lands anywhere) in its own errors, sometimes keeping only its text."""
+    first, seen = e, set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, CompileTimeout):
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    if seconds is not None and "NEURON_LIBTORCH_COMPILATION_TIMEOUT=" in str(first):
+        return CompileTimeout(_timeout_message(name, seconds))
+    return None
+
+
 @contextlib.contextmanager
 def _deadline(name: str, seconds: int | None):
     """Raises CompileTimeout when the block runs longer than `seconds` (None: no limit). A signal timer:
@@ -129,8 +149,7 @@ def _deadline(name: str, seconds: int | None):
         return
 
     def expired(signum, frame):
-        raise CompileTimeout(f"Bucket {name}: compilation took longer than NEURON_LIBTORCH_COMPILATION_TIMEOUT="
-                             f"{seconds} s; raise the timeout, or compile it once with `vllm-neuron compile`")
+        raise CompileTimeout(_timeout_message(name, seconds))
 
     previous = signal.signal(signal.SIGALRM, expired)
     signal.setitimer(signal.ITIMER_REAL, seconds)
@@ -181,6 +200,7 @@ class GraphCompiler:
             self.manifest_kv_sizing = saved.get("kv_sizing")
         self.num_blocks: int | None = None
         self.kv_sizing: dict[str, Any] | None = None
+        self.writes_manifest = True  # False in a parallel compile worker: the engine's process records
         self._source: str | None = None  # how the last bucket materialized: loaded / compiled / traced
         self.timeout = envs.NEURON_LIBTORCH_COMPILATION_TIMEOUT
         if self.timeout is not None and self.backend == "native" \
@@ -312,6 +332,18 @@ class GraphCompiler:
         self.num_blocks = num_blocks
         self.kv_sizing = kv_sizing
 
+    def missing(self, names: list[str]) -> list[str]:
+        """The buckets warm-up would compile: not in the manifest, or (saved graphs) without their file."""
+        if self.backend != "native":
+            return []
+        return [n for n in names if n not in self.manifest or (self.aot and not self._aot_path(n).exists())]
+
+    def record_compiled(self, seconds: dict[str, float]) -> None:
+        """Buckets compiled by parallel workers into this cache (worker/parallel_compile.py)."""
+        for name, s in seconds.items():
+            self.manifest[name] = {"compile_seconds": round(s, 3), "time": time.time()}
+        self._save()
+
     def bucket(self, name: str, fn: Callable) -> "BucketGraph":
         """The graph of bucket `name` running the bound method `fn` (of an object holding the model)."""
         return BucketGraph(self, name, fn)
@@ -362,6 +394,9 @@ class GraphCompiler:
                 self._source = "compiled"
                 return functools.partial(compiled, owner)
             except Exception as e:
+                timeout = _compile_timeout(e, name, self.timeout)
+                if timeout is not None:  # fails warm-up: no unbounded fallback compile
+                    raise timeout from None
                 logger.warning("Bucket %s: ahead-of-time compilation failed (%s: %s); using torch.compile, "
                                "which re-traces this graph on every start", name, type(e).__name__, e)
         self._source = "traced"
@@ -394,7 +429,7 @@ class GraphCompiler:
         return rec
 
     def _save(self) -> None:
-        if self.disabled:
+        if self.disabled or not self.writes_manifest:
             return
         _write_text_atomic(self.manifest_path, json.dumps(
             {"key": self.key, "num_blocks": self.num_blocks, "kv_sizing": self.kv_sizing, "buckets": self.manifest},

@@ -33,8 +33,9 @@ class Eagle3Graphs(VerifyGraphs):
         self.aux_layers = aux_layers
         self.k = k
 
-    def _target_forward(self, input_ids, positions, kv_caches, meta):
-        # Speculative decoding keeps one KV cache group: one K/V pair per layer, then the draft's.
+    def _target_forward(self, input_ids, positions, kv_caches, meta, group_metas=()):
+        # EAGLE3 keeps one KV cache group (ModelRunnerV1.kv_groups_unsupported): one K/V pair per layer, then
+        # the draft's.
         return self.model(input_ids, positions, kv_caches[:-1], meta, aux_layers=self.aux_layers)
 
     def _draft_pass(self, ids, positions, aux, kv_cache, meta):

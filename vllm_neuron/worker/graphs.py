@@ -19,6 +19,8 @@ from vllm_neuron.model.layers.in_graph_sampler import (apply_token_bitmask, coun
 class StepGraphs:
     """MRv1's graphs: host-built inputs; forward, logits of the sampled rows and in-graph sampling."""
 
+    kv_segment = 0  # kv_segment_size_buckets: the torch prefill reads the context this many slots at a time
+
     def __init__(self, model: torch.nn.Module, odsc, block_size: int, use_kernels: bool,
                  paged_decode: bool = False, kv_layout=None) -> None:
         self.model = model
@@ -63,7 +65,8 @@ class StepGraphs:
                                      block_size=self.block_size, use_kernels=True)
         return AttentionMetadata(slot_mapping, prefill_mask(positions, query_seq, attn_b), context_slots=attn_a,
                                  positions=positions,
-                                 context_positions=None if attn_b is None else context_positions(attn_b))
+                                 context_positions=None if attn_b is None else context_positions(attn_b),
+                                 kv_segment=self.kv_segment)
 
     def decode_meta(self, slot_mapping, block_tables, positions) -> AttentionMetadata:
         if self.use_kernels:
@@ -114,9 +117,9 @@ class StepGraphsV2(StepGraphs):
 
     def prefill(self, input_ids, positions, slot_mapping, query_seq, attn_a, attn_b,
                 logits_indices, bitmask, sample_slots, last_token, position, block_table, temperature,
-                top_k, top_p, seed, kv_caches):
+                top_k, top_p, seed, kv_caches, groups=()):
         meta = self.prefill_meta(slot_mapping, positions, query_seq, attn_a, attn_b)
-        hidden = self.model(input_ids, positions, kv_caches, meta)
+        hidden = self._forward(input_ids, positions, kv_caches, meta, self._group_metas(meta, groups, True))
         logits = self.model.compute_logits(hidden[logits_indices]).float()
         next_pos = positions[logits_indices] + 1  # where the sampled token will sit
         tokens, logits = self._sample_rows(logits, bitmask, sample_slots, next_pos, temperature, top_k, top_p,
@@ -125,13 +128,19 @@ class StepGraphsV2(StepGraphs):
         return tokens, logits
 
     def decode(self, row_slots, context_cols, bitmask, last_token, position, block_table, temperature,
-               top_k, top_p, seed, kv_caches):
+               top_k, top_p, seed, kv_caches, group_tables=()):
+        """group_tables: the slot block tables of KV cache groups 1.. (BatchState.group_tables)."""
         ids = last_token[row_slots]
         pos = position[row_slots]
-        tables = block_table[row_slots[:, None], context_cols[None, :]]  # [B, C // block_size]
-        slot_mapping = block_table[row_slots, pos // self.block_size] * self.block_size + pos % self.block_size
+
+        def rows(table):  # (slot_mapping, [B, C // block_size] tables) of the batch's rows
+            return (table[row_slots, pos // self.block_size] * self.block_size + pos % self.block_size,
+                    table[row_slots[:, None], context_cols[None, :]])
+
+        slot_mapping, tables = rows(block_table)
         meta = self.decode_meta(slot_mapping, tables, pos)
-        hidden = self.model(ids, pos, kv_caches, meta)
+        hidden = self._forward(ids, pos, kv_caches, meta, self._group_metas(meta, [rows(t) for t in group_tables],
+                                                                            False))
         logits = self.model.compute_logits(hidden).float()
         tokens, logits = self._sample_rows(logits, bitmask, row_slots, pos + 1, temperature, top_k, top_p, seed)
         self._write_token_state(row_slots, tokens, pos + 1, last_token, position)

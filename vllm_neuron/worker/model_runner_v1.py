@@ -65,7 +65,9 @@ class ModelRunnerV1(ModelRunnerBase):
         return opts
 
     def kv_groups_unsupported(self) -> str | None:
-        return "speculative decoding" if self.config.speculative else None
+        # The EAGLE3 graphs run the target with one metadata and one K/V pair per layer.
+        spec = self.config.speculative
+        return "EAGLE3 speculative decoding" if spec is not None and spec.method == "eagle3" else None
 
     def _make_graphs(self) -> StepGraphs:
         args = (self.model, self.odsc, self.block_size, self.use_kernels, self.paged_decode, self.kv_layout)
@@ -113,17 +115,15 @@ class ModelRunnerV1(ModelRunnerBase):
                     input_ids: torch.Tensor | None = None):
         x = build_decode_inputs(chunks, batch, context, self.block_size)
         s = self.sampling.graph_tensors([c.req_id for c in chunks], batch)
-        groups = []
-        for g in range(1, self.kv_layout.num_groups):  # KV cache group g's slots and block tables
-            xg = build_decode_inputs(self._group_chunks(chunks, g), batch, context, self.block_size)
-            groups.append((self._t(xg.slot_mapping), self._t(xg.block_tables)))
+        groups = self._group_inputs(chunks, lambda c: build_decode_inputs(c, batch, context, self.block_size),
+                                    "block_tables")
         with torch.inference_mode():
             ids = input_ids if input_ids is not None else self._t(x.input_ids)
             graph = self._graph("decode", batch, context)
             return graph(ids, self._t(x.positions), self._t(x.slot_mapping), self._t(x.block_tables),
                          self._t(self._bitmask(chunks, batch, masks or {})), self._t(s["temperature"]),
                          self._t(s["top_k"]), self._t(s["top_p"]), self._t(s["uniform"]),
-                         *self._decode_extra(chunks, x), self.kv_caches, *((tuple(groups),) if groups else ()))
+                         *self._decode_extra(chunks, x), self.kv_caches, *groups)
 
     def _decode_extra(self, chunks, x) -> tuple:
         """Further decode-graph inputs after the sampling ones (a multimodal runner's)."""
@@ -134,12 +134,14 @@ class ModelRunnerV1(ModelRunnerBase):
         req_ids = [c.req_id for c in chunks]
         s = self.sampling.graph_tensors(req_ids, batch)
         acc, smp = self.spec.uniforms(self.sampling.states, req_ids, batch)
+        groups = self._group_inputs(chunks, lambda c: build_verify_inputs(
+            c, batch, self.spec.k, context // self.block_size, self.block_size), "block_tables")
         with torch.inference_mode():
             graph = self._graph("verify", batch, context)
             return graph(self._t(x.input_ids), self._t(x.positions), self._t(x.slot_mapping), self._t(x.block_tables),
                          self._t(x.draft_ids), self._t(x.num_drafts), self._t(self._verify_bitmask(chunks, batch, masks)),
                          self._t(s["temperature"]), self._t(s["top_k"]), self._t(s["top_p"]), self._t(acc),
-                         self._t(smp), self.kv_caches)
+                         self._t(smp), self.kv_caches, *groups)
 
     def _verify_bitmask(self, chunks, batch: int, masks: dict | None) -> np.ndarray | None:
         """[B * (1 + K), words]: a grammar request's masks at its verified positions, all-allowed elsewhere."""

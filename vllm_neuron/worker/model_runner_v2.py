@@ -33,15 +33,20 @@ class ModelRunnerV2(ModelRunnerBase):
     def __init__(self, config: EngineConfig, checkpoint: Checkpoint, device: torch.device, dtype: torch.dtype,
                  backend: str) -> None:
         super().__init__(config, checkpoint, device, dtype, backend)
-        self.state = BatchState(config.max_num_seqs, config.max_model_len // self.block_size, device)
+        self.state = BatchState(config.max_num_seqs, config.max_model_len // self.block_size, device,
+                                self.kv_layout.num_groups)
         self._context_cols: dict[int, torch.Tensor] = {}
 
     def _graph_options(self) -> dict:
         # Same bucket names as MRv1 but different graphs: keep their compile-cache manifests apart.
         return {**super()._graph_options(), "model_runner": "v2"}
 
+    def kv_groups_unsupported(self) -> str | None:
+        return None
+
     def _make_graphs(self) -> StepGraphsV2:
-        return StepGraphsV2(self.model, self.odsc, self.block_size, self.use_kernels, self.paged_decode)
+        return StepGraphsV2(self.model, self.odsc, self.block_size, self.use_kernels, self.paged_decode,
+                            self.kv_layout)
 
     def _run_prefill(self, chunks: list[ScheduledChunk], num_tokens: int, num_context: int,
                      masks: dict | None = None):
@@ -57,8 +62,9 @@ class ModelRunnerV2(ModelRunnerBase):
             cols = self._context_cols[context] = torch.arange(context // self.block_size, device=self.device)
         with torch.inference_mode():
             graph = self._graph("decode", batch, context)
+            groups = self.state.group_tables
             return graph(row_slots, cols, self._t(self._bitmask(chunks, batch, masks or {})),
-                         *self.state.tensors(), self.kv_caches)
+                         *self.state.tensors(), self.kv_caches, *((tuple(groups),) if groups else ()))
 
     # -- one step --------------------------------------------------------------------------------
     def _slot_params(self, req_id: str) -> SlotParams:
@@ -82,6 +88,8 @@ class ModelRunnerV2(ModelRunnerBase):
             if not self.state.has(c.req_id):
                 self.state.join(c.req_id, self._slot_params(c.req_id))
         self.state.sync_block_tables([(c.req_id, c.block_ids) for c in sched.chunks])
+        for g in range(1, self.kv_layout.num_groups):
+            self.state.sync_block_tables([(c.req_id, c.group_block_ids[g - 1]) for c in sched.chunks], g)
 
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         self._apply_joins_and_leaves(sched)

@@ -19,6 +19,7 @@ from tqdm import tqdm
 
 from vllm_neuron.config import buckets as B
 from vllm_neuron.config.device import check_weight_quantization
+from vllm_neuron import envs
 from vllm_neuron.config.engine_config import EngineConfig
 from vllm_neuron.distributed import parallel_state as ps
 from vllm_neuron.kv_cache_groups import KVCacheLayout, plan_kv_cache_layout, single_group_layout
@@ -36,6 +37,7 @@ from vllm_neuron.worker import memory
 from vllm_neuron.worker.compilation import GraphCompiler, cache_key_parts
 from vllm_neuron.worker.cuda_graphs import ReplayedGraph, cuda_graph_capturer, wants_capture
 from vllm_neuron.worker.input_builder import build_prefill_inputs
+from vllm_neuron.worker.parallel_compile import compile_worker, run_bucket_workers
 from vllm_neuron.worker.sampling_state import SamplingStates
 
 logger = init_logger(__name__)
@@ -71,6 +73,7 @@ class ModelRunnerBase:
         self.prefill_buckets = nc.num_batched_tokens_buckets
         self.decode_buckets = nc.num_seqs_buckets
         self.context_buckets = nc.context_buckets
+        self.kv_segment = nc.kv_segment_size_buckets[0] if nc.kv_segment_size_buckets else 0
         self.odsc = nc.on_device_sampling_config
         self.sampling = SamplingStates(self.odsc, config.seed)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -104,7 +107,7 @@ class ModelRunnerBase:
 
     def kv_groups_unsupported(self) -> str | None:
         """Why this runner cannot serve several KV cache groups (None: it can)."""
-        return "Model Runner V2"
+        return "this model runner"
 
     def _plan_kv_layout(self) -> KVCacheLayout:
         spec = self.model_spec
@@ -152,6 +155,14 @@ class ModelRunnerBase:
         nbytes += self._load_draft()
         self.compiler = self._make_compiler()
         self.graphs = self._make_graphs()
+        self.graphs.kv_segment = self.kv_segment
+        if self.kv_segment and not self.prefill_needs_context():
+            logger.info("kv_segment_size_buckets=[%d]: %s", self.kv_segment, "the custom attention kernel reads the "
+                        "cached context block by block itself; the segment size bounds the torch attention path"
+                        if self.use_kernels else "no prefill graph reads cached context")
+        elif self.kv_segment:
+            logger.info("kv_segment_size_buckets=[%d]: prefill attention reads the cached context (%d slots) in "
+                        "segments of %d", self.kv_segment, self.context_buckets[-1], self.kv_segment)
         stats = LoadStats(time.perf_counter() - t0, nbytes)
         logger.info("Loaded %s (%s) in %.1f s: %.1f MiB of weights on %s as %s", type(model).__name__,
                     self.ckpt.path, stats.seconds, nbytes / 2**20, self.device, self.dtype)
@@ -237,7 +248,7 @@ class ModelRunnerBase:
                 "kernels": self.use_kernels, "linear_kernel": self.use_linear_kernel,
                 "kernel_variant": kernel_variant()[0] if self.use_kernels else None,
                 "quant_kernels": self.use_quant_kernels, "kv_dtype": str(self.kv_dtype),
-                "paged_decode": self.paged_decode,
+                "paged_decode": self.paged_decode, "kv_segment": self.kv_segment,
                 # Each tensor-parallel rank compiles its own shard's graphs.
                 "tp_rank": ps.info().rank, "ep_degree": ps.info().ep_degree,
                 "quantization": self.config.neuron_config.quantization,
@@ -256,6 +267,7 @@ class ModelRunnerBase:
                         "uncompiled; nothing to warm up", len(graphs))
             return self.compiler
         logger.info("Warm-up: %d graphs (%s route); compile cache %s", len(graphs), self.backend, self.compiler.dir)
+        self._compile_in_workers([g[0] for g in graphs])
         for i, (name, kind, size, ctx) in enumerate(tqdm(graphs, desc="Compiling buckets", unit="graph",
                                                          disable=None), 1):
             # Each line says what runs next: a cold compile is minutes of silence otherwise.
@@ -265,6 +277,25 @@ class ModelRunnerBase:
             self.compiler.warm(name, lambda: run([], size, ctx))
         self.compiler.finish()
         return self.compiler
+
+    def _compile_in_workers(self, names: list[str]) -> None:
+        """NEURON_LIBTORCH_PARALLEL_COMPILE_WORKERS > 1: the buckets missing from the cache are compiled by
+        that many processes first; the warm-up loop then loads them."""
+        workers = envs.NEURON_LIBTORCH_PARALLEL_COMPILE_WORKERS or 1
+        missing = self.compiler.missing(names)
+        if workers <= 1 or len(missing) <= 1 or self.compiler.disabled or self.compiler.fail_on_miss:
+            return  # (VLLM_NEURON_DISABLE_WARMUP_COMPILE: a missing bucket stays fatal)
+        n = min(workers, len(missing))
+        threads = max(1, torch.get_num_threads() // n)
+        logger.info("Compiling %d buckets in %d worker processes (%d torch threads each; each holds its own "
+                    "copy of the weights and the KV pool): %s", len(missing), n, threads, ", ".join(missing))
+        t0 = time.perf_counter()
+        seconds = run_bucket_workers(missing, n, compile_worker, (
+            self.config, self.device, self.dtype, self.backend, self.compiler.num_blocks, self._kv_sizing,
+            self.compiler.key, threads), timeout=self.compiler.timeout)
+        self.compiler.record_compiled(seconds)
+        logger.info("Parallel compilation of %d buckets done in %.1f s (%.1f s of compilation)", len(missing),
+                    time.perf_counter() - t0, sum(seconds.values()))
 
     def _load_draft(self) -> int:
         """Loads a speculative draft model beside the target (bytes loaded; 0: none)."""
@@ -326,23 +357,24 @@ class ModelRunnerBase:
         rows = min(self.config.max_num_seqs, num_tokens)
         x = build_prefill_inputs(chunks, num_tokens, num_context, rows, self.block_size, self._max_blocks())
         attn_a, attn_b = self._prefill_attn_inputs(x)
-        groups = []
-        for g in range(1, self.kv_layout.num_groups):  # the same inputs through group g's block tables
-            xg = build_prefill_inputs(self._group_chunks(chunks, g), num_tokens, num_context, rows, self.block_size,
-                                      self._max_blocks())
-            groups.append((self._t(xg.slot_mapping), self._t(self._prefill_attn_inputs(xg)[0])))
+        groups = self._group_inputs(chunks, lambda c: build_prefill_inputs(
+            c, num_tokens, num_context, rows, self.block_size, self._max_blocks()),
+            "seq_tables" if self.use_kernels else "context_slots")
         with torch.inference_mode():
             graph = self._graph("prefill", num_tokens, num_context)
             return graph(self._t(x.input_ids), self._t(x.positions), self._t(x.slot_mapping),
                          self._t(x.query_seq), self._t(attn_a), self._t(attn_b),
                          self._t(x.logits_indices), self._t(self._bitmask(chunks, rows, masks or {})),
-                         *row_inputs(rows), *(step_inputs(x) if step_inputs else ()), self.kv_caches,
-                         *((tuple(groups),) if groups else ()))
+                         *row_inputs(rows), *(step_inputs(x) if step_inputs else ()), self.kv_caches, *groups)
 
-    @staticmethod
-    def _group_chunks(chunks, group: int) -> list:
-        """The chunks with KV cache group `group`'s block tables in place of group 0's."""
-        return [dataclasses.replace(c, block_ids=c.group_block_ids[group - 1]) for c in chunks]
+    def _group_inputs(self, chunks, build: Callable[[list], Any], tables: str) -> tuple:
+        """The graphs' trailing input for KV cache groups 1..: each group's (slot_mapping, `tables` field) of
+        the same step inputs built through its block tables; () for a one-group model."""
+        out = []
+        for g in range(1, self.kv_layout.num_groups):
+            x = build([dataclasses.replace(c, block_ids=c.group_block_ids[g - 1]) for c in chunks])
+            out.append((self._t(x.slot_mapping), self._t(getattr(x, tables))))
+        return (tuple(out),) if out else ()
 
     def _run_decode(self, chunks, batch: int, context: int, masks: dict | None = None):
         """Runs one decode bucket graph; warm-up calls it with no chunks. Returns (tokens, logits)."""

@@ -37,18 +37,18 @@ class VerifyGraphs(StepGraphs):
     """The verification graph function (tensors in, tensors out), beside MRv1's prefill and decode."""
 
     def verify(self, input_ids, positions, slot_mapping, block_tables, draft_ids, num_drafts, bitmask,
-               temperature, top_k, top_p, uniform_accept, uniform_sample, kv_caches):
+               temperature, top_k, top_p, uniform_accept, uniform_sample, kv_caches, groups=()):
         tokens, num_emitted, logits0, _, _ = self._verify(
             input_ids, positions, slot_mapping, block_tables, draft_ids, num_drafts, bitmask, temperature, top_k,
-            top_p, uniform_accept, uniform_sample, kv_caches)
+            top_p, uniform_accept, uniform_sample, kv_caches, groups)
         return tokens, num_emitted, logits0
 
-    def _target_forward(self, input_ids, positions, kv_caches, meta):
+    def _target_forward(self, input_ids, positions, kv_caches, meta, group_metas=()):
         """(hidden, extra): extra is what a draft model reads from the target (None for n-gram)."""
-        return self._forward(input_ids, positions, kv_caches, meta), None
+        return self._forward(input_ids, positions, kv_caches, meta, group_metas), None
 
     def _verify(self, input_ids, positions, slot_mapping, block_tables, draft_ids, num_drafts, bitmask,
-                temperature, top_k, top_p, uniform_accept, uniform_sample, kv_caches):
+                temperature, top_k, top_p, uniform_accept, uniform_sample, kv_caches, groups=()):
         b, k = draft_ids.shape
         if self.use_kernels:
             starts = torch.arange(b + 1, device=positions.device) * (k + 1)
@@ -57,7 +57,8 @@ class VerifyGraphs(StepGraphs):
         else:
             mask = verify_mask(positions.view(b, k + 1), block_tables.shape[1] * self.block_size)
             meta = AttentionMetadata(slot_mapping, mask, block_tables=block_tables, is_decode=True, positions=positions)
-        hidden, extra = self._target_forward(input_ids, positions, kv_caches, meta)
+        hidden, extra = self._target_forward(input_ids, positions, kv_caches, meta,
+                                             self._group_metas(meta, groups, False))
         logits = self.model.compute_logits(hidden).float().view(b, k + 1, -1)
         if bitmask is not None:  # [B * (1 + K), words]: the grammar's mask at every verified position
             logits = apply_token_bitmask(logits.view(b * (k + 1), -1), bitmask).view(b, k + 1, -1)

@@ -22,11 +22,17 @@ class OpenAIServingTokenization(OpenAIServing):
             check_generation_prompt_flags(data)
             chat = parse_request(TokenizeChatRequest, data)
             self.models.resolve(chat.model)
+            media: dict[str, list] | None = {} if self.engine.is_multimodal else None
             text = await self.render_chat(chat.messages, request_template=chat.chat_template,
                                           add_generation_prompt=chat.add_generation_prompt,
                                           continue_final_message=chat.continue_final_message,
-                                          template_kwargs=chat.chat_template_kwargs, tools=chat.tools)
+                                          template_kwargs=chat.chat_template_kwargs, tools=chat.tools, media=media)
             ids = await self.encode(text, chat.add_special_tokens)
+            if media:  # the media's placeholder tokens count, as the model will see them
+                try:
+                    ids, _ = await self.run_blocking(self.engine.process_multimodal, ids, media)
+                except ValueError as e:
+                    raise BadRequestError(str(e), param="messages") from None
             want_strs = chat.return_token_strs
         elif "prompt" in data:
             req = parse_request(TokenizeCompletionRequest, data)

@@ -64,6 +64,7 @@ class AttentionMetadata:
     block_size: int = 0
     paged_decode: bool = False
     context_positions: torch.Tensor | None = None  # torch prefill: [C] position of each context slot
+    kv_segment: int = 0  # torch prefill: context read in segments of this many slots (0: all at once)
 
     def fields(self) -> tuple:
         """The fields in order, unpacked (a nested compile region takes tensors and constants, not
@@ -186,6 +187,8 @@ def _prefill(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, s
              sliding_window: int | None = None, k_scale=None, v_scale=None) -> torch.Tensor:
     t, h, d = q.shape
     kv = k.shape[1]
+    if meta.context_slots is not None and 0 < meta.kv_segment < meta.context_slots.shape[0]:
+        return _prefill_segmented(q, k, v, k_cache, v_cache, meta, scale, sinks, sliding_window, k_scale, v_scale)
     key_pos = meta.positions
     if meta.context_slots is not None:
         k = torch.cat([_read(k_cache, meta.context_slots, k_scale, q.dtype), k], dim=0)
@@ -202,6 +205,48 @@ def _prefill(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, s
     if sinks is not None:
         sinks = sinks.view(kv, g, 1, 1).expand(kv, g, t, 1).reshape(kv, g * t, 1)
     out = _attend(qf, k.transpose(0, 1), v.transpose(0, 1), mask, scale, sinks)  # [kv, g * T, D]
+    return out.view(kv, g, t, d).permute(2, 0, 1, 3).reshape(t, h * d)
+
+
+def _prefill_segmented(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, sinks, sliding_window,
+                       k_scale, v_scale) -> torch.Tensor:
+    """Prefill attention reading the context `meta.kv_segment` slots at a time (kv_segment_size_buckets),
+    then the new tokens, merged with a running max and sum (online softmax, in float32): the scores held
+    at once are [kv, g * T, segment] instead of [kv, g * T, C + T]. Same result as `_prefill`."""
+    t, h, d = q.shape
+    kv = k.shape[1]
+    g = h // kv
+    qf = q.view(t, kv, g, d).permute(1, 2, 0, 3).reshape(kv, g * t, d)
+    c = meta.context_slots.shape[0]
+    if sinks is None:
+        m = torch.full((kv, g * t, 1), float("-inf"), device=q.device)
+        norm = torch.zeros((kv, g * t, 1), device=q.device)
+    else:  # the sink starts the running softmax: it normalizes, and adds nothing to the values
+        m = sinks.float().view(kv, g, 1, 1).expand(kv, g, t, 1).reshape(kv, g * t, 1)
+        norm = torch.ones((kv, g * t, 1), device=q.device)
+    acc = torch.zeros((kv, g * t, d), device=q.device)
+
+    def add(keys, values, mask, key_pos):
+        nonlocal m, norm, acc
+        if sliding_window is not None:
+            mask = mask & (meta.positions[:, None] - key_pos[None, :] < sliding_window)
+        scores = torch.matmul(qf, keys.transpose(0, 1).transpose(-1, -2)).float() * scale
+        scores = scores.masked_fill(~mask.repeat(g, 1), float("-inf"))
+        m_new = torch.maximum(m, scores.amax(dim=-1, keepdim=True))
+        shift = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)  # rows with no key yet
+        p = torch.exp(scores - shift)
+        keep = torch.exp(m - shift)
+        norm = norm * keep + p.sum(dim=-1, keepdim=True)
+        acc = acc * keep + torch.matmul(p, values.transpose(0, 1).float())
+        m = m_new
+
+    for start in range(0, c, meta.kv_segment):
+        end = min(start + meta.kv_segment, c)
+        slots = meta.context_slots[start:end]
+        add(_read(k_cache, slots, k_scale, q.dtype), _read(v_cache, slots, v_scale, q.dtype),
+            meta.mask[:, start:end], meta.context_positions[start:end] if sliding_window is not None else None)
+    add(k, v, meta.mask[:, c:], meta.positions)
+    out = (acc / norm).to(q.dtype)
     return out.view(kv, g, t, d).permute(2, 0, 1, 3).reshape(t, h * d)
 
 
