@@ -16,6 +16,7 @@ from vllm_neuron.config import buckets as B
 from vllm_neuron.config.device import (DEVICE_CHOICES, DTYPE_CHOICES, async_scheduling_default,
                                        check_weight_quantization, resolve_device, resolve_dtype)
 from vllm_neuron.config.generation_config import check_generation_config_arg, parse_override
+from vllm_neuron.config.json_object import parse_json_object
 from vllm_neuron.config.neuron_config import AdditionalConfig, NeuronConfig, parse_additional_config
 from vllm_neuron.config.speculative import SpeculativeConfig, parse_speculative_config
 from vllm_neuron.config.runner_selection import RunnerChoice, select_model_runner
@@ -42,16 +43,8 @@ def parse_limit_mm_per_prompt(value: dict | str | None) -> dict[str, int]:
 
 
 def _json_dict(option: str, value: dict | str | None) -> dict:
-    if value is None or value == "":
-        return {}
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{option} must be a JSON object, got {value!r}: {e}") from e
-    if not isinstance(value, dict):
-        raise ValueError(f"{option} must be a JSON object, got {value!r}")
-    return dict(value)
+    return parse_json_object(value or None, f"{option} must be a JSON object, got {{value!r}}: {{error}}",
+                             f"{option} must be a JSON object, got {{value!r}}")
 
 
 def _not_supported(option: str, value: Any, hint: str = "") -> ValueError:

@@ -12,6 +12,8 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from vllm_neuron.config.json_object import parse_json_object
+
 # generation_config.json key -> SamplingParams field (vLLM's get_diff_sampling_param).
 SAMPLING_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
                  "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
@@ -31,15 +33,8 @@ def check_generation_config_arg(value: str) -> None:
 
 def parse_override(value: str | Mapping[str, Any] | None) -> dict[str, Any]:
     """--override-generation-config: a JSON object of generation_config keys vLLM reads for sampling."""
-    if value is None:
-        return {}
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"override_generation_config is not valid JSON: {e}") from None
-    if not isinstance(value, Mapping):
-        raise ValueError(f"override_generation_config must be a JSON object, got {type(value).__name__}")
+    value = parse_json_object(value, "override_generation_config is not valid JSON: {error}",
+                              "override_generation_config must be a JSON object, got {type}")
     unknown = sorted(set(value) - set(SAMPLING_KEYS))
     if unknown:
         raise ValueError(f"override_generation_config keys {unknown} are not used; valid keys: {sorted(SAMPLING_KEYS)}")

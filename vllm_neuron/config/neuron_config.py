@@ -21,11 +21,11 @@ Deliberate choices:
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 from vllm_neuron.config import buckets as B
+from vllm_neuron.config.json_object import parse_json_object
 from vllm_neuron.logger import init_logger, warning_once
 
 logger = init_logger(__name__)
@@ -505,15 +505,9 @@ def parse_additional_config(
     if isinstance(value, AdditionalConfig):
         cfg = value
     else:
-        if isinstance(value, str):
-            try:
-                value = json.loads(value) if value.strip() else None
-            except json.JSONDecodeError as e:
-                raise ValueError(f"--additional-config is not valid JSON: {e}") from None
-        if value is None:
-            value = {}
-        if not isinstance(value, Mapping):
-            raise ValueError(f"--additional-config must be a JSON object, got {value!r}")
+        value = parse_json_object(None if isinstance(value, str) and not value.strip() else value,
+                                  "--additional-config is not valid JSON: {error}",
+                                  "--additional-config must be a JSON object, got {value!r}")
         cfg = _parse_mapping(value)
     if mm_encoder_only and cfg.mm_language_model_only:
         raise ValueError(

@@ -12,9 +12,10 @@ Draft-vs-target checks that need both model configs (vocabulary, hidden size) ar
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass
 from typing import Any
+
+from vllm_neuron.config.json_object import parse_json_object
 
 SPECULATIVE_METHODS = ("ngram", "eagle3", "dflash")
 # Every K is one verification graph per decode batch bucket: keep the set of graphs small.
@@ -58,13 +59,8 @@ def parse_speculative_config(value: dict | str | SpeculativeConfig | None) -> Sp
     """None / {} -> None (no speculation); a dict or its JSON text -> a validated SpeculativeConfig."""
     if value is None or isinstance(value, SpeculativeConfig):
         return value
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"--speculative-config is not valid JSON: {e}") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"{_NS} must be a JSON object, got {type(value).__name__}")
+    value = parse_json_object(value, "--speculative-config is not valid JSON: {error}",
+                              f"{_NS} must be a JSON object, got {{type}}")
     if not value:
         return None
     d = dict(value)
