@@ -35,7 +35,7 @@ logger = init_logger(__name__)
 
 _SOURCES = ("paged_attention.cpp", "linear_bf16.cpp", "linear_quant.cpp")
 _HEADERS = ("simd.h",)
-_FLAGS = ("-O3", "-fopenmp", "-ffast-math", "-fno-finite-math-only", "-shared", "-fPIC", "-std=c++17")
+_FLAGS = ("-O3", "-fopenmp", "-ffast-math", "-fno-finite-math-only", "-fPIC", "-std=c++17")
 # CPU class -> target flags. avx2 is x86-64-v3 (Haswell and later, Zen 1 and later), so a forced avx2
 # build on an AVX-512 machine has no AVX-512 code in it.
 VARIANTS = {
@@ -95,18 +95,24 @@ def _compile(out: Path) -> None:
     includes = [f"-I{p}" for p in cpp_extension.include_paths()] + [f"-I{sysconfig.get_paths()['include']}"]
     abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
     out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-    os.close(fd)
-    cmd = [_cxx(), *_FLAGS, *VARIANTS[kernel_variant()[0]], abi, *includes,
-           *[str(here / s) for s in _SOURCES],
-           "-o", tmp, f"-L{torch_lib}", "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{torch_lib}"]
     logger.info("Building the custom CPU kernels, %s build (once per machine and CPU class) into %s",
                 kernel_variant()[0], out.parent)
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        os.unlink(tmp)
-        raise RuntimeError(f"{cmd[0]} failed ({proc.returncode}): {proc.stderr.strip()[-2000:]}")
-    os.replace(tmp, out)  # atomic: concurrent starts never load a half-written library
+    with tempfile.TemporaryDirectory(dir=out.parent) as work:
+        # One compiler per source, all at once: the first start waits for the slowest source, not the sum.
+        objects = [os.path.join(work, s + ".o") for s in _SOURCES]
+        procs = {s: subprocess.Popen([_cxx(), *_FLAGS, *VARIANTS[kernel_variant()[0]], abi, *includes, "-c",
+                                      str(here / s), "-o", o], stderr=subprocess.PIPE, text=True)
+                 for s, o in zip(_SOURCES, objects)}
+        errors = {s: p.communicate()[1] for s, p in procs.items()}
+        for s, p in procs.items():
+            if p.returncode:
+                raise RuntimeError(f"{_cxx()} failed ({p.returncode}) on {s}: {errors[s].strip()[-2000:]}")
+        tmp = os.path.join(work, "vllm_neuron_kernels.so")
+        link = subprocess.run([_cxx(), "-shared", "-fopenmp", *objects, "-o", tmp, f"-L{torch_lib}", "-ltorch_cpu",
+                               "-lc10", f"-Wl,-rpath,{torch_lib}"], capture_output=True, text=True)
+        if link.returncode:
+            raise RuntimeError(f"{_cxx()} failed ({link.returncode}) linking: {link.stderr.strip()[-2000:]}")
+        os.replace(tmp, out)  # atomic: concurrent starts never load a half-written library
 
 
 def _digest() -> str:

@@ -11,7 +11,9 @@
 //   AVX512-BF16: bf16 pairs multiplied and accumulated in fp32 by VDPBF16PS (linear_bf16);
 //   AVX-512 / AVX2 + FMA: bf16 widened to fp32 by a 16-bit shift, then FMA (linear_bf16), and fp32 (linear_f32).
 // Elsewhere the ops are not registered and callers use F.linear.
-#include <ATen/ATen.h>
+// The ATen headers used, not ATen/ATen.h: parsing all of that doubles the first start's kernel build.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

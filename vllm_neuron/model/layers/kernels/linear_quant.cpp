@@ -20,7 +20,9 @@
 // holds weight j in its low nibble and weight j + 32 in its high nibble, so bytes widen to two vectors of
 // consecutive weights with one AND and one shift; within a band, [K / 64][rows][32 bytes], and the
 // scales [K / 64][rows][4 floats].
-#include <ATen/ATen.h>
+// The ATen headers used, not ATen/ATen.h: parsing all of that doubles the first start's kernel build.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

@@ -13,7 +13,10 @@
 // Work item = (sequence, KV head, block of kRowBlock query rows): the rows' G query heads sharing the
 // KV head form one query tile, scored against kTile keys at a time (keys transposed, so the inner
 // loop runs across keys with no horizontal reduction) with an online softmax (flash attention).
-#include <ATen/ATen.h>
+// The ATen headers used, not ATen/ATen.h: parsing all of that doubles the first start's kernel build.
+#include <ATen/Dispatch.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty_like.h>
 #include <ATen/Parallel.h>
 #include <omp.h>
 #include <torch/library.h>
