@@ -1,6 +1,6 @@
 """Tensor and expert parallelism end to end: greedy fp32 tokens at TP=2 (two processes, gloo, one thread
-each) equal transformers' and TP=1's on tiny Llama, Qwen3 and Qwen3-MoE models, eager and compiled, with
-prompts longer than max_num_batched_tokens (segmented prefill) and a second pass served from the prefix
+each) equal transformers' and TP=1's on tiny Llama, Qwen3, Qwen3-MoE and gpt-oss models, eager and compiled,
+with prompts longer than max_num_batched_tokens (segmented prefill) and a second pass served from the prefix
 cache; EP=2 (experts split over the ranks) equals EP=1.
 """
 from __future__ import annotations
@@ -38,11 +38,13 @@ def _reference(arch: str) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory) -> dict[str, str]:
     return {a: make_tiny_model(str(tmp_path_factory.mktemp(f"tp_{a}")), a, max_position_embeddings=512)
-            for a in ("llama", "qwen3", "qwen3_moe")}
+            for a in ("llama", "qwen3", "qwen3_moe", "gpt_oss")}
 
 
-def _generate(model_dir: str, *, tp: int, eager: bool = True, **kw) -> tuple[list[list[int]], list[list[int]], list]:
-    """Two passes over the prompts (the second from the prefix cache): tokens of each, cached token counts."""
+def _generate(model_dir: str, *, tp: int, eager: bool = True, cached_pass: bool = True,
+              **kw) -> tuple[list[list[int]], list[list[int]], list]:
+    """Two passes over the prompts (the second from the prefix cache; none without `cached_pass`): tokens of
+    each, cached token counts."""
     llm = LLM(model_dir, tensor_parallel_size=tp, max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32,
               block_size=16, dtype="float32", device="cpu", num_gpu_blocks_override=64, enforce_eager=eager,
               additional_config={"neuron_config": EAGER_BUCKETS if eager else COMPILED_BUCKETS}, **kw)
@@ -50,7 +52,7 @@ def _generate(model_dir: str, *, tp: int, eager: bool = True, **kw) -> tuple[lis
         params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
         prompts = [{"prompt_token_ids": p} for p in _prompts()]
         first = llm.generate(prompts, params, use_tqdm=False)
-        second = llm.generate(prompts, params, use_tqdm=False)
+        second = llm.generate(prompts, params, use_tqdm=False) if cached_pass else []
     finally:
         llm.llm_engine.shutdown()
     return ([o.outputs[0].token_ids for o in first], [o.outputs[0].token_ids for o in second],
@@ -90,3 +92,13 @@ def test_ep2_equals_ep1_and_transformers(model_dirs):
     _check("qwen3_moe", *ep2)
     assert _generate(d, tp=2)[0] == ep2[0]
     assert _generate(d, tp=1)[0] == ep2[0]
+
+
+def test_gpt_oss_tp2_and_ep2_equal_transformers_and_tp1(model_dirs):
+    """gpt-oss (attention biases, sinks, sliding-window layers, biased experts with the clamped SwiGLU): TP=2
+    with each expert's intermediate split (ep_degree 1) and with the experts split (EP=2) give TP=1's tokens."""
+    d = model_dirs["gpt_oss"]
+    tp2 = _generate(d, tp=2)
+    _check("gpt_oss", *tp2)
+    assert _generate(d, tp=2, enable_expert_parallel=True, cached_pass=False)[0] == tp2[0]
+    assert _generate(d, tp=1, cached_pass=False)[0] == tp2[0]

@@ -112,6 +112,77 @@ def test_qwen3_moe_expert_parallel_shards(rank_info):
         Qwen3MoeForCausalLM(tiny_config("qwen3_moe", num_experts=7))
 
 
+def _rank_models(cls, hf, rank_info, world: int, ep_degree: int = 1, **kw) -> list:
+    """Each rank's shard of `hf` (loaded from its state dict), then back to one rank: the all-reduce is then
+    an identity, so a layer's output on a rank is that rank's partial sum."""
+    models = []
+    for rank in range(world):
+        rank_info(ps.ParallelInfo(rank, world, ep_degree))
+        m = cls(hf.config, **kw)
+        m.load_weights(iter(hf.state_dict().items()))
+        models.append(m)
+    rank_info(ps.ParallelInfo())
+    return models
+
+
+def _assert_partials_sum(full, parts, x) -> None:
+    with torch.no_grad():
+        torch.testing.assert_close(sum(p(x) for p in parts), full(x), rtol=1e-5, atol=1e-5)
+
+
+def test_llama_biases_split_or_added_once(rank_info):
+    """attention_bias / mlp_bias at 2 ranks: q/k/v and gate/up biases split with their rows, o_proj and
+    down_proj biases held by rank 0 only, so the ranks' partial outputs sum to the full layer's."""
+    from vllm_neuron.model.llama.model import LlamaForCausalLM
+
+    hf = build_tiny_model("llama", attention_bias=True, mlp_bias=True)
+    full = LlamaForCausalLM(hf.config)
+    full.load_weights(iter(hf.state_dict().items()))
+    ranks = _rank_models(LlamaForCausalLM, hf, rank_info, 2)
+    x = torch.randn(5, 64)
+    _assert_partials_sum(full.model.layers[0].mlp, [m.model.layers[0].mlp for m in ranks], x)
+    heads_out = torch.randn(5, 64)  # the attention output of the 4 heads; each rank holds 2
+    _assert_partials_sum(lambda o: full.model.layers[1].self_attn.o_proj(o),
+                         [lambda o, m=m, r=r: m.model.layers[1].self_attn.o_proj(o[:, r * 32:(r + 1) * 32])
+                          for r, m in enumerate(ranks)], heads_out)
+    assert torch.equal(ranks[1].model.layers[0].mlp.down_proj.bias, torch.zeros(64))
+    q_bias = hf.state_dict()["model.layers.0.self_attn.q_proj.bias"]
+    assert torch.equal(ranks[1].model.layers[0].self_attn.qkv_proj.bias[:32], q_bias[32:])
+
+
+@pytest.mark.parametrize("ep_degree", [1, 2])
+def test_gpt_oss_shards_sum_to_the_full_model(ep_degree, rank_info):
+    """gpt-oss at 2 ranks: each rank's sinks are its heads'; its experts (ep_degree 2: 4 whole experts,
+    ep_degree 1: all 8, half of each one's interleaved gate/up and down) give partial MoE outputs that sum
+    to the full layer's, for decode-sized (gathered experts) and prefill-sized (dense) batches."""
+    from vllm_neuron.model.gpt_oss.model import GptOssForCausalLM
+
+    hf = build_tiny_model("gpt_oss")
+    full = GptOssForCausalLM(hf.config)
+    full.load_weights(iter(hf.state_dict().items()))
+    ranks = _rank_models(GptOssForCausalLM, hf, rank_info, 2, ep_degree)
+    sinks = hf.state_dict()["model.layers.0.self_attn.sinks"]
+    assert [m.model.layers[0].self_attn.sinks.tolist() for m in ranks] == [sinks[:2].tolist(), sinks[2:].tolist()]
+    for n in (1, 12):  # 1 x top-2 <= 4 local experts: gathered; 12 tokens: every expert densely
+        _assert_partials_sum(full.model.layers[1].mlp, [m.model.layers[1].mlp for m in ranks], torch.randn(n, 64))
+
+
+def test_gpt_oss_mxfp4_experts_split_in_whole_blocks(rank_info):
+    """MXFP4-packed experts shard by expert (ep_degree = TP) exactly; an intermediate split that cuts
+    the 32-wide blocks (32 / 2 ranks) is refused naming the option."""
+    from vllm_neuron.model.gpt_oss.model import GptOssForCausalLM
+
+    hf = build_tiny_model("gpt_oss")
+    full = GptOssForCausalLM(hf.config, quantization="mxfp4")
+    full.load_weights(iter(hf.state_dict().items()))
+    ranks = _rank_models(GptOssForCausalLM, hf, rank_info, 2, 2, quantization="mxfp4")
+    assert ranks[1].model.layers[0].mlp.experts.down_proj_blocks.shape[0] == 4
+    _assert_partials_sum(full.model.layers[0].mlp, [m.model.layers[0].mlp for m in ranks], torch.randn(12, 64))
+    with pytest.raises(ValueError, match=r"quantization='mxfp4' .* tensor_parallel_size / ep_degree = 2 leaves "
+                                         r"each rank 16"):
+        _rank_models(GptOssForCausalLM, hf, rank_info, 2, 1, quantization="mxfp4")
+
+
 def _cfg(**kw) -> EngineConfig:
     return EngineConfig.from_kwargs(device="cpu", **kw)
 
@@ -167,11 +238,3 @@ def test_tensor_parallel_refused_where_not_built(monkeypatch):
     with pytest.raises(ValueError, match="speculative_config='ngram' is not supported yet.*tensor_parallel_size=2"):
         EngineConfig.from_kwargs(device="cpu", tensor_parallel_size=2,
                                  speculative_config={"method": "ngram", "num_speculative_tokens": 2})
-    with pytest.raises(ValueError, match="not supported yet for gpt-oss"):
-        from vllm_neuron.model.gpt_oss.model import GptOssForCausalLM
-
-        ps.set_info(ps.ParallelInfo(0, 2))
-        try:
-            GptOssForCausalLM(tiny_config("gpt_oss"))
-        finally:
-            ps.set_info(ps.ParallelInfo())

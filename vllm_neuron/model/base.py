@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from vllm_neuron.model.layers.parallel import shard_tensor
+from vllm_neuron.model.layers.parallel import rank_tensor
 
 
 @dataclass(frozen=True)
@@ -111,8 +111,7 @@ def load_named_weights(model: CausalLM, weights: Iterable[tuple[str, torch.Tenso
         dest = p if index is None else p[index]
         if transform is not None:
             tensor = transform(tensor)
-        if getattr(p, "tp_split", False):
-            tensor = shard_tensor(tensor, tuple(dest.shape))  # tensor parallelism: this rank's piece
+        tensor = rank_tensor(p, tensor, tuple(dest.shape))  # tensor parallelism: this rank's piece
         if tuple(tensor.shape) != tuple(dest.shape):
             raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected "
                              f"{tuple(dest.shape)} (parameter {pname!r})")

@@ -7,7 +7,8 @@ identities and the graphs are unchanged.
 
 Megatron-style split of a decoder layer: q/k/v and gate/up are column-parallel (each rank holds its
 heads / its slice of the intermediate size), o_proj and down_proj are row-parallel and end with an
-all-reduce. KV heads follow parallel_state.local_kv_heads (replicated when ranks outnumber them).
+all-reduce. A row-parallel layer's bias must enter the sum once: rank 0 holds it, the other ranks
+load zeros (`mark_added_once`); column-parallel biases split with their rows. KV heads follow parallel_state.local_kv_heads (replicated when ranks outnumber them).
 The embedding and the output layer are split over the vocabulary (padded to a multiple of the
 ranks); logits are all-gathered, so every rank samples from the same full row.
 """
@@ -57,6 +58,26 @@ def mark_split(*params: nn.Parameter) -> None:
     for p in params:
         if p is not None:
             p.tp_split = True
+
+
+def mark_added_once(*params: nn.Parameter) -> None:
+    """Biases of row-parallel layers: every rank adds its own before the all-reduce, so only rank 0 loads
+    the checkpoint's values and the others zeros (`rank_tensor`)."""
+    if ps.info().rank == 0:
+        return
+    for p in params:
+        if p is not None:
+            p.tp_zero = True
+
+
+def rank_tensor(param: nn.Parameter, tensor: torch.Tensor, dest_shape: tuple[int, ...]) -> torch.Tensor:
+    """What this rank loads from a full checkpoint tensor into `param` (or its part of `dest_shape`): its
+    piece (`mark_split`), zeros (`mark_added_once`), or the tensor itself."""
+    if getattr(param, "tp_split", False):
+        tensor = shard_tensor(tensor, dest_shape)
+    if getattr(param, "tp_zero", False):
+        tensor = torch.zeros_like(tensor)
+    return tensor
 
 
 def shard_tensor(tensor: torch.Tensor, dest_shape: tuple[int, ...]) -> torch.Tensor:

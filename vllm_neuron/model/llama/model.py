@@ -15,8 +15,8 @@ from vllm_neuron.model.base import CausalLM, ModelSpec, Target
 from vllm_neuron.model.layers.attention import AttentionMetadata, paged_attention
 from vllm_neuron.model.layers.linear import Linear
 from vllm_neuron.model.layers.norm import RMSNorm
-from vllm_neuron.model.layers.parallel import (VocabParallelEmbedding, all_reduce, gather_last_dim, mark_split,
-                                               split_size, tp_world)
+from vllm_neuron.model.layers.parallel import (VocabParallelEmbedding, all_reduce, gather_last_dim,
+                                               mark_added_once, mark_split, split_size, tp_world)
 from vllm_neuron.model.layers.rotary import RotaryEmbedding, apply_rotary
 from vllm_neuron.model.llama.config import LlamaArchConfig
 from vllm_neuron.model.llama.weight_loaders import llama_checkpoint_target
@@ -36,6 +36,7 @@ class LlamaAttention(nn.Module):
         self.o_proj = Linear(self.num_heads * d, h, bias=cfg.attention_bias)
         if tp_world() > 1:
             mark_split(self.qkv_proj.weight, self.qkv_proj.bias, self.o_proj.weight)
+            mark_added_once(self.o_proj.bias)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
@@ -69,6 +70,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
         if tp_world() > 1:
             mark_split(self.gate_up_proj.weight, self.gate_up_proj.bias, self.down_proj.weight)
+            mark_added_once(self.down_proj.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -152,10 +154,6 @@ class LlamaForCausalLM(CausalLM):
         super().__init__()
         self.arch = self.arch_config(hf_config)
         self.model_spec = self.spec(hf_config)
-        if tp_world() > 1 and (self.arch.attention_bias or self.arch.mlp_bias):
-            # A row-parallel bias would be added once per rank by the all-reduce.
-            raise ValueError(f"tensor_parallel_size={tp_world()} is not supported yet for {type(self).__name__} with "
-                             "attention_bias or mlp_bias; use tensor_parallel_size=1")
         self.model = LlamaModel(self.arch, hf_config, self.layer_cls)
         # Split over the vocabulary like the embedding (parallel.py); logits are gathered in compute_logits.
         self.lm_head = Linear(self.arch.hidden_size, self.model.embed_tokens.local_vocab, bias=False)

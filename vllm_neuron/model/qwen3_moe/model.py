@@ -4,11 +4,8 @@ Router: softmax over all experts, top-k, renormalised when `norm_topk_prob`. How
 computed per step (gathered for decode, dense for prefill) is model/layers/moe.py's. Layers listed in
 `mlp_only_layers`, or off the `decoder_sparse_step` grid, keep a dense MLP.
 
-Tensor / expert parallelism (parallel_state.ParallelInfo): the experts are split in ep_degree groups
-of consecutive experts, and each expert's intermediate size is split again over the world / ep_degree
-ranks of its group. The router is replicated and every rank sees every token (the attention output is
-all-reduced), so dispatch is local: a rank keeps the (token, expert) pairs of its own experts (the
-others get weight 0) and the combine is one all-reduce of the partial outputs.
+Tensor / expert parallelism: model/layers/expert_parallel.py's `ExpertSplit` (experts in ep_degree
+groups, each expert's intermediate split inside its group; local dispatch, all-reduce combine).
 """
 from __future__ import annotations
 
@@ -20,9 +17,9 @@ from torch import nn
 
 from vllm_neuron.distributed import parallel_state as ps
 from vllm_neuron.model.base import Target
+from vllm_neuron.model.layers.expert_parallel import ExpertSplit
 from vllm_neuron.model.layers.linear import Linear
 from vllm_neuron.model.layers.moe import StackedExperts, softmax_topk
-from vllm_neuron.model.layers.parallel import all_reduce
 from vllm_neuron.model.llama.config import LlamaArchConfig
 from vllm_neuron.model.llama.model import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 from vllm_neuron.model.qwen3.model import check_no_sliding_window
@@ -46,57 +43,12 @@ class Qwen3MoeSparseBlock(nn.Module):
         super().__init__()
         self.top_k, self.norm_topk_prob = cfg.top_k, cfg.norm_topk_prob
         self.gate = Linear(cfg.hidden_size, cfg.num_experts, bias=False)
-        self.split = ExpertSplit.of(cfg)
+        self.split = ExpertSplit.of(cfg.num_experts, cfg.moe_intermediate_size)
         self.experts = StackedExperts(self.split.local_experts, cfg.hidden_size, self.split.local_intermediate)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = softmax_topk(self.gate(x), self.top_k, self.norm_topk_prob)
-        if self.split.world == 1:
-            return self.experts(x, weights, ids)
-        if self.split.local_experts < self.split.num_experts:
-            local = ids - self.split.expert_start
-            mine = (local >= 0) & (local < self.split.local_experts)
-            weights, ids = weights * mine.to(weights.dtype), local.clamp(0, self.split.local_experts - 1)
-        return all_reduce(self.experts(x, weights, ids))
-
-
-@dataclass(frozen=True)
-class ExpertSplit:
-    """This rank's experts [expert_start, + local_experts) and its piece `inter_rank` of each one's
-    intermediate size (local_intermediate of it)."""
-
-    world: int
-    num_experts: int
-    local_experts: int
-    expert_start: int
-    local_intermediate: int
-    inter_rank: int
-
-    @classmethod
-    def of(cls, cfg: Qwen3MoeArchConfig) -> "ExpertSplit":
-        info = ps.info()
-        if cfg.num_experts % info.ep_degree:
-            raise ValueError(f"ep_degree={info.ep_degree} must divide the number of experts ({cfg.num_experts})")
-        local = cfg.num_experts // info.ep_degree
-        inter_rank, inter_size = info.expert_tp
-        if cfg.moe_intermediate_size % inter_size:
-            raise ValueError(f"tensor_parallel_size / ep_degree = {inter_size} must divide moe_intermediate_size "
-                             f"({cfg.moe_intermediate_size})")
-        return cls(info.world, cfg.num_experts, local, info.ep_rank * local,
-                   cfg.moe_intermediate_size // inter_size, inter_rank)
-
-    def rows(self, t: torch.Tensor, dim: int) -> torch.Tensor:
-        """This rank's piece of an expert's intermediate dimension `dim`."""
-        n = self.local_intermediate
-        return t.narrow(dim, self.inter_rank * n, n)
-
-    def stacked(self, t: torch.Tensor, proj: str) -> torch.Tensor:
-        """This rank's part of a stacked [E, 2I, H] gate_up / [E, H, I] down checkpoint tensor."""
-        t = t.narrow(0, self.expert_start, self.local_experts)
-        if proj == "down_proj":
-            return self.rows(t, 2)
-        gate, up = t.chunk(2, dim=1)
-        return torch.cat([self.rows(gate, 1), self.rows(up, 1)], dim=1)
+        return self.split.run(self.experts, x, weights, ids)
 
 
 class Qwen3MoeDecoderLayer(LlamaDecoderLayer):
@@ -129,7 +81,7 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
             stacked = _STACKED.match(name)
             if stacked is not None and ps.info().world > 1:
                 split = self.get_submodule(stacked.group(1)).split
-                return name, None, lambda t: split.stacked(t, stacked.group(2))
+                return name, None, lambda t: _stacked_piece(split, t, stacked.group(2))
             return super().checkpoint_target(name)
         prefix, expert, proj = m.group(1), int(m.group(2)), m.group(3)
         split: ExpertSplit = self.get_submodule(prefix.removesuffix(".experts")).split
@@ -141,3 +93,12 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
             return f"{prefix}.down_proj", (expert,), lambda t: split.rows(t, 1)
         rows = slice(0, i) if proj == "gate_proj" else slice(i, 2 * i)
         return f"{prefix}.gate_up_proj", (expert, rows), lambda t: split.rows(t, 0)
+
+
+def _stacked_piece(split: ExpertSplit, t: torch.Tensor, proj: str) -> torch.Tensor:
+    """This rank's part of a stacked [E, 2I, H] gate_up (gate rows, then up rows) / [E, H, I] down tensor."""
+    t = split.experts(t)
+    if proj == "down_proj":
+        return split.rows(t, 2)
+    gate, up = t.chunk(2, dim=1)
+    return torch.cat([split.rows(gate, 1), split.rows(up, 1)], dim=1)
