@@ -147,3 +147,18 @@ class ServerProcess:
         self.proc.wait(10)
         if not self._log.closed:
             self._log.close()
+
+
+def rank_children(pid: int) -> list[int]:
+    """The tensor-parallel rank processes `pid` started."""
+    out = []
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                for child in f.read().split():
+                    with open(f"/proc/{child}/cmdline", "rb") as c:
+                        if b"vllm_neuron.worker.tp_executor" in c.read():
+                            out.append(int(child))
+    except OSError:
+        pass
+    return out

@@ -4,7 +4,8 @@
 replica, with the greedy tokens of a single in-process engine. Then one replica is killed mid-request:
 its requests fail with an error naming it, health reports it, and the survivor keeps serving. The
 offline LLM(data_parallel_size=2) gives one engine's outputs, and a replica that hangs (SIGSTOP) is
-found by its silence, killed, and fails its request instead of hanging it.
+found by its silence, killed, and fails its request instead of hanging it. DP=2 x TP=2 (two replicas of two
+ranks each) gives one engine's greedy tokens too.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import signal
 import pytest
 import torch
 
+from tests.integration.server_utils import rank_children
 from vllm_neuron.config.engine_config import EngineConfig
 from vllm_neuron.engine.async_llm import AsyncLLM
 from vllm_neuron.engine.protocol import EngineDeadError
@@ -196,3 +198,23 @@ def test_offline_llm_data_parallel_matches_one_engine(tiny_llama_dir, single):
     want = single.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
     assert [o.outputs[0].text for o in got] == [o.outputs[0].text for o in want]
+
+
+def test_offline_llm_data_parallel_of_tensor_parallel_replicas_matches_one_engine(tiny_llama_dir, single):
+    """--data-parallel-size 2 --tensor-parallel-size 2: each replica drives its own two-rank group (its rank 1
+    a child process of its own); requests reach both replicas and get one unsharded engine's greedy tokens."""
+    from vllm_neuron import LLM
+
+    prompts = [{"prompt_token_ids": ids} for _, ids in _prompts()[:8]]
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    llm = LLM(tiny_llama_dir, data_parallel_size=2, tensor_parallel_size=2, **OPTS)
+    try:
+        client = llm._dp.client
+        followers = [rank_children(r.proc.pid) for r in client.cores.replicas]
+        got = llm.generate(prompts, params, use_tqdm=False)
+        assert client.router.routed[0] > 0 and client.router.routed[1] > 0
+    finally:
+        llm._dp.shutdown()
+    assert [len(f) for f in followers] == [1, 1], f"one rank-1 process per replica expected: {followers}"
+    want = single.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]

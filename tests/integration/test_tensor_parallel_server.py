@@ -13,27 +13,12 @@ import time
 
 import httpx
 
-from tests.integration.server_utils import ServerProcess, child_env, cli, free_port
+from tests.integration.server_utils import ServerProcess, child_env, cli, free_port, rank_children
 
 COMMON = ["--enforce-eager", "--tensor-parallel-size", "2", "--max-model-len", "256", "--dtype", "float32",
           "--device", "cpu", "--num-gpu-blocks-override", "64", "--disable-log-stats"]
 PROMPT = {"prompt": "The capital of France is", "max_tokens": 12, "temperature": 0.0, "ignore_eos": True}
 DEATH_BOUND_S = 30  # the rank's death must end the request and the server well within this
-
-
-def _rank_children(pid: int) -> list[int]:
-    """The tensor-parallel rank processes `pid` started."""
-    out = []
-    try:
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            with open(f"/proc/{pid}/task/{tid}/children") as f:
-                for child in f.read().split():
-                    with open(f"/proc/{child}/cmdline", "rb") as c:
-                        if b"vllm_neuron.worker.tp_executor" in c.read():
-                            out.append(int(child))
-    except OSError:
-        pass
-    return out
 
 
 def _complete(srv: ServerProcess) -> str:
@@ -86,7 +71,7 @@ def test_single_and_multi_node_same_tokens_and_a_dead_rank_fails_fast(tiny_llama
     try:
         single.wait_healthy(300)
         expected = _complete(single)
-        (rank1,) = _rank_children(single.engine_pid())
+        (rank1,) = rank_children(single.engine_pid())
         _fail_rank_mid_request(single, rank1, signal.SIGKILL)
     finally:
         single.kill()
@@ -101,7 +86,7 @@ def test_single_and_multi_node_same_tokens_and_a_dead_rank_fails_fast(tiny_llama
     try:
         head.wait_healthy(300)
         assert _complete(head) == expected, "two nodes and one node gave different greedy text"
-        (remote_rank,) = _rank_children(follower.pid)
+        (remote_rank,) = rank_children(follower.pid)
         # Rank 1 lives in the other process tree and hangs: the head learns of it through the collectives'
         # timeout only (VLLM_NEURON_DIST_TIMEOUT_S).
         _fail_rank_mid_request(head, remote_rank, signal.SIGSTOP)

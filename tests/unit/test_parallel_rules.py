@@ -226,6 +226,10 @@ def test_tensor_parallel_and_multi_node_flags():
         _cfg(tensor_parallel_size=2, nnodes=2, node_rank=2)
     with pytest.raises(ValueError, match="master_port must be a TCP port"):
         _cfg(tensor_parallel_size=2, nnodes=2, master_port=70000)
+    # DP x TP: each replica's ranks on its replica's node (replicas spread with the DP flags).
+    assert _cfg(tensor_parallel_size=2, data_parallel_size=2).local_tp_ranks == 2
+    with pytest.raises(ValueError, match="nnodes=2 is not supported yet by vllm-neuron: with data_parallel_size=2"):
+        _cfg(tensor_parallel_size=2, nnodes=2, data_parallel_size=2)
 
 
 def test_tensor_parallel_refused_where_not_built(monkeypatch):

@@ -214,6 +214,11 @@ class EngineConfig:
         if not isinstance(self.nnodes, int) or isinstance(self.nnodes, bool) or self.nnodes < 1 or tp % self.nnodes:
             raise ValueError(f"nnodes must be a positive integer that divides tensor_parallel_size={tp} (each node "
                              f"runs tensor_parallel_size / nnodes ranks), got {self.nnodes!r}")
+        if self.nnodes > 1 and self.data_parallel_size > 1:
+            # Every replica's group would meet at the one --master-addr:--master-port.
+            raise _not_supported("nnodes", self.nnodes, f"with data_parallel_size={self.data_parallel_size}: each "
+                                 "replica's tensor-parallel ranks run on its own node; spread replicas over nodes "
+                                 "with --data-parallel-size-local and --headless")
         if not isinstance(self.node_rank, int) or isinstance(self.node_rank, bool) or \
                 not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"node_rank must be an integer in [0, nnodes={self.nnodes}), got {self.node_rank!r}")
