@@ -236,7 +236,7 @@ def test_tensor_parallel_refused_where_not_built(monkeypatch):
     from vllm_neuron.config import engine_config
 
     monkeypatch.setattr(engine_config, "resolve_device", lambda d: torch.device("cuda"))
-    with pytest.raises(ValueError, match="tensor_parallel_size=2 is not supported yet.*CPU"):
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 is not supported yet.*CPU.*one GPU per rank"):
         EngineConfig.from_kwargs(device="cuda", tensor_parallel_size=2)
     monkeypatch.undo()
     with pytest.raises(ValueError, match="speculative_config='ngram' is not supported yet.*tensor_parallel_size=2"):

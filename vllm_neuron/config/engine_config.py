@@ -210,7 +210,11 @@ class EngineConfig:
             raise _not_supported("speculative_config", self.speculative.method,
                                  f"with tensor_parallel_size={tp} (speculative decoding is not sharded yet)")
         if tp > 1 and resolve_device(self.device).type != "cpu":
-            raise _not_supported("tensor_parallel_size", tp, "tensor parallelism runs on CPU (gloo) only for now")
+            # Not built: NCCL needs one GPU per rank (since NCCL 2.5 two ranks on one GPU fail with "Duplicate GPU
+            # detected"), and the one-GPU machines this is tested on could never run it.
+            raise _not_supported("tensor_parallel_size", tp, "tensor parallelism runs on CPU (gloo) only; on CUDA "
+                                 "it needs NCCL with one GPU per rank (NCCL does not run two ranks on one GPU), "
+                                 "which is not built; use --device cpu, or --data-parallel-size to use several GPUs")
         if not isinstance(self.nnodes, int) or isinstance(self.nnodes, bool) or self.nnodes < 1 or tp % self.nnodes:
             raise ValueError(f"nnodes must be a positive integer that divides tensor_parallel_size={tp} (each node "
                              f"runs tensor_parallel_size / nnodes ranks), got {self.nnodes!r}")

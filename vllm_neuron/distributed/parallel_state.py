@@ -64,7 +64,8 @@ def init(rank: int, world: int, master_addr: str, master_port: int, *, device_ty
 
     global _control, _model
     if device_type != "cpu":
-        raise ValueError(f"tensor parallelism runs on CPU only for now, not on {device_type}")
+        raise ValueError(f"tensor parallelism runs on CPU (gloo) only, not on {device_type} (NCCL with one GPU "
+                         "per rank is not built)")
     dist.init_process_group("gloo", init_method=f"tcp://{master_addr}:{master_port}", rank=rank,
                             world_size=world, timeout=JOIN_TIMEOUT)
     _control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
