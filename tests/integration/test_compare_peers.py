@@ -4,7 +4,6 @@ install / start failure paths with fake peers (no network: nothing here installs
 from __future__ import annotations
 
 import importlib.metadata
-import importlib.util
 import json
 import os
 import subprocess
@@ -12,17 +11,14 @@ import sys
 
 import pytest
 
-_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-_SCRIPT = os.path.join(_REPO, "benchmarks", "compare_peers.py")
+from tests.integration.bench_scripts import REPO, load_script, script_path
+
+_SCRIPT = script_path("compare_peers")
 
 
 @pytest.fixture(scope="module")
 def cp():
-    spec = importlib.util.spec_from_file_location("compare_peers", _SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["compare_peers"] = module  # dataclasses resolve annotations through sys.modules
-    spec.loader.exec_module(module)
-    return module
+    return load_script("compare_peers")
 
 
 def _table_rows(text: str) -> list[list[str]]:
@@ -34,16 +30,16 @@ def test_ours_p2_end_to_end(tiny_llama_dir, tmp_path):
     from tests.model_factory import build_tiny_llama
 
     results = tmp_path / "results"
-    env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=str(tmp_path / "prom"),
-               VLLM_CACHE_ROOT=str(tmp_path / "vllm_cache"))
+    # The tests' cache root (conftest): the kernels are built once per session, not again here; eager
+    # serving of an HF folder writes nothing else there.
+    env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=str(tmp_path / "prom"))
     os.makedirs(env["PROMETHEUS_MULTIPROC_DIR"])
     proc = subprocess.run(
         [sys.executable, _SCRIPT, "--peers", "ours", "--workloads", "P2", "--num-prompts-scale", "0.125",
          "--model", tiny_llama_dir, "--cache-dir", str(tmp_path / "cache"), "--result-dir", str(results),
-         # A fresh VLLM_CACHE_ROOT: the server first builds the C++ kernels (a minute or more on 2 busy cores).
          "--ready-timeout", "300",
          "--ours-args", "--enforce-eager --max-model-len 512 --num-gpu-blocks-override 128"],
-        capture_output=True, text=True, timeout=420, env=env, cwd=_REPO, check=False)
+        capture_output=True, text=True, timeout=420, env=env, cwd=REPO, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = _table_rows(proc.stdout)
     assert rows[0][:2] == ["engine", "P1 output tok/s"]

@@ -2,24 +2,20 @@
 step kind it ran."""
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
 
 import pytest
 
-_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-_SCRIPT = os.path.join(_REPO, "benchmarks", "step_bounds.py")
+from tests.integration.bench_scripts import REPO, load_script, script_path
+
+_SCRIPT = script_path("step_bounds")
 
 
 @pytest.fixture(scope="module")
 def sb():
-    spec = importlib.util.spec_from_file_location("step_bounds", _SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["step_bounds"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script("step_bounds")
 
 
 def test_bound_is_the_slower_of_compute_and_memory(sb):
@@ -38,7 +34,7 @@ def test_tiny_model_run_prints_every_step_kind(tiny_llama_dir):
                            "--prefill-buckets", "16,32", "--decode-buckets", "1,2", "--decode-tokens", "3",
                            "--decode-batches", "1,2", "--matmul-size", "256", "--bandwidth-gib", "0.05",
                            "--threads", "1"],
-                          env=env, capture_output=True, text=True, timeout=600, cwd=_REPO)
+                          env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     out = proc.stdout
     assert "bf16 matmul peak" in out and "read bandwidth" in out
