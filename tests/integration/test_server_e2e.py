@@ -33,8 +33,8 @@ PROMPT = "The quick brown fox jumps over the lazy dog because"
 _servers: list[ServerProcess] = []
 
 
-def _start(model: str, tmp_dir: str, *extra: str) -> ServerProcess:
-    srv = ServerProcess(model, SERVE_ARGS + list(extra), tmp_dir)
+def _start(model: str, tmp_dir: str, *extra: str, **env: str) -> ServerProcess:
+    srv = ServerProcess(model, SERVE_ARGS + list(extra), tmp_dir, **env)
     _servers.append(srv)
     srv.wait_healthy(timeout=90)
     return srv
@@ -76,7 +76,10 @@ def server(tiny_llama_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def keyed_server(tiny_llama_dir, tmp_path_factory):
-    srv = _start(tiny_llama_dir, str(tmp_path_factory.mktemp("keyed")), "--api-key", API_KEY)
+    # --disable-log-stats with a 1 s interval: test_api_key checks that no stats line comes (a server of
+    # its own for that would cost a start).
+    srv = _start(tiny_llama_dir, str(tmp_path_factory.mktemp("keyed")), "--api-key", API_KEY, "--disable-log-stats",
+                 VLLM_LOG_STATS_INTERVAL="1")
     yield srv
     if srv.proc.poll() is None:
         _stop(srv)
@@ -485,6 +488,11 @@ def test_api_key(keyed_server):
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0).completions.create(
             model=model, prompt="hi", max_tokens=2)
+    # --disable-log-stats: no periodic stats line, three intervals after the work (test_server_logs checks
+    # that the line comes without the flag).
+    assert c.completions.create(model=model, prompt="hello", max_tokens=2).usage.completion_tokens >= 1
+    time.sleep(3)
+    assert "Avg prompt throughput:" not in keyed_server.log()
 
 
 def test_engine_death(keyed_server):
