@@ -57,6 +57,9 @@ class SchedulerOutput:
     # Structured outputs: req_id -> packed allowed-token bitmask (int32 words, xgrammar's layout) for the
     # token this step samples. Requests without a grammar are absent (all tokens allowed).
     grammar_bitmask: dict[str, "np.ndarray"] = field(default_factory=dict)
+    # Speculative decoding (decode steps): the requests whose next step may carry drafts proposed after
+    # this one; None: every request (prefill steps, or no speculation).
+    spec_req_ids: list[str] | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -250,3 +250,44 @@ def test_grammar_requests_speculate_and_host_sampled_ones_share_their_batches(mo
         assert n < 4 or steps[o.request_id] < n - 1, (o.outputs[0].text, steps[o.request_id])
     assert len(on[4].outputs[0].token_ids) > 8
     assert len(on[5].outputs[0].logprobs) == MAX_NEW
+
+
+def test_greedy_identical_while_the_policy_pauses_and_resumes(model_dir, monkeypatch):
+    """Drafts right for 8 tokens, junk for the next 8, and so on: with a short window the policy pauses
+    each request mid-output (plain decode steps, no proposals for it) and resumes it on a good probe; the
+    tokens equal the run without speculation."""
+    from vllm_neuron.core.spec_policy import SpecPolicy
+
+    prompts = _prompts()[1:3]
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    ref = {tuple(p): o for p, o in zip(prompts, _gen(_engine(model_dir, monkeypatch, spec=False), prompts, params))}
+    proposed, sampled = Counter(), Counter()
+
+    def propose(self, states, req_ids):
+        out = {}
+        for rid in req_ids:
+            proposed[rid] += 1
+            n = len(states[rid].output_token_ids)
+            good = list(ref[tuple(states[rid].data.prompt_token_ids)][n:n + self.k])
+            out[rid] = good if (n // 8) % 2 == 0 else [5] * self.k
+        return {r: d for r, d in out.items() if d}
+    monkeypatch.setattr(SpecDecoder, "propose", propose)
+    llm = _engine(model_dir, monkeypatch)
+    core = llm.llm_engine.core
+    core.scheduler.spec_policy = policy = SpecPolicy(window=2, initial_backoff=2, max_backoff=4)
+    kinds = Counter()
+    orig = core.runner.execute
+
+    def spy(sched):
+        out = orig(sched)
+        sampled.update(c.req_id for c in sched.chunks if c.sample)
+        if sched.kind == "decode":
+            kinds[out.bucket_name.split("_")[0]] += 1
+        return out
+    core.runner.execute = spy
+    assert _gen(llm, prompts, params) == [ref[tuple(p)] for p in prompts]
+    assert policy.num_pauses >= len(prompts) and policy.num_resumes >= len(prompts), (policy.num_pauses,
+                                                                                       policy.num_resumes)
+    assert kinds["decode"] > 0 and kinds["verify"] > 0, kinds
+    # While paused a request gets no proposals: fewer than its sampling steps.
+    assert all(proposed[r] < sampled[r] for r in sampled), (proposed, sampled)

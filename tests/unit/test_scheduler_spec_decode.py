@@ -202,3 +202,54 @@ def test_tokens_verified_past_a_stop_token_are_not_the_requests():
     assert fin.finish_reason == "stop" and fin.num_new_tokens == 2
     assert fin.request.output_token_ids == [11, 12, eos]
     assert_all_blocks_free(s)
+
+
+def test_rejected_drafts_pause_the_request_and_output_is_unchanged():
+    """Drafts that are never accepted: after a window of rounds the request decodes without drafts (and is
+    left out of `spec_req_ids`, so no runner proposes for it) except for rare probes."""
+    s = spec_make(max_num_seqs=2, max_num_batched_tokens=32, max_model_len=256, num_blocks=128)
+    d = Driver(s)
+    d.runner = FakeSpecRunner(s, agree=0.0)
+    # Drafts outside the target's range (1000..1012): never accepted, not even by chance.
+    d.runner._propose = lambda toks: [7] * K
+    p = prompt_of(4, 10)
+    s.add_request(req("a", p, max_tokens=200))
+    d.run(5000)
+    assert d.outputs["a"] == expected(p, 200)
+    decodes = [o for o in d.steps if o.kind == "decode"]
+    verifies = [o for o in decodes if o.chunks[0].num_draft_tokens]
+    # 8 rounds, then pauses of 8, 16, 32, 64 steps each followed by one probe.
+    assert s.spec_policy.num_pauses >= 4 and 8 < len(verifies) <= 13, len(verifies)
+    assert any(o.spec_req_ids == [] for o in decodes) and any(o.spec_req_ids == ["a"] for o in decodes)
+
+
+@pytest.mark.parametrize("agree", [1.0, 0.8])  # 0.8 per draft: about 65% of K=3 drafts accepted
+def test_good_drafts_keep_speculating(agree):
+    s = spec_make(max_num_seqs=2, max_num_batched_tokens=32, max_model_len=256, num_blocks=128)
+    p = prompt_of(4, 10)
+    d = run(s, [req("a", p, max_tokens=150)], agree=agree)
+    assert d.outputs["a"] == expected(p, 150)
+    decodes = [o for o in d.steps if o.kind == "decode"]
+    plain = sum(not o.chunks[0].num_draft_tokens for o in decodes)
+    if agree == 1.0:  # every step verifies, but a last one with one token left to emit (no room for drafts)
+        assert s.spec_policy.num_pauses == 0 and plain <= 1
+    else:  # a streak of rejected rounds may pause it briefly; a good probe resumes it
+        assert plain < 0.25 * len(decodes), (plain, len(decodes))
+
+
+def test_disable_by_batch_size_drops_drafts_while_the_batch_is_large(caplog):
+    base = make(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64, num_blocks=64).config
+    s = Scheduler(SchedulerConfig(**{**base.__dict__, "num_speculative_tokens": K, "spec_disable_by_batch_size": 3}))
+    prompts = {f"r{i}": prompt_of(i, 6) for i in range(4)}
+    lengths = {"r0": 8, "r1": 12, "r2": 30, "r3": 40}
+    with caplog.at_level("INFO", logger="vllm_neuron"):
+        d = run(s, [req(rid, p, max_tokens=lengths[rid]) for rid, p in prompts.items()])
+    assert all(d.outputs[r] == expected(p, lengths[r]) for r, p in prompts.items())
+    decodes = [o for o in d.steps if o.kind == "decode"]
+    big = [o for o in decodes if len(o.chunks) >= 3]
+    small = [o for o in decodes if len(o.chunks) < 3]
+    assert big and small
+    assert not any(c.num_draft_tokens for o in big for c in o.chunks)
+    assert all(o.spec_req_ids == [] for o in big)
+    assert sum(c.num_draft_tokens for o in small for c in o.chunks) > 0
+    assert sum("disable_by_batch_size=3" in r.message for r in caplog.records) == 1

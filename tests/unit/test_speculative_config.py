@@ -20,6 +20,8 @@ def test_ngram_defaults_follow_vllm():
     assert (c.prompt_lookup_min, c.prompt_lookup_max) == (2, 2)
     assert parse_speculative_config('{"model": "[ngram]", "num_speculative_tokens": 2}').method == "ngram"
     assert parse_speculative_config(None) is None and parse_speculative_config({}) is None
+    assert parse_speculative_config({**NGRAM, "disable_by_batch_size": 4}).disable_by_batch_size == 4
+    assert parse_speculative_config(NGRAM).disable_by_batch_size is None
 
 
 @pytest.mark.parametrize("value, match", [
@@ -34,6 +36,8 @@ def test_ngram_defaults_follow_vllm():
     ({"method": "eagle3", "num_speculative_tokens": 3}, "model is required for method 'eagle3'"),
     ({"method": "eagle3", "model": "d", "num_speculative_tokens": 3, "prompt_lookup_min": 2}, "ngram' only"),
     ({**NGRAM, "draft_tensor_parallel_size": 2}, "draft_tensor_parallel_size is not supported yet"),
+    ({**NGRAM, "disable_by_batch_size": 1}, "disable_by_batch_size must be >= 2, got 1"),
+    ({**NGRAM, "disable_by_batch_size": "8"}, "disable_by_batch_size must be an integer"),
     ({**NGRAM, "bogus": 1}, r"unknown speculative_config field\(s\) \['bogus'\]"),
     ("{not json", "not valid JSON"),
     ([1, 2], "must be a JSON object"),

@@ -3,8 +3,10 @@
 Fields (vLLM's names): `method` (ngram | eagle3 | dflash), `num_speculative_tokens` (K, drafts per
 step), `model` (the draft checkpoint; required for eagle3 / dflash, refused for ngram),
 `prompt_lookup_min` / `prompt_lookup_max` (ngram only; the shortest / longest suffix n-gram looked up
-in the request's own tokens). Defaults for ngram as vLLM: both 5 when neither is given, else the one
-given. Every bad value is a ValueError naming the option and what is valid.
+in the request's own tokens), `disable_by_batch_size` (a step with at least this many running requests
+carries no drafts, as vLLM's V0 worker applied it; >= 2 as vLLM requires; None: never). Defaults for
+ngram as vLLM: both 5 when neither is given, else the one given. Every bad value is a ValueError naming
+the option and what is valid.
 
 Draft-vs-target checks that need both model configs (vocabulary, hidden size) are in
 `check_draft_compatible`, called when the draft is loaded.
@@ -24,7 +26,7 @@ DEFAULT_PROMPT_LOOKUP = 5
 _NS = "speculative_config"
 # vLLM fields we accept when they carry their default meaning (None) and refuse otherwise.
 _ACCEPTED_IF_UNSET = ("draft_tensor_parallel_size", "quantization", "revision", "code_revision",
-                      "max_model_len", "disable_by_batch_size", "speculative_token_tree", "parallel_drafting")
+                      "max_model_len", "speculative_token_tree", "parallel_drafting")
 
 
 @dataclass(frozen=True)
@@ -34,6 +36,7 @@ class SpeculativeConfig:
     model: str | None = None
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None
+    disable_by_batch_size: int | None = None
 
     @property
     def uses_draft_model(self) -> bool:
@@ -41,9 +44,13 @@ class SpeculativeConfig:
 
     def describe(self) -> str:
         if self.method == "ngram":
-            return (f"ngram (prompt lookup {self.prompt_lookup_min}..{self.prompt_lookup_max}), "
+            text = (f"ngram (prompt lookup {self.prompt_lookup_min}..{self.prompt_lookup_max}), "
                     f"{self.num_speculative_tokens} speculative tokens")
-        return f"{self.method} draft {self.model!r}, {self.num_speculative_tokens} speculative tokens"
+        else:
+            text = f"{self.method} draft {self.model!r}, {self.num_speculative_tokens} speculative tokens"
+        if self.disable_by_batch_size is not None:
+            text += f", off in steps of >= {self.disable_by_batch_size} running requests"
+        return text
 
 
 def _int_field(name: str, value: Any, minimum: int, maximum: int | None = None) -> int:
@@ -98,7 +105,10 @@ def parse_speculative_config(value: dict | str | SpeculativeConfig | None) -> Sp
                              f"not {method!r}")
         if not isinstance(model, str) or not model:
             raise ValueError(f"{_NS}.model is required for method {method!r}: the draft checkpoint directory")
-    return SpeculativeConfig(method, k, model, lo, hi)
+    off_at = d.get("disable_by_batch_size")
+    if off_at is not None:
+        off_at = _int_field("disable_by_batch_size", off_at, 2)
+    return SpeculativeConfig(method, k, model, lo, hi, off_at)
 
 
 def check_draft_compatible(spec: SpeculativeConfig, *, target_vocab: int, target_hidden: int,

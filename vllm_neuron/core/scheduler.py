@@ -17,7 +17,10 @@ Policy:
   so that no output can pass max_tokens or max_model_len); their slots are allocated with it, or the
   drafts are dropped when blocks are short. After the step, the rejected drafts' positions are rolled
   back: num_computed_tokens counts only verified tokens, blocks past them go back to the pool, and only
-  blocks full of verified tokens are ever hashed into the prefix cache.
+  blocks full of verified tokens are ever hashed into the prefix cache. Drafts are left out of a step
+  when they do not pay (core/spec_policy.py: a request whose drafts are mostly rejected, a batch of at
+  least disable_by_batch_size requests); each decode step tells the runner which requests may use drafts
+  proposed after it (`spec_req_ids`), so it proposes none for the others.
 * When KV blocks run out during decode, the newest running request is preempted: its blocks are freed
   and it is recomputed later (its full blocks usually come back as prefix-cache hits). Prefill never
   preempts; it waits for blocks. Startup guarantees one request of max_model_len always fits, so this
@@ -31,10 +34,14 @@ from dataclasses import dataclass
 from vllm_neuron.core.kv_cache_manager import KVCacheManager
 from vllm_neuron.core.request import Request, RequestStatus
 from vllm_neuron.core.spec_decode_stats import SpecDecodeStats
+from vllm_neuron.core.spec_policy import SpecPolicy
 from vllm_neuron.core.stop_checker import check_stop
 from vllm_neuron.kv_cache_groups import KVCacheLayout
+from vllm_neuron.logger import init_logger
 from vllm_neuron.step import (PLACEHOLDER_TOKEN_ID, ModelRunnerOutput, NewRequestData, ScheduledChunk,
                               SchedulerOutput)
+
+logger = init_logger(__name__)
 
 
 @dataclass(frozen=True)
@@ -49,6 +56,7 @@ class SchedulerConfig:
     # prefill context bucket).
     max_prefill_context_tokens: int | None = None
     num_speculative_tokens: int = 0  # K: most drafts verified per request and step (0: no speculation)
+    spec_disable_by_batch_size: int | None = None  # steps with at least this many running requests: no drafts
     # KV cache groups (kv_cache_groups.py): None is one group of every layer.
     kv_cache_layout: KVCacheLayout | None = None
 
@@ -76,6 +84,8 @@ class Scheduler:
         self._prefill_tokens_since_decode = 0
         self.num_preemptions = 0
         self.spec_stats = SpecDecodeStats(config.num_speculative_tokens)
+        self.spec_policy = SpecPolicy(config.spec_disable_by_batch_size)
+        self._logged_pause = self._logged_batch_off = False
 
     # -- requests in and out -------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -199,10 +209,11 @@ class Scheduler:
 
     def _schedule_decode(self) -> SchedulerOutput | None:
         scheduled: list[tuple[Request, list[int]]] = []
+        batch_drafts = self._batch_allows_drafts()
         for req in list(self.running):
             if req.status != RequestStatus.RUNNING or req.is_prefilling or self._will_finish(req):
                 continue
-            drafts = self._drafts(req)
+            drafts = self._drafts(req) if self.spec_policy.take_step(req.request_id) and batch_drafts else []
             if drafts and not self.kv.allocate(req, 1 + len(drafts)):
                 drafts = []  # blocks are short: verify nothing rather than preempt anyone for drafts
             if not drafts:
@@ -225,7 +236,22 @@ class Scheduler:
             r.num_computed_tokens += 1 + len(drafts)
             r.num_output_placeholders += 1
             r.spec_token_ids = []
-        return SchedulerOutput("decode", chunks)
+        out = SchedulerOutput("decode", chunks)
+        if self.config.num_speculative_tokens:
+            out.spec_req_ids = [r.request_id for r, _ in scheduled
+                                if batch_drafts and self.spec_policy.wants_drafts_next(r.request_id)]
+        return out
+
+    def _batch_allows_drafts(self) -> bool:
+        if self.spec_policy.batch_allows(len(self.running)):
+            return True
+        if not self._logged_batch_off:
+            self._logged_batch_off = True
+            logger.info("Speculative decoding off for steps with %d or more running requests "
+                        "(speculative_config.disable_by_batch_size=%d); now %d",
+                        self.spec_policy.disable_by_batch_size, self.spec_policy.disable_by_batch_size,
+                        len(self.running))
+        return False
 
     def _tables(self, req_id: str) -> tuple[list[int], tuple[list[int], ...]]:
         """(group 0's block table, the other groups' tables), copied: the runner may see them later."""
@@ -294,12 +320,20 @@ class Scheduler:
     def _roll_back_rejected(self, req: Request, num_drafts: int, num_accepted: int) -> None:
         """Forgets the K/V of rejected drafts: their positions are rewritten by later tokens."""
         self.spec_stats.record(num_drafts, num_accepted)
+        if self.spec_policy.record(req.request_id, num_drafts, num_accepted) and not self._logged_pause:
+            self._logged_pause = True
+            p = self.spec_policy
+            logger.info("Speculative decoding paused for request %s: its last %d verifications accepted under "
+                        "%d%% of their drafts; such a request decodes without drafts for %d..%d steps between "
+                        "probes (logged once)", req.request_id, p.window, round(100 * p.min_acceptance),
+                        p.initial_backoff, p.max_backoff)
         req.num_computed_tokens -= num_drafts - num_accepted
         self.kv.trim(req, req.num_computed_tokens)
 
     def _free(self, req: Request, status: RequestStatus) -> None:
         req.status = status
         self.kv.free(req)
+        self.spec_policy.remove(req.request_id)
         del self.requests[req.request_id]
         self._isolated.discard(req.request_id)
         if req.request_id in self._sent_to_runner:

@@ -74,6 +74,7 @@ class EngineCore:
             max_model_len=config.max_model_len, block_size=config.block_size, num_blocks=self.num_blocks,
             enable_prefix_caching=config.enable_prefix_caching,
             max_prefill_context_tokens=max(nc.context_buckets), num_speculative_tokens=config.num_speculative_tokens,
+            spec_disable_by_batch_size=config.speculative.disable_by_batch_size if config.speculative else None,
             kv_cache_layout=self.runner.kv_layout))
         self.structured = None  # StructuredOutputManager, created with the first grammar request
         self._grammar_wait: dict[str, Request] = {}

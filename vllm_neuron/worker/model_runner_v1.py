@@ -171,14 +171,16 @@ class ModelRunnerV1(ModelRunnerBase):
                 self.sampling.states[rid].output_token_ids.extend(extra)
         return sampled, logprobs, (dev_drafts or [None])[0]
 
-    def _drafts(self, chunks, sampled: dict, dev_drafts) -> dict[str, list[int]]:
-        """Next step's drafts: the draft head's rows (EAGLE3) or the n-gram proposer's."""
+    def _drafts(self, sched: SchedulerOutput, chunks, sampled: dict, dev_drafts) -> dict[str, list[int]]:
+        """Next step's drafts: the draft head's rows (EAGLE3) or the n-gram proposer's, for the requests whose
+        next step may use them (the scheduler leaves paused requests out)."""
         if self.spec is None:
             return {}
+        wanted = [r for r in sampled if sched.spec_req_ids is None or r in sched.spec_req_ids]
         if dev_drafts is None:
-            return self.spec.propose(self.sampling.states, list(sampled))
+            return self.spec.propose(self.sampling.states, wanted)
         rows = {c.req_id: i for i, c in enumerate(chunks) if c.sample}
-        return self.spec.take(self.sampling.states, {r: rows[r] for r in sampled}, dev_drafts.tolist())
+        return self.spec.take(self.sampling.states, {r: rows[r] for r in wanted}, dev_drafts.tolist())
 
     # -- one step --------------------------------------------------------------------------------
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
@@ -194,7 +196,7 @@ class ModelRunnerV1(ModelRunnerBase):
         if name.startswith("verify"):
             sampled, logprobs, dev_drafts = self._execute_verify(sched, size, context)
             return ModelRunnerOutput(sampled, logprobs, bucket_name=name, num_padding=padding,
-                                     spec_token_ids=self._drafts(chunks, sampled, dev_drafts))
+                                     spec_token_ids=self._drafts(sched, chunks, sampled, dev_drafts))
         if sched.kind == "prefill":
             tokens, logits, *dev_drafts = self._run_prefill(chunks, size, context, sched.grammar_bitmask)
         else:
@@ -207,4 +209,4 @@ class ModelRunnerV1(ModelRunnerBase):
                                   {r: t[0] for r, t in sampled.items()}, host_rows)
         return ModelRunnerOutput(sampled, logprobs, bucket_name=name, num_padding=padding,
                                  async_fallback=fallback, tokens_passed_on_device=passed,
-                                 spec_token_ids=self._drafts(chunks, sampled, (dev_drafts or [None])[0]))
+                                 spec_token_ids=self._drafts(sched, chunks, sampled, (dev_drafts or [None])[0]))
