@@ -5,6 +5,7 @@ all in one run, one process, so the ratios are comparable.
     python benchmarks/spec_decode_ngram.py                      # K=4, lookup 2..5, 8 requests per cell
     python benchmarks/spec_decode_ngram.py --num-requests 16 --k 3 --output-len 96
     python benchmarks/spec_decode_ngram.py --methods ngram,eagle3 --eagle3-draft DIR
+    python benchmarks/spec_decode_ngram.py --smoke                # eager, 8 requests x 16 tokens: checks it runs
 
 Workloads: "repetitive" asks the model (chat template) to repeat a passage word for word, the work n-gram
 lookup is for (editing, extraction, code); "random" sends random token prompts, where lookup finds
@@ -13,6 +14,8 @@ emit the same tokens. Batch B: B requests submitted together, the next wave when
 TPOT = (E2E - TTFT) / (output tokens - 1) per request, averaged; tok/s = output tokens / wall time.
 EAGLE3 without --eagle3-draft uses a random-weight draft head built for the bundled model (no trained
 EAGLE3 draft exists for it): it accepts almost nothing, so it measures what a low-acceptance draft costs.
+Low acceptance: a request whose drafts are mostly rejected stops speculating for a while and probes
+again later (core/spec_policy.py); the "paused" column counts those pauses in the cell.
 Timings on a shared machine are noisy: compare the on/off columns of one run only.
 """
 from __future__ import annotations
@@ -58,8 +61,8 @@ def run_cell(llm, prompts: list[list[int]], batch: int, output_len: int) -> dict
 
     engine = llm.llm_engine
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
-    stats = engine.core.scheduler.spec_stats
-    d0, t0_, a0 = stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens
+    stats, policy = engine.core.scheduler.spec_stats, engine.core.scheduler.spec_policy
+    d0, t0_, a0, p0 = stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens, policy.num_pauses
     tpots, total_out = [], 0
     t_start = time.perf_counter()
     for w in range(0, len(prompts), batch):
@@ -81,7 +84,8 @@ def run_cell(llm, prompts: list[list[int]], batch: int, output_len: int) -> dict
     wall = time.perf_counter() - t_start
     drafts, dtoks, acc = stats.num_drafts - d0, stats.num_draft_tokens - t0_, stats.num_accepted_tokens - a0
     return {"tpot_ms": 1000 * statistics.mean(tpots), "tok_s": total_out / wall,
-            "acceptance": acc / dtoks if dtoks else None, "length": 1 + acc / drafts if drafts else None}
+            "acceptance": acc / dtoks if dtoks else None, "length": 1 + acc / drafts if drafts else None,
+            "paused": policy.num_pauses - p0}
 
 
 def main() -> None:
@@ -96,7 +100,12 @@ def main() -> None:
     ap.add_argument("--methods", default="ngram", help="comma list of ngram, eagle3")
     ap.add_argument("--eagle3-draft", default=None, help="EAGLE3 draft directory (default: a random-weight one)")
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--smoke", action="store_true",
+                    help="a short check that the benchmark runs: eager, 8 requests x 16 tokens, 64-token random prompts")
     args = ap.parse_args()
+    if args.smoke:
+        args.enforce_eager = True
+        args.num_requests, args.output_len, args.random_input_len = 8, 16, 64
     batches = [int(b) for b in args.batches.split(",")]
 
     from vllm_neuron import LLM
@@ -126,16 +135,20 @@ def main() -> None:
             print(f"[cell] {wname} batch {b}: {res}", flush=True)
     print(f"\nSpeculation off vs on (K={args.k}; n-gram lookup {args.lookup_min}..{args.lookup_max}; EAGLE3 draft "
           f"{specs['eagle3']['model'] if 'eagle3' in methods else '-'}), bundled model, "
-          f"{args.num_requests} requests x {args.output_len} tokens per cell")
+          f"{args.num_requests} requests x {args.output_len} tokens per cell, "
+          f"{'eager' if args.enforce_eager else 'compiled'}")
     head = (f"{'method':<7} {'workload':<11} {'batch':>5} {'TPOT off':>9} {'TPOT on':>8} {'TPOT off/on':>11} "
-            f"{'tok/s off':>9} {'tok/s on':>8} {'accept %':>8} {'acc. len':>8}")
+            f"{'tok/s off':>9} {'tok/s on':>8} {'tok/s on/off':>12} {'accept %':>8} {'acc. len':>8} {'paused':>6}")
     print(head)
     print("-" * len(head))
     for m, wname, b, off, on in rows:
         acc = f"{100 * on['acceptance']:.1f}" if on["acceptance"] is not None else "-"
         length = f"{on['length']:.2f}" if on["length"] is not None else "-"
         print(f"{m:<7} {wname:<11} {b:>5} {off['tpot_ms']:>9.1f} {on['tpot_ms']:>8.1f} "
-              f"{off['tpot_ms'] / on['tpot_ms']:>10.2f}x {off['tok_s']:>9.1f} {on['tok_s']:>8.1f} {acc:>8} {length:>8}")
+              f"{off['tpot_ms'] / on['tpot_ms']:>10.2f}x {off['tok_s']:>9.1f} {on['tok_s']:>8.1f} "
+              f"{on['tok_s'] / off['tok_s']:>11.2f}x {acc:>8} {length:>8} {on['paused']:>6}")
+    print("TPOT off/on > 1: speculation lowers TPOT; tok/s on/off > 1: it raises throughput. 'paused': requests "
+          "whose drafts were mostly rejected stopped speculating for a while (core/spec_policy.py).")
 
 
 def random_eagle3_draft() -> str:

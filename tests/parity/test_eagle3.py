@@ -6,8 +6,8 @@ checkpoint layout, fp32, MRv1).
   features], K - 1 autoregressive steps on its own pre-norm output, d2t) gives the same tokens.
 * Greedy output is token-identical with EAGLE3 on and off across batch buckets, segmented prefill,
   prefix caching (kernel attention path) and preemption (torch attention path). A random draft accepts
-  little: that is the low-acceptance end; the high end is covered by the n-gram tests' oracle, since
-  verification is shared.
+  little: that is the low-acceptance end. The high end: a target and a draft built to agree (below)
+  accept nearly every draft, with the same output as the target alone.
 """
 from __future__ import annotations
 
@@ -189,3 +189,66 @@ def test_eagle3_compiled_graphs(dirs, monkeypatch, tmp_path):
     assert [r.name for r in core.compiler.records] == ["prefill_s64", "decode_b2", "verify_b2_k3"]
     assert _gen(llm, prompts, params) == ref
     assert core.scheduler.spec_stats.num_drafts > 0
+
+
+def _agreeing_pair(root) -> tuple[str, str]:
+    """A target whose next token depends on the last token only, and an EAGLE3 draft that computes the
+    same function.
+
+    Target: every layer's o_proj / down_proj is zero, so the final hidden state is the token's embedding
+    and logits = lm_head(norm(embed(t))); lm_head is the embedding shifted by one row, so greedy output
+    tends to count up (t + 1, t + 2, ...) and tokens rarely repeat. Draft (one head of 64 dims): fc is
+    zero; attention keys and queries are the normalized embedding of the draft's input token (scaled, on
+    the dims RoPE barely rotates: a huge rope_theta leaves only the first pair turning), so each row
+    attends to itself; its value is that embedding minus the normalized incoming hidden state, which
+    the residual adds back: the pre-norm output is the input token's normalized embedding, at the first
+    step (features 0) and at every autoregressive one. The draft's norm and lm_head are the target's and
+    its vocabulary is the target's (d2t all zero), so draft logits = the target's logits for that token."""
+    from safetensors.torch import save_file
+
+    hf = build_tiny_llama(max_position_embeddings=256)
+    with torch.no_grad():
+        for layer in hf.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        hf.model.norm.weight.fill_(1.0)
+        hf.lm_head.weight.copy_(torch.roll(hf.model.embed_tokens.weight, 1, 0))
+    target = make_tiny_llama(str(root / "target_agree"), model=hf)
+    h, vocab = hf.config.hidden_size, hf.config.vocab_size
+    eye = torch.eye(h)
+    qk = eye.clone()
+    qk[0, 0] = qk[h // 2, h // 2] = 0.0  # the pair RoPE turns one radian per position
+    zeros = torch.zeros(h, h)
+    state = {"fc.weight": torch.zeros(h, 3 * h), "norm.weight": torch.ones(h),
+             "lm_head.weight": hf.lm_head.weight.detach().clone(), "d2t": torch.zeros(vocab, dtype=torch.long),
+             "t2d": torch.ones(vocab, dtype=torch.bool),
+             "midlayer.input_layernorm.weight": torch.ones(h), "midlayer.hidden_norm.weight": torch.ones(h),
+             "midlayer.post_attention_layernorm.weight": torch.ones(h),
+             "midlayer.self_attn.q_proj.weight": torch.cat([8.0 * qk, zeros], 1),
+             "midlayer.self_attn.k_proj.weight": torch.cat([qk, zeros], 1),
+             "midlayer.self_attn.v_proj.weight": torch.cat([eye, -eye], 1),
+             "midlayer.self_attn.o_proj.weight": eye.clone(),
+             "midlayer.mlp.gate_proj.weight": torch.zeros(16, h), "midlayer.mlp.up_proj.weight": torch.zeros(16, h),
+             "midlayer.mlp.down_proj.weight": torch.zeros(h, 16)}
+    cfg = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": h,
+           "intermediate_size": 16, "num_attention_heads": 1, "num_key_value_heads": 1, "num_hidden_layers": 1,
+           "rms_norm_eps": 1e-5, "rope_theta": 1e128, "vocab_size": vocab, "draft_vocab_size": vocab,
+           "target_hidden_size": h, "max_position_embeddings": 2048, "torch_dtype": "float32",
+           "eagle_config": {"eagle_aux_hidden_state_layer_ids": AUX}}
+    draft = root / "draft_agree"
+    draft.mkdir()
+    save_file({k: v.contiguous() for k, v in state.items()}, str(draft / "model.safetensors"), metadata={"format": "pt"})
+    (draft / "config.json").write_text(json.dumps(cfg))
+    return target, str(draft)
+
+
+def test_agreeing_draft_is_accepted_and_output_unchanged(tmp_path, monkeypatch):
+    pair = _agreeing_pair(tmp_path)
+    prompts = _prompts()[:4]
+    ref = _gen(_engine(pair, monkeypatch, spec=False), prompts)
+    assert sum(len(set(o)) for o in ref) > 0.9 * sum(len(o) for o in ref)  # the output rarely repeats a token
+    llm = _engine(pair, monkeypatch)
+    assert _gen(llm, prompts) == ref
+    st = llm.llm_engine.core.scheduler.spec_stats
+    assert st.num_drafts > 20 and st.acceptance_rate > 0.95, (st.num_drafts, st.acceptance_rate)
+    assert st.mean_accepted_length > K + 0.5 and llm.llm_engine.core.scheduler.spec_policy.num_pauses == 0
