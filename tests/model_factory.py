@@ -491,3 +491,51 @@ def make_tiny_eagle3(path: str, *, target_hidden: int = 64, hidden_size: int = 6
     with open(os.path.join(path, "config.json"), "w", encoding="utf-8") as f:
         json.dump(cfg, f, indent=2)
     return path
+
+
+def make_tiny_dflash(path: str, *, hidden_size: int = 64, vocab_size: int = SMOLLM2_VOCAB_SIZE,
+                     target_layer_ids: list[int] | None = None, num_layers: int = 2, block_size: int | None = 8,
+                     mask_token_id: int = 7, seed: int = 0, scale: float = 0.2, num_heads: int = 4,
+                     num_kv_heads: int = 2, intermediate_size: int = 128, speculators: bool = False) -> str:
+    """A random DFlash draft in z-lab's / vLLM's `DFlashDraftModel` layout (layers.* with q/k norms, fc over the
+    taps, hidden_norm, norm; the target's embedding and lm_head), or in speculators' layout, written as
+    config.json + model.safetensors. target_layer_ids: the tapped layers' outputs (default [0, 1])."""
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(seed)
+    ids = target_layer_ids if target_layer_ids is not None else [0, 1]
+    h, d, inter = hidden_size, hidden_size // num_heads, intermediate_size
+
+    def w(*shape):
+        return (torch.randn(*shape, generator=g) * scale).contiguous()
+    state = {"fc.weight": w(h, len(ids) * h), "hidden_norm.weight": 1 + w(h), "norm.weight": 1 + w(h)}
+    for i in range(num_layers):
+        p = f"layers.{i}."
+        state.update({
+            p + "input_layernorm.weight": 1 + w(h), p + "post_attention_layernorm.weight": 1 + w(h),
+            p + "self_attn.q_proj.weight": w(num_heads * d, h), p + "self_attn.k_proj.weight": w(num_kv_heads * d, h),
+            p + "self_attn.v_proj.weight": w(num_kv_heads * d, h), p + "self_attn.o_proj.weight": w(h, num_heads * d),
+            p + "self_attn.q_norm.weight": 1 + w(d), p + "self_attn.k_norm.weight": 1 + w(d),
+            p + "mlp.gate_proj.weight": w(inter, h), p + "mlp.up_proj.weight": w(inter, h),
+            p + "mlp.down_proj.weight": w(h, inter)})
+    layer = {"model_type": "qwen3", "hidden_size": h, "intermediate_size": inter, "num_attention_heads": num_heads,
+             "num_key_value_heads": num_kv_heads, "head_dim": d, "num_hidden_layers": num_layers, "rms_norm_eps": 1e-5,
+             "rope_theta": 10000.0, "vocab_size": vocab_size, "max_position_embeddings": 2048}
+    if speculators:
+        cfg = {"speculators_model_type": "dflash", "architectures": ["DFlashSpeculator"],
+               "transformer_layer_config": layer, "draft_vocab_size": vocab_size, "block_size": block_size,
+               "aux_hidden_state_layer_ids": [i + 1 for i in ids], "mask_token_id": mask_token_id}
+    else:
+        cfg = {"architectures": ["DFlashDraftModel"], **layer, "block_size": block_size,
+               "dflash_config": {"mask_token_id": mask_token_id, "target_layer_ids": ids}}
+    os.makedirs(path, exist_ok=True)
+    save_file(state, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(path, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(cfg, f, indent=2)
+    return path
+
+
+def generate_token_ids(llm, prompts: list[list[int]], params) -> list[list[int]]:
+    """The first completion's token ids of each token-id prompt."""
+    return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                                          use_tqdm=False)]

@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.model_factory import build_tiny_llama, make_tiny_eagle3, make_tiny_llama, shared_prefix_prompts
+from tests.model_factory import generate_token_ids, build_tiny_llama, make_tiny_eagle3, make_tiny_llama, shared_prefix_prompts
 from vllm_neuron import LLM, SamplingParams
 
 K = 3
@@ -49,8 +49,7 @@ def _prompts() -> list[list[int]]:
 
 
 def _gen(llm: LLM, prompts, params=GREEDY) -> list[list[int]]:
-    return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
-                                                          use_tqdm=False)]
+    return generate_token_ids(llm, prompts, params)
 
 
 @pytest.fixture(scope="module")

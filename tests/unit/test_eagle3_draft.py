@@ -10,7 +10,6 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tests.model_factory import SMOLLM2_VOCAB_SIZE, make_tiny_eagle3
-from vllm_neuron.config.engine_config import EngineConfig
 from vllm_neuron.model.eagle3 import load_eagle3_draft, read_eagle3_config
 from vllm_neuron.model.eagle3.config import default_aux_layers
 
@@ -76,9 +75,6 @@ def test_bad_draft_checkpoints_are_refused(tmp_path, edit, kw, match):
         _load(path, **kw)
 
 
-def test_missing_draft_directory_and_dflash(tmp_path):
+def test_missing_draft_directory(tmp_path):
     with pytest.raises(ValueError, match="no config.json"):
         _load(str(tmp_path / "nothing"))
-    with pytest.raises(ValueError, match="speculative_config.method='dflash' is not supported yet.*block-parallel"):
-        EngineConfig.from_kwargs(speculative_config={"method": "dflash", "model": str(tmp_path),
-                                                     "num_speculative_tokens": 4})

@@ -150,11 +150,6 @@ class EngineConfig:
         if self.enable_prompt_embeds:
             raise _not_supported("enable_prompt_embeds", True)
         self.speculative_config = parse_speculative_config(self.speculative_config)
-        if self.speculative_config is not None and self.speculative_config.method == "dflash":
-            raise _not_supported("speculative_config.method", "dflash",
-                                 "the block-parallel DFlash drafter (target features projected into each draft "
-                                 "layer's KV, one non-causal forward over a [bonus, mask, ...] block) is not "
-                                 "implemented; use 'eagle3' or 'ngram'")
         if self.kv_transfer_config:
             raise _not_supported("kv_transfer_config", self.kv_transfer_config)
         if self.ec_transfer_config:

@@ -22,21 +22,13 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from vllm_neuron.worker.spec_decode import VerifyGraphs
+from vllm_neuron.worker.draft_graphs import DraftModelGraphs
 
 
-class Eagle3Graphs(VerifyGraphs):
+class Eagle3Graphs(DraftModelGraphs):
     def __init__(self, model, odsc, block_size: int, use_kernels: bool, paged_decode: bool, kv_layout, draft,
                  aux_layers: tuple[int, ...], k: int) -> None:
-        super().__init__(model, odsc, block_size, use_kernels, paged_decode, kv_layout)
-        self.draft = draft
-        self.aux_layers = aux_layers
-        self.k = k
-
-    def _target_forward(self, input_ids, positions, kv_caches, meta, group_metas=()):
-        # EAGLE3 keeps one KV cache group (ModelRunnerV1.kv_groups_unsupported): one K/V pair per layer, then
-        # the draft's.
-        return self.model(input_ids, positions, kv_caches[:-1], meta, aux_layers=self.aux_layers)
+        super().__init__(model, odsc, block_size, use_kernels, paged_decode, kv_layout, draft, aux_layers, k, 1)
 
     def _draft_pass(self, ids, positions, aux, kv_cache, meta):
         return self.draft(ids, positions, self.draft.fc(aux), kv_cache, meta, self.model.model.embed_tokens)
@@ -56,20 +48,17 @@ class Eagle3Graphs(VerifyGraphs):
 
     def prefill(self, input_ids, positions, slot_mapping, query_seq, attn_a, attn_b, logits_indices, bitmask,
                 temperature, top_k, top_p, uniform, draft_next, draft_src, kv_caches):
-        meta = self.prefill_meta(slot_mapping, positions, query_seq, attn_a, attn_b)
-        hidden, aux = self._target_forward(input_ids, positions, kv_caches, meta)
-        logits = self.model.compute_logits(hidden[logits_indices]).float()
-        tokens, logits = self._sample(logits, bitmask, temperature, top_k, top_p, uniform)
+        tokens, logits, aux, meta = self._tapped_prefill(input_ids, positions, slot_mapping, query_seq, attn_a, attn_b,
+                                                         logits_indices, bitmask, temperature, top_k, top_p, uniform,
+                                                         kv_caches)
         ids = torch.where(draft_next >= 0, draft_next, tokens[draft_src])
         prenorm = self._draft_pass(ids, positions, aux, kv_caches[-1], meta)
         return tokens, logits, self.draft.draft_tokens(prenorm[logits_indices])[:, None]
 
     def decode(self, input_ids, positions, slot_mapping, block_tables, bitmask, temperature, top_k, top_p,
                uniform, kv_caches):
-        meta = self.decode_meta(slot_mapping, block_tables, positions)
-        hidden, aux = self._target_forward(input_ids, positions, kv_caches, meta)
-        logits = self.model.compute_logits(hidden).float()
-        tokens, logits = self._sample(logits, bitmask, temperature, top_k, top_p, uniform)
+        tokens, logits, aux, meta = self._tapped_decode(input_ids, positions, slot_mapping, block_tables, bitmask,
+                                                        temperature, top_k, top_p, uniform, kv_caches)
         prenorm = self._draft_pass(tokens, positions, aux, kv_caches[-1], meta)
         drafts = self._continue(self.draft.draft_tokens(prenorm), prenorm, positions, block_tables, kv_caches[-1])
         return tokens, logits, drafts

@@ -33,44 +33,76 @@ class ModelRunnerV1(ModelRunnerBase):
         super().__init__(config, checkpoint, device, dtype, backend)
         self.token_passing = TokenPassing()
         self.spec = SpecDecoder(config.speculative, config.max_model_len) if config.speculative else None
-        self.draft = None  # the EAGLE3 draft head
+        self.draft = None  # the EAGLE3 / DFlash draft
         self.aux_layers: tuple[int, ...] = ()
 
     def _load_draft(self) -> int:
-        if self.spec is None or self.spec.spec.method != "eagle3":
+        if self.spec is None or not self.spec.spec.uses_draft_model:
             return 0
-        from vllm_neuron.model.eagle3 import load_eagle3_draft
         from vllm_neuron.model.llama.model import LlamaModel
 
+        method = self.spec.spec.method
         if type(getattr(self.model, "model", None)).forward is not LlamaModel.forward:
-            raise ValueError(f"speculative_config.method='eagle3' needs a target whose layers' hidden states can be "
+            raise ValueError(f"speculative_config.method={method!r} needs a target whose layers' hidden states can be "
                              f"tapped (Llama, Qwen3, Qwen3-MoE, gpt-oss); {type(self.model).__name__} is not one")
         hf = self.ckpt.hf_config.get_text_config()
-        self.draft, nbytes = load_eagle3_draft(self.spec.spec.model, dtype=self.dtype, device=self.device,
-                                               target_vocab=hf.vocab_size, target_hidden=hf.hidden_size,
-                                               max_positions=self.config.max_model_len)
+        fit = dict(dtype=self.dtype, device=self.device, target_vocab=hf.vocab_size, target_hidden=hf.hidden_size)
+        if method == "dflash":
+            from vllm_neuron.model.dflash import load_dflash_draft
+
+            # Block rows reach K + 1 positions past the last verified one.
+            self.draft, nbytes = load_dflash_draft(self.spec.spec.model, target_layers=self.model_spec.num_layers,
+                                                   k=self.spec.k, max_positions=self.config.max_model_len
+                                                   + 2 * self.spec.k + 2, **fit)
+            what = f"{self.draft.cfg.num_layers} non-causal layers over [bonus, {self.spec.k} x mask] blocks"
+        else:
+            from vllm_neuron.model.eagle3 import load_eagle3_draft
+
+            self.draft, nbytes = load_eagle3_draft(self.spec.spec.model, max_positions=self.config.max_model_len,
+                                                   **fit)
+            what = f"draft vocabulary {self.draft.cfg.draft_vocab_size}"
         self.aux_layers = self.draft.cfg.aux_layers(self.model_spec.num_layers)
-        logger.info("EAGLE3 draft %s: target layers %s tapped, draft vocabulary %d, %.1f MiB; drafts come out of "
-                    "every bucket graph", self.spec.spec.model, list(self.aux_layers),
-                    self.draft.cfg.draft_vocab_size, nbytes / 2**20)
+        logger.info("%s draft %s: target layers %s tapped, %s, %.1f MiB; drafts come out of every bucket graph",
+                    method.upper(), self.spec.spec.model, list(self.aux_layers), what, nbytes / 2**20)
         return nbytes
 
     def _extra_kv_layers(self) -> list[tuple[int, int]]:
-        return [self.draft.kv_cache_spec()] if self.draft is not None else []
+        if self.draft is None:
+            return []
+        return self.draft.kv_cache_specs() if self._dflash else [self.draft.kv_cache_spec()]
+
+    @property
+    def _dflash(self) -> bool:
+        return self.spec is not None and self.spec.spec.method == "dflash"
+
+    def _scratch_rows(self) -> int:
+        return max(self.config.max_num_seqs, *self.decode_buckets)
+
+    def _extra_kv_slots(self) -> int:
+        if not self._dflash:
+            return 0
+        from vllm_neuron.worker.dflash import scratch_blocks
+
+        return self._scratch_rows() * scratch_blocks(self.spec.k, self.block_size) * self.block_size
 
     def _graph_options(self) -> dict:
         opts = super()._graph_options()
         if self.draft is not None:  # the draft lives inside every graph
-            opts["eagle3"] = {"config": self.draft.cfg.raw, "aux_layers": self.aux_layers, "k": self.spec.k}
+            opts[self.spec.spec.method] = {"config": self.draft.cfg.raw, "aux_layers": self.aux_layers,
+                                           "k": self.spec.k}
         return opts
 
     def kv_groups_unsupported(self) -> str | None:
-        # The EAGLE3 graphs run the target with one metadata and one K/V pair per layer.
+        # The draft models' graphs run the target with one metadata and one K/V pair per layer.
         spec = self.config.speculative
-        return "EAGLE3 speculative decoding" if spec is not None and spec.method == "eagle3" else None
+        return f"{spec.method.upper()} speculative decoding" if spec is not None and spec.uses_draft_model else None
 
     def _make_graphs(self) -> StepGraphs:
         args = (self.model, self.odsc, self.block_size, self.use_kernels, self.paged_decode, self.kv_layout)
+        if self._dflash:
+            from vllm_neuron.worker.dflash import DFlashGraphs
+
+            return DFlashGraphs(*args, self.draft, self.aux_layers, self.spec.k, self._scratch_rows())
         if self.draft is not None:
             from vllm_neuron.worker.eagle3 import Eagle3Graphs
 
@@ -91,7 +123,7 @@ class ModelRunnerV1(ModelRunnerBase):
 
     def _step_bucket(self, sched: SchedulerOutput) -> tuple[int, int, str, int]:
         size, context, name, padding = super()._step_bucket(sched)
-        if sched.kind == "decode" and self.draft is not None:
+        if sched.kind == "decode" and self.draft is not None and not self._dflash:
             # The draft's K - 1 steps past the step's last row read and write K/V there: room in the table.
             context = B.select_bucket(self.context_buckets,
                                       min(sched.max_seq_len + self.spec.k, self.context_buckets[-1]))
@@ -104,7 +136,11 @@ class ModelRunnerV1(ModelRunnerBase):
         def row_inputs(rows: int) -> tuple:
             s = self.sampling.graph_tensors([c.req_id for c in chunks], rows)
             out = tuple(self._t(s[k]) for k in ("temperature", "top_k", "top_p", "uniform"))
-            if self.draft is not None:
+            if self._dflash:
+                from vllm_neuron.worker.dflash import prefill_draft_tables
+
+                out += (self._t(prefill_draft_tables(chunks, rows, -(-self.config.max_model_len // self.block_size))),)
+            elif self.draft is not None:
                 from vllm_neuron.worker.eagle3 import prefill_draft_inputs
 
                 out += tuple(map(self._t, prefill_draft_inputs(chunks, num_tokens, self.sampling.all_tokens)))

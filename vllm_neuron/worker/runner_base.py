@@ -207,9 +207,10 @@ class ModelRunnerBase:
         _, kv_heads, head_dim = self.model.kv_cache_spec()
         # One K/V pair per layer of a group: with several groups, layer i uses pair layer_slot[i]; a draft
         # model's layers follow (speculative decoding keeps one group).
-        shapes = [(kv_heads, head_dim)] * self.kv_layout.group_size + self._extra_kv_layers()
-        self.kv_caches = [tuple(_zeros((num_blocks * self.block_size, h, d), self.kv_dtype, self.device)
-                                for _ in range(2)) for h, d in shapes]
+        shapes = [(kv_heads, head_dim, 0)] * self.kv_layout.group_size + \
+            [(h, d, self._extra_kv_slots()) for h, d in self._extra_kv_layers()]
+        self.kv_caches = [tuple(_zeros((num_blocks * self.block_size + x, h, d), self.kv_dtype, self.device)
+                                for _ in range(2)) for h, d, x in shapes]
         logger.info("KV cache dtype: %s (kv_cache_dtype=%s, %d byte(s) per element, %.3f MiB per block)",
                     str(self.kv_dtype).removeprefix("torch."), self.config.kv_cache_dtype,
                     torch.finfo(self.kv_dtype).bits // 8,
@@ -304,6 +305,10 @@ class ModelRunnerBase:
     def _extra_kv_layers(self) -> list[tuple[int, int]]:
         """(kv heads, head dim) of KV layers past the target's (a draft model's), same blocks and slots."""
         return []
+
+    def _extra_kv_slots(self) -> int:
+        """Slots those layers hold past the pool's (a DFlash draft's scratch blocks)."""
+        return 0
 
     # -- graphs ----------------------------------------------------------------------------------
     def _make_graphs(self):

@@ -10,9 +10,9 @@ state is tapped; vLLM's default is (2, L // 2, L - 3).
 """
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass
+
+from vllm_neuron.model.draft_common import read_draft_config
 
 EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 
@@ -47,12 +47,7 @@ def default_aux_layers(num_layers: int) -> tuple[int, int, int]:
 
 def read_eagle3_config(path: str) -> Eagle3Config:
     """Reads and validates `path`/config.json; every problem is a ValueError naming the field."""
-    cfg_path = os.path.join(path, "config.json")
-    if not os.path.isfile(cfg_path):
-        raise ValueError(f"speculative_config.model={path!r}: no config.json (an EAGLE3 draft checkpoint "
-                         f"directory holds config.json and *.safetensors)")
-    with open(cfg_path, encoding="utf-8") as f:
-        raw = json.load(f)
+    raw = read_draft_config(path, "EAGLE3")
     where = f"EAGLE3 draft {path!r} config.json"
     archs = raw.get("architectures") or []
     if not any(a in EAGLE3_ARCHITECTURES for a in archs):

@@ -8,12 +8,10 @@ target ids through `d2t`. The model knows tokens, positions and slots, never req
 """
 from __future__ import annotations
 
-from typing import Iterable
-
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from vllm_neuron.model.draft_common import GatedMLP, check_d2t, copy_draft_params, read_draft_tensors
 from vllm_neuron.model.eagle3.config import Eagle3Config, read_eagle3_config
 from vllm_neuron.model.layers.attention import AttentionMetadata, paged_attention
 from vllm_neuron.model.layers.linear import Linear
@@ -45,17 +43,6 @@ class Eagle3Attention(nn.Module):
         return self.o_proj(out)
 
 
-class Eagle3MLP(nn.Module):
-    def __init__(self, hidden: int, inter: int) -> None:
-        super().__init__()
-        self.gate_proj = Linear(hidden, inter, bias=False)
-        self.up_proj = Linear(hidden, inter, bias=False)
-        self.down_proj = Linear(inter, hidden, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class Eagle3Layer(nn.Module):
     def __init__(self, cfg: Eagle3Config) -> None:
         super().__init__()
@@ -64,7 +51,7 @@ class Eagle3Layer(nn.Module):
         self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
         self.self_attn = Eagle3Attention(cfg)
         self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
-        self.mlp = Eagle3MLP(h, cfg.intermediate_size)
+        self.mlp = GatedMLP(h, cfg.intermediate_size)
 
 
 class Eagle3DraftModel(nn.Module):
@@ -106,16 +93,6 @@ class Eagle3DraftModel(nn.Module):
 _FIXED = ("fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d", "embed_tokens.weight")
 
 
-def _read_tensors(path: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    from vllm_neuron.model.loader.safetensors_loader import iter_safetensors_weights
-
-    out = {}
-    for name, t in iter_safetensors_weights(path, dtype):
-        name = name.removeprefix("model.")
-        out[name] = t
-    return out
-
-
 def load_eagle3_draft(path: str, *, dtype: torch.dtype, device: torch.device, target_vocab: int,
                       target_hidden: int, max_positions: int) -> tuple[Eagle3DraftModel, int]:
     """(draft model, bytes loaded); a checkpoint that does not fit the target is a ValueError naming why."""
@@ -127,7 +104,7 @@ def load_eagle3_draft(path: str, *, dtype: torch.dtype, device: torch.device, ta
     if cfg.draft_vocab_size > target_vocab or cfg.vocab_size != target_vocab:
         raise ValueError(f"{where}: vocab_size {cfg.vocab_size} / draft_vocab_size {cfg.draft_vocab_size} do not "
                          f"fit the target vocabulary ({target_vocab})")
-    tensors = _read_tensors(path, dtype)
+    tensors = read_draft_tensors(path, dtype)
     unknown = sorted(n for n in tensors if not n.startswith("midlayer.") and n not in _FIXED)
     if unknown:
         raise ValueError(f"{where}: unexpected tensors {unknown[:6]} (expected midlayer.*, fc, norm, lm_head, "
@@ -139,37 +116,11 @@ def load_eagle3_draft(path: str, *, dtype: torch.dtype, device: torch.device, ta
             model = Eagle3DraftModel(cfg, max_positions, own_embedding="embed_tokens.weight" in tensors)
     finally:
         torch.set_default_dtype(prev)
-    d2t = tensors.pop("d2t", None)
+    d2t = check_d2t(tensors.pop("d2t", None), cfg.draft_vocab_size, target_vocab, where)
     t2d = tensors.pop("t2d", None)
-    if d2t is None and cfg.draft_vocab_size != target_vocab:
-        raise ValueError(f"{where}: draft_vocab_size {cfg.draft_vocab_size} differs from the target's {target_vocab} "
-                         f"but the checkpoint has no d2t map")
     if d2t is not None:
-        mapped = torch.arange(d2t.shape[0]) + d2t.long()
-        if tuple(d2t.shape) != (cfg.draft_vocab_size,) or int(mapped.min()) < 0 or int(mapped.max()) >= target_vocab:
-            raise ValueError(f"{where}: d2t (shape {tuple(d2t.shape)}) must map {cfg.draft_vocab_size} draft ids "
-                             f"into the target vocabulary 0..{target_vocab - 1}")
-        model.d2t.copy_(d2t.long())
+        model.d2t.copy_(d2t)
     if t2d is not None and tuple(t2d.shape) != (target_vocab,):
         raise ValueError(f"{where}: t2d has shape {tuple(t2d.shape)}, expected ({target_vocab},)")
-    nbytes = _copy_params(model, tensors.items(), where)
+    nbytes = copy_draft_params(model, tensors.items(), where)
     return model.eval().requires_grad_(False), nbytes
-
-
-def _copy_params(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]], where: str) -> int:
-    params = dict(model.named_parameters())
-    nbytes, filled = 0, set()
-    for name, t in tensors:
-        p = params.get(name)
-        if p is None:
-            raise ValueError(f"{where}: tensor {name!r} has no matching parameter")
-        if tuple(t.shape) != tuple(p.shape):
-            raise ValueError(f"{where}: tensor {name!r} has shape {tuple(t.shape)}, expected {tuple(p.shape)}")
-        with torch.no_grad():
-            p.copy_(t.to(p.dtype))
-        filled.add(name)
-        nbytes += p.numel() * p.element_size()
-    missing = sorted(set(params) - filled)
-    if missing:
-        raise ValueError(f"{where}: checkpoint lacks tensors {missing[:6]}")
-    return nbytes

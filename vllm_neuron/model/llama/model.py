@@ -126,7 +126,8 @@ class LlamaModel(nn.Module):
             if i in aux_layers:
                 taps[i] = x
             x = layer(x, cos, sin, kv_cache, m)
-        if aux_layers:  # EAGLE3: the input hidden states of three layers, side by side
+        taps[len(self.layers)] = x  # tap L: the last layer's output (DFlash's taps are layer outputs)
+        if aux_layers:  # EAGLE3 / DFlash: the input hidden states of these layers, side by side
             return self.norm(x), torch.cat([taps[i] for i in aux_layers], dim=-1)
         return self.norm(x)
 
