@@ -22,12 +22,12 @@ import os
 import statistics
 import sys
 import time
-from collections import defaultdict
 from dataclasses import dataclass
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from peers.report import measure_read_bandwidth  # noqa: E402
+from step_timing import time_steps  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -86,23 +86,6 @@ def _kv_bytes_per_token(llm) -> int:
     return sum(k[0].numel() * k.element_size() + v[0].numel() * v.element_size() for k, v in runner.kv_caches)
 
 
-def _timed_steps(llm) -> dict[str, list[float]]:
-    """Wraps the runner's execute so every step's wall time lands under its bucket graph's name."""
-    runner = llm.llm_engine.core.runner
-    times: dict[str, list[float]] = defaultdict(list)
-    execute = runner.execute
-
-    def timed(sched):
-        name = runner._step_bucket(sched)[2]
-        t0 = time.perf_counter()
-        out = execute(sched)
-        times[name].append(time.perf_counter() - t0)
-        return out
-
-    runner.execute = timed
-    return times
-
-
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quantization", choices=("int8", "int4"), default=None, help="weight-only quantization")
@@ -138,7 +121,7 @@ def main(argv: list[str] | None = None) -> None:
     runner = llm.llm_engine.core.runner
     params, weight_bytes = _model_sizes(runner.model)
     kv_per_token = _kv_bytes_per_token(llm)
-    times = _timed_steps(llm)
+    times = time_steps(llm)
     vocab = runner.ckpt.hf_config.vocab_size
     greedy = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     seed = 0
