@@ -1,0 +1,76 @@
+"""The benchmarks' shared helpers: step times grouped by bucket (benchmarks/step_timing.py) and the
+per-process CPU accounting of benchmarks/api_cpu_share.py (/proc readers, process tree, roles)."""
+from __future__ import annotations
+
+import multiprocessing
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                                "benchmarks"))
+
+import api_cpu_share  # noqa: E402
+import step_timing  # noqa: E402
+
+
+def test_steps_of_takes_one_bucket_size_over_every_context_bucket():
+    times = {"decode_b1": [0.01, 0.03], "decode_b1_c2048": [0.02], "decode_b16": [0.5], "prefill_s1": [0.7]}
+    assert sorted(step_timing.steps_of(times, "decode", 1)) == [0.01, 0.02, 0.03]
+    assert step_timing.steps_of(times, "prefill", 1) == [0.7]
+    assert step_timing.median_ms(step_timing.steps_of(times, "decode", 1)) == pytest.approx(20.0)
+    assert step_timing.steps_of(times, "decode", 4) == []
+
+
+def _burn(seconds: float) -> None:
+    end = time.process_time() + seconds  # busy CPU, not sleep
+    while time.process_time() < end:
+        pass
+
+
+def test_cpu_seconds_count_the_thread_that_burned_them():
+    pid = os.getpid()
+    got: dict = {}
+
+    def worker():
+        got["tid"] = threading.get_native_id()
+        got["before"] = api_cpu_share.thread_seconds(pid)[got["tid"]][1]
+        _burn(0.3)
+        got["after"] = api_cpu_share.thread_seconds(pid)[got["tid"]][1]
+
+    total0 = api_cpu_share.cpu_seconds(pid)
+    t = threading.Thread(target=worker)
+    t.start()
+    t.join()
+    assert got["after"] - got["before"] >= 0.2  # clock ticks: 10 ms resolution
+    assert api_cpu_share.cpu_seconds(pid) - total0 >= 0.2
+    busy, total = api_cpu_share.machine_busy_seconds()
+    assert 0 < busy <= total
+
+
+def test_descendants_and_roles():
+    ctx = multiprocessing.get_context("spawn")
+    engine = ctx.Process(target=time.sleep, args=(30,), daemon=True)  # how replica.py starts an EngineCore
+    engine.start()
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        kids = api_cpu_share.descendants(os.getpid())
+        assert engine.pid in kids and other.pid in kids
+        assert api_cpu_share.role(engine.pid) == "EngineCore"
+        assert api_cpu_share.role(other.pid).startswith(sys.executable)
+    finally:
+        engine.kill()
+        other.kill()
+        other.wait()
+        engine.join()
+
+
+def test_figures_read_from_bench_serve_table():
+    report = "Benchmark duration (s):                  12.50     \nTotal generated tokens:                  8192      \n"
+    assert api_cpu_share._figure(report, "Benchmark duration (s):") == 12.5
+    assert api_cpu_share._figure(report, "Total generated tokens:") == 8192
+    assert api_cpu_share._figure(report, "Mean TPOT (ms):") is None
