@@ -74,3 +74,19 @@ def test_figures_read_from_bench_serve_table():
     assert api_cpu_share._figure(report, "Benchmark duration (s):") == 12.5
     assert api_cpu_share._figure(report, "Total generated tokens:") == 8192
     assert api_cpu_share._figure(report, "Mean TPOT (ms):") is None
+
+
+def test_quant_linear_rows_variants_compute_the_same_product():
+    import torch
+
+    import quant_linear_rows
+    from vllm_neuron.model.layers.kernels import quant_kernels_available
+
+    if not quant_kernels_available(torch.device("cpu")):
+        pytest.skip("no AVX2 here: the int8/int4 kernels are not built")
+    torch.manual_seed(0)
+    calls = quant_linear_rows.variants(64, 576, 3, torch.float32)
+    out = {name: fn() for name, fn in calls.items()}
+    torch.testing.assert_close(out["int8 kernel"], out["F.linear unquantized"], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(out["int8 dequant+matmul"], out["F.linear unquantized"], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(out["int4 kernel"], out["int4 dequant+matmul"], rtol=1e-4, atol=1e-4)
