@@ -165,3 +165,21 @@ def test_greedy_identical_with_dflash(dirs, reference, monkeypatch, kernels, blo
     else:
         assert len({b for b in buckets if b.startswith("verify_b")}) >= 2, buckets
     assert not core.has_unfinished() and core.scheduler.kv.pool.num_free_blocks == core.num_blocks - 1
+
+
+@pytest.mark.slow
+def test_dflash_compiled_graphs(dirs, monkeypatch, tmp_path):
+    """Compiled buckets with the draft inside them: no extra graph (prefill, decode, verify), and the output
+    equals the non-speculative one."""
+    monkeypatch.setenv("NEURON_COMPILED_ARTIFACTS", str(tmp_path / "cache"))
+    kw = dict(enforce_eager=False, max_model_len=128, max_num_seqs=2, max_num_batched_tokens=64,
+              num_gpu_blocks_override=64,
+              additional_config={"neuron_config": {"num_batched_tokens_buckets": [64], "num_seqs_buckets": [2]}})
+    prompts = [[40, 41, 42, 43] * 6, [900, 901, 902] * 5 + [7]]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    ref = _gen(_engine(dirs, monkeypatch, spec=False, **{**kw, "enforce_eager": True}), prompts, params)
+    llm = _engine(dirs, monkeypatch, **kw)
+    core = llm.llm_engine.core
+    assert [r.name for r in core.compiler.records] == ["prefill_s64", "decode_b2", "verify_b2_k3"]
+    assert _gen(llm, prompts, params) == ref
+    assert core.scheduler.spec_stats.num_drafts > 0
