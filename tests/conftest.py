@@ -70,6 +70,15 @@ def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_llama_512_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The same tiny Llama with max_position_embeddings 512 (the engine parity tests' model); its
+    transformers twin is model_factory.build_tiny_llama(max_position_embeddings=512)."""
+    from tests import model_factory
+
+    return model_factory.make_tiny_llama(str(tmp_path_factory.mktemp("tiny_llama_512")), max_position_embeddings=512)
+
+
+@pytest.fixture(scope="session")
 def tiny_llama_gguf(tmp_path_factory: pytest.TempPathFactory) -> str:
     """F32 GGUF file of the same default tiny Llama (llama.cpp layout, SmolLM2 tokenizer metadata)."""
     from tests import model_factory

@@ -17,6 +17,7 @@ import torch
 from tests.model_factory import (build_tiny_gpt_oss_mxfp4, build_tiny_llama, build_tiny_model, hf_greedy_reference,
                                  make_tiny_gguf, make_tiny_gpt_oss_mxfp4, make_tiny_llama, make_tiny_model,
                                  shared_prefix_prompts)
+from tests.parity.parity_utils import LLAMA_ENGINE, assert_tokens, fp32_llm, greedy_outputs
 from vllm_neuron import LLM, SamplingParams
 from vllm_neuron.config.runner_selection import V2_LOG_LINE
 from vllm_neuron.worker.model_runner_v2 import ModelRunnerV2
@@ -51,21 +52,20 @@ def reference(arch) -> tuple[list[list[int]], list[torch.Tensor]]:
     return hf_greedy_reference(build_tiny_model(arch, max_position_embeddings=512), _prompts(), MAX_NEW)
 
 
+_ENGINE = dict(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=32, block_size=16, dtype="float32",
+               device="cpu", num_gpu_blocks_override=128, additional_config=SMALL_BUCKETS)
+
+
 def _engine(model_dir: str, **kw) -> LLM:
-    base = dict(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=32, block_size=16, dtype="float32",
-                device="cpu", num_gpu_blocks_override=128, additional_config=SMALL_BUCKETS)
-    base.update(kw)
-    return LLM(model_dir, **base)
+    return fp32_llm(model_dir, _ENGINE, **kw)
 
 
 def _run(llm: LLM, logprobs: int | None = None):
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=logprobs)
-    return llm.generate([{"prompt_token_ids": p} for p in _prompts()], params, use_tqdm=False)
+    return greedy_outputs(llm, _prompts(), MAX_NEW, logprobs)
 
 
 def _assert_tokens(outs, ref_tokens, lengths: list[int] = LENGTHS) -> None:
-    for i, (o, ref) in enumerate(zip(outs, ref_tokens)):
-        assert o.outputs[0].token_ids == ref, f"prompt {i} (length {lengths[i]}) diverged"
+    assert_tokens(outs, ref_tokens, lengths)
 
 
 def _max_logprob_error(outs, ref_logprobs) -> float:
@@ -258,8 +258,8 @@ def _llama_prompts() -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def llama_dir(tmp_path_factory) -> str:
-    return make_tiny_llama(str(tmp_path_factory.mktemp("parity_llama")), max_position_embeddings=512)
+def llama_dir(tiny_llama_512_dir) -> str:
+    return tiny_llama_512_dir
 
 
 @pytest.fixture(scope="module")
@@ -268,15 +268,11 @@ def llama_reference() -> tuple[list[list[int]], list[torch.Tensor]]:
 
 
 def _llama_engine(model_dir: str, **kw) -> LLM:
-    base = dict(max_model_len=512, max_num_seqs=8, max_num_batched_tokens=128, block_size=16, dtype="float32",
-                device="cpu", num_gpu_blocks_override=512)
-    base.update(kw)
-    return LLM(model_dir, **base)
+    return fp32_llm(model_dir, LLAMA_ENGINE, **kw)
 
 
 def _llama_run(llm: LLM, logprobs: int | None = None):
-    params = SamplingParams(temperature=0.0, max_tokens=LLAMA_MAX_NEW, ignore_eos=True, logprobs=logprobs)
-    return llm.generate([{"prompt_token_ids": p} for p in _llama_prompts()], params, use_tqdm=False)
+    return greedy_outputs(llm, _llama_prompts(), LLAMA_MAX_NEW, logprobs)
 
 
 @pytest.mark.parametrize("prefix_caching", [True, False])

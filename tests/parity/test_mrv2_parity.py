@@ -16,7 +16,8 @@ import random
 import pytest
 import torch
 
-from tests.model_factory import build_tiny_llama, hf_greedy_reference, make_tiny_llama, shared_prefix_prompts
+from tests.model_factory import build_tiny_llama, hf_greedy_reference, shared_prefix_prompts
+from tests.parity.parity_utils import LLAMA_ENGINE, fp32_llm, generate_ids
 from vllm_neuron import LLM, SamplingParams
 from vllm_neuron.config.runner_selection import V2_LOG_LINE
 from vllm_neuron.step import PLACEHOLDER_TOKEN_ID
@@ -36,8 +37,8 @@ def _prompts() -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> str:
-    return make_tiny_llama(str(tmp_path_factory.mktemp("mrv2_llama")), max_position_embeddings=512)
+def model_dir(tiny_llama_512_dir) -> str:
+    return tiny_llama_512_dir
 
 
 @pytest.fixture(scope="module")
@@ -76,10 +77,7 @@ class _Spy:
 
 def _engine(model_dir: str, monkeypatch, runner: str = "1", **kw) -> LLM:
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", runner)
-    base = dict(max_model_len=512, max_num_seqs=8, max_num_batched_tokens=128, block_size=16, dtype="float32",
-                device="cpu", num_gpu_blocks_override=512, enforce_eager=True)
-    base.update(kw)
-    return LLM(model_dir, **base)
+    return fp32_llm(model_dir, LLAMA_ENGINE, **{"enforce_eager": True, **kw})
 
 
 def _greedy(max_tokens: int = MAX_NEW, **kw) -> SamplingParams:
@@ -87,8 +85,7 @@ def _greedy(max_tokens: int = MAX_NEW, **kw) -> SamplingParams:
 
 
 def _gen(llm: LLM, params, prompts=None) -> list[list[int]]:
-    prompts = _prompts() if prompts is None else prompts
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    outs = generate_ids(llm, _prompts() if prompts is None else prompts, params)
     return [o.outputs[0].token_ids for o in outs]
 
 
