@@ -1,10 +1,11 @@
-"""Speculative decoding on the bundled model (n-gram and EAGLE3): TPOT and output tok/s with speculation off
+"""Speculative decoding on the bundled model (n-gram, EAGLE3, DFlash): TPOT and output tok/s with speculation off
 and on, acceptance rate and acceptance length, on a repetitive and a random workload, at batch 1 and 8 -
 all in one run, one process, so the ratios are comparable.
 
     python benchmarks/spec_decode_ngram.py                      # K=4, lookup 2..5, 8 requests per cell
     python benchmarks/spec_decode_ngram.py --num-requests 16 --k 3 --output-len 96
     python benchmarks/spec_decode_ngram.py --methods ngram,eagle3 --eagle3-draft DIR
+    python benchmarks/spec_decode_ngram.py --methods dflash --dflash-draft DIR
     python benchmarks/spec_decode_ngram.py --smoke                # eager, 8 requests x 16 tokens: checks it runs
 
 Workloads: "repetitive" asks the model (chat template) to repeat a passage word for word, the work n-gram
@@ -14,6 +15,7 @@ emit the same tokens. Batch B: B requests submitted together, the next wave when
 TPOT = (E2E - TTFT) / (output tokens - 1) per request, averaged; tok/s = output tokens / wall time.
 EAGLE3 without --eagle3-draft uses a random-weight draft head built for the bundled model (no trained
 EAGLE3 draft exists for it): it accepts almost nothing, so it measures what a low-acceptance draft costs.
+DFlash without --dflash-draft likewise uses a random-weight two-layer block draft (taps 1, 14, 27).
 Low acceptance: a request whose drafts are mostly rejected stops speculating for a while and probes
 again later (core/spec_policy.py); the "paused" column counts those pauses in the cell.
 Timings on a shared machine are noisy: compare the on/off columns of one run only.
@@ -97,8 +99,9 @@ def main() -> None:
     ap.add_argument("--lookup-min", type=int, default=2)
     ap.add_argument("--lookup-max", type=int, default=5)
     ap.add_argument("--batches", default="1,8")
-    ap.add_argument("--methods", default="ngram", help="comma list of ngram, eagle3")
+    ap.add_argument("--methods", default="ngram", help="comma list of ngram, eagle3, dflash")
     ap.add_argument("--eagle3-draft", default=None, help="EAGLE3 draft directory (default: a random-weight one)")
+    ap.add_argument("--dflash-draft", default=None, help="DFlash draft directory (default: a random-weight one)")
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--smoke", action="store_true",
                     help="a short check that the benchmark runs: eager, 8 requests x 16 tokens, 64-token random prompts")
@@ -117,10 +120,13 @@ def main() -> None:
                       "num_seqs_buckets": sorted(set(batches)), "num_batched_tokens_buckets": [128, 512]}})
     specs = {"ngram": {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": args.lookup_min,
                        "prompt_lookup_max": args.lookup_max},
-             "eagle3": {"method": "eagle3", "num_speculative_tokens": args.k, "model": args.eagle3_draft}}
+             "eagle3": {"method": "eagle3", "num_speculative_tokens": args.k, "model": args.eagle3_draft},
+             "dflash": {"method": "dflash", "num_speculative_tokens": args.k, "model": args.dflash_draft}}
     methods = args.methods.split(",")
     if "eagle3" in methods and args.eagle3_draft is None:
         specs["eagle3"]["model"] = random_eagle3_draft()
+    if "dflash" in methods and args.dflash_draft is None:
+        specs["dflash"]["model"] = random_dflash_draft()
     engines = {"off": LLM(**common), **{m: LLM(speculative_config=specs[m], **common) for m in methods}}
     tok = engines["off"].get_tokenizer()
     workloads = {"repetitive": repetitive_prompts(tok, args.num_requests),
@@ -134,7 +140,8 @@ def main() -> None:
             rows += [(m, wname, b, res["off"], res[m]) for m in methods]
             print(f"[cell] {wname} batch {b}: {res}", flush=True)
     print(f"\nSpeculation off vs on (K={args.k}; n-gram lookup {args.lookup_min}..{args.lookup_max}; EAGLE3 draft "
-          f"{specs['eagle3']['model'] if 'eagle3' in methods else '-'}), bundled model, "
+          f"{specs['eagle3']['model'] if 'eagle3' in methods else '-'}; DFlash draft "
+          f"{specs['dflash']['model'] if 'dflash' in methods else '-'}), bundled model, "
           f"{args.num_requests} requests x {args.output_len} tokens per cell, "
           f"{'eager' if args.enforce_eager else 'compiled'}")
     head = (f"{'method':<7} {'workload':<11} {'batch':>5} {'TPOT off':>9} {'TPOT on':>8} {'TPOT off/on':>11} "
@@ -151,15 +158,32 @@ def main() -> None:
           "whose drafts were mostly rejected stopped speculating for a while (core/spec_policy.py).")
 
 
-def random_eagle3_draft() -> str:
-    """A random-weight EAGLE3 draft head shaped for the bundled SmolLM2-135M (hidden 576, 9 heads / 3 KV
-    heads), default taps; written once to a temporary directory."""
+def _factory():
     import sys
-    import tempfile
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from tests.model_factory import make_tiny_eagle3
+    import tests.model_factory as factory
+
+    return factory
+
+
+def random_dflash_draft() -> str:
+    """A random-weight two-layer DFlash draft shaped for the bundled SmolLM2-135M (30 layers; hidden 576, 9 heads /
+    3 KV heads), block size 16, written once to a temporary directory."""
+    import tempfile
+
+    return _factory().make_tiny_dflash(tempfile.mkdtemp(prefix="dflash-random-"), hidden_size=576, num_heads=9,
+                                       num_kv_heads=3, intermediate_size=1536, target_layer_ids=[1, 14, 27],
+                                       block_size=16, scale=0.05)
+
+
+def random_eagle3_draft() -> str:
+    """A random-weight EAGLE3 draft head shaped for the bundled SmolLM2-135M (hidden 576, 9 heads / 3 KV
+    heads), default taps; written once to a temporary directory."""
+    import tempfile
+
+    make_tiny_eagle3 = _factory().make_tiny_eagle3
 
     return make_tiny_eagle3(tempfile.mkdtemp(prefix="eagle3-random-"), target_hidden=576, hidden_size=576,
                             num_heads=9, num_kv_heads=3, intermediate_size=1536, draft_vocab_size=4096, scale=0.05)
