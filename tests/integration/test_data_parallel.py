@@ -182,7 +182,8 @@ def test_offline_llm_data_parallel_matches_one_engine(tiny_llama_dir, single):
         [o.outputs[0].token_ids for o in single.chat(chat, params, use_tqdm=False)]
 
     # A replica that hangs (stopped) is found by its silence, killed, and its request fails; no hang.
-    client.cores.iteration_timeout = 3.0  # VLLM_ENGINE_ITERATION_TIMEOUT_S
+    # VLLM_ENGINE_ITERATION_TIMEOUT_S; long enough that the busy replica 0 is never mistaken for hung on a loaded machine.
+    client.cores.iteration_timeout = 10.0
     hung = client.cores.replicas[1].proc
     os.kill(hung.pid, signal.SIGSTOP)
     try:
