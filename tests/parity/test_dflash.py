@@ -7,6 +7,8 @@ vLLM's checkpoint layout, fp32, MRv1).
 * Greedy output is token-identical with DFlash on and off across batch buckets, segmented prefill and
   prefix caching (kernel attention path) and preemption (torch attention path); the spec-decode counters
   move. A random draft accepts little: the low-acceptance end.
+* The high-acceptance end: a constructed target / draft pair whose drafts are always right is accepted in
+  full (acceptance 1.0 measured) with the output unchanged.
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import os
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from tests.model_factory import generate_token_ids, build_tiny_llama, make_tiny_dflash, make_tiny_llama, shared_prefix_prompts
 from vllm_neuron import LLM, SamplingParams
@@ -183,3 +185,90 @@ def test_dflash_compiled_graphs(dirs, monkeypatch, tmp_path):
     assert [r.name for r in core.compiler.records] == ["prefill_s64", "decode_b2", "verify_b2_k3"]
     assert _gen(llm, prompts, params) == ref
     assert core.scheduler.spec_stats.num_drafts > 0
+
+
+def _agreeing_pair(root) -> tuple[str, str, torch.nn.Module]:
+    """A target that continues any alternation a, f(a), a, ... (f(t) = t XOR 1) and a DFlash draft that
+    drafts that same alternation: (target dir, draft dir, the target's transformers model).
+
+    Target: every layer's o_proj / down_proj is zero, so every layer's output is the token's embedding and
+    logits = lm_head(norm(embed(t))). Embedding: dim 0 is a constant 1 (a "content" flag) for every real
+    token, dim 1 is 0, the rest a fixed-norm random vector; the mask token (vocab - 1) is e_1. lm_head row v
+    is embed[f(v)] (zero for the mask token and its partner), so greedy output is f(last token).
+    Draft (one layer, one head of head_dim = hidden): fc takes the first tap (= the embedding), v_proj and
+    o_proj are the identity, the MLP is zero. q_proj reads the mask flag (dim 1) and k_proj the content flag
+    (dim 0), both into head dim 1, whose RoPE pair turns exactly pi per position (rope_theta = pi^(-h/2)):
+    a mask row's score is +large for keys at odd distance, -large at even distance, 0 for the other mask
+    rows (their key is zero). Block row j (position n + j) thus reads the embedding of the token of the
+    other parity, and the target's lm_head turns it into f(that) = the token at n + j. Every draft is right
+    while the context alternates; one row or position off gives the wrong parity, so ~0 acceptance."""
+    hf = build_tiny_llama(max_position_embeddings=256)
+    h, vocab = hf.config.hidden_size, hf.config.vocab_size
+    mask_id = vocab - 1
+    g = torch.Generator().manual_seed(11)
+    rest = torch.randn(vocab, h - 2, generator=g)
+    embed = torch.cat([torch.ones(vocab, 1), torch.zeros(vocab, 1),
+                       rest * ((h - 2) ** 0.5 / rest.norm(dim=-1, keepdim=True))], 1)
+    embed[mask_id] = torch.nn.functional.one_hot(torch.tensor(1), h).float()
+    head = embed[torch.arange(vocab) ^ 1]
+    head[mask_id] = head[mask_id ^ 1] = 0.0
+    with torch.no_grad():
+        for layer in hf.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        hf.model.norm.weight.fill_(1.0)
+        hf.model.embed_tokens.weight.copy_(embed)
+        hf.lm_head.weight.copy_(head)
+    target = make_tiny_llama(str(root / "target_agree"), model=hf)
+    draft = make_tiny_dflash(str(root / "draft_agree"), hidden_size=h, vocab_size=vocab, target_layer_ids=TAPS,
+                             num_layers=1, block_size=K + 1, mask_token_id=mask_id, num_heads=1, num_kv_heads=1)
+    path = os.path.join(draft, "model.safetensors")
+    w = {n: torch.zeros_like(t) for n, t in load_file(path).items()}  # the MLP stays zero
+    for n in w:
+        if n.endswith("norm.weight"):
+            w[n].fill_(1.0)
+    eye = torch.eye(h)
+    w["fc.weight"][:, :h] = eye
+    w["layers.0.self_attn.q_proj.weight"][1, 1] = -1.0
+    w["layers.0.self_attn.k_proj.weight"][1, 0] = 1.0
+    w["layers.0.self_attn.q_norm.weight"].fill_(2.0)  # scores +-16: q = -2 sqrt(h), k = sqrt(h), scale 1/sqrt(h)
+    w["layers.0.self_attn.v_proj.weight"].copy_(eye)
+    w["layers.0.self_attn.o_proj.weight"].copy_(eye)
+    save_file(w, path, metadata={"format": "pt"})
+    cfg_path = os.path.join(draft, "config.json")
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    cfg["rope_theta"] = float(torch.pi ** (-h / 2))  # inv_freq of pair 1 = theta^(-2/h) = pi
+    with open(cfg_path, "w") as f:
+        json.dump(cfg, f)
+    return target, draft, hf
+
+
+def test_agreeing_draft_is_accepted_and_output_unchanged(tmp_path, monkeypatch):
+    """The high-acceptance end: a draft that is always right exercises the accept-everything path (the
+    bonus after K accepted drafts, full-acceptance KV injection and positions) across batch buckets,
+    segmented prefill and prefix caching. The output alternates by construction: the point is the full
+    acceptance, not variety. A draft misaligned by one row or position drafts the wrong parity, so the
+    acceptance bound catches it; the spied drafts are also checked against the dense reference."""
+    *pair, hf = _agreeing_pair(tmp_path)
+    pairs = [(100, 101), (2024, 2025), (31337, 31336), (48000, 48001), (777, 776), (5000, 5001), (5000, 5001)]
+    lengths = [5, 17, 40, 70, 9, 130, 131]  # over the 32-token prefill budget; the last two share 8 blocks
+    prompts = [[pr[i % 2] for i in range(n)] for pr, n in zip(pairs, lengths)]
+    ref = _gen(_engine(pair, monkeypatch, spec=False), prompts)
+    for p, o in zip(prompts, ref):  # the target continues the alternation
+        assert o == [p[-1 - (i % 2)] for i in range(1, len(o) + 1)]
+    llm = _engine(pair, monkeypatch)
+    core = llm.llm_engine.core
+    seen, buckets = [], set()
+
+    def record(runner, out):
+        buckets.add(out.bucket_name)
+        seen.extend((list(runner.sampling.all_tokens(r)), d) for r, d in out.spec_token_ids.items())
+    _spy(llm, record)
+    assert _gen(llm, prompts) == ref
+    st = core.scheduler.spec_stats
+    assert st.num_drafts > 30 and st.acceptance_rate > 0.95, (st.num_drafts, st.acceptance_rate)
+    assert st.mean_accepted_length > K + 0.5 and core.scheduler.spec_policy.num_pauses == 0
+    assert core.scheduler.kv.prefix_hits > 0 and len({b for b in buckets if b.startswith("verify_b")}) >= 2, buckets
+    for known, drafts in seen[::max(1, len(seen) // 4)]:
+        assert drafts == [known[-1 - (j % 2)] for j in range(1, K + 1)] == _reference_drafts(hf, pair[1], known, K)
