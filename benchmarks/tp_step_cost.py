@@ -23,8 +23,12 @@ import torch
 
 
 def _model_dir(path: str) -> str:
+    import sys
+    from pathlib import Path
+
     from transformers import LlamaForCausalLM
 
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the repo's tests package
     from tests.model_factory import make_tiny_model, tiny_llama_config
 
     cfg = tiny_llama_config(num_hidden_layers=30, hidden_size=576, intermediate_size=1536, num_attention_heads=8,
