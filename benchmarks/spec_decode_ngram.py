@@ -10,8 +10,12 @@ all in one run, one process, so the ratios are comparable.
 
 Workloads: "repetitive" asks the model (chat template) to repeat a passage word for word, the work n-gram
 lookup is for (editing, extraction, code); "random" sends random token prompts, where lookup finds
-nothing and speculation should cost nothing. Greedy, ignore_eos, fixed output length, so both engines
-emit the same tokens. Batch B: B requests submitted together, the next wave when all finished.
+nothing and speculation should cost nothing. Greedy, so every engine emits the same tokens; the
+repetitive requests stop at EOS (what the model writes after the passage is new text, not the work
+lookup is for; --repetitive-ignore-eos runs them to --output-len), the random ones run to --output-len.
+"sampled" sends the random prompts at temperature 1 (seeded): SmolLM2 stops repeating itself, lookup still
+finds short matches and most drafts are rejected - the low-acceptance case for n-gram.
+Batch B: B requests submitted together, the next wave when all finished.
 TPOT = (E2E - TTFT) / (output tokens - 1) per request, averaged; tok/s = output tokens / wall time.
 EAGLE3 without --eagle3-draft uses a random-weight draft head built for the bundled model (no trained
 EAGLE3 draft exists for it): it accepts almost nothing, so it measures what a low-acceptance draft costs.
@@ -58,11 +62,11 @@ def random_prompts(vocab: int, n: int, length: int, seed: int) -> list[list[int]
     return [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(n)]
 
 
-def run_cell(llm, prompts: list[list[int]], batch: int, output_len: int) -> dict:
+def run_cell(llm, prompts: list[list[int]], batch: int, output_len: int, ignore_eos: bool = True,
+             temperature: float = 0.0) -> dict:
     from vllm_neuron import SamplingParams
 
     engine = llm.llm_engine
-    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     stats, policy = engine.core.scheduler.spec_stats, engine.core.scheduler.spec_policy
     d0, t0_, a0, p0 = stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens, policy.num_pauses
     tpots, total_out = [], 0
@@ -71,6 +75,8 @@ def run_cell(llm, prompts: list[list[int]], batch: int, output_len: int) -> dict
         start, first, n_out = {}, {}, {}
         for i, p in enumerate(prompts[w:w + batch]):
             rid = f"r{w + i}"
+            params = SamplingParams(temperature=temperature, max_tokens=output_len, ignore_eos=ignore_eos,
+                                    seed=w + i if temperature > 0 else None)
             engine.add_request(rid, {"prompt_token_ids": p}, params)
             start[rid] = time.perf_counter()
         while engine.has_unfinished_requests():
@@ -87,7 +93,7 @@ def run_cell(llm, prompts: list[list[int]], batch: int, output_len: int) -> dict
     drafts, dtoks, acc = stats.num_drafts - d0, stats.num_draft_tokens - t0_, stats.num_accepted_tokens - a0
     return {"tpot_ms": 1000 * statistics.mean(tpots), "tok_s": total_out / wall,
             "acceptance": acc / dtoks if dtoks else None, "length": 1 + acc / drafts if drafts else None,
-            "paused": policy.num_pauses - p0}
+            "paused": policy.num_pauses - p0, "tokens": total_out}
 
 
 def main() -> None:
@@ -103,6 +109,9 @@ def main() -> None:
     ap.add_argument("--eagle3-draft", default=None, help="EAGLE3 draft directory (default: a random-weight one)")
     ap.add_argument("--dflash-draft", default=None, help="DFlash draft directory (default: a random-weight one)")
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--repetitive-ignore-eos", action="store_true",
+                    help="the repetitive workload runs to --output-len past EOS too (by default it stops at EOS: "
+                         "what follows the repeated passage is new text, not repetitive work)")
     ap.add_argument("--smoke", action="store_true",
                     help="a short check that the benchmark runs: eager, 8 requests x 16 tokens, 64-token random prompts")
     args = ap.parse_args()
@@ -134,15 +143,22 @@ def main() -> None:
     for llm in engines.values():  # warm both (first-call costs off the clock)
         run_cell(llm, workloads["random"][:1], 1, 4)
     rows = []
+    workloads["sampled"] = workloads["random"]  # random prompts, temperature 1: lookup matches, drafts mostly miss
     for wname, prompts in workloads.items():
         for b in batches:
-            res = {mode: run_cell(llm, prompts, b, args.output_len) for mode, llm in engines.items()}
+            ignore_eos = wname == "random" or args.repetitive_ignore_eos
+            temp = 1.0 if wname == "sampled" else 0.0
+            res = {mode: run_cell(llm, prompts, b, args.output_len, ignore_eos or temp > 0, temp)
+                   for mode, llm in engines.items()}
+            if len({r["tokens"] for r in res.values()}) > 1:  # greedy: every engine emits the same tokens
+                print(f"WARNING: output token counts differ between engines: {res}", flush=True)
             rows += [(m, wname, b, res["off"], res[m]) for m in methods]
             print(f"[cell] {wname} batch {b}: {res}", flush=True)
     print(f"\nSpeculation off vs on (K={args.k}; n-gram lookup {args.lookup_min}..{args.lookup_max}; EAGLE3 draft "
           f"{specs['eagle3']['model'] if 'eagle3' in methods else '-'}; DFlash draft "
           f"{specs['dflash']['model'] if 'dflash' in methods else '-'}), bundled model, "
-          f"{args.num_requests} requests x {args.output_len} tokens per cell, "
+          f"{args.num_requests} requests x up to {args.output_len} tokens per cell (repetitive: "
+          f"{'past EOS' if args.repetitive_ignore_eos else 'until EOS'}), "
           f"{'eager' if args.enforce_eager else 'compiled'}")
     head = (f"{'method':<7} {'workload':<11} {'batch':>5} {'TPOT off':>9} {'TPOT on':>8} {'TPOT off/on':>11} "
             f"{'tok/s off':>9} {'tok/s on':>8} {'tok/s on/off':>12} {'accept %':>8} {'acc. len':>8} {'paused':>6}")
