@@ -146,11 +146,11 @@ def main() -> None:
     workloads["sampled"] = workloads["random"]  # random prompts, temperature 1: lookup matches, drafts mostly miss
     for wname, prompts in workloads.items():
         for b in batches:
-            ignore_eos = wname == "random" or args.repetitive_ignore_eos
+            ignore_eos = wname != "repetitive" or args.repetitive_ignore_eos
             temp = 1.0 if wname == "sampled" else 0.0
-            res = {mode: run_cell(llm, prompts, b, args.output_len, ignore_eos or temp > 0, temp)
-                   for mode, llm in engines.items()}
-            if len({r["tokens"] for r in res.values()}) > 1:  # greedy: every engine emits the same tokens
+            res = {mode: run_cell(llm, prompts, b, args.output_len, ignore_eos, temp) for mode, llm in engines.items()}
+            # Greedy (or a fixed length): every engine emits as many tokens, else the TPOTs are not comparable.
+            if len({r["tokens"] for r in res.values()}) > 1:
                 print(f"WARNING: output token counts differ between engines: {res}", flush=True)
             rows += [(m, wname, b, res["off"], res[m]) for m in methods]
             print(f"[cell] {wname} batch {b}: {res}", flush=True)
