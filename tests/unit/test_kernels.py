@@ -181,7 +181,8 @@ def test_paged_attention_checks_the_bounds_it_relies_on(change, message):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("rows", [1, 3, 4])
+# 1-4 rows: one weight row at a time; from 5: bands of four weight rows against four-row blocks plus a rest.
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 8, 13, 16])
 @pytest.mark.parametrize("n, k", [(1536, 576), (576, 1536), (190, 576), (7, 64)])
 def test_linear_small_batch_matches_fp32_matmul(dtype, rows, n, k):
     if dtype not in K.linear_kernel_dtypes(CPU):
@@ -202,18 +203,27 @@ def test_linear_layer_takes_the_kernel_only_for_small_batches_of_its_dtypes(monk
     calls = []
     monkeypatch.setattr(K, "linear_small_batch", lambda x, w: calls.append((x.shape[0], x.dtype)) or F.linear(x, w))
     layer = L.Linear(64, 32, bias=False).bfloat16()
-    L.set_small_batch_kernel(frozenset({torch.bfloat16}))
+    L.set_small_batch_kernel(frozenset({torch.bfloat16}), 4)
     try:
-        layer(torch.randn(L.SMALL_BATCH_ROWS, 64).bfloat16())
-        layer(torch.randn(L.SMALL_BATCH_ROWS + 1, 64).bfloat16())  # prefill-sized: oneDNN
+        layer(torch.randn(4, 64).bfloat16())
+        layer(torch.randn(5, 64).bfloat16())  # above the limit: oneDNN
         layer.float()(torch.randn(2, 64))  # fp32 is not in the set
-        L.set_small_batch_kernel(frozenset({torch.float32}))
-        layer(torch.randn(2, 64))
-        L.set_small_batch_kernel(frozenset())
+        L.set_small_batch_kernel(frozenset({torch.float32}), 16)
+        layer(torch.randn(16, 64))
+        layer(torch.randn(17, 64))
+        L.set_small_batch_kernel(frozenset(), 16)
         layer.bfloat16()(torch.randn(1, 64).bfloat16())
     finally:
-        L.set_small_batch_kernel(frozenset())
-    assert calls == [(L.SMALL_BATCH_ROWS, torch.bfloat16), (2, torch.float32)]
+        L.set_small_batch_kernel(frozenset(), 0)
+    assert calls == [(4, torch.bfloat16), (16, torch.float32)]
+
+
+def test_small_batch_rows_per_cpu_class():
+    amx = {"amx_bf16", "amx_tile", "avx512_bf16"}
+    assert K.small_batch_rows("avx512bf16", amx, torch.bfloat16) == 4  # oneDNN's AMX path wins from 5 rows
+    assert K.small_batch_rows("avx512bf16", amx, torch.float32) == 16  # AMX has no fp32 tiles
+    assert K.small_batch_rows("avx512bf16", {"avx512_bf16"}, torch.bfloat16) == 16
+    assert K.small_batch_rows("avx2", {"avx2", "fma"}, torch.float32) == 4  # unmeasured beyond 4 rows
 
 
 def test_variant_detection():

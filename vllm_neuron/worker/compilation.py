@@ -117,6 +117,13 @@ def _identity(x):
     return x
 
 
+# Inductor checks every input's sizes, strides and alignment on every call, of the graph and of each
+# decoder layer's nested region (30 calls a step with ~20 inputs each): 3.3 ms of a 9.9 ms int8 decode_b1
+# step on 2 AVX512-BF16 cores. A bucket's shapes are static and its inputs come from the runner's own
+# buffers, so the checks can never fire; dynamo's tensor guards still run where they are kept.
+INDUCTOR_OPTIONS = {"size_asserts": False, "alignment_asserts": False, "scalar_asserts": False}
+
+
 class CompileTimeout(RuntimeError):
     pass
 
@@ -384,6 +391,7 @@ class GraphCompiler:
         if use_aot:
             try:
                 compiled = torch.compile(fn, dynamic=False, fullgraph=True, options={
+                    **INDUCTOR_OPTIONS,
                     # The guards are saved with the graph: only tensor guards survive serialization.
                     "guard_filter_fn": torch.compiler.keep_tensor_guards_unsafe}).aot_compile((args, {}))
                 path.parent.mkdir(parents=True, exist_ok=True)
@@ -400,7 +408,7 @@ class GraphCompiler:
                 logger.warning("Bucket %s: ahead-of-time compilation failed (%s: %s); using torch.compile, "
                                "which re-traces this graph on every start", name, type(e).__name__, e)
         self._source = "traced"
-        return torch.compile(fn, dynamic=False, fullgraph=True)
+        return torch.compile(fn, dynamic=False, fullgraph=True, options=dict(INDUCTOR_OPTIONS))
 
     def warm(self, name: str, run: Callable[[], Any]) -> BucketCompileRecord:
         """Runs one bucket's graph once on dummy inputs, compiling it (or loading it from the cache)."""

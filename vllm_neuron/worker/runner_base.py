@@ -25,7 +25,7 @@ from vllm_neuron.distributed import parallel_state as ps
 from vllm_neuron.kv_cache_groups import KVCacheLayout, plan_kv_cache_layout, single_group_layout
 from vllm_neuron.logger import init_logger
 from vllm_neuron.model.layers import kv_quant, quant_fp8
-from vllm_neuron.model.layers.kernels import (describe_kernels, kernel_variant, kernels_enabled, linear_kernel_dtypes,
+from vllm_neuron.model.layers.kernels import (describe_kernels, kernel_variant, kernels_enabled, linear_kernel_rows,
                                               quant_kernels_available)
 from vllm_neuron.model.layers.linear import (make_linears_fp8_, quantize_linears_, set_quant_kernels,
                                              set_small_batch_kernel)
@@ -92,9 +92,9 @@ class ModelRunnerBase:
             raise ValueError(f"neuron_config.quantization={config.neuron_config.quantization!r} cannot apply to a "
                              f"checkpoint whose weights are already quantized ({self.ckpt_scheme}); remove it")
         self.use_kernels = kernels_enabled(device)  # sinks and sliding windows included
-        kernel_dtypes = linear_kernel_dtypes(device)
-        self.use_linear_kernel = self.dtype in kernel_dtypes
-        set_small_batch_kernel(kernel_dtypes)
+        kernel_rows = linear_kernel_rows(device)
+        self.linear_kernel_rows = kernel_rows.get(self.dtype, 0)
+        set_small_batch_kernel(frozenset(kernel_rows), self.linear_kernel_rows)
         logger.info("%s", describe_kernels(device, self.dtype))
         self.use_quant_kernels = quant_kernels_available(device)
         set_quant_kernels(self.use_quant_kernels)
@@ -246,7 +246,7 @@ class ModelRunnerBase:
     def _graph_options(self) -> dict:
         """What shapes the graphs beyond the model config, dtype and device (part of the cache key)."""
         return {"odsc": repr(self.odsc), "block_size": self.block_size, "backend": self.backend,
-                "kernels": self.use_kernels, "linear_kernel": self.use_linear_kernel,
+                "kernels": self.use_kernels, "linear_kernel_rows": self.linear_kernel_rows,
                 "kernel_variant": kernel_variant()[0] if self.use_kernels else None,
                 "quant_kernels": self.use_quant_kernels, "kv_dtype": str(self.kv_dtype),
                 "paged_decode": self.paged_decode, "kv_segment": self.kv_segment,

@@ -1,9 +1,10 @@
 """Linear layer: nn.Linear, plus the weight-streaming kernel for decode-sized batches.
 
 At a few rows a linear layer is bound by streaming its weights; the custom kernel
-(kernels/linear_bf16.cpp, bf16 and fp32) gets 1.3-2.5x more bandwidth than oneDNN there on AVX512-BF16 CPUs. From
-SMALL_BATCH_ROWS rows on, oneDNN is as fast and takes over. The switch is process-wide and set once
-by the model runner; a graph sees it as a constant, so the choice is made when a bucket is traced.
+(kernels/linear_bf16.cpp, bf16 and fp32) gets 1.3-2.5x more bandwidth than oneDNN there on AVX512-BF16 CPUs.
+Above a number of rows that depends on the CPU class (kernels.small_batch_rows: 4 where AMX serves oneDNN,
+16 elsewhere), oneDNN is as fast and takes over. The switch is process-wide and set once by the model
+runner; a graph sees it as a constant, so the choice is made when a bucket is traced.
 A layer can also be quantized in place to weight-only int8 or int4 (quant_int8.py, quant_int4.py),
 whose few-row kernels are switched on by the runner too.
 """
@@ -13,15 +14,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-SMALL_BATCH_ROWS = 4
 _kernel_dtypes: frozenset[torch.dtype] = frozenset()
+_kernel_rows = 0
 _quant_kernels_enabled = False
 
 
-def set_small_batch_kernel(dtypes: frozenset[torch.dtype]) -> None:
-    """The dtypes whose small batches take the weight-streaming kernel (empty: none)."""
-    global _kernel_dtypes
-    _kernel_dtypes = frozenset(dtypes)
+def set_small_batch_kernel(dtypes: frozenset[torch.dtype], rows: int) -> None:
+    """Inputs of these dtypes with up to `rows` rows take the weight-streaming kernel (empty: none). One
+    limit for the process (the runner's compute dtype's): a graph guards on plain globals only."""
+    global _kernel_dtypes, _kernel_rows
+    _kernel_dtypes, _kernel_rows = frozenset(dtypes), rows
 
 
 def set_quant_kernels(enabled: bool) -> None:
@@ -64,7 +66,7 @@ class Linear(nn.Linear):
             return linear(x, self.weight, self.weight_scale, self.bias)
         if self.quantization is not None:
             return _scheme(self.quantization).linear(x, self.qweight, self.qscale, self.bias, _quant_kernels_enabled)
-        if (x.dtype in _kernel_dtypes and x.dim() == 2 and x.shape[0] <= SMALL_BATCH_ROWS and self.bias is None
+        if (x.dtype in _kernel_dtypes and x.dim() == 2 and x.shape[0] <= _kernel_rows and self.bias is None
                 and self.weight.dtype == x.dtype and self.in_features % 32 == 0):
             from vllm_neuron.model.layers.kernels import linear_small_batch
 

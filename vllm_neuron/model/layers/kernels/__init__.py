@@ -185,6 +185,24 @@ def linear_kernel_dtypes(device: torch.device) -> frozenset[torch.dtype]:
     return frozenset(dt for dt, op in ops.items() if _has_op(op))
 
 
+def small_batch_rows(variant: str, flags: set[str], dtype: torch.dtype) -> int:
+    """Up to how many rows the weight-streaming linear beats oneDNN on this CPU class (pure).
+
+    Measured on the bundled model's linears (one step's worth, 2 cores): on a Xeon with AMX, oneDNN's
+    tile path takes bf16 from 5 rows on (kernel 31.7 ms vs oneDNN ~27 ms at 5 rows). Without AMX the
+    kernel's 4 x 4 register tiles stay ahead to 16 rows (AMD EPYC, AVX512-BF16: bf16 14.3 vs 19.1 ms, fp32
+    36.1 vs 74.2 ms at 16 rows), the largest decode bucket by default. The AVX2 build is unmeasured against
+    oneDNN beyond 4 rows, so it keeps 4."""
+    if variant != "avx512bf16" or (dtype == torch.bfloat16 and "amx_bf16" in flags):
+        return 4
+    return 16
+
+
+def linear_kernel_rows(device: torch.device) -> dict[torch.dtype, int]:
+    """dtype -> the most rows of an input that takes the weight-streaming linear here (absent: never)."""
+    return {dt: small_batch_rows(kernel_variant()[0], _cpu_flags(), dt) for dt in linear_kernel_dtypes(device)}
+
+
 def describe_kernels(device: torch.device, dtype: torch.dtype) -> str:
     """One start-up line: which kernels serve this model and why (or why not)."""
     if device.type != "cpu":
@@ -194,7 +212,8 @@ def describe_kernels(device: torch.device, dtype: torch.dtype) -> str:
     if not kernels_enabled(device):
         return "Custom CPU kernels: unavailable (the build failed, see above); torch's attention and matmuls"
     variant, why = kernel_variant()
-    linear = ("weight-streaming linear for decode-sized batches" if dtype in linear_kernel_dtypes(device)
+    rows = linear_kernel_rows(device).get(dtype)
+    linear = (f"weight-streaming linear up to {rows} rows, oneDNN above" if rows
               else f"no {str(dtype).removeprefix('torch.')} linear kernel in this build: oneDNN matmuls")
     return f"Custom CPU kernels: {variant} build ({why}): paged attention; {linear}"
 
