@@ -61,6 +61,26 @@ def test_paged_attention_prefill_and_decode(dtype, tol, heads, kv_heads):
 
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("d", [64, 72, 128])
+def test_paged_attention_long_prefill_in_row_blocks(dtype, tol, d):
+    """Prefill long enough for several row blocks per KV head (each widening its keys once) and query-row
+    blocks with a remainder; head dims that fill the vector registers (64, 128) and one that does not on
+    AVX-512 (72: the per-row path)."""
+    g = torch.Generator().manual_seed(d)
+    heads, kv_heads, bs, nblocks = 9, 3, 16, 60
+    kc = (torch.randn(nblocks * bs, kv_heads, d, generator=g) * 2).to(dtype)
+    vc = torch.randn(nblocks * bs, kv_heads, d, generator=g).to(dtype)
+    tables = (torch.randperm(nblocks - 1, generator=g)[:58] + 1).view(2, 29)
+    # seq 0: 301 new rows from position 0; seq 1: 70 new rows after 200 cached tokens.
+    starts = torch.tensor([0, 301, 371])
+    positions = torch.cat([torch.arange(301), torch.arange(200, 270)])
+    q = torch.randn(371, heads, d, generator=g).to(dtype)
+    out = K.paged_attention(q, kc, vc, tables, starts, positions, d ** -0.5, bs)
+    ref = _reference(q, kc, vc, tables, starts, positions, d ** -0.5, bs)
+    torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("batch", [1, 4, 16])
 def test_paged_decode_attention_gqa_at_every_decode_bucket(dtype, tol, batch):
     """Decode rows of the bundled model's head layout (9 query heads on 3 KV heads, one pass over each KV

@@ -10,9 +10,11 @@
 // given their blocks back, its table holds the null block there). Attention sinks (one logit per query
 // head, gpt-oss) join each row's softmax denominator and contribute no value.
 //
-// Work item = (sequence, KV head, block of kRowBlock query rows): the rows' G query heads sharing the
-// KV head form one query tile, scored against kTile keys at a time (keys transposed, so the inner
-// loop runs across keys with no horizontal reduction) with an online softmax (flash attention).
+// Work item = (sequence, KV head, block of query rows): the rows' G query heads sharing the KV head form
+// one query tile, scored against kTile keys at a time (keys transposed, so the inner loop runs across
+// keys with no horizontal reduction) with an online softmax (flash attention). Where the build has vector
+// intrinsics, many-row items widen their keys to fp32 once and score and weigh a few query rows per
+// register block (attention_tiles.h).
 // The ATen headers used, not ATen/ATen.h: parsing all of that doubles the first start's kernel build.
 #include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
@@ -20,6 +22,11 @@
 #include <ATen/Parallel.h>
 #include <omp.h>
 #include <torch/library.h>
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#define VN_ATTENTION_TILES 1
+#include "attention_tiles.h"
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -30,7 +37,8 @@
 namespace {
 
 constexpr int64_t kTile = 32;
-constexpr int64_t kRowBlock = 8;
+constexpr int64_t kRowBlock = 8;  // the fewest query rows per item
+constexpr int64_t kMaxRowBlock = 64;
 
 inline float to_f(float x) { return x; }
 inline float to_f(c10::BFloat16 x) {
@@ -129,6 +137,91 @@ inline void store_rows(T* op, const float* acc, const float* l, const Item& w, i
     }
 }
 
+#ifdef VN_ATTENTION_TILES
+// R query rows q0.. of an item over the key tiles their positions reach, online softmax; kt / vt hold the
+// item's keys from `first` on, widened (zero past the last key).
+template <int R>
+void tiled_rows(const float* qf, int64_t q0, const int64_t* qpos, const int64_t* qlo, int64_t first, const float* kt,
+                const float* vt, int64_t D, float* m, float* l, float* acc) {
+  int64_t hi = qpos[q0], lo = qlo[q0];
+  for (int r = 0; r < R; ++r) {
+    hi = std::max(hi, qpos[q0 + r]);
+    lo = std::min(lo, qlo[q0 + r]);
+    m[q0 + r] = -std::numeric_limits<float>::infinity();
+    l[q0 + r] = 0.f;
+  }
+  std::fill(acc + q0 * D, acc + (q0 + R) * D, 0.f);
+  float sc[R][kTile], p[R][kTile];
+  for (int64_t t = (lo - first) / kTile; t <= (hi - first) / kTile; ++t) {
+    const int64_t t0 = first + t * kTile;
+    attn_tiles::score<R, kTile>(qf + q0 * D, D, kt + t * D * kTile, sc);
+    int64_t used = 0;  // keys of the tile any row sees
+    for (int r = 0; r < R; ++r) {
+      const int64_t qi = q0 + r;
+      const int64_t visible = std::min<int64_t>(kTile, qpos[qi] - t0 + 1);  // causal: keys <= position
+      const int64_t j0 = std::max<int64_t>(0, qlo[qi] - t0);               // the window: keys >= its first
+      if (visible <= j0) {
+        std::fill(p[r], p[r] + kTile, 0.f);
+        continue;
+      }
+      float mx = m[qi];
+#pragma omp simd reduction(max : mx)
+      for (int64_t j = 0; j < kTile; ++j) {
+        const float v = (j >= j0 && j < visible) ? sc[r][j] : -std::numeric_limits<float>::infinity();
+        mx = v > mx ? v : mx;
+      }
+      const float corr = exp_nonpositive(m[qi] - mx);  // exp(-inf) -> 0 on the first tile
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t j = 0; j < kTile; ++j) {
+        const float e = (j >= j0 && j < visible) ? exp_nonpositive(sc[r][j] - mx) : 0.f;
+        p[r][j] = e;
+        sum += e;
+      }
+      l[qi] = l[qi] * corr + sum;
+      m[qi] = mx;
+      float* a = acc + qi * D;
+#pragma omp simd
+      for (int64_t i = 0; i < D; ++i) a[i] *= corr;
+      used = std::max(used, visible);
+    }
+    attn_tiles::pv<R, kTile>(p, used, vt + t * kTile * D, D, acc + q0 * D);
+  }
+}
+
+// Many query rows of one item: keys first..last widened to fp32 once (K transposed per tile, V row-major),
+// then kRows query rows at a time.
+template <typename C>
+void tiled_item(const float* qf, int64_t nq, const int64_t* qpos, const int64_t* qlo, int64_t first, int64_t last,
+                const C* kp, const C* vp, const int64_t* table, int64_t block_size, int64_t slot_stride,
+                int64_t head_off, int64_t D, std::vector<float>& kt, std::vector<float>& vt, float* m, float* l,
+                float* acc) {
+  const int64_t ntiles = (last + 1 - first + kTile - 1) / kTile;
+  kt.resize(ntiles * D * kTile);
+  vt.resize(ntiles * kTile * D);
+  for (int64_t t = 0; t < ntiles; ++t) {
+    const int64_t t0 = first + t * kTile, n = std::min<int64_t>(kTile, last + 1 - t0);
+    load_k_tile(kp, table, block_size, slot_stride, head_off, D, t0, n, kt.data() + t * D * kTile);
+    float* vtile = vt.data() + t * kTile * D;
+    for (int64_t j = 0; j < kTile; ++j) {
+      float* dst = vtile + j * D;
+      if (j >= n) {
+        std::fill(dst, dst + D, 0.f);  // p is 0 there, and 0 * garbage could be NaN
+        continue;
+      }
+      const int64_t slot = table[(t0 + j) / block_size] * block_size + (t0 + j) % block_size;
+      const C* vs = vp + slot * slot_stride + head_off;
+#pragma omp simd
+      for (int64_t i = 0; i < D; ++i) dst[i] = to_f(vs[i]);
+    }
+  }
+  constexpr int RB = attn_tiles::kRows;
+  int64_t q0 = 0;
+  for (; q0 + RB <= nq; q0 += RB) tiled_rows<RB>(qf, q0, qpos, qlo, first, kt.data(), vt.data(), D, m, l, acc);
+  for (; q0 < nq; ++q0) tiled_rows<1>(qf, q0, qpos, qlo, first, kt.data(), vt.data(), D, m, l, acc);
+}
+#endif
+
 // C: the cache's element type (T, or FP8 holding K / k_mul and V / v_mul: k_mul folds into the query
 // scale, v_mul into the softmax normalization).
 template <typename T, typename C = T>
@@ -149,13 +242,20 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::
   const float fscale = static_cast<float>(scale) * k_mul;
   const int64_t slot_stride = KV * D, max_keys = nblk * block_size;
 
+  // Bigger row blocks spread widening each key to fp32 (once per item) over more query rows; enough
+  // items stay for every thread to take several (causal work grows along a sequence; dynamic schedule).
+  int64_t rows_total = 0;
+  for (int64_t s = 0; s < S; ++s)
+    rows_total += std::max<int64_t>(0, std::min<int64_t>(N, qs[s + 1]) - std::max<int64_t>(0, qs[s]));
+  const int64_t row_block =
+      std::clamp<int64_t>(rows_total * KV / (4 * std::max(1, at::get_num_threads())), kRowBlock, kMaxRowBlock);
   std::vector<Item> items;
   std::vector<char> covered(N, 0);
   for (int64_t s = 0; s < S; ++s) {
     const int64_t lo = std::max<int64_t>(0, qs[s]), hi = std::min<int64_t>(N, qs[s + 1]);
     for (int64_t r = lo; r < hi; ++r) covered[r] = 1;
-    for (int64_t r0 = lo; r0 < hi; r0 += kRowBlock)
-      for (int64_t h = 0; h < KV; ++h) items.push_back({s, h, r0, std::min<int64_t>(kRowBlock, hi - r0)});
+    for (int64_t r0 = lo; r0 < hi; r0 += row_block)
+      for (int64_t h = 0; h < KV; ++h) items.push_back({s, h, r0, std::min<int64_t>(row_block, hi - r0)});
   }
   for (int64_t r = 0; r < N; ++r)
     if (!covered[r]) std::fill(op + r * H * D, op + (r + 1) * H * D, static_cast<T>(0.f));
@@ -163,7 +263,7 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::
   const int64_t n_items = static_cast<int64_t>(items.size());
 #pragma omp parallel num_threads(at::get_num_threads())
   {
-    const int64_t nq_max = kRowBlock * G;
+    const int64_t nq_max = row_block * G;
     std::vector<float> qf(nq_max * D), acc(nq_max * D), kt(D * kTile), vt(kTile * D);
     std::vector<float> m(nq_max), l(nq_max), p(nq_max * kTile), scores;
     std::vector<int64_t> qpos(nq_max), qlo(nq_max);
@@ -232,6 +332,17 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::
         store_rows(op, acc.data(), l.data(), w, H, G, D, v_mul);
         continue;
       }
+#ifdef VN_ATTENTION_TILES
+      if (D % vn_simd::Vec::W == 0) {
+        tiled_item(qf.data(), nq, qpos.data(), qlo.data(), first, last, kp, vp, table, block_size, slot_stride,
+                   w.head * D, D, kt, vt, m.data(), l.data(), acc.data());
+        add_sinks(sinks, w, G, D, nq, m.data(), l.data(), acc.data());
+        store_rows(op, acc.data(), l.data(), w, H, G, D, v_mul);
+        continue;
+      }
+#endif
+      kt.resize(D * kTile);
+      vt.resize(kTile * D);
       std::fill(acc.begin(), acc.begin() + nq * D, 0.f);
       std::fill(m.begin(), m.begin() + nq, -std::numeric_limits<float>::infinity());
       std::fill(l.begin(), l.begin() + nq, 0.f);

@@ -1,0 +1,64 @@
+// Register-blocked pieces of paged attention's many-row path (prefill, verify), for builds with vector
+// intrinsics (simd.h). Included by paged_attention.cpp only under AVX-512 or AVX2 + FMA.
+//
+// Scoring one query row at a time against a key tile reads the tile from L1 once per row: three loads per
+// two multiply-adds, which caps the kernel at a fraction of the FMA peak. Here RB query rows share each
+// load: a tile of kTile keys (stored transposed, kt[d][key]) is scored against RB rows with RB x kTile / W
+// accumulators in registers, and the probabilities of RB rows multiply a tile of V (vt[key][d]) with
+// RB x 4 accumulators per four vectors of the head dim.
+#pragma once
+#include "simd.h"
+
+namespace attn_tiles {
+
+using vn_simd::Vec;
+
+// Query rows per block: what fits the register file (AVX-512: 32 registers, AVX2: 16).
+constexpr int kRows = Vec::W == 16 ? 4 : 2;
+
+// sc[r][j] = q[r] . K[j] for R rows of q (row stride D) and the tile's KT keys.
+template <int R, int KT>
+inline void score(const float* q, int64_t D, const float* kt, float (*sc)[KT]) {
+  constexpr int NV = KT / Vec::W;
+  Vec::R acc[R][NV];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NV; ++v) acc[r][v] = Vec::zero();
+  for (int64_t i = 0; i < D; ++i) {
+    Vec::R k[NV];
+    for (int v = 0; v < NV; ++v) k[v] = Vec::load(kt + i * KT + v * Vec::W);
+    for (int r = 0; r < R; ++r) {
+      const Vec::R x = Vec::set1(q[r * D + i]);
+      for (int v = 0; v < NV; ++v) acc[r][v] = Vec::fma(x, k[v], acc[r][v]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NV; ++v) Vec::store(sc[r] + v * Vec::W, acc[r][v]);
+}
+
+// a[r][c0 .. c0 + NC * W) += sum over keys j < n of p[r][j] * V[j][same columns], R rows.
+template <int R, int NC, int KT>
+inline void pv_columns(const float (*p)[KT], int64_t n, const float* vt, int64_t D, int64_t c0, float* a) {
+  Vec::R acc[R][NC];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < NC; ++c) acc[r][c] = Vec::load(a + r * D + c0 + c * Vec::W);
+  for (int64_t j = 0; j < n; ++j) {
+    Vec::R v[NC];
+    for (int c = 0; c < NC; ++c) v[c] = Vec::load(vt + j * D + c0 + c * Vec::W);
+    for (int r = 0; r < R; ++r) {
+      const Vec::R x = Vec::set1(p[r][j]);
+      for (int c = 0; c < NC; ++c) acc[r][c] = Vec::fma(x, v[c], acc[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < NC; ++c) Vec::store(a + r * D + c0 + c * Vec::W, acc[r][c]);
+}
+
+// a[r] += p[r] . V over the tile's first n keys, for R rows and the whole head dim (a multiple of W).
+template <int R, int KT>
+inline void pv(const float (*p)[KT], int64_t n, const float* vt, int64_t D, float* a) {
+  int64_t c0 = 0;
+  for (; c0 + 4 * Vec::W <= D; c0 += 4 * Vec::W) pv_columns<R, 4, KT>(p, n, vt, D, c0, a);
+  for (; c0 < D; c0 += Vec::W) pv_columns<R, 1, KT>(p, n, vt, D, c0, a);
+}
+
+}  // namespace attn_tiles
