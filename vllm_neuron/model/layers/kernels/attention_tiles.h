@@ -61,4 +61,26 @@ inline void pv(const float (*p)[KT], int64_t n, const float* vt, int64_t D, floa
   for (; c0 < D; c0 += Vec::W) pv_columns<R, 1, KT>(p, n, vt, D, c0, a);
 }
 
+// Decode scores without transposing the keys: sc[g * len + u] = q[g] . K[u] for the NK keys at krow (row
+// pointers into the cache, fp32 or bf16) and GB query heads, four keys per horizontal reduction.
+template <int GB, typename E>
+inline void score_keys(const float* q, int64_t D, const E* const* krow, int n, float* sc, int64_t len) {
+  Vec::R acc[GB][4];
+  for (int g = 0; g < GB; ++g)
+    for (int u = 0; u < 4; ++u) acc[g][u] = Vec::zero();
+  for (int64_t c = 0; c < D; c += Vec::W) {
+    Vec::R k[4];
+    for (int u = 0; u < 4; ++u) k[u] = Vec::load(krow[u] + c);
+    for (int g = 0; g < GB; ++g) {
+      const Vec::R x = Vec::load(q + g * D + c);
+      for (int u = 0; u < 4; ++u) acc[g][u] = Vec::fma(x, k[u], acc[g][u]);
+    }
+  }
+  for (int g = 0; g < GB; ++g) {
+    float s[4];
+    _mm_storeu_ps(s, Vec::sum4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]));
+    for (int u = 0; u < n; ++u) sc[g * len + u] = s[u];
+  }
+}
+
 }  // namespace attn_tiles

@@ -32,6 +32,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -189,6 +190,30 @@ void tiled_rows(const float* qf, int64_t q0, const int64_t* qpos, const int64_t*
   }
 }
 
+inline const uint16_t* lanes(const c10::BFloat16* p) { return reinterpret_cast<const uint16_t*>(p); }
+inline const float* lanes(const float* p) { return p; }
+
+// Decode scores of G query heads (qf, scaled) against keys first..last read in place, four keys at a time
+// (bf16 widened in registers): scores[g * (last + 1 - first) + key - first].
+template <typename C>
+void decode_scores(const float* qf, int64_t G, int64_t D, const C* kp, const int64_t* table, int64_t block_size,
+                   int64_t slot_stride, int64_t head_off, int64_t first, int64_t last, float* scores) {
+  const int64_t len = last + 1 - first;
+  for (int64_t t0 = first; t0 <= last; t0 += 4) {
+    const int n = static_cast<int>(std::min<int64_t>(4, last + 1 - t0));
+    decltype(lanes(kp)) krow[4];
+    for (int u = 0; u < 4; ++u) {
+      const int64_t t = t0 + std::min(u, n - 1);  // past the last key: read it again, drop the result
+      krow[u] = lanes(kp + (table[t / block_size] * block_size + t % block_size) * slot_stride + head_off);
+    }
+    float* sc = scores + (t0 - first);
+    int64_t g = 0;
+    for (; g + 4 <= G; g += 4) attn_tiles::score_keys<4>(qf + g * D, D, krow, n, sc + g * len, len);
+    for (; g + 2 <= G; g += 2) attn_tiles::score_keys<2>(qf + g * D, D, krow, n, sc + g * len, len);
+    for (; g < G; ++g) attn_tiles::score_keys<1>(qf + g * D, D, krow, n, sc + g * len, len);
+  }
+}
+
 // Many query rows of one item: keys first..last widened to fp32 once (K transposed per tile, V row-major),
 // then kRows query rows at a time.
 template <typename C>
@@ -293,6 +318,15 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::
         // first..last are kept at 0..len.
         const int64_t len = last + 1 - first;
         scores.resize(G * len);
+#ifdef VN_ATTENTION_TILES
+        if constexpr (std::is_same_v<C, float> || std::is_same_v<C, c10::BFloat16>) {
+          if (D % vn_simd::Vec::W == 0) {
+            decode_scores(qf.data(), G, D, kp, table, block_size, slot_stride, w.head * D, first, last,
+                          scores.data());
+            goto softmax;
+          }
+        }
+#endif
         for (int64_t t0 = first; t0 <= last; t0 += kTile) {
           const int64_t n = std::min<int64_t>(kTile, last + 1 - t0);
           load_k_tile(kp, table, block_size, slot_stride, w.head * D, D, t0, n, kt.data());
@@ -302,10 +336,12 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::
             std::copy(sc, sc + n, scores.data() + g * len + (t0 - first));
           }
         }
+      softmax:
         std::fill(acc.begin(), acc.begin() + G * D, 0.f);
         for (int64_t g = 0; g < G; ++g) {
           float* sg = scores.data() + g * len;
           float mx = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : mx)
           for (int64_t t = 0; t < len; ++t) mx = sg[t] > mx ? sg[t] : mx;
           float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
