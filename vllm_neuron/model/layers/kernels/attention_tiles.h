@@ -83,4 +83,27 @@ inline void score_keys(const float* q, int64_t D, const E* const* krow, int n, f
   }
 }
 
+// Vectors of the head dim per decode value block (GB x this many accumulators, GB <= 4).
+constexpr int kValueVectors = Vec::W == 16 ? 4 : 2;
+
+// a[g][c0 .. c0 + NC * W) = sum over keys t < len of p[g * len + t] * V[t][same columns], GB heads; V[t]
+// lies at v0 + row(t) (fp32 or bf16 lanes).
+template <int GB, int NC, typename E, typename Row>
+inline void weigh_values(const float* p, int64_t len, const E* v0, const Row& row, int64_t c0, float* a, int64_t D) {
+  Vec::R acc[GB][NC];
+  for (int g = 0; g < GB; ++g)
+    for (int c = 0; c < NC; ++c) acc[g][c] = Vec::zero();
+  for (int64_t t = 0; t < len; ++t) {
+    const E* vs = v0 + row(t) + c0;
+    Vec::R v[NC];
+    for (int c = 0; c < NC; ++c) v[c] = Vec::load(vs + c * Vec::W);
+    for (int g = 0; g < GB; ++g) {
+      const Vec::R x = Vec::set1(p[g * len + t]);
+      for (int c = 0; c < NC; ++c) acc[g][c] = Vec::fma(x, v[c], acc[g][c]);
+    }
+  }
+  for (int g = 0; g < GB; ++g)
+    for (int c = 0; c < NC; ++c) Vec::store(a + g * D + c0 + c * Vec::W, acc[g][c]);
+}
+
 }  // namespace attn_tiles

@@ -214,6 +214,37 @@ void decode_scores(const float* qf, int64_t G, int64_t D, const C* kp, const int
   }
 }
 
+// acc[g] = sum over keys of p[g * len + key - first] * V[key] for G query heads, V read in place, up to four
+// heads and four vectors of the head dim per register block.
+template <typename C>
+void decode_values(const float* p, int64_t G, int64_t len, int64_t first, const C* vp, const int64_t* table,
+                   int64_t block_size, int64_t slot_stride, int64_t head_off, int64_t D, float* acc) {
+  constexpr int NC = attn_tiles::kValueVectors;
+  const auto* v0 = lanes(vp + head_off);
+  const auto row = [&](int64_t t) { return (table[(t + first) / block_size] * block_size + (t + first) % block_size) * slot_stride; };
+  for (int64_t g = 0; g < G;) {
+    const int64_t gb = std::min<int64_t>(4, G - g);
+    int64_t c0 = 0;
+    for (; c0 + NC * vn_simd::Vec::W <= D; c0 += NC * vn_simd::Vec::W) {
+      switch (gb) {
+        case 4: attn_tiles::weigh_values<4, NC>(p + g * len, len, v0, row, c0, acc + g * D, D); break;
+        case 3: attn_tiles::weigh_values<3, NC>(p + g * len, len, v0, row, c0, acc + g * D, D); break;
+        case 2: attn_tiles::weigh_values<2, NC>(p + g * len, len, v0, row, c0, acc + g * D, D); break;
+        default: attn_tiles::weigh_values<1, NC>(p + g * len, len, v0, row, c0, acc + g * D, D); break;
+      }
+    }
+    for (; c0 < D; c0 += vn_simd::Vec::W) {
+      switch (gb) {
+        case 4: attn_tiles::weigh_values<4, 1>(p + g * len, len, v0, row, c0, acc + g * D, D); break;
+        case 3: attn_tiles::weigh_values<3, 1>(p + g * len, len, v0, row, c0, acc + g * D, D); break;
+        case 2: attn_tiles::weigh_values<2, 1>(p + g * len, len, v0, row, c0, acc + g * D, D); break;
+        default: attn_tiles::weigh_values<1, 1>(p + g * len, len, v0, row, c0, acc + g * D, D); break;
+      }
+    }
+    g += gb;
+  }
+}
+
 // Many query rows of one item: keys first..last widened to fp32 once (K transposed per tile, V row-major),
 // then kRows query rows at a time.
 template <typename C>
@@ -318,16 +349,16 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::
         // first..last are kept at 0..len.
         const int64_t len = last + 1 - first;
         scores.resize(G * len);
+        bool in_place = false;  // keys and values read where they lie, widened in registers
 #ifdef VN_ATTENTION_TILES
         if constexpr (std::is_same_v<C, float> || std::is_same_v<C, c10::BFloat16>) {
-          if (D % vn_simd::Vec::W == 0) {
+          in_place = D % vn_simd::Vec::W == 0;
+          if (in_place)
             decode_scores(qf.data(), G, D, kp, table, block_size, slot_stride, w.head * D, first, last,
                           scores.data());
-            goto softmax;
-          }
         }
 #endif
-        for (int64_t t0 = first; t0 <= last; t0 += kTile) {
+        for (int64_t t0 = first; !in_place && t0 <= last; t0 += kTile) {
           const int64_t n = std::min<int64_t>(kTile, last + 1 - t0);
           load_k_tile(kp, table, block_size, slot_stride, w.head * D, D, t0, n, kt.data());
           for (int64_t g = 0; g < G; ++g) {
@@ -336,7 +367,6 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::
             std::copy(sc, sc + n, scores.data() + g * len + (t0 - first));
           }
         }
-      softmax:
         std::fill(acc.begin(), acc.begin() + G * D, 0.f);
         for (int64_t g = 0; g < G; ++g) {
           float* sg = scores.data() + g * len;
@@ -352,7 +382,14 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::
           l[g] = sum;
           m[g] = mx;
         }
-        for (int64_t t = 0; t < len; ++t) {
+#ifdef VN_ATTENTION_TILES
+        if constexpr (std::is_same_v<C, float> || std::is_same_v<C, c10::BFloat16>) {
+          if (in_place)
+            decode_values(scores.data(), G, len, first, vp, table, block_size, slot_stride, w.head * D, D,
+                          acc.data());
+        }
+#endif
+        for (int64_t t = 0; !in_place && t < len; ++t) {
           const int64_t slot = table[(t + first) / block_size] * block_size + (t + first) % block_size;
           const C* vs = vp + slot * slot_stride + w.head * D;
 #pragma omp simd
