@@ -221,7 +221,9 @@ void decode_values(const float* p, int64_t G, int64_t len, int64_t first, const 
                    int64_t block_size, int64_t slot_stride, int64_t head_off, int64_t D, float* acc) {
   constexpr int NC = attn_tiles::kValueVectors;
   const auto* v0 = lanes(vp + head_off);
-  const auto row = [&](int64_t t) { return (table[(t + first) / block_size] * block_size + (t + first) % block_size) * slot_stride; };
+  const auto row = [&](int64_t t) {
+    return (table[(t + first) / block_size] * block_size + (t + first) % block_size) * slot_stride;
+  };
   for (int64_t g = 0; g < G;) {
     const int64_t gb = std::min<int64_t>(4, G - g);
     int64_t c0 = 0;
