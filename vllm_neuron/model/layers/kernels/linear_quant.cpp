@@ -26,6 +26,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <vector>
+
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include "simd.h"
 
@@ -117,12 +119,29 @@ inline void band(const Q& wt, const float* x, T* y, int64_t M, int64_t K, int64_
 
 // Full bands in contiguous ranges per thread (one sequential stream each), then the last N % 4 rows,
 // which form a band of their own; y in x's dtype.
+// x as fp32 rows: x itself when it is contiguous fp32, else widened into buf by a plain loop (an ATen
+// conversion costs more than the widening at decode sizes, on every linear of every step).
+const float* fp32_rows(const at::Tensor& x, std::vector<float>& buf) {
+  if (x.scalar_type() == at::kFloat) return x.data_ptr<float>();
+  buf.resize(x.numel());
+  if (x.scalar_type() == at::kBFloat16) {
+    const auto* p = x.data_ptr<at::BFloat16>();
+    for (int64_t i = 0; i < x.numel(); ++i) buf[i] = static_cast<float>(p[i]);
+  } else {
+    TORCH_CHECK(x.scalar_type() == at::kHalf, "x must be float32, bfloat16 or float16");
+    const auto* p = x.data_ptr<at::Half>();
+    for (int64_t i = 0; i < x.numel(); ++i) buf[i] = static_cast<float>(p[i]);
+  }
+  return buf.data();
+}
+
 template <typename Q>
-at::Tensor run(const Q& wt, const at::Tensor& x, int64_t N) {
-  const auto xf = x.to(at::kFloat).contiguous();
-  const int64_t M = xf.size(0), K = xf.size(1);
+at::Tensor run(const Q& wt, const at::Tensor& x_in, int64_t N) {
+  const auto x = x_in.contiguous();
+  const int64_t M = x.size(0), K = x.size(1);
   auto y = at::empty({M, N}, x.options());
-  const float* xp = xf.data_ptr<float>();
+  std::vector<float> buf;
+  const float* xp = fp32_rows(x, buf);
   const auto go = [&](auto* yp) {
     const int64_t bands = N / kBand, n_tail = bands * kBand;
     at::parallel_for(0, bands, 8, [&](int64_t b0, int64_t b1) {
