@@ -4,7 +4,8 @@ an fp32 scale and minimum per group (w = q * scale + min, q in 0..15).
 A batch-1 decode step streams every weight once, so its time follows the weight bytes: 0.75 bytes per
 weight here against bf16's 2. Up to KERNEL_ROWS rows the project's kernel (kernels/linear_quant.cpp)
 dequantizes in registers and reads each weight byte once; above, a prefill-sized input dequantizes the
-weight to the activation dtype inside the graph and takes the ordinary (compute-efficient) matmul.
+weight to the activation dtype inside the graph (one pass in the kernel library where it is built) and
+takes the ordinary (compute-efficient) matmul.
 
 Packing: two groups form a 64-weight superblock of 32 bytes whose byte j holds weight j (low nibble)
 and weight j + 32 (high nibble), the order the kernel widens in one AND and one shift. Bytes and scales
@@ -56,6 +57,10 @@ def linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, bias: to
         y = linear_int4(rows, packed, scales)
         if bias is not None:
             y = y + bias
+    elif use_kernel:
+        from vllm_neuron.model.layers.kernels import unpack_int4
+
+        y = torch.nn.functional.linear(rows, unpack_int4(packed, scales, x.dtype), bias)
     else:
         y = torch.nn.functional.linear(rows, dequantize(packed, scales, x.dtype), bias)
     return y.reshape(*x.shape[:-1], y.shape[-1])

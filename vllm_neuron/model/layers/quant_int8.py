@@ -4,7 +4,8 @@ channel (w = q * scale[n], q in -127..127).
 Half of bf16's bytes per weight. Up to KERNEL_ROWS rows the project's kernel (kernels/linear_quant.cpp)
 widens the weights in registers and reads each byte once, in the band order it streams fastest
 (quant_bands.py, chunks of CHUNK weights); prefill-sized inputs multiply by the int8 weight put back in
-row order and converted to the activation dtype (exact) and scale the output columns, one ordinary matmul.
+row order and converted to the activation dtype (exact; one pass in the kernel library where it is built)
+and scale the output columns, one ordinary matmul.
 """
 from __future__ import annotations
 
@@ -45,6 +46,10 @@ def linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Te
         from vllm_neuron.model.layers.kernels import linear_int8
 
         y = linear_int8(rows, q, scale)
+    elif use_kernel:
+        from vllm_neuron.model.layers.kernels import unpack_int8
+
+        y = scaled_linear(rows, unpack_int8(q, x.dtype), scale)
     else:
         y = scaled_linear(rows, from_bands(q, CHUNK), scale)
     if bias is not None:

@@ -160,6 +160,10 @@ def _load() -> bool:
     for name in ("linear_int8", "linear_int4"):
         if _has_op(name):
             torch.library.register_fake(f"vllm_neuron::{name}")(lambda x, q, scale: x.new_empty((x.shape[0], q.shape[0])))
+    if _has_op("unpack_int8"):
+        torch.library.register_fake("vllm_neuron::unpack_int8")(lambda q, dtype: q.new_empty(q.shape, dtype=dtype))
+        torch.library.register_fake("vllm_neuron::unpack_int4")(
+            lambda q, scales, dtype: q.new_empty((q.shape[0], 2 * q.shape[1]), dtype=dtype))
 
     return True
 
@@ -263,6 +267,16 @@ def linear_int8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.
 def linear_int4(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """x [M, K] @ W^T, W in quant_int4's packed band layout ([N, K / 2] uint8, [N, K / 32, 2] fp32) -> [M, N]."""
     return torch.ops.vllm_neuron.linear_int4(x, packed, scales)
+
+
+def unpack_int8(q: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """quant_int8's band-layout q -> the row-major [N, K] q in `dtype` (exact)."""
+    return torch.ops.vllm_neuron.unpack_int8(q, dtype)
+
+
+def unpack_int4(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """quant_int4's packed band layout -> the row-major [N, K] weight in `dtype` (q * scale + min in fp32)."""
+    return torch.ops.vllm_neuron.unpack_int4(packed, scales, dtype)
 
 
 def linear_small_batch(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
