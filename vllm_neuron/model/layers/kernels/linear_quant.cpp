@@ -198,6 +198,17 @@ at::Tensor unband(int64_t N, int64_t K, at::ScalarType dtype, F&& rows_of_band) 
   return w;
 }
 
+// go(T* tag) with T the element type of `dtype` (a null pointer of that type).
+template <typename Go>
+void by_dtype(at::ScalarType dtype, Go&& go) {
+  switch (dtype) {
+    case at::kFloat: go(static_cast<float*>(nullptr)); break;
+    case at::kBFloat16: go(static_cast<c10::BFloat16*>(nullptr)); break;
+    case at::kHalf: go(static_cast<c10::Half*>(nullptr)); break;
+    default: TORCH_CHECK(false, "dtype must be float32, bfloat16 or float16");
+  }
+}
+
 template <typename T>
 void put_all(T* dst, const float* v, int64_t n) {
   for (int64_t i = 0; i < n; ++i) put(dst + i, v[i]);
@@ -223,12 +234,7 @@ at::Tensor unpack_int8(const at::Tensor& q, at::ScalarType dtype) {
         }
     });
   };
-  switch (dtype) {
-    case at::kFloat: go(static_cast<float*>(nullptr)); break;
-    case at::kBFloat16: go(static_cast<c10::BFloat16*>(nullptr)); break;
-    case at::kHalf: go(static_cast<c10::Half*>(nullptr)); break;
-    default: TORCH_CHECK(false, "dtype must be float32, bfloat16 or float16");
-  }
+  by_dtype(dtype, go);
   return out;
 }
 
@@ -260,12 +266,7 @@ at::Tensor unpack_int4(const at::Tensor& q, const at::Tensor& sm, at::ScalarType
         }
     });
   };
-  switch (dtype) {
-    case at::kFloat: go(static_cast<float*>(nullptr)); break;
-    case at::kBFloat16: go(static_cast<c10::BFloat16*>(nullptr)); break;
-    case at::kHalf: go(static_cast<c10::Half*>(nullptr)); break;
-    default: TORCH_CHECK(false, "dtype must be float32, bfloat16 or float16");
-  }
+  by_dtype(dtype, go);
   return out;
 }
 
