@@ -61,11 +61,11 @@ def test_paged_attention_prefill_and_decode(dtype, tol, heads, kv_heads):
 
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-@pytest.mark.parametrize("d", [64, 72, 128])
+@pytest.mark.parametrize("d", [64, 72, 80, 128])
 def test_paged_attention_long_prefill_in_row_blocks(dtype, tol, d):
     """Prefill long enough for several row blocks per KV head (each widening its keys once) and query-row
-    blocks with a remainder; head dims that fill the vector registers (64, 128) and one that does not on
-    AVX-512 (72: the per-row path)."""
+    blocks with a remainder; head dims in whole groups of four vectors (64, 128), with a remainder vector
+    (80), and one that is no whole number of AVX-512 vectors (72: the per-row path)."""
     g = torch.Generator().manual_seed(d)
     heads, kv_heads, bs, nblocks = 9, 3, 16, 60
     kc = (torch.randn(nblocks * bs, kv_heads, d, generator=g) * 2).to(dtype)
@@ -78,6 +78,24 @@ def test_paged_attention_long_prefill_in_row_blocks(dtype, tol, d):
     out = K.paged_attention(q, kc, vc, tables, starts, positions, d ** -0.5, bs)
     ref = _reference(q, kc, vc, tables, starts, positions, d ** -0.5, bs)
     torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("d", [72, 80, 128])
+def test_paged_decode_attention_head_dims(dtype, tol, d):
+    """Decode rows (keys and values read in place) at head dims beyond the bundled model's 64: with a
+    remainder vector (80), several groups of four vectors (128), no whole AVX-512 vector (72: copying path)."""
+    g = torch.Generator().manual_seed(d)
+    heads, kv_heads, bs, nblocks = 12, 3, 16, 30
+    kc = (torch.randn(nblocks * bs, kv_heads, d, generator=g) * 2).to(dtype)
+    vc = torch.randn(nblocks * bs, kv_heads, d, generator=g).to(dtype)
+    tables = (torch.randperm(nblocks - 1, generator=g)[:28] + 1).view(4, 7)
+    positions = torch.tensor([0, 5, 16, 7 * bs - 1])
+    q = torch.randn(4, heads, d, generator=g).to(dtype)
+    starts = torch.arange(5)
+    out = K.paged_attention(q, kc, vc, tables, starts, positions, d ** -0.5, bs)
+    torch.testing.assert_close(out.float(), _reference(q, kc, vc, tables, starts, positions, d ** -0.5, bs),
+                               atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])

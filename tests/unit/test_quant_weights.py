@@ -108,14 +108,14 @@ def test_kernel_and_prefill_path_match_the_dequantized_matmul_at_every_bucket(sc
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("n, k", SHAPES)
 def test_kernel_unpacking_equals_the_torch_dequantization(dtype, n, k):
-    """The prefill path's one-pass unbanding gives back exactly what the torch dequantization does."""
+    """The prefill path's one-pass unbanding gives back what the torch dequantization does: int8 exactly, int4
+    up to the rounding of q * scale + min."""
     if not K.quant_kernels_available(CPU):
         pytest.skip("no AVX2 here: the torch path serves")
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(n * k)) / k**0.5
     q8, s8 = Q8.quantize(w)
     assert torch.equal(K.unpack_int8(q8, dtype), from_bands(q8, Q8.CHUNK).to(dtype))
     q4, s4 = Q4.quantize(w)
-    # Equal up to the last bit of q * scale + min (a fused multiply-add or not), then the dtype's rounding.
     torch.testing.assert_close(K.unpack_int4(q4, s4, dtype), Q4.dequantize(q4, s4, dtype))
 
 

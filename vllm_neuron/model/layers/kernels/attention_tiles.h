@@ -61,8 +61,9 @@ inline void pv(const float (*p)[KT], int64_t n, const float* vt, int64_t D, floa
   for (; c0 < D; c0 += Vec::W) pv_columns<R, 1, KT>(p, n, vt, D, c0, a);
 }
 
-// Decode scores without transposing the keys: sc[g * len + u] = q[g] . K[u] for the NK keys at krow (row
-// pointers into the cache, fp32 or bf16) and GB query heads, four keys per horizontal reduction.
+// Decode scores without transposing the keys: sc[g * len + u] = q[g] . K[u] for the first n of the four
+// keys at krow (row pointers into the cache, fp32 or bf16) and GB query heads, one horizontal reduction
+// per four keys.
 template <int GB, typename E>
 inline void score_keys(const float* q, int64_t D, const E* const* krow, int n, float* sc, int64_t len) {
   Vec::R acc[GB][4];

@@ -119,8 +119,6 @@ inline void band(const Q& wt, const float* x, T* y, int64_t M, int64_t K, int64_
   }
 }
 
-// Full bands in contiguous ranges per thread (one sequential stream each), then the last N % 4 rows,
-// which form a band of their own; y in x's dtype.
 // x as fp32 rows: x itself when it is contiguous fp32, else widened into buf by a plain loop (an ATen
 // conversion costs more than the widening at decode sizes, on every linear of every step).
 const float* fp32_rows(const at::Tensor& x, std::vector<float>& buf) {
@@ -137,6 +135,8 @@ const float* fp32_rows(const at::Tensor& x, std::vector<float>& buf) {
   return buf.data();
 }
 
+// Full bands in contiguous ranges per thread (one sequential stream each), then the last N % 4 rows,
+// which form a band of their own; y in x's dtype.
 template <typename Q>
 at::Tensor run(const Q& wt, const at::Tensor& x_in, int64_t N) {
   const auto x = x_in.contiguous();

@@ -88,18 +88,34 @@ struct Item {
   int64_t seq, head, row0, rows;
 };
 
+// The cache slot of a sequence's key t, through its block table.
+inline int64_t slot_of(const int64_t* table, int64_t block_size, int64_t t) {
+  return table[t / block_size] * block_size + t % block_size;
+}
+
 // kt[i][j] = K[t0 + j][i] for the tile's n keys (zeros past n), so scores run across keys.
 template <typename T>
 inline void load_k_tile(const T* kp, const int64_t* table, int64_t block_size, int64_t slot_stride,
                         int64_t head_off, int64_t D, int64_t t0, int64_t n, float* kt) {
   for (int64_t j = 0; j < n; ++j) {
-    const int64_t t = t0 + j;
-    const int64_t slot = table[t / block_size] * block_size + t % block_size;
-    const T* ks = kp + slot * slot_stride + head_off;
+    const T* ks = kp + slot_of(table, block_size, t0 + j) * slot_stride + head_off;
     for (int64_t i = 0; i < D; ++i) kt[i * kTile + j] = to_f(ks[i]);
   }
   for (int64_t j = n; j < kTile; ++j)
     for (int64_t i = 0; i < D; ++i) kt[i * kTile + j] = 0.f;
+}
+
+// vt[j][i] = V[t0 + j][i] for the tile's n keys, zeros past n (their probabilities are 0, and 0 times
+// whatever the buffer held could be NaN).
+template <typename T>
+inline void load_v_tile(const T* vp, const int64_t* table, int64_t block_size, int64_t slot_stride,
+                        int64_t head_off, int64_t D, int64_t t0, int64_t n, float* vt) {
+  for (int64_t j = 0; j < n; ++j) {
+    const T* vs = vp + slot_of(table, block_size, t0 + j) * slot_stride + head_off;
+#pragma omp simd
+    for (int64_t i = 0; i < D; ++i) vt[j * D + i] = to_f(vs[i]);
+  }
+  std::fill(vt + n * D, vt + kTile * D, 0.f);
 }
 
 inline void score_tile(const float* qv, const float* kt, int64_t D, float* sc) {
@@ -190,6 +206,10 @@ void tiled_rows(const float* qf, int64_t q0, const int64_t* qpos, const int64_t*
   }
 }
 
+// Cache element types the decode path reads in place (widened in registers); others take the copying path.
+template <typename C>
+constexpr bool kReadInPlace = std::is_same_v<C, float> || std::is_same_v<C, c10::BFloat16>;
+
 inline const uint16_t* lanes(const c10::BFloat16* p) { return reinterpret_cast<const uint16_t*>(p); }
 inline const float* lanes(const float* p) { return p; }
 
@@ -204,7 +224,7 @@ void decode_scores(const float* qf, int64_t G, int64_t D, const C* kp, const int
     decltype(lanes(kp)) krow[4];
     for (int u = 0; u < 4; ++u) {
       const int64_t t = t0 + std::min(u, n - 1);  // past the last key: read it again, drop the result
-      krow[u] = lanes(kp + (table[t / block_size] * block_size + t % block_size) * slot_stride + head_off);
+      krow[u] = lanes(kp + slot_of(table, block_size, t) * slot_stride + head_off);
     }
     float* sc = scores + (t0 - first);
     int64_t g = 0;
@@ -215,35 +235,30 @@ void decode_scores(const float* qf, int64_t G, int64_t D, const C* kp, const int
 }
 
 // acc[g] = sum over keys of p[g * len + key - first] * V[key] for G query heads, V read in place, up to four
-// heads and four vectors of the head dim per register block.
+// heads and NC vectors of the head dim per register block.
+template <int NC, typename E, typename Row>
+void weigh_heads(int64_t gb, const float* p, int64_t len, const E* v0, const Row& row, int64_t c0, float* a,
+                 int64_t D) {
+  switch (gb) {
+    case 4: attn_tiles::weigh_values<4, NC>(p, len, v0, row, c0, a, D); break;
+    case 3: attn_tiles::weigh_values<3, NC>(p, len, v0, row, c0, a, D); break;
+    case 2: attn_tiles::weigh_values<2, NC>(p, len, v0, row, c0, a, D); break;
+    default: attn_tiles::weigh_values<1, NC>(p, len, v0, row, c0, a, D); break;
+  }
+}
+
 template <typename C>
 void decode_values(const float* p, int64_t G, int64_t len, int64_t first, const C* vp, const int64_t* table,
                    int64_t block_size, int64_t slot_stride, int64_t head_off, int64_t D, float* acc) {
   constexpr int NC = attn_tiles::kValueVectors;
+  constexpr int64_t W = vn_simd::Vec::W;
   const auto* v0 = lanes(vp + head_off);
-  const auto row = [&](int64_t t) {
-    return (table[(t + first) / block_size] * block_size + (t + first) % block_size) * slot_stride;
-  };
-  for (int64_t g = 0; g < G;) {
+  const auto row = [&](int64_t t) { return slot_of(table, block_size, t + first) * slot_stride; };
+  for (int64_t g = 0; g < G; g += 4) {
     const int64_t gb = std::min<int64_t>(4, G - g);
     int64_t c0 = 0;
-    for (; c0 + NC * vn_simd::Vec::W <= D; c0 += NC * vn_simd::Vec::W) {
-      switch (gb) {
-        case 4: attn_tiles::weigh_values<4, NC>(p + g * len, len, v0, row, c0, acc + g * D, D); break;
-        case 3: attn_tiles::weigh_values<3, NC>(p + g * len, len, v0, row, c0, acc + g * D, D); break;
-        case 2: attn_tiles::weigh_values<2, NC>(p + g * len, len, v0, row, c0, acc + g * D, D); break;
-        default: attn_tiles::weigh_values<1, NC>(p + g * len, len, v0, row, c0, acc + g * D, D); break;
-      }
-    }
-    for (; c0 < D; c0 += vn_simd::Vec::W) {
-      switch (gb) {
-        case 4: attn_tiles::weigh_values<4, 1>(p + g * len, len, v0, row, c0, acc + g * D, D); break;
-        case 3: attn_tiles::weigh_values<3, 1>(p + g * len, len, v0, row, c0, acc + g * D, D); break;
-        case 2: attn_tiles::weigh_values<2, 1>(p + g * len, len, v0, row, c0, acc + g * D, D); break;
-        default: attn_tiles::weigh_values<1, 1>(p + g * len, len, v0, row, c0, acc + g * D, D); break;
-      }
-    }
-    g += gb;
+    for (; c0 + NC * W <= D; c0 += NC * W) weigh_heads<NC>(gb, p + g * len, len, v0, row, c0, acc + g * D, D);
+    for (; c0 < D; c0 += W) weigh_heads<1>(gb, p + g * len, len, v0, row, c0, acc + g * D, D);
   }
 }
 
@@ -260,18 +275,7 @@ void tiled_item(const float* qf, int64_t nq, const int64_t* qpos, const int64_t*
   for (int64_t t = 0; t < ntiles; ++t) {
     const int64_t t0 = first + t * kTile, n = std::min<int64_t>(kTile, last + 1 - t0);
     load_k_tile(kp, table, block_size, slot_stride, head_off, D, t0, n, kt.data() + t * D * kTile);
-    float* vtile = vt.data() + t * kTile * D;
-    for (int64_t j = 0; j < kTile; ++j) {
-      float* dst = vtile + j * D;
-      if (j >= n) {
-        std::fill(dst, dst + D, 0.f);  // p is 0 there, and 0 * garbage could be NaN
-        continue;
-      }
-      const int64_t slot = table[(t0 + j) / block_size] * block_size + (t0 + j) % block_size;
-      const C* vs = vp + slot * slot_stride + head_off;
-#pragma omp simd
-      for (int64_t i = 0; i < D; ++i) dst[i] = to_f(vs[i]);
-    }
+    load_v_tile(vp, table, block_size, slot_stride, head_off, D, t0, n, vt.data() + t * kTile * D);
   }
   constexpr int RB = attn_tiles::kRows;
   int64_t q0 = 0;
@@ -353,7 +357,7 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::
         scores.resize(G * len);
         bool in_place = false;  // keys and values read where they lie, widened in registers
 #ifdef VN_ATTENTION_TILES
-        if constexpr (std::is_same_v<C, float> || std::is_same_v<C, c10::BFloat16>) {
+        if constexpr (kReadInPlace<C>) {
           in_place = D % vn_simd::Vec::W == 0;
           if (in_place)
             decode_scores(qf.data(), G, D, kp, table, block_size, slot_stride, w.head * D, first, last,
@@ -385,15 +389,14 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::
           m[g] = mx;
         }
 #ifdef VN_ATTENTION_TILES
-        if constexpr (std::is_same_v<C, float> || std::is_same_v<C, c10::BFloat16>) {
+        if constexpr (kReadInPlace<C>) {
           if (in_place)
             decode_values(scores.data(), G, len, first, vp, table, block_size, slot_stride, w.head * D, D,
                           acc.data());
         }
 #endif
         for (int64_t t = 0; !in_place && t < len; ++t) {
-          const int64_t slot = table[(t + first) / block_size] * block_size + (t + first) % block_size;
-          const C* vs = vp + slot * slot_stride + w.head * D;
+          const C* vs = vp + slot_of(table, block_size, t + first) * slot_stride + w.head * D;
 #pragma omp simd
           for (int64_t i = 0; i < D; ++i) vt[i] = to_f(vs[i]);
           for (int64_t g = 0; g < G; ++g) {
@@ -416,21 +419,13 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::
         continue;
       }
 #endif
-      kt.resize(D * kTile);
-      vt.resize(kTile * D);
       std::fill(acc.begin(), acc.begin() + nq * D, 0.f);
       std::fill(m.begin(), m.begin() + nq, -std::numeric_limits<float>::infinity());
       std::fill(l.begin(), l.begin() + nq, 0.f);
       for (int64_t t0 = first; t0 <= last; t0 += kTile) {
         const int64_t n = std::min<int64_t>(kTile, last + 1 - t0);
         load_k_tile(kp, table, block_size, slot_stride, w.head * D, D, t0, n, kt.data());
-        for (int64_t j = 0; j < n; ++j) {
-          const int64_t t = t0 + j;
-          const int64_t slot = table[t / block_size] * block_size + t % block_size;
-          const C* vs = vp + slot * slot_stride + w.head * D;
-#pragma omp simd
-          for (int64_t i = 0; i < D; ++i) vt[j * D + i] = to_f(vs[i]);
-        }
+        load_v_tile(vp, table, block_size, slot_stride, w.head * D, D, t0, n, vt.data());
         for (int64_t qi = 0; qi < nq; ++qi) {
           float sc[kTile] = {0.f};
           score_tile(qf.data() + qi * D, kt.data(), D, sc);
