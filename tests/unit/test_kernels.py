@@ -219,8 +219,9 @@ def test_paged_attention_checks_the_bounds_it_relies_on(change, message):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-# 1-4 rows: one weight row at a time; from 5: bands of four weight rows against four-row blocks plus a rest.
-@pytest.mark.parametrize("rows", [1, 3, 4, 5, 8, 13, 16])
+# 1-4 rows: one weight row at a time; from 5: bands of four weight rows against four-row blocks plus a rest
+# (six-row blocks from 17 rows on), with the weights two bands on prefetched while a thread has them.
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 8, 13, 16, 17, 23, 32, 64])
 @pytest.mark.parametrize("n, k", [(1536, 576), (576, 1536), (190, 576), (7, 64)])
 def test_linear_small_batch_matches_fp32_matmul(dtype, rows, n, k):
     if dtype not in K.linear_kernel_dtypes(CPU):
@@ -259,8 +260,8 @@ def test_linear_layer_takes_the_kernel_only_for_small_batches_of_its_dtypes(monk
 def test_small_batch_rows_per_cpu_class():
     amx = {"amx_bf16", "amx_tile", "avx512_bf16"}
     assert K.small_batch_rows("avx512bf16", amx, torch.bfloat16) == 4  # oneDNN's AMX path wins from 5 rows
-    assert K.small_batch_rows("avx512bf16", amx, torch.float32) == 16  # AMX has no fp32 tiles
-    assert K.small_batch_rows("avx512bf16", {"avx512_bf16"}, torch.bfloat16) == 16
+    assert K.small_batch_rows("avx512bf16", amx, torch.float32) == 64  # AMX has no fp32 tiles
+    assert K.small_batch_rows("avx512bf16", {"avx512_bf16"}, torch.bfloat16) == 32
     assert K.small_batch_rows("avx2", {"avx2", "fma"}, torch.float32) == 4  # unmeasured beyond 4 rows
 
 

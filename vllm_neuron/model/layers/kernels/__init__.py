@@ -194,12 +194,13 @@ def small_batch_rows(variant: str, flags: set[str], dtype: torch.dtype) -> int:
 
     Measured on the bundled model's linears (one step's worth, 2 cores): on a Xeon with AMX, oneDNN's
     tile path takes bf16 from 5 rows on (kernel 31.7 ms vs oneDNN ~27 ms at 5 rows). Without AMX the
-    kernel's 4 x 4 register tiles stay ahead to 16 rows (AMD EPYC, AVX512-BF16: bf16 14.3 vs 19.1 ms, fp32
-    36.1 vs 74.2 ms at 16 rows), the largest decode bucket by default. The AVX2 build is unmeasured against
-    oneDNN beyond 4 rows, so it keeps 4."""
+    kernel, prefetching the weights of the band after next, stays ahead to 32 rows in bf16 (AMD EPYC,
+    AVX512-BF16: 12.8 vs 20.1 ms at 16 rows, 23.3 vs 26.7 ms at 32, even at 64) and to 64 in fp32 (87.8 vs
+    169.2 ms at 64), which covers every default decode bucket and the smallest prefill buckets. The AVX2
+    build is unmeasured against oneDNN beyond 4 rows, so it keeps 4."""
     if variant != "avx512bf16" or (dtype == torch.bfloat16 and "amx_bf16" in flags):
         return 4
-    return 16
+    return 32 if dtype == torch.bfloat16 else 64
 
 
 def linear_kernel_rows(device: torch.device) -> dict[torch.dtype, int]:
