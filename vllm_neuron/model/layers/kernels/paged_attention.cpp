@@ -221,6 +221,8 @@ void decode_scores(const float* qf, int64_t G, int64_t D, const C* kp, const int
   const int64_t len = last + 1 - first;
   for (int64_t t0 = first; t0 <= last; t0 += 4) {
     const int n = static_cast<int>(std::min<int64_t>(4, last + 1 - t0));
+    for (int64_t t = t0 + attn_tiles::kKeysAhead; t < t0 + attn_tiles::kKeysAhead + 4 && t <= last; ++t)
+      vn_simd::prefetch(kp + slot_of(table, block_size, t) * slot_stride + head_off, D * sizeof(C));
     decltype(lanes(kp)) krow[4];
     for (int u = 0; u < 4; ++u) {
       const int64_t t = t0 + std::min(u, n - 1);  // past the last key: read it again, drop the result

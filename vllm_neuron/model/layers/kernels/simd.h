@@ -76,6 +76,11 @@ struct Vec {
 };
 #endif
 
+// Asks for the cache lines of [p, p + bytes) ahead of use (a hint: never faults, whatever p is).
+inline void prefetch(const void* p, int64_t bytes) {
+  for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(static_cast<const char*>(p) + o, _MM_HINT_T0);
+}
+
 // Writes the MB x NB dot products acc to y (row stride N) at (m0, n0), each times mul[j] (or 1), as T.
 template <int MB, int NB, typename T, typename Put>
 inline void store_tile(Vec::R (&acc)[MB][NB], T* y, int64_t N, int64_t m0, int64_t n0, const float* mul, Put put) {
