@@ -14,7 +14,7 @@ namespace attn_tiles {
 using vn_simd::Vec;
 
 // Query rows per block: what fits the register file (AVX-512: 32 registers, AVX2: 16).
-constexpr int kRows = Vec::W == 16 ? 4 : 2;
+constexpr int kRows = Vec::W == 16 ? 8 : 2;
 
 // sc[r][j] = q[r] . K[j] for R rows of q (row stride D) and the tile's KT keys.
 template <int R, int KT>
@@ -56,8 +56,9 @@ inline void pv_columns(const float (*p)[KT], int64_t n, const float* vt, int64_t
 // a[r] += p[r] . V over the tile's first n keys, for R rows and the whole head dim (a multiple of W).
 template <int R, int KT>
 inline void pv(const float (*p)[KT], int64_t n, const float* vt, int64_t D, float* a) {
+  constexpr int NC = R <= 4 ? 4 : 2;  // R x NC accumulators + NC values within the register file
   int64_t c0 = 0;
-  for (; c0 + 4 * Vec::W <= D; c0 += 4 * Vec::W) pv_columns<R, 4, KT>(p, n, vt, D, c0, a);
+  for (; c0 + NC * Vec::W <= D; c0 += NC * Vec::W) pv_columns<R, NC, KT>(p, n, vt, D, c0, a);
   for (; c0 < D; c0 += Vec::W) pv_columns<R, 1, KT>(p, n, vt, D, c0, a);
 }
 

@@ -276,6 +276,11 @@ void tiled_item(const float* qf, int64_t nq, const int64_t* qpos, const int64_t*
   vt.resize(ntiles * kTile * D);
   for (int64_t t = 0; t < ntiles; ++t) {
     const int64_t t0 = first + t * kTile, n = std::min<int64_t>(kTile, last + 1 - t0);
+    for (int64_t u = t0 + kTile; u < t0 + 2 * kTile && u <= last; ++u) {  // the next tile, from memory meanwhile
+      const int64_t off = slot_of(table, block_size, u) * slot_stride + head_off;
+      vn_simd::prefetch(kp + off, D * sizeof(C));
+      vn_simd::prefetch(vp + off, D * sizeof(C));
+    }
     load_k_tile(kp, table, block_size, slot_stride, head_off, D, t0, n, kt.data() + t * D * kTile);
     load_v_tile(vp, table, block_size, slot_stride, head_off, D, t0, n, vt.data() + t * kTile * D);
   }
