@@ -46,9 +46,19 @@ inline void put(float* p, float v) { *p = v; }
 inline void put(c10::BFloat16* p, float v) { *p = c10::BFloat16(v); }
 inline void put(c10::Half* p, float v) { *p = c10::Half(v); }
 
+// Part [i, i + 1) of `parts` of the byte range [p, p + bytes) into cache, ahead of use.
+inline void prefetch_part(const void* p, int64_t bytes, int64_t i, int64_t parts) {
+  const int64_t a = (bytes * i / parts) & ~int64_t{63}, b = bytes * (i + 1) / parts;
+  vn_simd::prefetch(static_cast<const char*>(p) + a, b - a);
+}
+
 struct Int8 {
   const int8_t* w;
   const float* scale;
+
+  void prefetch_band(int64_t n0, int64_t K, int64_t i, int64_t parts) const {
+    prefetch_part(w + n0 * K, kBand * K, i, parts);
+  }
 
   // NB rows starting at n0 (one band), MB input rows starting at m0.
   template <int MB, int NB, typename T>
@@ -75,6 +85,11 @@ struct Int8 {
 struct Int4 {
   const uint8_t* w;
   const float* sm;
+
+  void prefetch_band(int64_t n0, int64_t K, int64_t i, int64_t parts) const {
+    prefetch_part(w + n0 * (K / 2), kBand * K / 2, i, parts);
+    prefetch_part(sm + n0 * (K / 16), kBand * K / 16 * sizeof(float), i, parts);
+  }
 
   template <int MB, int NB, typename T>
   void tile(const float* x, T* y, int64_t K, int64_t N, int64_t m0, int64_t n0) const {
@@ -106,11 +121,19 @@ struct Int4 {
 };
 
 // One band (NB rows at n0) against every input row, four at a time: the band is read from memory once
-// and stays in L1 for the later row blocks.
+// and stays in L1 for the later row blocks. From five rows on, a band takes several row blocks of compute
+// while its memory stream would idle, so the full band two on (below `nend`, the thread's range) is
+// prefetched in slices, one before each row block.
 template <int NB, typename Q, typename T>
-inline void band(const Q& wt, const float* x, T* y, int64_t M, int64_t K, int64_t N, int64_t n0) {
+inline void band(const Q& wt, const float* x, T* y, int64_t M, int64_t K, int64_t N, int64_t n0, int64_t nend) {
+  const int64_t blocks = (M + 3) / 4, ahead = n0 + 2 * kBand;
+  const bool prefetch = M > 4 && NB == kBand && ahead + kBand <= nend;
   int64_t m0 = 0;
-  for (; m0 + 4 <= M; m0 += 4) wt.template tile<4, NB>(x, y, K, N, m0, n0);
+  for (; m0 + 4 <= M; m0 += 4) {
+    if (prefetch) wt.prefetch_band(ahead, K, m0 / 4, blocks);
+    wt.template tile<4, NB>(x, y, K, N, m0, n0);
+  }
+  if (prefetch && m0 < M) wt.prefetch_band(ahead, K, m0 / 4, blocks);
   switch (M - m0) {
     case 3: wt.template tile<3, NB>(x, y, K, N, m0, n0); break;
     case 2: wt.template tile<2, NB>(x, y, K, N, m0, n0); break;
@@ -147,12 +170,12 @@ at::Tensor run(const Q& wt, const at::Tensor& x_in, int64_t N) {
   const auto go = [&](auto* yp) {
     const int64_t bands = N / kBand, n_tail = bands * kBand;
     at::parallel_for(0, bands, 8, [&](int64_t b0, int64_t b1) {
-      for (int64_t b = b0; b < b1; ++b) band<kBand>(wt, xp, yp, M, K, N, b * kBand);
+      for (int64_t b = b0; b < b1; ++b) band<kBand>(wt, xp, yp, M, K, N, b * kBand, b1 * kBand);
     });
     switch (N - n_tail) {
-      case 3: band<3>(wt, xp, yp, M, K, N, n_tail); break;
-      case 2: band<2>(wt, xp, yp, M, K, N, n_tail); break;
-      case 1: band<1>(wt, xp, yp, M, K, N, n_tail); break;
+      case 3: band<3>(wt, xp, yp, M, K, N, n_tail, N); break;
+      case 2: band<2>(wt, xp, yp, M, K, N, n_tail, N); break;
+      case 1: band<1>(wt, xp, yp, M, K, N, n_tail, N); break;
       default: break;
     }
   };
