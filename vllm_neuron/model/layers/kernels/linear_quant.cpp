@@ -7,7 +7,8 @@
 // stored in bands of four output rows (quant_bands.py), a band's rows interleaved chunk by chunk, and
 // each thread reads its bands front to back, widening the weights to fp32 in registers and multiplying
 // them against up to four input rows held in fp32 (fp32 products and sums: an fp32 model gets the
-// dequantized matmul's result). The scale is applied once per output after the dot product.
+// dequantized matmul's result). The scale is applied once per output after the dot product. With AVX512-BF16,
+// bf16 inputs of five or more rows take int8 bands widened once to bf16 and VDPBF16PS instead (below).
 //
 // One code path per vector width (simd.h), chosen when the library is built: 16 lanes where the compiler
 // targets AVX-512, 8 lanes on AVX2 + FMA. Elsewhere the ops are not registered and callers dequantize and use
@@ -160,6 +161,81 @@ const float* fp32_rows(const at::Tensor& x, std::vector<float>& buf) {
 
 // Full bands in contiguous ranges per thread (one sequential stream each), then the last N % 4 rows,
 // which form a band of their own; y in x's dtype.
+#if defined(__AVX512BF16__)
+// bf16 inputs and int8 weights from five rows on: re-widening a band to fp32 for every four-row block made
+// the step compute-bound (decode_b16 1.9x bf16's). Here each band is widened once to bf16 in an L1 buffer
+// (exact: |q| <= 128 needs 8 significant bits) and runs VDPBF16PS tiles against the input rows as they are,
+// as the bf16 kernel does; products stay exact, sums fp32, the scale applied per output.
+template <int MB>
+void int8_bf16_tile(const uint16_t* x, const uint16_t* wb, c10::BFloat16* y, int64_t K, int64_t N, int64_t m0,
+                    int64_t n0, const float* scale) {
+  R acc[MB][kBand];
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < kBand; ++j) acc[i][j] = Vec::zero();
+  for (int64_t k = 0; k < K; k += 32) {
+    __m512bh wv[kBand];
+    for (int j = 0; j < kBand; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(wb + j * K + k);
+    for (int i = 0; i < MB; ++i) {
+      const auto xv = (__m512bh)_mm512_loadu_si512(x + (m0 + i) * K + k);
+      for (int j = 0; j < kBand; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, wv[j]);
+    }
+  }
+  vn_simd::store_tile(acc, y, N, m0, n0, scale, [](c10::BFloat16* p, float v) { put(p, v); });
+}
+
+// Band n0's [K / 16][4][16] int8 chunks -> wb[4][K] bf16, row by row.
+inline void widen_band_bf16(const int8_t* band, int64_t K, uint16_t* wb) {
+  for (int64_t k = 0; k < K; k += 32)
+    for (int j = 0; j < kBand; ++j) {
+      const __m512 lo = Vec::i8(band + k * kBand + 16 * j);
+      const __m512 hi = Vec::i8(band + (k + 16) * kBand + 16 * j);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(wb + j * K + k), (__m256i)_mm512_cvtneps_pbh(lo));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(wb + j * K + k + 16), (__m256i)_mm512_cvtneps_pbh(hi));
+    }
+}
+
+at::Tensor int8_bf16_rows(const Int8& wt, const at::Tensor& x, int64_t N) {
+  const int64_t M = x.size(0), K = x.size(1);
+  auto y = at::empty({M, N}, x.options());
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  auto* yp = y.data_ptr<at::BFloat16>();
+  const int64_t bands = N / kBand;
+  at::parallel_for(0, bands, 8, [&](int64_t b0, int64_t b1) {
+    std::vector<uint16_t> wb(kBand * K);
+    const int64_t blocks = (M + 3) / 4;
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t n0 = b * kBand;
+      widen_band_bf16(wt.w + n0 * K, K, wb.data());
+      const bool prefetch = b + 2 < b1;
+      int64_t m0 = 0;
+      for (; m0 + 4 <= M; m0 += 4) {
+        if (prefetch) wt.prefetch_band(n0 + 2 * kBand, K, m0 / 4, blocks);
+        int8_bf16_tile<4>(xp, wb.data(), yp, K, N, m0, n0, wt.scale);
+      }
+      if (prefetch && m0 < M) wt.prefetch_band(n0 + 2 * kBand, K, m0 / 4, blocks);
+      switch (M - m0) {
+        case 3: int8_bf16_tile<3>(xp, wb.data(), yp, K, N, m0, n0, wt.scale); break;
+        case 2: int8_bf16_tile<2>(xp, wb.data(), yp, K, N, m0, n0, wt.scale); break;
+        case 1: int8_bf16_tile<1>(xp, wb.data(), yp, K, N, m0, n0, wt.scale); break;
+        default: break;
+      }
+    }
+  });
+  if (N % kBand) {  // the last rows, as the fp32 path does them
+    std::vector<float> buf;
+    const float* xf = fp32_rows(x, buf);
+    const int64_t n_tail = bands * kBand;
+    switch (N - n_tail) {
+      case 3: band<3>(wt, xf, yp, M, K, N, n_tail, N); break;
+      case 2: band<2>(wt, xf, yp, M, K, N, n_tail, N); break;
+      case 1: band<1>(wt, xf, yp, M, K, N, n_tail, N); break;
+      default: break;
+    }
+  }
+  return y;
+}
+#endif
+
 template <typename Q>
 at::Tensor run(const Q& wt, const at::Tensor& x_in, int64_t N) {
   const auto x = x_in.contiguous();
@@ -194,7 +270,12 @@ at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& q, const at::Tenso
   TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.numel() == q.size(0) && scale.is_contiguous(),
               "scale must be float32 [N]");
   TORCH_CHECK(x.size(1) % 16 == 0, "K must be a multiple of 16");
-  return run(Int8{q.data_ptr<int8_t>(), scale.data_ptr<float>()}, x, q.size(0));
+  const Int8 wt{q.data_ptr<int8_t>(), scale.data_ptr<float>()};
+#if defined(__AVX512BF16__)
+  if (x.scalar_type() == at::kBFloat16 && x.size(0) > 4 && x.size(1) % 32 == 0)
+    return int8_bf16_rows(wt, x.contiguous(), q.size(0));
+#endif
+  return run(wt, x, q.size(0));
 }
 
 at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& q, const at::Tensor& sm) {
