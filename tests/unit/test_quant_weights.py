@@ -101,7 +101,14 @@ def test_kernel_and_prefill_path_match_the_dequantized_matmul_at_every_bucket(sc
         x = torch.randn(rows, k, generator=g).to(dtype)
         kernel = K.linear_int8 if scheme == "int8" else K.linear_int4
         ref = _reference(x, w_deq, None)
-        tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2**-7, atol=1e-3)
+        if dtype == torch.float32:
+            tol = dict(rtol=1e-5, atol=1e-5)
+        elif scheme == "int4" and rows > 4 and K.kernel_variant()[0] == "avx512bf16":
+            # From 5 rows on, VDPBF16PS over the dequantized weight rounded to bf16 (as prefill's oneDNN
+            # path uses it): the prefill tolerance.
+            tol = dict(rtol=2**-7, atol=5e-3 * ref.abs().max().item())
+        else:  # exact weights (int8 widens exactly to bf16 too): the output's rounding
+            tol = dict(rtol=2**-7, atol=1e-3)
         torch.testing.assert_close(kernel(x, qweight, qscale).float(), ref, **tol)
 
 

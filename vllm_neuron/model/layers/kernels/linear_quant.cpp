@@ -8,7 +8,7 @@
 // each thread reads its bands front to back, widening the weights to fp32 in registers and multiplying
 // them against up to four input rows held in fp32 (fp32 products and sums: an fp32 model gets the
 // dequantized matmul's result). The scale is applied once per output after the dot product. With AVX512-BF16,
-// bf16 inputs of five or more rows take int8 bands widened once to bf16 and VDPBF16PS instead (below).
+// bf16 inputs of five or more rows take bands widened once to bf16 and VDPBF16PS instead (below).
 //
 // One code path per vector width (simd.h), chosen when the library is built: 16 lanes where the compiler
 // targets AVX-512, 8 lanes on AVX2 + FMA. Elsewhere the ops are not registered and callers dequantize and use
@@ -162,12 +162,13 @@ const float* fp32_rows(const at::Tensor& x, std::vector<float>& buf) {
 // Full bands in contiguous ranges per thread (one sequential stream each), then the last N % 4 rows,
 // which form a band of their own; y in x's dtype.
 #if defined(__AVX512BF16__)
-// bf16 inputs and int8 weights from five rows on: re-widening a band to fp32 for every four-row block made
-// the step compute-bound (decode_b16 1.9x bf16's). Here each band is widened once to bf16 in an L1 buffer
-// (exact: |q| <= 128 needs 8 significant bits) and runs VDPBF16PS tiles against the input rows as they are,
-// as the bf16 kernel does; products stay exact, sums fp32, the scale applied per output.
+// bf16 inputs from five rows on: re-widening a band to fp32 for every four-row block made the step
+// compute-bound (int8 decode_b16 1.9x bf16's). Here each band is widened once to bf16 in an L1 buffer (int8:
+// exact, |q| <= 128 needs 8 significant bits, the scale applied per output; int4: the dequantized weight
+// rounded to bf16, as prefill uses it) and runs VDPBF16PS tiles against the input rows as they are, as the
+// bf16 kernel does: products exact, sums fp32.
 template <int MB>
-void int8_bf16_tile(const uint16_t* x, const uint16_t* wb, c10::BFloat16* y, int64_t K, int64_t N, int64_t m0,
+void bf16_tile(const uint16_t* x, const uint16_t* wb, c10::BFloat16* y, int64_t K, int64_t N, int64_t m0,
                     int64_t n0, const float* scale) {
   R acc[MB][kBand];
   for (int i = 0; i < MB; ++i)
@@ -183,8 +184,9 @@ void int8_bf16_tile(const uint16_t* x, const uint16_t* wb, c10::BFloat16* y, int
   vn_simd::store_tile(acc, y, N, m0, n0, scale, [](c10::BFloat16* p, float v) { put(p, v); });
 }
 
-// Band n0's [K / 16][4][16] int8 chunks -> wb[4][K] bf16, row by row.
-inline void widen_band_bf16(const int8_t* band, int64_t K, uint16_t* wb) {
+// Band n0's int8 chunks -> wb[4][K] bf16, row by row (exact).
+inline void widen_band_bf16(const Int8& wt, int64_t n0, int64_t K, uint16_t* wb) {
+  const int8_t* band = wt.w + n0 * K;
   for (int64_t k = 0; k < K; k += 32)
     for (int j = 0; j < kBand; ++j) {
       const __m512 lo = Vec::i8(band + k * kBand + 16 * j);
@@ -194,7 +196,31 @@ inline void widen_band_bf16(const int8_t* band, int64_t K, uint16_t* wb) {
     }
 }
 
-at::Tensor int8_bf16_rows(const Int8& wt, const at::Tensor& x, int64_t N) {
+// Band n0's int4 superblocks -> wb[4][K]: q * scale + min in fp32, rounded to bf16 (the weight the prefill
+// path's unpack_int4 gives oneDNN, so decode and prefill see the same weights).
+inline void widen_band_bf16(const Int4& wt, int64_t n0, int64_t K, uint16_t* wb) {
+  const uint8_t* band = wt.w + n0 * (K / 2);
+  const float* band_sm = wt.sm + n0 * (K / 16);
+  for (int64_t kb = 0; kb < K; kb += 64)
+    for (int j = 0; j < kBand; ++j) {
+      const uint8_t* p = band + (kb / 64) * kBand * 32 + 32 * j;
+      const float* sc = band_sm + (kb / 64) * kBand * 4 + 4 * j;
+      for (int h = 0; h < 32; h += 16) {
+        R lo, hi;
+        Vec::u4(p + h, lo, hi);
+        lo = Vec::fma(lo, Vec::set1(sc[0]), Vec::set1(sc[1]));
+        hi = Vec::fma(hi, Vec::set1(sc[2]), Vec::set1(sc[3]));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(wb + j * K + kb + h), (__m256i)_mm512_cvtneps_pbh(lo));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(wb + j * K + kb + 32 + h), (__m256i)_mm512_cvtneps_pbh(hi));
+      }
+    }
+}
+
+inline const float* out_scale(const Int8& wt) { return wt.scale; }
+inline const float* out_scale(const Int4&) { return nullptr; }
+
+template <typename Q>
+at::Tensor bf16_rows(const Q& wt, const at::Tensor& x, int64_t N) {
   const int64_t M = x.size(0), K = x.size(1);
   auto y = at::empty({M, N}, x.options());
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
@@ -205,18 +231,18 @@ at::Tensor int8_bf16_rows(const Int8& wt, const at::Tensor& x, int64_t N) {
     const int64_t blocks = (M + 3) / 4;
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t n0 = b * kBand;
-      widen_band_bf16(wt.w + n0 * K, K, wb.data());
+      widen_band_bf16(wt, n0, K, wb.data());
       const bool prefetch = b + 2 < b1;
       int64_t m0 = 0;
       for (; m0 + 4 <= M; m0 += 4) {
         if (prefetch) wt.prefetch_band(n0 + 2 * kBand, K, m0 / 4, blocks);
-        int8_bf16_tile<4>(xp, wb.data(), yp, K, N, m0, n0, wt.scale);
+        bf16_tile<4>(xp, wb.data(), yp, K, N, m0, n0, out_scale(wt));
       }
       if (prefetch && m0 < M) wt.prefetch_band(n0 + 2 * kBand, K, m0 / 4, blocks);
       switch (M - m0) {
-        case 3: int8_bf16_tile<3>(xp, wb.data(), yp, K, N, m0, n0, wt.scale); break;
-        case 2: int8_bf16_tile<2>(xp, wb.data(), yp, K, N, m0, n0, wt.scale); break;
-        case 1: int8_bf16_tile<1>(xp, wb.data(), yp, K, N, m0, n0, wt.scale); break;
+        case 3: bf16_tile<3>(xp, wb.data(), yp, K, N, m0, n0, out_scale(wt)); break;
+        case 2: bf16_tile<2>(xp, wb.data(), yp, K, N, m0, n0, out_scale(wt)); break;
+        case 1: bf16_tile<1>(xp, wb.data(), yp, K, N, m0, n0, out_scale(wt)); break;
         default: break;
       }
     }
@@ -273,7 +299,7 @@ at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& q, const at::Tenso
   const Int8 wt{q.data_ptr<int8_t>(), scale.data_ptr<float>()};
 #if defined(__AVX512BF16__)
   if (x.scalar_type() == at::kBFloat16 && x.size(0) > 4 && x.size(1) % 32 == 0)
-    return int8_bf16_rows(wt, x.contiguous(), q.size(0));
+    return bf16_rows(wt, x.contiguous(), q.size(0));
 #endif
   return run(wt, x, q.size(0));
 }
@@ -285,7 +311,11 @@ at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& q, const at::Tenso
   TORCH_CHECK(sm.scalar_type() == at::kFloat && sm.is_contiguous() && sm.dim() == 3 && sm.size(0) == q.size(0) &&
                   sm.size(1) == x.size(1) / 32 && sm.size(2) == 2,
               "scales must be float32 [N, K / 32, 2]");
-  return run(Int4{q.data_ptr<uint8_t>(), sm.data_ptr<float>()}, x, q.size(0));
+  const Int4 wt{q.data_ptr<uint8_t>(), sm.data_ptr<float>()};
+#if defined(__AVX512BF16__)
+  if (x.scalar_type() == at::kBFloat16 && x.size(0) > 4) return bf16_rows(wt, x.contiguous(), q.size(0));
+#endif
+  return run(wt, x, q.size(0));
 }
 
 // Prefill-sized inputs take oneDNN's matmul on the weight put back in row order in the compute dtype: one
