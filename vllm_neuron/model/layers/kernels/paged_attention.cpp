@@ -40,6 +40,7 @@ namespace {
 constexpr int64_t kTile = 32;
 constexpr int64_t kRowBlock = 8;  // the fewest query rows per item
 constexpr int64_t kMaxRowBlock = 64;
+constexpr int64_t kVInL2Bytes = 192 << 10;  // per item, a fraction of a thread's L2 (>= 512 KiB on these CPUs)
 
 inline float to_f(float x) { return x; }
 inline float to_f(c10::BFloat16 x) {
@@ -217,12 +218,16 @@ inline const float* lanes(const float* p) { return p; }
 // (bf16 widened in registers): scores[g * (last + 1 - first) + key - first].
 template <typename C>
 void decode_scores(const float* qf, int64_t G, int64_t D, const C* kp, const int64_t* table, int64_t block_size,
-                   int64_t slot_stride, int64_t head_off, int64_t first, int64_t last, float* scores) {
+                   int64_t slot_stride, int64_t head_off, int64_t first, int64_t last, float* scores,
+                   const C* vp = nullptr) {
   const int64_t len = last + 1 - first;
   for (int64_t t0 = first; t0 <= last; t0 += 4) {
     const int n = static_cast<int>(std::min<int64_t>(4, last + 1 - t0));
-    for (int64_t t = t0 + attn_tiles::kKeysAhead; t < t0 + attn_tiles::kKeysAhead + 4 && t <= last; ++t)
-      vn_simd::prefetch(kp + slot_of(table, block_size, t) * slot_stride + head_off, D * sizeof(C));
+    for (int64_t t = t0 + attn_tiles::kKeysAhead; t < t0 + attn_tiles::kKeysAhead + 4 && t <= last; ++t) {
+      const int64_t off = slot_of(table, block_size, t) * slot_stride + head_off;
+      vn_simd::prefetch(kp + off, D * sizeof(C));
+      if (vp) vn_simd::prefetch(vp + off, D * sizeof(C));
+    }
     decltype(lanes(kp)) krow[4];
     for (int u = 0; u < 4; ++u) {
       const int64_t t = t0 + std::min(u, n - 1);  // past the last key: read it again, drop the result
@@ -367,8 +372,10 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::
         if constexpr (kReadInPlace<C>) {
           in_place = D % vn_simd::Vec::W == 0;
           if (in_place)
+            // An item's V rows (len x D) fit in L2 up to a few thousand keys: fetched alongside K, so the
+            // values pass reads cache rather than starting a second stream from memory.
             decode_scores(qf.data(), G, D, kp, table, block_size, slot_stride, w.head * D, first, last,
-                          scores.data());
+                          scores.data(), len * D * int64_t(sizeof(C)) <= kVInL2Bytes ? vp : nullptr);
         }
 #endif
         for (int64_t t0 = first; !in_place && t0 <= last; t0 += kTile) {
