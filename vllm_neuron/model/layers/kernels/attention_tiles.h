@@ -88,12 +88,12 @@ inline void score_keys(const float* q, int64_t D, const E* const* krow, int n, f
 // Vectors of the head dim per decode value block (GB x this many accumulators, GB <= 4).
 constexpr int kValueVectors = Vec::W == 16 ? 4 : 2;
 
-// a[g][c0 .. c0 + NC * W) = sum over keys t < len of p[g * len + t] * V[t][same columns], GB heads; V[t]
-// lies at v0 + row(t) (fp32 or bf16 lanes).
 // Keys a decode pass asks the cache for ahead of use: a paged cache's rows are strided by the other heads,
 // and the hardware prefetcher alone left a b16 decode at a 2,048-token context reading ~7 GB/s.
 constexpr int64_t kKeysAhead = 16;
 
+// a[g][c0 .. c0 + NC * W) = sum over keys t < len of p[g * len + t] * V[t][same columns], GB heads; V[t]
+// lies at v0 + row(t) (fp32 or bf16 lanes).
 template <int GB, int NC, typename E, typename Row>
 inline void weigh_values(const float* p, int64_t len, const E* v0, const Row& row, int64_t c0, float* a, int64_t D) {
   Vec::R acc[GB][NC];

@@ -6,8 +6,8 @@
 // of weight rows one row at a time, front to back, against all input rows held in L1. From five rows on
 // each thread takes bands of four weight rows, read once from memory, and runs them against four input
 // rows at a time (16 accumulators in registers; six rows from 17 rows on), the band staying in L1 across
-// the row blocks while the band after next is prefetched. One code path per instruction set, chosen when the library is built (kernels/__init__.py
-// picks the compiler flags per CPU class):
+// the row blocks while the band after next is prefetched. One code path per instruction set, chosen when
+// the library is built (kernels/__init__.py picks the compiler flags per CPU class):
 //   AVX512-BF16: bf16 pairs multiplied and accumulated in fp32 by VDPBF16PS (linear_bf16);
 //   AVX-512 / AVX2 + FMA: bf16 widened to fp32 by a 16-bit shift, then FMA (linear_bf16), and fp32 (linear_f32).
 // Elsewhere the ops are not registered and callers use F.linear.
@@ -71,7 +71,7 @@ void tile(const typename Op::T* x, const typename Op::T* w, typename Op::T* y, i
     typename Op::L wv[NB];
     for (int j = 0; j < NB; ++j) wv[j] = Op::load(w + (n0 + j) * K + k);
     if (k % kLine == 0)
-      for (int j = 0; j < npf; ++j) _mm_prefetch(reinterpret_cast<const char*>(pf + j * K + k), _MM_HINT_T0);
+      for (int j = 0; j < npf; ++j) vn_simd::prefetch(pf + j * K + k, 64);
     for (int i = 0; i < MB; ++i) {
       const auto xv = Op::load(x + (m0 + i) * K + k);
       for (int j = 0; j < NB; ++j) acc[s][i][j] = Op::madd(acc[s][i][j], xv, wv[j]);

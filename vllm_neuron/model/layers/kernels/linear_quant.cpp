@@ -159,8 +159,6 @@ const float* fp32_rows(const at::Tensor& x, std::vector<float>& buf) {
   return buf.data();
 }
 
-// Full bands in contiguous ranges per thread (one sequential stream each), then the last N % 4 rows,
-// which form a band of their own; y in x's dtype.
 #if defined(__AVX512BF16__)
 // bf16 inputs from five rows on: re-widening a band to fp32 for every four-row block made the step
 // compute-bound (int8 decode_b16 1.9x bf16's). Here each band is widened once to bf16 in an L1 buffer (int8:
@@ -169,7 +167,7 @@ const float* fp32_rows(const at::Tensor& x, std::vector<float>& buf) {
 // bf16 kernel does: products exact, sums fp32.
 template <int MB>
 void bf16_tile(const uint16_t* x, const uint16_t* wb, c10::BFloat16* y, int64_t K, int64_t N, int64_t m0,
-                    int64_t n0, const float* scale) {
+               int64_t n0, const float* scale) {
   R acc[MB][kBand];
   for (int i = 0; i < MB; ++i)
     for (int j = 0; j < kBand; ++j) acc[i][j] = Vec::zero();
@@ -262,6 +260,8 @@ at::Tensor bf16_rows(const Q& wt, const at::Tensor& x, int64_t N) {
 }
 #endif
 
+// Full bands in contiguous ranges per thread (one sequential stream each), then the last N % 4 rows,
+// which form a band of their own; y in x's dtype.
 template <typename Q>
 at::Tensor run(const Q& wt, const at::Tensor& x_in, int64_t N) {
   const auto x = x_in.contiguous();

@@ -372,8 +372,8 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::
         if constexpr (kReadInPlace<C>) {
           in_place = D % vn_simd::Vec::W == 0;
           if (in_place)
-            // An item's V rows (len x D) fit in L2 up to a few thousand keys: fetched alongside K, so the
-            // values pass reads cache rather than starting a second stream from memory.
+            // An item's V rows (len x D), when they fit kVInL2Bytes, are fetched alongside K, so the values
+            // pass reads cache rather than starting a second stream from memory (longer: no gain measured).
             decode_scores(qf.data(), G, D, kp, table, block_size, slot_stride, w.head * D, first, last,
                           scores.data(), len * D * int64_t(sizeof(C)) <= kVInL2Bytes ? vp : nullptr);
         }
