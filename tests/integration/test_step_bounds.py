@@ -30,14 +30,15 @@ def test_bound_is_the_slower_of_compute_and_memory(sb):
 
 def test_tiny_model_run_prints_every_step_kind(tiny_llama_dir):
     env = dict(os.environ)  # the tests' cache root (conftest): kernels built once; eager writes no graphs
-    proc = subprocess.run([sys.executable, _SCRIPT, "--model", tiny_llama_dir, "--eager", "--repeat", "1",
+    proc = subprocess.run([sys.executable, _SCRIPT, "--model", tiny_llama_dir, "--eager", "--dtype", "float32", "--repeat", "1",
                            "--prefill-buckets", "16,32", "--decode-buckets", "1,2", "--decode-tokens", "3",
                            "--decode-batches", "1,2", "--matmul-size", "256", "--bandwidth-gib", "0.05",
                            "--threads", "1"],
                           env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     out = proc.stdout
-    assert "bf16 matmul peak" in out and "read bandwidth" in out
+    assert "fp32 matmul peak" in out and "read bandwidth" in out  # the peak is measured in the engine's dtype
+    assert "float32 weights" in out
     rows = [line.split("|")[1].strip() for line in out.splitlines() if line.startswith("| ") and "---" not in line]
     assert rows[0] == "step (bucket graph)"
     assert rows[1:] == ["prefill_s16", "prefill_s32", "decode_b1", "decode_b2"], out
