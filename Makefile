@@ -51,7 +51,7 @@ clean:
 	rm -rf $(VENV) .pytest_cache
 
 .PHONY: bench-bounds
-bench-bounds: setup  ## the machine's bf16 matmul peak and read bandwidth, and each step kind of ours against its bound
+bench-bounds: setup  ## the machine's matmul peak (engine dtype) and read bandwidth, and each step kind of ours against its bound
 	$(BIN)/python benchmarks/step_bounds.py $(ARGS)
 
 .PHONY: bench-peers

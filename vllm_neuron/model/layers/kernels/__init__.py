@@ -196,8 +196,12 @@ def small_batch_rows(variant: str, flags: set[str], dtype: torch.dtype) -> int:
     tile path takes bf16 from 5 rows on (kernel 31.7 ms vs oneDNN ~27 ms at 5 rows). Without AMX the
     kernel, prefetching the weights of the band after next, stays ahead to 32 rows in bf16 (AMD EPYC,
     AVX512-BF16: 12.8 vs 20.1 ms at 16 rows, 23.3 vs 26.7 ms at 32, even at 64) and to 64 in fp32 (87.8 vs
-    169.2 ms at 64), which covers every default decode bucket and the smallest prefill buckets. The AVX2
-    build is unmeasured against oneDNN beyond 4 rows, so it keeps 4."""
+    169.2 ms at 64), which covers every default decode bucket and the smallest prefill buckets. On an
+    AVX2-only AMD EPYC oneDNN is further behind (fp32: 65 vs 196 ms at 16 rows, 118 vs 314 at 32, 323 vs
+    426 at 64, even at 128; bf16, which oneDNN emulates there: 239 vs 1128 ms at 64), so the avx2 build
+    serves up to 64 rows too."""
+    if variant == "avx2":
+        return 64
     if variant != "avx512bf16" or (dtype == torch.bfloat16 and "amx_bf16" in flags):
         return 4
     return 32 if dtype == torch.bfloat16 else 64
