@@ -2,7 +2,7 @@
 
 Measures the machine first, with nothing else of ours running: the matmul peak in the engine's dtype
 (GFLOP/s of torch matmuls on large square shapes, every core: bf16 where the engine runs bf16, fp32 on
-AVX2-only CPUs, where the engine runs fp32 and bf16 matmuls are emulated) and the read bandwidth (an fp32 sum of 1 GiB). Then serves
+AVX2-only CPUs, where bf16 matmuls are emulated) and the read bandwidth (an fp32 sum of 1 GiB). Then serves
 the bundled model offline with the default buckets, times every step the model runner executes
 (prefill at each prefill bucket; decode with 1, 4 and 16 sequences), and prints per step kind our
 median step time next to its bound:
@@ -50,14 +50,14 @@ def bound_ms(cost: StepCost, peak_flop_s: float, bandwidth_b_s: float) -> tuple[
     return (compute * 1e3, "compute") if compute >= memory else (memory * 1e3, "memory")
 
 
-def measure_matmul_peak(threads: int, n: int = 2048, repeats: int = 5, dtype=None) -> float:
-    """FLOP/s of an n x n x n matmul in `dtype` (default bf16) through torch with `threads` threads (best of N)."""
+def measure_matmul_peak(threads: int, n: int = 2048, repeats: int = 5, dtype: str = "bfloat16") -> float:
+    """FLOP/s of an n x n x n matmul in `dtype` through torch with `threads` threads (best of N)."""
     import torch
 
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
+    dtype = getattr(torch, dtype)
     try:
-        dtype = dtype or torch.bfloat16
         a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
         a @ b  # oneDNN's first call picks and prepares its kernel
         best = float("inf")
@@ -68,6 +68,9 @@ def measure_matmul_peak(threads: int, n: int = 2048, repeats: int = 5, dtype=Non
         return 2.0 * n**3 / best
     finally:
         torch.set_num_threads(old)
+
+
+_SHORT = {"bfloat16": "bf16", "float32": "fp32"}
 
 
 def _model_sizes(model) -> tuple[int, int]:
@@ -109,11 +112,10 @@ def main(argv: list[str] | None = None) -> None:
 
     from vllm_neuron.config.device import resolve_dtype
 
-    dtype = resolve_dtype(args.dtype, torch.device("cpu"))
-    dtype_name = str(dtype).removeprefix("torch.").replace("bfloat16", "bf16").replace("float32", "fp32")
+    dtype = str(resolve_dtype(args.dtype, torch.device("cpu"))).removeprefix("torch.")
     peak = measure_matmul_peak(args.threads, args.matmul_size, dtype=dtype)
     bandwidth = measure_read_bandwidth(args.threads, args.bandwidth_gib)
-    print(f"machine: {dtype_name} matmul peak {peak / 1e9:.0f} GFLOP/s ({args.matmul_size}^3, torch, {args.threads} "
+    print(f"machine: {_SHORT[dtype]} matmul peak {peak / 1e9:.0f} GFLOP/s ({args.matmul_size}^3, torch, {args.threads} "
           f"threads), read bandwidth {bandwidth / 1e9:.1f} GB/s (fp32 sum of {args.bandwidth_gib:g} GiB)", flush=True)
 
     from vllm_neuron import LLM, SamplingParams
@@ -127,7 +129,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.decode_buckets:
         nc["num_seqs_buckets"] = [int(b) for b in args.decode_buckets.split(",")]
         kw["max_num_seqs"] = nc["num_seqs_buckets"][-1]
-    llm = LLM(**kw, dtype=args.dtype, enable_prefix_caching=False, enforce_eager=args.eager, additional_config={"neuron_config": nc})
+    llm = LLM(**kw, dtype=args.dtype, enable_prefix_caching=False, enforce_eager=args.eager,
+              additional_config={"neuron_config": nc})
     runner = llm.llm_engine.core.runner
     params, weight_bytes = _model_sizes(runner.model)
     kv_per_token = _kv_bytes_per_token(llm)

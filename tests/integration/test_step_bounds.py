@@ -30,7 +30,8 @@ def test_bound_is_the_slower_of_compute_and_memory(sb):
 
 def test_tiny_model_run_prints_every_step_kind(tiny_llama_dir):
     env = dict(os.environ)  # the tests' cache root (conftest): kernels built once; eager writes no graphs
-    proc = subprocess.run([sys.executable, _SCRIPT, "--model", tiny_llama_dir, "--eager", "--dtype", "float32", "--repeat", "1",
+    proc = subprocess.run([sys.executable, _SCRIPT, "--model", tiny_llama_dir, "--eager", "--dtype", "float32",
+                           "--repeat", "1",
                            "--prefill-buckets", "16,32", "--decode-buckets", "1,2", "--decode-tokens", "3",
                            "--decode-batches", "1,2", "--matmul-size", "256", "--bandwidth-gib", "0.05",
                            "--threads", "1"],

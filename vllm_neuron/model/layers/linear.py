@@ -3,8 +3,8 @@
 At a few rows a linear layer is bound by streaming its weights; the custom kernel
 (kernels/linear_bf16.cpp, bf16 and fp32) gets 1.3-2.5x more bandwidth than oneDNN there on AVX512-BF16 CPUs.
 Above a number of rows that depends on the CPU class and dtype (kernels.small_batch_rows: 4 where AMX
-serves oneDNN, 32-64 elsewhere), oneDNN is as fast and takes over. The switch is process-wide and set once by the model
-runner; a graph sees it as a constant, so the choice is made when a bucket is traced.
+serves oneDNN, 32-64 elsewhere), oneDNN is as fast and takes over. The switch is process-wide and set once
+by the model runner; a graph sees it as a constant, so the choice is made when a bucket is traced.
 A layer can also be quantized in place to weight-only int8 or int4 (quant_int8.py, quant_int4.py),
 whose few-row kernels are switched on by the runner too.
 """

@@ -198,7 +198,7 @@ def small_batch_rows(variant: str, flags: set[str], dtype: torch.dtype) -> int:
     AVX512-BF16: 12.8 vs 20.1 ms at 16 rows, 23.3 vs 26.7 ms at 32, even at 64) and to 64 in fp32 (87.8 vs
     169.2 ms at 64), which covers every default decode bucket and the smallest prefill buckets. On an
     AVX2-only AMD EPYC oneDNN is further behind (fp32: 65 vs 196 ms at 16 rows, 118 vs 314 at 32, 323 vs
-    426 at 64, even at 128; bf16, which oneDNN emulates there: 239 vs 1128 ms at 64), so the avx2 build
+    426 at 64, level at 128; bf16, which oneDNN emulates there: 239 vs 1128 ms at 64), so the avx2 build
     serves up to 64 rows too."""
     if variant == "avx2":
         return 64
