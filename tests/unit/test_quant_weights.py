@@ -112,6 +112,35 @@ def test_kernel_and_prefill_path_match_the_dequantized_matmul_at_every_bucket(sc
         torch.testing.assert_close(kernel(x, qweight, qscale).float(), ref, **tol)
 
 
+@pytest.mark.parametrize("n, k", [(12, 48), (9, 272), (960, 576), (8, 1536)])
+def test_int8_kernel_on_bf16_inputs_of_any_range_stays_within_the_int16_rounding(n, k):
+    """bf16 inputs meet int8 weights as int16 (VPDPWSSD where the CPU has AVX512-VNNI): one power of two per
+    row and block of 256 inputs, so an input within 2^7 of its block's largest is exact and a smaller one is
+    off by at most 2^-15 of the largest. Inputs spread over 2^-30..2^8 stay within that bound; inputs of one
+    narrow range (and all-zero rows) are exact up to the output's bf16 rounding. K of 3 and 17 chunks of 16
+    leave an odd chunk count in the last block; 1-5 rows cover every row tile and the prefetching path."""
+    if not K.quant_kernels_available(CPU):
+        pytest.skip("no AVX2 here: the torch path serves")
+    g = torch.Generator().manual_seed(n * k)
+    q, scale = Q8.quantize(torch.randn(n, k, generator=g) / k**0.5)
+    w = Q8.dequantize(q, scale, torch.float32)
+    for rows in range(1, 6):
+        wide = (torch.randn(rows, k, generator=g) * 2.0 ** (torch.rand(rows, k, generator=g) * 38 - 30)).bfloat16()
+        narrow = (torch.randn(rows, k, generator=g) * 3).bfloat16()
+        narrow[narrow.abs() < 0.25] = 0.25  # within 2^7 of the largest (~15)
+        narrow[rows // 2] = 0  # a row of zeros
+        for x, exact in ((wide, False), (narrow, True)):
+            xf = x.float()
+            ref = F.linear(xf, w)
+            out = K.linear_int8(x, q, scale).float()
+            blocks = F.pad(xf.abs(), (0, -k % 256)).reshape(rows, -1, 256).amax(-1)
+            step = blocks.repeat_interleave(256, dim=1)[:, :k] * 2.0**-14  # a block's step: <= 2^-14 of its largest
+            bound = 0 if exact else (step / 2) @ w.abs().T
+            sums = xf.abs() @ w.abs().T  # the fp32 sums' own rounding
+            assert torch.all((out - ref).abs() <= bound + ref.abs() * 2**-8 + sums * 1e-6), (rows, exact)
+        assert torch.all(K.linear_int8(narrow, q, scale)[rows // 2] == 0)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("n, k", SHAPES)
 def test_kernel_unpacking_equals_the_torch_dequantization(dtype, n, k):
