@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from vllm_neuron.model.layers.in_graph_sampler import greedy_in_graph, sample_in_graph
+from vllm_neuron.model.layers.in_graph_sampler import apply_token_bitmask, greedy_in_graph, sample_in_graph
 
 
 def _params(b, temperature=1.0, top_k=0, top_p=1.0):
@@ -162,3 +162,28 @@ def test_host_sampler_and_graph_give_the_same_token_for_the_same_number():
     host = host_sample(logits, rows, max_top_k=64).token_ids
     assert host == graph.tolist()
     assert len(set(host)) > n // 2  # really random rows
+
+
+def test_token_bitmask_masks_constrained_rows_and_skips_the_unpack_without_constraints():
+    torch.manual_seed(7)
+    b, v = 3, 70  # 3 words per row, the last one partly past the vocabulary
+    logits = torch.randn(b, v)
+    free = torch.full((b, 3), -1, dtype=torch.int32)
+    constrained = free.clone()
+    constrained[1] = torch.tensor([0b1011, 0, 1 << 5], dtype=torch.int32)  # tokens 0, 1, 3 and 69
+    expected = logits.clone()
+    expected[1] = float("-inf")
+    expected[1, [0, 1, 3, 69]] = logits[1, [0, 1, 3, 69]]
+    names = {}
+    # Inductor names its fused kernels in the profile only with kernel profiling on (set when compiling).
+    with torch._inductor.config.patch({"cpp.enable_kernel_profile": True}):
+        compiled = torch.compile(apply_token_bitmask, fullgraph=True, dynamic=False)
+        for fn in (apply_token_bitmask, compiled):
+            assert torch.equal(fn(logits, constrained), expected)
+            out = fn(logits, free)
+            assert torch.equal(out, logits) and out.data_ptr() != logits.data_ptr()
+        for name, bitmask in (("free", free), ("constrained", constrained)):
+            with torch.profiler.profile() as prof:
+                compiled(logits, bitmask)
+            names[name] = " ".join(e.name for e in prof.events())
+    assert "masked_fill" in names["constrained"] and "masked_fill" not in names["free"], names

@@ -161,11 +161,22 @@ def sample_in_graph(logits: torch.Tensor, temperature: torch.Tensor, top_k: torc
                       (logits, temperature, top_k, top_p, uniform))
 
 
-def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
-    """Masks disallowed tokens to -inf. bitmask [B, ceil(V / 32)] int32, bit j of word w allows token
-    32 * w + j (xgrammar's layout); an all-ones row (-1 words) allows everything. Static shapes."""
+def _masked(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     vocab = logits.shape[-1]
     idx = torch.arange(vocab, device=logits.device)
     words = bitmask[:, idx >> 5]
     allowed = ((words >> (idx & 31)) & 1).bool()
     return logits.masked_fill(~allowed, float("-inf"))
+
+
+def _unmasked(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    return logits.clone()  # a cond branch may not return its input
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """Masks disallowed tokens to -inf. bitmask [B, ceil(V / 32)] int32, bit j of word w allows token
+    32 * w + j (xgrammar's layout); an all-ones row (-1 words) allows everything. Static shapes.
+    A compiled graph always takes a bitmask, so a batch without constraints (every word -1) branches past
+    the per-token unpack (`torch.cond`): it was ~0.8 ms of every ~20 ms decode_b16 step of the bundled model
+    (16 rows x 49,152 tokens; AMD EPYC, 2 cores)."""
+    return torch.cond((bitmask != -1).any(), _masked, _unmasked, (logits, bitmask))
