@@ -21,6 +21,8 @@
 #include <cmath>
 #include <cstdint>
 
+#include "simd.h"
+
 namespace vn_vnni {
 
 constexpr int64_t kBlock = 256;  // inputs per int16 scale
@@ -59,20 +61,15 @@ inline void quantize_rows(const uint16_t* x, int64_t M, int64_t K, int16_t* xq, 
 
 // [sum of a's lower half, a's upper half, b's lower half, b's upper half].
 inline __m128 half_sums(__m512 a, __m512 b) {
-  const __m256 a0 = _mm512_castps512_ps256(a), c = _mm512_castps512_ps256(b);
-  const __m256 a1 = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1));
-  const __m256 c1 = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(b), 1));
-  const __m256 lo = _mm256_add_ps(_mm256_unpacklo_ps(a0, a1), _mm256_unpackhi_ps(a0, a1));
-  const __m256 hi = _mm256_add_ps(_mm256_unpacklo_ps(c, c1), _mm256_unpackhi_ps(c, c1));
-  const __m256 s = _mm256_add_ps(_mm256_shuffle_ps(lo, hi, 0x44), _mm256_shuffle_ps(lo, hi, 0xEE));
-  return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+  const auto upper = [](__m512 v) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)); };
+  return vn_simd::sum4_256(_mm512_castps512_ps256(a), upper(a), _mm512_castps512_ps256(b), upper(b));
 }
 
-// The four rows of the band at `band` (int8, band order) against input rows m0 .. m0 + MB - 1: out[i][j] is
-// row m0 + i's dot product with band row j, times scale[j].
+// The four rows of the band at `band` (int8, band order) against input rows 0 .. MB - 1: out[i][j] is row
+// i's dot product with band row j, times scale[j].
 template <int MB>
 inline void tile(const int8_t* band, const float* scale, const int16_t* xq, const float* xs, int64_t K,
-                 int64_t m0, float* out) {
+                 float* out) {
   // One or two input rows leave too few independent sums to hide VPDPWSSD's latency: chunks alternate
   // between two sets of them there.
   constexpr int S = MB <= 2 ? 2 : 1;
@@ -88,7 +85,7 @@ inline void tile(const int8_t* band, const float* scale, const int16_t* xq, cons
       const __m512i w01 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
       const __m512i w23 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32)));
       for (int i = 0; i < MB; ++i) {
-        const __m512i xv = _mm512_loadu_si512(xq + ((m0 + i) * chunks + c) * 32);
+        const __m512i xv = _mm512_loadu_si512(xq + (i * chunks + c) * 32);
         acc[s][i][0] = _mm512_dpwssd_epi32(acc[s][i][0], w01, xv);
         acc[s][i][1] = _mm512_dpwssd_epi32(acc[s][i][1], w23, xv);
       }
@@ -99,7 +96,7 @@ inline void tile(const int8_t* band, const float* scale, const int16_t* xq, cons
       for (int s = 0; s < S; ++s) step(s, c + s);
     for (; c < c1; ++c) step(0, c);
     for (int i = 0; i < MB; ++i) {
-      const __m512 f = _mm512_set1_ps(xs[(m0 + i) * nb + b]);
+      const __m512 f = _mm512_set1_ps(xs[i * nb + b]);
       for (int h = 0; h < 2; ++h) {
         __m512i sum = acc[0][i][h];
         for (int s = 1; s < S; ++s) sum = _mm512_add_epi32(sum, acc[s][i][h]);

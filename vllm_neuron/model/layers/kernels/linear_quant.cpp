@@ -286,7 +286,7 @@ at::Tensor vnni_rows(const Int8& wt, const at::Tensor& x, int64_t N) {
       const int64_t n0 = b * kBand;
       const auto rows = [&](auto mb) {
         constexpr int MB = decltype(mb)::value;
-        vn_vnni::tile<MB>(wt.w + n0 * K, wt.scale + n0, xq.data(), xs.data(), K, 0, out);
+        vn_vnni::tile<MB>(wt.w + n0 * K, wt.scale + n0, xq.data(), xs.data(), K, out);
         for (int i = 0; i < MB; ++i)
           for (int j = 0; j < kBand; ++j) put(yp + i * N + n0 + j, out[kBand * i + j]);
       };
