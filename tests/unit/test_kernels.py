@@ -219,7 +219,7 @@ def test_paged_attention_checks_the_bounds_it_relies_on(change, message):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-# 1-4 rows: one weight row at a time; from 5: bands of four weight rows against four-row blocks plus a rest
+# 1-4 rows: one weight row at a time (bands on AMX CPUs); from 5: bands of four weight rows against four-row blocks plus a rest
 # (six-row blocks from 17 rows on), with the weights two bands on prefetched while a thread has them.
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 8, 13, 16, 17, 23, 32, 64])
 @pytest.mark.parametrize("n, k", [(1536, 576), (576, 1536), (190, 576), (7, 64)])
