@@ -25,10 +25,11 @@ from vllm_neuron.distributed import parallel_state as ps
 from vllm_neuron.kv_cache_groups import KVCacheLayout, plan_kv_cache_layout, single_group_layout
 from vllm_neuron.logger import init_logger
 from vllm_neuron.model.layers import kv_quant, quant_fp8
-from vllm_neuron.model.layers.kernels import (describe_kernels, kernel_variant, kernels_enabled, linear_kernel_rows,
+from vllm_neuron.model.layers import onednn_packed
+from vllm_neuron.model.layers.kernels import (cpu_flags, describe_kernels, kernel_variant, kernels_enabled, linear_kernel_rows,
                                               quant_kernels_available)
-from vllm_neuron.model.layers.linear import (make_linears_fp8_, quantize_linears_, set_quant_kernels,
-                                             set_small_batch_kernel)
+from vllm_neuron.model.layers.linear import (make_linears_fp8_, quantize_linears_, set_prepacked,
+                                             set_quant_kernels, set_small_batch_kernel)
 from vllm_neuron.model.layers.paged_decode import paged_decode_available
 from vllm_neuron.model.loader import Checkpoint
 from vllm_neuron.model.registry import model_spec, resolve_model_class
@@ -98,6 +99,9 @@ class ModelRunnerBase:
         logger.info("%s", describe_kernels(device, self.dtype))
         self.use_quant_kernels = quant_kernels_available(device)
         set_quant_kernels(self.use_quant_kernels)
+        # On AMX CPUs the rows above the kernel's take oneDNN on weights reordered once (custom kernels on).
+        self.prepacked = self.use_kernels and onednn_packed.available(device, dtype, cpu_flags())
+        set_prepacked(self.prepacked)
         # CUDA: decode attention reads each sequence's real context (Triton), and bucket graphs replay.
         self.paged_decode = not self.use_kernels and not self.model_spec.has_sinks_or_windows and \
             paged_decode_available(device.type, self.model_spec.head_dim, self.block_size) and \
@@ -151,6 +155,11 @@ class ModelRunnerBase:
             layers, before, after = quantize_linears_(self.model, scheme)
             logger.info("Weight-only %s: %d linear layers, %.1f MiB -> %.1f MiB (%s kernel for decode)", scheme,
                         layers, before / 2**20, after / 2**20, "custom" if self.use_quant_kernels else "no")
+        if self.prepacked:
+            layers, added = onednn_packed.pack_linears_(self.model)
+            logger.info("oneDNN weights reordered once for AMX: %d bf16 linear layers above %d rows (+%.1f MiB "
+                        "beside the weights the decode kernel streams)", layers, self.linear_kernel_rows,
+                        added / 2**20)
         self._bitmask_words = -(-self.ckpt.hf_config.get_text_config().vocab_size // 32)
         nbytes += self._load_draft()
         self.compiler = self._make_compiler()
@@ -248,7 +257,7 @@ class ModelRunnerBase:
         return {"odsc": repr(self.odsc), "block_size": self.block_size, "backend": self.backend,
                 "kernels": self.use_kernels, "linear_kernel_rows": self.linear_kernel_rows,
                 "kernel_variant": kernel_variant()[0] if self.use_kernels else None,
-                "quant_kernels": self.use_quant_kernels, "kv_dtype": str(self.kv_dtype),
+                "quant_kernels": self.use_quant_kernels, "prepacked": self.prepacked, "kv_dtype": str(self.kv_dtype),
                 "paged_decode": self.paged_decode, "kv_segment": self.kv_segment,
                 # Each tensor-parallel rank compiles its own shard's graphs.
                 "tp_rank": ps.info().rank, "ep_degree": ps.info().ep_degree,

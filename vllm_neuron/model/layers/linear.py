@@ -6,7 +6,8 @@ Above a number of rows that depends on the CPU class and dtype (kernels.small_ba
 serves oneDNN, 32-64 elsewhere), oneDNN is as fast and takes over. The switch is process-wide and set once
 by the model runner; a graph sees it as a constant, so the choice is made when a bucket is traced.
 A layer can also be quantized in place to weight-only int8 or int4 (quant_int8.py, quant_int4.py),
-whose few-row kernels are switched on by the runner too.
+whose few-row kernels are switched on by the runner too. On AMX CPUs the rows above the kernel's take oneDNN
+on weights reordered once at load (onednn_packed.py).
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from torch import nn
 _kernel_dtypes: frozenset[torch.dtype] = frozenset()
 _kernel_rows = 0
 _quant_kernels_enabled = False
+_prepacked = False
 
 
 def set_small_batch_kernel(dtypes: frozenset[torch.dtype], rows: int) -> None:
@@ -24,6 +26,12 @@ def set_small_batch_kernel(dtypes: frozenset[torch.dtype], rows: int) -> None:
     limit for the process (the runner's compute dtype's): a graph guards on plain globals only."""
     global _kernel_dtypes, _kernel_rows
     _kernel_dtypes, _kernel_rows = frozenset(dtypes), rows
+
+
+def set_prepacked(enabled: bool) -> None:
+    """bf16 inputs above the kernel's rows take oneDNN on weights reordered once (onednn_packed.py)."""
+    global _prepacked
+    _prepacked = enabled
 
 
 def set_quant_kernels(enabled: bool) -> None:
@@ -71,6 +79,10 @@ class Linear(nn.Linear):
             from vllm_neuron.model.layers.kernels import linear_small_batch
 
             return linear_small_batch(x, self.weight)
+        if _prepacked and x.dtype == torch.bfloat16 and x.dim() == 2 and self.weight.dtype == x.dtype:
+            from vllm_neuron.model.layers.onednn_packed import linear_prepacked
+
+            return linear_prepacked(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 

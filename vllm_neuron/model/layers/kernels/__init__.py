@@ -45,6 +45,11 @@ VARIANTS = {
 }
 
 
+def cpu_flags() -> set[str]:
+    """This CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
+    return _cpu_flags()
+
+
 def _cpu_flags() -> set[str]:
     try:
         with open("/proc/cpuinfo") as f:
@@ -193,7 +198,9 @@ def small_batch_rows(variant: str, flags: set[str], dtype: torch.dtype) -> int:
     """Up to how many rows the weight-streaming linear beats oneDNN on this CPU class (pure).
 
     Measured on the bundled model's linears (one step's worth, 2 cores): on a Xeon with AMX, oneDNN's
-    tile path takes bf16 from 5 rows on (kernel 31.7 ms vs oneDNN ~27 ms at 5 rows). Without AMX the
+    tile path takes bf16 from 5 rows on (kernel 31.7 ms vs oneDNN ~27 ms at 5 rows; with the prefetching
+    bands and weights reordered once, onednn_packed.py, the kernel led to 8 rows, 25 vs 29 ms, and lost at
+    16, 43 vs 28: no default decode bucket lies between 4 and 16). Without AMX the
     kernel, prefetching the weights of the band after next, stays ahead to 32 rows in bf16 (AMD EPYC,
     AVX512-BF16: 12.8 vs 20.1 ms at 16 rows, 23.3 vs 26.7 ms at 32, even at 64) and to 64 in fp32 (87.8 vs
     169.2 ms at 64), which covers every default decode bucket and the smallest prefill buckets. On an

@@ -1,0 +1,101 @@
+"""oneDNN linears on weights reordered once (AMX CPUs): same results as F.linear, taken only where switched on."""
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vllm_neuron.model.layers import linear as L
+from vllm_neuron.model.layers import onednn_packed as P
+
+CPU = torch.device("cpu")
+AMX = {"amx_bf16", "amx_tile", "avx512_bf16", "avx512bw"}
+
+pytestmark = pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(),
+                                reason="this CPU has no oneDNN bf16 path (no AVX-512): F.linear serves, no reorder")
+
+
+def test_only_bf16_on_an_amx_cpu_reorders():
+    assert P.available(CPU, torch.bfloat16, AMX)
+    assert not P.available(CPU, torch.float32, AMX)  # AMX has no fp32 tiles
+    assert not P.available(CPU, torch.bfloat16, {"avx512_bf16", "avx512bw"})
+    assert not P.available(torch.device("cuda"), torch.bfloat16, AMX)
+
+
+class _Tiny(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(96, 64)
+        self.up = L.Linear(64, 160, bias=False)
+        self.down = L.Linear(160, 64, bias=True)
+        self.head = L.Linear(64, 96, bias=False)
+        self.head.weight = self.embed.weight  # tied: one reorder
+        self.quant = L.Linear(64, 32, bias=False)
+
+
+def _model() -> _Tiny:
+    torch.manual_seed(0)
+    m = _Tiny().bfloat16().requires_grad_(False)
+    m.quant.quantize_("int8")
+    return m
+
+
+@pytest.mark.parametrize("rows", [5, 16, 33, 128])
+def test_reordered_linears_match_f_linear(rows):
+    m = _model()
+    layers, added = P.pack_linears_(m)
+    assert layers == 3 and added == (160 * 64 + 64 * 160 + 96 * 64) * 2  # the int8 layer keeps its own path
+    x = torch.randn(rows, 64).bfloat16()
+    h = F.linear(x, m.up.weight)
+    for layer, inp in ((m.up, x), (m.down, h), (m.head, x)):
+        out = P.linear_prepacked(inp, layer.weight, layer.bias)
+        ref = F.linear(inp, layer.weight, layer.bias)
+        torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2 ** -7)
+
+
+def _forged(layer: L.Linear) -> torch.Tensor:
+    """Registers 2 * weight as `layer`'s reordered copy, so that a result tells which path ran."""
+    w = layer.weight
+    P._packed[w.data_ptr()] = (w.shape, torch.ops.mkldnn._reorder_linear_weight(2 * w, 16))
+    return w
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_the_layer_takes_the_reordered_weight_only_when_switched_on_and_above_the_kernel_rows(compiled):
+    torch.manual_seed(1)
+    layer = L.Linear(64, 48, bias=False).bfloat16().requires_grad_(False)
+    _forged(layer)
+    x = torch.randn(8, 64).bfloat16()
+    ref = F.linear(x, layer.weight)
+    fn = torch.compile(layer, backend="inductor", fullgraph=True) if compiled else layer
+    try:
+        L.set_prepacked(True)
+        torch._dynamo.reset()
+        torch.testing.assert_close(fn(x).float(), 2 * ref.float(), atol=2e-2, rtol=2 ** -7)
+        L.set_prepacked(False)
+        torch._dynamo.reset()
+        torch.testing.assert_close(fn(x).float(), ref.float(), atol=2e-2, rtol=2 ** -7)
+    finally:
+        L.set_prepacked(False)
+        torch._dynamo.reset()
+        P._packed.pop(layer.weight.data_ptr())  # a forged copy must not outlive this test
+
+
+def test_a_weight_without_its_reordered_copy_takes_f_linear_and_copies_leave_with_their_weights():
+    torch.manual_seed(2)
+    m = _model()
+    P.pack_linears_(m)
+    x = torch.randn(16, 64).bfloat16()
+    other = torch.randn(160, 64).bfloat16()  # never reordered
+    torch.testing.assert_close(P.linear_prepacked(x, other, None), F.linear(x, other))
+    # A view over the same storage with another shape must not find the copy of the whole weight.
+    half = m.up.weight[:80]
+    torch.testing.assert_close(P.linear_prepacked(x, half, None), F.linear(x, half))
+    ptrs = [m.up.weight.data_ptr(), m.down.weight.data_ptr()]
+    assert all(p in P._packed for p in ptrs)
+    del m, half
+    gc.collect()
+    assert not any(p in P._packed for p in ptrs)
