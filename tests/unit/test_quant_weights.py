@@ -118,13 +118,14 @@ def test_int8_kernel_on_bf16_inputs_of_any_range_stays_within_the_int16_rounding
     row and block of 256 inputs, so an input within 2^7 of its block's largest is exact and a smaller one is
     off by at most 2^-15 of the largest. Inputs spread over 2^-30..2^8 stay within that bound; inputs of one
     narrow range (and all-zero rows) are exact up to the output's bf16 rounding. K of 3 and 17 chunks of 16
-    leave an odd chunk count in the last block; 1-5 rows cover every row tile and the prefetching path."""
+    leave an odd chunk count in the last block; 1-5 rows cover every row tile and the prefetching path, 8, 13
+    and 16 the row groups of AMX CPUs (where VPDPWSSD serves up to 16 rows)."""
     if not K.quant_kernels_available(CPU):
         pytest.skip("no AVX2 here: the torch path serves")
     g = torch.Generator().manual_seed(n * k)
     q, scale = Q8.quantize(torch.randn(n, k, generator=g) / k**0.5)
     w = Q8.dequantize(q, scale, torch.float32)
-    for rows in range(1, 6):
+    for rows in (1, 2, 3, 4, 5, 8, 13, 16):
         wide = (torch.randn(rows, k, generator=g) * 2.0 ** (torch.rand(rows, k, generator=g) * 38 - 30)).bfloat16()
         narrow = (torch.randn(rows, k, generator=g) * 3).bfloat16()
         narrow[narrow.abs() < 0.25] = 0.25  # within 2^7 of the largest (~15)

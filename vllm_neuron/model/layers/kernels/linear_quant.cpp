@@ -9,7 +9,7 @@
 // them against up to four input rows held in fp32 (fp32 products and sums: an fp32 model gets the
 // dequantized matmul's result). The scale is applied once per output after the dot product. With AVX512-BF16,
 // bf16 inputs of five or more rows take bands widened once to bf16 and VDPBF16PS instead, and with
-// AVX512-VNNI one to four bf16 rows against int8 take integer products (int8_vnni.h; below).
+// AVX512-VNNI: one to four bf16 rows (to 16 on AMX CPUs) against int8 take integer products (int8_vnni.h; below).
 //
 // One code path per vector width (simd.h), chosen when the library is built: 16 lanes where the compiler
 // targets AVX-512, 8 lanes on AVX2 + FMA. Elsewhere the ops are not registered and callers dequantize and use
@@ -168,7 +168,7 @@ const float* fp32_rows(const at::Tensor& x, std::vector<float>& buf) {
 // compute-bound (int8 decode_b16 1.9x bf16's). Here each band is widened once to bf16 in an L1 buffer (int8:
 // exact, |q| <= 128 needs 8 significant bits, the scale applied per output; int4: the dequantized weight
 // rounded to bf16, as prefill uses it) and runs VDPBF16PS tiles against the input rows as they are, as the
-// bf16 kernel does: products exact, sums fp32. One to four int8 rows take VPDPWSSD instead (vnni_rows).
+// bf16 kernel does: products exact, sums fp32. One to four int8 rows (to 16 on AMX CPUs) take VPDPWSSD instead (vnni_rows).
 template <int MB>
 void bf16_tile(const uint16_t* x, const uint16_t* wb, c10::BFloat16* y, int64_t K, int64_t N, int64_t m0,
                int64_t n0, const float* scale) {
@@ -269,10 +269,18 @@ at::Tensor bf16_rows(const Q& wt, const at::Tensor& x, int64_t N) {
 }
 
 #if defined(__AVX512VNNI__)
-// int8 against one to four bf16 input rows: VPDPWSSD on the inputs made int16 (int8_vnni.h). Measured on
-// one decode step's linears (AMD EPYC, AVX512-BF16 and VNNI): 4 rows 4.4-5.2 ms against 5.8-6.0 widened to
-// fp32, 1 row level; from 5 rows on it lost to the bands widened once to bf16 above (8 rows 6.8-7.5 vs
-// 6.0-6.3 ms, 16 rows 11.0-12.4 vs 9.0-9.5; eight-row tiles were slower still).
+// int8 against bf16 input rows: VPDPWSSD on the inputs made int16 (int8_vnni.h), four rows at a time against
+// each band while it is in L1. Measured on one decode step's linears (2 threads):
+//   AMD EPYC (Zen 5, AVX512-BF16 and VNNI): 4 rows 4.4-5.2 ms against 5.8-6.0 widened to fp32, 1 row level;
+//   from 5 rows on it lost to the bands widened once to bf16 above (8 rows 6.8-7.5 vs 6.0-6.3 ms, 16 rows
+//   11.0-12.4 vs 9.0-9.5; eight-row tiles were slower still).
+//   Intel Xeon with AMX: it won at every row count up to the kernel's 16 (5 rows 16.5-17.1 vs 23.4-24.9 ms,
+//   8 rows 19.7-21.3 vs 28.8-29.5, 16 rows 32.1-35.0 vs 45.4-49.6), so there it takes them all.
+#if defined(__AMX_INT8__)
+constexpr int64_t kVnniRows = 16;
+#else
+constexpr int64_t kVnniRows = 4;
+#endif
 at::Tensor vnni_rows(const Int8& wt, const at::Tensor& x, int64_t N) {
   const int64_t M = x.size(0), K = x.size(1), bands = N / kBand;
   auto y = at::empty({M, N}, x.options());
@@ -284,17 +292,21 @@ at::Tensor vnni_rows(const Int8& wt, const at::Tensor& x, int64_t N) {
     float out[4 * kBand];
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t n0 = b * kBand;
+      int64_t m0 = 0;
+      const int64_t nb = vn_vnni::blocks(K);
       const auto rows = [&](auto mb) {
         constexpr int MB = decltype(mb)::value;
-        vn_vnni::tile<MB>(wt.w + n0 * K, wt.scale + n0, xq.data(), xs.data(), K, out);
+        vn_vnni::tile<MB>(wt.w + n0 * K, wt.scale + n0, xq.data() + m0 * K * 2, xs.data() + m0 * nb, K, out);
         for (int i = 0; i < MB; ++i)
-          for (int j = 0; j < kBand; ++j) put(yp + i * N + n0 + j, out[kBand * i + j]);
+          for (int j = 0; j < kBand; ++j) put(yp + (m0 + i) * N + n0 + j, out[kBand * i + j]);
+        m0 += MB;
       };
-      switch (M) {
-        case 4: rows(std::integral_constant<int, 4>{}); break;
+      while (M - m0 >= 4) rows(std::integral_constant<int, 4>{});
+      switch (M - m0) {
         case 3: rows(std::integral_constant<int, 3>{}); break;
         case 2: rows(std::integral_constant<int, 2>{}); break;
-        default: rows(std::integral_constant<int, 1>{}); break;
+        case 1: rows(std::integral_constant<int, 1>{}); break;
+        default: break;
       }
     }
   });
@@ -342,11 +354,11 @@ at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& q, const at::Tenso
   TORCH_CHECK(x.size(1) % 16 == 0, "K must be a multiple of 16");
   const Int8 wt{q.data_ptr<int8_t>(), scale.data_ptr<float>()};
 #if defined(__AVX512BF16__)
+#if defined(__AVX512VNNI__)
+  if (x.scalar_type() == at::kBFloat16 && x.size(0) <= kVnniRows) return vnni_rows(wt, x.contiguous(), q.size(0));
+#endif
   if (x.scalar_type() == at::kBFloat16 && x.size(0) > 4 && x.size(1) % 32 == 0)
     return bf16_rows(wt, x.contiguous(), q.size(0));
-#if defined(__AVX512VNNI__)
-  if (x.scalar_type() == at::kBFloat16 && x.size(0) <= 4) return vnni_rows(wt, x.contiguous(), q.size(0));
-#endif
 #endif
   return run(wt, x, q.size(0));
 }
