@@ -180,13 +180,16 @@ def test_paged_attention_sinks_and_window(dtype, tol, window, with_sinks):
     ref = _reference_sinks_window(q, kc, vc, t, starts, positions, 0.125, bs, sinks, window)
     torch.testing.assert_close(out[:45].float(), ref[:45], atol=tol, rtol=tol)
     assert torch.equal(out[45:], torch.zeros_like(out[45:]))  # padding rows
-    # Decode: one row per sequence, at block and tile edges.
-    starts, positions = torch.arange(4), torch.tensor([0, 32, 159])
-    t = _null_out_of_window(tables, starts, positions, window, bs)
-    q = torch.randn(3, heads, d, generator=g).to(dtype)
-    torch.testing.assert_close(run(q, t, starts, positions).float(),
-                               _reference_sinks_window(q, kc, vc, t, starts, positions, 0.125, bs, sinks, window),
-                               atol=tol, rtol=tol)
+    # Decode: one row per sequence, at block and tile edges; 3 sequences (an item per KV head) and 8 (enough
+    # for an item per sequence reading each slot's heads together, on 2-4 threads).
+    for positions in (torch.tensor([0, 32, 159]), torch.tensor([0, 32, 159, 15, 16, 100, 47, 1])):
+        n = len(positions)
+        starts = torch.arange(n + 1)
+        t = _null_out_of_window(tables.repeat(3, 1)[:n], starts, positions, window, bs)
+        q = torch.randn(n, heads, d, generator=g).to(dtype)
+        torch.testing.assert_close(run(q, t, starts, positions).float(),
+                                   _reference_sinks_window(q, kc, vc, t, starts, positions, 0.125, bs, sinks, window),
+                                   atol=tol, rtol=tol)
 
 
 def test_paged_attention_refuses_bad_sinks_and_window():
