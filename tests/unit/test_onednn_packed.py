@@ -1,4 +1,5 @@
-"""oneDNN linears on weights reordered once (AMX CPUs): same results as F.linear, taken only where switched on."""
+"""Linears on weights packed once (AMX CPUs): oneDNN's reordered copy and the tile kernel's, same results as
+F.linear, each taken only where switched on and for its rows."""
 from __future__ import annotations
 
 import gc
@@ -47,7 +48,9 @@ def _model() -> _Tiny:
 def test_reordered_linears_match_f_linear(rows):
     m = _model()
     layers, added = P.pack_linears_(m)
-    assert layers == 3 and added == (160 * 64 + 64 * 160 + 96 * 64) * 2  # the int8 layer keeps its own path
+    copies = 2 if P.tile_kernel_built() else 1  # every shape here fits the tile kernel
+    # the int8 layer keeps its own path
+    assert layers == 3 and added == (160 * 64 + 64 * 160 + 96 * 64) * 2 * copies
     x = torch.randn(rows, 64).bfloat16()
     h = F.linear(x, m.up.weight)
     for layer, inp in ((m.up, x), (m.down, h), (m.head, x)):
@@ -59,7 +62,7 @@ def test_reordered_linears_match_f_linear(rows):
 def _forged(layer: L.Linear) -> torch.Tensor:
     """Registers 2 * weight as `layer`'s reordered copy, so that a result tells which path ran."""
     w = layer.weight
-    P._packed[w.data_ptr()] = (w.shape, torch.ops.mkldnn._reorder_linear_weight(2 * w, 16))
+    P._packed[w.data_ptr()] = (w.shape, torch.ops.mkldnn._reorder_linear_weight(2 * w, 16), None)
     return w
 
 
@@ -99,3 +102,58 @@ def test_a_weight_without_its_reordered_copy_takes_f_linear_and_copies_leave_wit
     del m, half
     gc.collect()
     assert not any(p in P._packed for p in ptrs)
+
+
+_tiles = pytest.mark.skipif(not P.tile_kernel_built(),
+                            reason="no AMX tile kernel in this machine's build (a CPU without AMX): oneDNN serves")
+
+
+@_tiles
+@pytest.mark.parametrize("n, k", [(48, 64), (960, 576), (576, 1536)])
+@pytest.mark.parametrize("rows", [1, 5, 15, 16, 17, 31, 32, 33, 48, 64])
+def test_tile_kernel_matches_the_fp32_product_rounded_once(n, k, rows):
+    g = torch.Generator().manual_seed(rows * 7 + n)
+    w = torch.randn(n, k, generator=g).bfloat16()
+    bias = torch.randn(n, generator=g).bfloat16()
+    x = torch.randn(rows, k, generator=g).bfloat16()
+    tiles = P.pack_tiles(w)
+    for b in (None, bias):
+        ref = x.float() @ w.float().t() + (0 if b is None else b.float())
+        out = torch.ops.vllm_neuron.linear_amx(x, tiles, b, n)
+        assert out.dtype == torch.bfloat16 and out.shape == (rows, n)
+        # exact products summed in fp32, rounded to bf16 once: within bf16's half step plus fp32 summation
+        torch.testing.assert_close(out.float(), ref, atol=1e-3 * k ** 0.5, rtol=2 ** -8)
+
+
+@_tiles
+@pytest.mark.parametrize("compiled", [False, True])
+def test_the_tile_copy_serves_up_to_its_rows_and_the_reordered_copy_above(compiled):
+    torch.manual_seed(3)
+    layer = L.Linear(64, 48, bias=False).bfloat16().requires_grad_(False)
+    w = layer.weight
+    # forged copies (2w for the tile kernel, 3w for oneDNN) tell which path ran
+    P._packed[w.data_ptr()] = (w.shape, torch.ops.mkldnn._reorder_linear_weight(3 * w, 16), P.pack_tiles(2 * w))
+    fn = torch.compile(layer, backend="inductor", fullgraph=True) if compiled else layer
+    try:
+        L.set_prepacked(True)
+        torch._dynamo.reset()
+        for rows, factor in ((5, 2), (P._AMX_ROWS, 2), (P._AMX_ROWS + 1, 3), (64, 3)):
+            x = torch.randn(rows, 64).bfloat16()
+            torch.testing.assert_close(fn(x).float(), factor * F.linear(x, w).float(), atol=2e-2, rtol=2 ** -7)
+    finally:
+        L.set_prepacked(False)
+        torch._dynamo.reset()
+        P._packed.pop(w.data_ptr())
+
+
+@_tiles
+def test_tile_kernel_refuses_what_it_cannot_index():
+    w = torch.randn(48, 64).bfloat16()
+    tiles = P.pack_tiles(w)
+    with pytest.raises(RuntimeError, match="1 to 64 rows"):
+        torch.ops.vllm_neuron.linear_amx(torch.randn(65, 64).bfloat16(), tiles, None, 48)
+    with pytest.raises(RuntimeError, match="tile order"):
+        torch.ops.vllm_neuron.linear_amx(torch.randn(8, 64).bfloat16(), tiles[:2], None, 48)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        torch.ops.vllm_neuron.linear_amx(torch.randn(8, 48).bfloat16(), tiles, None, 64)
+    assert not P.tile_kernel_fits(torch.randn(40, 64).bfloat16())  # N not a multiple of 16

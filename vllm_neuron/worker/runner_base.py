@@ -157,9 +157,10 @@ class ModelRunnerBase:
                         layers, before / 2**20, after / 2**20, "custom" if self.use_quant_kernels else "no")
         if self.prepacked:
             layers, added = onednn_packed.pack_linears_(self.model)
-            logger.info("oneDNN weights reordered once for AMX: %d bf16 linear layers above %d rows (+%.1f MiB "
+            logger.info("Weights packed once for AMX: %d bf16 linear layers above %d rows, %s (+%.1f MiB "
                         "beside the weights the decode kernel streams)", layers, self.linear_kernel_rows,
-                        added / 2**20)
+                        f"tile kernel up to {onednn_packed._AMX_ROWS} rows, oneDNN reordered above"
+                        if onednn_packed.tile_kernel_built() else "oneDNN reordered", added / 2**20)
         self._bitmask_words = -(-self.ckpt.hf_config.get_text_config().vocab_size // 32)
         nbytes += self._load_draft()
         self.compiler = self._make_compiler()

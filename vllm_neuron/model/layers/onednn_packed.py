@@ -1,4 +1,4 @@
-"""oneDNN linears on weights reordered once (AMX CPUs), for the rows the weight-streaming kernel leaves.
+"""Linears on weights packed once at load (AMX CPUs), for the rows the weight-streaming kernel leaves.
 
 `F.linear` on bf16 hands oneDNN a plain [N, K] weight, and on a Xeon with AMX oneDNN reorders it into its
 tile layout on every call: at decode and small prefill sizes that reorder is most of the call. Reordered once
@@ -7,10 +7,15 @@ the weights into the graph), one decode step's linears of the bundled model took
 rows, 40.3 instead of 62.7 at 64, 67.6 instead of 100.9 at 128 and 258 instead of 281 at 512 (2 threads,
 2026-12-02).
 
-The reordered copy lives beside the plain weight (the weight-streaming kernel reads that one at one to four
-rows), in a registry keyed by the plain weight's storage: a graph passes the plain weight, which keeps its
-shapes and the compile cache's guards as they were, and the op finds the copy. A weight without a copy (a
-process that did not pack) takes F.linear, so a cached graph computes the same either way.
+Still, oneDNN read those weights at about half the memory bandwidth up to 32 rows, where a step's linears are
+bound by that read. Up to `_AMX_ROWS` rows our tile kernel (kernels/linear_amx.cpp) streams a second copy
+packed in tile order: 18.3 vs 28.3 ms at 16 rows, 22.0 vs 39.9 at 32, level at 64 (43.3 vs 39.6), and
+17.8-18.6 vs 27.7-30.4 at 4-8 rows (2 threads, 2026-12-03).
+
+The copies live beside the plain weight (the weight-streaming kernel reads that one at one to four rows), in
+a registry keyed by the plain weight's storage: a graph passes the plain weight, which keeps its shapes and
+the compile cache's guards as they were, and the op finds the copies. A weight without copies (a process that
+did not pack) takes F.linear, so a cached graph computes the same either way.
 """
 from __future__ import annotations
 
@@ -23,8 +28,11 @@ from torch import nn
 # Rows the reorder is tuned for. Tuned for 128, the 512-row prefill took 305 ms instead of F.linear's 281; tuned
 # for 512, 258 ms, with 64 rows unchanged (26 ms).
 _ROWS_HINT = 512
-# storage address -> (the plain weight's shape, its reordered copy); an entry leaves with its weight.
-_packed: dict[int, tuple[torch.Size, torch.Tensor]] = {}
+# Up to this many rows the tile kernel's copy serves (measured above; its four C tiles stop at 64).
+_AMX_ROWS = 32
+# storage address -> (the plain weight's shape, oneDNN's reordered copy, the tile kernel's copy or None); an
+# entry leaves with its weight.
+_packed: dict[int, tuple[torch.Size, torch.Tensor, torch.Tensor | None]] = {}
 
 
 def available(device: torch.device, dtype: torch.dtype, cpu_flags: set[str]) -> bool:
@@ -34,8 +42,8 @@ def available(device: torch.device, dtype: torch.dtype, cpu_flags: set[str]) -> 
 
 
 def pack_linears_(model: nn.Module) -> tuple[int, int]:
-    """Reorders every unquantized bf16 `Linear` weight of `model` once (a tied weight once); returns (layers,
-    bytes added)."""
+    """Packs every unquantized bf16 `Linear` weight of `model` once (a tied weight once): oneDNN's reorder, and
+    the tile kernel's copy where it is built and takes the shape; returns (layers, bytes added)."""
     from vllm_neuron.model.layers.linear import Linear
 
     layers = added = 0
@@ -46,10 +54,29 @@ def pack_linears_(model: nn.Module) -> tuple[int, int]:
             continue
         layers += 1
         if w.data_ptr() not in _packed:
-            _packed[w.data_ptr()] = (w.shape, torch.ops.mkldnn._reorder_linear_weight(w, _ROWS_HINT))
+            tiles = pack_tiles(w) if tile_kernel_fits(w) else None
+            _packed[w.data_ptr()] = (w.shape, torch.ops.mkldnn._reorder_linear_weight(w, _ROWS_HINT), tiles)
             weakref.finalize(w, _packed.pop, w.data_ptr(), None)
-            added += w.numel() * w.element_size()
+            added += w.numel() * w.element_size() * (1 + (tiles is not None))
     return layers, added
+
+
+def tile_kernel_built() -> bool:
+    """Whether this machine's kernel build has the AMX tile linear (an avx512bf16 build on an AMX CPU)."""
+    from vllm_neuron.model.layers import kernels
+
+    return kernels.kernels_enabled(torch.device("cpu")) and hasattr(torch.ops.vllm_neuron, "linear_amx")
+
+
+def tile_kernel_fits(w: torch.Tensor) -> bool:
+    """Whether the tile kernel is built here and takes w's shape (N a multiple of 16, K of 32)."""
+    return tile_kernel_built() and w.shape[0] % 16 == 0 and w.shape[1] % 32 == 0
+
+
+def pack_tiles(w: torch.Tensor) -> torch.Tensor:
+    """w [N, K] in the tile kernel's order: one B tile per 16 columns x 32 inputs, [N/16][K/32][16][16][2]."""
+    n, k = w.shape
+    return w.view(n // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4).contiguous()
 
 
 # A plain dispatcher kernel rather than torch.library.custom_op, whose wrapper cost ~25 us a call (121 calls a
@@ -59,11 +86,16 @@ _lib.define("linear_prepacked(Tensor x, Tensor w, Tensor? bias) -> Tensor")
 _linear_pointwise = torch.ops.mkldnn._linear_pointwise
 
 
+_NO_COPIES = (None, None, None)
+
+
 def _linear_prepacked(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    shape, packed = _packed.get(w.data_ptr(), (None, None))
+    shape, reordered, tiles = _packed.get(w.data_ptr(), _NO_COPIES)
     if shape != w.shape:
         return F.linear(x, w, bias)
-    return _linear_pointwise(x, packed, bias, "none", [], "")
+    if tiles is not None and x.shape[0] <= _AMX_ROWS and (bias is None or bias.dtype == torch.bfloat16):
+        return torch.ops.vllm_neuron.linear_amx(x, tiles, bias, shape[0])
+    return _linear_pointwise(x, reordered, bias, "none", [], "")
 
 
 _lib.impl("linear_prepacked", _linear_prepacked, "CPU")
@@ -75,5 +107,5 @@ def _(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tens
 
 
 def linear_prepacked(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [M, K] @ w[N, K]^T (+ bias) through w's reordered copy when there is one."""
+    """x [M, K] @ w[N, K]^T (+ bias) through w's packed copies when it has them."""
     return torch.ops.vllm_neuron.linear_prepacked(x, w, bias)

@@ -33,7 +33,7 @@ from vllm_neuron.logger import init_logger
 
 logger = init_logger(__name__)
 
-_SOURCES = ("paged_attention.cpp", "linear_bf16.cpp", "linear_quant.cpp")
+_SOURCES = ("paged_attention.cpp", "linear_bf16.cpp", "linear_quant.cpp", "linear_amx.cpp")
 _HEADERS = ("simd.h", "attention_tiles.h", "int8_vnni.h")
 _FLAGS = ("-O3", "-fopenmp", "-ffast-math", "-fno-finite-math-only", "-fPIC", "-std=c++17")
 # CPU class -> target flags. avx2 is x86-64-v3 (Haswell and later, Zen 1 and later), so a forced avx2
@@ -162,6 +162,9 @@ def _load() -> bool:
         if _has_op(op):
             torch.library.register_fake(f"vllm_neuron::{op}")(_linear_fake)
 
+    if _has_op("linear_amx"):
+        torch.library.register_fake("vllm_neuron::linear_amx")(
+            lambda x, packed, bias, n: x.new_empty((x.shape[0], n)))
     for name in ("linear_int8", "linear_int4"):
         if _has_op(name):
             torch.library.register_fake(f"vllm_neuron::{name}")(lambda x, q, scale: x.new_empty((x.shape[0], q.shape[0])))

@@ -1,0 +1,169 @@
+// AMX tile linear for bf16 on Xeons with AMX: y[M, N] = x[M, K] @ w[N, K]^T (+ bias), M up to 64.
+//
+// Between the weight-streaming kernel's four rows and the big prefills, a step's linears are still bound by
+// reading the weights once, and oneDNN, even on weights reordered once (onednn_packed.py), read them at about
+// half the bandwidth. Here the weights are packed once at load into the order the tile unit takes them: one
+// 1 KiB B tile per 16 output columns x 32 inputs ([N/16][K/32][16 pairs][16 columns][2]), so each thread
+// streams its columns' tiles front to back while the prefetcher pulls the tiles of the block after next. The
+// inputs (at most 64 rows: four C tiles of 16 rows) stay in L1/L2 and are loaded as A tiles per step. The
+// products are exact and summed in fp32 (TDPBF16PS); the fp32 sums are rounded to bf16 once.
+// Built only where the compiler targets AMX (the avx512bf16 build on such a CPU).
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#if defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cstring>
+
+namespace {
+
+constexpr int64_t kTileN = 16, kTileK = 32, kTileElems = kTileN * kTileK;  // one B tile, in bf16
+constexpr int64_t kMaxRows = 64;                                             // four C tiles of 16 rows
+constexpr int64_t kAheadBlocks = 2;                                          // column blocks prefetched ahead
+
+// Linux hands out the tile registers' state only on request (once per process).
+bool tiles_permitted() {
+  static const bool ok = [] {
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ok;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles: 0..3 the C tiles of 16 input rows each (the last may be partial), 4 and 7 full A tiles, 5 the last
+// (maybe partial) A tile, 6 the B tile.
+TileConfig config_for(int64_t M) {
+  TileConfig c;
+  const int64_t mt = (M + 15) / 16, last = M - 16 * (mt - 1);
+  for (int64_t i = 0; i < mt; ++i) {
+    c.rows[i] = static_cast<uint8_t>(i == mt - 1 ? last : 16);
+    c.colsb[i] = 64;
+  }
+  c.rows[4] = c.rows[7] = 16;
+  c.colsb[4] = c.colsb[7] = 64;
+  c.rows[5] = static_cast<uint8_t>(last);
+  c.colsb[5] = 64;
+  c.rows[6] = 16;
+  c.colsb[6] = 64;
+  return c;
+}
+
+// One block of 16 output columns for MT C tiles: the block's K/32 B tiles against the inputs' A tiles;
+// sums left in cbuf [MT * 16][16] fp32.
+template <int MT>
+void column_block(const uint16_t* x, int64_t K, const uint16_t* wb, const uint16_t* pf, float* cbuf) {
+  const int64_t xs = K * 2;  // A tile row stride in bytes
+  _tile_zero(0);
+  if constexpr (MT > 1) _tile_zero(1);
+  if constexpr (MT > 2) _tile_zero(2);
+  if constexpr (MT > 3) _tile_zero(3);
+  for (int64_t k = 0; k < K; k += kTileK) {
+    const uint16_t* b = wb + (k / kTileK) * kTileElems;
+    if (pf != nullptr)
+      for (int64_t o = 0; o < kTileElems * 2; o += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(pf + (k / kTileK) * kTileElems) + o, _MM_HINT_T0);
+    _tile_loadd(6, b, 64);
+    const uint16_t* a = x + k;
+    if constexpr (MT == 1) {
+      _tile_loadd(5, a, xs);
+      _tile_dpbf16ps(0, 5, 6);
+    } else {
+      _tile_loadd(4, a, xs);
+      _tile_dpbf16ps(0, 4, 6);
+      if constexpr (MT == 2) {
+        _tile_loadd(5, a + 16 * K, xs);
+        _tile_dpbf16ps(1, 5, 6);
+      } else {
+        _tile_loadd(7, a + 16 * K, xs);
+        _tile_dpbf16ps(1, 7, 6);
+        if constexpr (MT == 3) {
+          _tile_loadd(5, a + 32 * K, xs);
+          _tile_dpbf16ps(2, 5, 6);
+        } else {
+          _tile_loadd(4, a + 32 * K, xs);
+          _tile_dpbf16ps(2, 4, 6);
+          _tile_loadd(5, a + 48 * K, xs);
+          _tile_dpbf16ps(3, 5, 6);
+        }
+      }
+    }
+  }
+  _tile_stored(0, cbuf, 64);
+  if constexpr (MT > 1) _tile_stored(1, cbuf + 256, 64);
+  if constexpr (MT > 2) _tile_stored(2, cbuf + 512, 64);
+  if constexpr (MT > 3) _tile_stored(3, cbuf + 768, 64);
+}
+
+template <int MT>
+void run(const uint16_t* x, const uint16_t* packed, const uint16_t* bias, uint16_t* y, int64_t M, int64_t K,
+         int64_t N) {
+  const int64_t blocks = N / kTileN, block_elems = (K / kTileK) * kTileElems;
+  const TileConfig cfg = config_for(M);
+  at::parallel_for(0, blocks, 4, [&](int64_t b0, int64_t b1) {
+    _tile_loadconfig(&cfg);
+    alignas(64) float cbuf[kMaxRows * kTileN];
+    __m512 bv = _mm512_setzero_ps();
+    for (int64_t b = b0; b < b1; ++b) {
+      const uint16_t* pf = b + kAheadBlocks < b1 ? packed + (b + kAheadBlocks) * block_elems : nullptr;
+      column_block<MT>(x, K, packed + b * block_elems, pf, cbuf);
+      if (bias != nullptr)
+        bv = _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bias + b * kTileN))), 16));
+      for (int64_t m = 0; m < M; ++m) {
+        const __m512 v = _mm512_add_ps(_mm512_load_ps(cbuf + m * kTileN), bv);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + m * N + b * kTileN),
+                            (__m256i)_mm512_cvtneps_pbh(v));
+      }
+    }
+    _tile_release();
+  });
+}
+
+at::Tensor linear_amx(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                      int64_t N) {
+  TORCH_CHECK(tiles_permitted(), "the kernel did not get the AMX tile state from the OS");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "x must be [M, K] bf16");
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(M >= 1 && M <= kMaxRows, "x must have 1 to 64 rows");
+  TORCH_CHECK(K % kTileK == 0 && N % kTileN == 0, "K must be a multiple of 32 and N of 16");
+  TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() && packed.numel() == N * K,
+              "packed must hold the [N, K] weight in tile order (pack_amx)");
+  if (bias.has_value())
+    TORCH_CHECK(bias->scalar_type() == at::kBFloat16 && bias->is_contiguous() && bias->numel() == N,
+                "bias must be [N] bf16");
+  auto xc = x.contiguous();
+  auto y = at::empty({M, N}, xc.options());
+  const auto* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
+  const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
+  const auto* bp = bias.has_value() ? reinterpret_cast<const uint16_t*>(bias->data_ptr<at::BFloat16>()) : nullptr;
+  auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+  switch ((M + 15) / 16) {
+    case 1: run<1>(xp, wp, bp, yp, M, K, N); break;
+    case 2: run<2>(xp, wp, bp, yp, M, K, N); break;
+    case 3: run<3>(xp, wp, bp, yp, M, K, N); break;
+    default: run<4>(xp, wp, bp, yp, M, K, N); break;
+  }
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(vllm_neuron, m) {
+  m.def("linear_amx(Tensor x, Tensor packed, Tensor? bias, int N) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(vllm_neuron, CPU, m) { m.impl("linear_amx", &linear_amx); }
+
+#endif  // AMX-BF16 and AVX512-BF16
