@@ -157,3 +157,19 @@ def test_tile_kernel_refuses_what_it_cannot_index():
     with pytest.raises(RuntimeError, match="multiple of 32"):
         torch.ops.vllm_neuron.linear_amx(torch.randn(8, 48).bfloat16(), tiles, None, 64)
     assert not P.tile_kernel_fits(torch.randn(40, 64).bfloat16())  # N not a multiple of 16
+
+
+@_tiles
+def test_a_tile_kernel_that_cannot_run_leaves_every_row_to_onednn(monkeypatch):
+    def no_tile_state(*args):
+        raise RuntimeError("the kernel did not get the AMX tile state from the OS")
+
+    monkeypatch.setattr(torch.ops.vllm_neuron, "linear_amx", no_tile_state)
+    P.tile_kernel_built.cache_clear()
+    try:
+        assert not P.tile_kernel_built()
+        assert not P.tile_kernel_fits(torch.randn(48, 64).bfloat16())
+    finally:
+        monkeypatch.undo()
+        P.tile_kernel_built.cache_clear()
+    assert P.tile_kernel_built()

@@ -19,11 +19,16 @@ did not pack) takes F.linear, so a cached graph computes the same either way.
 """
 from __future__ import annotations
 
+import functools
 import weakref
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from vllm_neuron.logger import init_logger
+
+logger = init_logger(__name__)
 
 # Rows the reorder is tuned for. Tuned for 128, the 512-row prefill took 305 ms instead of F.linear's 281; tuned
 # for 512, 258 ms, with 64 rows unchanged (26 ms).
@@ -61,11 +66,21 @@ def pack_linears_(model: nn.Module) -> tuple[int, int]:
     return layers, added
 
 
+@functools.lru_cache(maxsize=1)
 def tile_kernel_built() -> bool:
-    """Whether this machine's kernel build has the AMX tile linear (an avx512bf16 build on an AMX CPU)."""
+    """Whether this machine's kernel build has the AMX tile linear (an avx512bf16 build on an AMX CPU) and it
+    runs: a kernel older than Linux 5.16 hands out no tile state, and the probe's error keeps oneDNN serving."""
     from vllm_neuron.model.layers import kernels
 
-    return kernels.kernels_enabled(torch.device("cpu")) and hasattr(torch.ops.vllm_neuron, "linear_amx")
+    if not (kernels.kernels_enabled(torch.device("cpu")) and hasattr(torch.ops.vllm_neuron, "linear_amx")):
+        return False
+    try:
+        w = torch.ones(16, 32, dtype=torch.bfloat16)
+        y = torch.ops.vllm_neuron.linear_amx(torch.ones(1, 32, dtype=torch.bfloat16), pack_tiles(w), None, 16)
+    except RuntimeError as e:
+        logger.warning("AMX tile linear unavailable (%s); oneDNN serves every row count", e)
+        return False
+    return bool((y == 32).all())
 
 
 def tile_kernel_fits(w: torch.Tensor) -> bool:

@@ -234,8 +234,9 @@ def describe_kernels(device: torch.device, dtype: torch.dtype) -> str:
     rows = linear_kernel_rows(device).get(dtype)
     linear = (f"weight-streaming linear up to {rows} rows, oneDNN above" if rows
               else f"no {str(dtype).removeprefix('torch.')} linear kernel in this build: oneDNN matmuls")
-    if rows and dtype == torch.bfloat16 and _has_op("linear_amx"):
-        from vllm_neuron.model.layers.onednn_packed import _AMX_ROWS
+    from vllm_neuron.model.layers.onednn_packed import _AMX_ROWS, tile_kernel_built
+
+    if rows and dtype == torch.bfloat16 and tile_kernel_built():
 
         linear = f"weight-streaming linear up to {rows} rows, AMX tile linear to {_AMX_ROWS}, oneDNN above"
     return f"Custom CPU kernels: {variant} build ({why}): paged attention; {linear}"
