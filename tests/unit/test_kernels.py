@@ -119,6 +119,31 @@ def test_paged_decode_attention_gqa_at_every_decode_bucket(dtype, tol, batch):
     torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("d", [64, 128])
+def test_bf16_prefill_over_a_long_cached_context(d):
+    """The shape of a prompt after a cached prefix (32 new rows over 1,024 cached tokens, and 3 such sequences
+    in one step), bf16: on AMX CPUs these items run on tiles with the probabilities rounded to bf16, and the
+    result stays within bf16's error of fp32 attention across 33 blocks of online softmax."""
+    from vllm_neuron.model.layers.onednn_packed import tile_kernel_built
+
+    assert K.attention_on_tiles(d) == tile_kernel_built()  # both need the AMX build and the OS's tile state
+    assert not K.attention_on_tiles(80)  # head dims in whole tiles of 32 only
+    g = torch.Generator().manual_seed(d)
+    heads, kv_heads, bs, ctx, new = 9, 3, 16, 1024, 32
+    per = (ctx + new) // bs + 1
+    nblocks = 3 * per + 1
+    kc = (torch.randn(nblocks * bs, kv_heads, d, generator=g) * 3).bfloat16()
+    vc = torch.randn(nblocks * bs, kv_heads, d, generator=g).bfloat16()
+    tables = (torch.randperm(nblocks - 1, generator=g) + 1).view(3, per)
+    for seqs in (1, 3):
+        starts = torch.arange(seqs + 1) * new
+        positions = torch.cat([torch.arange(ctx - 7 * s, ctx - 7 * s + new) for s in range(seqs)])
+        q = torch.randn(seqs * new, heads, d, generator=g).bfloat16()
+        out = K.paged_attention(q, kc, vc, tables[:seqs], starts, positions, d ** -0.5, bs)
+        ref = _reference(q, kc, vc, tables[:seqs], starts, positions, d ** -0.5, bs)
+        torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+
+
 def _reference_sinks_window(q, kc, vc, tables, starts, positions, scale, bs, sinks, window):
     """Per row: softmax over [its window's scores, its head's sink] with the sink dropped, against V."""
     n, h, d = q.shape

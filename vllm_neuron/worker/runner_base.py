@@ -96,7 +96,7 @@ class ModelRunnerBase:
         kernel_rows = linear_kernel_rows(device)
         self.linear_kernel_rows = kernel_rows.get(self.dtype, 0)
         set_small_batch_kernel(frozenset(kernel_rows), self.linear_kernel_rows)
-        logger.info("%s", describe_kernels(device, self.dtype))
+        logger.info("%s", describe_kernels(device, self.dtype, self.model_spec.head_dim))
         self.use_quant_kernels = quant_kernels_available(device)
         set_quant_kernels(self.use_quant_kernels)
         # On AMX CPUs the rows above the kernel's take oneDNN on weights reordered once (custom kernels on).

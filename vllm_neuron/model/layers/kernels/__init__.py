@@ -34,7 +34,7 @@ from vllm_neuron.logger import init_logger
 logger = init_logger(__name__)
 
 _SOURCES = ("paged_attention.cpp", "linear_bf16.cpp", "linear_quant.cpp", "linear_amx.cpp")
-_HEADERS = ("simd.h", "attention_tiles.h", "int8_vnni.h")
+_HEADERS = ("simd.h", "attention_tiles.h", "int8_vnni.h", "online_softmax.h", "amx_tiles.h", "attention_amx.h", "attention_decode.h")
 _FLAGS = ("-O3", "-fopenmp", "-ffast-math", "-fno-finite-math-only", "-fPIC", "-std=c++17")
 # CPU class -> target flags. avx2 is x86-64-v3 (Haswell and later, Zen 1 and later), so a forced avx2
 # build on an AVX-512 machine has no AVX-512 code in it.
@@ -222,7 +222,7 @@ def linear_kernel_rows(device: torch.device) -> dict[torch.dtype, int]:
     return {dt: small_batch_rows(kernel_variant()[0], _cpu_flags(), dt) for dt in linear_kernel_dtypes(device)}
 
 
-def describe_kernels(device: torch.device, dtype: torch.dtype) -> str:
+def describe_kernels(device: torch.device, dtype: torch.dtype, head_dim: int = 0) -> str:
     """One start-up line: which kernels serve this model and why (or why not)."""
     if device.type != "cpu":
         return f"Custom CPU kernels: off ({device.type} device); torch's attention and matmuls"
@@ -237,9 +237,17 @@ def describe_kernels(device: torch.device, dtype: torch.dtype) -> str:
     from vllm_neuron.model.layers.onednn_packed import _AMX_ROWS, tile_kernel_built
 
     if rows and dtype == torch.bfloat16 and tile_kernel_built():
-
         linear = f"weight-streaming linear up to {rows} rows, AMX tile linear to {_AMX_ROWS}, oneDNN above"
-    return f"Custom CPU kernels: {variant} build ({why}): paged attention; {linear}"
+    attention = "paged attention"
+    if dtype == torch.bfloat16 and head_dim and attention_on_tiles(head_dim):
+        attention += " (prefill over a bf16 cache on AMX tiles)"
+    return f"Custom CPU kernels: {variant} build ({why}): {attention}; {linear}"
+
+
+def attention_on_tiles(head_dim: int) -> bool:
+    """Whether paged attention's many-row items (prefill, verify) over a bf16 cache with this head dim run on
+    AMX tiles here (the build targets AMX-BF16, the OS hands out tile state, head_dim % 32 == 0)."""
+    return _has_op("attention_on_tiles") and torch.ops.vllm_neuron.attention_on_tiles(head_dim)
 
 
 def quant_kernels_available(device: torch.device) -> bool:

@@ -15,8 +15,8 @@
 
 #if defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
+
+#include "amx_tiles.h"
 
 #include <cstring>
 
@@ -26,21 +26,7 @@ constexpr int64_t kTileN = 16, kTileK = 32, kTileElems = kTileN * kTileK;  // on
 constexpr int64_t kMaxRows = 64;                                             // four C tiles of 16 rows
 constexpr int64_t kAheadBlocks = 2;                                          // column blocks prefetched ahead
 
-// Linux hands out the tile registers' state only on request (once per process).
-bool tiles_permitted() {
-  static const bool ok = [] {
-    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return ok;
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
+using amx::TileConfig;
 
 // Tiles: 0..3 the C tiles of 16 input rows each (the last may be partial), 4 and 7 full A tiles, 5 the last
 // (maybe partial) A tile, 6 the B tile.
@@ -133,7 +119,7 @@ void run(const uint16_t* x, const uint16_t* packed, const uint16_t* bias, uint16
 
 at::Tensor linear_amx(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
                       int64_t N) {
-  TORCH_CHECK(tiles_permitted(), "the kernel did not get the AMX tile state from the OS");
+  TORCH_CHECK(amx::tiles_permitted(), "the kernel did not get the AMX tile state from the OS");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "x must be [M, K] bf16");
   const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(M >= 1 && M <= kMaxRows, "x must have 1 to 64 rows");

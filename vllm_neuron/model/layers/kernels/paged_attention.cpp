@@ -17,7 +17,8 @@
 // heads side by side, and one stream per sequence read whole ran faster than KV interleaved ones (16
 // sequences at 1,000 keys, 30 layers: 33 vs 39-53 ms on an AMX Xeon). Where the build has vector
 // intrinsics, many-row items widen their keys to fp32 once and score and weigh a few query rows per
-// register block (attention_tiles.h).
+// register block (attention_tiles.h); decode items read keys and values in place (attention_decode.h). On
+// AMX, many-row items of a bf16 cache run on tiles instead (attention_amx.h).
 // The ATen headers used, not ATen/ATen.h: parsing all of that doubles the first start's kernel build.
 #include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
@@ -26,9 +27,16 @@
 #include <omp.h>
 #include <torch/library.h>
 
+#include "online_softmax.h"
+
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #define VN_ATTENTION_TILES 1
 #include "attention_tiles.h"
+#include "attention_decode.h"
+#endif
+#if defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define VN_ATTENTION_AMX 1
+#include "attention_amx.h"
 #endif
 
 #include <algorithm>
@@ -67,26 +75,6 @@ const Fp8Table<c10::Float8_e5m2> kE5M2;
 inline float to_f(c10::Float8_e4m3fn x) { return kE4M3.v[x.x]; }
 inline float to_f(c10::Float8_e5m2 x) { return kE5M2.v[x.x]; }
 
-// exp for x <= 0 in a form the compiler vectorizes: 2^(x log2 e) split into exponent bits and a
-// degree-6 polynomial for 2^f, f in [0, 1); relative error ~2e-7.
-#pragma omp declare simd
-inline float exp_nonpositive(float x) {
-  x = x < -87.f ? -87.f : x;
-  const float t = x * 1.44269504088896341f;
-  const float fi = std::floor(t);
-  const float f = t - fi;
-  float p = 1.535336188319500e-4f;
-  p = p * f + 1.339887440266574e-3f;
-  p = p * f + 9.618437357674640e-3f;
-  p = p * f + 5.550332471162809e-2f;
-  p = p * f + 2.402264791363012e-1f;
-  p = p * f + 6.931472028550421e-1f;
-  p = p * f + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(fi) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
-}
 
 // Query rows row0.. of sequence `seq`, KV heads head..head + heads - 1 (several heads only for a decode row
 // read in place: a slot holds every head's key side by side, so one item reads each slot whole).
@@ -166,13 +154,7 @@ inline void store_rows(T* op, const float* acc, const float* l, const Item& w, i
 template <int R>
 void tiled_rows(const float* qf, int64_t q0, const int64_t* qpos, const int64_t* qlo, int64_t first, const float* kt,
                 const float* vt, int64_t D, float* m, float* l, float* acc) {
-  int64_t hi = qpos[q0], lo = qlo[q0];
-  for (int r = 0; r < R; ++r) {
-    hi = std::max(hi, qpos[q0 + r]);
-    lo = std::min(lo, qlo[q0 + r]);
-    m[q0 + r] = -std::numeric_limits<float>::infinity();
-    l[q0 + r] = 0.f;
-  }
+  const auto [lo, hi] = start_rows(qpos, qlo, q0, R, m, l);
   std::fill(acc + q0 * D, acc + (q0 + R) * D, 0.f);
   float sc[R][kTile], p[R][kTile];
   for (int64_t t = (lo - first) / kTile; t <= (hi - first) / kTile; ++t) {
@@ -212,74 +194,6 @@ void tiled_rows(const float* qf, int64_t q0, const int64_t* qpos, const int64_t*
   }
 }
 
-// Cache element types the decode path reads in place (widened in registers); others take the copying path.
-template <typename C>
-constexpr bool kReadInPlace = std::is_same_v<C, float> || std::is_same_v<C, c10::BFloat16>;
-
-inline const uint16_t* lanes(const c10::BFloat16* p) { return reinterpret_cast<const uint16_t*>(p); }
-inline const float* lanes(const float* p) { return p; }
-
-// Decode scores of the G query heads of each of nh adjacent KV heads (qf, scaled; query head h * G + g)
-// against keys first..last read in place, four keys at a time (bf16 widened in registers):
-// scores[(h * G + g) * (last + 1 - first) + key - first]. The nh heads of a key lie side by side, so a
-// key's slot is read in one stretch.
-template <typename C>
-void decode_scores(const float* qf, int64_t nh, int64_t G, int64_t D, const C* kp, const int64_t* table,
-                   int64_t block_size, int64_t slot_stride, int64_t head_off, int64_t first, int64_t last,
-                   float* scores, const C* vp = nullptr) {
-  const int64_t len = last + 1 - first;
-  for (int64_t t0 = first; t0 <= last; t0 += 4) {
-    const int n = static_cast<int>(std::min<int64_t>(4, last + 1 - t0));
-    for (int64_t t = t0 + attn_tiles::kKeysAhead; t < t0 + attn_tiles::kKeysAhead + 4 && t <= last; ++t) {
-      const int64_t off = slot_of(table, block_size, t) * slot_stride + head_off;
-      vn_simd::prefetch(kp + off, nh * D * sizeof(C));
-      if (vp) vn_simd::prefetch(vp + off, nh * D * sizeof(C));
-    }
-    decltype(lanes(kp)) krow[4];
-    for (int u = 0; u < 4; ++u) {
-      const int64_t t = t0 + std::min(u, n - 1);  // past the last key: read it again, drop the result
-      krow[u] = lanes(kp + slot_of(table, block_size, t) * slot_stride + head_off);
-    }
-    for (int64_t h = 0; h < nh; ++h) {
-      const float* qh = qf + h * G * D;
-      float* sc = scores + h * G * len + (t0 - first);
-      int64_t g = 0;
-      for (; g + 4 <= G; g += 4) attn_tiles::score_keys<4>(qh + g * D, D, krow, n, sc + g * len, len);
-      for (; g + 2 <= G; g += 2) attn_tiles::score_keys<2>(qh + g * D, D, krow, n, sc + g * len, len);
-      for (; g < G; ++g) attn_tiles::score_keys<1>(qh + g * D, D, krow, n, sc + g * len, len);
-      for (int u = 0; u < 4; ++u) krow[u] += D;
-    }
-  }
-}
-
-// acc[g] = sum over keys of p[g * len + key - first] * V[key] for G query heads, V read in place, up to four
-// heads and NC vectors of the head dim per register block.
-template <int NC, typename E, typename Row>
-void weigh_heads(int64_t gb, const float* p, int64_t len, const E* v0, const Row& row, int64_t c0, float* a,
-                 int64_t D) {
-  switch (gb) {
-    case 4: attn_tiles::weigh_values<4, NC>(p, len, v0, row, c0, a, D); break;
-    case 3: attn_tiles::weigh_values<3, NC>(p, len, v0, row, c0, a, D); break;
-    case 2: attn_tiles::weigh_values<2, NC>(p, len, v0, row, c0, a, D); break;
-    default: attn_tiles::weigh_values<1, NC>(p, len, v0, row, c0, a, D); break;
-  }
-}
-
-template <typename C>
-void decode_values(const float* p, int64_t G, int64_t len, int64_t first, const C* vp, const int64_t* table,
-                   int64_t block_size, int64_t slot_stride, int64_t head_off, int64_t D, float* acc) {
-  constexpr int NC = attn_tiles::kValueVectors;
-  constexpr int64_t W = vn_simd::Vec::W;
-  const auto* v0 = lanes(vp + head_off);
-  const auto row = [&](int64_t t) { return slot_of(table, block_size, t + first) * slot_stride; };
-  for (int64_t g = 0; g < G; g += 4) {
-    const int64_t gb = std::min<int64_t>(4, G - g);
-    int64_t c0 = 0;
-    for (; c0 + NC * W <= D; c0 += NC * W) weigh_heads<NC>(gb, p + g * len, len, v0, row, c0, acc + g * D, D);
-    for (; c0 < D; c0 += W) weigh_heads<1>(gb, p + g * len, len, v0, row, c0, acc + g * D, D);
-  }
-}
-
 // Many query rows of one item: keys first..last widened to fp32 once (K transposed per tile, V row-major),
 // then kRows query rows at a time.
 template <typename C>
@@ -316,6 +230,15 @@ void tiled_item(const float* qf, int64_t nq, const int64_t* qpos, const int64_t*
 }
 #endif
 
+// Whether many-row items of a bf16 cache with this head dim run on AMX tiles here.
+bool attention_on_tiles(int64_t head_dim) {
+#ifdef VN_ATTENTION_AMX
+  return head_dim % 32 == 0 && amx::tiles_permitted();
+#else
+  return head_dim < 0;  // never
+#endif
+}
+
 // C: the cache's element type (T, or FP8 holding K / k_mul and V / v_mul: k_mul folds into the query
 // scale, v_mul into the softmax normalization).
 template <typename T, typename C = T>
@@ -336,20 +259,27 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::
   const float fscale = static_cast<float>(scale) * k_mul;
   const int64_t slot_stride = KV * D, max_keys = nblk * block_size;
 
+  // Many-row items of a bf16 cache on tiles, where the build and the OS allow them (attention_amx.h).
+  bool amx_rows = false;
+  if constexpr (std::is_same_v<T, c10::BFloat16> && std::is_same_v<C, c10::BFloat16>) amx_rows = attention_on_tiles(D);
   // Bigger row blocks spread widening each key to fp32 (once per item) over more query rows; enough
   // items stay for every thread to take several (causal work grows along a sequence; dynamic schedule).
   int64_t rows_total = 0;
   for (int64_t s = 0; s < S; ++s)
     rows_total += std::max<int64_t>(0, std::min<int64_t>(N, qs[s + 1]) - std::max<int64_t>(0, qs[s]));
-  const int64_t row_block =
+  int64_t row_block =
       std::clamp<int64_t>(rows_total * KV / (4 * std::max(1, at::get_num_threads())), kRowBlock, kMaxRowBlock);
+  // On tiles, every item copies its keys once, so fewer and bigger items: 16 query rows or more
+  // (whole tiles of 16 query vectors, whatever G), about two per thread.
+  if (amx_rows) row_block = std::clamp<int64_t>(rows_total * KV / (2 * std::max(1, at::get_num_threads())) / 16 * 16,
+                                                16, kMaxRowBlock);
   // A decode row read in place takes all KV heads in one item (each slot read whole, one stream per
   // sequence rather than KV interleaved ones) when there are sequences enough to keep every thread busy.
   int64_t single_rows = 0;
   for (int64_t s = 0; s < S; ++s) single_rows += std::min<int64_t>(N, qs[s + 1]) - std::max<int64_t>(0, qs[s]) == 1;
   bool whole_slots = false;
 #ifdef VN_ATTENTION_TILES
-  if constexpr (kReadInPlace<C>)
+  if constexpr (attn_decode::kReadInPlace<C>)
     whole_slots = D % vn_simd::Vec::W == 0 && single_rows >= 2 * std::max(1, at::get_num_threads());
 #endif
   std::vector<Item> items;
@@ -367,18 +297,25 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::
   for (int64_t r = 0; r < N; ++r)
     if (!covered[r]) std::fill(op + r * H * D, op + (r + 1) * H * D, static_cast<T>(0.f));
 
+
   const int64_t n_items = static_cast<int64_t>(items.size());
 #pragma omp parallel num_threads(at::get_num_threads())
   {
     const int64_t nq_max = std::max(row_block, whole_slots ? KV : 1) * G;
-    std::vector<float> qf(nq_max * D), acc(nq_max * D), kt(D * kTile), vt(kTile * D);
+    // acc: whole blocks of 16 query vectors for the tile path.
+    std::vector<float> qf(nq_max * D), acc((nq_max + 15) / 16 * 16 * D), kt(D * kTile), vt(kTile * D);
     std::vector<float> m(nq_max), l(nq_max), p(nq_max * kTile), scores;
     std::vector<int64_t> qpos(nq_max), qlo(nq_max);
+#ifdef VN_ATTENTION_AMX
+    attn_amx::Scratch amx_scratch;
+#endif
 #pragma omp for schedule(dynamic, 1)
     for (int64_t it = 0; it < n_items; ++it) {
       const Item& w = items[it];
       const int64_t nq = w.rows * G * w.heads;
       const int64_t* table = bt + w.seq * nblk;
+      // Where key t's slot starts, in elements.
+      [[maybe_unused]] const auto slot = [&](int64_t t) { return slot_of(table, block_size, t) * slot_stride; };
       int64_t last = 0, first = max_keys;  // keys first..last are visited
       for (int64_t r = 0; r < w.rows; ++r) {
         const int64_t row = w.row0 + r;
@@ -402,13 +339,13 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::
         scores.resize(nq * len);
         bool in_place = false;  // keys and values read where they lie, widened in registers
 #ifdef VN_ATTENTION_TILES
-        if constexpr (kReadInPlace<C>) {
+        if constexpr (attn_decode::kReadInPlace<C>) {
           in_place = D % vn_simd::Vec::W == 0;
           if (in_place)
             // An item's V rows (len x D), when they fit kVInL2Bytes, are fetched alongside K, so the values
             // pass reads cache rather than starting a second stream from memory (longer: no gain measured).
-            decode_scores(qf.data(), w.heads, G, D, kp, table, block_size, slot_stride, w.head * D, first, last,
-                          scores.data(), len * w.heads * D * int64_t(sizeof(C)) <= kVInL2Bytes ? vp : nullptr);
+            attn_decode::decode_scores(qf.data(), w.heads, G, D, kp + w.head * D, slot, first, last, scores.data(),
+                                       len * w.heads * D * int64_t(sizeof(C)) <= kVInL2Bytes ? vp + w.head * D : nullptr);
         }
 #endif
         for (int64_t t0 = first; !in_place && t0 <= last; t0 += kTile) {
@@ -436,10 +373,10 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::
           m[g] = mx;
         }
 #ifdef VN_ATTENTION_TILES
-        if constexpr (kReadInPlace<C>) {
+        if constexpr (attn_decode::kReadInPlace<C>) {
           for (int64_t h = 0; in_place && h < w.heads; ++h)
-            decode_values(scores.data() + h * G * len, G, len, first, vp, table, block_size, slot_stride,
-                          (w.head + h) * D, D, acc.data() + h * G * D);
+            attn_decode::decode_values(scores.data() + h * G * len, G, len, first, vp + (w.head + h) * D, slot, D,
+                                       acc.data() + h * G * D);
         }
 #endif
         for (int64_t t = 0; !in_place && t < len; ++t) {
@@ -457,6 +394,16 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::
         store_rows(op, acc.data(), l.data(), w, H, G, D, v_mul);
         continue;
       }
+#ifdef VN_ATTENTION_AMX
+      if (amx_rows) {
+        attn_amx::pack(reinterpret_cast<const uint16_t*>(kp + w.head * D), reinterpret_cast<const uint16_t*>(vp + w.head * D),
+                       table, block_size, slot_stride, first, last + 1 - first, D, amx_scratch);
+        attn_amx::item(qf.data(), nq, qpos.data(), qlo.data(), first, D, amx_scratch, m.data(), l.data(), acc.data());
+        add_sinks(sinks, w, G, D, nq, m.data(), l.data(), acc.data());
+        store_rows(op, acc.data(), l.data(), w, H, G, D, v_mul);
+        continue;
+      }
+#endif
 #ifdef VN_ATTENTION_TILES
       if (D % vn_simd::Vec::W == 0) {
         tiled_item(qf.data(), nq, qpos.data(), qlo.data(), first, last, kp, vp, table, block_size, slot_stride,
@@ -594,6 +541,7 @@ TORCH_LIBRARY(vllm_neuron, m) {
   m.def("paged_attention_fp8(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor query_start, "
         "Tensor positions, float scale, int block_size, Tensor k_scale, Tensor v_scale, Tensor? sinks=None, "
         "int window=0) -> Tensor");
+  m.def("attention_on_tiles(int head_dim) -> bool", &attention_on_tiles);
 }
 
 TORCH_LIBRARY_IMPL(vllm_neuron, CPU, m) {
