@@ -5,8 +5,11 @@
 // 32-row prefill over a cached 1,024-token prefix spent 46 ms of 133 in attention on the bundled model.
 // Here an item's keys and values are copied once into the order the tile unit takes (B tiles), and each
 // block of 16 query vectors is scored 32 keys at a time by TDPBF16PS: Q K^T in two 16x16 fp32 tiles. The
-// online softmax runs in fp32 on those scores; the probabilities, rounded to bf16 (as flash attention does
-// on GPUs), multiply V in tiles that accumulate straight into the item's fp32 sums.
+// online softmax runs in fp32 on those scores with no horizontal reduction in the common case (a row's max
+// is recomputed only when a score passes it; denominators are kept per lane); the probabilities, rounded to
+// bf16 (as flash attention does on GPUs), multiply V in tiles that hold the item's fp32 sums across blocks.
+// 30 layers of the bundled model's attention, 2 threads: 32 rows over 1,024 cached tokens 6.7 ms (the vector
+// path: 30-36 ms); a 512-token prefill 31 ms (100 ms).
 #pragma once
 #include <immintrin.h>
 
@@ -185,6 +188,7 @@ void item_dv(const float* qf, int64_t nq, const int64_t* qpos, const int64_t* ql
   alignas(64) float sc[16][kKeys];
   alignas(64) uint16_t p[16][kKeys];
   float corr[16];
+  __m512 lv[16];  // each row's denominator, per lane
   const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   for (int64_t rb = 0; rb < nqp; rb += 16) {
     const int64_t rows = std::min<int64_t>(16, nq - rb);
@@ -192,6 +196,7 @@ void item_dv(const float* qf, int64_t nq, const int64_t* qpos, const int64_t* ql
     const uint16_t* qa = s.qa.data() + rb * D;
     float* a = acc + rb * D;
     if constexpr (DV > 0) held_zero<DV>();
+    for (int r = 0; r < 16; ++r) lv[r] = _mm512_setzero_ps();
     for (int64_t blk = (lo - first) / kKeys; blk <= (hi - first) / kKeys; ++blk) {
       const int64_t t0 = first + blk * kKeys;
       _tile_zero(0);
@@ -223,7 +228,11 @@ void item_dv(const float* qf, int64_t nq, const int64_t* qpos, const int64_t* ql
         const __mmask16 k0 = seen(0), k1 = seen(16);
         const __m512 s0 = _mm512_mask_blend_ps(k0, neg_inf, _mm512_load_ps(sc[r]));
         const __m512 s1 = _mm512_mask_blend_ps(k1, neg_inf, _mm512_load_ps(sc[r] + 16));
-        const float mx = std::max(m[qi], _mm512_reduce_max_ps(_mm512_max_ps(s0, s1)));
+        // The max moves only where a score passes it (rarely, once past the first blocks): a compare per
+        // row instead of a horizontal max.
+        const __m512 mold = _mm512_set1_ps(m[qi]);
+        const bool up = (_mm512_cmp_ps_mask(s0, mold, _CMP_GT_OQ) | _mm512_cmp_ps_mask(s1, mold, _CMP_GT_OQ)) != 0;
+        const float mx = up ? _mm512_reduce_max_ps(_mm512_max_ps(s0, s1)) : m[qi];
         const __m512 mv = _mm512_set1_ps(mx);
         const __m512 e0 = _mm512_maskz_mov_ps(k0, exp_nonpositive(_mm512_sub_ps(s0, mv)));
         const __m512 e1 = _mm512_maskz_mov_ps(k1, exp_nonpositive(_mm512_sub_ps(s1, mv)));
@@ -232,12 +241,12 @@ void item_dv(const float* qf, int64_t nq, const int64_t* qpos, const int64_t* ql
         // The denominator sums the probabilities as rounded, the values they weigh V with.
         const __m512 r0 = _mm512_castsi512_ps(_mm512_slli_epi32(pw, 16));
         const __m512 r1 = _mm512_castsi512_ps(_mm512_and_si512(pw, _mm512_set1_epi32(0xFFFF0000u)));
-        const float sum = _mm512_reduce_add_ps(_mm512_add_ps(r0, r1));
-        if (mx != m[qi] && l[qi] > 0.f) {
+        if (mx != m[qi] && m[qi] != -std::numeric_limits<float>::infinity()) {
           corr[r] = ::exp_nonpositive(m[qi] - mx);
           rescale = true;
         }
-        l[qi] = l[qi] * corr[r] + sum;
+        // Kept per lane, summed across lanes once per row block.
+        lv[r] = _mm512_fmadd_ps(lv[r], _mm512_set1_ps(corr[r]), _mm512_add_ps(r0, r1));
         m[qi] = mx;
       }
       if (rescale) {
@@ -261,6 +270,7 @@ void item_dv(const float* qf, int64_t nq, const int64_t* qpos, const int64_t* ql
       }
     }
     if constexpr (DV > 0) held_store<DV>(a, D);
+    for (int64_t r = 0; r < rows; ++r) l[rb + r] = _mm512_reduce_add_ps(lv[r]);
   }
   _tile_release();
 }
