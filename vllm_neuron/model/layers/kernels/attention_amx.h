@@ -43,20 +43,15 @@ inline void configure() {
   _tile_loadconfig(&c);
 }
 
-// exp(x) for x <= 0 (-inf included: -> ~1e-38), as online_softmax.h's polynomial, with the power of two applied by
-// VSCALEFPS.
+// exp(x) for x <= 0 (-inf included: -> ~1e-38), online_softmax.h's polynomial with the power of two applied
+// by VSCALEFPS.
 inline __m512 exp_nonpositive(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
   const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
   const __m512 fi = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(t, fi);
-  __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  __m512 p = _mm512_set1_ps(kExp2Poly[0]);
+  for (int i = 1; i < 7; ++i) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExp2Poly[i]));
   return _mm512_scalef_ps(p, fi);
 }
 
@@ -183,7 +178,7 @@ void item_dv(const float* qf, int64_t nq, const int64_t* qpos, const int64_t* ql
   for (int64_t i = 0; i < nq * D; i += 16)
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(s.qa.data() + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(qf + i)));
   std::fill(s.qa.begin() + nq * D, s.qa.begin() + nqp * D, 0);
-  std::fill(acc, acc + nqp * D, 0.f);
+  if constexpr (DV == 0) std::fill(acc, acc + nqp * D, 0.f);  // held sums start as zero tiles
   configure();
   alignas(64) float sc[16][kKeys];
   alignas(64) uint16_t p[16][kKeys];

@@ -18,8 +18,6 @@
 
 #include "amx_tiles.h"
 
-#include <cstring>
-
 namespace {
 
 constexpr int64_t kTileN = 16, kTileK = 32, kTileElems = kTileN * kTileK;  // one B tile, in bf16
@@ -61,30 +59,31 @@ void column_block(const uint16_t* x, int64_t K, const uint16_t* wb, const uint16
       for (int64_t o = 0; o < kTileElems * 2; o += 64)
         _mm_prefetch(reinterpret_cast<const char*>(pf + (k / kTileK) * kTileElems) + o, _MM_HINT_T0);
     _tile_loadd(6, b, 64);
-    const uint16_t* a = x + k;
+    // C tile c += input rows 16 c.. (A tile a) x the B tile. Full A tiles alternate between 4 and 7 so that a
+    // load need not wait for the product before it; the last (maybe partial) is 5. Tile numbers must be
+    // literals: the intrinsics paste them into the instruction.
+#define VN_ROWS_TIMES_B(c, a)                    \
+  do {                                           \
+    _tile_loadd(a, x + k + 16 * (c) * K, xs);   \
+    _tile_dpbf16ps(c, a, 6);                     \
+  } while (0)
     if constexpr (MT == 1) {
-      _tile_loadd(5, a, xs);
-      _tile_dpbf16ps(0, 5, 6);
+      VN_ROWS_TIMES_B(0, 5);
     } else {
-      _tile_loadd(4, a, xs);
-      _tile_dpbf16ps(0, 4, 6);
+      VN_ROWS_TIMES_B(0, 4);
       if constexpr (MT == 2) {
-        _tile_loadd(5, a + 16 * K, xs);
-        _tile_dpbf16ps(1, 5, 6);
+        VN_ROWS_TIMES_B(1, 5);
       } else {
-        _tile_loadd(7, a + 16 * K, xs);
-        _tile_dpbf16ps(1, 7, 6);
+        VN_ROWS_TIMES_B(1, 7);
         if constexpr (MT == 3) {
-          _tile_loadd(5, a + 32 * K, xs);
-          _tile_dpbf16ps(2, 5, 6);
+          VN_ROWS_TIMES_B(2, 5);
         } else {
-          _tile_loadd(4, a + 32 * K, xs);
-          _tile_dpbf16ps(2, 4, 6);
-          _tile_loadd(5, a + 48 * K, xs);
-          _tile_dpbf16ps(3, 5, 6);
+          VN_ROWS_TIMES_B(2, 4);
+          VN_ROWS_TIMES_B(3, 5);
         }
       }
     }
+#undef VN_ROWS_TIMES_B
   }
   _tile_stored(0, cbuf, 64);
   if constexpr (MT > 1) _tile_stored(1, cbuf + 256, 64);
@@ -125,7 +124,7 @@ at::Tensor linear_amx(const at::Tensor& x, const at::Tensor& packed, const c10::
   TORCH_CHECK(M >= 1 && M <= kMaxRows, "x must have 1 to 64 rows");
   TORCH_CHECK(K % kTileK == 0 && N % kTileN == 0, "K must be a multiple of 32 and N of 16");
   TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() && packed.numel() == N * K,
-              "packed must hold the [N, K] weight in tile order (pack_amx)");
+              "packed must hold the [N, K] weight in tile order (onednn_packed.pack_tiles)");
   if (bias.has_value())
     TORCH_CHECK(bias->scalar_type() == at::kBFloat16 && bias->is_contiguous() && bias->numel() == N,
                 "bias must be [N] bf16");

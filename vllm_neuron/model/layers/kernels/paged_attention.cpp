@@ -75,7 +75,6 @@ const Fp8Table<c10::Float8_e5m2> kE5M2;
 inline float to_f(c10::Float8_e4m3fn x) { return kE4M3.v[x.x]; }
 inline float to_f(c10::Float8_e5m2 x) { return kE5M2.v[x.x]; }
 
-
 // Query rows row0.. of sequence `seq`, KV heads head..head + heads - 1 (several heads only for a decode row
 // read in place: a slot holds every head's key side by side, so one item reads each slot whole).
 struct Item {
@@ -296,7 +295,6 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::
   }
   for (int64_t r = 0; r < N; ++r)
     if (!covered[r]) std::fill(op + r * H * D, op + (r + 1) * H * D, static_cast<T>(0.f));
-
 
   const int64_t n_items = static_cast<int64_t>(items.size());
 #pragma omp parallel num_threads(at::get_num_threads())
