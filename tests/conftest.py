@@ -36,6 +36,10 @@ def pytest_configure(config: pytest.Config) -> None:
     users = os.path.expanduser(os.path.join("~", ".cache", "vllm_neuron"))
     if os.path.abspath(os.path.expanduser(os.environ.get("VLLM_CACHE_ROOT") or users)) == os.path.abspath(users):
         os.environ["VLLM_CACHE_ROOT"] = os.path.join(_cache_root(), "vllm_cache_root")
+    # Every test compiles into its own temporary compile cache; inductor's kernels and headers are shared by all
+    # of them and by the servers and workers they start (each process's first graph no longer pays inductor's
+    # set-up: the TP2 compiled tests 91-94 -> 47-57 s, the compiled tests together about 11% faster).
+    os.environ.setdefault("VLLM_NEURON_INDUCTOR_CACHE_DIR", os.path.join(_cache_root(), "inductor"))
     import torch
 
     torch.set_num_threads(2)

@@ -183,6 +183,13 @@ _VARS: dict[str, EnvVar] = {
             "Takes precedence over $VLLM_CACHE_ROOT/compiled_artifacts.",
         ),
         EnvVar(
+            "VLLM_NEURON_INDUCTOR_CACHE_DIR",
+            lambda: _str("VLLM_NEURON_INDUCTOR_CACHE_DIR"),
+            "Folder of inductor's content-addressed cache (compiled C++ kernels and their headers), "
+            "default <compile cache>/inductor. Point compile caches with different folders at one "
+            "place to share what they have in common (the test suite does).",
+        ),
+        EnvVar(
             "VLLM_NEURON_CPU_COMPILE",
             lambda: _bool("VLLM_NEURON_CPU_COMPILE"),
             "Compile-only mode for a device that is not present. Not supported yet: 1 is refused at "

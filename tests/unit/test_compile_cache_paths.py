@@ -148,3 +148,14 @@ def test_the_test_suite_never_uses_the_users_cache():
     users = Path(os.path.expanduser("~/.cache/vllm_neuron"))
     root = Path(os.environ["VLLM_CACHE_ROOT"])  # set by tests/conftest.py before any test runs
     assert root != users and users not in root.parents
+
+
+def test_inductor_cache_folder_follows_the_variable(tmp_path, monkeypatch, caching):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "unchanged")
+    monkeypatch.delenv("VLLM_NEURON_INDUCTOR_CACHE_DIR", raising=False)
+    C.GraphCompiler({"t": "inductor dir"}, root=str(tmp_path / "a"))
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "a" / "inductor")
+    monkeypatch.setenv("VLLM_NEURON_INDUCTOR_CACHE_DIR", str(tmp_path / "shared"))
+    shared = C.GraphCompiler({"t": "inductor dir"}, root=str(tmp_path / "b"))
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "shared")
+    assert [p.name for p in (tmp_path / "b").iterdir()] == [shared.key]  # no inductor folder of its own

@@ -2,8 +2,10 @@
 
 Graphs are compiled with torch.compile on static shapes (the "native route"); `eager` runs the same
 functions uncompiled. The cache has two layers:
-* inductor's own content-addressed cache (FX graphs, kernels), shared by every model under
-  `<cache root>/inductor` so the costly first-compile setup happens once per machine;
+* inductor's own content-addressed cache, shared by every model under `<cache root>/inductor` (or
+  `VLLM_NEURON_INDUCTOR_CACHE_DIR`) so the costly first-compile setup happens once per machine. Under
+  aot_compile torch keys each graph by a fresh id, so what it shares is the compiled C++ kernels
+  and headers (half of a graph's compile time on CPU), not whole graphs;
 * a manifest per cache key `<cache root>/<key>/manifest.json` recording which buckets were compiled.
   The key covers what the seeds list under "What triggers recompilation": library versions, the
   model's config and our model code, bucket-independent graph options, dtype, device type and TP
@@ -201,7 +203,8 @@ class GraphCompiler:
             inductor_dir = self.dir / "inductor"
         else:
             self.dir = Path(self.root) / self.key
-            inductor_dir = Path(self.root) / "inductor"
+            shared = envs.VLLM_NEURON_INDUCTOR_CACHE_DIR
+            inductor_dir = Path(os.path.expanduser(shared)).absolute() if shared else Path(self.root) / "inductor"
         self.dir.mkdir(parents=True, exist_ok=True)
         self.manifest_path = self.dir / "manifest.json"
         self.manifest: dict[str, Any] = {}
