@@ -187,3 +187,32 @@ def test_token_bitmask_masks_constrained_rows_and_skips_the_unpack_without_const
                 compiled(logits, bitmask)
             names[name] = " ".join(e.name for e in prof.events())
     assert "masked_fill" in names["constrained"] and "masked_fill" not in names["free"], names
+
+
+def test_eager_calls_take_a_python_branch_not_torch_cond(monkeypatch):
+    """Outside a compiled graph (host sampler, eager execution) torch.cond cost ~2 ms a call: both branch
+    points run the branch their predicate picks, with the same results as the compiled graph."""
+    def no_cond(*args, **kwargs):
+        raise AssertionError("torch.cond called outside a compiled graph")
+
+    torch.manual_seed(3)
+    logits = torch.randn(4, 300)
+    greedy = torch.zeros(4)
+    mixed = torch.tensor([0.0, 0.8, 1.0, 1.3])
+    top_k, top_p = torch.tensor([0, 5, 0, 40]), torch.tensor([1.0, 1.0, 0.7, 0.9])
+    u = torch.tensor([0.1, 0.5, 0.7, 0.95])
+    free = torch.full((4, 10), -1, dtype=torch.int32)
+    constrained = free.clone()
+    constrained[2] = 0
+    constrained[2, 0] = 0b110  # tokens 1 and 2 only
+    expected = [sample_in_graph(logits, t, top_k, top_p, u, max_top_k=64) for t in (greedy, mixed)]
+    masked = apply_token_bitmask(logits, constrained)
+    monkeypatch.setattr(torch, "cond", no_cond)
+    assert torch.equal(sample_in_graph(logits, greedy, top_k, top_p, u, max_top_k=64), logits.argmax(-1))
+    assert torch.equal(sample_in_graph(logits, greedy, top_k, top_p, u, max_top_k=64), expected[0])
+    assert torch.equal(sample_in_graph(logits, mixed, top_k, top_p, u, max_top_k=64), expected[1])
+    assert not torch.equal(expected[0], expected[1])  # the random branch really ran
+    out = apply_token_bitmask(logits, free)
+    assert torch.equal(out, logits) and out.data_ptr() != logits.data_ptr()
+    assert torch.equal(apply_token_bitmask(logits, constrained), masked)
+    assert masked[2].isfinite().nonzero().flatten().tolist() == [1, 2] and torch.equal(masked[[0, 1, 3]], logits[[0, 1, 3]])
