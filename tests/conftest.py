@@ -37,8 +37,7 @@ def pytest_configure(config: pytest.Config) -> None:
     if os.path.abspath(os.path.expanduser(os.environ.get("VLLM_CACHE_ROOT") or users)) == os.path.abspath(users):
         os.environ["VLLM_CACHE_ROOT"] = os.path.join(_cache_root(), "vllm_cache_root")
     # Every test compiles into its own temporary compile cache; inductor's kernels and headers are shared by all
-    # of them and by the servers and workers they start (each process's first graph no longer pays inductor's
-    # set-up: the TP2 compiled tests 91-94 -> 47-57 s, the compiled tests together about 11% faster).
+    # of them and by the servers and workers they start, so each process's first graph skips inductor's set-up.
     os.environ.setdefault("VLLM_NEURON_INDUCTOR_CACHE_DIR", os.path.join(_cache_root(), "inductor"))
     import torch
 

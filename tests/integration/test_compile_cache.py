@@ -98,9 +98,9 @@ def cold_then_warm(model, cache_root, tmp_path_factory) -> tuple[CompileRun, Com
 
 @pytest.fixture
 def new_root(cold_then_warm, cache_root, tmp_path) -> str:
-    """A compile cache root with no graph of ours, holding the module's inductor cache (content-addressed,
-    shared by every model under a root): what a machine that compiled before has. The cold run above
-    is the one that fills inductor's cache from nothing."""
+    """A compile cache root with no graph of ours, with the module's inductor cache at hand (content-addressed,
+    shared by every model under a root, or the suite's VLLM_NEURON_INDUCTOR_CACHE_DIR): what a machine that
+    compiled before has. The cold run above is the one that fills inductor's cache from nothing."""
     root = tmp_path / "cache"
     if os.environ.get("VLLM_NEURON_INDUCTOR_CACHE_DIR"):  # the suite's shared inductor cache stands in for it
         root.mkdir()
