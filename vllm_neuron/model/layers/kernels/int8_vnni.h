@@ -69,7 +69,7 @@ inline __m128 half_sums(__m512 a, __m512 b) {
 // i's dot product with band row j, times scale[j].
 template <int MB>
 inline void tile(const int8_t* band, const float* scale, const int16_t* xq, const float* xs, int64_t K,
-                 float* out) {
+                 float* out, const int8_t* pf = nullptr) {
   // One or two input rows leave too few independent sums to hide VPDPWSSD's latency: chunks alternate
   // between two sets of them there.
   constexpr int S = MB <= 2 ? 2 : 1;
@@ -82,6 +82,7 @@ inline void tile(const int8_t* band, const float* scale, const int16_t* xq, cons
       for (int i = 0; i < MB; ++i) acc[s][i][0] = acc[s][i][1] = _mm512_setzero_si512();
     const auto step = [&](int s, int64_t c) {
       const int8_t* p = band + c * 64;
+      if (pf) _mm_prefetch(reinterpret_cast<const char*>(pf + c * 64), _MM_HINT_T0);
       const __m512i w01 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
       const __m512i w23 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32)));
       for (int i = 0; i < MB; ++i) {
