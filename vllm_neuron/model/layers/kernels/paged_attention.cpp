@@ -303,7 +303,7 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::
     // acc: whole blocks of 16 query vectors for the tile path.
     std::vector<float> qf(nq_max * D), acc((nq_max + 15) / 16 * 16 * D), kt(D * kTile), vt(kTile * D);
     std::vector<float> m(nq_max), l(nq_max), p(nq_max * kTile), scores;
-    std::vector<int64_t> qpos(nq_max), qlo(nq_max);
+    std::vector<int64_t> qpos(nq_max), qlo(nq_max), slots;
 #ifdef VN_ATTENTION_AMX
     attn_amx::Scratch amx_scratch;
 #endif
@@ -337,12 +337,24 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::
         scores.resize(nq * len);
         bool in_place = false;  // keys and values read where they lie, widened in registers
 #ifdef VN_ATTENTION_TILES
+        // Each key's slot offset, worked out once per item block by block: the passes look a key up
+        // several times (prefetch, keys, values), and a division by the block size per lookup took a third
+        // of a batch-1 call's time.
+        slots.resize(len);
+        for (int64_t t = first; t <= last;) {
+          const int64_t b = t / block_size, end = std::min(last + 1, (b + 1) * block_size);
+          for (int64_t o = (table[b] * block_size + t - b * block_size) * slot_stride; t < end; ++t, o += slot_stride)
+            slots[t - first] = o;
+        }
+        const int64_t* sl = slots.data() - first;
+        const auto slot_at = [sl](int64_t t) { return sl[t]; };
         if constexpr (attn_decode::kReadInPlace<C>) {
           in_place = D % vn_simd::Vec::W == 0;
           if (in_place)
             // An item's V rows (len x D), when they fit kVInL2Bytes, are fetched alongside K, so the values
             // pass reads cache rather than starting a second stream from memory (longer: no gain measured).
-            attn_decode::decode_scores(qf.data(), w.heads, G, D, kp + w.head * D, slot, first, last, scores.data(),
+            attn_decode::decode_scores(qf.data(), w.heads, G, D, kp + w.head * D, slot_at, first, last,
+                                       scores.data(),
                                        len * w.heads * D * int64_t(sizeof(C)) <= kVInL2Bytes ? vp + w.head * D : nullptr);
         }
 #endif
@@ -373,8 +385,8 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::
 #ifdef VN_ATTENTION_TILES
         if constexpr (attn_decode::kReadInPlace<C>) {
           for (int64_t h = 0; in_place && h < w.heads; ++h)
-            attn_decode::decode_values(scores.data() + h * G * len, G, len, first, vp + (w.head + h) * D, slot, D,
-                                       acc.data() + h * G * D);
+            attn_decode::decode_values(scores.data() + h * G * len, G, len, first, vp + (w.head + h) * D, slot_at,
+                                       D, acc.data() + h * G * D);
         }
 #endif
         for (int64_t t = 0; !in_place && t < len; ++t) {
