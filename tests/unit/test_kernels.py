@@ -119,6 +119,39 @@ def test_paged_decode_attention_gqa_at_every_decode_bucket(dtype, tol, batch):
     torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
 
 
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float8_e4m3fn, 1e-5)])
+@pytest.mark.parametrize("with_sinks", [False, True])
+def test_decode_rows_split_along_their_keys_match_reference(dtype, tol, with_sinks):
+    """With fewer decode rows than two per thread, each row's keys are split into stretches merged afterwards
+    (stretches of whole slots for fp32 and bf16 caches, one per KV head for FP8): one row over 700 keys, and
+    two rows over 501 and 2 keys (the short row's later stretches are empty)."""
+    g = torch.Generator().manual_seed(7 + with_sinks)
+    heads, kv_heads, d, bs, per_seq = 9, 3, 64, 32, 24
+    nblocks = 2 * per_seq + 1
+    cache_dtype = dtype
+    dtype = torch.float32 if dtype == torch.float8_e4m3fn else dtype
+    kc = (torch.randn(nblocks * bs, kv_heads, d, generator=g) * 3).to(cache_dtype)
+    vc = torch.randn(nblocks * bs, kv_heads, d, generator=g).to(cache_dtype)
+    tables = (torch.randperm(nblocks - 1, generator=g) + 1).view(2, per_seq)
+    sinks = torch.randn(heads, generator=g) * 2 if with_sinks else None
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for positions in ([699], [500, 1]):
+            n = len(positions)
+            q = torch.randn(n, heads, d, generator=g).to(dtype)
+            starts, pos = torch.arange(n + 1), torch.tensor(positions)
+            if cache_dtype == torch.float8_e4m3fn:
+                one = torch.tensor(1.0)
+                out = K.paged_attention_fp8(q, kc, vc, tables[:n], starts, pos, 0.125, bs, one, one, sinks)
+            else:
+                out = K.paged_attention(q, kc, vc, tables[:n], starts, pos, 0.125, bs, sinks)
+            ref = _reference_sinks_window(q, kc, vc, tables[:n], starts, pos, 0.125, bs, sinks, 0)
+            torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
+    finally:
+        torch.set_num_threads(threads)
+
 @pytest.mark.parametrize("d", [64, 128])
 def test_bf16_prefill_over_a_long_cached_context(d):
     """The shape of a prompt after a cached prefix (32 new rows over 1,024 cached tokens, and 3 such sequences

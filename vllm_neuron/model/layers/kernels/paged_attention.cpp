@@ -51,6 +51,7 @@ namespace {
 constexpr int64_t kTile = 32;
 constexpr int64_t kRowBlock = 8;  // the fewest query rows per item
 constexpr int64_t kMaxRowBlock = 64;
+constexpr int64_t kMinSplitKeys = 64;  // the fewest keys per stretch of a split decode row
 constexpr int64_t kVInL2Bytes = 192 << 10;  // per item, a fraction of a thread's L2 (>= 512 KiB on these CPUs)
 
 inline float to_f(float x) { return x; }
@@ -79,6 +80,7 @@ inline float to_f(c10::Float8_e5m2 x) { return kE5M2.v[x.x]; }
 // read in place: a slot holds every head's key side by side, so one item reads each slot whole).
 struct Item {
   int64_t seq, head, row0, rows, heads = 1;
+  int64_t part = 0, parts = 1;  // a decode row's keys split into `parts` stretches (combined afterwards)
 };
 
 // The cache slot of a sequence's key t, through its block table.
@@ -276,11 +278,26 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::
   // sequence rather than KV interleaved ones) when there are sequences enough to keep every thread busy.
   int64_t single_rows = 0;
   for (int64_t s = 0; s < S; ++s) single_rows += std::min<int64_t>(N, qs[s + 1]) - std::max<int64_t>(0, qs[s]) == 1;
-  bool whole_slots = false;
+  bool whole_slots = false, slots_in_place = false;
+  const int64_t threads = std::max(1, at::get_num_threads());
 #ifdef VN_ATTENTION_TILES
-  if constexpr (attn_decode::kReadInPlace<C>)
-    whole_slots = D % vn_simd::Vec::W == 0 && single_rows >= 2 * std::max(1, at::get_num_threads());
+  if constexpr (attn_decode::kReadInPlace<C>) slots_in_place = D % vn_simd::Vec::W == 0;
 #endif
+  whole_slots = slots_in_place && single_rows >= 2 * threads;
+  // Fewer decode rows than two per thread (batch 1 to 3 on two threads) split each row's keys into
+  // stretches of at least kMinSplitKeys, a stretch being an item of whole slots (every KV head) where the
+  // cache is read in place; a second pass merges the stretches' softmax sums (flash-decoding). One item per
+  // KV head instead left a thread idle (3 items on 2 threads) and had each item pull a third of every
+  // slot, so that the cache lines of a batch-1 row at 2,000 keys came in about three times over.
+  int64_t parts = 1;
+  if (!whole_slots && threads > 1 && single_rows > 0 && single_rows == rows_total && window == 0) {
+    int64_t keys = 0;
+    for (int64_t r = 0; r < N; ++r) keys = std::max(keys, pos[r] + 1);
+    const int64_t per_row = slots_in_place ? 1 : KV;  // items per row and stretch
+    parts = std::min((4 * threads + single_rows * per_row - 1) / (single_rows * per_row), keys / kMinSplitKeys);
+    parts = std::max<int64_t>(parts, 1);
+  }
+  const bool split_whole = parts > 1 && slots_in_place;
   std::vector<Item> items;
   std::vector<char> covered(N, 0);
   for (int64_t s = 0; s < S; ++s) {
@@ -290,6 +307,15 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::
       items.push_back({s, 0, lo, 1, KV});
       continue;
     }
+    if (parts > 1) {  // every row here is a decode row (single_rows == rows_total)
+      if (split_whole) {
+        for (int64_t part = 0; part < parts; ++part) items.push_back({s, 0, lo, 1, KV, part, parts});
+      } else {
+        for (int64_t h = 0; h < KV; ++h)
+          for (int64_t part = 0; part < parts; ++part) items.push_back({s, h, lo, 1, 1, part, parts});
+      }
+      continue;
+    }
     for (int64_t r0 = lo; r0 < hi; r0 += row_block)
       for (int64_t h = 0; h < KV; ++h) items.push_back({s, h, r0, std::min<int64_t>(row_block, hi - r0)});
   }
@@ -297,9 +323,12 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::
     if (!covered[r]) std::fill(op + r * H * D, op + (r + 1) * H * D, static_cast<T>(0.f));
 
   const int64_t n_items = static_cast<int64_t>(items.size());
+  // Split items' results before the merge: per item, its nq maxima, nq sums, then nq x D weighted values.
+  const int64_t part_nq = split_whole ? H : G, part_stride = part_nq * (D + 2);
+  std::vector<float> partial(parts > 1 ? n_items * part_stride : 0);
 #pragma omp parallel num_threads(at::get_num_threads())
   {
-    const int64_t nq_max = std::max(row_block, whole_slots ? KV : 1) * G;
+    const int64_t nq_max = std::max(row_block, whole_slots || split_whole ? KV : 1) * G;
     // acc: whole blocks of 16 query vectors for the tile path.
     std::vector<float> qf(nq_max * D), acc((nq_max + 15) / 16 * 16 * D), kt(D * kTile), vt(kTile * D);
     std::vector<float> m(nq_max), l(nq_max), p(nq_max * kTile), scores;
@@ -333,6 +362,17 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::
         // Decode: one pass to score every key, an exact softmax, one pass over V (cheaper than the
         // online softmax's per-tile rescaling when there is a single query row). Scores of keys
         // first..last are kept at 0..len.
+        float* part_out = w.parts > 1 ? partial.data() + it * part_stride : nullptr;
+        if (w.parts > 1) {
+          const int64_t keys = last + 1 - first, a = first + keys * w.part / w.parts;
+          last = first + keys * (w.part + 1) / w.parts - 1;
+          first = a;
+          if (first > last) {  // no key in this stretch: a maximum of -inf weighs it out of the merge
+            std::fill(part_out, part_out + nq, -std::numeric_limits<float>::infinity());
+            std::fill(part_out + nq, part_out + part_stride, 0.f);
+            continue;
+          }
+        }
         const int64_t len = last + 1 - first;
         scores.resize(nq * len);
         bool in_place = false;  // keys and values read where they lie, widened in registers
@@ -400,6 +440,12 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::
             for (int64_t i = 0; i < D; ++i) a[i] += pg * vt[i];
           }
         }
+        if (part_out) {
+          std::copy(m.begin(), m.begin() + nq, part_out);
+          std::copy(l.begin(), l.begin() + nq, part_out + nq);
+          std::copy(acc.begin(), acc.begin() + nq * D, part_out + 2 * nq);
+          continue;
+        }
         add_sinks(sinks, w, G, D, nq, m.data(), l.data(), acc.data());
         store_rows(op, acc.data(), l.data(), w, H, G, D, v_mul);
         continue;
@@ -462,6 +508,32 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::
       }
       add_sinks(sinks, w, G, D, nq, m.data(), l.data(), acc.data());
       store_rows(op, acc.data(), l.data(), w, H, G, D, v_mul);
+    }
+    if (parts > 1) {
+      // Merge each row's stretches (after the loop's barrier): sums rescaled to the largest maximum.
+#pragma omp for schedule(static)
+      for (int64_t grp = 0; grp < n_items / parts; ++grp) {
+        const Item& w = items[grp * parts];
+        const float* pp = partial.data() + grp * parts * part_stride;
+        for (int64_t g = 0; g < part_nq; ++g) {
+          float mx = -std::numeric_limits<float>::infinity();
+          for (int64_t part = 0; part < parts; ++part) mx = std::max(mx, pp[part * part_stride + g]);
+          m[g] = mx;
+          l[g] = 0.f;
+          float* a = acc.data() + g * D;
+          std::fill(a, a + D, 0.f);
+          for (int64_t part = 0; part < parts; ++part) {
+            const float* q = pp + part * part_stride;
+            const float c = exp_nonpositive(q[g] - mx);
+            l[g] += q[part_nq + g] * c;
+            const float* pa = q + 2 * part_nq + g * D;
+#pragma omp simd
+            for (int64_t i = 0; i < D; ++i) a[i] += pa[i] * c;
+          }
+        }
+        add_sinks(sinks, w, G, D, part_nq, m.data(), l.data(), acc.data());
+        store_rows(op, acc.data(), l.data(), w, H, G, D, v_mul);
+      }
     }
   }
 }
