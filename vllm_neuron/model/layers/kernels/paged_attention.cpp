@@ -27,6 +27,8 @@
 #include <omp.h>
 #include <torch/library.h>
 
+#include "attention_split.h"
+#include "cache_elems.h"
 #include "online_softmax.h"
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
@@ -51,30 +53,7 @@ namespace {
 constexpr int64_t kTile = 32;
 constexpr int64_t kRowBlock = 8;  // the fewest query rows per item
 constexpr int64_t kMaxRowBlock = 64;
-constexpr int64_t kMinSplitKeys = 64;  // the fewest keys per stretch of a split decode row
 constexpr int64_t kVInL2Bytes = 192 << 10;  // per item, a fraction of a thread's L2 (>= 512 KiB on these CPUs)
-
-inline float to_f(float x) { return x; }
-inline float to_f(c10::BFloat16 x) {
-  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
-inline float to_f(c10::Half x) { return static_cast<float>(x); }
-
-// FP8 cache entries widen through a 256-entry table (the formats' own conversion is bit fiddling per value).
-template <typename C>
-struct Fp8Table {
-  float v[256];
-  Fp8Table() {
-    for (int i = 0; i < 256; ++i) v[i] = static_cast<float>(C(static_cast<uint8_t>(i), C::from_bits()));
-  }
-};
-const Fp8Table<c10::Float8_e4m3fn> kE4M3;
-const Fp8Table<c10::Float8_e5m2> kE5M2;
-inline float to_f(c10::Float8_e4m3fn x) { return kE4M3.v[x.x]; }
-inline float to_f(c10::Float8_e5m2 x) { return kE5M2.v[x.x]; }
 
 // Query rows row0.. of sequence `seq`, KV heads head..head + heads - 1 (several heads only for a decode row
 // read in place: a slot holds every head's key side by side, so one item reads each slot whole).
@@ -284,18 +263,13 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::
   if constexpr (attn_decode::kReadInPlace<C>) slots_in_place = D % vn_simd::Vec::W == 0;
 #endif
   whole_slots = slots_in_place && single_rows >= 2 * threads;
-  // Fewer decode rows than two per thread (batch 1 to 3 on two threads) split each row's keys into
-  // stretches of at least kMinSplitKeys, a stretch being an item of whole slots (every KV head) where the
-  // cache is read in place; a second pass merges the stretches' softmax sums (flash-decoding). One item per
-  // KV head instead left a thread idle (3 items on 2 threads) and had each item pull a third of every
-  // slot, so that the cache lines of a batch-1 row at 2,000 keys came in about three times over.
+  // Fewer decode rows than that split along their keys (attention_split.h), stretches of whole slots where
+  // the cache is read in place.
   int64_t parts = 1;
-  if (!whole_slots && threads > 1 && single_rows > 0 && single_rows == rows_total && window == 0) {
+  if (!whole_slots && window == 0) {
     int64_t keys = 0;
     for (int64_t r = 0; r < N; ++r) keys = std::max(keys, pos[r] + 1);
-    const int64_t per_row = slots_in_place ? 1 : KV;  // items per row and stretch
-    parts = std::min((4 * threads + single_rows * per_row - 1) / (single_rows * per_row), keys / kMinSplitKeys);
-    parts = std::max<int64_t>(parts, 1);
+    parts = attn_split::parts(threads, single_rows, rows_total, slots_in_place ? 1 : KV, keys);
   }
   const bool split_whole = parts > 1 && slots_in_place;
   std::vector<Item> items;
@@ -323,8 +297,7 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::
     if (!covered[r]) std::fill(op + r * H * D, op + (r + 1) * H * D, static_cast<T>(0.f));
 
   const int64_t n_items = static_cast<int64_t>(items.size());
-  // Split items' results before the merge: per item, its nq maxima, nq sums, then nq x D weighted values.
-  const int64_t part_nq = split_whole ? H : G, part_stride = part_nq * (D + 2);
+  const int64_t part_nq = split_whole ? H : G, part_stride = attn_split::stride(part_nq, D);
   std::vector<float> partial(parts > 1 ? n_items * part_stride : 0);
 #pragma omp parallel num_threads(at::get_num_threads())
   {
@@ -363,15 +336,9 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::
         // online softmax's per-tile rescaling when there is a single query row). Scores of keys
         // first..last are kept at 0..len.
         float* part_out = w.parts > 1 ? partial.data() + it * part_stride : nullptr;
-        if (w.parts > 1) {
-          const int64_t keys = last + 1 - first, a = first + keys * w.part / w.parts;
-          last = first + keys * (w.part + 1) / w.parts - 1;
-          first = a;
-          if (first > last) {  // no key in this stretch: a maximum of -inf weighs it out of the merge
-            std::fill(part_out, part_out + nq, -std::numeric_limits<float>::infinity());
-            std::fill(part_out + nq, part_out + part_stride, 0.f);
-            continue;
-          }
+        if (w.parts > 1 && !attn_split::narrow(first, last, w.part, w.parts)) {
+          attn_split::store_empty(part_out, nq, D);
+          continue;
         }
         const int64_t len = last + 1 - first;
         scores.resize(nq * len);
@@ -441,9 +408,7 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::
           }
         }
         if (part_out) {
-          std::copy(m.begin(), m.begin() + nq, part_out);
-          std::copy(l.begin(), l.begin() + nq, part_out + nq);
-          std::copy(acc.begin(), acc.begin() + nq * D, part_out + 2 * nq);
+          attn_split::store(part_out, nq, D, m.data(), l.data(), acc.data());
           continue;
         }
         add_sinks(sinks, w, G, D, nq, m.data(), l.data(), acc.data());
@@ -509,28 +474,12 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::
       add_sinks(sinks, w, G, D, nq, m.data(), l.data(), acc.data());
       store_rows(op, acc.data(), l.data(), w, H, G, D, v_mul);
     }
-    if (parts > 1) {
-      // Merge each row's stretches (after the loop's barrier): sums rescaled to the largest maximum.
+    if (parts > 1) {  // after the loop's barrier
 #pragma omp for schedule(static)
       for (int64_t grp = 0; grp < n_items / parts; ++grp) {
         const Item& w = items[grp * parts];
-        const float* pp = partial.data() + grp * parts * part_stride;
-        for (int64_t g = 0; g < part_nq; ++g) {
-          float mx = -std::numeric_limits<float>::infinity();
-          for (int64_t part = 0; part < parts; ++part) mx = std::max(mx, pp[part * part_stride + g]);
-          m[g] = mx;
-          l[g] = 0.f;
-          float* a = acc.data() + g * D;
-          std::fill(a, a + D, 0.f);
-          for (int64_t part = 0; part < parts; ++part) {
-            const float* q = pp + part * part_stride;
-            const float c = exp_nonpositive(q[g] - mx);
-            l[g] += q[part_nq + g] * c;
-            const float* pa = q + 2 * part_nq + g * D;
-#pragma omp simd
-            for (int64_t i = 0; i < D; ++i) a[i] += pa[i] * c;
-          }
-        }
+        attn_split::merge(partial.data() + grp * parts * part_stride, parts, part_nq, D, m.data(), l.data(),
+                          acc.data());
         add_sinks(sinks, w, G, D, part_nq, m.data(), l.data(), acc.data());
         store_rows(op, acc.data(), l.data(), w, H, G, D, v_mul);
       }
