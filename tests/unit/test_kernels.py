@@ -378,3 +378,15 @@ def test_a_variant_the_cpu_cannot_run_is_refused():
 def test_build_is_the_forced_variant():
     forced = os.environ.get("VLLM_NEURON_CPU_ISA")
     assert K.kernel_variant()[0] == (forced or K.detect_variant(K._cpu_flags()))
+
+
+def test_package_data_ships_every_kernel_source_and_header():
+    """The kernels build from source on first use, so an installed package must carry every file the build
+    reads (the headers were once left out of the package data)."""
+    import fnmatch
+    import tomllib
+
+    with open(os.path.join(_REPO, "pyproject.toml"), "rb") as f:
+        patterns = tomllib.load(f)["tool"]["setuptools"]["package-data"]["vllm_neuron.model.layers.kernels"]
+    missing = [n for n in K._SOURCES + K._HEADERS if not any(fnmatch.fnmatch(n, p) for p in patterns)]
+    assert missing == []

@@ -59,7 +59,7 @@ constexpr int64_t kVInL2Bytes = 192 << 10;  // per item, a fraction of a thread'
 // read in place: a slot holds every head's key side by side, so one item reads each slot whole).
 struct Item {
   int64_t seq, head, row0, rows, heads = 1;
-  int64_t part = 0, parts = 1;  // a decode row's keys split into `parts` stretches (combined afterwards)
+  int64_t part = 0;  // of a decode row's keys split into stretches (attention_kernel's `parts`), merged afterwards
 };
 
 // The cache slot of a sequence's key t, through its block table.
@@ -257,12 +257,12 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::
   // sequence rather than KV interleaved ones) when there are sequences enough to keep every thread busy.
   int64_t single_rows = 0;
   for (int64_t s = 0; s < S; ++s) single_rows += std::min<int64_t>(N, qs[s + 1]) - std::max<int64_t>(0, qs[s]) == 1;
-  bool whole_slots = false, slots_in_place = false;
+  bool slots_in_place = false;
   const int64_t threads = std::max(1, at::get_num_threads());
 #ifdef VN_ATTENTION_TILES
   if constexpr (attn_decode::kReadInPlace<C>) slots_in_place = D % vn_simd::Vec::W == 0;
 #endif
-  whole_slots = slots_in_place && single_rows >= 2 * threads;
+  const bool whole_slots = slots_in_place && single_rows >= 2 * threads;
   // Fewer decode rows than that split along their keys (attention_split.h), stretches of whole slots where
   // the cache is read in place.
   int64_t parts = 1;
@@ -283,10 +283,10 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::
     }
     if (parts > 1) {  // every row here is a decode row (single_rows == rows_total)
       if (split_whole) {
-        for (int64_t part = 0; part < parts; ++part) items.push_back({s, 0, lo, 1, KV, part, parts});
+        for (int64_t part = 0; part < parts; ++part) items.push_back({s, 0, lo, 1, KV, part});
       } else {
         for (int64_t h = 0; h < KV; ++h)
-          for (int64_t part = 0; part < parts; ++part) items.push_back({s, h, lo, 1, 1, part, parts});
+          for (int64_t part = 0; part < parts; ++part) items.push_back({s, h, lo, 1, 1, part});
       }
       continue;
     }
@@ -314,8 +314,6 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::
       const Item& w = items[it];
       const int64_t nq = w.rows * G * w.heads;
       const int64_t* table = bt + w.seq * nblk;
-      // Where key t's slot starts, in elements.
-      [[maybe_unused]] const auto slot = [&](int64_t t) { return slot_of(table, block_size, t) * slot_stride; };
       int64_t last = 0, first = max_keys;  // keys first..last are visited
       for (int64_t r = 0; r < w.rows; ++r) {
         const int64_t row = w.row0 + r;
@@ -335,8 +333,8 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::
         // Decode: one pass to score every key, an exact softmax, one pass over V (cheaper than the
         // online softmax's per-tile rescaling when there is a single query row). Scores of keys
         // first..last are kept at 0..len.
-        float* part_out = w.parts > 1 ? partial.data() + it * part_stride : nullptr;
-        if (w.parts > 1 && !attn_split::narrow(first, last, w.part, w.parts)) {
+        float* part_out = parts > 1 ? partial.data() + it * part_stride : nullptr;
+        if (part_out && !attn_split::narrow(first, last, w.part, parts)) {
           attn_split::store_empty(part_out, nq, D);
           continue;
         }
