@@ -184,6 +184,9 @@ class EngineConfig:
                                  "gives the unpacked FP8 KV cache")
         if nc.gk_decode:
             raise _not_supported("neuron_config.gk_decode", True)
+        if nc.decode_cpp_wrapper and (self.enforce_eager or envs.VLLM_NEURON_BACKEND == "eager"):
+            raise ValueError("neuron_config.decode_cpp_wrapper=true needs compiled graphs; it cannot be combined "
+                             "with enforce_eager or VLLM_NEURON_BACKEND=eager")
 
     def _validate_parallel(self) -> None:
         """Tensor / expert parallelism and the multi-node flags; the seeds' EP rules (neuron_config.py)."""

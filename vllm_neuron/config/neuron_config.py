@@ -223,6 +223,8 @@ class NeuronConfig:
     lm_head_dp_size: int = 1
     fp8_packed_kv: bool = False
     gk_decode: bool = False
+    # Decode graphs through inductor's C++ wrapper: a faster step for several times the compile time.
+    decode_cpp_wrapper: bool = False
     # Filled by resolved(): decode context lengths to compile (max_model_len always last).
     # Not a user option.
     context_buckets: list[int] | None = None
@@ -230,7 +232,7 @@ class NeuronConfig:
     OPTIONS = (
         "num_batched_tokens_buckets", "num_seqs_buckets", "kv_segment_size_buckets",
         "decode_context_length_buckets", "on_device_sampling_config", "quantization",
-        "ep_degree", *COMPONENT_DP_OPTIONS, "fp8_packed_kv", "gk_decode",
+        "ep_degree", *COMPONENT_DP_OPTIONS, "fp8_packed_kv", "gk_decode", "decode_cpp_wrapper",
     )
 
     def __post_init__(self) -> None:
@@ -251,6 +253,7 @@ class NeuronConfig:
             setattr(self, name, _integer(name, getattr(self, name)))
         self.fp8_packed_kv = _boolean("fp8_packed_kv", self.fp8_packed_kv)
         self.gk_decode = _boolean("gk_decode", self.gk_decode)
+        self.decode_cpp_wrapper = _boolean("decode_cpp_wrapper", self.decode_cpp_wrapper)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any] | None) -> NeuronConfig:

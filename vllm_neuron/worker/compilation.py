@@ -54,6 +54,7 @@ import torch.utils._pytree
 from vllm_neuron import envs
 from vllm_neuron.config.device import compiler_id, cpu_isa
 from vllm_neuron.logger import init_logger
+from vllm_neuron.model.layer_region import inlined_layers
 
 logger = init_logger(__name__)
 
@@ -191,6 +192,8 @@ class GraphCompiler:
     backend: str = "native"  # "native" (torch.compile) or "eager"
     root: str = field(default_factory=envs.compile_cache_dir)
     records: list[BucketCompileRecord] = field(default_factory=list)
+    # Graphs whose name starts with one of these get inductor's C++ wrapper (neuron_config.decode_cpp_wrapper).
+    cpp_wrapper_prefixes: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         blob = json.dumps(self.key_parts, sort_keys=True, default=str).encode()
@@ -365,6 +368,15 @@ class GraphCompiler:
         """The graph of bucket `name` running the bound method `fn` (of an object holding the model)."""
         return BucketGraph(self, name, fn)
 
+    def uses_cpp_wrapper(self, name: str) -> bool:
+        return self.backend == "native" and bool(self.cpp_wrapper_prefixes) and name.startswith(self.cpp_wrapper_prefixes)
+
+    def _options(self, name: str) -> dict[str, Any]:
+        # The C++ wrapper calls a step's ~300 kernels and ops without Python in between (~55 us a layer on
+        # the bundled model), but cannot call a nested region: its graphs trace the layers inlined, and
+        # compile several times slower.
+        return {**INDUCTOR_OPTIONS, "cpp_wrapper": True} if self.uses_cpp_wrapper(name) else dict(INDUCTOR_OPTIONS)
+
     def _aot_path(self, name: str) -> Path:
         return self.dir / "aot" / f"{name}.bin"
 
@@ -401,7 +413,7 @@ class GraphCompiler:
         if use_aot:
             try:
                 compiled = torch.compile(fn, dynamic=False, fullgraph=True, options={
-                    **INDUCTOR_OPTIONS,
+                    **self._options(name),
                     # The guards are saved with the graph: only tensor guards survive serialization.
                     "guard_filter_fn": torch.compiler.keep_tensor_guards_unsafe}).aot_compile((args, {}))
                 path.parent.mkdir(parents=True, exist_ok=True)
@@ -418,7 +430,7 @@ class GraphCompiler:
                 logger.warning("Bucket %s: ahead-of-time compilation failed (%s: %s); using torch.compile, "
                                "which re-traces this graph on every start", name, type(e).__name__, e)
         self._source = "traced"
-        return torch.compile(fn, dynamic=False, fullgraph=True, options=dict(INDUCTOR_OPTIONS))
+        return torch.compile(fn, dynamic=False, fullgraph=True, options=self._options(name))
 
     def warm(self, name: str, run: Callable[[], Any]) -> BucketCompileRecord:
         """Runs one bucket's graph once on dummy inputs, compiling it (or loading it from the cache)."""
@@ -506,8 +518,15 @@ class BucketGraph:
         self.name = name
         self.fn = fn
         self._call: Callable | None = None
+        self.inline = compiler.uses_cpp_wrapper(name)
 
     def __call__(self, *args: Any) -> Any:
-        if self._call is None:
-            self._call = self.compiler._materialize(self.name, self.fn, args)
-        return self._call(*args)
+        if not self.inline:
+            if self._call is None:
+                self._call = self.compiler._materialize(self.name, self.fn, args)
+            return self._call(*args)
+        # Traced with the layers inlined; the torch.compile fallback also guards on that switch per call.
+        with inlined_layers():
+            if self._call is None:
+                self._call = self.compiler._materialize(self.name, self.fn, args)
+            return self._call(*args)

@@ -263,13 +263,15 @@ class ModelRunnerBase:
                 # Each tensor-parallel rank compiles its own shard's graphs.
                 "tp_rank": ps.info().rank, "ep_degree": ps.info().ep_degree,
                 "quantization": self.config.neuron_config.quantization,
+                "decode_cpp_wrapper": self.config.neuron_config.decode_cpp_wrapper,
                 **({"kv_groups": [list(g.layers) for g in self.kv_layout.groups]}
                    if self.kv_layout.num_groups > 1 else {})}
 
     def _make_compiler(self) -> GraphCompiler:
         return GraphCompiler(cache_key_parts(self.ckpt.hf_config.to_dict(), self.dtype, self.device,
                                              self.config.tensor_parallel_size, self._graph_options()),
-                             backend=self.backend)
+                             backend=self.backend,
+                             cpp_wrapper_prefixes=("decode_",) if self.config.neuron_config.decode_cpp_wrapper else ())
 
     def warmup(self) -> GraphCompiler:
         graphs = self.graph_names()

@@ -24,6 +24,7 @@ from torch import nn
 from vllm_neuron.model.base import Target, load_named_weights
 from vllm_neuron.model.gpt_oss.config import GptOssArchConfig
 from vllm_neuron.model.gpt_oss.weights import expert_tensors
+from vllm_neuron.model.layer_region import layer_region
 from vllm_neuron.model.layers.attention import AttentionMetadata
 from vllm_neuron.model.layers.expert_parallel import ExpertSplit
 from vllm_neuron.model.layers.linear import Linear
@@ -90,7 +91,7 @@ class GptOssMXFP4DecoderLayer(GptOssDecoderLayer):
     mxfp4 = True
 
 
-@torch.compiler.nested_compile_region
+@layer_region
 def _sliding_decoder_layer(layer: GptOssDecoderLayer, x, cos, sin, k_cache, v_cache, *meta_fields) -> torch.Tensor:
     # Sliding and full layers differ in a constant (the window): one nested region each.
     return decoder_layer_body(layer, x, cos, sin, k_cache, v_cache, *meta_fields)
