@@ -49,3 +49,14 @@ def test_decode_cpp_wrapper_needs_compiled_graphs(tmp_path):
     with pytest.raises(ValueError, match="decode_cpp_wrapper"):
         LLM(make_tiny_llama(str(tmp_path / "model2"), **CFG), device="cpu",
             additional_config={"neuron_config": {"decode_cpp_wrapper": "yes please"}})
+
+
+def test_decode_cpp_wrapper_is_refused_off_the_cpu(tmp_path, monkeypatch):
+    from vllm_neuron.config.engine_config import EngineConfig
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.delenv("VLLM_NEURON_CPU_MODE", raising=False)
+    with pytest.raises(ValueError, match="decode_cpp_wrapper.*CPU only"):
+        EngineConfig.from_kwargs(model=make_tiny_llama(str(tmp_path / "model"), **CFG), device="cuda",
+                                 additional_config={"neuron_config": {"decode_cpp_wrapper": True}})
+

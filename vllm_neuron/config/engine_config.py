@@ -187,6 +187,9 @@ class EngineConfig:
         if nc.decode_cpp_wrapper and (self.enforce_eager or envs.VLLM_NEURON_BACKEND == "eager"):
             raise ValueError("neuron_config.decode_cpp_wrapper=true needs compiled graphs; it cannot be combined "
                              "with enforce_eager or VLLM_NEURON_BACKEND=eager")
+        if nc.decode_cpp_wrapper and resolve_device(self.device).type != "cpu":
+            # CUDA decode steps replay captured graphs, which have no Python between calls to remove anyway.
+            raise _not_supported("neuron_config.decode_cpp_wrapper", True, "it is built and tested for the CPU only")
 
     def _validate_parallel(self) -> None:
         """Tensor / expert parallelism and the multi-node flags; the seeds' EP rules (neuron_config.py)."""

@@ -372,8 +372,8 @@ class GraphCompiler:
         return self.backend == "native" and bool(self.cpp_wrapper_prefixes) and name.startswith(self.cpp_wrapper_prefixes)
 
     def _options(self, name: str) -> dict[str, Any]:
-        # The C++ wrapper calls a step's ~300 kernels and ops without Python in between (~55 us a layer on
-        # the bundled model), but cannot call a nested region: its graphs trace the layers inlined, and
+        # The C++ wrapper calls a step's ~300 kernels and ops without Python in between (tens of us a layer
+        # on the bundled model), but cannot call a nested region: its graphs trace the layers inlined, and
         # compile several times slower.
         return {**INDUCTOR_OPTIONS, "cpp_wrapper": True} if self.uses_cpp_wrapper(name) else dict(INDUCTOR_OPTIONS)
 
@@ -521,12 +521,9 @@ class BucketGraph:
         self.inline = compiler.uses_cpp_wrapper(name)
 
     def __call__(self, *args: Any) -> Any:
-        if not self.inline:
-            if self._call is None:
-                self._call = self.compiler._materialize(self.name, self.fn, args)
-            return self._call(*args)
-        # Traced with the layers inlined; the torch.compile fallback also guards on that switch per call.
-        with inlined_layers():
+        # A C++-wrapper graph is traced with its layers inlined; the torch.compile fallback guards on that
+        # switch at every call.
+        with inlined_layers() if self.inline else contextlib.nullcontext():
             if self._call is None:
                 self._call = self.compiler._materialize(self.name, self.fn, args)
             return self._call(*args)
