@@ -192,8 +192,8 @@ class GraphCompiler:
     backend: str = "native"  # "native" (torch.compile) or "eager"
     root: str = field(default_factory=envs.compile_cache_dir)
     records: list[BucketCompileRecord] = field(default_factory=list)
-    # Graphs whose name starts with one of these get inductor's C++ wrapper (neuron_config.decode_cpp_wrapper).
-    cpp_wrapper_prefixes: tuple[str, ...] = ()
+    # Decode graphs (config/buckets.py's decode_b*) get inductor's C++ wrapper (neuron_config.decode_cpp_wrapper).
+    decode_cpp_wrapper: bool = False
 
     def __post_init__(self) -> None:
         blob = json.dumps(self.key_parts, sort_keys=True, default=str).encode()
@@ -369,7 +369,7 @@ class GraphCompiler:
         return BucketGraph(self, name, fn)
 
     def uses_cpp_wrapper(self, name: str) -> bool:
-        return self.backend == "native" and bool(self.cpp_wrapper_prefixes) and name.startswith(self.cpp_wrapper_prefixes)
+        return self.decode_cpp_wrapper and self.backend == "native" and name.startswith("decode_b")
 
     def _options(self, name: str) -> dict[str, Any]:
         # The C++ wrapper calls a step's ~300 kernels and ops without Python in between (tens of us a layer

@@ -271,7 +271,7 @@ class ModelRunnerBase:
         return GraphCompiler(cache_key_parts(self.ckpt.hf_config.to_dict(), self.dtype, self.device,
                                              self.config.tensor_parallel_size, self._graph_options()),
                              backend=self.backend,
-                             cpp_wrapper_prefixes=("decode_",) if self.config.neuron_config.decode_cpp_wrapper else ())
+                             decode_cpp_wrapper=self.config.neuron_config.decode_cpp_wrapper)
 
     def warmup(self) -> GraphCompiler:
         graphs = self.graph_names()
