@@ -416,8 +416,7 @@ class ModelRunnerBase:
         req_ids = [chunks[i].req_id for i in rows]
         if not rows:
             return req_ids, {}, {}
-        sampled, logprobs = self.sampling.finalize(req_ids, tokens[rows] if tokens is not None else None,
-                                                   logits[rows])
+        sampled, logprobs = self.sampling.finalize(req_ids, tokens, logits, rows)
         return req_ids, sampled, logprobs
 
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
