@@ -220,6 +220,7 @@ class ModelRunnerV1(ModelRunnerBase):
 
     # -- one step --------------------------------------------------------------------------------
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        self._back_kv_pages(sched)
         for rid in sched.finished_req_ids:
             self.sampling.remove(rid)
         for rid, n in sched.preempted_req_ids.items():

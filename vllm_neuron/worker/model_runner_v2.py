@@ -92,6 +92,7 @@ class ModelRunnerV2(ModelRunnerBase):
             self.state.sync_block_tables([(c.req_id, c.group_block_ids[g - 1]) for c in sched.chunks], g)
 
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        self._back_kv_pages(sched)
         self._apply_joins_and_leaves(sched)
         chunks = sched.chunks
         size, context, name, padding = self._step_bucket(sched)

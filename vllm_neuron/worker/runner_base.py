@@ -38,6 +38,7 @@ from vllm_neuron.worker import memory
 from vllm_neuron.worker.compilation import GraphCompiler, cache_key_parts
 from vllm_neuron.worker.cuda_graphs import ReplayedGraph, cuda_graph_capturer, wants_capture
 from vllm_neuron.worker.input_builder import build_prefill_inputs
+from vllm_neuron.worker.kv_prefault import KVPrefaulter
 from vllm_neuron.worker.parallel_compile import compile_worker, run_bucket_workers
 from vllm_neuron.worker.sampling_state import SamplingStates
 
@@ -78,6 +79,7 @@ class ModelRunnerBase:
         self.odsc = nc.on_device_sampling_config
         self.sampling = SamplingStates(self.odsc, config.seed)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.kv_prefaulter: KVPrefaulter | None = None
         self.model = None
         self.compiler: GraphCompiler | None = None
         self.graphs = None  # the runner's StepGraphs / StepGraphsV2
@@ -225,7 +227,19 @@ class ModelRunnerBase:
                     str(self.kv_dtype).removeprefix("torch."), self.config.kv_cache_dtype,
                     torch.finfo(self.kv_dtype).bits // 8,
                     2 * self.kv_caches[0][0][:self.block_size].nbytes * len(self.kv_caches) / 2**20)
+        chunk_mib = envs.VLLM_NEURON_KV_PREFAULT_MB
+        if self.device.type == "cpu" and chunk_mib > 0:
+            self.kv_prefaulter = KVPrefaulter([t for pair in self.kv_caches for t in pair], self.block_size,
+                                              num_blocks, chunk_mib * 2**20)
+            logger.info("KV pool: pages backed ahead of the blocks in use, %d MiB at a time "
+                        "(VLLM_NEURON_KV_PREFAULT_MB)", chunk_mib)
         self.compiler.set_num_blocks(num_blocks, self._kv_sizing)
+
+    def _back_kv_pages(self, sched: SchedulerOutput) -> None:
+        """Backs the KV pages the step's blocks reach before the graph writes them (kv_prefault.py says why)."""
+        if self.kv_prefaulter is not None and sched.chunks:
+            self.kv_prefaulter.before_step([c.block_ids for c in sched.chunks] +
+                                           [t for c in sched.chunks for t in c.group_block_ids])
 
     def graph_names(self) -> list[tuple[str, str, int, int]]:
         """(name, kind, size, context) for every graph warm-up compiles."""
