@@ -68,6 +68,28 @@ def test_finalize_mixes_graph_and_host_tokens():
     assert st.states["h"].output_token_ids == [5]
 
 
+def test_finalize_reads_each_request_at_its_own_row_and_gathers_only_host_rows():
+    """Padded batches: request i sits at row rows[i] of the graph's tokens and logits; the logits are
+    indexed for the host rows alone (the graph's rows never copy the [B, V] tensor)."""
+    st = SamplingStates(OnDeviceSamplingConfig(), seed=0)
+    st.add(NewRequestData("g", [1], SamplingParams(temperature=0.0), 2))
+    st.add(NewRequestData("h", [1], SamplingParams(temperature=0.0, logit_bias={7: 100.0}), 2))
+    logits = torch.zeros(4, 10)
+    logits[3, 6] = 200.0  # row 3 is h's: its argmax beats the bias of token 7
+    seen = []
+
+    class Spy(torch.Tensor):
+        def __getitem__(self, idx):
+            seen.append(idx)
+            return torch.Tensor.__getitem__(self.as_subclass(torch.Tensor), idx)
+
+    sampled, _ = st.finalize(["g", "h"], torch.tensor([9, 8, 4, 1]), logits.as_subclass(Spy), rows=[1, 3])
+    assert sampled == {"g": [8], "h": [6]}
+    assert seen == [[3]]
+    sampled, _ = st.finalize(["g"], torch.tensor([9, 8, 4, 1]), logits.as_subclass(Spy), rows=[2])
+    assert sampled == {"g": [4]} and seen == [[3]]
+
+
 def test_a_token_draws_the_same_number_on_every_path_and_after_preemption():
     """The number is counter_uniform(seed, position): the same for the graph's rows and the host's, and
     drawn again, not advanced, when preemption drops a token and the request samples it anew."""
