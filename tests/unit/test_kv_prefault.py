@@ -74,3 +74,25 @@ def test_a_sweep_maps_the_pages_of_the_swept_blocks_and_no_others():
     del pool, swept, rest
     for m in maps:
         m.close()
+
+
+def test_idle_sweeps_go_in_small_pieces_up_to_a_bound_ahead_of_the_newest_block():
+    bs, nb = 4, 200
+    pool = _pool(nb, bs)
+    per_block = sum(t[:bs].nbytes for t in pool)
+    pf = KVPrefaulter(pool, bs, nb, chunk_bytes=8 * per_block, idle_ahead_chunks=2, idle_parts=4)
+    pieces = 0
+    while pf.sweep_idle():
+        pieces += 1
+        assert pf.frontier == 2 * pieces  # a quarter of a step's chunk at a time
+    assert pf.frontier == 16  # two chunks past "no block seen yet"
+    pf.before_step([[40]])  # a step past the frontier sweeps at least to its newest block
+    assert pf.frontier == 41
+    while pf.sweep_idle():
+        pass
+    assert pf.frontier == 41 + 16
+    pool[1][45 * bs].fill_(2.0)
+    pf.before_step([[199]])
+    while pf.sweep_idle():
+        pass
+    assert pf.frontier == nb and torch.all(pool[1][45 * bs] == 2.0)

@@ -302,6 +302,11 @@ class EngineCore:
                 stop_reason=req.stop_reason if fin else None, num_cached_tokens=max(req.num_cached_tokens, 0)))
         return EngineCoreOutputs(outputs, self._stats(sched, result))
 
+    def idle_work(self) -> bool:
+        """Runner work that fills idle time (KV pages backed ahead of use); True while some is left. Not with
+        tensor parallelism, whose ranks act on broadcast calls only (they back pages before steps)."""
+        return False if isinstance(self.runner, TPExecutor) else self.runner.idle_work()
+
     def idle_stats(self) -> SchedulerStats:
         return self._stats(None, None)
 

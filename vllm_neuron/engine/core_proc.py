@@ -75,8 +75,9 @@ def _loop(core, inp: zmq.Socket, out: zmq.Socket, metrics, log_stats: bool = Tru
 
     stats_logger = StatsLogger(envs.VLLM_LOG_STATS_INTERVAL, time.monotonic()) if log_stats else None
     last_sent = time.monotonic()
+    idle_work = True  # idle time may have work to fill: poll without blocking until it says it has none
     while True:
-        timeout = 0 if core.has_unfinished() else _idle_timeout_ms(stats_logger)
+        timeout = 0 if core.has_unfinished() or idle_work else _idle_timeout_ms(stats_logger)
         handled = False
         while poller.poll(timeout):
             msg = pickle.loads(inp.recv())
@@ -89,6 +90,7 @@ def _loop(core, inp: zmq.Socket, out: zmq.Socket, metrics, log_stats: bool = Tru
         if not core.has_unfinished():
             if handled:  # aborts free blocks: the gauges must say so even when nothing runs
                 recorder.record(core.idle_stats())
+            idle_work = core.idle_work()
             continue
         outs = core.step()
         recorder.record(outs.stats)

@@ -235,6 +235,10 @@ class ModelRunnerBase:
                         "(VLLM_NEURON_KV_PREFAULT_MB)", chunk_mib)
         self.compiler.set_num_blocks(num_blocks, self._kv_sizing)
 
+    def idle_work(self) -> bool:
+        """Work an idle engine may do between polls (backing KV pages ahead); True while some is left."""
+        return self.kv_prefaulter.sweep_idle() if self.kv_prefaulter is not None else False
+
     def _back_kv_pages(self, sched: SchedulerOutput) -> None:
         """Backs the KV pages the step's blocks reach before the graph writes them (kv_prefault.py says why)."""
         if self.kv_prefaulter is not None and sched.chunks:
