@@ -23,7 +23,9 @@ from prometheus_client import CollectorRegistry, generate_latest, multiprocess
 from tests.integration.server_utils import ServerProcess, free_port, wait_for
 from vllm_neuron import LLM, SamplingParams
 
-ARGS = ["--enforce-eager", "--max-model-len", "256", "--num-gpu-blocks-override", "64", "--max-num-seqs", "8",
+# Long enough a context that a stream is still running when the test has seen one on each replica (1,000 tokens:
+# with 240, the two streams' overlap was at times too short for the poll to catch).
+ARGS = ["--enforce-eager", "--max-model-len", "1024", "--num-gpu-blocks-override", "128", "--max-num-seqs", "8",
         "--dtype", "float32"]
 PROMPTS = [f"Story {i}: the {w} went" for i, w in enumerate(["cat", "river", "engine", "moon"] * 2)]
 
@@ -64,7 +66,7 @@ def test_multi_node_dp_on_loopback_serves_and_reports_a_lost_node_replica(tiny_l
             got = list(pool.map(lambda p: _complete(head.url, p), PROMPTS))
         assert [r.status_code for r in got] == [200] * len(PROMPTS)
         # The greedy texts of one offline engine with the same options.
-        llm = LLM(tiny_llama_dir, enforce_eager=True, max_model_len=256, num_gpu_blocks_override=64, max_num_seqs=8,
+        llm = LLM(tiny_llama_dir, enforce_eager=True, max_model_len=1024, num_gpu_blocks_override=128, max_num_seqs=8,
                   dtype="float32")
         want = [o.outputs[0].text for o in llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=8,
                                                                                 ignore_eos=True), use_tqdm=False)]
@@ -86,7 +88,7 @@ def test_multi_node_dp_on_loopback_serves_and_reports_a_lost_node_replica(tiny_l
         leave = threading.Event()
 
         def long_stream(i: int) -> None:
-            body = {"model": _model(head.url), "prompt": f"Long story number {i}:", "max_tokens": 240,
+            body = {"model": _model(head.url), "prompt": f"Long story number {i}:", "max_tokens": 1000,
                     "temperature": 0, "ignore_eos": True, "stream": True}
             with httpx.stream("POST", head.url + "/v1/completions", json=body, timeout=120) as r:
                 for line in r.iter_lines():
