@@ -13,8 +13,10 @@ the frontier, the blocks from the frontier on are swept, at least a chunk of the
 with 0: every page is written, and a block that somehow holds data already keeps it.
 
 A sweep inside a step delays that step (64 MiB took 0.1-0.35 s here), so an idle engine sweeps ahead too
-(`sweep_idle`, called between polls while no request runs): small chunks, each a short delay for a request that
-arrives meanwhile, up to `idle_ahead_chunks` step-sized chunks past the newest block seen.
+(`sweep_idle`, called between polls while no request runs), up to `idle_ahead_chunks` step-sized chunks past the
+newest block seen. Its pieces are small (2 MiB by default): a request that arrives meanwhile waits for the piece
+under way, and 16 MiB pieces added 50-80 ms to the mean TTFT of one-at-a-time requests (P2), 2 MiB ones nothing
+measurable.
 """
 from __future__ import annotations
 
@@ -42,7 +44,7 @@ class KVPrefaulter:
     of the blocks the steps use. chunk_bytes is the least a sweep writes over all tensors together."""
 
     def __init__(self, tensors: list[torch.Tensor], block_size: int, num_blocks: int, chunk_bytes: int,
-                 idle_ahead_chunks: int = 8, idle_parts: int = 4) -> None:
+                 idle_ahead_chunks: int = 8, idle_parts: int = 32) -> None:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.tensors = tensors
