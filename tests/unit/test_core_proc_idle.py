@@ -1,5 +1,5 @@
 """The engine process's loop fills idle time with the runner's idle work, without blocking while some is
-left, and still answers requests between the pieces."""
+left, then blocks on its input (and still takes a message: shutdown)."""
 import pickle
 import threading
 

@@ -16,8 +16,8 @@ def test_next_sweep_waits_for_the_frontier_then_takes_at_least_a_chunk():
     assert next_sweep(frontier=100, newest=120, chunk=4, num_blocks=100) is None
 
 
-def _pool(num_blocks, block_size, extra=0, dtype=torch.bfloat16):
-    return [torch.from_numpy(np.zeros((num_blocks * block_size + extra, 2, 8), dtype=np.int16)).view(dtype)
+def _pool(num_blocks, block_size):
+    return [torch.from_numpy(np.zeros((num_blocks * block_size, 2, 8), dtype=np.int16)).view(torch.bfloat16)
             for _ in range(4)]
 
 

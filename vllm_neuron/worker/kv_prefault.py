@@ -48,16 +48,17 @@ class KVPrefaulter:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.tensors = tensors
-        bytes_per_block = sum(t[:block_size].nbytes for t in tensors)
-        self.chunk = max(1, chunk_bytes // max(1, bytes_per_block))
-        self.frontier = 0  # blocks below it have been swept
-        self.swept_bytes = 0
+        self.bytes_per_block = sum(t[:block_size].nbytes for t in tensors)
+        self.chunk = max(1, chunk_bytes // max(1, self.bytes_per_block))
+        self.frontier = 0  # blocks below it have been swept (sweeps are contiguous from block 0)
         self.newest_seen = -1
         self.idle_ahead = idle_ahead_chunks * self.chunk
         self.idle_chunk = max(1, self.chunk // idle_parts)
 
     def before_step(self, block_tables: Iterable[list[int]]) -> None:
         """Backs the pages of every block the step's tables reach (each table's last block is its newest)."""
+        if self.frontier >= self.num_blocks:
+            return  # the whole pool is backed: nothing left to do on any later step
         newest = max((t[-1] for t in block_tables if t), default=-1)
         self.newest_seen = max(self.newest_seen, newest)
         sweep = next_sweep(self.frontier, newest, self.chunk, self.num_blocks)
@@ -72,10 +73,13 @@ class KVPrefaulter:
         self._sweep(self.frontier, min(self.num_blocks, self.frontier + self.idle_chunk))
         return True
 
+    @property
+    def swept_bytes(self) -> int:
+        return self.frontier * self.bytes_per_block
+
     def _sweep(self, start: int, end: int) -> None:
         lo, hi = start * self.block_size, end * self.block_size
         for t in self.tensors:
             t[lo:hi].view(torch.uint8).bitwise_or_(0)
-            self.swept_bytes += t[lo:hi].nbytes
         self.frontier = end
         logger.debug("KV pool: blocks %d-%d backed (%.0f MiB so far)", start, end - 1, self.swept_bytes / 2**20)
