@@ -155,12 +155,16 @@ def test_decode_rows_split_along_their_keys_match_reference(dtype, tol, with_sin
 @pytest.mark.parametrize("d", [64, 128])
 def test_bf16_prefill_over_a_long_cached_context(d):
     """The shape of a prompt after a cached prefix (32 new rows over 1,024 cached tokens, and 3 such sequences
-    in one step), bf16: on AMX CPUs these items run on tiles with the probabilities rounded to bf16, and the
-    result stays within bf16's error of fp32 attention across 33 blocks of online softmax."""
+    in one step), bf16: on AMX CPUs these items run on tiles, on other AVX512-BF16 CPUs by bf16 dot products in
+    vector registers, both with the probabilities rounded to bf16, and the result stays within bf16's error of
+    fp32 attention across 33 blocks of online softmax."""
     from vllm_neuron.model.layers.onednn_packed import tile_kernel_built
 
     assert K.attention_on_tiles(d) == tile_kernel_built()  # both need the AMX build and the OS's tile state
-    assert not K.attention_on_tiles(80)  # head dims in whole tiles of 32 only
+    variant = K.kernel_variant()[0]
+    expected = "AMX tiles" if tile_kernel_built() else "bf16 dot products" if variant == "avx512bf16" else "fp32 vectors"
+    assert K.attention_rows_path(d) == expected
+    assert K.attention_rows_path(80) == "fp32 vectors"  # head dims in whole blocks of 32 only
     g = torch.Generator().manual_seed(d)
     heads, kv_heads, bs, ctx, new = 9, 3, 16, 1024, 32
     per = (ctx + new) // bs + 1

@@ -34,8 +34,8 @@ from vllm_neuron.logger import init_logger
 logger = init_logger(__name__)
 
 _SOURCES = ("paged_attention.cpp", "linear_bf16.cpp", "linear_quant.cpp", "linear_amx.cpp")
-_HEADERS = ("simd.h", "attention_tiles.h", "int8_vnni.h", "online_softmax.h", "amx_tiles.h", "attention_amx.h",
-            "attention_decode.h", "attention_split.h", "cache_elems.h")
+_HEADERS = ("simd.h", "attention_tiles.h", "int8_vnni.h", "online_softmax.h", "amx_tiles.h", "attention_bf16.h",
+            "attention_amx.h", "attention_decode.h", "attention_split.h", "cache_elems.h")
 _FLAGS = ("-O3", "-fopenmp", "-ffast-math", "-fno-finite-math-only", "-fPIC", "-std=c++17")
 # CPU class -> target flags. avx2 is x86-64-v3 (Haswell and later, Zen 1 and later), so a forced avx2
 # build on an AVX-512 machine has no AVX-512 code in it.
@@ -240,15 +240,26 @@ def describe_kernels(device: torch.device, dtype: torch.dtype, head_dim: int = 0
     if rows and dtype == torch.bfloat16 and tile_kernel_built():
         linear = f"weight-streaming linear up to {rows} rows, AMX tile linear to {_AMX_ROWS}, oneDNN above"
     attention = "paged attention"
-    if dtype == torch.bfloat16 and head_dim and attention_on_tiles(head_dim):
-        attention += " (prefill over a bf16 cache on AMX tiles)"
+    if dtype == torch.bfloat16 and head_dim and attention_rows_path(head_dim) != _ROWS_PATHS[0]:
+        attention += f" (prefill over a bf16 cache: {attention_rows_path(head_dim)})"
     return f"Custom CPU kernels: {variant} build ({why}): {attention}; {linear}"
 
 
+_ROWS_PATHS = ("fp32 vectors", "bf16 dot products", "AMX tiles")
+
+
+def attention_rows_path(head_dim: int) -> str:
+    """How paged attention's many-row items (prefill, verify) over a bf16 cache with this head dim run here:
+    "AMX tiles" (the build targets AMX-BF16 and the OS hands out tile state), "bf16 dot products" (AVX512-BF16
+    builds), else "fp32 vectors" (keys widened; also every head dim that is no multiple of 32)."""
+    if not _has_op("bf16_rows_path"):
+        return _ROWS_PATHS[0]
+    return _ROWS_PATHS[torch.ops.vllm_neuron.bf16_rows_path(head_dim)]
+
+
 def attention_on_tiles(head_dim: int) -> bool:
-    """Whether paged attention's many-row items (prefill, verify) over a bf16 cache with this head dim run on
-    AMX tiles here (the build targets AMX-BF16, the OS hands out tile state, head_dim % 32 == 0)."""
-    return _has_op("attention_on_tiles") and torch.ops.vllm_neuron.attention_on_tiles(head_dim)
+    """Whether paged attention's many-row items over a bf16 cache with this head dim run on AMX tiles here."""
+    return attention_rows_path(head_dim) == "AMX tiles"
 
 
 def quant_kernels_available(device: torch.device) -> bool:

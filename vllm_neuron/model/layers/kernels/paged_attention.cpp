@@ -36,6 +36,10 @@
 #include "attention_tiles.h"
 #include "attention_decode.h"
 #endif
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define VN_ATTENTION_BF16 1
+#include "attention_bf16.h"
+#endif
 #if defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #define VN_ATTENTION_AMX 1
 #include "attention_amx.h"
@@ -210,12 +214,17 @@ void tiled_item(const float* qf, int64_t nq, const int64_t* qpos, const int64_t*
 }
 #endif
 
-// Whether many-row items of a bf16 cache with this head dim run on AMX tiles here.
-bool attention_on_tiles(int64_t head_dim) {
+// How many-row items of a bf16 cache with this head dim run here: 2 on AMX tiles (the build targets AMX-BF16
+// and the OS hands out tile state), 1 by bf16 dot products in vector registers (AVX512-BF16), 0 in fp32.
+int64_t bf16_rows_path(int64_t head_dim) {
+  if (head_dim % 32 != 0) return 0;  // both bf16 paths take whole blocks of 32 dims
 #ifdef VN_ATTENTION_AMX
-  return head_dim % 32 == 0 && amx::tiles_permitted();
+  if (amx::tiles_permitted()) return 2;
+#endif
+#ifdef VN_ATTENTION_BF16
+  return 1;
 #else
-  return head_dim < 0;  // never
+  return 0;
 #endif
 }
 
@@ -240,8 +249,12 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::
   const int64_t slot_stride = KV * D, max_keys = nblk * block_size;
 
   // Many-row items of a bf16 cache on tiles, where the build and the OS allow them (attention_amx.h).
-  bool amx_rows = false;
-  if constexpr (std::is_same_v<T, c10::BFloat16> && std::is_same_v<C, c10::BFloat16>) amx_rows = attention_on_tiles(D);
+  bool amx_rows = false, dot_rows = false;
+  if constexpr (std::is_same_v<T, c10::BFloat16> && std::is_same_v<C, c10::BFloat16>) {
+    const int64_t path = bf16_rows_path(D);
+    amx_rows = path == 2;
+    dot_rows = path == 1;
+  }
   // Bigger row blocks spread widening each key to fp32 (once per item) over more query rows; enough
   // items stay for every thread to take several (causal work grows along a sequence; dynamic schedule).
   int64_t rows_total = 0;
@@ -251,7 +264,7 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::
       std::clamp<int64_t>(rows_total * KV / (4 * std::max(1, at::get_num_threads())), kRowBlock, kMaxRowBlock);
   // On tiles, every item copies its keys once, so fewer and bigger items: 16 query rows or more
   // (whole tiles of 16 query vectors, whatever G), about two per thread.
-  if (amx_rows) row_block = std::clamp<int64_t>(rows_total * KV / (2 * std::max(1, at::get_num_threads())) / 16 * 16,
+  if (amx_rows || dot_rows) row_block = std::clamp<int64_t>(rows_total * KV / (2 * std::max(1, at::get_num_threads())) / 16 * 16,
                                                 16, kMaxRowBlock);
   // A decode row read in place takes all KV heads in one item (each slot read whole, one stream per
   // sequence rather than KV interleaved ones) when there are sequences enough to keep every thread busy.
@@ -306,8 +319,8 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::
     std::vector<float> qf(nq_max * D), acc((nq_max + 15) / 16 * 16 * D), kt(D * kTile), vt(kTile * D);
     std::vector<float> m(nq_max), l(nq_max), p(nq_max * kTile), scores;
     std::vector<int64_t> qpos(nq_max), qlo(nq_max), slots;
-#ifdef VN_ATTENTION_AMX
-    attn_amx::Scratch amx_scratch;
+#ifdef VN_ATTENTION_BF16
+    attn_bf16::Scratch bf16_scratch;
 #endif
 #pragma omp for schedule(dynamic, 1)
     for (int64_t it = 0; it < n_items; ++it) {
@@ -413,11 +426,16 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::
         store_rows(op, acc.data(), l.data(), w, H, G, D, v_mul);
         continue;
       }
+#ifdef VN_ATTENTION_BF16
+      if (amx_rows || dot_rows) {
+        attn_bf16::pack(reinterpret_cast<const uint16_t*>(kp + w.head * D), reinterpret_cast<const uint16_t*>(vp + w.head * D),
+                        table, block_size, slot_stride, first, last + 1 - first, D, bf16_scratch);
 #ifdef VN_ATTENTION_AMX
-      if (amx_rows) {
-        attn_amx::pack(reinterpret_cast<const uint16_t*>(kp + w.head * D), reinterpret_cast<const uint16_t*>(vp + w.head * D),
-                       table, block_size, slot_stride, first, last + 1 - first, D, amx_scratch);
-        attn_amx::item(qf.data(), nq, qpos.data(), qlo.data(), first, D, amx_scratch, m.data(), l.data(), acc.data());
+        if (amx_rows)
+          attn_amx::item(qf.data(), nq, qpos.data(), qlo.data(), first, D, bf16_scratch, m.data(), l.data(), acc.data());
+#endif
+        if (dot_rows)
+          attn_bf16::item(qf.data(), nq, qpos.data(), qlo.data(), first, D, bf16_scratch, m.data(), l.data(), acc.data());
         add_sinks(sinks, w, G, D, nq, m.data(), l.data(), acc.data());
         store_rows(op, acc.data(), l.data(), w, H, G, D, v_mul);
         continue;
@@ -570,7 +588,7 @@ TORCH_LIBRARY(vllm_neuron, m) {
   m.def("paged_attention_fp8(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor query_start, "
         "Tensor positions, float scale, int block_size, Tensor k_scale, Tensor v_scale, Tensor? sinks=None, "
         "int window=0) -> Tensor");
-  m.def("attention_on_tiles(int head_dim) -> bool", &attention_on_tiles);
+  m.def("bf16_rows_path(int head_dim) -> int", &bf16_rows_path);
 }
 
 TORCH_LIBRARY_IMPL(vllm_neuron, CPU, m) {
