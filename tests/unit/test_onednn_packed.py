@@ -1,5 +1,6 @@
-"""Linears on weights packed once (AMX CPUs): oneDNN's reordered copy and the tile kernel's, same results as
-F.linear, each taken only where switched on and for its rows."""
+"""Linears on weights packed once (AVX512-BF16 and AMX CPUs): oneDNN's reordered copy and the tile kernel's,
+same results as F.linear, each taken only where switched on and for its rows; no copies where they would not
+fit in memory."""
 from __future__ import annotations
 
 import gc
@@ -19,10 +20,12 @@ pytestmark = pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported()
                                 reason="this CPU has no oneDNN bf16 path (no AVX-512): F.linear serves, no reorder")
 
 
-def test_only_bf16_on_an_amx_cpu_reorders():
+def test_only_bf16_on_a_cpu_with_bf16_dot_products_reorders():
     assert P.available(CPU, torch.bfloat16, AMX)
-    assert not P.available(CPU, torch.float32, AMX)  # AMX has no fp32 tiles
-    assert not P.available(CPU, torch.bfloat16, {"avx512_bf16", "avx512bw"})
+    assert P.available(CPU, torch.bfloat16, {"avx512_bf16", "avx512bw"})  # AVX512-BF16 without AMX
+    assert not P.available(CPU, torch.float32, AMX)  # no fp32 reorder: the kernel serves fp32 decode sizes
+    assert not P.available(CPU, torch.bfloat16, {"avx512f", "avx512bw"})  # AVX-512 without bf16 dot products
+    assert not P.available(CPU, torch.bfloat16, {"avx2", "fma"})  # oneDNN emulates bf16 there
     assert not P.available(torch.device("cuda"), torch.bfloat16, AMX)
 
 
@@ -57,6 +60,26 @@ def test_reordered_linears_match_f_linear(rows):
         out = P.linear_prepacked(inp, layer.weight, layer.bias)
         ref = F.linear(inp, layer.weight, layer.bias)
         torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2 ** -7)
+
+
+def test_copies_are_made_only_where_they_fit_in_half_the_available_memory(monkeypatch, caplog):
+    from types import SimpleNamespace
+
+    from vllm_neuron.worker import memory
+    from vllm_neuron.worker.runner_base import ModelRunnerBase
+
+    m = _model()
+    need = P.packed_bytes(m)
+    copies = 2 if P.tile_kernel_built() else 1
+    assert need == (160 * 64 + 64 * 160 + 96 * 64) * 2 * copies  # the tied head once, the int8 layer never
+    runner = SimpleNamespace(model=m, linear_kernel_rows=32)
+    monkeypatch.setattr(memory, "host_available_bytes", lambda: 2 * need - 2)
+    ModelRunnerBase._pack_weights(runner)
+    assert m.up.weight.data_ptr() not in P._packed and "Weights not packed" in caplog.text
+    monkeypatch.setattr(memory, "host_available_bytes", lambda: 2 * need)
+    ModelRunnerBase._pack_weights(runner)
+    assert all(layer.weight.data_ptr() in P._packed for layer in (m.up, m.down, m.head))
+    assert P.packed_bytes(m) == 0  # nothing left to copy
 
 
 def _forged(layer: L.Linear) -> torch.Tensor:

@@ -101,7 +101,7 @@ class ModelRunnerBase:
         logger.info("%s", describe_kernels(device, self.dtype, self.model_spec.head_dim))
         self.use_quant_kernels = quant_kernels_available(device)
         set_quant_kernels(self.use_quant_kernels)
-        # On AMX CPUs the rows above the kernel's take oneDNN on weights reordered once (custom kernels on).
+        # On AVX512-BF16 / AMX CPUs the rows above the kernel's take oneDNN on weights reordered once (custom kernels on).
         self.prepacked = self.use_kernels and onednn_packed.available(device, dtype, cpu_flags())
         set_prepacked(self.prepacked)
         # CUDA: decode attention reads each sequence's real context (Triton), and bucket graphs replay.
@@ -158,11 +158,7 @@ class ModelRunnerBase:
             logger.info("Weight-only %s: %d linear layers, %.1f MiB -> %.1f MiB (%s kernel for decode)", scheme,
                         layers, before / 2**20, after / 2**20, "custom" if self.use_quant_kernels else "no")
         if self.prepacked:
-            layers, added = onednn_packed.pack_linears_(self.model)
-            logger.info("Weights packed once for AMX: %d bf16 linear layers above %d rows, %s (+%.1f MiB "
-                        "beside the weights the decode kernel streams)", layers, self.linear_kernel_rows,
-                        f"tile kernel up to {onednn_packed._AMX_ROWS} rows, oneDNN reordered above"
-                        if onednn_packed.tile_kernel_built() else "oneDNN reordered", added / 2**20)
+            self._pack_weights()
         self._bitmask_words = -(-self.ckpt.hf_config.get_text_config().vocab_size // 32)
         nbytes += self._load_draft()
         self.compiler = self._make_compiler()
@@ -284,6 +280,22 @@ class ModelRunnerBase:
                 "decode_cpp_wrapper": self.config.neuron_config.decode_cpp_wrapper,
                 **({"kv_groups": [list(g.layers) for g in self.kv_layout.groups]}
                    if self.kv_layout.num_groups > 1 else {})}
+
+    def _pack_weights(self) -> None:
+        """Packed copies of the bf16 linear weights for the rows above the decode kernel's (onednn_packed.py),
+        unless they would take more than half of the host's available memory: a model that fits once may
+        not fit twice, and without its copy a weight takes F.linear (same results, same graphs)."""
+        need, free = onednn_packed.packed_bytes(self.model), memory.host_available_bytes()
+        if need > free // 2:
+            logger.warning("Weights not packed for oneDNN: the copies (%.1f MiB) would take more than half of the "
+                           "host's available memory (%.1f MiB); F.linear serves the rows above %d", need / 2**20,
+                           free / 2**20, self.linear_kernel_rows)
+            return
+        layers, added = onednn_packed.pack_linears_(self.model)
+        logger.info("Weights packed once: %d bf16 linear layers above %d rows, %s (+%.1f MiB beside the weights "
+                    "the decode kernel streams)", layers, self.linear_kernel_rows,
+                    f"tile kernel up to {onednn_packed._AMX_ROWS} rows, oneDNN reordered above"
+                    if onednn_packed.tile_kernel_built() else "oneDNN reordered", added / 2**20)
 
     def _make_compiler(self) -> GraphCompiler:
         return GraphCompiler(cache_key_parts(self.ckpt.hf_config.to_dict(), self.dtype, self.device,

@@ -1,4 +1,5 @@
-"""Linears on weights packed once at load (AMX CPUs), for the rows the weight-streaming kernel leaves.
+"""Linears on weights packed once at load (AVX512-BF16 and AMX CPUs), for the rows the weight-streaming kernel
+leaves.
 
 `F.linear` on bf16 hands oneDNN a plain [N, K] weight, and on a Xeon with AMX oneDNN reorders it into its
 tile layout on every call: at decode and small prefill sizes that reorder is most of the call. Reordered once
@@ -11,6 +12,13 @@ Still, oneDNN read those weights at about half the memory bandwidth up to 32 row
 bound by that read. Up to `_AMX_ROWS` rows our tile kernel (kernels/linear_amx.cpp) streams a second copy
 packed in tile order: 18.3 vs 28.3 ms at 16 rows, 22.0 vs 39.9 at 32, level at 64 (43.3 vs 39.6), and
 17.8-18.6 vs 27.7-30.4 at 4-8 rows (2 threads, 2026-12-03).
+
+Without AMX (a Zen 5 EPYC with AVX512-BF16, 2026-12-04) oneDNN reorders on every call too, for its
+VDPBF16PS layout: on the bundled model's shapes the reordered weight ran 10-25% faster at 32-128 rows and ~5%
+at 512 (e.g. [128, 576] x [576, 960]: 880 vs 764 GFLOP/s), and the prefill steps above the kernel's 32 rows
+took 26.6-28.8 instead of 29.9-39.3 ms at s64, 41.7-42.0 instead of 44.6-56.6 at s128 and 143.5-144.0 instead
+of 148.1-174.6 at s512 (step_bounds, processes in turn). The weight-streaming kernel stays ahead at 16 rows
+there (decode_b16 11.0-11.9 vs 14.4-15.1 ms on the reordered weights), so its 32 rows stand.
 
 The copies live beside the plain weight (the weight-streaming kernel reads that one at one to four rows), in
 a registry keyed by the plain weight's storage: a graph passes the plain weight, which keeps its shapes and
@@ -41,29 +49,39 @@ _packed: dict[int, tuple[torch.Size, torch.Tensor, torch.Tensor | None]] = {}
 
 
 def available(device: torch.device, dtype: torch.dtype, cpu_flags: set[str]) -> bool:
-    """Whether reordered weights pay here (pure but for torch's build): bf16 on a CPU with AMX tiles."""
-    return (device.type == "cpu" and dtype == torch.bfloat16 and "amx_bf16" in cpu_flags
+    """Whether reordered weights pay here (pure but for torch's build): bf16 on a CPU with bf16 dot products
+    in hardware (AVX512-BF16, AMX). On AVX2-only CPUs oneDNN emulates bf16 and the kernel serves more rows."""
+    return (device.type == "cpu" and dtype == torch.bfloat16 and bool({"amx_bf16", "avx512_bf16"} & cpu_flags)
             and torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def _packable(model: nn.Module) -> list[torch.Tensor]:
+    """The unquantized, contiguous 2-D bf16 weights of `model`'s `Linear` layers, one entry per layer."""
+    from vllm_neuron.model.layers.linear import Linear
+
+    return [m.weight for m in model.modules()
+            if isinstance(m, Linear) and m.quantization is None and getattr(m, "weight", None) is not None
+            and m.weight.dtype == torch.bfloat16 and m.weight.dim() == 2 and m.weight.is_contiguous()]
+
+
+def packed_bytes(model: nn.Module) -> int:
+    """What `pack_linears_` would add: a copy of each distinct weight (two where the tile kernel takes it)."""
+    distinct = {w.data_ptr(): w for w in _packable(model) if w.data_ptr() not in _packed}
+    return sum(w.numel() * w.element_size() * (1 + tile_kernel_fits(w)) for w in distinct.values())
 
 
 def pack_linears_(model: nn.Module) -> tuple[int, int]:
     """Packs every unquantized bf16 `Linear` weight of `model` once (a tied weight once): oneDNN's reorder, and
     the tile kernel's copy where it is built and takes the shape; returns (layers, bytes added)."""
-    from vllm_neuron.model.layers.linear import Linear
-
-    layers = added = 0
-    for m in model.modules():
-        w = getattr(m, "weight", None)
-        if not isinstance(m, Linear) or m.quantization is not None or w is None or w.dtype != torch.bfloat16 \
-                or w.dim() != 2 or not w.is_contiguous():
-            continue
-        layers += 1
+    weights = _packable(model)
+    added = 0
+    for w in weights:
         if w.data_ptr() not in _packed:
             tiles = pack_tiles(w) if tile_kernel_fits(w) else None
             _packed[w.data_ptr()] = (w.shape, torch.ops.mkldnn._reorder_linear_weight(w, _ROWS_HINT), tiles)
             weakref.finalize(w, _packed.pop, w.data_ptr(), None)
             added += w.numel() * w.element_size() * (1 + (tiles is not None))
-    return layers, added
+    return len(weights), added
 
 
 @functools.lru_cache(maxsize=1)

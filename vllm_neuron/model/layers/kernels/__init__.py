@@ -206,7 +206,8 @@ def small_batch_rows(variant: str, flags: set[str], dtype: torch.dtype) -> int:
     bands and weights reordered once, onednn_packed.py, the kernel led to 8 rows, 25 vs 29 ms, and lost at
     16, 43 vs 28: no default decode bucket lies between 4 and 16). Without AMX the
     kernel, prefetching the weights of the band after next, stays ahead to 32 rows in bf16 (AMD EPYC,
-    AVX512-BF16: 12.8 vs 20.1 ms at 16 rows, 23.3 vs 26.7 ms at 32, even at 64) and to 64 in fp32 (87.8 vs
+    AVX512-BF16: 12.8 vs 20.1 ms at 16 rows, 23.3 vs 26.7 ms at 32, even at 64; on a Zen 5 EPYC against oneDNN on
+    reordered weights, onednn_packed.py, decode_b16 11.0-11.9 vs 14.4-15.1 ms and prefill_s32 about level) and to 64 in fp32 (87.8 vs
     169.2 ms at 64), which covers every default decode bucket and the smallest prefill buckets. On an
     AVX2-only AMD EPYC oneDNN is further behind (fp32: 65 vs 196 ms at 16 rows, 118 vs 314 at 32, 323 vs
     426 at 64, level at 128; bf16, which oneDNN emulates there: 239 vs 1128 ms at 64), so the avx2 build
