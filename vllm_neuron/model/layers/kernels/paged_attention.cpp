@@ -248,7 +248,8 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::
   const float fscale = static_cast<float>(scale) * k_mul;
   const int64_t slot_stride = KV * D, max_keys = nblk * block_size;
 
-  // Many-row items of a bf16 cache on tiles, where the build and the OS allow them (attention_amx.h).
+  // Many-row items of a bf16 cache on AMX tiles where the build and the OS allow them (attention_amx.h), else by
+  // bf16 dot products in vector registers on AVX512-BF16 builds (attention_bf16.h).
   bool amx_rows = false, dot_rows = false;
   if constexpr (std::is_same_v<T, c10::BFloat16> && std::is_same_v<C, c10::BFloat16>) {
     const int64_t path = bf16_rows_path(D);
@@ -262,10 +263,11 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::
     rows_total += std::max<int64_t>(0, std::min<int64_t>(N, qs[s + 1]) - std::max<int64_t>(0, qs[s]));
   int64_t row_block =
       std::clamp<int64_t>(rows_total * KV / (4 * std::max(1, at::get_num_threads())), kRowBlock, kMaxRowBlock);
-  // On tiles, every item copies its keys once, so fewer and bigger items: 16 query rows or more
+  // On both bf16 paths every item packs its keys once, so fewer and bigger items: 16 query rows or more
   // (whole tiles of 16 query vectors, whatever G), about two per thread.
-  if (amx_rows || dot_rows) row_block = std::clamp<int64_t>(rows_total * KV / (2 * std::max(1, at::get_num_threads())) / 16 * 16,
-                                                16, kMaxRowBlock);
+  if (amx_rows || dot_rows)
+    row_block = std::clamp<int64_t>(rows_total * KV / (2 * std::max(1, at::get_num_threads())) / 16 * 16, 16,
+                                    kMaxRowBlock);
   // A decode row read in place takes all KV heads in one item (each slot read whole, one stream per
   // sequence rather than KV interleaved ones) when there are sequences enough to keep every thread busy.
   int64_t single_rows = 0;
