@@ -158,7 +158,7 @@ def test_bf16_prefill_over_a_long_cached_context(d):
     in one step), bf16: on AMX CPUs these items run on tiles, on other AVX512-BF16 CPUs by bf16 dot products in
     vector registers, both with the probabilities rounded to bf16, and the result stays within bf16's error of
     fp32 attention across 33 blocks of online softmax."""
-    from vllm_neuron.model.layers.onednn_packed import tile_kernel_built
+    from vllm_neuron.model.layers.packed_weights import tile_kernel_built
 
     assert K.attention_on_tiles(d) == tile_kernel_built()  # both need the AMX build and the OS's tile state
     variant = K.kernel_variant()[0]
@@ -323,13 +323,12 @@ def test_linear_layer_takes_the_kernel_only_for_small_batches_of_its_dtypes(monk
 
 
 def test_small_batch_rows_per_cpu_class():
-    amx = {"amx_bf16", "amx_tile", "avx512_bf16"}
-    assert K.small_batch_rows("avx512bf16", amx, torch.bfloat16) == 4  # oneDNN's AMX path wins from 5 rows
-    assert K.small_batch_rows("avx512bf16", amx, torch.float32) == 64  # AMX has no fp32 tiles
-    assert K.small_batch_rows("avx512bf16", {"avx512_bf16"}, torch.bfloat16) == 32
-    assert K.small_batch_rows("avx2", {"avx2", "fma"}, torch.float32) == 64  # oneDNN 1.3-3x slower to 64 rows
-    assert K.small_batch_rows("avx2", {"avx2", "fma"}, torch.bfloat16) == 64  # oneDNN emulates bf16 there
-    assert K.small_batch_rows("generic", {"sse2"}, torch.float32) == 4  # no linear kernel in that build
+    # bf16 from 5 rows on: a tile kernel on packed weights (AMX tiles, or VDPBF16PS dot products without AMX)
+    assert K.small_batch_rows("avx512bf16", torch.bfloat16) == 4
+    assert K.small_batch_rows("avx512bf16", torch.float32) == 64  # no fp32 tiles; oneDNN 2x slower at 64 rows
+    assert K.small_batch_rows("avx2", torch.float32) == 64  # oneDNN 1.3-3x slower to 64 rows
+    assert K.small_batch_rows("avx2", torch.bfloat16) == 64  # oneDNN emulates bf16 there
+    assert K.small_batch_rows("generic", torch.float32) == 4  # no linear kernel in that build
 
 
 def test_variant_detection():

@@ -25,7 +25,7 @@ from vllm_neuron.distributed import parallel_state as ps
 from vllm_neuron.kv_cache_groups import KVCacheLayout, plan_kv_cache_layout, single_group_layout
 from vllm_neuron.logger import init_logger
 from vllm_neuron.model.layers import kv_quant, quant_fp8
-from vllm_neuron.model.layers import onednn_packed
+from vllm_neuron.model.layers import packed_weights
 from vllm_neuron.model.layers.kernels import (cpu_flags, describe_kernels, kernel_variant, kernels_enabled, linear_kernel_rows,
                                               quant_kernels_available)
 from vllm_neuron.model.layers.linear import (make_linears_fp8_, quantize_linears_, set_prepacked,
@@ -102,7 +102,7 @@ class ModelRunnerBase:
         self.use_quant_kernels = quant_kernels_available(device)
         set_quant_kernels(self.use_quant_kernels)
         # On AVX512-BF16 / AMX CPUs the rows above the kernel's take oneDNN on weights reordered once (custom kernels on).
-        self.prepacked = self.use_kernels and onednn_packed.available(device, dtype, cpu_flags())
+        self.prepacked = self.use_kernels and packed_weights.available(device, dtype, cpu_flags())
         set_prepacked(self.prepacked)
         # CUDA: decode attention reads each sequence's real context (Triton), and bucket graphs replay.
         self.paged_decode = not self.use_kernels and not self.model_spec.has_sinks_or_windows and \
@@ -282,20 +282,19 @@ class ModelRunnerBase:
                    if self.kv_layout.num_groups > 1 else {})}
 
     def _pack_weights(self) -> None:
-        """Packed copies of the bf16 linear weights for the rows above the decode kernel's (onednn_packed.py),
+        """Packed copies of the bf16 linear weights for the rows above the decode kernel's (packed_weights.py),
         unless they would take more than half of the host's available memory: a model that fits once may
         not fit twice, and without its copy a weight takes F.linear (same results, same graphs)."""
-        need, free = onednn_packed.packed_bytes(self.model), memory.host_available_bytes()
+        need, free = packed_weights.packed_bytes(self.model), memory.host_available_bytes()
         if need > free // 2:
-            logger.warning("Weights not packed for oneDNN: the copies (%.1f MiB) would take more than half of the "
+            logger.warning("Weights not packed: the copies (%.1f MiB) would take more than half of the "
                            "host's available memory (%.1f MiB); F.linear serves the rows above %d", need / 2**20,
                            free / 2**20, self.linear_kernel_rows)
             return
-        layers, added = onednn_packed.pack_linears_(self.model)
+        layers, added = packed_weights.pack_linears_(self.model)
         logger.info("Weights packed once: %d bf16 linear layers above %d rows, %s (+%.1f MiB beside the weights "
                     "the decode kernel streams)", layers, self.linear_kernel_rows,
-                    f"tile kernel up to {onednn_packed._AMX_ROWS} rows, oneDNN reordered above"
-                    if onednn_packed.tile_kernel_built() else "oneDNN reordered", added / 2**20)
+                    packed_weights.describe_copies(), added / 2**20)
 
     def _make_compiler(self) -> GraphCompiler:
         return GraphCompiler(cache_key_parts(self.ckpt.hf_config.to_dict(), self.dtype, self.device,

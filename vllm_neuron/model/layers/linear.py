@@ -2,12 +2,12 @@
 
 At a few rows a linear layer is bound by streaming its weights; the custom kernel
 (kernels/linear_bf16.cpp, bf16 and fp32) gets 1.3-2.5x more bandwidth than oneDNN there on AVX512-BF16 CPUs.
-Above a number of rows that depends on the CPU class and dtype (kernels.small_batch_rows: 4 where AMX
-serves oneDNN, 32-64 elsewhere), oneDNN is as fast and takes over. The switch is process-wide and set once
-by the model runner; a graph sees it as a constant, so the choice is made when a bucket is traced.
+Above a number of rows that depends on the CPU class and dtype (kernels.small_batch_rows: 4 in bf16 where
+a tile kernel on packed weights takes over, 64 in fp32 and on AVX2), something faster takes over. The switch
+is process-wide and set once by the model runner; a graph sees it as a constant, so the choice is made when a bucket is traced.
 A layer can also be quantized in place to weight-only int8 or int4 (quant_int8.py, quant_int4.py),
-whose few-row kernels are switched on by the runner too. On AMX CPUs the rows above the kernel's take oneDNN
-on weights reordered once at load (onednn_packed.py).
+whose few-row kernels are switched on by the runner too. On AVX512-BF16 and AMX CPUs the rows above the
+kernel's take copies of the weights packed once at load (packed_weights.py).
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def set_small_batch_kernel(dtypes: frozenset[torch.dtype], rows: int) -> None:
 
 
 def set_prepacked(enabled: bool) -> None:
-    """bf16 inputs above the kernel's rows take oneDNN on weights reordered once (onednn_packed.py)."""
+    """bf16 inputs above the kernel's rows take copies of the weights packed once at load (packed_weights.py)."""
     global _prepacked
     _prepacked = enabled
 
@@ -80,7 +80,7 @@ class Linear(nn.Linear):
 
             return linear_small_batch(x, self.weight)
         if _prepacked and x.dtype == torch.bfloat16 and x.dim() == 2 and self.weight.dtype == x.dtype:
-            from vllm_neuron.model.layers.onednn_packed import linear_prepacked
+            from vllm_neuron.model.layers.packed_weights import linear_prepacked
 
             return linear_prepacked(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)

@@ -33,9 +33,9 @@ from vllm_neuron.logger import init_logger
 
 logger = init_logger(__name__)
 
-_SOURCES = ("paged_attention.cpp", "linear_bf16.cpp", "linear_quant.cpp", "linear_amx.cpp")
+_SOURCES = ("paged_attention.cpp", "linear_bf16.cpp", "linear_quant.cpp", "linear_amx.cpp", "linear_dot_tiles.cpp")
 _HEADERS = ("simd.h", "attention_tiles.h", "int8_vnni.h", "online_softmax.h", "amx_tiles.h", "attention_bf16.h",
-            "attention_amx.h", "attention_decode.h", "attention_split.h", "cache_elems.h")
+            "attention_amx.h", "attention_decode.h", "attention_split.h", "cache_elems.h", "tile_linear_args.h")
 _FLAGS = ("-O3", "-fopenmp", "-ffast-math", "-fno-finite-math-only", "-fPIC", "-std=c++17")
 # CPU class -> target flags. avx2 is x86-64-v3 (Haswell and later, Zen 1 and later), so a forced avx2
 # build on an AVX-512 machine has no AVX-512 code in it.
@@ -163,9 +163,9 @@ def _load() -> bool:
         if _has_op(op):
             torch.library.register_fake(f"vllm_neuron::{op}")(_linear_fake)
 
-    if _has_op("linear_amx"):
-        torch.library.register_fake("vllm_neuron::linear_amx")(
-            lambda x, packed, bias, n: x.new_empty((x.shape[0], n)))
+    for name in ("linear_amx", "linear_dot_tiles"):
+        if _has_op(name):
+            torch.library.register_fake(f"vllm_neuron::{name}")(lambda x, packed, bias, n: x.new_empty((x.shape[0], n)))
     for name in ("linear_int8", "linear_int4"):
         if _has_op(name):
             torch.library.register_fake(f"vllm_neuron::{name}")(lambda x, q, scale: x.new_empty((x.shape[0], q.shape[0])))
@@ -198,30 +198,30 @@ def linear_kernel_dtypes(device: torch.device) -> frozenset[torch.dtype]:
     return frozenset(dt for dt, op in ops.items() if _has_op(op))
 
 
-def small_batch_rows(variant: str, flags: set[str], dtype: torch.dtype) -> int:
-    """Up to how many rows the weight-streaming linear beats oneDNN on this CPU class (pure).
+def small_batch_rows(variant: str, dtype: torch.dtype) -> int:
+    """Up to how many rows the weight-streaming linear serves on this CPU class (pure).
 
     Measured on the bundled model's linears (one step's worth, 2 cores): on a Xeon with AMX, oneDNN's
     tile path takes bf16 from 5 rows on (kernel 31.7 ms vs oneDNN ~27 ms at 5 rows; with the prefetching
-    bands and weights reordered once, onednn_packed.py, the kernel led to 8 rows, 25 vs 29 ms, and lost at
-    16, 43 vs 28: no default decode bucket lies between 4 and 16). Without AMX the
-    kernel, prefetching the weights of the band after next, stays ahead to 32 rows in bf16 (AMD EPYC,
-    AVX512-BF16: 12.8 vs 20.1 ms at 16 rows, 23.3 vs 26.7 ms at 32, even at 64; on a Zen 5 EPYC against oneDNN on
-    reordered weights, onednn_packed.py, decode_b16 11.0-11.9 vs 14.4-15.1 ms and prefill_s32 about level) and to 64 in fp32 (87.8 vs
-    169.2 ms at 64), which covers every default decode bucket and the smallest prefill buckets. On an
-    AVX2-only AMD EPYC oneDNN is further behind (fp32: 65 vs 196 ms at 16 rows, 118 vs 314 at 32, 323 vs
-    426 at 64, level at 128; bf16, which oneDNN emulates there: 239 vs 1128 ms at 64), so the avx2 build
-    serves up to 64 rows too."""
+    bands, the kernel led to 8 rows, 25 vs 29 ms, and lost at 16, 43 vs 28: no default decode bucket lies
+    between 4 and 16), and our AMX tile kernel on packed weights beat both (packed_weights.py). Without AMX
+    the weight-streaming kernel stayed ahead of oneDNN to 32 rows in bf16, but the VDPBF16PS kernel on
+    packed weights (linear_dot_tiles.cpp) beat it from 8 rows on (Zen 5 EPYC: 3.6 vs 4.6 ms at 8 rows, 5.2
+    vs 7.0 at 16, 8.3 vs 12.1 at 32) and trailed at 4 (4.6 vs 4.1): bf16 takes it from 5 rows on wherever
+    the build has bf16 dot products. In fp32 the kernel stays ahead of oneDNN to 64 rows (87.8 vs 169.2 ms at
+    64). On an AVX2-only AMD EPYC oneDNN is further behind (fp32: 65 vs 196 ms at 16 rows, 118 vs 314 at 32,
+    323 vs 426 at 64, level at 128; bf16, which oneDNN emulates there: 239 vs 1128 ms at 64), so the avx2
+    build serves up to 64 rows too."""
     if variant == "avx2":
         return 64
-    if variant != "avx512bf16" or (dtype == torch.bfloat16 and "amx_bf16" in flags):
+    if variant != "avx512bf16" or dtype == torch.bfloat16:
         return 4
-    return 32 if dtype == torch.bfloat16 else 64
+    return 64
 
 
 def linear_kernel_rows(device: torch.device) -> dict[torch.dtype, int]:
     """dtype -> the most rows of an input that takes the weight-streaming linear here (absent: never)."""
-    return {dt: small_batch_rows(kernel_variant()[0], _cpu_flags(), dt) for dt in linear_kernel_dtypes(device)}
+    return {dt: small_batch_rows(kernel_variant()[0], dt) for dt in linear_kernel_dtypes(device)}
 
 
 def describe_kernels(device: torch.device, dtype: torch.dtype, head_dim: int = 0) -> str:
@@ -236,10 +236,12 @@ def describe_kernels(device: torch.device, dtype: torch.dtype, head_dim: int = 0
     rows = linear_kernel_rows(device).get(dtype)
     linear = (f"weight-streaming linear up to {rows} rows, oneDNN above" if rows
               else f"no {str(dtype).removeprefix('torch.')} linear kernel in this build: oneDNN matmuls")
-    from vllm_neuron.model.layers.onednn_packed import _AMX_ROWS, tile_kernel_built
+    from vllm_neuron.model.layers.packed_weights import _AMX_ROWS, dot_kernel_built, tile_kernel_built
 
     if rows and dtype == torch.bfloat16 and tile_kernel_built():
         linear = f"weight-streaming linear up to {rows} rows, AMX tile linear to {_AMX_ROWS}, oneDNN above"
+    elif rows and dtype == torch.bfloat16 and dot_kernel_built():
+        linear = f"weight-streaming linear up to {rows} rows, bf16 dot-product linear on packed weights above"
     attention = "paged attention"
     if dtype == torch.bfloat16 and head_dim and attention_rows_path(head_dim) != _ROWS_PATHS[0]:
         attention += f" (prefill over a bf16 cache: {attention_rows_path(head_dim)})"

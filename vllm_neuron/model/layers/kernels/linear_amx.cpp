@@ -1,7 +1,7 @@
 // AMX tile linear for bf16 on Xeons with AMX: y[M, N] = x[M, K] @ w[N, K]^T (+ bias), M up to 64.
 //
 // Between the weight-streaming kernel's four rows and the big prefills, a step's linears are still bound by
-// reading the weights once, and oneDNN, even on weights reordered once (onednn_packed.py), read them at about
+// reading the weights once, and oneDNN, even on weights reordered once (packed_weights.py), read them at about
 // half the bandwidth. Here the weights are packed once at load into the order the tile unit takes them: one
 // 1 KiB B tile per 16 output columns x 32 inputs ([N/16][K/32][16 pairs][16 columns][2]), so each thread
 // streams its columns' tiles front to back while the prefetcher pulls the tiles of the block after next. The
@@ -12,6 +12,8 @@
 #include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
+
+#include "tile_linear_args.h"
 
 #if defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -119,15 +121,9 @@ void run(const uint16_t* x, const uint16_t* packed, const uint16_t* bias, uint16
 at::Tensor linear_amx(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
                       int64_t N) {
   TORCH_CHECK(amx::tiles_permitted(), "the kernel did not get the AMX tile state from the OS");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "x must be [M, K] bf16");
+  check_tile_linear_args(x, packed, bias, N);
   const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(M >= 1 && M <= kMaxRows, "x must have 1 to 64 rows");
-  TORCH_CHECK(K % kTileK == 0 && N % kTileN == 0, "K must be a multiple of 32 and N of 16");
-  TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() && packed.numel() == N * K,
-              "packed must hold the [N, K] weight in tile order (onednn_packed.pack_tiles)");
-  if (bias.has_value())
-    TORCH_CHECK(bias->scalar_type() == at::kBFloat16 && bias->is_contiguous() && bias->numel() == N,
-                "bias must be [N] bf16");
   auto xc = x.contiguous();
   auto y = at::empty({M, N}, xc.options());
   const auto* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());

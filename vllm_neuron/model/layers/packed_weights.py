@@ -1,5 +1,5 @@
-"""Linears on weights packed once at load (AVX512-BF16 and AMX CPUs), for the rows the weight-streaming kernel
-leaves.
+"""Linears on copies of the bf16 weights packed once at load (AVX512-BF16 and AMX CPUs), for the rows the
+weight-streaming kernel leaves.
 
 `F.linear` on bf16 hands oneDNN a plain [N, K] weight, and on a Xeon with AMX oneDNN reorders it into its
 tile layout on every call: at decode and small prefill sizes that reorder is most of the call. Reordered once
@@ -13,12 +13,12 @@ bound by that read. Up to `_AMX_ROWS` rows our tile kernel (kernels/linear_amx.c
 packed in tile order: 18.3 vs 28.3 ms at 16 rows, 22.0 vs 39.9 at 32, level at 64 (43.3 vs 39.6), and
 17.8-18.6 vs 27.7-30.4 at 4-8 rows (2 threads, 2026-12-03).
 
-Without AMX (a Zen 5 EPYC with AVX512-BF16, 2026-12-04) oneDNN reorders on every call too, for its
-VDPBF16PS layout: on the bundled model's shapes the reordered weight ran 10-25% faster at 32-128 rows and ~5%
-at 512 (e.g. [128, 576] x [576, 960]: 880 vs 764 GFLOP/s), and the prefill steps above the kernel's 32 rows
-took 26.6-28.8 instead of 29.9-39.3 ms at s64, 41.7-42.0 instead of 44.6-56.6 at s128 and 143.5-144.0 instead
-of 148.1-174.6 at s512 (step_bounds, processes in turn). The weight-streaming kernel stays ahead at 16 rows
-there (decode_b16 11.0-11.9 vs 14.4-15.1 ms on the reordered weights), so its 32 rows stand.
+Without AMX (a Zen 5 EPYC with AVX512-BF16) the same tile-order copy feeds a VDPBF16PS outer-product kernel
+(kernels/linear_dot_tiles.cpp) that beat both the weight-streaming kernel and oneDNN on reordered weights at
+every row count from 8 to 512 (one step's linears, 30 layers, weights from memory: 5.2 vs 7.0 ms at 16 rows,
+8.3 vs 12.1 at 32, 14.9 vs 20.8 at 64, 27.6 vs 32.9 at 128, 102 vs 109 at 512; 2026-12-04), so there it
+serves every row above the weight-streaming kernel's four and oneDNN gets no copy. A weight whose shape the
+tile kernels cannot take (N not a multiple of 16, K of 32) gets oneDNN's reordered copy instead.
 
 The copies live beside the plain weight (the weight-streaming kernel reads that one at one to four rows), in
 a registry keyed by the plain weight's storage: a graph passes the plain weight, which keeps its shapes and
@@ -41,11 +41,11 @@ logger = init_logger(__name__)
 # Rows the reorder is tuned for. Tuned for 128, the 512-row prefill took 305 ms instead of F.linear's 281; tuned
 # for 512, 258 ms, with 64 rows unchanged (26 ms).
 _ROWS_HINT = 512
-# Up to this many rows the tile kernel's copy serves (measured above; its four C tiles stop at 64).
+# Up to this many rows the AMX tile kernel's copy serves (measured above; its four C tiles stop at 64).
 _AMX_ROWS = 32
-# storage address -> (the plain weight's shape, oneDNN's reordered copy, the tile kernel's copy or None); an
-# entry leaves with its weight.
-_packed: dict[int, tuple[torch.Size, torch.Tensor, torch.Tensor | None]] = {}
+# storage address -> (the plain weight's shape, oneDNN's reordered copy or None, the tile-order copy or None,
+# the tile kernel and the most rows it serves); an entry leaves with its weight.
+_packed: dict[int, tuple[torch.Size, torch.Tensor | None, torch.Tensor | None, object, int]] = {}
 
 
 def available(device: torch.device, dtype: torch.dtype, cpu_flags: set[str]) -> bool:
@@ -64,23 +64,33 @@ def _packable(model: nn.Module) -> list[torch.Tensor]:
             and m.weight.dtype == torch.bfloat16 and m.weight.dim() == 2 and m.weight.is_contiguous()]
 
 
+def _copies(w: torch.Tensor) -> tuple[bool, bool]:
+    """(oneDNN's reordered copy, the tile-order copy): which `w` gets here. oneDNN's serves the rows the tile
+    kernel leaves: all of them where no tile kernel takes w, those above `_AMX_ROWS` on AMX, none otherwise."""
+    tiles = tile_kernel_fits(w)
+    return not tiles or tile_kernel()[1] < _UNBOUNDED, tiles
+
+
 def packed_bytes(model: nn.Module) -> int:
-    """What `pack_linears_` would add: a copy of each distinct weight (two where the tile kernel takes it)."""
+    """What `pack_linears_` would add: one or two copies of each distinct weight (see `_copies`)."""
     distinct = {w.data_ptr(): w for w in _packable(model) if w.data_ptr() not in _packed}
-    return sum(w.numel() * w.element_size() * (1 + tile_kernel_fits(w)) for w in distinct.values())
+    return sum(w.numel() * w.element_size() * sum(_copies(w)) for w in distinct.values())
 
 
 def pack_linears_(model: nn.Module) -> tuple[int, int]:
-    """Packs every unquantized bf16 `Linear` weight of `model` once (a tied weight once): oneDNN's reorder, and
-    the tile kernel's copy where it is built and takes the shape; returns (layers, bytes added)."""
+    """Packs every unquantized bf16 `Linear` weight of `model` once (a tied weight once): the tile-order copy
+    where a tile kernel is built and takes the shape, oneDNN's reorder for the rows it leaves; returns
+    (layers, bytes added)."""
     weights = _packable(model)
     added = 0
     for w in weights:
         if w.data_ptr() not in _packed:
-            tiles = pack_tiles(w) if tile_kernel_fits(w) else None
-            _packed[w.data_ptr()] = (w.shape, torch.ops.mkldnn._reorder_linear_weight(w, _ROWS_HINT), tiles)
+            reorder, tiles = _copies(w)
+            op, rows = tile_kernel() if tiles else (None, 0)
+            _packed[w.data_ptr()] = (w.shape, torch.ops.mkldnn._reorder_linear_weight(w, _ROWS_HINT) if reorder
+                                     else None, pack_tiles(w) if tiles else None, op, rows)
             weakref.finalize(w, _packed.pop, w.data_ptr(), None)
-            added += w.numel() * w.element_size() * (1 + (tiles is not None))
+            added += w.numel() * w.element_size() * (reorder + tiles)
     return len(weights), added
 
 
@@ -101,9 +111,39 @@ def tile_kernel_built() -> bool:
     return bool((y == 32).all())
 
 
+_UNBOUNDED = 1 << 62
+
+
+@functools.lru_cache(maxsize=1)
+def dot_kernel_built() -> bool:
+    """Whether this machine's kernel build has the VDPBF16PS tile-order linear (any avx512bf16 build)."""
+    from vllm_neuron.model.layers import kernels
+
+    return kernels.kernels_enabled(torch.device("cpu")) and hasattr(torch.ops.vllm_neuron, "linear_dot_tiles")
+
+
+def tile_kernel() -> tuple[object, int] | None:
+    """The kernel that takes tile-order copies here and the most rows it serves: AMX tiles up to `_AMX_ROWS`
+    where they run, else VDPBF16PS dot products at every row count; None without either."""
+    if tile_kernel_built():
+        return torch.ops.vllm_neuron.linear_amx, _AMX_ROWS
+    if dot_kernel_built():
+        return torch.ops.vllm_neuron.linear_dot_tiles, _UNBOUNDED
+    return None
+
+
+def describe_copies() -> str:
+    """Which copies serve which rows here, for the start-up log."""
+    if tile_kernel_built():
+        return f"AMX tile kernel up to {_AMX_ROWS} rows, oneDNN reordered above"
+    if dot_kernel_built():
+        return "bf16 dot-product kernel on tile-order copies"
+    return "oneDNN reordered"
+
+
 def tile_kernel_fits(w: torch.Tensor) -> bool:
-    """Whether the tile kernel is built here and takes w's shape (N a multiple of 16, K of 32)."""
-    return tile_kernel_built() and w.shape[0] % 16 == 0 and w.shape[1] % 32 == 0
+    """Whether a tile kernel is built here and takes w's shape (N a multiple of 16, K of 32)."""
+    return tile_kernel() is not None and w.shape[0] % 16 == 0 and w.shape[1] % 32 == 0
 
 
 def pack_tiles(w: torch.Tensor) -> torch.Tensor:
@@ -119,16 +159,18 @@ _lib.define("linear_prepacked(Tensor x, Tensor w, Tensor? bias) -> Tensor")
 _linear_pointwise = torch.ops.mkldnn._linear_pointwise
 
 
-_NO_COPIES = (None, None, None)
+_NO_COPIES = (None, None, None, None, 0)
 
 
 def _linear_prepacked(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    shape, reordered, tiles = _packed.get(w.data_ptr(), _NO_COPIES)
+    shape, reordered, tiles, op, rows = _packed.get(w.data_ptr(), _NO_COPIES)
     if shape != w.shape:
         return F.linear(x, w, bias)
-    if tiles is not None and x.shape[0] <= _AMX_ROWS and (bias is None or bias.dtype == torch.bfloat16):
-        return torch.ops.vllm_neuron.linear_amx(x, tiles, bias, shape[0])
-    return _linear_pointwise(x, reordered, bias, "none", [], "")
+    if tiles is not None and x.shape[0] <= rows and (bias is None or bias.dtype == torch.bfloat16):
+        return op(x, tiles, bias, shape[0])
+    if reordered is not None:
+        return _linear_pointwise(x, reordered, bias, "none", [], "")
+    return F.linear(x, w, bias)
 
 
 _lib.impl("linear_prepacked", _linear_prepacked, "CPU")

@@ -1,6 +1,6 @@
-"""Linears on weights packed once (AVX512-BF16 and AMX CPUs): oneDNN's reordered copy and the tile kernel's,
-same results as F.linear, each taken only where switched on and for its rows; no copies where they would not
-fit in memory."""
+"""Linears on weights packed once (AVX512-BF16 and AMX CPUs): oneDNN's reordered copy and the tile kernels'
+(AMX tiles, VDPBF16PS dot products), same results as F.linear, each taken only where switched on and for its
+rows; no copies where they would not fit in memory."""
 from __future__ import annotations
 
 import gc
@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vllm_neuron.model.layers import linear as L
-from vllm_neuron.model.layers import onednn_packed as P
+from vllm_neuron.model.layers import packed_weights as P
 
 CPU = torch.device("cpu")
 AMX = {"amx_bf16", "amx_tile", "avx512_bf16", "avx512bw"}
@@ -85,7 +85,7 @@ def test_copies_are_made_only_where_they_fit_in_half_the_available_memory(monkey
 def _forged(layer: L.Linear) -> torch.Tensor:
     """Registers 2 * weight as `layer`'s reordered copy, so that a result tells which path ran."""
     w = layer.weight
-    P._packed[w.data_ptr()] = (w.shape, torch.ops.mkldnn._reorder_linear_weight(2 * w, 16), None)
+    P._packed[w.data_ptr()] = (w.shape, torch.ops.mkldnn._reorder_linear_weight(2 * w, 16), None, None, 0)
     return w
 
 
@@ -129,12 +129,17 @@ def test_a_weight_without_its_reordered_copy_takes_f_linear_and_copies_leave_wit
 
 _tiles = pytest.mark.skipif(not P.tile_kernel_built(),
                             reason="no AMX tile kernel in this machine's build (a CPU without AMX): oneDNN serves")
+_any_tiles = pytest.mark.skipif(P.tile_kernel() is None,
+                                reason="no tile kernel in this machine's build (no AVX512-BF16): oneDNN serves")
 
 
-@_tiles
-@pytest.mark.parametrize("n, k", [(48, 64), (960, 576), (576, 1536)])
-@pytest.mark.parametrize("rows", [1, 5, 15, 16, 17, 31, 32, 33, 48, 64])
+@_any_tiles
+@pytest.mark.parametrize("n, k", [(48, 64), (80, 96), (960, 576), (576, 1536)])
+@pytest.mark.parametrize("rows", [1, 5, 7, 8, 9, 15, 16, 17, 31, 32, 33, 48, 64, 65, 100, 129])
 def test_tile_kernel_matches_the_fp32_product_rounded_once(n, k, rows):
+    op, most = P.tile_kernel()
+    if rows > most:
+        pytest.skip(f"the AMX tile kernel serves up to {most} rows; oneDNN's copy above (tested below)")
     g = torch.Generator().manual_seed(rows * 7 + n)
     w = torch.randn(n, k, generator=g).bfloat16()
     bias = torch.randn(n, generator=g).bfloat16()
@@ -142,10 +147,53 @@ def test_tile_kernel_matches_the_fp32_product_rounded_once(n, k, rows):
     tiles = P.pack_tiles(w)
     for b in (None, bias):
         ref = x.float() @ w.float().t() + (0 if b is None else b.float())
-        out = torch.ops.vllm_neuron.linear_amx(x, tiles, b, n)
+        out = op(x, tiles, b, n)
         assert out.dtype == torch.bfloat16 and out.shape == (rows, n)
         # exact products summed in fp32, rounded to bf16 once: within bf16's half step plus fp32 summation
         torch.testing.assert_close(out.float(), ref, atol=1e-3 * k ** 0.5, rtol=2 ** -8)
+
+
+@pytest.mark.skipif(not P.dot_kernel_built(), reason="no AVX512-BF16 build here: no dot-product tile kernel")
+def test_dot_kernel_takes_every_row_of_a_strided_input_and_refuses_what_it_cannot_index():
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(48, 64, generator=g).bfloat16()
+    tiles = P.pack_tiles(w)
+    x = torch.randn(300, 128, generator=g).bfloat16()[:, ::2]  # not contiguous
+    torch.testing.assert_close(torch.ops.vllm_neuron.linear_dot_tiles(x, tiles, None, 48).float(),
+                               x.float() @ w.float().t(), atol=1e-2, rtol=2 ** -8)
+    assert torch.ops.vllm_neuron.linear_dot_tiles(x[:0], tiles, None, 48).shape == (0, 48)
+    with pytest.raises(RuntimeError, match="tile order"):
+        torch.ops.vllm_neuron.linear_dot_tiles(x[:8], tiles[:2], None, 48)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        torch.ops.vllm_neuron.linear_dot_tiles(torch.randn(8, 48).bfloat16(), tiles, None, 64)
+    with pytest.raises(RuntimeError, match="bias"):
+        torch.ops.vllm_neuron.linear_dot_tiles(x[:8], tiles, torch.zeros(48), 48)
+
+
+@pytest.mark.skipif(P.tile_kernel_built() or not P.dot_kernel_built(),
+                    reason="the dot-product tile kernel serves where there is no AMX tile kernel")
+@pytest.mark.parametrize("compiled", [False, True])
+def test_without_amx_the_tile_copy_serves_every_row_and_oneDNN_gets_no_copy(compiled):
+    m = _model()
+    P.pack_linears_(m)
+    shape, reordered, tiles, op, rows = P._packed[m.up.weight.data_ptr()]
+    assert reordered is None and tiles is not None and op == torch.ops.vllm_neuron.linear_dot_tiles
+    torch.manual_seed(4)
+    layer = L.Linear(64, 48, bias=False).bfloat16().requires_grad_(False)
+    w = layer.weight
+    # a forged copy (2w) tells which path ran
+    P._packed[w.data_ptr()] = (w.shape, None, P.pack_tiles(2 * w), op, rows)
+    fn = torch.compile(layer, backend="inductor", fullgraph=True) if compiled else layer
+    try:
+        L.set_prepacked(True)
+        torch._dynamo.reset()
+        for n in (5, 32, 33, 512):
+            x = torch.randn(n, 64).bfloat16()
+            torch.testing.assert_close(fn(x).float(), 2 * F.linear(x, w).float(), atol=2e-2, rtol=2 ** -7)
+    finally:
+        L.set_prepacked(False)
+        torch._dynamo.reset()
+        P._packed.pop(w.data_ptr())
 
 
 @_tiles
@@ -155,7 +203,8 @@ def test_the_tile_copy_serves_up_to_its_rows_and_the_reordered_copy_above(compil
     layer = L.Linear(64, 48, bias=False).bfloat16().requires_grad_(False)
     w = layer.weight
     # forged copies (2w for the tile kernel, 3w for oneDNN) tell which path ran
-    P._packed[w.data_ptr()] = (w.shape, torch.ops.mkldnn._reorder_linear_weight(3 * w, 16), P.pack_tiles(2 * w))
+    P._packed[w.data_ptr()] = (w.shape, torch.ops.mkldnn._reorder_linear_weight(3 * w, 16), P.pack_tiles(2 * w),
+                               torch.ops.vllm_neuron.linear_amx, P._AMX_ROWS)
     fn = torch.compile(layer, backend="inductor", fullgraph=True) if compiled else layer
     try:
         L.set_prepacked(True)
@@ -183,7 +232,7 @@ def test_tile_kernel_refuses_what_it_cannot_index():
 
 
 @_tiles
-def test_a_tile_kernel_that_cannot_run_leaves_every_row_to_onednn(monkeypatch):
+def test_an_amx_tile_kernel_that_cannot_run_leaves_its_rows_to_the_dot_kernel_or_onednn(monkeypatch):
     def no_tile_state(*args):
         raise RuntimeError("the kernel did not get the AMX tile state from the OS")
 
@@ -191,7 +240,7 @@ def test_a_tile_kernel_that_cannot_run_leaves_every_row_to_onednn(monkeypatch):
     P.tile_kernel_built.cache_clear()
     try:
         assert not P.tile_kernel_built()
-        assert not P.tile_kernel_fits(torch.randn(48, 64).bfloat16())
+        assert P.tile_kernel_fits(torch.randn(48, 64).bfloat16()) == P.dot_kernel_built()
     finally:
         monkeypatch.undo()
         P.tile_kernel_built.cache_clear()
