@@ -49,7 +49,7 @@ _packed: dict[int, tuple[torch.Size, torch.Tensor | None, torch.Tensor | None, o
 
 
 def available(device: torch.device, dtype: torch.dtype, cpu_flags: set[str]) -> bool:
-    """Whether reordered weights pay here (pure but for torch's build): bf16 on a CPU with bf16 dot products
+    """Whether packed copies pay here (pure but for torch's build): bf16 on a CPU with bf16 dot products
     in hardware (AVX512-BF16, AMX). On AVX2-only CPUs oneDNN emulates bf16 and the kernel serves more rows."""
     return (device.type == "cpu" and dtype == torch.bfloat16 and bool({"amx_bf16", "avx512_bf16"} & cpu_flags)
             and torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
@@ -97,7 +97,7 @@ def pack_linears_(model: nn.Module) -> tuple[int, int]:
 @functools.lru_cache(maxsize=1)
 def tile_kernel_built() -> bool:
     """Whether this machine's kernel build has the AMX tile linear (an avx512bf16 build on an AMX CPU) and it
-    runs: a kernel older than Linux 5.16 hands out no tile state, and the probe's error keeps oneDNN serving."""
+    runs: a kernel older than Linux 5.16 hands out no tile state, and the probe's error hands its rows on."""
     from vllm_neuron.model.layers import kernels
 
     if not (kernels.kernels_enabled(torch.device("cpu")) and hasattr(torch.ops.vllm_neuron, "linear_amx")):
@@ -106,7 +106,7 @@ def tile_kernel_built() -> bool:
         w = torch.ones(16, 32, dtype=torch.bfloat16)
         y = torch.ops.vllm_neuron.linear_amx(torch.ones(1, 32, dtype=torch.bfloat16), pack_tiles(w), None, 16)
     except RuntimeError as e:
-        logger.warning("AMX tile linear unavailable (%s); oneDNN serves every row count", e)
+        logger.warning("AMX tile linear unavailable (%s); the bf16 dot-product kernel or oneDNN serves its rows", e)
         return False
     return bool((y == 32).all())
 

@@ -47,7 +47,7 @@ inline void score_keys_bf16(const uint16_t* q, int64_t D, const uint16_t* const*
 constexpr int64_t kBf16QueryElems = 2048;
 #endif
 
-// G query heads' scores against four keys, kb groups of up to four heads at a time.
+// G query heads' scores against four keys, up to four heads per pass.
 template <typename Q, typename E>
 void score_heads(const Q* qh, int64_t G, int64_t D, const E* const* krow, int n, float* sc, int64_t len) {
   int64_t g = 0;

@@ -24,6 +24,8 @@
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 
+#include "simd.h"
+
 namespace {
 
 constexpr int64_t kBlockN = 16;  // output columns per packed block (one zmm of fp32 sums)
@@ -51,9 +53,7 @@ void block(const uint16_t* x, int64_t K, const uint16_t* wg, int64_t block_elems
     }
   }
   for (int j = 0; j < NB; ++j) {
-    const __m512 b = bias == nullptr ? _mm512_setzero_ps()
-                                     : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(
-                                           reinterpret_cast<const __m256i*>(bias + j * kBlockN))), 16));
+    const __m512 b = bias == nullptr ? _mm512_setzero_ps() : vn_simd::Vec::load(bias + j * kBlockN);
     for (int i = 0; i < Rows; ++i)
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + i * N + j * kBlockN),
                           (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[i][j], b)));
