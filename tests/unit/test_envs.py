@@ -31,7 +31,7 @@ def test_every_seed_variable_is_known_and_documented():
     ours = ["VLLM_NEURON_AOT_COMPILE", "VLLM_NEURON_GGUF_CACHE_MAX_GIB", "VLLM_NEURON_CUDA_GRAPHS",
             "VLLM_LOG_STATS_INTERVAL", "VLLM_NEURON_CPU_ISA", "VLLM_IMAGE_FETCH_TIMEOUT",
             "VLLM_MEDIA_MAX_BYTES", "VLLM_ENGINE_ITERATION_TIMEOUT_S", "VLLM_NEURON_DIST_TIMEOUT_S",
-            "VLLM_NEURON_INDUCTOR_CACHE_DIR", "VLLM_NEURON_KV_PREFAULT_MB"]  # beyond the seeds
+            "VLLM_NEURON_INDUCTOR_CACHE_DIR", "VLLM_NEURON_KV_PREFAULT_MB", "VLLM_NEURON_HUGE_PAGES"]  # beyond the seeds
     assert sorted(seeds + ours) == sorted(ALL)
     for name in seeds + ours:
         assert len(envs.doc(name)) > 20, name
@@ -47,6 +47,7 @@ def test_defaults():
     assert envs.VLLM_NEURON_AOT_COMPILE is True
     assert envs.VLLM_USE_V2_MODEL_RUNNER is None
     assert envs.VLLM_NEURON_CUDA_GRAPHS == "decode"
+    assert envs.VLLM_NEURON_HUGE_PAGES is True
     assert envs.VLLM_NEURON_KV_GMU_BUDGET_CAP_FRACTION == 0.30
     assert envs.VLLM_NEURON_RESERVED_HEADROOM_GIB is None
     assert envs.VLLM_NEURON_MIN_KV_BUDGET_GIB == 1.0

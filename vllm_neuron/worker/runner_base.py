@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 from vllm_neuron.config import buckets as B
 from vllm_neuron.config.device import check_weight_quantization
-from vllm_neuron import envs
+from vllm_neuron import envs, huge_pages
 from vllm_neuron.config.engine_config import EngineConfig
 from vllm_neuron.distributed import parallel_state as ps
 from vllm_neuron.kv_cache_groups import KVCacheLayout, plan_kv_cache_layout, single_group_layout
@@ -56,6 +56,8 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     and a multi-GiB cache costs nothing until used (torch.zeros would touch every page at start)."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
+    if huge_pages.wanted(torch.Size(shape).numel() * torch.finfo(dtype).bits // 8, device):
+        return huge_pages.zeros(shape, dtype)
     bits = torch.finfo(dtype).bits
     raw = np.zeros(shape, dtype={8: np.int8, 16: np.int16, 32: np.int32, 64: np.int64}[bits])
     return torch.from_numpy(raw).view(dtype)
@@ -157,6 +159,10 @@ class ModelRunnerBase:
             layers, before, after = quantize_linears_(self.model, scheme)
             logger.info("Weight-only %s: %d linear layers, %.1f MiB -> %.1f MiB (%s kernel for decode)", scheme,
                         layers, before / 2**20, after / 2**20, "custom" if self.use_quant_kernels else "no")
+        if huge_pages.wanted(huge_pages.MIN_BYTES, self.device):
+            moved, nbytes = huge_pages.move_parameters_(self.model)
+            logger.info("Weights in 2 MiB pages: %d tensors, %.1f MiB (VLLM_NEURON_HUGE_PAGES=0 keeps 4 KiB ones)",
+                        moved, nbytes / 2**20)
         if self.prepacked:
             self._pack_weights()
         self._bitmask_words = -(-self.ckpt.hf_config.get_text_config().vocab_size // 32)

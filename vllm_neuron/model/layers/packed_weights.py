@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vllm_neuron import huge_pages
 from vllm_neuron.logger import init_logger
 
 logger = init_logger(__name__)
@@ -149,7 +150,7 @@ def tile_kernel_fits(w: torch.Tensor) -> bool:
 def pack_tiles(w: torch.Tensor) -> torch.Tensor:
     """w [N, K] in the tile kernel's order: one B tile per 16 columns x 32 inputs, [N/16][K/32][16][16][2]."""
     n, k = w.shape
-    return w.view(n // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4).contiguous()
+    return huge_pages.copy(w.view(n // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4)).contiguous()
 
 
 # A plain dispatcher kernel rather than torch.library.custom_op, whose wrapper cost ~25 us a call (121 calls a

@@ -1,0 +1,89 @@
+"""Host memory in 2 MiB pages (Linux transparent huge pages) for the big, long-lived CPU tensors: weights,
+their packed copies, the KV pool.
+
+A decode step streams every weight once and reads each sequence's KV blocks scattered across the pool. In
+4 KiB pages that is ~65,000 pages a step for the bundled model's 269 MB: the TLB misses on each of them, and
+the hardware prefetchers stop at every page boundary. Most of these machines run THP in `madvise` mode, so
+torch's allocations get 4 KiB pages; memory asked for with MADV_HUGEPAGE gets 2 MiB ones. Measured on the Zen 5
+EPYC VM (2026-12-04): one step's linears at 16 rows 6.4-6.5 instead of 7.2-7.5 ms.
+
+Anonymous mappings are zero-filled and backed on first touch, like the calloc'd pool they replace, so a
+multi-GiB KV pool still costs nothing until used. Small tensors keep torch's allocator: a huge page would be
+mostly empty. `VLLM_NEURON_HUGE_PAGES=0` turns this off; where the kernel has THP off (`never`) or no
+MADV_HUGEPAGE, nothing changes.
+"""
+from __future__ import annotations
+
+import functools
+import mmap
+
+import torch
+from torch import nn
+
+from vllm_neuron import envs
+
+PAGE = 2 << 20
+# Below this a tensor keeps torch's allocator (its mapping would round up to whole huge pages).
+MIN_BYTES = 4 << 20
+_THP_ENABLED = "/sys/kernel/mm/transparent_hugepage/enabled"
+
+
+def thp_mode(path: str = _THP_ENABLED) -> str:
+    """The kernel's THP mode: `always`, `madvise`, `never`, or "" where it has none (pure but for the read)."""
+    try:
+        text = open(path).read()
+    except OSError:
+        return ""
+    start, end = text.find("["), text.find("]")
+    return text[start + 1:end] if 0 <= start < end else ""
+
+
+@functools.lru_cache(maxsize=1)
+def available() -> bool:
+    """Whether huge pages can be asked for here and are wanted (VLLM_NEURON_HUGE_PAGES, default on)."""
+    return (envs.VLLM_NEURON_HUGE_PAGES and hasattr(mmap, "MADV_HUGEPAGE")
+            and thp_mode() in ("always", "madvise"))
+
+
+def wanted(nbytes: int, device: torch.device) -> bool:
+    """Whether a CPU tensor of nbytes goes to huge pages."""
+    return device.type == "cpu" and nbytes >= MIN_BYTES and available()
+
+
+def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed CPU tensor in memory asked for in huge pages, its start on a page boundary; pages are backed
+    on first touch. The tensor keeps its mapping alive."""
+    nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    m = mmap.mmap(-1, nbytes + PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    m.madvise(mmap.MADV_HUGEPAGE)
+    raw = torch.frombuffer(m, dtype=torch.uint8)  # holds m: the mapping lives as long as a view of it
+    start = -raw.data_ptr() % PAGE
+    return raw[start:start + nbytes].view(dtype).view(shape)
+
+
+def copy(t: torch.Tensor) -> torch.Tensor:
+    """t's values in a contiguous huge-page tensor, or t itself where that does not apply."""
+    if not wanted(t.numel() * t.element_size(), t.device):
+        return t
+    out = zeros(tuple(t.shape), t.dtype)
+    out.copy_(t)
+    return out
+
+
+def move_parameters_(model: nn.Module) -> tuple[int, int]:
+    """Moves every big CPU parameter and buffer of `model` into huge pages in place (a tied weight once: it is
+    one Parameter); returns (tensors moved, bytes)."""
+    moved = nbytes = 0
+    tensors = [p for p in model.parameters()] + [b for b in model.buffers()]
+    seen: set[int] = set()
+    for t in tensors:
+        if id(t) in seen:
+            continue
+        seen.add(id(t))
+        data = t.data
+        new = copy(data) if data.is_contiguous() else data  # a strided view may share its storage on purpose
+        if new is not data:
+            t.data = new
+            moved += 1
+            nbytes += new.numel() * new.element_size()
+    return moved, nbytes
