@@ -286,9 +286,9 @@ _VARS: dict[str, EnvVar] = {
         EnvVar(
             "VLLM_NEURON_HUGE_PAGES",
             lambda: _bool("VLLM_NEURON_HUGE_PAGES", True),
-            "On CPU, weights, their packed copies and the KV pool live in memory asked for in 2 MiB pages "
-            "(transparent huge pages, MADV_HUGEPAGE) where the kernel allows it: fewer TLB misses and "
-            "prefetcher stops in the streams a step reads. 0 keeps torch's 4 KiB pages. Default 1.",
+            "On CPU, weights and their packed copies live in memory asked for in 2 MiB pages (transparent "
+            "huge pages, MADV_HUGEPAGE) where the kernel allows it: fewer TLB misses and prefetcher stops "
+            "in the weight stream of every step. 0 keeps torch's 4 KiB pages. Default 1.",
         ),
         EnvVar(
             "VLLM_NEURON_ATTN_MASK_TORCH",

@@ -1,16 +1,15 @@
-"""Host memory in 2 MiB pages (Linux transparent huge pages) for the big, long-lived CPU tensors: weights,
-their packed copies, the KV pool.
+"""Host memory in 2 MiB pages (Linux transparent huge pages) for the weights and their packed copies on CPU.
 
-A decode step streams every weight once and reads each sequence's KV blocks scattered across the pool. In
-4 KiB pages that is ~65,000 pages a step for the bundled model's 269 MB: the TLB misses on each of them, and
-the hardware prefetchers stop at every page boundary. Most of these machines run THP in `madvise` mode, so
-torch's allocations get 4 KiB pages; memory asked for with MADV_HUGEPAGE gets 2 MiB ones. Measured on the Zen 5
-EPYC VM (2026-12-04): one step's linears at 16 rows 6.4-6.5 instead of 7.2-7.5 ms.
+A decode step streams every weight once: in 4 KiB pages that is ~65,000 pages a step for the bundled model's
+269 MB, a TLB miss on each and a stop for the hardware prefetchers at every page boundary. Most of these
+machines run THP in `madvise` mode, so torch's allocations get 4 KiB pages; memory asked for with
+MADV_HUGEPAGE gets 2 MiB ones. Measured on the Zen 5 EPYC VM (2026-12-04, in-process A/B): one step's linears
+at 16 rows 8.04 instead of 8.80 ms (medians of 10 alternating rounds), at 1 row 7.26 instead of 7.42.
 
-Anonymous mappings are zero-filled and backed on first touch, like the calloc'd pool they replace, so a
-multi-GiB KV pool still costs nothing until used. Small tensors keep torch's allocator: a huge page would be
-mostly empty. `VLLM_NEURON_HUGE_PAGES=0` turns this off; where the kernel has THP off (`never`) or no
-MADV_HUGEPAGE, nothing changes.
+The KV pool stays in 4 KiB pages: its pages are backed on first touch, often inside a prefill step, and a
+2 MiB page per K/V tensor there cost P2's one-at-a-time requests 100-300 ms of TTFT (same day, 60 tensors).
+Small tensors keep torch's allocator: a huge page would be mostly empty. `VLLM_NEURON_HUGE_PAGES=0` turns
+this off; where the kernel has THP off (`never`) or no MADV_HUGEPAGE, nothing changes.
 """
 from __future__ import annotations
 
@@ -51,8 +50,8 @@ def wanted(nbytes: int, device: torch.device) -> bool:
 
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A zeroed CPU tensor in memory asked for in huge pages, its start on a page boundary; pages are backed
-    on first touch. The tensor keeps its mapping alive."""
+    """A zeroed CPU tensor in memory asked for in huge pages, its start on a page boundary (backed on first
+    touch). The tensor keeps its mapping alive."""
     nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
     m = mmap.mmap(-1, nbytes + PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     m.madvise(mmap.MADV_HUGEPAGE)

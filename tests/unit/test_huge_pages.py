@@ -96,15 +96,3 @@ def test_move_parameters_keeps_values_and_ties(monkeypatch):
     for n, p in model.state_dict().items():
         assert torch.equal(p, before[n]), n
 
-
-def test_the_kv_pool_takes_huge_pages_when_big(monkeypatch):
-    from vllm_neuron.worker.runner_base import _zeros
-
-    _force(monkeypatch, True)
-    pool = _zeros((4096, 4, 64), torch.bfloat16, torch.device("cpu"))  # 2 MiB: below the floor
-    assert "hg" not in _vm_flags(pool.data_ptr()) and not pool.any()
-    pool = _zeros((65536, 4, 64), torch.bfloat16, torch.device("cpu"))  # 32 MiB
-    assert pool.data_ptr() % huge_pages.PAGE == 0 and "hg" in _vm_flags(pool.data_ptr()) and not pool.any()
-    _force(monkeypatch, False)
-    pool = _zeros((65536, 4, 64), torch.bfloat16, torch.device("cpu"))
-    assert "hg" not in _vm_flags(pool.data_ptr())

@@ -56,8 +56,6 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     and a multi-GiB cache costs nothing until used (torch.zeros would touch every page at start)."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    if huge_pages.wanted(torch.Size(shape).numel() * torch.finfo(dtype).bits // 8, device):
-        return huge_pages.zeros(shape, dtype)
     bits = torch.finfo(dtype).bits
     raw = np.zeros(shape, dtype={8: np.int8, 16: np.int16, 32: np.int32, 64: np.int64}[bits])
     return torch.from_numpy(raw).view(dtype)
