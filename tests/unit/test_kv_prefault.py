@@ -80,12 +80,13 @@ def test_idle_sweeps_go_in_small_pieces_up_to_a_bound_ahead_of_the_newest_block(
     bs, nb = 4, 200
     pool = _pool(nb, bs)
     per_block = sum(t[:bs].nbytes for t in pool)
-    pf = KVPrefaulter(pool, bs, nb, chunk_bytes=8 * per_block, idle_ahead_chunks=2, idle_parts=4)
+    pf = KVPrefaulter(pool, bs, nb, chunk_bytes=8 * per_block, idle_ahead_bytes=16 * per_block,
+                      idle_piece_bytes=2 * per_block)
     pieces = 0
     while pf.sweep_idle():
         pieces += 1
-        assert pf.frontier == 2 * pieces  # a quarter of a step's chunk at a time
-    assert pf.frontier == 16  # two chunks past "no block seen yet"
+        assert pf.frontier == 2 * pieces  # a piece at a time
+    assert pf.frontier == 16  # idle_ahead_bytes past "no block seen yet"
     pf.before_step([[40]])  # a step past the frontier sweeps at least to its newest block
     assert pf.frontier == 41
     while pf.sweep_idle():

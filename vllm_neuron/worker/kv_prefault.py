@@ -12,11 +12,13 @@ blocks at the back), so a frontier in block ids is enough: before a step whose n
 the frontier, the blocks from the frontier on are swept, at least a chunk of them. The sweep ORs each byte
 with 0: every page is written, and a block that somehow holds data already keeps it.
 
-A sweep inside a step delays that step (64 MiB took 0.1-0.35 s here), so an idle engine sweeps ahead too
-(`sweep_idle`, called between polls while no request runs), up to `idle_ahead_chunks` step-sized chunks past the
-newest block seen. Its pieces are small (2 MiB by default): a request that arrives meanwhile waits for the piece
-under way, and 16 MiB pieces added 50-80 ms to the mean TTFT of one-at-a-time requests (P2), 2 MiB ones nothing
-measurable.
+A sweep inside a step delays that step (64 MiB took 0.1-0.35 s here, 0.25 s on a slow afternoon), so the
+step's chunk is small (8 MiB by default: 64 MiB ones put a quarter second into the first prefill of P3's cold
+run, whose mean TTFT was 199-229 ms against 137-143 with 8 MiB, 2026-12-04), and an idle engine sweeps ahead
+(`sweep_idle`, called once the engine has been idle a while, engine/core_proc.py), up to `idle_ahead_bytes`
+(512 MiB) past the newest block seen. Its pieces are small (2 MiB): a request that arrives meanwhile waits for
+the piece under way, and 16 MiB pieces added 50-80 ms to the mean TTFT of one-at-a-time requests (P2), 2 MiB
+ones nothing measurable.
 """
 from __future__ import annotations
 
@@ -44,7 +46,7 @@ class KVPrefaulter:
     of the blocks the steps use. chunk_bytes is the least a sweep writes over all tensors together."""
 
     def __init__(self, tensors: list[torch.Tensor], block_size: int, num_blocks: int, chunk_bytes: int,
-                 idle_ahead_chunks: int = 8, idle_parts: int = 32) -> None:
+                 idle_ahead_bytes: int = 512 << 20, idle_piece_bytes: int = 2 << 20) -> None:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.tensors = tensors
@@ -52,8 +54,8 @@ class KVPrefaulter:
         self.chunk = max(1, chunk_bytes // max(1, self.bytes_per_block))
         self.frontier = 0  # blocks below it have been swept (sweeps are contiguous from block 0)
         self.newest_seen = -1
-        self.idle_ahead = idle_ahead_chunks * self.chunk
-        self.idle_chunk = max(1, self.chunk // idle_parts)
+        self.idle_ahead = max(1, idle_ahead_bytes // max(1, self.bytes_per_block))
+        self.idle_chunk = max(1, idle_piece_bytes // max(1, self.bytes_per_block))
 
     def before_step(self, block_tables: Iterable[list[int]]) -> None:
         """Backs the pages of every block the step's tables reach (each table's last block is its newest)."""
