@@ -70,15 +70,10 @@ def copy(t: torch.Tensor) -> torch.Tensor:
 
 
 def move_parameters_(model: nn.Module) -> tuple[int, int]:
-    """Moves every big CPU parameter and buffer of `model` into huge pages in place (a tied weight once: it is
-    one Parameter); returns (tensors moved, bytes)."""
+    """Moves every big CPU parameter and buffer of `model` into huge pages in place (a tied weight once:
+    `parameters()` yields each Parameter once); returns (tensors moved, bytes)."""
     moved = nbytes = 0
-    tensors = [p for p in model.parameters()] + [b for b in model.buffers()]
-    seen: set[int] = set()
-    for t in tensors:
-        if id(t) in seen:
-            continue
-        seen.add(id(t))
+    for t in [*model.parameters(), *model.buffers()]:
         data = t.data
         new = copy(data) if data.is_contiguous() else data  # a strided view may share its storage on purpose
         if new is not data:

@@ -83,8 +83,9 @@ def _loop(core, inp: zmq.Socket, out: zmq.Socket, metrics, log_stats: bool = Tru
     idle_work = True  # idle time may have work to fill: poll without blocking until it says it has none
     last_busy = time.monotonic()
     while True:
-        timeout = poll_timeout_ms(core.has_unfinished(), idle_work, time.monotonic() - last_busy,
-                                  _idle_timeout_ms(stats_logger))
+        busy = core.has_unfinished()  # the stats line's wait only matters to an idle engine
+        timeout = poll_timeout_ms(busy, idle_work, time.monotonic() - last_busy,
+                                  None if busy else _idle_timeout_ms(stats_logger))
         handled = False
         while poller.poll(timeout):
             msg = pickle.loads(inp.recv())

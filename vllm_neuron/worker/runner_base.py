@@ -157,7 +157,7 @@ class ModelRunnerBase:
             layers, before, after = quantize_linears_(self.model, scheme)
             logger.info("Weight-only %s: %d linear layers, %.1f MiB -> %.1f MiB (%s kernel for decode)", scheme,
                         layers, before / 2**20, after / 2**20, "custom" if self.use_quant_kernels else "no")
-        if huge_pages.wanted(huge_pages.MIN_BYTES, self.device):
+        if self.device.type == "cpu" and huge_pages.available():
             moved, nbytes = huge_pages.move_parameters_(self.model)
             logger.info("Weights in 2 MiB pages: %d tensors, %.1f MiB (VLLM_NEURON_HUGE_PAGES=0 keeps 4 KiB ones)",
                         moved, nbytes / 2**20)
