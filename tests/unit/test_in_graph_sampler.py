@@ -217,3 +217,73 @@ def test_eager_calls_take_a_python_branch_not_torch_cond(monkeypatch):
     assert torch.equal(apply_token_bitmask(logits, constrained), masked)
     assert masked[2].isfinite().nonzero().flatten().tolist() == [1, 2]
     assert torch.equal(masked[[0, 1, 3]], logits[[0, 1, 3]])
+
+
+@pytest.fixture
+def sampler_kernels():
+    """The runner's switch to the CPU mask and argmax kernels (kernels/token_mask.cpp), on for one test."""
+    from vllm_neuron.model.layers import in_graph_sampler, kernels
+
+    assert kernels.kernels_enabled(torch.device("cpu")), "the custom CPU kernels failed to build (see the log)"
+    in_graph_sampler.set_sampler_kernels(True)
+    yield
+    in_graph_sampler.set_sampler_kernels(False)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("vocab", [1, 15, 33, 1000, 49152])
+def test_kernel_argmax_is_torch_argmax_on_ties_nan_and_minus_inf(sampler_kernels, dtype, vocab):
+    g = torch.Generator().manual_seed(vocab)
+    x = torch.randn(6, vocab, generator=g).to(dtype)
+    x[1, vocab // 2] = x[1].max()  # a tie: the first index wins
+    x[2] = float("-inf")
+    x[3, vocab - 1] = float("inf")
+    if vocab > 3:
+        x[4, 2] = float("nan")  # a NaN wins over everything, the first one
+        x[4, vocab - 1] = float("nan")
+    x[5] = x[5, 0]  # a constant row
+    got = greedy_in_graph(x)
+    assert got.dtype == torch.long and torch.equal(got, torch.argmax(x, dim=-1))
+    torch._dynamo.reset()  # one compile per case, past dynamo's recompile limit
+    compiled = torch.compile(greedy_in_graph, fullgraph=True, dynamic=False)
+    assert torch.equal(compiled(x), torch.argmax(x, dim=-1))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_kernel_bitmask_masks_in_place_exactly_as_the_unpack(sampler_kernels, dtype):
+    from vllm_neuron.model.layers.in_graph_sampler import _masked
+
+    g = torch.Generator().manual_seed(5)
+    b, v = 4, 70  # the last word partly past the vocabulary
+    logits = torch.randn(b, v, generator=g).to(dtype)
+    bitmask = torch.randint(-2**31, 2**31 - 1, (b, 3), generator=g, dtype=torch.int64).to(torch.int32)
+    bitmask[0] = -1  # unconstrained
+    bitmask[2] = 0  # nothing allowed
+    bitmask[3, 0] = 0b1011
+    expected = _masked(logits, bitmask)
+    assert torch.equal(expected[0], logits[0]) and torch.isinf(expected[2]).all()
+    x = logits.clone()
+    out = apply_token_bitmask(x, bitmask)
+    assert out.data_ptr() == x.data_ptr() and torch.equal(out, expected)
+    compiled = torch.compile(lambda lg, bm: greedy_in_graph(apply_token_bitmask(lg.clone(), bm)), fullgraph=True)
+    assert torch.equal(compiled(logits, bitmask), torch.argmax(expected, dim=-1))
+    with pytest.raises(RuntimeError, match="bitmask must be"):
+        torch.ops.vllm_neuron.apply_token_bitmask_(logits.clone(), bitmask[:, :2].contiguous())
+
+
+def test_kernel_sampler_matches_the_torch_sampler(sampler_kernels):
+    """Greedy and random rows give the same tokens with the kernels on as off, on bf16 logits."""
+    from vllm_neuron.model.layers import in_graph_sampler
+
+    torch.manual_seed(11)
+    logits = (torch.randn(8, 3000) * 3).bfloat16()
+    temp = torch.tensor([0.0, 0.7, 0.0, 1.2, 0.0, 0.0, 0.9, 0.0])
+    top_k, top_p = torch.tensor([0, 20, 0, 0, 5, 0, 50, 0]), torch.tensor([1.0, 0.9, 1.0, 0.8, 1.0, 1.0, 1.0, 1.0])
+    u = torch.rand(8)
+    runs = {}
+    for on in (True, False):
+        in_graph_sampler.set_sampler_kernels(on)
+        runs[on] = [sample_in_graph(logits, t, top_k, top_p, u, max_top_k=64) for t in (temp, torch.zeros(8))]
+    in_graph_sampler.set_sampler_kernels(True)
+    assert all(torch.equal(a, b) for a, b in zip(runs[True], runs[False]))
+    assert torch.equal(runs[True][1], logits.float().argmax(-1))

@@ -83,14 +83,14 @@ class StepGraphs:
                 logits_indices, bitmask, temperature, top_k, top_p, uniform, kv_caches, groups=()):
         meta = self.prefill_meta(slot_mapping, positions, query_seq, attn_a, attn_b)
         hidden = self._forward(input_ids, positions, kv_caches, meta, self._group_metas(meta, groups, True))
-        logits = self.model.compute_logits(hidden[logits_indices]).float()
+        logits = self.model.compute_logits(hidden[logits_indices])
         return self._sample(logits, bitmask, temperature, top_k, top_p, uniform)
 
     def decode(self, input_ids, positions, slot_mapping, block_tables,
                bitmask, temperature, top_k, top_p, uniform, kv_caches, groups=()):
         meta = self.decode_meta(slot_mapping, block_tables, positions)
         hidden = self._forward(input_ids, positions, kv_caches, meta, self._group_metas(meta, groups, False))
-        logits = self.model.compute_logits(hidden).float()
+        logits = self.model.compute_logits(hidden)
         return self._sample(logits, bitmask, temperature, top_k, top_p, uniform)
 
 
@@ -120,7 +120,7 @@ class StepGraphsV2(StepGraphs):
                 top_k, top_p, seed, kv_caches, groups=()):
         meta = self.prefill_meta(slot_mapping, positions, query_seq, attn_a, attn_b)
         hidden = self._forward(input_ids, positions, kv_caches, meta, self._group_metas(meta, groups, True))
-        logits = self.model.compute_logits(hidden[logits_indices]).float()
+        logits = self.model.compute_logits(hidden[logits_indices])
         next_pos = positions[logits_indices] + 1  # where the sampled token will sit
         tokens, logits = self._sample_rows(logits, bitmask, sample_slots, next_pos, temperature, top_k, top_p,
                                            seed)
@@ -141,7 +141,7 @@ class StepGraphsV2(StepGraphs):
         meta = self.decode_meta(slot_mapping, tables, pos)
         hidden = self._forward(ids, pos, kv_caches, meta, self._group_metas(meta, [rows(t) for t in group_tables],
                                                                             False))
-        logits = self.model.compute_logits(hidden).float()
+        logits = self.model.compute_logits(hidden)
         tokens, logits = self._sample_rows(logits, bitmask, row_slots, pos + 1, temperature, top_k, top_p, seed)
         self._write_token_state(row_slots, tokens, pos + 1, last_token, position)
         return tokens, logits

@@ -12,7 +12,7 @@ class MultimodalStepGraphs(StepGraphs):
         meta = self.prefill_meta(slot_mapping, positions, query_seq, attn_a, attn_b)
         x = self.model.embed(input_ids, mm_embeds, mm_mask)
         hidden = self.model(input_ids, rope_positions, kv_caches, meta, inputs_embeds=x, deepstack=deepstack)
-        logits = self.model.compute_logits(hidden[logits_indices]).float()
+        logits = self.model.compute_logits(hidden[logits_indices])
         return self._sample(logits, bitmask, temperature, top_k, top_p, uniform)
 
     def decode(self, input_ids, positions, slot_mapping, block_tables, bitmask, temperature, top_k, top_p,
@@ -20,7 +20,7 @@ class MultimodalStepGraphs(StepGraphs):
         meta = self.decode_meta(slot_mapping, block_tables, positions)
         rope = (positions + rope_delta)[None].expand(3, -1)
         hidden = self.model(input_ids, rope, kv_caches, meta)
-        logits = self.model.compute_logits(hidden).float()
+        logits = self.model.compute_logits(hidden)
         return self._sample(logits, bitmask, temperature, top_k, top_p, uniform)
 
     def encode(self, pixels, interp_idx, interp_w, rot_pos, segment):

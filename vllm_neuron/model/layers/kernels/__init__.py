@@ -33,7 +33,8 @@ from vllm_neuron.logger import init_logger
 
 logger = init_logger(__name__)
 
-_SOURCES = ("paged_attention.cpp", "linear_bf16.cpp", "linear_quant.cpp", "linear_amx.cpp", "linear_dot_tiles.cpp")
+_SOURCES = ("paged_attention.cpp", "linear_bf16.cpp", "linear_quant.cpp", "linear_amx.cpp", "linear_dot_tiles.cpp",
+            "token_mask.cpp")
 _HEADERS = ("simd.h", "attention_tiles.h", "int8_vnni.h", "online_softmax.h", "amx_tiles.h", "attention_bf16.h",
             "attention_amx.h", "attention_decode.h", "attention_split.h", "cache_elems.h", "tile_linear_args.h")
 _FLAGS = ("-O3", "-fopenmp", "-ffast-math", "-fno-finite-math-only", "-fPIC", "-std=c++17")
@@ -169,6 +170,10 @@ def _load() -> bool:
     for name in ("linear_int8", "linear_int4"):
         if _has_op(name):
             torch.library.register_fake(f"vllm_neuron::{name}")(lambda x, q, scale: x.new_empty((x.shape[0], q.shape[0])))
+    if _has_op("greedy_argmax"):
+        torch.library.register_fake("vllm_neuron::apply_token_bitmask_")(lambda logits, bitmask: None)
+        torch.library.register_fake("vllm_neuron::greedy_argmax")(
+            lambda logits: logits.new_empty((logits.shape[0],), dtype=torch.long))
     if _has_op("unpack_int8"):
         torch.library.register_fake("vllm_neuron::unpack_int8")(lambda q, dtype: q.new_empty(q.shape, dtype=dtype))
         torch.library.register_fake("vllm_neuron::unpack_int4")(
