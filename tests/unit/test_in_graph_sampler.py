@@ -2,7 +2,18 @@
 import pytest
 import torch
 
+from vllm_neuron.model.layers import in_graph_sampler
 from vllm_neuron.model.layers.in_graph_sampler import apply_token_bitmask, greedy_in_graph, sample_in_graph
+
+
+@pytest.fixture(autouse=True)
+def torch_sampler():
+    """The torch paths unless a test asks for the kernels: an engine built by an earlier test in this process
+    leaves the runner's switch on."""
+    before = in_graph_sampler._cpu_kernels_on
+    in_graph_sampler.set_sampler_kernels(False)
+    yield
+    in_graph_sampler.set_sampler_kernels(before)
 
 
 def _params(b, temperature=1.0, top_k=0, top_p=1.0):
@@ -226,8 +237,6 @@ def sampler_kernels():
 
     assert kernels.kernels_enabled(torch.device("cpu")), "the custom CPU kernels failed to build (see the log)"
     in_graph_sampler.set_sampler_kernels(True)
-    yield
-    in_graph_sampler.set_sampler_kernels(False)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -273,8 +282,6 @@ def test_kernel_bitmask_masks_in_place_exactly_as_the_unpack(sampler_kernels, dt
 
 def test_kernel_sampler_matches_the_torch_sampler(sampler_kernels):
     """Greedy and random rows give the same tokens with the kernels on as off, on bf16 logits."""
-    from vllm_neuron.model.layers import in_graph_sampler
-
     torch.manual_seed(11)
     logits = (torch.randn(8, 3000) * 3).bfloat16()
     temp = torch.tensor([0.0, 0.7, 0.0, 1.2, 0.0, 0.0, 0.9, 0.0])
