@@ -203,9 +203,9 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Te
     """Masks disallowed tokens to -inf. bitmask [B, ceil(V / 32)] int32, bit j of word w allows token
     32 * w + j (xgrammar's layout); an all-ones row (-1 words) allows everything. Static shapes.
     On the CPU kernels the mask goes into `logits` IN PLACE (callers pass a tensor of their own, the graphs'
-    fresh logits), touching only words that forbid something. Elsewhere a batch without constraints (every word -1) branches past the
-    per-token unpack (`torch.cond`, whose untaken side must copy): the unpack was ~0.8 ms of every ~20 ms
-    decode_b16 step of the bundled model (16 rows x 49,152 tokens; AMD EPYC, 2 cores)."""
+    fresh logits), touching only words that forbid something. Elsewhere a batch without constraints (every
+    word -1) branches past the per-token unpack (`torch.cond`, whose untaken side must copy): the unpack was
+    ~0.8 ms of every ~20 ms decode_b16 step of the bundled model (16 rows x 49,152 tokens; AMD EPYC, 2 cores)."""
     if _cpu_kernels(logits) and logits.is_contiguous() and bitmask.is_contiguous() and bitmask.dtype == torch.int32:
         torch.ops.vllm_neuron.apply_token_bitmask_(logits, bitmask)
         return logits

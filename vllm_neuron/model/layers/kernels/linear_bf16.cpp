@@ -92,15 +92,13 @@ template <typename Op, int MB>
 void rows(const typename Op::T* x, const typename Op::T* w, typename Op::T* y, int64_t K, int64_t N) {
   constexpr int S = MB <= 2 ? 2 : 1;
   // The weight row kRowsAhead on is prefetched line by line while this one is read: the hardware prefetcher
-  // alone left one step's linears (121 calls, each stream starting cold) at 6.6-6.8 ms for 1 row and 8.2-8.9
-  // for 4, against 4.6-6.1 and 4.9-6.2 with 6-8 rows ahead (2 threads, Zen 5, weights from memory, 2026-12-04).
+  // alone left one step's linears (121 calls, each stream starting cold) at 4.7-6.8 ms for 1 row and 7.0-8.9
+  // for 4, against 4.3-6.1 and 4.5-6.2 with 6-8 rows ahead (2 threads, Zen 5, weights from memory, 2026-12-04).
   constexpr int64_t kRowsAhead = 8;
   at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n) {
-      if (n + kRowsAhead < n1)
-        tile<Op, MB, 1, S>(x, w, y, K, N, 0, n, w + (n + kRowsAhead) * K, 1);
-      else
-        tile<Op, MB, 1, S>(x, w, y, K, N, 0, n);
+      const bool ahead = n + kRowsAhead < n1;
+      tile<Op, MB, 1, S>(x, w, y, K, N, 0, n, ahead ? w + (n + kRowsAhead) * K : nullptr, ahead ? 1 : 0);
     }
   });
 }

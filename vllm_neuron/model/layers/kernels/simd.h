@@ -29,7 +29,11 @@ struct Vec {
   static R set1(float v) { return _mm512_set1_ps(v); }
   static R fma(R a, R b, R c) { return _mm512_fmadd_ps(a, b, c); }
   static R add(R a, R b) { return _mm512_add_ps(a, b); }
+  static R max(R a, R b) { return _mm512_max_ps(a, b); }
   static float sum(R v) { return _mm512_reduce_add_ps(v); }
+  static float reduce_max(R v) { return _mm512_reduce_max_ps(v); }
+  static uint32_t nan_lanes(R v) { return _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q); }  // bit i: lane i is NaN
+  static uint32_t eq_lanes(R a, R b) { return _mm512_cmp_ps_mask(a, b, _CMP_EQ_OQ); }
   // The sums of four vectors at once (a third of four separate reductions' shuffles).
   static __m128 sum4(R a, R b, R c, R d) {
     const R ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));  // a b a b per 128-bit lane
@@ -61,6 +65,14 @@ struct Vec {
   static R set1(float v) { return _mm256_set1_ps(v); }
   static R fma(R a, R b, R c) { return _mm256_fmadd_ps(a, b, c); }
   static R add(R a, R b) { return _mm256_add_ps(a, b); }
+  static R max(R a, R b) { return _mm256_max_ps(a, b); }
+  static float reduce_max(R v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+  }
+  static uint32_t nan_lanes(R v) { return _mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)); }
+  static uint32_t eq_lanes(R a, R b) { return _mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_EQ_OQ)); }
   static float sum(R v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
