@@ -331,6 +331,73 @@ def test_small_batch_rows_per_cpu_class():
     assert K.small_batch_rows("generic", torch.float32) == 4  # no linear kernel in that build
 
 
+def _silu_reference(h: torch.Tensor) -> torch.Tensor:
+    gate, up = h.double().chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+# Row counts below and above the split between threads (16,384 elements a thread at least), odd widths.
+@pytest.mark.parametrize("rows", [1, 7, 16, 32, 33, 128, 513])
+@pytest.mark.parametrize("inter", [1536, 576, 7])
+def test_silu_and_mul_is_rounded_once_from_fp32(rows, inter):
+    g = torch.Generator().manual_seed(rows * 1000 + inter)
+    h = (torch.randn(rows, 2 * inter, generator=g) * 6).to(torch.bfloat16)
+    out = torch.ops.vllm_neuron.silu_and_mul(h)
+    ref = _silu_reference(h)
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, inter)
+    # Within one bf16 step (2^-8 relative) of the exact value wherever it is a normal number; below ~1e-30
+    # (gates under -70) exp's polynomial underflows first, which no sum of activations can see.
+    torch.testing.assert_close(out.double(), ref, rtol=2 ** -8, atol=1e-30)
+    # and mostly the same rounding as torch's fp32 silu * up: a few values on a rounding boundary differ
+    torch_bf16 = (F.silu(h.float().chunk(2, -1)[0]) * h.float().chunk(2, -1)[1]).to(torch.bfloat16)
+    assert (out != torch_bf16).float().mean() < 0.01
+
+
+def test_silu_and_mul_keeps_leading_dims_and_special_values():
+    h = torch.tensor([[0.0, -0.0, 3.0, -3.0, 100.0, float("nan"), 1.0, 1.0, 2.0, 2.0, 1.0, 1.0]]).bfloat16()
+    out = torch.ops.vllm_neuron.silu_and_mul(h.view(1, 1, 12))
+    assert out.shape == (1, 1, 6)
+    expected = _silu_reference(h)[0]
+    torch.testing.assert_close(out.view(6)[:5].double(), expected[:5], rtol=2 ** -8, atol=0)
+    assert torch.isnan(out.view(6)[5])
+    non_contiguous = torch.randn(8, 2 * 64).bfloat16().t().contiguous().t()
+    torch.testing.assert_close(torch.ops.vllm_neuron.silu_and_mul(non_contiguous).double(),
+                               _silu_reference(non_contiguous), rtol=2 ** -8, atol=1e-30)
+
+
+def test_silu_and_mul_refuses_what_it_cannot_compute():
+    with pytest.raises(RuntimeError, match="silu_and_mul takes bf16"):
+        torch.ops.vllm_neuron.silu_and_mul(torch.randn(2, 8))
+    with pytest.raises(RuntimeError, match="even last dimension"):
+        torch.ops.vllm_neuron.silu_and_mul(torch.randn(2, 7).bfloat16())
+
+
+def test_mlp_activation_takes_the_kernel_for_bf16_only(monkeypatch):
+    from vllm_neuron.model.layers import activation as A
+
+    calls = []
+    kernel = torch.ops.vllm_neuron.silu_and_mul
+    monkeypatch.setattr(A, "_cpu_kernel_on", True)
+    monkeypatch.setattr(torch.ops.vllm_neuron, "silu_and_mul", lambda h: calls.append(h.dtype) or kernel(h),
+                        raising=False)
+    h = torch.randn(5, 2 * 96)
+    gate, up = h.chunk(2, dim=-1)
+    assert torch.equal(A.silu_and_mul(h), F.silu(gate) * up)  # fp32: torch's own, bit for bit
+    torch.testing.assert_close(A.silu_and_mul(h.bfloat16()).double(), _silu_reference(h.bfloat16()),
+                               rtol=2 ** -8, atol=1e-30)
+    assert calls == [torch.bfloat16]
+    monkeypatch.setattr(A, "_cpu_kernel_on", False)
+    A.silu_and_mul(h.bfloat16())
+    assert calls == [torch.bfloat16]
+
+
+def test_silu_and_mul_inside_a_compiled_graph():
+    torch._dynamo.reset()
+    f = torch.compile(lambda h: torch.ops.vllm_neuron.silu_and_mul(h) * 2, dynamic=False, fullgraph=True)
+    h = torch.randn(16, 2 * 576).bfloat16()
+    assert torch.equal(f(h), torch.ops.vllm_neuron.silu_and_mul(h) * 2)
+
+
 def test_variant_detection():
     assert K.detect_variant({"avx512_bf16", "avx512bw", "avx2", "fma", "f16c"}) == "avx512bf16"
     assert K.detect_variant({"avx2", "fma", "f16c", "avx512f"}) == "avx2"
@@ -355,8 +422,9 @@ def test_forced_avx2_build_passes_the_same_checks(tmp_path):
 @pytest.mark.slow
 @pytest.mark.skipif(bool(os.environ.get("VLLM_NEURON_CPU_ISA")), reason="already the forced run")
 def test_forced_generic_build_passes_the_attention_checks(tmp_path):
-    """The baseline build (no linear kernels) runs the paged attention with sinks and windows like the others."""
-    _forced_run("generic", "paged_attention and not forced", tmp_path)
+    """The baseline build (no linear kernels) runs the paged attention with sinks and windows, and the MLP
+    activation, like the others."""
+    _forced_run("generic", "(paged_attention or silu) and not forced", tmp_path)
 
 
 def _forced_run(variant: str, select: str, tmp_path, *more_files: str) -> subprocess.CompletedProcess:

@@ -28,6 +28,7 @@ from vllm_neuron.model.layers import kv_quant, quant_fp8
 from vllm_neuron.model.layers import packed_weights
 from vllm_neuron.model.layers.kernels import (cpu_flags, describe_kernels, kernel_variant, kernels_enabled, linear_kernel_rows,
                                               quant_kernels_available)
+from vllm_neuron.model.layers.activation import set_activation_kernel
 from vllm_neuron.model.layers.in_graph_sampler import set_sampler_kernels
 from vllm_neuron.model.layers.linear import (make_linears_fp8_, quantize_linears_, set_prepacked,
                                              set_quant_kernels, set_small_batch_kernel)
@@ -97,6 +98,7 @@ class ModelRunnerBase:
                              f"checkpoint whose weights are already quantized ({self.ckpt_scheme}); remove it")
         self.use_kernels = kernels_enabled(device)  # sinks and sliding windows included
         set_sampler_kernels(self.use_kernels)
+        set_activation_kernel(self.use_kernels)
         kernel_rows = linear_kernel_rows(device)
         self.linear_kernel_rows = kernel_rows.get(self.dtype, 0)
         set_small_batch_kernel(frozenset(kernel_rows), self.linear_kernel_rows)

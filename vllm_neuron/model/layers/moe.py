@@ -18,9 +18,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from vllm_neuron.model.layers.activation import silu_and_mul
 from vllm_neuron.model.layers.mxfp4 import GROUP, dequantize_mxfp4
 
 
@@ -38,11 +38,6 @@ def topk_softmax(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.
     """gpt-oss routing: top-k of the logits, softmax over those k."""
     values, ids = torch.topk(logits, top_k, dim=-1)
     return torch.softmax(values, dim=-1, dtype=values.dtype), ids
-
-
-def silu_and_mul(h: torch.Tensor) -> torch.Tensor:
-    gate, up = h.chunk(2, dim=-1)
-    return F.silu(gate) * up
 
 
 class StackedExperts(nn.Module):

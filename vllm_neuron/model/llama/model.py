@@ -7,12 +7,12 @@ and attention (`LlamaDecoderLayer.make_mlp` / `make_attention`).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from vllm_neuron.distributed import parallel_state as ps
 from vllm_neuron.model.base import CausalLM, ModelSpec, Target
 from vllm_neuron.model.layer_region import layer_region
+from vllm_neuron.model.layers.activation import silu_and_mul
 from vllm_neuron.model.layers.attention import AttentionMetadata, paged_attention
 from vllm_neuron.model.layers.linear import Linear
 from vllm_neuron.model.layers.norm import RMSNorm
@@ -74,8 +74,7 @@ class LlamaMLP(nn.Module):
             mark_added_once(self.down_proj.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return all_reduce(self.down_proj(F.silu(gate) * up))
+        return all_reduce(self.down_proj(silu_and_mul(self.gate_up_proj(x))))
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -34,7 +34,7 @@ from vllm_neuron.logger import init_logger
 logger = init_logger(__name__)
 
 _SOURCES = ("paged_attention.cpp", "linear_bf16.cpp", "linear_quant.cpp", "linear_amx.cpp", "linear_dot_tiles.cpp",
-            "token_mask.cpp")
+            "token_mask.cpp", "activation.cpp")
 _HEADERS = ("simd.h", "attention_tiles.h", "int8_vnni.h", "online_softmax.h", "amx_tiles.h", "attention_bf16.h",
             "attention_amx.h", "attention_decode.h", "attention_split.h", "cache_elems.h", "tile_linear_args.h")
 _FLAGS = ("-O3", "-fopenmp", "-ffast-math", "-fno-finite-math-only", "-fPIC", "-std=c++17")
@@ -174,6 +174,9 @@ def _load() -> bool:
         torch.library.register_fake("vllm_neuron::apply_token_bitmask_")(lambda logits, bitmask: None)
         torch.library.register_fake("vllm_neuron::greedy_argmax")(
             lambda logits: logits.new_empty((logits.shape[0],), dtype=torch.long))
+    if _has_op("silu_and_mul"):
+        torch.library.register_fake("vllm_neuron::silu_and_mul")(
+            lambda h: h.new_empty((*h.shape[:-1], h.shape[-1] // 2)))
     if _has_op("unpack_int8"):
         torch.library.register_fake("vllm_neuron::unpack_int8")(lambda q, dtype: q.new_empty(q.shape, dtype=dtype))
         torch.library.register_fake("vllm_neuron::unpack_int4")(
