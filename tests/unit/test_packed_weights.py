@@ -90,7 +90,8 @@ def _forged(layer: L.Linear) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("compiled", [False, True])
-def test_the_layer_takes_the_reordered_weight_only_when_switched_on_and_above_the_kernel_rows(compiled):
+def test_the_layer_takes_the_reordered_weight_only_when_switched_on_and_above_the_kernel_rows(compiled, monkeypatch):
+    monkeypatch.setattr(P, "_tile_rows_in_cpp", 0)  # a CPU without tile kernels: oneDNN's copy alone
     torch.manual_seed(1)
     layer = L.Linear(64, 48, bias=False).bfloat16().requires_grad_(False)
     _forged(layer)
@@ -182,7 +183,7 @@ def test_without_amx_the_tile_copy_serves_every_row_and_oneDNN_gets_no_copy(comp
     layer = L.Linear(64, 48, bias=False).bfloat16().requires_grad_(False)
     w = layer.weight
     # a forged copy (2w) tells which path ran
-    P._packed[w.data_ptr()] = (w.shape, None, P.pack_tiles(2 * w), op, rows)
+    P.register(w, None, P.pack_tiles(2 * w), op, rows)
     fn = torch.compile(layer, backend="inductor", fullgraph=True) if compiled else layer
     try:
         L.set_prepacked(True)
@@ -193,7 +194,7 @@ def test_without_amx_the_tile_copy_serves_every_row_and_oneDNN_gets_no_copy(comp
     finally:
         L.set_prepacked(False)
         torch._dynamo.reset()
-        P._packed.pop(w.data_ptr())
+        P.forget(w.data_ptr())
 
 
 @_tiles
@@ -203,8 +204,8 @@ def test_the_tile_copy_serves_up_to_its_rows_and_the_reordered_copy_above(compil
     layer = L.Linear(64, 48, bias=False).bfloat16().requires_grad_(False)
     w = layer.weight
     # forged copies (2w for the tile kernel, 3w for oneDNN) tell which path ran
-    P._packed[w.data_ptr()] = (w.shape, torch.ops.mkldnn._reorder_linear_weight(3 * w, 16), P.pack_tiles(2 * w),
-                               torch.ops.vllm_neuron.linear_amx, P._AMX_ROWS)
+    P.register(w, torch.ops.mkldnn._reorder_linear_weight(3 * w, 16), P.pack_tiles(2 * w),
+               torch.ops.vllm_neuron.linear_amx, P._AMX_ROWS)
     fn = torch.compile(layer, backend="inductor", fullgraph=True) if compiled else layer
     try:
         L.set_prepacked(True)
@@ -215,7 +216,7 @@ def test_the_tile_copy_serves_up_to_its_rows_and_the_reordered_copy_above(compil
     finally:
         L.set_prepacked(False)
         torch._dynamo.reset()
-        P._packed.pop(w.data_ptr())
+        P.forget(w.data_ptr())
 
 
 @_tiles
@@ -245,3 +246,42 @@ def test_an_amx_tile_kernel_that_cannot_run_leaves_its_rows_to_the_dot_kernel_or
         monkeypatch.undo()
         P.tile_kernel_built.cache_clear()
     assert P.tile_kernel_built()
+
+
+@_any_tiles
+def test_the_cpp_lookup_takes_the_registered_tile_copy_within_its_rows_and_f_linear_otherwise():
+    torch.manual_seed(5)
+    w = torch.randn(48, 64).bfloat16()
+    op, _ = P.tile_kernel()
+    lin = torch.ops.vllm_neuron.linear_tiles
+    x, x9 = torch.randn(8, 64).bfloat16(), torch.randn(9, 64).bfloat16()
+    P.register(w, None, P.pack_tiles(2 * w), op, 8)  # a forged copy (2w) tells which path ran
+    try:
+        torch.testing.assert_close(lin(x, w, None).float(), 2 * F.linear(x, w).float(), atol=2e-2, rtol=2 ** -7)
+        torch.testing.assert_close(lin(x9, w, None), F.linear(x9, w))  # more rows than the copy serves
+        torch.testing.assert_close(lin(x, w[:32], None), F.linear(x, w[:32]))  # another shape, same storage
+    finally:
+        P.forget(w.data_ptr())
+    torch.testing.assert_close(lin(x, w, None), F.linear(x, w))  # forgotten
+
+
+@_any_tiles
+def test_traced_layers_look_their_tile_copy_up_in_cpp():
+    """Within the tile kernel's rows a graph calls the C++ lookup, not the Python kernel: where the two
+    registries disagree (forged: 2w for C++, 3w for Python) the graph computes with 2w."""
+    torch.manual_seed(6)
+    layer = L.Linear(64, 48, bias=False).bfloat16().requires_grad_(False)
+    w = layer.weight
+    op, rows = P.tile_kernel()
+    P.register(w, None, P.pack_tiles(2 * w), op, rows)
+    P._packed[w.data_ptr()] = (w.shape, None, P.pack_tiles(3 * w), op, rows)
+    fn = torch.compile(layer, backend="inductor", fullgraph=True)
+    try:
+        L.set_prepacked(True)
+        torch._dynamo.reset()
+        x = torch.randn(16, 64).bfloat16()
+        torch.testing.assert_close(fn(x).float(), 2 * F.linear(x, w).float(), atol=2e-2, rtol=2 ** -7)
+    finally:
+        L.set_prepacked(False)
+        torch._dynamo.reset()
+        P.forget(w.data_ptr())

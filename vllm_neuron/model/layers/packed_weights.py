@@ -23,7 +23,9 @@ tile kernels cannot take (N not a multiple of 16, K of 32) gets oneDNN's reorder
 The copies live beside the plain weight (the weight-streaming kernel reads that one at one to four rows), in
 a registry keyed by the plain weight's storage: a graph passes the plain weight, which keeps its shapes and
 the compile cache's guards as they were, and the op finds the copies. A weight without copies (a process that
-did not pack) takes F.linear, so a cached graph computes the same either way.
+did not pack) takes F.linear, so a cached graph computes the same either way. Tile copies are also registered
+with a C++ lookup (kernels/linear_tile_copies.cpp) that graphs call within the tile kernel's rows: the Python
+kernel's lookup cost ~2.5 us a call.
 """
 from __future__ import annotations
 
@@ -88,11 +90,29 @@ def pack_linears_(model: nn.Module) -> tuple[int, int]:
         if w.data_ptr() not in _packed:
             reorder, tiles = _copies(w)
             op, rows = tile_kernel() if tiles else (None, 0)
-            _packed[w.data_ptr()] = (w.shape, torch.ops.mkldnn._reorder_linear_weight(w, _ROWS_HINT) if reorder
-                                     else None, pack_tiles(w) if tiles else None, op, rows)
-            weakref.finalize(w, _packed.pop, w.data_ptr(), None)
+            register(w, torch.ops.mkldnn._reorder_linear_weight(w, _ROWS_HINT) if reorder else None,
+                     pack_tiles(w) if tiles else None, op, rows)
+            weakref.finalize(w, forget, w.data_ptr())
             added += w.numel() * w.element_size() * (reorder + tiles)
     return len(weights), added
+
+
+def register(w: torch.Tensor, reordered: torch.Tensor | None, tiles: torch.Tensor | None, op: object,
+             rows: int) -> None:
+    """Makes `w`'s copies the ones its linears take: oneDNN's reordered copy, the tile copy for `op` up to
+    `rows` rows (also registered with the C++ lookup where it is built)."""
+    global _tile_rows_in_cpp
+    _packed[w.data_ptr()] = (w.shape, reordered, tiles, op, rows)
+    if tiles is not None and hasattr(torch.ops.vllm_neuron, "linear_tiles"):
+        torch.ops.vllm_neuron.register_tile_copy(w, tiles, op.__name__, rows)
+        _tile_rows_in_cpp = max(_tile_rows_in_cpp, rows)
+
+
+def forget(address: int) -> None:
+    """Drops the copies registered for the weight at `address`."""
+    _packed.pop(address, None)
+    if hasattr(torch.ops.vllm_neuron, "forget_tile_copy"):
+        torch.ops.vllm_neuron.forget_tile_copy(address)
 
 
 @functools.lru_cache(maxsize=1)
@@ -161,6 +181,8 @@ _linear_pointwise = torch.ops.mkldnn._linear_pointwise
 
 
 _NO_COPIES = (None, None, None, None, 0)
+# The most rows the tile copies registered with the C++ lookup serve (0: none registered).
+_tile_rows_in_cpp = 0
 
 
 def _linear_prepacked(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -183,5 +205,9 @@ def _(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tens
 
 
 def linear_prepacked(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [M, K] @ w[N, K]^T (+ bias) through w's packed copies when it has them."""
+    """x [M, K] @ w[N, K]^T (+ bias) through w's packed copies when it has them. Where tile copies are
+    registered with the C++ op and they serve x's rows (decided from shapes, when a graph is traced), the
+    graph calls that op (kernels/linear_tile_copies.cpp), which looks the copy up without Python."""
+    if 0 < x.shape[0] <= _tile_rows_in_cpp and w.shape[0] % 16 == 0 and w.shape[1] % 32 == 0:
+        return torch.ops.vllm_neuron.linear_tiles(x, w, bias)
     return torch.ops.vllm_neuron.linear_prepacked(x, w, bias)

@@ -34,7 +34,7 @@ from vllm_neuron.logger import init_logger
 logger = init_logger(__name__)
 
 _SOURCES = ("paged_attention.cpp", "linear_bf16.cpp", "linear_quant.cpp", "linear_amx.cpp", "linear_dot_tiles.cpp",
-            "token_mask.cpp", "activation.cpp")
+            "token_mask.cpp", "activation.cpp", "linear_tile_copies.cpp")
 _HEADERS = ("simd.h", "attention_tiles.h", "int8_vnni.h", "online_softmax.h", "amx_tiles.h", "attention_bf16.h",
             "attention_amx.h", "attention_decode.h", "attention_split.h", "cache_elems.h", "tile_linear_args.h")
 _FLAGS = ("-O3", "-fopenmp", "-ffast-math", "-fno-finite-math-only", "-fPIC", "-std=c++17")
@@ -174,6 +174,8 @@ def _load() -> bool:
         torch.library.register_fake("vllm_neuron::apply_token_bitmask_")(lambda logits, bitmask: None)
         torch.library.register_fake("vllm_neuron::greedy_argmax")(
             lambda logits: logits.new_empty((logits.shape[0],), dtype=torch.long))
+    if _has_op("linear_tiles"):
+        torch.library.register_fake("vllm_neuron::linear_tiles")(_linear_fake_b)
     if _has_op("silu_and_mul"):
         torch.library.register_fake("vllm_neuron::silu_and_mul")(
             lambda h: h.new_empty((*h.shape[:-1], h.shape[-1] // 2)))
@@ -186,6 +188,10 @@ def _load() -> bool:
 
 
 def _linear_fake(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((x.shape[0], w.shape[0]))
+
+
+def _linear_fake_b(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return x.new_empty((x.shape[0], w.shape[0]))
 
 
