@@ -7,8 +7,8 @@
 // output columns, and an outer product needs no reduction: each step broadcasts one input row's k-pair and
 // multiplies it into NB column blocks, 8 rows x NB blocks of fp32 sums in registers. A thread walks its
 // groups of NB column blocks front to back (one sequential stream per block), runs every 8-row block of the
-// input against a group while it sits in L1/L2, and prefetches the group after next spread over those row
-// blocks. One step's linears on the bundled model (30 layers, 2 threads, AMD EPYC Zen 5, weights from
+// input against a group while it sits in L1/L2, and prefetches a group ahead spread over those row blocks:
+// up to 16 rows the next group into L2 only, above the group after next into L1 (ToL2 below). One step's linears on the bundled model (30 layers, 2 threads, AMD EPYC Zen 5, weights from
 // memory): 5.2 vs 7.0 ms at 16 rows (weight-streaming kernel), 8.3 vs 12.1 at 32, 14.9 vs 20.8 at 64 and
 // 27.6 vs 32.9 at 128 (oneDNN reordered), 102 vs 109 at 512. The products are exact and summed in fp32; the
 // sums are rounded to bf16 once.
@@ -30,11 +30,17 @@ namespace {
 
 constexpr int64_t kBlockN = 16;  // output columns per packed block (one zmm of fp32 sums)
 constexpr int kRows = 8;         // input rows per register block: 8 x 3 blocks = 24 sums + 3 weights + 1 input
-constexpr int64_t kAhead = 2;    // groups prefetched ahead, as the weight-streaming kernel's bands
+// Up to kL2Rows rows the group after this one is prefetched into L2 (PREFETCHT1); above, the group after next
+// into L1. Prefetching into L1 two groups on (2 x 36 KiB at K = 576, while up to two row blocks re-read the
+// current group) evicts lines still in use: one step's linears of the bundled model (2 threads, Zen 5 EPYC,
+// in one process, alternating, three runs) took 11.2-11.7 vs 12.8-15.6 ms at 4 rows and 15.7-16.9 vs
+// 17.6-20.1 at 16; at 32 rows 26.6 vs 25.4 and at 64 53.2 vs 51.6, so L1 two on stays there. Without any
+// prefetch: 16.1 (8 rows) and 21.2 ms (16).
+constexpr int64_t kL2Rows = 16;
 
 // Rows x NB blocks over all of K. `pf`: `npf` cache lines to prefetch, spread evenly over the K steps by a
 // running credit (a division per step cost more than the prefetch saved).
-template <int Rows, int NB>
+template <int Rows, int NB, bool ToL2>
 void block(const uint16_t* x, int64_t K, const uint16_t* wg, int64_t block_elems, const uint16_t* bias,
            uint16_t* y, int64_t N, const char* pf, int64_t npf) {
   __m512 acc[Rows][NB];
@@ -46,7 +52,8 @@ void block(const uint16_t* x, int64_t K, const uint16_t* wg, int64_t block_elems
     __m512bh w[NB];
     for (int j = 0; j < NB; ++j)
       w[j] = (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(wg + j * block_elems + p * 32));
-    for (credit += npf; credit >= pairs; credit -= pairs) _mm_prefetch(pf + 64 * line++, _MM_HINT_T0);
+    for (credit += npf; credit >= pairs; credit -= pairs)
+      _mm_prefetch(pf + 64 * line++, ToL2 ? _MM_HINT_T1 : _MM_HINT_T0);
     for (int i = 0; i < Rows; ++i) {
       const __m512bh xi = (__m512bh)_mm512_set1_epi32(*reinterpret_cast<const int32_t*>(x + i * K + 2 * p));
       for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xi, w[j]);
@@ -62,7 +69,7 @@ void block(const uint16_t* x, int64_t K, const uint16_t* wg, int64_t block_elems
 
 // Every row of x against one group of NB column blocks; the prefetch of `pflines` lines from `pf` is shared
 // out over the row blocks.
-template <int NB>
+template <int NB, bool ToL2>
 void group(const uint16_t* x, const uint16_t* wg, const uint16_t* bias, uint16_t* y, int64_t M, int64_t K,
            int64_t N, const char* pf, int64_t pflines) {
   const int64_t block_elems = K * kBlockN, blocks = (M + kRows - 1) / kRows;
@@ -70,7 +77,7 @@ void group(const uint16_t* x, const uint16_t* wg, const uint16_t* bias, uint16_t
   const auto go = [&](auto rows) {
     constexpr int R = decltype(rows)::value;
     const int64_t l0 = t * pflines / blocks, l1 = (t + 1) * pflines / blocks;
-    block<R, NB>(x + m0 * K, K, wg, block_elems, bias, y + m0 * N, N, pf == nullptr ? nullptr : pf + 64 * l0,
+    block<R, NB, ToL2>(x + m0 * K, K, wg, block_elems, bias, y + m0 * N, N, pf == nullptr ? nullptr : pf + 64 * l0,
                  pf == nullptr ? 0 : l1 - l0);
     m0 += R;
     ++t;
@@ -89,7 +96,7 @@ void group(const uint16_t* x, const uint16_t* wg, const uint16_t* bias, uint16_t
 }
 
 // Groups of NB blocks (the last may hold fewer), split into one contiguous range per thread.
-template <int NB>
+template <int NB, bool ToL2>
 void run(const uint16_t* x, const uint16_t* packed, const uint16_t* bias, uint16_t* y, int64_t M, int64_t K,
          int64_t N) {
   const int64_t blocks = N / kBlockN, groups = (blocks + NB - 1) / NB, group_elems = NB * K * kBlockN;
@@ -98,15 +105,15 @@ void run(const uint16_t* x, const uint16_t* packed, const uint16_t* bias, uint16
       const int64_t n0 = g * NB * kBlockN, nb = std::min<int64_t>(NB, blocks - g * NB);
       const uint16_t* wg = packed + g * group_elems;
       const uint16_t* bg = bias == nullptr ? nullptr : bias + n0;
-      const int64_t ahead = g + kAhead;
+      const int64_t ahead = g + (ToL2 ? 1 : 2);
       const char* pf = ahead < g1 ? reinterpret_cast<const char*>(packed + ahead * group_elems) : nullptr;
       const int64_t pflines = ahead + 1 < groups ? group_elems * 2 / 64 : (blocks - ahead * NB) * K * kBlockN * 2 / 64;
       if (nb == NB)
-        group<NB>(x, wg, bg, y + n0, M, K, N, pf, pflines);
+        group<NB, ToL2>(x, wg, bg, y + n0, M, K, N, pf, pflines);
       else if (nb == 2)
-        group<2>(x, wg, bg, y + n0, M, K, N, nullptr, 0);
+        group<2, ToL2>(x, wg, bg, y + n0, M, K, N, nullptr, 0);
       else
-        group<1>(x, wg, bg, y + n0, M, K, N, nullptr, 0);
+        group<1, ToL2>(x, wg, bg, y + n0, M, K, N, nullptr, 0);
     }
   });
 }
@@ -124,10 +131,12 @@ at::Tensor linear_dot_tiles(const at::Tensor& x, const at::Tensor& packed, const
   auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
   // Up to 32 rows a group of two blocks (2 x K x 32 bytes: 36 KiB at K = 576) stays in L1 across the row
   // blocks; above, three blocks per broadcast pay (measured 5-10% either way).
-  if (M <= 32)
-    run<2>(xp, wp, bp, yp, M, K, N);
+  if (M <= kL2Rows)
+    run<2, true>(xp, wp, bp, yp, M, K, N);
+  else if (M <= 32)
+    run<2, false>(xp, wp, bp, yp, M, K, N);
   else
-    run<3>(xp, wp, bp, yp, M, K, N);
+    run<3, false>(xp, wp, bp, yp, M, K, N);
   return y;
 }
 
