@@ -322,39 +322,6 @@ def test_linear_layer_takes_the_kernel_only_for_small_batches_of_its_dtypes(monk
     assert calls == [(4, torch.bfloat16), (16, torch.float32)]
 
 
-def test_layers_with_tile_copies_leave_the_kernel_above_its_rows_beside_tiles(monkeypatch):
-    from vllm_neuron.model.layers import packed_weights
-
-    calls = []
-    monkeypatch.setattr(K, "linear_small_batch", lambda x, w: calls.append(("stream", x.shape[0], w.shape[0]))
-                        or F.linear(x, w))
-    monkeypatch.setattr(packed_weights, "linear_prepacked", lambda x, w, b: calls.append(("tiles", x.shape[0], w.shape[0]))
-                        or F.linear(x, w, b))
-    tiled, untiled = L.Linear(64, 32, bias=False).bfloat16(), L.Linear(64, 40, bias=False).bfloat16()  # 40 % 16 != 0
-    L.set_small_batch_kernel(frozenset({torch.bfloat16}), 4, 1)
-    L.set_prepacked(True)
-    try:
-        for rows in (1, 2, 4, 5):
-            tiled(torch.randn(rows, 64).bfloat16())
-            untiled(torch.randn(rows, 64).bfloat16())
-        L.set_prepacked(False)  # no copies: the kernel keeps its rows whatever the shape
-        tiled(torch.randn(2, 64).bfloat16())
-    finally:
-        L.set_small_batch_kernel(frozenset(), 0)
-        L.set_prepacked(False)
-    assert calls == [("stream", 1, 32), ("stream", 1, 40), ("tiles", 2, 32), ("stream", 2, 40), ("tiles", 4, 32),
-                     ("stream", 4, 40), ("tiles", 5, 32), ("tiles", 5, 40), ("stream", 2, 32)]
-
-
-def test_small_batch_rows_beside_tiles_per_tile_kernel():
-    # The VDPBF16PS kernel takes a weight's tile-order copy from 2 rows on; AMX tiles and fp32 keep the limit
-    assert K.small_batch_rows_beside_tiles("avx512bf16", torch.bfloat16, "linear_dot_tiles") == 1
-    assert K.small_batch_rows_beside_tiles("avx512bf16", torch.bfloat16, "linear_amx") == 4
-    assert K.small_batch_rows_beside_tiles("avx512bf16", torch.bfloat16, None) == 4
-    assert K.small_batch_rows_beside_tiles("avx512bf16", torch.float32, "linear_dot_tiles") == 64
-    assert K.small_batch_rows_beside_tiles("avx2", torch.float32, None) == 64
-
-
 def test_small_batch_rows_per_cpu_class():
     # bf16 from 5 rows on: a tile kernel on packed weights (AMX tiles, or VDPBF16PS dot products without AMX)
     assert K.small_batch_rows("avx512bf16", torch.bfloat16) == 4

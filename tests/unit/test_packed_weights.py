@@ -72,15 +72,9 @@ def test_copies_are_made_only_where_they_fit_in_half_the_available_memory(monkey
     need = P.packed_bytes(m)
     copies = 2 if P.tile_kernel_built() else 1
     assert need == (160 * 64 + 64 * 160 + 96 * 64) * 2 * copies  # the tied head once, the int8 layer never
-    runner = SimpleNamespace(model=m, linear_kernel_rows=4, linear_rows_beside_tiles=1,
-                             _linear_kernel_dtypes=frozenset({torch.bfloat16}))
+    runner = SimpleNamespace(model=m, linear_kernel_rows=32)
     monkeypatch.setattr(memory, "host_available_bytes", lambda: 2 * need - 2)
-    try:
-        ModelRunnerBase._pack_weights(runner)
-        # Without copies the weight-streaming kernel keeps every row it serves, in the graphs and their key
-        assert runner.linear_rows_beside_tiles == 4 and L._kernel_rows_beside_tiles == 4
-    finally:
-        L.set_small_batch_kernel(frozenset(), 0)
+    ModelRunnerBase._pack_weights(runner)
     assert m.up.weight.data_ptr() not in P._packed and "Weights not packed" in caplog.text
     monkeypatch.setattr(memory, "host_available_bytes", lambda: 2 * need)
     ModelRunnerBase._pack_weights(runner)

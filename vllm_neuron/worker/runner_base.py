@@ -27,7 +27,7 @@ from vllm_neuron.logger import init_logger
 from vllm_neuron.model.layers import kv_quant, quant_fp8
 from vllm_neuron.model.layers import packed_weights
 from vllm_neuron.model.layers.kernels import (cpu_flags, describe_kernels, kernel_variant, kernels_enabled, linear_kernel_rows,
-                                              quant_kernels_available, small_batch_rows_beside_tiles)
+                                              quant_kernels_available)
 from vllm_neuron.model.layers.activation import set_activation_kernel
 from vllm_neuron.model.layers.in_graph_sampler import set_sampler_kernels
 from vllm_neuron.model.layers.linear import (make_linears_fp8_, quantize_linears_, set_prepacked,
@@ -99,18 +99,15 @@ class ModelRunnerBase:
         self.use_kernels = kernels_enabled(device)  # sinks and sliding windows included
         set_sampler_kernels(self.use_kernels)
         set_activation_kernel(self.use_kernels)
-        self._linear_kernel_dtypes = frozenset(linear_kernel_rows(device))
-        self.linear_kernel_rows = linear_kernel_rows(device).get(self.dtype, 0)
+        kernel_rows = linear_kernel_rows(device)
+        self.linear_kernel_rows = kernel_rows.get(self.dtype, 0)
+        set_small_batch_kernel(frozenset(kernel_rows), self.linear_kernel_rows)
         logger.info("%s", describe_kernels(device, self.dtype, self.model_spec.head_dim))
         self.use_quant_kernels = quant_kernels_available(device)
         set_quant_kernels(self.use_quant_kernels)
         # On AVX512-BF16 / AMX CPUs the rows above the kernel's take oneDNN on weights reordered once (custom kernels on).
         self.prepacked = self.use_kernels and packed_weights.available(device, dtype, cpu_flags())
         set_prepacked(self.prepacked)
-        tiles = packed_weights.tile_kernel() if self.prepacked else None
-        self.linear_rows_beside_tiles = (small_batch_rows_beside_tiles(kernel_variant()[0], self.dtype, tiles[0].__name__)
-                                         if tiles and self.linear_kernel_rows else self.linear_kernel_rows)
-        set_small_batch_kernel(self._linear_kernel_dtypes, self.linear_kernel_rows, self.linear_rows_beside_tiles)
         # CUDA: decode attention reads each sequence's real context (Triton), and bucket graphs replay.
         self.paged_decode = not self.use_kernels and not self.model_spec.has_sinks_or_windows and \
             paged_decode_available(device.type, self.model_spec.head_dim, self.block_size) and \
@@ -282,7 +279,6 @@ class ModelRunnerBase:
         """What shapes the graphs beyond the model config, dtype and device (part of the cache key)."""
         return {"odsc": repr(self.odsc), "block_size": self.block_size, "backend": self.backend,
                 "kernels": self.use_kernels, "linear_kernel_rows": self.linear_kernel_rows,
-                "linear_rows_beside_tiles": self.linear_rows_beside_tiles,
                 "kernel_variant": kernel_variant()[0] if self.use_kernels else None,
                 "quant_kernels": self.use_quant_kernels, "prepacked": self.prepacked, "kv_dtype": str(self.kv_dtype),
                 "paged_decode": self.paged_decode, "kv_segment": self.kv_segment,
@@ -302,12 +298,10 @@ class ModelRunnerBase:
             logger.warning("Weights not packed: the copies (%.1f MiB) would take more than half of the "
                            "host's available memory (%.1f MiB); F.linear serves the rows above %d", need / 2**20,
                            free / 2**20, self.linear_kernel_rows)
-            self.linear_rows_beside_tiles = self.linear_kernel_rows  # no copies: the kernel keeps its rows
-            set_small_batch_kernel(self._linear_kernel_dtypes, self.linear_kernel_rows)
             return
         layers, added = packed_weights.pack_linears_(self.model)
-        logger.info("Weights packed once: %d bf16 linear layers above %d row(s), %s (+%.1f MiB beside the weights "
-                    "the decode kernel streams)", layers, self.linear_rows_beside_tiles,
+        logger.info("Weights packed once: %d bf16 linear layers above %d rows, %s (+%.1f MiB beside the weights "
+                    "the decode kernel streams)", layers, self.linear_kernel_rows,
                     packed_weights.describe_copies(), added / 2**20)
 
     def _make_compiler(self) -> GraphCompiler:

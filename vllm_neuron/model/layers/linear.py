@@ -3,8 +3,7 @@
 At a few rows a linear layer is bound by streaming its weights; the custom kernel
 (kernels/linear_bf16.cpp, bf16 and fp32) gets 1.3-2.5x more bandwidth than oneDNN there on AVX512-BF16 CPUs.
 Above a number of rows that depends on the CPU class and dtype (kernels.small_batch_rows: 4 in bf16 where
-a tile kernel on packed weights takes over, 64 in fp32 and on AVX2; kernels.small_batch_rows_beside_tiles: 1
-where that tile kernel is the VDPBF16PS one and the weight has its copy), something faster takes over. The switch
+a tile kernel on packed weights takes over, 64 in fp32 and on AVX2), something faster takes over. The switch
 is process-wide and set once by the model runner; a graph sees it as a constant, so the choice is made when a bucket is traced.
 A layer can also be quantized in place to weight-only int8 or int4 (quant_int8.py, quant_int4.py),
 whose few-row kernels are switched on by the runner too. On AVX512-BF16 and AMX CPUs the rows above the
@@ -18,19 +17,15 @@ from torch import nn
 
 _kernel_dtypes: frozenset[torch.dtype] = frozenset()
 _kernel_rows = 0
-_kernel_rows_beside_tiles = 0
 _quant_kernels_enabled = False
 _prepacked = False
 
 
-def set_small_batch_kernel(dtypes: frozenset[torch.dtype], rows: int, rows_beside_tiles: int | None = None) -> None:
-    """Inputs of these dtypes with up to `rows` rows take the weight-streaming kernel (empty: none), up to
-    `rows_beside_tiles` (default: `rows`) where the weight has a tile-order copy (set_prepacked on and a
-    shape the tile kernels take). One limit for the process (the runner's compute dtype's): a graph guards on
-    plain globals only."""
-    global _kernel_dtypes, _kernel_rows, _kernel_rows_beside_tiles
+def set_small_batch_kernel(dtypes: frozenset[torch.dtype], rows: int) -> None:
+    """Inputs of these dtypes with up to `rows` rows take the weight-streaming kernel (empty: none). One
+    limit for the process (the runner's compute dtype's): a graph guards on plain globals only."""
+    global _kernel_dtypes, _kernel_rows
     _kernel_dtypes, _kernel_rows = frozenset(dtypes), rows
-    _kernel_rows_beside_tiles = rows if rows_beside_tiles is None else rows_beside_tiles
 
 
 def set_prepacked(enabled: bool) -> None:
@@ -79,9 +74,7 @@ class Linear(nn.Linear):
             return linear(x, self.weight, self.weight_scale, self.bias)
         if self.quantization is not None:
             return _scheme(self.quantization).linear(x, self.qweight, self.qscale, self.bias, _quant_kernels_enabled)
-        tiled = _prepacked and x.dtype == torch.bfloat16 and self.out_features % 16 == 0 and self.in_features % 32 == 0
-        if (x.dtype in _kernel_dtypes and x.dim() == 2 and self.bias is None
-                and x.shape[0] <= (_kernel_rows_beside_tiles if tiled else _kernel_rows)
+        if (x.dtype in _kernel_dtypes and x.dim() == 2 and x.shape[0] <= _kernel_rows and self.bias is None
                 and self.weight.dtype == x.dtype and self.in_features % 32 == 0):
             from vllm_neuron.model.layers.kernels import linear_small_batch
 

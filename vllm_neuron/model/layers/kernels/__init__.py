@@ -233,20 +233,6 @@ def small_batch_rows(variant: str, dtype: torch.dtype) -> int:
     return 64
 
 
-def small_batch_rows_beside_tiles(variant: str, dtype: torch.dtype, tile_op: str | None) -> int:
-    """Up to how many rows the weight-streaming linear keeps a weight that also has a tile-order copy served
-    by `tile_op` (pure). The VDPBF16PS dot-product kernel reads its copy with fewer loads per product (one
-    weight load and a broadcast per two row-column products, against a load of each input row and a final
-    horizontal sum): one step's linears of the bundled model, 2 threads, a Zen 5 EPYC whose cores ran at
-    ~40% of their usual matmul peak (2026-12-04, alternating in one process, two rounds): 2 rows 11.95 / 9.63 vs
-    10.50 / 8.77 ms, 3 rows 14.50 / 13.05 vs 10.65 / 9.01, 4 rows 16.18 / 14.60 vs 10.70 / 9.20, where the same
-    VM at full speed had it trailing at 4 rows (4.6 vs 4.1, before the streaming kernel's prefetch). One row
-    stays with the streaming kernel: 1.07-1.09x slower there in the same runs, level in the engine's decode_b1
-    steps. AMX tiles compute 16 rows whatever the input, so on AMX the limit stays small_batch_rows'."""
-    rows = small_batch_rows(variant, dtype)
-    return min(rows, 1) if tile_op == "linear_dot_tiles" and dtype == torch.bfloat16 else rows
-
-
 def linear_kernel_rows(device: torch.device) -> dict[torch.dtype, int]:
     """dtype -> the most rows of an input that takes the weight-streaming linear here (absent: never)."""
     return {dt: small_batch_rows(kernel_variant()[0], dt) for dt in linear_kernel_dtypes(device)}
@@ -269,9 +255,7 @@ def describe_kernels(device: torch.device, dtype: torch.dtype, head_dim: int = 0
     if rows and dtype == torch.bfloat16 and tile_kernel_built():
         linear = f"weight-streaming linear up to {rows} rows, AMX tile linear to {_AMX_ROWS}, oneDNN above"
     elif rows and dtype == torch.bfloat16 and dot_kernel_built():
-        beside = small_batch_rows_beside_tiles(variant, dtype, "linear_dot_tiles")
-        linear = (f"weight-streaming linear up to {beside} row{'s' if beside > 1 else ''} ({rows} for a weight "
-                  "without a tile-order copy), bf16 dot-product linear on packed weights above")
+        linear = f"weight-streaming linear up to {rows} rows, bf16 dot-product linear on packed weights above"
     attention = "paged attention"
     if dtype == torch.bfloat16 and head_dim and attention_rows_path(head_dim) != _ROWS_PATHS[0]:
         attention += f" (prefill over a bf16 cache: {attention_rows_path(head_dim)})"
