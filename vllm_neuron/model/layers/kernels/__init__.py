@@ -175,7 +175,7 @@ def _load() -> bool:
         torch.library.register_fake("vllm_neuron::greedy_argmax")(
             lambda logits: logits.new_empty((logits.shape[0],), dtype=torch.long))
     if _has_op("linear_tiles"):
-        torch.library.register_fake("vllm_neuron::linear_tiles")(_linear_fake_b)
+        torch.library.register_fake("vllm_neuron::linear_tiles")(_linear_fake)
     if _has_op("silu_and_mul"):
         torch.library.register_fake("vllm_neuron::silu_and_mul")(
             lambda h: h.new_empty((*h.shape[:-1], h.shape[-1] // 2)))
@@ -187,11 +187,7 @@ def _load() -> bool:
     return True
 
 
-def _linear_fake(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return x.new_empty((x.shape[0], w.shape[0]))
-
-
-def _linear_fake_b(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def _linear_fake(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     return x.new_empty((x.shape[0], w.shape[0]))
 
 

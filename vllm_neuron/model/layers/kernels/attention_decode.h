@@ -23,8 +23,8 @@ inline const float* lanes(const float* p) { return p; }
 // keys at krow and GB query heads, q rounded to bf16 once (as the many-row bf16 path does); the products are
 // exact and summed in fp32. Half the multiply-adds of widening each key to fp32, and no widening.
 template <int GB>
-[[gnu::always_inline]] inline void score_keys_bf16(const uint16_t* q, int64_t D, const uint16_t* const* krow, int n, float* sc,
-                            int64_t len) {
+[[gnu::always_inline]] inline void score_keys_bf16(const uint16_t* q, int64_t D, const uint16_t* const* krow,
+                                                   int n, float* sc, int64_t len) {
   __m512 acc[GB][4];
   for (int g = 0; g < GB; ++g)
     for (int u = 0; u < 4; ++u) acc[g][u] = _mm512_setzero_ps();
@@ -36,7 +36,8 @@ template <int GB>
       for (int u = 0; u < 4; ++u) acc[g][u] = _mm512_dpbf16_ps(acc[g][u], x, k[u]);
     }
   }
-  for (int g = 0; g < GB; ++g) attn_tiles::store_scores(vn_simd::Vec::sum4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]), n, sc + g * len);
+  for (int g = 0; g < GB; ++g)
+    attn_tiles::store_scores(vn_simd::Vec::sum4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]), n, sc + g * len);
 }
 
 // Query heads rounded to bf16 for score_keys_bf16, at most this many elements (nh * G * D) per item.
@@ -45,7 +46,8 @@ constexpr int64_t kBf16QueryElems = 2048;
 
 // G query heads' scores against four keys, up to four heads per pass.
 template <typename Q, typename E>
-[[gnu::always_inline]] inline void score_heads(const Q* qh, int64_t G, int64_t D, const E* const* krow, int n, float* sc, int64_t len) {
+[[gnu::always_inline]] inline void score_heads(const Q* qh, int64_t G, int64_t D, const E* const* krow, int n,
+                                               float* sc, int64_t len) {
   int64_t g = 0;
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<Q, uint16_t>) {

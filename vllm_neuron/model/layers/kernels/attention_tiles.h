@@ -91,7 +91,8 @@ inline void score_keys(const float* q, int64_t D, const E* const* krow, int n, f
       for (int u = 0; u < 4; ++u) acc[g][u] = Vec::fma(x, k[u], acc[g][u]);
     }
   }
-  for (int g = 0; g < GB; ++g) store_scores(Vec::sum4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]), n, sc + g * len);
+  for (int g = 0; g < GB; ++g)
+    store_scores(Vec::sum4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]), n, sc + g * len);
 }
 
 // Vectors of the head dim per decode value block (GB x this many accumulators, GB <= 4).

@@ -82,9 +82,9 @@ inline void tile(const int8_t* band, const float* scale, const int16_t* xq, cons
       for (int i = 0; i < MB; ++i) acc[s][i][0] = acc[s][i][1] = _mm512_setzero_si512();
     const auto step = [&](int s, int64_t c) {
       const int8_t* p = band + c * 64;
-      // Into L2 only, as vn_simd::prefetch (why there): one decode step's int8 linears, Zen 5 EPYC, 2 threads,
-      // alternating in one process, two runs: 5.46-5.72 -> 4.84-5.08 ms at 1 row, 6.99-9.86 -> 6.82-9.19 at 4.
-      if (pf) _mm_prefetch(reinterpret_cast<const char*>(pf + c * 64), _MM_HINT_T1);
+      // Into L2 only (simd.h says why): one decode step's int8 linears, Zen 5 EPYC, 2 threads, alternating in
+      // one process, two runs: 5.46-5.72 -> 4.84-5.08 ms at 1 row (L1 before), 6.99-9.86 -> 6.82-9.19 at 4.
+      if (pf) vn_simd::prefetch(pf + c * 64, 64);
       const __m512i w01 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
       const __m512i w23 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32)));
       for (int i = 0; i < MB; ++i) {

@@ -8,10 +8,11 @@
 // multiplies it into NB column blocks, 8 rows x NB blocks of fp32 sums in registers. A thread walks its
 // groups of NB column blocks front to back (one sequential stream per block), runs every 8-row block of the
 // input against a group while it sits in L1/L2, and prefetches a group ahead spread over those row blocks:
-// up to 16 rows the next group into L2 only, above the group after next into L1 (ToL2 below). One step's linears on the bundled model (30 layers, 2 threads, AMD EPYC Zen 5, weights from
-// memory): 5.2 vs 7.0 ms at 16 rows (weight-streaming kernel), 8.3 vs 12.1 at 32, 14.9 vs 20.8 at 64 and
-// 27.6 vs 32.9 at 128 (oneDNN reordered), 102 vs 109 at 512. The products are exact and summed in fp32; the
-// sums are rounded to bf16 once.
+// up to 16 rows the next group into L2 only, above the group after next into L1 (ToL2 below). One step's
+// linears on the bundled model (30 layers, 2 threads, AMD EPYC Zen 5, weights from memory): 5.2 vs 7.0 ms
+// at 16 rows (weight-streaming kernel), 8.3 vs 12.1 at 32, 14.9 vs 20.8 at 64 and 27.6 vs 32.9 at 128
+// (oneDNN reordered), 102 vs 109 at 512. The products are exact and summed in fp32; the sums are rounded to
+// bf16 once.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
@@ -77,8 +78,8 @@ void group(const uint16_t* x, const uint16_t* wg, const uint16_t* bias, uint16_t
   const auto go = [&](auto rows) {
     constexpr int R = decltype(rows)::value;
     const int64_t l0 = t * pflines / blocks, l1 = (t + 1) * pflines / blocks;
-    block<R, NB, ToL2>(x + m0 * K, K, wg, block_elems, bias, y + m0 * N, N, pf == nullptr ? nullptr : pf + 64 * l0,
-                 pf == nullptr ? 0 : l1 - l0);
+    block<R, NB, ToL2>(x + m0 * K, K, wg, block_elems, bias, y + m0 * N, N,
+                       pf == nullptr ? nullptr : pf + 64 * l0, pf == nullptr ? 0 : l1 - l0);
     m0 += R;
     ++t;
   };

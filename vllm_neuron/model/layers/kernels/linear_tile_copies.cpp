@@ -40,7 +40,8 @@ std::shared_mutex& copies_lock() {
 
 void register_tile_copy(const at::Tensor& w, const at::Tensor& tiles, const std::string& kernel, int64_t rows) {
   TORCH_CHECK(w.dim() == 2, "register_tile_copy: the weight must be 2-D");
-  auto handle = c10::Dispatcher::singleton().findSchemaOrThrow(("vllm_neuron::" + kernel).c_str(), "").typed<TileKernel>();
+  auto handle =
+      c10::Dispatcher::singleton().findSchemaOrThrow(("vllm_neuron::" + kernel).c_str(), "").typed<TileKernel>();
   std::unique_lock<std::shared_mutex> g(copies_lock());
   copies().insert_or_assign(w.data_ptr(), TileCopy{w.sizes().vec(), tiles, handle, rows});
 }
