@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    from vllm_neuron.model.layers.kernels import kernel_variant, quant_kernels_available
+    from vllm_neuron.model.layers.kernels.cpu_caps import kernel_variant, quant_kernels_available
 
     if not quant_kernels_available(torch.device("cpu")):
         raise SystemExit("the int8/int4 kernels are not built here (no AVX2, or VLLM_NEURON_DISABLE_NKI_KERNELS=1)")

@@ -54,7 +54,7 @@ def machine_class() -> tuple[str, str]:
     import torch
 
     from vllm_neuron.config.device import cpu_has_fast_bf16, resolve_dtype
-    from vllm_neuron.model.layers.kernels import kernel_variant
+    from vllm_neuron.model.layers.kernels.cpu_caps import kernel_variant
 
     default = "bf16" if resolve_dtype("auto", torch.device("cpu")) == torch.bfloat16 else "fp32"
     units = "AVX512-BF16 or AMX (bf16 units)" if cpu_has_fast_bf16() else "no bf16 units (AVX2 class)"

@@ -52,7 +52,7 @@ def test_paged_decode_and_graph_replay_keep_greedy_parity(model_dir, prompts, re
                                                    "num_seqs_buckets": [1, 4]}})
     runner_obj = llm.llm_engine.core.runner
     assert type(runner_obj).__name__ == ("ModelRunnerV2" if runner == "1" else "ModelRunnerV1")
-    assert runner_obj.paged_decode and runner_obj.graphs.paged_decode
+    assert runner_obj.paged_decode and runner_obj.graphs.options.paged_decode
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
     for _ in range(2):  # the second pass prefills from the prefix cache
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)

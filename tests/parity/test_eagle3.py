@@ -152,7 +152,7 @@ def test_greedy_identical_with_eagle3(dirs, reference, monkeypatch, kernels, blo
         monkeypatch.setenv("VLLM_NEURON_DISABLE_NKI_KERNELS", "1")
     llm = _engine(dirs, monkeypatch, num_gpu_blocks_override=blocks)
     core = llm.llm_engine.core
-    assert core.runner.use_kernels == kernels and core.runner.draft is not None
+    assert core.runner.kernels.attention == kernels and core.runner.speculator.draft is not None
     buckets = set()
     orig = core.runner.execute
 

@@ -98,7 +98,7 @@ def test_greedy_equals_the_quantize_dequantize_reference(model_dirs, kv_cache_dt
     assert ref_tokens != unscaled  # the scales matter: an engine ignoring them would fail
     llm = _engine(model_dirs["scaled"], kv_cache_dtype, eager, tmp_path, monkeypatch, kernels)
     runner = llm.llm_engine.core.runner
-    assert runner.kv_caches[0][0].dtype == cache_dtype and runner.use_kernels == kernels
+    assert runner.kv_caches[0][0].dtype == cache_dtype and runner.kernels.attention == kernels
     attn = runner.model.model.layers[1].self_attn
     assert float(attn.k_scale) == pytest.approx(K_SCALES[1]) and float(attn.v_scale) == pytest.approx(V_SCALES[1])
     assert [o.outputs[0].token_ids for o in _run(llm)] == ref_tokens

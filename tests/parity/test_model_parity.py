@@ -96,7 +96,7 @@ def test_eager_segmented_prefill_prefix_cache_and_logits(arch, model_dir, refere
     held = None
     if arch == "gpt_oss":  # two KV cache groups: full-attention layers, sliding-window (24) layers
         assert kv.windows == (None, 24)
-        assert llm.llm_engine.core.runner.use_kernels  # sinks and windows in the CPU kernel
+        assert llm.llm_engine.core.runner.kernels.attention  # sinks and windows in the CPU kernel
         held = _spy_sliding_blocks(kv)
     outs = _run(llm, logprobs=5)
     _assert_tokens(outs, reference[0])
@@ -141,7 +141,7 @@ def test_gpt_oss_torch_attention_path_with_kv_groups(tmp_path, monkeypatch):
     model_dir = make_tiny_model(str(tmp_path / "m"), "gpt_oss", max_position_embeddings=512)
     llm = _engine(model_dir, enforce_eager=True)
     core = llm.llm_engine.core
-    assert not core.runner.use_kernels and core.runner.prefill_needs_context()
+    assert not core.runner.kernels.attention and core.runner.prefill_needs_context()
     assert core.scheduler.kv.windows == (None, 24)
     ref = _hf_greedy(build_tiny_model("gpt_oss", max_position_embeddings=512))
     _assert_tokens(_run(llm), ref)
@@ -308,7 +308,7 @@ def test_llama_small_buckets_force_padding_and_segments(llama_dir, llama_referen
                         additional_config={"neuron_config": {"num_batched_tokens_buckets": [8, 32],
                                                              "num_seqs_buckets": [1, 4],
                                                              "decode_context_length_buckets": [128, 256]}})
-    assert llm.llm_engine.core.runner.use_kernels == kernels
+    assert llm.llm_engine.core.runner.kernels.attention == kernels
     _assert_tokens(_llama_run(llm), llama_reference[0], LLAMA_LENGTHS)
 
 
@@ -321,7 +321,7 @@ def test_llama_compiled_matches_transformers(llama_dir, llama_reference, tmp_pat
                                                              "num_seqs_buckets": [2, 4]}})
     compiler = llm.llm_engine.core.compiler
     # 2 prefill + 2 decode graphs; the torch path adds a cached-context variant of each prefill bucket.
-    assert compiler.backend == "native" and len(compiler.records) == (4 if llm.llm_engine.core.runner.use_kernels
+    assert compiler.backend == "native" and len(compiler.records) == (4 if llm.llm_engine.core.runner.kernels.attention
                                                                       else 6)
     _assert_tokens(_llama_run(llm), llama_reference[0], LLAMA_LENGTHS)
 

@@ -107,7 +107,7 @@ def test_eager_greedy_matches_transformers_with_prefix_cache(model_dir, referenc
     # Segments and cache hits attend context: through a context bucket on the torch path, through block
     # tables in the kernel (which has no context buckets).
     with_ctx = any(b.startswith("prefill_s128_c") for b in spy.buckets)
-    assert with_ctx != core.runner.use_kernels
+    assert with_ctx != core.runner.kernels.attention
     assert core.scheduler.kv.pool.num_free_blocks == core.num_blocks - 1
 
 

@@ -80,25 +80,25 @@ def test_encoder_groups_fit_the_largest_bucket(model_dir, reference):
     llm = _engine(model_dir, enforce_eager=True, additional_config={**BUCKETS, "encoder_neuron_config": {
         "encoder_attention_block_size": 128, "num_encoder_input_buckets": [128]}})
     assert _generate(llm, CASES[-1:]) == reference[-1:]
-    assert llm.llm_engine.core.runner.num_encoder_runs == 2
+    assert llm.llm_engine.core.runner.kinds[0].num_encoder_runs == 2
 
 
 def test_encoder_cache_hit_gives_identical_output(eager, reference):
     runner = eager.llm_engine.core.runner
-    runs, hits = runner.num_encoder_runs, runner.encoder_cache.hits
+    runs, hits = runner.kinds[0].num_encoder_runs, runner.kinds[0].encoder_cache.hits
     assert _generate(eager, CASES[:1]) == reference[:1]
-    assert runner.num_encoder_runs == runs and runner.encoder_cache.hits > hits
+    assert runner.kinds[0].num_encoder_runs == runs and runner.kinds[0].encoder_cache.hits > hits
 
 
 def test_segmented_prefill_encodes_the_image_once(eager, tokenizer):
     """The image spans two prefill segments: the first encodes it, the second takes it from the cache."""
     text, sizes = CASES[3]
     runner = eager.llm_engine.core.runner
-    runs, hits = runner.num_encoder_runs, runner.encoder_cache.hits
+    runs, hits = runner.kinds[0].num_encoder_runs, runner.kinds[0].encoder_cache.hits
     img = [solid_image(*sizes[0], (200, 30, 30))]
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
     out = eager.generate({"prompt": text, "multi_modal_data": {"image": img}}, params, use_tqdm=False)
-    assert runner.num_encoder_runs == runs + 1 and runner.encoder_cache.hits == hits + 1
+    assert runner.kinds[0].num_encoder_runs == runs + 1 and runner.kinds[0].encoder_cache.hits == hits + 1
     assert out[0].outputs[0].token_ids == hf_greedy(tokenizer.encode(text), img, MAX_NEW)
 
 
@@ -114,6 +114,42 @@ def test_prompts_differing_only_in_image_share_no_kv(eager, tokenizer):
     ref_other = hf_greedy(tokenizer.encode(text), black, MAX_NEW)
     assert other[0].outputs[0].token_ids == again[0].outputs[0].token_ids == ref_other
     assert first[0].outputs[0].token_ids != ref_other
+
+
+def test_model_runner_v2_matches_transformers(model_dir, reference, monkeypatch):
+    """Multimodal on Model Runner V2: the media state is a model-kind component both runners call; each
+    decode row's M-RoPE delta lives in the slot state and is gathered inside the graph."""
+    from vllm_neuron.worker.model_runner_v2 import ModelRunnerV2
+
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    llm = _engine(model_dir, enforce_eager=True)
+    runner = llm.llm_engine.core.runner
+    assert isinstance(runner, ModelRunnerV2) and "rope_delta" in runner.state.extras
+    assert _generate(llm) == reference
+    assert runner.kinds[0].num_encoder_runs > 0
+
+
+def test_ngram_speculation_matches_transformers(model_dir, reference, monkeypatch):
+    """Multimodal with n-gram speculation (MRv1): verification rows add their request's M-RoPE delta, so
+    greedy output is unchanged. A random-weight model repeats nothing for the proposer to find, so the
+    proposer is an oracle: each request's own continuation with its last draft replaced by junk, which
+    makes every verification accept and reject."""
+    from vllm_neuron.worker.spec_decode.ngram import NgramSpeculator
+
+    def propose(self, states, req_ids, rows, graph_drafts):
+        out = {}
+        for rid in req_ids:
+            done = states[rid].output_token_ids
+            ref = next((r for r in reference if done and r[:len(done)] == done), None)
+            if ref is not None and len(done) < len(ref):
+                out[rid] = ref[len(done):len(done) + self.k - 1] + [5]
+        return out
+    monkeypatch.setattr(NgramSpeculator, "propose", propose)
+    spec = {"method": "ngram", "num_speculative_tokens": 3}
+    llm = _engine(model_dir, enforce_eager=True, speculative_config=spec)
+    assert _generate(llm) == reference
+    stats = llm.llm_engine.core.scheduler.spec_stats
+    assert stats.num_drafts > 0 and 0 < stats.num_accepted_tokens < stats.num_draft_tokens
 
 
 @pytest.mark.slow

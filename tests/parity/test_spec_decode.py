@@ -19,7 +19,7 @@ import torch
 
 from tests.model_factory import build_tiny_llama, make_tiny_llama, make_tiny_model, shared_prefix_prompts
 from vllm_neuron import LLM, SamplingParams
-from vllm_neuron.worker.spec_decode import SpecDecoder
+from vllm_neuron.worker.spec_decode.ngram import NgramSpeculator
 
 K = 3
 NGRAM = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
@@ -67,7 +67,7 @@ def reference(model_dir) -> dict[tuple, list[int]]:
 def _oracle(reference, agree: bool):
     rng = random.Random(0)
 
-    def propose(self, states, req_ids):
+    def propose(self, states, req_ids, rows, graph_drafts):
         out = {}
         for rid in req_ids:
             st = states[rid]
@@ -80,7 +80,7 @@ def _oracle(reference, agree: bool):
 
 @pytest.mark.parametrize("agree", [True, False], ids=["agreeing_draft", "random_draft"])
 def test_greedy_identical_and_acceptance_at_both_ends(model_dir, reference, monkeypatch, agree):
-    monkeypatch.setattr(SpecDecoder, "propose", _oracle(reference, agree))
+    monkeypatch.setattr(NgramSpeculator, "propose", _oracle(reference, agree))
     llm = _engine(model_dir, monkeypatch)
     core = llm.llm_engine.core
     assert not core.config.use_v2_model_runner and not core.async_scheduling
@@ -114,7 +114,7 @@ def test_gpt_oss_kv_cache_groups_greedy_identical(tmp_path, monkeypatch):
     prompts = _prompts()[3:8]
     ref_llm = _engine(model, monkeypatch, spec=False)
     reference = {tuple(p): out for p, out in zip(prompts, _gen(ref_llm, prompts, GREEDY))}
-    monkeypatch.setattr(SpecDecoder, "propose", _oracle(reference, True))
+    monkeypatch.setattr(NgramSpeculator, "propose", _oracle(reference, True))
     llm = _engine(model, monkeypatch)
     core = llm.llm_engine.core
     assert core.scheduler.kv.windows == (None, 24)
@@ -126,7 +126,7 @@ def test_gpt_oss_kv_cache_groups_greedy_identical(tmp_path, monkeypatch):
 
 
 def test_greedy_identical_under_preemption(model_dir, reference, monkeypatch):
-    monkeypatch.setattr(SpecDecoder, "propose", _oracle(reference, True))
+    monkeypatch.setattr(NgramSpeculator, "propose", _oracle(reference, True))
     # 16 usable blocks of 16 tokens (one max_model_len request): long prompts cannot all stay resident.
     llm = _engine(model_dir, monkeypatch, num_gpu_blocks_override=17)
     prompts = _prompts()
@@ -153,10 +153,10 @@ def test_random_sampling_follows_the_target(model_dir, monkeypatch):
         p[top.indices] = torch.softmax(top.values, -1)
         return p
 
-    def propose(self, states, req_ids):  # the target's most likely token: accepted often, so the residual matters
+    def propose(self, states, req_ids, rows, graph_drafts):  # the target's argmax: accepted often, the residual matters
         return {rid: [int(target(states[rid].output_token_ids[0]).argmax())] for rid in req_ids
                 if len(states[rid].output_token_ids) == 1}
-    monkeypatch.setattr(SpecDecoder, "propose", propose)
+    monkeypatch.setattr(NgramSpeculator, "propose", propose)
     llm = _engine(model_dir, monkeypatch, max_num_seqs=32, max_num_batched_tokens=256,
                   additional_config={"neuron_config": {"num_seqs_buckets": [32]}})
     outs = llm.generate([{"prompt_token_ids": prompt}] * len(params), params)
@@ -205,7 +205,7 @@ def test_grammar_requests_speculate_and_host_sampled_ones_share_their_batches(mo
     allows (accepted) and one it refuses (rejected) in every step. Host-sampled (logprobs, penalties)
     requests get no drafts, one token per step in the same verification steps."""
     from vllm_neuron.structured_output import StructuredOutputsParams
-    from vllm_neuron.worker import spec_decode
+    from vllm_neuron.worker.spec_decode import ngram
 
     plain = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
     schema = {"type": "object", "properties": {"name": {"type": "string"}, "n": {"type": "integer"}},
@@ -226,7 +226,7 @@ def test_grammar_requests_speculate_and_host_sampled_ones_share_their_batches(mo
             if f[:len(tokens)] == list(tokens) and len(f) > len(tokens):
                 return f[len(tokens):len(tokens) + k - 1] + [5]
         return [5, 6, 7][:k]
-    monkeypatch.setattr(spec_decode, "propose_ngram", oracle)
+    monkeypatch.setattr(ngram, "propose_ngram", oracle)
     llm = _engine(model_dir, monkeypatch)
     core = llm.llm_engine.core
     drafted, steps = Counter(), Counter()
@@ -263,7 +263,7 @@ def test_greedy_identical_while_the_policy_pauses_and_resumes(model_dir, monkeyp
     ref = {tuple(p): o for p, o in zip(prompts, _gen(_engine(model_dir, monkeypatch, spec=False), prompts, params))}
     proposed, sampled = Counter(), Counter()
 
-    def propose(self, states, req_ids):
+    def propose(self, states, req_ids, rows, graph_drafts):
         out = {}
         for rid in req_ids:
             proposed[rid] += 1
@@ -271,7 +271,7 @@ def test_greedy_identical_while_the_policy_pauses_and_resumes(model_dir, monkeyp
             good = list(ref[tuple(states[rid].data.prompt_token_ids)][n:n + self.k])
             out[rid] = good if (n // 8) % 2 == 0 else [5] * self.k
         return {r: d for r, d in out.items() if d}
-    monkeypatch.setattr(SpecDecoder, "propose", propose)
+    monkeypatch.setattr(NgramSpeculator, "propose", propose)
     llm = _engine(model_dir, monkeypatch)
     core = llm.llm_engine.core
     core.scheduler.spec_policy = policy = SpecPolicy(window=2, initial_backoff=2, max_backoff=4)

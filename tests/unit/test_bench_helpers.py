@@ -80,7 +80,7 @@ def test_quant_linear_rows_variants_compute_the_same_product():
     import torch
 
     import quant_linear_rows
-    from vllm_neuron.model.layers.kernels import quant_kernels_available
+    from vllm_neuron.model.layers.kernels.cpu_caps import quant_kernels_available
 
     if not quant_kernels_available(torch.device("cpu")):
         pytest.skip("no AVX2 here: the int8/int4 kernels are not built")

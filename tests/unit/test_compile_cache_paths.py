@@ -49,18 +49,20 @@ def _warm(compiler: C.GraphCompiler, graphs: _Graphs, name: str = "decode_b1") -
 
 
 def test_keys_cover_the_cpu_instruction_set_and_the_compiler(monkeypatch):
-    from vllm_neuron.model.layers import kernels
+    from vllm_neuron.model.layers.kernels import build
 
     key = _key()
     assert key["host"]["cpu_isa"] and key["host"]["cxx"]
-    kernel_digest = kernels._digest()
+    kernel_digest = build.digest("avx2")
     monkeypatch.setattr(C, "cpu_isa", lambda: "x86_64:avx,avx2")
     assert C.GraphCompiler(_key(), backend="eager").key != C.GraphCompiler(key, backend="eager").key
-    monkeypatch.setattr(kernels, "cpu_isa", lambda: "x86_64:avx,avx2")
-    assert kernels._digest() != kernel_digest
+    monkeypatch.setattr(build, "cpu_isa", lambda: "x86_64:avx,avx2")
+    assert build.digest("avx2") != kernel_digest
     monkeypatch.undo()
-    monkeypatch.setattr(kernels, "compiler_id", lambda cxx: "/usr/bin/g++: g++ (GCC) 99.1")
-    assert kernels._digest() != kernel_digest
+    monkeypatch.setattr(build, "compiler_id", lambda cxx: "/usr/bin/g++: g++ (GCC) 99.1")
+    assert build.digest("avx2") != kernel_digest
+    monkeypatch.undo()
+    assert build.digest("generic") != kernel_digest  # the variant's own flags
     monkeypatch.setattr(C, "compiler_id", lambda cxx: "/usr/bin/g++: g++ (GCC) 99.1")
     assert _key()["host"] != key["host"]
 

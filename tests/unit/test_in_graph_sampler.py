@@ -2,18 +2,7 @@
 import pytest
 import torch
 
-from vllm_neuron.model.layers import in_graph_sampler
 from vllm_neuron.model.layers.in_graph_sampler import apply_token_bitmask, greedy_in_graph, sample_in_graph
-
-
-@pytest.fixture(autouse=True)
-def torch_sampler():
-    """The torch paths unless a test asks for the kernels: an engine built by an earlier test in this process
-    leaves the runner's switch on."""
-    before = in_graph_sampler._cpu_kernels_on
-    in_graph_sampler.set_sampler_kernels(False)
-    yield
-    in_graph_sampler.set_sampler_kernels(before)
 
 
 def _params(b, temperature=1.0, top_k=0, top_p=1.0):
@@ -232,11 +221,11 @@ def test_eager_calls_take_a_python_branch_not_torch_cond(monkeypatch):
 
 @pytest.fixture
 def sampler_kernels():
-    """The runner's switch to the CPU mask and argmax kernels (kernels/token_mask.cpp), on for one test."""
-    from vllm_neuron.model.layers import in_graph_sampler, kernels
+    """The CPU mask and argmax kernels (kernels/token_mask.cpp) built: the tests pass use_kernels=True, as an
+    engine's KernelConfig.sampler does."""
+    from vllm_neuron.model.layers.kernels import cpu_caps
 
-    assert kernels.kernels_enabled(torch.device("cpu")), "the custom CPU kernels failed to build (see the log)"
-    in_graph_sampler.set_sampler_kernels(True)
+    assert cpu_caps.kernels_enabled(torch.device("cpu")), "the custom CPU kernels failed to build (see the log)"
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -251,10 +240,10 @@ def test_kernel_argmax_is_torch_argmax_on_ties_nan_and_minus_inf(sampler_kernels
         x[4, 2] = float("nan")  # a NaN wins over everything, the first one
         x[4, vocab - 1] = float("nan")
     x[5] = x[5, 0]  # a constant row
-    got = greedy_in_graph(x)
+    got = greedy_in_graph(x, True)
     assert got.dtype == torch.long and torch.equal(got, torch.argmax(x, dim=-1))
     torch._dynamo.reset()  # one compile per case, past dynamo's recompile limit
-    compiled = torch.compile(greedy_in_graph, fullgraph=True, dynamic=False)
+    compiled = torch.compile(lambda lg: greedy_in_graph(lg, True), fullgraph=True, dynamic=False)
     assert torch.equal(compiled(x), torch.argmax(x, dim=-1))
 
 
@@ -272,9 +261,10 @@ def test_kernel_bitmask_masks_in_place_exactly_as_the_unpack(sampler_kernels, dt
     expected = _masked(logits, bitmask)
     assert torch.equal(expected[0], logits[0]) and torch.isinf(expected[2]).all()
     x = logits.clone()
-    out = apply_token_bitmask(x, bitmask)
+    out = apply_token_bitmask(x, bitmask, True)
     assert out.data_ptr() == x.data_ptr() and torch.equal(out, expected)
-    compiled = torch.compile(lambda lg, bm: greedy_in_graph(apply_token_bitmask(lg.clone(), bm)), fullgraph=True)
+    compiled = torch.compile(lambda lg, bm: greedy_in_graph(apply_token_bitmask(lg.clone(), bm, True), True),
+                             fullgraph=True)
     assert torch.equal(compiled(logits, bitmask), torch.argmax(expected, dim=-1))
     with pytest.raises(RuntimeError, match="bitmask must be"):
         torch.ops.vllm_neuron.apply_token_bitmask_(logits.clone(), bitmask[:, :2].contiguous())
@@ -289,8 +279,7 @@ def test_kernel_sampler_matches_the_torch_sampler(sampler_kernels):
     u = torch.rand(8)
     runs = {}
     for on in (True, False):
-        in_graph_sampler.set_sampler_kernels(on)
-        runs[on] = [sample_in_graph(logits, t, top_k, top_p, u, max_top_k=64) for t in (temp, torch.zeros(8))]
-    in_graph_sampler.set_sampler_kernels(True)
+        runs[on] = [sample_in_graph(logits, t, top_k, top_p, u, max_top_k=64, use_kernels=on)
+                    for t in (temp, torch.zeros(8))]
     assert all(torch.equal(a, b) for a, b in zip(runs[True], runs[False]))
     assert torch.equal(runs[True][1], logits.float().argmax(-1))

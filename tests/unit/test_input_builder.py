@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from vllm_neuron.model.layers.attention import AttentionMetadata, decode_mask, paged_attention, prefill_mask
-from vllm_neuron.model.layers.kernels import kernels_enabled
+from vllm_neuron.model.layers.kernels.cpu_caps import kernels_enabled
 from vllm_neuron.step import ScheduledChunk
 from vllm_neuron.worker.input_builder import build_decode_inputs, build_prefill_inputs, token_slots
 

@@ -10,8 +10,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from vllm_neuron.model.layers import kernels as K
+from vllm_neuron.model.layers.kernels import build, ops
+from vllm_neuron.model.layers.kernels import cpu_caps as caps
 from vllm_neuron.model.layers import linear as L
+from vllm_neuron.model.layers.kernel_config import KernelConfig
 
 CPU = torch.device("cpu")
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -19,7 +21,7 @@ _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__
 
 @pytest.fixture(scope="module", autouse=True)
 def built():
-    assert K.kernels_enabled(CPU), "the custom CPU kernels failed to build (see the log)"
+    assert caps.kernels_enabled(CPU), "the custom CPU kernels failed to build (see the log)"
 
 
 def _reference(q, kc, vc, tables, starts, positions, scale, bs):
@@ -48,14 +50,14 @@ def test_paged_attention_prefill_and_decode(dtype, tol, heads, kv_heads):
     starts = torch.tensor([0, 5, 45, 45])
     positions = torch.cat([torch.arange(70, 75), torch.arange(40), torch.zeros(3, dtype=torch.long)])
     q = torch.randn(48, heads, d, generator=g).to(dtype)
-    out = K.paged_attention(q, kc, vc, tables, starts, positions, 0.125, bs)
+    out = ops.paged_attention(q, kc, vc, tables, starts, positions, 0.125, bs)
     ref = _reference(q, kc, vc, tables, starts, positions, 0.125, bs)
     torch.testing.assert_close(out[:45].float(), ref[:45], atol=tol, rtol=tol)
     assert torch.equal(out[45:], torch.zeros_like(out[45:]))  # padding rows
     # Decode: one row per sequence, lengths across block and tile edges.
     positions = torch.tensor([0, 31, 159])
     q = torch.randn(3, heads, d, generator=g).to(dtype)
-    out = K.paged_attention(q, kc, vc, tables, torch.arange(4), positions, 0.125, bs)
+    out = ops.paged_attention(q, kc, vc, tables, torch.arange(4), positions, 0.125, bs)
     torch.testing.assert_close(out.float(), _reference(q, kc, vc, tables, torch.arange(4), positions, 0.125, bs),
                                atol=tol, rtol=tol)
 
@@ -75,7 +77,7 @@ def test_paged_attention_long_prefill_in_row_blocks(dtype, tol, d):
     starts = torch.tensor([0, 301, 371])
     positions = torch.cat([torch.arange(301), torch.arange(200, 270)])
     q = torch.randn(371, heads, d, generator=g).to(dtype)
-    out = K.paged_attention(q, kc, vc, tables, starts, positions, d ** -0.5, bs)
+    out = ops.paged_attention(q, kc, vc, tables, starts, positions, d ** -0.5, bs)
     ref = _reference(q, kc, vc, tables, starts, positions, d ** -0.5, bs)
     torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
 
@@ -93,7 +95,7 @@ def test_paged_decode_attention_head_dims(dtype, tol, d):
     positions = torch.tensor([0, 5, 16, 7 * bs - 1])
     q = torch.randn(4, heads, d, generator=g).to(dtype)
     starts = torch.arange(5)
-    out = K.paged_attention(q, kc, vc, tables, starts, positions, d ** -0.5, bs)
+    out = ops.paged_attention(q, kc, vc, tables, starts, positions, d ** -0.5, bs)
     torch.testing.assert_close(out.float(), _reference(q, kc, vc, tables, starts, positions, d ** -0.5, bs),
                                atol=tol, rtol=tol)
 
@@ -114,7 +116,7 @@ def test_paged_decode_attention_gqa_at_every_decode_bucket(dtype, tol, batch):
                               int(torch.randint(per_seq * bs, (1,), generator=g)) for i in range(batch)])
     q = torch.randn(batch, heads, d, generator=g).to(dtype)
     starts = torch.arange(batch + 1)
-    out = K.paged_attention(q, kc, vc, tables, starts, positions, 0.125, bs)
+    out = ops.paged_attention(q, kc, vc, tables, starts, positions, 0.125, bs)
     ref = _reference(q, kc, vc, tables, starts, positions, 0.125, bs)
     torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
 
@@ -144,9 +146,9 @@ def test_decode_rows_split_along_their_keys_match_reference(dtype, tol, with_sin
             starts, pos = torch.arange(n + 1), torch.tensor(positions)
             if cache_dtype == torch.float8_e4m3fn:
                 one = torch.tensor(1.0)
-                out = K.paged_attention_fp8(q, kc, vc, tables[:n], starts, pos, 0.125, bs, one, one, sinks)
+                out = ops.paged_attention_fp8(q, kc, vc, tables[:n], starts, pos, 0.125, bs, one, one, sinks)
             else:
-                out = K.paged_attention(q, kc, vc, tables[:n], starts, pos, 0.125, bs, sinks)
+                out = ops.paged_attention(q, kc, vc, tables[:n], starts, pos, 0.125, bs, sinks)
             ref = _reference_sinks_window(q, kc, vc, tables[:n], starts, pos, 0.125, bs, sinks, 0)
             torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
     finally:
@@ -158,13 +160,11 @@ def test_bf16_prefill_over_a_long_cached_context(d):
     in one step), bf16: on AMX CPUs these items run on tiles, on other AVX512-BF16 CPUs by bf16 dot products in
     vector registers, both with the probabilities rounded to bf16, and the result stays within bf16's error of
     fp32 attention across 33 blocks of online softmax."""
-    from vllm_neuron.model.layers.packed_weights import tile_kernel_built
-
-    assert K.attention_on_tiles(d) == tile_kernel_built()  # both need the AMX build and the OS's tile state
-    variant = K.kernel_variant()[0]
-    expected = "AMX tiles" if tile_kernel_built() else "bf16 dot products" if variant == "avx512bf16" else "fp32 vectors"
-    assert K.attention_rows_path(d) == expected
-    assert K.attention_rows_path(80) == "fp32 vectors"  # head dims in whole blocks of 32 only
+    assert caps.attention_on_tiles(d) == caps.tile_kernel_built()  # both need the AMX build and the OS's tile state
+    variant = caps.kernel_variant()[0]
+    expected = "AMX tiles" if caps.tile_kernel_built() else "bf16 dot products" if variant == "avx512bf16" else "fp32 vectors"
+    assert caps.attention_rows_path(d) == expected
+    assert caps.attention_rows_path(80) == "fp32 vectors"  # head dims in whole blocks of 32 only
     g = torch.Generator().manual_seed(d)
     heads, kv_heads, bs, ctx, new = 9, 3, 16, 1024, 32
     per = (ctx + new) // bs + 1
@@ -176,7 +176,7 @@ def test_bf16_prefill_over_a_long_cached_context(d):
         starts = torch.arange(seqs + 1) * new
         positions = torch.cat([torch.arange(ctx - 7 * s, ctx - 7 * s + new) for s in range(seqs)])
         q = torch.randn(seqs * new, heads, d, generator=g).bfloat16()
-        out = K.paged_attention(q, kc, vc, tables[:seqs], starts, positions, d ** -0.5, bs)
+        out = ops.paged_attention(q, kc, vc, tables[:seqs], starts, positions, d ** -0.5, bs)
         ref = _reference(q, kc, vc, tables[:seqs], starts, positions, d ** -0.5, bs)
         torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
 
@@ -230,8 +230,8 @@ def test_paged_attention_sinks_and_window(dtype, tol, window, with_sinks):
     def run(q, tables, starts, positions):
         if cache_dtype == torch.float8_e4m3fn:
             one = torch.tensor(1.0)
-            return K.paged_attention_fp8(q, kc, vc, tables, starts, positions, 0.125, bs, one, one, sinks, window)
-        return K.paged_attention(q, kc, vc, tables, starts, positions, 0.125, bs, sinks, window)
+            return ops.paged_attention_fp8(q, kc, vc, tables, starts, positions, 0.125, bs, one, one, sinks, window)
+        return ops.paged_attention(q, kc, vc, tables, starts, positions, 0.125, bs, sinks, window)
 
     # Prefill: seq 0 has 70 cached tokens and 5 new rows, seq 1 is 40 new rows from 0, then 3 padding rows.
     starts = torch.tensor([0, 5, 45, 45])
@@ -256,9 +256,9 @@ def test_paged_attention_sinks_and_window(dtype, tol, window, with_sinks):
 
 def test_paged_attention_refuses_bad_sinks_and_window():
     with pytest.raises(RuntimeError, match="one logit per query head"):
-        K.paged_attention(**_attention_inputs(), sinks=torch.zeros(3))
+        ops.paged_attention(**_attention_inputs(), sinks=torch.zeros(3))
     with pytest.raises(RuntimeError, match="window must be >= 0"):
-        K.paged_attention(**_attention_inputs(), window=-1)
+        ops.paged_attention(**_attention_inputs(), window=-1)
 
 
 def _attention_inputs():
@@ -278,9 +278,9 @@ def _attention_inputs():
     (dict(block_size=24), "whole blocks"),
 ])
 def test_paged_attention_checks_the_bounds_it_relies_on(change, message):
-    K.paged_attention(**_attention_inputs())  # the valid inputs run
+    ops.paged_attention(**_attention_inputs())  # the valid inputs run
     with pytest.raises(RuntimeError, match=message):
-        K.paged_attention(**{**_attention_inputs(), **change})
+        ops.paged_attention(**{**_attention_inputs(), **change})
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -289,13 +289,13 @@ def test_paged_attention_checks_the_bounds_it_relies_on(change, message):
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 8, 13, 16, 17, 23, 32, 64])
 @pytest.mark.parametrize("n, k", [(1536, 576), (576, 1536), (190, 576), (7, 64)])
 def test_linear_small_batch_matches_fp32_matmul(dtype, rows, n, k):
-    if dtype not in K.linear_kernel_dtypes(CPU):
-        pytest.skip(f"no {dtype} linear kernel in the {K.kernel_variant()[0]} build: F.linear serves")
+    if dtype not in caps.linear_kernel_dtypes(CPU):
+        pytest.skip(f"no {dtype} linear kernel in the {caps.kernel_variant()[0]} build: F.linear serves")
     g = torch.Generator().manual_seed(n + rows)
     x = torch.randn(rows, k, generator=g).to(dtype)
     w = torch.randn(n, k, generator=g).to(dtype)
     ref = x.double() @ w.double().t()
-    out = K.linear_small_batch(x, w)
+    out = ops.linear_small_batch(x, w)
     assert out.dtype == dtype and out.shape == (rows, n)
     # Products are exact in fp32 for bf16 inputs; the error is the rounding of the result (plus summation
     # order, visible only where the sum cancels to near zero).
@@ -305,30 +305,28 @@ def test_linear_small_batch_matches_fp32_matmul(dtype, rows, n, k):
 
 def test_linear_layer_takes_the_kernel_only_for_small_batches_of_its_dtypes(monkeypatch):
     calls = []
-    monkeypatch.setattr(K, "linear_small_batch", lambda x, w: calls.append((x.shape[0], x.dtype)) or F.linear(x, w))
+    monkeypatch.setattr(L, "linear_small_batch", lambda x, w: calls.append((x.shape[0], x.dtype)) or F.linear(x, w))
     layer = L.Linear(64, 32, bias=False).bfloat16()
-    L.set_small_batch_kernel(frozenset({torch.bfloat16}), 4)
-    try:
-        layer(torch.randn(4, 64).bfloat16())
-        layer(torch.randn(5, 64).bfloat16())  # above the limit: oneDNN
-        layer.float()(torch.randn(2, 64))  # fp32 is not in the set
-        L.set_small_batch_kernel(frozenset({torch.float32}), 16)
-        layer(torch.randn(16, 64))
-        layer(torch.randn(17, 64))
-        L.set_small_batch_kernel(frozenset(), 16)
-        layer.bfloat16()(torch.randn(1, 64).bfloat16())
-    finally:
-        L.set_small_batch_kernel(frozenset(), 0)
+    layer(torch.randn(2, 64).bfloat16())  # a layer built outside an engine: torch's paths only
+    layer.kernels = KernelConfig(linear_dtypes=frozenset({torch.bfloat16}), linear_rows=4)
+    layer(torch.randn(4, 64).bfloat16())
+    layer(torch.randn(5, 64).bfloat16())  # above the limit: oneDNN
+    layer.float()(torch.randn(2, 64))  # fp32 is not in the set
+    layer.kernels = KernelConfig(linear_dtypes=frozenset({torch.float32}), linear_rows=16)
+    layer(torch.randn(16, 64))
+    layer(torch.randn(17, 64))
+    layer.kernels = KernelConfig(linear_rows=16)
+    layer.bfloat16()(torch.randn(1, 64).bfloat16())
     assert calls == [(4, torch.bfloat16), (16, torch.float32)]
 
 
 def test_small_batch_rows_per_cpu_class():
     # bf16 from 5 rows on: a tile kernel on packed weights (AMX tiles, or VDPBF16PS dot products without AMX)
-    assert K.small_batch_rows("avx512bf16", torch.bfloat16) == 4
-    assert K.small_batch_rows("avx512bf16", torch.float32) == 64  # no fp32 tiles; oneDNN 2x slower at 64 rows
-    assert K.small_batch_rows("avx2", torch.float32) == 64  # oneDNN 1.3-3x slower to 64 rows
-    assert K.small_batch_rows("avx2", torch.bfloat16) == 64  # oneDNN emulates bf16 there
-    assert K.small_batch_rows("generic", torch.float32) == 4  # no linear kernel in that build
+    assert caps.small_batch_rows("avx512bf16", torch.bfloat16) == 4
+    assert caps.small_batch_rows("avx512bf16", torch.float32) == 64  # no fp32 tiles; oneDNN 2x slower at 64 rows
+    assert caps.small_batch_rows("avx2", torch.float32) == 64  # oneDNN 1.3-3x slower to 64 rows
+    assert caps.small_batch_rows("avx2", torch.bfloat16) == 64  # oneDNN emulates bf16 there
+    assert caps.small_batch_rows("generic", torch.float32) == 4  # no linear kernel in that build
 
 
 def _silu_reference(h: torch.Tensor) -> torch.Tensor:
@@ -377,17 +375,15 @@ def test_mlp_activation_takes_the_kernel_for_bf16_only(monkeypatch):
 
     calls = []
     kernel = torch.ops.vllm_neuron.silu_and_mul
-    monkeypatch.setattr(A, "_cpu_kernel_on", True)
     monkeypatch.setattr(torch.ops.vllm_neuron, "silu_and_mul", lambda h: calls.append(h.dtype) or kernel(h),
                         raising=False)
     h = torch.randn(5, 2 * 96)
     gate, up = h.chunk(2, dim=-1)
-    assert torch.equal(A.silu_and_mul(h), F.silu(gate) * up)  # fp32: torch's own, bit for bit
-    torch.testing.assert_close(A.silu_and_mul(h.bfloat16()).double(), _silu_reference(h.bfloat16()),
+    assert torch.equal(A.silu_and_mul(h, True), F.silu(gate) * up)  # fp32: torch's own, bit for bit
+    torch.testing.assert_close(A.silu_and_mul(h.bfloat16(), True).double(), _silu_reference(h.bfloat16()),
                                rtol=2 ** -8, atol=1e-30)
     assert calls == [torch.bfloat16]
-    monkeypatch.setattr(A, "_cpu_kernel_on", False)
-    A.silu_and_mul(h.bfloat16())
+    A.silu_and_mul(h.bfloat16(), False)  # an engine (or a layer) whose KernelConfig has the kernel off
     assert calls == [torch.bfloat16]
 
 
@@ -399,9 +395,9 @@ def test_silu_and_mul_inside_a_compiled_graph():
 
 
 def test_variant_detection():
-    assert K.detect_variant({"avx512_bf16", "avx512bw", "avx2", "fma", "f16c"}) == "avx512bf16"
-    assert K.detect_variant({"avx2", "fma", "f16c", "avx512f"}) == "avx2"
-    assert K.detect_variant({"sse2"}) == "generic"
+    assert caps.detect_variant({"avx512_bf16", "avx512bw", "avx2", "fma", "f16c"}) == "avx512bf16"
+    assert caps.detect_variant({"avx2", "fma", "f16c", "avx512f"}) == "avx2"
+    assert caps.detect_variant({"sse2"}) == "generic"
 
 
 @pytest.mark.slow
@@ -410,9 +406,9 @@ def test_forced_avx2_build_passes_the_same_checks(tmp_path):
     """The AVX2 code paths (what an AVX2-only CPU runs), built here by forcing the class, against torch:
     attention, the bf16/fp32 linear and the int8/int4 linears at every bucket shape.
     A process of its own: one process loads one build of the ops."""
-    if K.detect_variant(K._cpu_flags()) == "generic":
+    if caps.detect_variant(caps.cpu_flags()) == "generic":
         pytest.skip("this CPU has no AVX2")
-    if K.kernel_variant()[0] == "avx2":  # an AVX2-only CPU: a second build would repeat the same checks
+    if caps.kernel_variant()[0] == "avx2":  # an AVX2-only CPU: a second build would repeat the same checks
         pytest.skip("this process' own build is avx2: the tests above and test_quant_weights are the AVX2 checks")
     quant = os.path.join(os.path.dirname(__file__), "test_quant_weights.py")
     proc = _forced_run("avx2", "not forced and (not test_quant_weights or dequantized_matmul)", tmp_path, quant)
@@ -440,15 +436,15 @@ def _forced_run(variant: str, select: str, tmp_path, *more_files: str) -> subpro
 
 def test_a_variant_the_cpu_cannot_run_is_refused():
     avx2_cpu = {"avx2", "fma", "f16c"}
-    assert K.choose_variant(avx2_cpu, None) == ("avx2", "detected from /proc/cpuinfo")
-    assert K.choose_variant(avx2_cpu, "generic")[0] == "generic"
+    assert caps.choose_variant(avx2_cpu, None) == ("avx2", "detected from /proc/cpuinfo")
+    assert caps.choose_variant(avx2_cpu, "generic")[0] == "generic"
     with pytest.raises(ValueError, match="VLLM_NEURON_CPU_ISA=avx512bf16 needs instructions this CPU lacks"):
-        K.choose_variant(avx2_cpu, "avx512bf16")
+        caps.choose_variant(avx2_cpu, "avx512bf16")
 
 
 def test_build_is_the_forced_variant():
     forced = os.environ.get("VLLM_NEURON_CPU_ISA")
-    assert K.kernel_variant()[0] == (forced or K.detect_variant(K._cpu_flags()))
+    assert caps.kernel_variant()[0] == (forced or caps.detect_variant(caps.cpu_flags()))
 
 
 def test_package_data_ships_every_kernel_source_and_header():
@@ -459,5 +455,5 @@ def test_package_data_ships_every_kernel_source_and_header():
 
     with open(os.path.join(_REPO, "pyproject.toml"), "rb") as f:
         patterns = tomllib.load(f)["tool"]["setuptools"]["package-data"]["vllm_neuron.model.layers.kernels"]
-    missing = [n for n in K._SOURCES + K._HEADERS if not any(fnmatch.fnmatch(n, p) for p in patterns)]
+    missing = [n for n in build.SOURCES + build.HEADERS if not any(fnmatch.fnmatch(n, p) for p in patterns)]
     assert missing == []

@@ -7,7 +7,8 @@ import torch
 
 from tests.unit.test_kernels import _reference
 from vllm_neuron.config.engine_config import EngineConfig
-from vllm_neuron.model.layers import kernels as K
+from vllm_neuron.model.layers.kernels import build, ops
+from vllm_neuron.model.layers.kernels import cpu_caps as caps
 from vllm_neuron.model.layers import kv_quant
 from vllm_neuron.model.layers.attention import AttentionMetadata, decode_mask, paged_attention, prefill_mask
 from vllm_neuron.model.llama.weight_loaders import kv_scale_target
@@ -46,7 +47,7 @@ def _caches(g, slots, kv, d, dtype, k_scale, v_scale):
 @pytest.mark.parametrize("cache_dtype", FP8)
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 def test_kernel_over_fp8_caches_equals_torch_on_the_dequantized_cache(cache_dtype, dtype, tol):
-    assert K.kernels_enabled(CPU)
+    assert caps.kernels_enabled(CPU)
     g = torch.Generator().manual_seed(3)
     heads, kv, d, bs, nblocks = 9, 3, 64, 16, 40
     k_scale, v_scale = torch.tensor(0.37), torch.tensor(1.9)
@@ -59,7 +60,7 @@ def test_kernel_over_fp8_caches_equals_torch_on_the_dequantized_cache(cache_dtyp
              (torch.arange(4), torch.tensor([0, 31, 159]))]
     for starts, positions in cases:
         q = torch.randn(positions.shape[0], heads, d, generator=g).to(dtype)
-        out = K.paged_attention_fp8(q, kc, vc, tables, starts, positions, 0.125, bs, k_scale, v_scale)
+        out = ops.paged_attention_fp8(q, kc, vc, tables, starts, positions, 0.125, bs, k_scale, v_scale)
         assert out.dtype == dtype
         ref = _reference(q, kd, vd, tables, starts, positions, 0.125, bs)
         rows = int(starts[-1])

@@ -1,5 +1,5 @@
 """N-gram prompt lookup: longest suffix match, latest occurrence, up to k following tokens."""
-from vllm_neuron.spec_decode.ngram_proposer import propose_ngram
+from vllm_neuron.worker.spec_decode.ngram_proposer import propose_ngram
 
 
 def test_proposes_the_tokens_after_the_matched_suffix():

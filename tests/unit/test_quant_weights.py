@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from vllm_neuron.config.engine_config import EngineConfig
-from vllm_neuron.model.layers import kernels as K
+from vllm_neuron.model.layers.kernels import build, ops
+from vllm_neuron.model.layers.kernels import cpu_caps as caps
 from vllm_neuron.model.layers import quant_int4 as Q4
 from vllm_neuron.model.layers import quant_int8 as Q8
 from vllm_neuron.model.layers.quant_bands import from_bands, to_bands
@@ -80,7 +81,7 @@ def _reference(x, w_deq, bias):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n, k", SHAPES)
 def test_kernel_and_prefill_path_match_the_dequantized_matmul_at_every_bucket(scheme, dtype, n, k):
-    if not K.quant_kernels_available(CPU):
+    if not caps.quant_kernels_available(CPU):
         pytest.skip("this CPU has no AVX2: the int8/int4 kernels are not built and the torch path serves")
     mod = SCHEMES[scheme]
     g = torch.Generator().manual_seed(n + k)
@@ -99,11 +100,11 @@ def test_kernel_and_prefill_path_match_the_dequantized_matmul_at_every_bucket(sc
     # The kernel itself, every row count up to its largest, both N tails.
     for rows in range(1, mod.KERNEL_ROWS + 1):
         x = torch.randn(rows, k, generator=g).to(dtype)
-        kernel = K.linear_int8 if scheme == "int8" else K.linear_int4
+        kernel = ops.linear_int8 if scheme == "int8" else ops.linear_int4
         ref = _reference(x, w_deq, None)
         if dtype == torch.float32:
             tol = dict(rtol=1e-5, atol=1e-5)
-        elif scheme == "int4" and rows > 4 and K.kernel_variant()[0] == "avx512bf16":
+        elif scheme == "int4" and rows > 4 and caps.kernel_variant()[0] == "avx512bf16":
             # From 5 rows on, VDPBF16PS over the dequantized weight rounded to bf16 (as prefill's oneDNN
             # path uses it): the prefill tolerance.
             tol = dict(rtol=2**-7, atol=5e-3 * ref.abs().max().item())
@@ -120,7 +121,7 @@ def test_int8_kernel_on_bf16_inputs_of_any_range_stays_within_the_int16_rounding
     narrow range (and all-zero rows) are exact up to the output's bf16 rounding. K of 3 and 17 chunks of 16
     leave an odd chunk count in the last block; 1-5 rows cover every row tile and the prefetching path, 8, 13
     and 16 the row groups of AMX CPUs (where VPDPWSSD serves up to 16 rows)."""
-    if not K.quant_kernels_available(CPU):
+    if not caps.quant_kernels_available(CPU):
         pytest.skip("no AVX2 here: the torch path serves")
     g = torch.Generator().manual_seed(n * k)
     q, scale = Q8.quantize(torch.randn(n, k, generator=g) / k**0.5)
@@ -133,13 +134,13 @@ def test_int8_kernel_on_bf16_inputs_of_any_range_stays_within_the_int16_rounding
         for x, exact in ((wide, False), (narrow, True)):
             xf = x.float()
             ref = F.linear(xf, w)
-            out = K.linear_int8(x, q, scale).float()
+            out = ops.linear_int8(x, q, scale).float()
             blocks = F.pad(xf.abs(), (0, -k % 256)).reshape(rows, -1, 256).amax(-1)
             step = blocks.repeat_interleave(256, dim=1)[:, :k] * 2.0**-14  # a block's step: <= 2^-14 of its largest
             bound = 0 if exact else (step / 2) @ w.abs().T
             sums = xf.abs() @ w.abs().T  # the fp32 sums' own rounding
             assert torch.all((out - ref).abs() <= bound + ref.abs() * 2**-8 + sums * 1e-6), (rows, exact)
-        assert torch.all(K.linear_int8(narrow, q, scale)[rows // 2] == 0)
+        assert torch.all(ops.linear_int8(narrow, q, scale)[rows // 2] == 0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -147,19 +148,19 @@ def test_int8_kernel_on_bf16_inputs_of_any_range_stays_within_the_int16_rounding
 def test_kernel_unpacking_equals_the_torch_dequantization(dtype, n, k):
     """The prefill path's one-pass unbanding gives back what the torch dequantization does: int8 exactly, int4
     up to the rounding of q * scale + min."""
-    if not K.quant_kernels_available(CPU):
+    if not caps.quant_kernels_available(CPU):
         pytest.skip("no AVX2 here: the torch path serves")
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(n * k)) / k**0.5
     q8, s8 = Q8.quantize(w)
-    assert torch.equal(K.unpack_int8(q8, dtype), from_bands(q8, Q8.CHUNK).to(dtype))
+    assert torch.equal(ops.unpack_int8(q8, dtype), from_bands(q8, Q8.CHUNK).to(dtype))
     q4, s4 = Q4.quantize(w)
-    torch.testing.assert_close(K.unpack_int4(q4, s4, dtype), Q4.dequantize(q4, s4, dtype))
+    torch.testing.assert_close(ops.unpack_int4(q4, s4, dtype), Q4.dequantize(q4, s4, dtype))
 
 
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
 @pytest.mark.parametrize("use_kernel", [False, True])
 def test_torch_path_and_leading_dims(scheme, use_kernel):
-    if use_kernel and not K.quant_kernels_available(CPU):
+    if use_kernel and not caps.quant_kernels_available(CPU):
         pytest.skip("no AVX2 here")
     mod = SCHEMES[scheme]
     qweight, qscale = mod.quantize(_weight())
@@ -175,7 +176,7 @@ def test_torch_path_and_leading_dims(scheme, use_kernel):
 def test_compiled_equals_eager(scheme, rows):
     mod = SCHEMES[scheme]
     qweight, qscale = mod.quantize(_weight())
-    use_kernel = K.quant_kernels_available(CPU)
+    use_kernel = caps.quant_kernels_available(CPU)
     x = torch.randn(rows, 128).bfloat16()
     fn = torch.compile(lambda a: mod.linear(a, qweight, qscale, None, use_kernel), fullgraph=True, dynamic=False)
     torch.testing.assert_close(fn(x), mod.linear(x, qweight, qscale, None, use_kernel))

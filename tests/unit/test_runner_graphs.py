@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 from vllm_neuron.config.engine_config import EngineConfig
+from vllm_neuron.model.layers.kernel_config import KernelConfig
 from vllm_neuron.worker.model_runner_v1 import ModelRunnerV1
 from vllm_neuron.worker.runner_base import ModelRunnerBase
-from vllm_neuron.worker.spec_decode import SpecDecoder
+from vllm_neuron.worker.spec_decode import make_speculator
 
 
 def _runner(use_kernels: bool = False, cls: type = ModelRunnerBase, **kw) -> ModelRunnerBase:
@@ -12,9 +13,9 @@ def _runner(use_kernels: bool = False, cls: type = ModelRunnerBase, **kw) -> Mod
     cfg.finalize(model_max_len=2048)
     r = cls.__new__(cls)  # graph planning needs no model
     r.config = cfg
-    r.use_kernels = use_kernels  # the torch path: cached context needs prefill context graphs
-    if cls is ModelRunnerV1:
-        r.spec = SpecDecoder(cfg.speculative, cfg.max_model_len) if cfg.speculative else None
+    r.kernels = KernelConfig(attention=use_kernels)  # the torch path: cached context needs prefill context graphs
+    r.kinds = []
+    r.speculator = make_speculator(cfg.speculative, cfg.max_model_len)
     nc = cfg.neuron_config
     r.prefill_buckets, r.decode_buckets, r.context_buckets = (nc.num_batched_tokens_buckets, nc.num_seqs_buckets,
                                                               nc.context_buckets)

@@ -355,11 +355,6 @@ class EngineConfig:
                                                  enforce_eager=self.enforce_eager,
                                                  speculative=spec is not None, moe=moe or multimodal,
                                                  sliding_window=sliding_window)
-        if multimodal and self.runner_choice.use_v2:
-            raise _not_supported("VLLM_USE_V2_MODEL_RUNNER", "1", "multimodal models run on Model Runner V1 only; "
-                                 "unset it")
-        if multimodal and spec is not None:
-            raise _not_supported("speculative_config", spec.method, "speculative decoding with a multimodal model")
         if spec is not None and self.runner_choice.use_v2:
             raise ValueError("VLLM_USE_V2_MODEL_RUNNER=1 cannot serve speculative decoding: Neuron Model Runner V2 "
                              "does not support it; unset VLLM_USE_V2_MODEL_RUNNER (MRv1 is then selected)")

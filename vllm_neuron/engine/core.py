@@ -18,7 +18,9 @@ from vllm_neuron.step import ModelRunnerOutput, SchedulerOutput
 from vllm_neuron.model.loader import Checkpoint, load_checkpoint
 from vllm_neuron.model.registry import is_multimodal, model_spec
 from vllm_neuron.worker import memory
-from vllm_neuron.worker.tp_executor import TPExecutor, WorkerRankError, create_runner
+from vllm_neuron.worker.parallel_compile import compile_missing
+from vllm_neuron.worker.runner_factory import create_runner
+from vllm_neuron.worker.tp_executor import TPExecutor, WorkerRankError
 
 logger = init_logger(__name__)
 
@@ -68,6 +70,8 @@ class EngineCore:
         self.runner.init_kv_cache(self.num_blocks)
         logger.info(memory.capacity_summary(self.num_blocks - 1, config.block_size, config.max_model_len,
                                             self.runner.request_blocks()))
+        if not isinstance(self.runner, TPExecutor):  # (tensor parallelism refuses compile workers)
+            compile_missing(self.runner)
         self.compiler = self.runner.warmup()
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,

@@ -14,6 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
+from vllm_neuron.worker.step_inputs import SlotState
+
+
 @dataclass
 class SlotParams:
     """In-graph sampling parameters of one slot (temperature 0 = greedy, also for host-sampled rows)."""
@@ -27,7 +30,9 @@ class SlotParams:
 class BatchState:
     """Device tensors indexed by slot, and the host bookkeeping that keeps them current."""
 
-    def __init__(self, max_num_seqs: int, max_blocks: int, device: torch.device, num_kv_groups: int = 1) -> None:
+    def __init__(self, max_num_seqs: int, max_blocks: int, device: torch.device, num_kv_groups: int = 1,
+                 extras: dict[str, torch.dtype] | None = None) -> None:
+        """extras: a model kind's per-slot inputs (name -> dtype), zero for the dummy slot."""
         self.num_slots = max_num_seqs + 1
         self.dummy = max_num_seqs
         self.max_blocks = max_blocks
@@ -43,6 +48,9 @@ class BatchState:
         self.top_k = torch.zeros(n, dtype=torch.int64, device=device)
         self.top_p = torch.ones(n, dtype=torch.float32, device=device)
         self.seed = torch.zeros(n, dtype=torch.int64, device=device)
+        self.extras = {name: torch.zeros(n, dtype=dt, device=device) for name, dt in (extras or {}).items()}
+        self.state = SlotState(self.last_token, self.position, self.block_table, self.temperature, self.top_k,
+                               self.top_p, self.seed, tuple(self.group_tables), self.extras)
         self._free = list(range(max_num_seqs - 1, -1, -1))  # pop() hands out low slots first
         self._slots: dict[str, int] = {}
         self._written: dict[tuple[str, int], list[int]] = {}  # (request, group) -> ids already in its device row
@@ -61,7 +69,7 @@ class BatchState:
     def num_active(self) -> int:
         return len(self._slots)
 
-    def join(self, req_id: str, params: SlotParams) -> int:
+    def join(self, req_id: str, params: SlotParams, extras: dict[str, float | int] | None = None) -> int:
         if req_id in self._slots:
             raise ValueError(f"request {req_id!r} already holds slot {self._slots[req_id]}")
         if not self._free:
@@ -82,6 +90,8 @@ class BatchState:
         self.block_table[s].zero_()
         for t in self.group_tables:
             t[s].zero_()
+        for name, t in self.extras.items():
+            t[s] = (extras or {}).get(name, 0)
         return s
 
     def leave(self, req_id: str) -> None:
@@ -141,8 +151,3 @@ class BatchState:
             self._rows = torch.tensor(out, dtype=torch.int64).to(self.device)
             self._rows_key = key
         return self._rows
-
-    def tensors(self) -> tuple[torch.Tensor, ...]:
-        """The state as graph inputs, in the graphs' argument order."""
-        return (self.last_token, self.position, self.block_table, self.temperature, self.top_k, self.top_p,
-                self.seed)

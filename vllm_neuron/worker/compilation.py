@@ -399,7 +399,9 @@ class GraphCompiler:
         if loadable:
             try:
                 with open(path, "rb") as f:
-                    compiled = torch.compiler.load_compiled_function(f, external_data=external)
+                    # The graph function's module globals: its StepOutput class is rebuilt from them.
+                    compiled = torch.compiler.load_compiled_function(f, external_data=external,
+                                                                     f_globals=fn.__func__.__globals__)
                 compiled.disable_guard_check()  # shapes are static per bucket and the key covers the rest
                 self._source = "loaded"
                 return functools.partial(compiled, owner)

@@ -1,147 +1,231 @@
-"""The per-bucket graph functions: tensors in, tensors out, nothing of requests or the host.
+"""The per-bucket graph functions: one step-input dataclass in (worker/step_inputs.py), a `StepOutput` out,
+nothing of requests or the host.
 
-They live apart from the model runners so that what a compiled graph closes over is only the model
-and a few static options. The compile cache serializes each bucket's compiled function together
-with a snapshot of that closure for its guards, and the runner (RNG generators, host state) would
+They live apart from the model runners so that what a compiled graph closes over is only the model, a few
+static options and a speculator's in-graph part. The compile cache serializes each bucket's compiled function
+together with a snapshot of that closure for its guards, and the runner (RNG generators, host state) would
 not survive the round trip.
+
+`StepGraphs` are Model Runner V1's (host-built inputs), `SlotStepGraphs` Model Runner V2's (per-request state
+in slot tensors that the graph reads and updates); both share the pieces of `GraphBase`. A speculator's
+draft model runs inside every graph through its `DraftGraphs` part (worker/spec_decode/): the target's
+forward taps the layers it names, and after sampling the draft proposes the next step's drafts.
 """
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 
-from vllm_neuron.model.layers.attention import AttentionMetadata, context_positions, decode_mask, prefill_mask
+from vllm_neuron.config.neuron_config import OnDeviceSamplingConfig
+from vllm_neuron.model.layers.attention import (AttentionMetadata, context_positions, decode_mask, prefill_mask,
+                                                verify_mask)
 from vllm_neuron.model.layers.in_graph_sampler import (apply_token_bitmask, counter_uniform, greedy_in_graph,
                                                        sample_in_graph)
+from vllm_neuron.model.layers.kernel_config import KernelConfig
+from vllm_neuron.model.layers.rejection_sampler import rejection_sample
+from vllm_neuron.worker.step_inputs import (DecodeInputs, EncoderInputs, PrefillInputs, RowSampling,
+                                            SlotDecodeInputs, SlotState, StepOutput, VerifyInputs)
 
 
-class StepGraphs:
-    """MRv1's graphs: host-built inputs; forward, logits of the sampled rows and in-graph sampling."""
+@dataclass(frozen=True)
+class GraphOptions:
+    """What shapes the graphs beyond the model (each is part of the compile-cache key, via the runner)."""
 
-    kv_segment = 0  # kv_segment_size_buckets: the torch prefill reads the context this many slots at a time
+    odsc: OnDeviceSamplingConfig | None  # None: CPU sampling (the graphs return logits, tokens are the argmax)
+    block_size: int
+    kernels: KernelConfig
+    paged_decode: bool = False  # CUDA: decode attention by the Triton kernel over each sequence's real context
+    kv_segment: int = 0  # kv_segment_size_buckets: the torch prefill reads the context this many slots at a time
+    # KV cache groups (kv_cache_groups.py): per layer its group and its K/V tensor pair; None for one group,
+    # where kv_caches holds one pair per layer and every layer shares one metadata.
+    layer_group: tuple[int, ...] | None = None
+    layer_slot: tuple[int, ...] | None = None
 
-    def __init__(self, model: torch.nn.Module, odsc, block_size: int, use_kernels: bool,
-                 paged_decode: bool = False, kv_layout=None) -> None:
+
+class DraftGraphs(Protocol):
+    """A speculator's part inside the graphs (worker/spec_decode/): which target layers it taps and what it
+    proposes after each kind of step (drafts [rows, K'])."""
+
+    aux_layers: tuple[int, ...]
+
+    def after_prefill(self, g: "GraphBase", x: PrefillInputs, tokens, taps, meta) -> torch.Tensor: ...
+
+    def after_decode(self, g: "GraphBase", x: DecodeInputs, tokens, taps, meta) -> torch.Tensor: ...
+
+    def after_verify(self, g: "GraphBase", x: VerifyInputs, tokens, num_emitted, taps, meta) -> torch.Tensor: ...
+
+
+class GraphBase:
+    def __init__(self, model: torch.nn.Module, options: GraphOptions, drafter: DraftGraphs | None = None) -> None:
         self.model = model
-        self.odsc = odsc
-        self.block_size = block_size
-        self.use_kernels = use_kernels
-        self.paged_decode = paged_decode
-        # KV cache groups (kv_cache_groups.py): per layer its group and its K/V tensor pair; None for one
-        # group, where kv_caches holds one pair per layer and every layer shares one metadata.
-        multi = kv_layout is not None and kv_layout.num_groups > 1
-        self.layer_group = kv_layout.layer_group() if multi else None
-        self.layer_slot = kv_layout.layer_slot() if multi else None
+        self.options = options
+        self.drafter = drafter
 
-    def _forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata, group_metas=()):
-        """The model's forward; with KV cache groups each layer gets its group's metadata (slots, tables)
-        and the K/V pair it shares with the layers of the same index in the other groups."""
-        if self.layer_slot is not None:
-            metas = (meta, *group_metas)
-            kv_caches = [kv_caches[s] for s in self.layer_slot]
-            meta = [metas[g] for g in self.layer_group]
-        return self.model(input_ids, positions, kv_caches, meta)
-
-    def _group_metas(self, meta: AttentionMetadata, groups, prefill: bool) -> tuple:
-        """Metadata of KV cache groups 1..: `groups` holds each one's (slot_mapping, tables), the tables being
-        block tables (decode, kernel prefill) or context slots (torch prefill); masks are shared."""
-        tables_field = "context_slots" if prefill and not self.use_kernels else "block_tables"
-        return tuple(dataclasses.replace(meta, slot_mapping=sm, **{tables_field: t}) for sm, t in groups)
-
-    def _sample(self, logits, bitmask, temperature, top_k, top_p, uniform):
-        if bitmask is not None:
-            logits = apply_token_bitmask(logits, bitmask)
-        if self.odsc is None:
-            return None, logits
-        if self.odsc.all_greedy:
-            return greedy_in_graph(logits), logits
-        return sample_in_graph(logits, temperature, top_k, top_p, uniform, self.odsc.top_k), logits
-
-    def prefill_meta(self, slot_mapping, positions, query_seq, attn_a, attn_b) -> AttentionMetadata:
-        """attn_a / attn_b: the kernel's (seq_tables, query_start), else (context_slots, context_seq)."""
-        if self.use_kernels:
-            return AttentionMetadata(slot_mapping, block_tables=attn_a, query_start=attn_b, positions=positions,
-                                     block_size=self.block_size, use_kernels=True)
-        return AttentionMetadata(slot_mapping, prefill_mask(positions, query_seq, attn_b), context_slots=attn_a,
-                                 positions=positions,
-                                 context_positions=None if attn_b is None else context_positions(attn_b),
-                                 kv_segment=self.kv_segment)
+    # -- attention metadata ------------------------------------------------------------------------
+    def prefill_meta(self, x: PrefillInputs) -> AttentionMetadata:
+        o = self.options
+        if o.kernels.attention:
+            return AttentionMetadata(x.slot_mapping, block_tables=x.seq_tables, query_start=x.query_start,
+                                     positions=x.positions, block_size=o.block_size, use_kernels=True)
+        ctx = x.context_seq
+        return AttentionMetadata(x.slot_mapping, prefill_mask(x.positions, x.query_seq, ctx),
+                                 context_slots=x.context_slots, positions=x.positions,
+                                 context_positions=None if ctx is None else context_positions(ctx),
+                                 kv_segment=o.kv_segment)
 
     def decode_meta(self, slot_mapping, block_tables, positions) -> AttentionMetadata:
-        if self.use_kernels:
+        o = self.options
+        if o.kernels.attention:
             starts = torch.arange(positions.shape[0] + 1, device=positions.device)
             return AttentionMetadata(slot_mapping, block_tables=block_tables, query_start=starts, positions=positions,
-                                     block_size=self.block_size, is_decode=True, use_kernels=True)
-        if self.paged_decode:
+                                     block_size=o.block_size, is_decode=True, use_kernels=True)
+        if o.paged_decode:
             return AttentionMetadata(slot_mapping, block_tables=block_tables, positions=positions, is_decode=True,
-                                     block_size=self.block_size, paged_decode=True)
-        mask = decode_mask(positions + 1, block_tables.shape[1] * self.block_size)
+                                     block_size=o.block_size, paged_decode=True)
+        mask = decode_mask(positions + 1, block_tables.shape[1] * o.block_size)
         return AttentionMetadata(slot_mapping, mask, block_tables=block_tables, is_decode=True, positions=positions)
 
-    def prefill(self, input_ids, positions, slot_mapping, query_seq, attn_a, attn_b,
-                logits_indices, bitmask, temperature, top_k, top_p, uniform, kv_caches, groups=()):
-        meta = self.prefill_meta(slot_mapping, positions, query_seq, attn_a, attn_b)
-        hidden = self._forward(input_ids, positions, kv_caches, meta, self._group_metas(meta, groups, True))
-        logits = self.model.compute_logits(hidden[logits_indices])
-        return self._sample(logits, bitmask, temperature, top_k, top_p, uniform)
+    def rows_meta(self, slot_mapping, block_tables, positions, rows_per_seq: int) -> AttentionMetadata:
+        """Decode-shaped attention with `rows_per_seq` causal query rows per sequence (a verification, a
+        draft block whose `positions` are each row's attention limit)."""
+        o = self.options
+        b = block_tables.shape[0]
+        if o.kernels.attention:
+            starts = torch.arange(b + 1, device=positions.device) * rows_per_seq
+            return AttentionMetadata(slot_mapping, block_tables=block_tables, query_start=starts, positions=positions,
+                                     block_size=o.block_size, is_decode=True, use_kernels=True)
+        mask = verify_mask(positions.view(b, rows_per_seq), block_tables.shape[1] * o.block_size)
+        return AttentionMetadata(slot_mapping, mask, block_tables=block_tables, is_decode=True, positions=positions)
 
-    def decode(self, input_ids, positions, slot_mapping, block_tables,
-               bitmask, temperature, top_k, top_p, uniform, kv_caches, groups=()):
-        meta = self.decode_meta(slot_mapping, block_tables, positions)
-        hidden = self._forward(input_ids, positions, kv_caches, meta, self._group_metas(meta, groups, False))
-        logits = self.model.compute_logits(hidden)
-        return self._sample(logits, bitmask, temperature, top_k, top_p, uniform)
+    def _group_metas(self, meta: AttentionMetadata, groups, prefill: bool) -> tuple:
+        """Metadata of KV cache groups 1..: each GroupTables' slots and tables (block tables, or context slots
+        for a torch prefill); masks are shared."""
+        field = "context_slots" if prefill and not self.options.kernels.attention else "block_tables"
+        return tuple(dataclasses.replace(meta, slot_mapping=g.slot_mapping, **{field: g.tables}) for g in groups)
+
+    # -- the model ----------------------------------------------------------------------------------
+    def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata, group_metas: tuple = (),
+                model_kwargs: dict | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(hidden states, the drafter's tapped hidden states or None). With KV cache groups each layer gets
+        its group's metadata and the K/V pair it shares with the layers of the same index in other groups."""
+        o = self.options
+        if o.layer_slot is not None:
+            metas = (meta, *group_metas)
+            kv_caches = [kv_caches[s] for s in o.layer_slot]
+            meta = [metas[g] for g in o.layer_group]
+        kwargs = dict(model_kwargs or {})
+        if self.drafter is not None and self.drafter.aux_layers:
+            return self.model(input_ids, positions, kv_caches, meta, aux_layers=self.drafter.aux_layers, **kwargs)
+        return self.model(input_ids, positions, kv_caches, meta, **kwargs), None
+
+    def sample(self, logits, bitmask, s: RowSampling | None) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """(tokens, logits): the grammar mask, then greedy (`s` None) or seeded sampling; no tokens under CPU
+        sampling (no on-device sampling config: the host samples every row)."""
+        use = self.options.kernels.sampler
+        if bitmask is not None:
+            logits = apply_token_bitmask(logits, bitmask, use)
+        odsc = self.options.odsc
+        if odsc is None:
+            return None, logits
+        if odsc.all_greedy or s is None:
+            return greedy_in_graph(logits, use), logits
+        return sample_in_graph(logits, s.temperature, s.top_k, s.top_p, s.uniform, odsc.top_k, use_kernels=use), logits
+
+    def encode(self, x: EncoderInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        """A multimodal model's encoder over one bucket of block-packed media."""
+        return self.model.encode(x.pixels, x.interp_idx, x.interp_w, x.rot_pos, x.segment)
 
 
-class StepGraphsV2(StepGraphs):
-    """MRv2's graphs: per-request state lives in slot tensors that the graph reads and updates."""
+class StepGraphs(GraphBase):
+    """Model Runner V1's graphs: host-built inputs; forward, logits of the sampled rows, in-graph sampling."""
 
-    def _sample_rows(self, logits, bitmask, slots, sample_pos, temperature, top_k, top_p, seed):
-        """In-graph tokens of the rows at `slots`; under CPU sampling the argmax stands in until the
-        host's token overwrites it."""
-        if self.odsc is None:
-            _, logits = self._sample(logits, bitmask, None, None, None, None)
-            return greedy_in_graph(logits), logits
-        if self.odsc.all_greedy:
-            return self._sample(logits, bitmask, None, None, None, None)
-        uniform = counter_uniform(seed[slots], sample_pos)
-        return self._sample(logits, bitmask, temperature[slots], top_k[slots], top_p[slots], uniform)
+    def prefill(self, x: PrefillInputs) -> StepOutput:
+        meta = self.prefill_meta(x)
+        hidden, taps = self.forward(x.input_ids, x.positions, x.kv_caches, meta,
+                                    self._group_metas(meta, x.groups, True), x.model_kwargs)
+        tokens, logits = self.sample(self.model.compute_logits(hidden[x.logits_indices]), x.bitmask, x.sampling)
+        drafts = None if self.drafter is None else self.drafter.after_prefill(self, x, tokens, taps, meta)
+        return StepOutput(tokens, logits, drafts)
+
+    def decode(self, x: DecodeInputs) -> StepOutput:
+        meta = self.decode_meta(x.slot_mapping, x.block_tables, x.positions)
+        hidden, taps = self.forward(x.input_ids, x.positions, x.kv_caches, meta,
+                                    self._group_metas(meta, x.groups, False), x.row_extras)
+        tokens, logits = self.sample(self.model.compute_logits(hidden), x.bitmask, x.sampling)
+        drafts = None if self.drafter is None else self.drafter.after_decode(self, x, tokens, taps, meta)
+        return StepOutput(tokens, logits, drafts)
+
+    def verify(self, x: VerifyInputs) -> StepOutput:
+        """The target over 1 + K rows per sequence (K/V of the last token and the drafts written in place),
+        logits at every row, the grammar mask at every verified position, and the rejection sampler."""
+        b, k = x.draft_ids.shape
+        meta = self.rows_meta(x.slot_mapping, x.block_tables, x.positions, k + 1)
+        hidden, taps = self.forward(x.input_ids, x.positions, x.kv_caches, meta,
+                                    self._group_metas(meta, x.groups, False), x.row_extras)
+        logits = self.model.compute_logits(hidden).float()
+        if x.bitmask is not None:  # [B * (1 + K), words]: the grammar's mask at every verified position
+            logits = apply_token_bitmask(logits, x.bitmask, self.options.kernels.sampler)
+        logits = logits.view(b, k + 1, -1)
+        s, odsc = x.sampling, self.options.odsc
+        tokens, num_emitted = rejection_sample(logits, x.draft_ids, x.num_drafts, s.temperature, s.top_k, s.top_p,
+                                               x.uniform_accept, x.uniform_sample, all_greedy=odsc.all_greedy,
+                                               max_top_k=odsc.top_k)
+        drafts = None if self.drafter is None else self.drafter.after_verify(self, x, tokens, num_emitted, taps,
+                                                                             meta)
+        return StepOutput(tokens, logits[:, 0], drafts, num_emitted)
+
+
+class SlotStepGraphs(GraphBase):
+    """Model Runner V2's graphs: per-request state lives in slot tensors that the graph reads and updates."""
+
+    def _sample_rows(self, logits, bitmask, slots, sample_pos, state: SlotState) -> tuple[torch.Tensor, torch.Tensor]:
+        """In-graph tokens of the rows at `slots`; under CPU sampling the argmax stands in until the host's
+        token overwrites it."""
+        odsc = self.options.odsc
+        if odsc is None:
+            _, logits = self.sample(logits, bitmask, None)
+            return greedy_in_graph(logits, self.options.kernels.sampler), logits
+        if odsc.all_greedy:
+            return self.sample(logits, bitmask, None)
+        s = RowSampling(state.temperature[slots], state.top_k[slots], state.top_p[slots],
+                        counter_uniform(state.seed[slots], sample_pos))
+        return self.sample(logits, bitmask, s)
 
     @staticmethod
-    def _write_token_state(slots, tokens, next_pos, last_token, position) -> None:
+    def _write_token_state(slots, tokens, next_pos, state: SlotState) -> None:
         # Padding rows all point at the dummy slot: force its state back to (token 0, position 0).
-        dummy = slots == last_token.shape[0] - 1
-        last_token.index_copy_(0, slots, torch.where(dummy, torch.zeros_like(tokens), tokens))
-        position.index_copy_(0, slots, torch.where(dummy, torch.zeros_like(next_pos), next_pos))
+        dummy = slots == state.last_token.shape[0] - 1
+        state.last_token.index_copy_(0, slots, torch.where(dummy, torch.zeros_like(tokens), tokens))
+        state.position.index_copy_(0, slots, torch.where(dummy, torch.zeros_like(next_pos), next_pos))
 
-    def prefill(self, input_ids, positions, slot_mapping, query_seq, attn_a, attn_b,
-                logits_indices, bitmask, sample_slots, last_token, position, block_table, temperature,
-                top_k, top_p, seed, kv_caches, groups=()):
-        meta = self.prefill_meta(slot_mapping, positions, query_seq, attn_a, attn_b)
-        hidden = self._forward(input_ids, positions, kv_caches, meta, self._group_metas(meta, groups, True))
-        logits = self.model.compute_logits(hidden[logits_indices])
-        next_pos = positions[logits_indices] + 1  # where the sampled token will sit
-        tokens, logits = self._sample_rows(logits, bitmask, sample_slots, next_pos, temperature, top_k, top_p,
-                                           seed)
-        self._write_token_state(sample_slots, tokens, next_pos, last_token, position)
-        return tokens, logits
+    def prefill(self, x: PrefillInputs) -> StepOutput:
+        meta = self.prefill_meta(x)
+        hidden, _ = self.forward(x.input_ids, x.positions, x.kv_caches, meta, self._group_metas(meta, x.groups, True),
+                                 x.model_kwargs)
+        logits = self.model.compute_logits(hidden[x.logits_indices])
+        next_pos = x.positions[x.logits_indices] + 1  # where the sampled token will sit
+        slots, state = x.sampling.slots, x.sampling.state
+        tokens, logits = self._sample_rows(logits, x.bitmask, slots, next_pos, state)
+        self._write_token_state(slots, tokens, next_pos, state)
+        return StepOutput(tokens, logits)
 
-    def decode(self, row_slots, context_cols, bitmask, last_token, position, block_table, temperature,
-               top_k, top_p, seed, kv_caches, group_tables=()):
-        """group_tables: the slot block tables of KV cache groups 1.. (BatchState.group_tables)."""
-        ids = last_token[row_slots]
-        pos = position[row_slots]
+    def decode(self, x: SlotDecodeInputs) -> StepOutput:
+        state, rows, bs = x.state, x.row_slots, self.options.block_size
+        ids = state.last_token[rows]
+        pos = state.position[rows]
 
-        def rows(table):  # (slot_mapping, [B, C // block_size] tables) of the batch's rows
-            return (table[row_slots, pos // self.block_size] * self.block_size + pos % self.block_size,
-                    table[row_slots[:, None], context_cols[None, :]])
+        def tables(table) -> tuple[torch.Tensor, torch.Tensor]:  # (slot_mapping, [B, C // block_size] tables)
+            return (table[rows, pos // bs] * bs + pos % bs, table[rows[:, None], x.context_cols[None, :]])
 
-        slot_mapping, tables = rows(block_table)
-        meta = self.decode_meta(slot_mapping, tables, pos)
-        hidden = self._forward(ids, pos, kv_caches, meta, self._group_metas(meta, [rows(t) for t in group_tables],
-                                                                            False))
-        logits = self.model.compute_logits(hidden)
-        tokens, logits = self._sample_rows(logits, bitmask, row_slots, pos + 1, temperature, top_k, top_p, seed)
-        self._write_token_state(row_slots, tokens, pos + 1, last_token, position)
-        return tokens, logits
+        slot_mapping, block_tables = tables(state.block_table)
+        meta = self.decode_meta(slot_mapping, block_tables, pos)
+        group_metas = tuple(dataclasses.replace(meta, slot_mapping=sm, block_tables=t)
+                            for sm, t in map(tables, state.group_tables))
+        extras: dict[str, Any] = {name: value[rows] for name, value in state.extras.items()}
+        hidden, _ = self.forward(ids, pos, x.kv_caches, meta, group_metas, extras)
+        tokens, logits = self._sample_rows(self.model.compute_logits(hidden), x.bitmask, rows, pos + 1, state)
+        self._write_token_state(rows, tokens, pos + 1, state)
+        return StepOutput(tokens, logits)

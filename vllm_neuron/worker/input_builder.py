@@ -1,4 +1,5 @@
-"""Padded, fixed-shape graph inputs for one step (pure numpy; MRv1 builds these on the host).
+"""Padded, fixed-shape host arrays of one step's graph inputs (pure numpy; the runners turn them into
+worker/step_inputs.py's tensors).
 
 Padding conventions (shared with the attention layer):
 * padded tokens write their K/V into the null block (slot 0) and belong to sequence -1, so they
@@ -21,7 +22,7 @@ def token_slots(block_ids: list[int], start: int, end: int, block_size: int) -> 
 
 
 @dataclass
-class PrefillInputs:
+class PrefillArrays:
     input_ids: np.ndarray  # [T]
     positions: np.ndarray  # [T]
     slot_mapping: np.ndarray  # [T]
@@ -35,7 +36,7 @@ class PrefillInputs:
 
 
 def build_prefill_inputs(chunks: list[ScheduledChunk], num_tokens: int, num_context: int, num_rows: int,
-                         block_size: int, max_blocks: int = 0) -> PrefillInputs:
+                         block_size: int, max_blocks: int = 0) -> PrefillArrays:
     """max_blocks > 0 also builds the kernel's per-sequence tables (`seq_tables`, `query_start`)."""
     ids = np.zeros(num_tokens, np.int64)
     pos = np.zeros(num_tokens, np.int64)
@@ -58,7 +59,7 @@ def build_prefill_inputs(chunks: list[ScheduledChunk], num_tokens: int, num_cont
             c += ch.start_pos
         t += n
         rows[i] = t - 1
-    out = PrefillInputs(ids, pos, slots, qseq, ctx_slots, ctx_seq, rows)
+    out = PrefillArrays(ids, pos, slots, qseq, ctx_slots, ctx_seq, rows)
     if max_blocks:
         out.seq_tables = np.zeros((num_rows, max_blocks), np.int64)
         out.query_start = np.full(num_rows + 1, t, np.int64)
@@ -72,7 +73,7 @@ def build_prefill_inputs(chunks: list[ScheduledChunk], num_tokens: int, num_cont
 
 
 @dataclass
-class DecodeInputs:
+class DecodeArrays:
     input_ids: np.ndarray  # [B]
     positions: np.ndarray  # [B]
     slot_mapping: np.ndarray  # [B]
@@ -80,7 +81,7 @@ class DecodeInputs:
     seq_lens: np.ndarray  # [B] including the new token
 
 
-def build_decode_inputs(chunks: list[ScheduledChunk], batch: int, context: int, block_size: int) -> DecodeInputs:
+def build_decode_inputs(chunks: list[ScheduledChunk], batch: int, context: int, block_size: int) -> DecodeArrays:
     ids = np.zeros(batch, np.int64)
     pos = np.zeros(batch, np.int64)
     slots = np.zeros(batch, np.int64)
@@ -94,4 +95,4 @@ def build_decode_inputs(chunks: list[ScheduledChunk], batch: int, context: int, 
         nblk = -(-(p + 1) // block_size)
         tables[i, :nblk] = ch.block_ids[:nblk]
         lens[i] = p + 1
-    return DecodeInputs(ids, pos, slots, tables, lens)
+    return DecodeArrays(ids, pos, slots, tables, lens)

@@ -2,12 +2,13 @@
 state update in one compiled graph per bucket.
 
 What differs from MRv1 (its sibling over runner_base.py, which holds loading, KV allocation, the compiler,
-bucket names and warm-up):
+bucket names, warm-up and the model kinds' hooks):
 * Decode: the host sends only the row -> slot map (rebuilt when the batch's request list changes),
-  new block-table entries and the grammar bitmask. The graph gathers each row's last token, position
-  and block table from the slot state, runs the model, samples, and writes the sampled token and the
-  next position back into the state. Decode chunks' token ids are never read: under async scheduling
-  they may be `step.PLACEHOLDER_TOKEN_ID`; the device state holds the real token.
+  new block-table entries and the grammar bitmask. The graph gathers each row's last token, position,
+  block table and model-kind inputs (e.g. a multimodal request's M-RoPE delta) from the slot state, runs the
+  model, samples, and writes the sampled token and the next position back into the state. Decode chunks'
+  token ids are never read: under async scheduling they may be `step.PLACEHOLDER_TOKEN_ID`; the device state
+  holds the real token.
 * Prefill: prompt tokens are new data, so inputs are host-built as in MRv1, plus each sampled row's
   slot; the graph writes those rows' token state as well as the KV cache.
 * Random sampling draws a uniform per row inside the graph from (slot seed, position), so a seeded
@@ -20,22 +21,27 @@ from __future__ import annotations
 
 import torch
 
-from vllm_neuron.config.engine_config import EngineConfig
-from vllm_neuron.model.loader import Checkpoint
 from vllm_neuron.sampling_params import SAMPLING_EPS
 from vllm_neuron.step import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
 from vllm_neuron.worker.batch_state import BatchState, SlotParams
-from vllm_neuron.worker.graphs import StepGraphsV2
+from vllm_neuron.worker.graphs import GraphOptions, SlotStepGraphs
+from vllm_neuron.worker.model_setup import LoadStats
 from vllm_neuron.worker.runner_base import ModelRunnerBase
+from vllm_neuron.worker.step_inputs import SlotDecodeInputs, SlotRows, StepOutput
 
 
 class ModelRunnerV2(ModelRunnerBase):
-    def __init__(self, config: EngineConfig, checkpoint: Checkpoint, device: torch.device, dtype: torch.dtype,
-                 backend: str) -> None:
-        super().__init__(config, checkpoint, device, dtype, backend)
-        self.state = BatchState(config.max_num_seqs, config.max_model_len // self.block_size, device,
-                                self.kv_layout.num_groups)
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.state: BatchState | None = None  # made with the model (its kinds name per-slot inputs)
         self._context_cols: dict[int, torch.Tensor] = {}
+
+    def load_model(self) -> LoadStats:
+        stats = super().load_model()
+        extras = {name: dt for k in self.kinds for name, dt in k.slot_extras().items()}
+        self.state = BatchState(self.config.max_num_seqs, self.config.max_model_len // self.block_size, self.device,
+                                self.kv_layout.num_groups, extras)
+        return stats
 
     def _graph_options(self) -> dict:
         # Same bucket names as MRv1 but different graphs: keep their compile-cache manifests apart.
@@ -44,27 +50,27 @@ class ModelRunnerV2(ModelRunnerBase):
     def kv_groups_unsupported(self) -> str | None:
         return None
 
-    def _make_graphs(self) -> StepGraphsV2:
-        return StepGraphsV2(self.model, self.odsc, self.block_size, self.use_kernels, self.paged_decode,
-                            self.kv_layout)
+    def _make_graphs(self, options: GraphOptions) -> SlotStepGraphs:
+        return SlotStepGraphs(self.model, options)
 
     def _run_prefill(self, chunks: list[ScheduledChunk], num_tokens: int, num_context: int,
-                     masks: dict | None = None):
-        def row_inputs(rows: int) -> tuple:
-            sample_slots = self.state.row_slots([c.req_id if c.sample else None for c in chunks], rows)
-            return (sample_slots, *self.state.tensors())
-        return self._prefill_graph(chunks, num_tokens, num_context, masks, row_inputs)
+                     masks: dict | None = None) -> StepOutput:
+        def sampling(rows: int) -> SlotRows:
+            return SlotRows(self.state.row_slots([c.req_id if c.sample else None for c in chunks], rows),
+                            self.state.state)
+        x, _ = self._prefill_inputs(chunks, num_tokens, num_context, masks, sampling)
+        with torch.inference_mode():
+            return self._graph("prefill", num_tokens, num_context)(x)
 
-    def _run_decode(self, chunks: list[ScheduledChunk], batch: int, context: int, masks: dict | None = None):
-        row_slots = self.state.row_slots([c.req_id for c in chunks], batch)
+    def _run_decode(self, chunks: list[ScheduledChunk], batch: int, context: int,
+                    masks: dict | None = None) -> StepOutput:
         cols = self._context_cols.get(context)
         if cols is None:
             cols = self._context_cols[context] = torch.arange(context // self.block_size, device=self.device)
+        x = SlotDecodeInputs(self.state.row_slots([c.req_id for c in chunks], batch), cols, self.state.state,
+                             self.kv_caches, self._t(self._bitmask(chunks, batch, masks or {})))
         with torch.inference_mode():
-            graph = self._graph("decode", batch, context)
-            groups = self.state.group_tables
-            return graph(row_slots, cols, self._t(self._bitmask(chunks, batch, masks or {})),
-                         *self.state.tensors(), self.kv_caches, *((tuple(groups),) if groups else ()))
+            return self._graph("decode", batch, context)(x)
 
     # -- one step --------------------------------------------------------------------------------
     def _slot_params(self, req_id: str) -> SlotParams:
@@ -78,15 +84,13 @@ class ModelRunnerV2(ModelRunnerBase):
     def _apply_joins_and_leaves(self, sched: SchedulerOutput) -> None:
         for rid in sched.finished_req_ids:
             self.state.leave(rid)
-            self.sampling.remove(rid)
-        for rid, n in sched.preempted_req_ids.items():
+        for rid in sched.preempted_req_ids:
             self.state.leave(rid)  # its KV is gone; it rejoins when prefilled again
-            self.sampling.truncate(rid, n)
-        for data in sched.new_requests:
-            self.sampling.add(data)
+        self._joins_and_leaves(sched)
         for c in sched.chunks:
             if not self.state.has(c.req_id):
-                self.state.join(c.req_id, self._slot_params(c.req_id))
+                extras = {name: v for k in self.kinds for name, v in k.slot_values(c.req_id).items()}
+                self.state.join(c.req_id, self._slot_params(c.req_id), extras)
         self.state.sync_block_tables([(c.req_id, c.block_ids) for c in sched.chunks])
         for g in range(1, self.kv_layout.num_groups):
             self.state.sync_block_tables([(c.req_id, c.group_block_ids[g - 1]) for c in sched.chunks], g)
@@ -97,8 +101,8 @@ class ModelRunnerV2(ModelRunnerBase):
         chunks = sched.chunks
         size, context, name, padding = self._step_bucket(sched)
         run = self._run_prefill if sched.kind == "prefill" else self._run_decode
-        tokens, logits = run(chunks, size, context, sched.grammar_bitmask)
-        req_ids, sampled, logprobs = self._finalize_rows(chunks, tokens, logits)
+        out = run(chunks, size, context, sched.grammar_bitmask)
+        req_ids, sampled, logprobs = self._finalize_rows(chunks, out.tokens, out.logits)
         host = [r for r in req_ids if self.sampling.states[r].on_host]
         self.state.set_last_tokens(host, [sampled[r][0] for r in host])
         return ModelRunnerOutput(sampled, logprobs, bucket_name=name, num_padding=padding)

@@ -22,9 +22,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from tqdm import tqdm
 
+from vllm_neuron import envs
 from vllm_neuron.logger import init_logger
+from vllm_neuron.model.loader import load_checkpoint
+from vllm_neuron.worker.runner_base import ModelRunnerBase
+from vllm_neuron.worker.runner_factory import create_runner
 
 logger = init_logger(__name__)
 
@@ -151,11 +156,6 @@ def run_bucket_workers(names: list[str], workers: int, target: Callable[..., Non
 def compile_worker(tasks: Any, results: Any, config: Any, device: Any, dtype: Any, backend: str, num_blocks: int,
                    kv_sizing: dict | None, key: str, threads: int) -> None:
     """One worker process: builds the runner the engine built, then compiles the buckets it takes."""
-    import torch
-
-    from vllm_neuron.model.loader import load_checkpoint
-    from vllm_neuron.worker.tp_executor import create_runner
-
     torch.set_num_threads(threads)
     pid = os.getpid()
     runner = None
@@ -168,7 +168,7 @@ def compile_worker(tasks: Any, results: Any, config: Any, device: Any, dtype: An
         compiler.writes_manifest = False  # the engine's process records what the workers saved
         if compiler.key != key:
             raise RuntimeError(f"the worker's compile cache key {compiler.key} is not the engine's {key}")
-        graphs = {name: (kind, size, ctx) for name, kind, size, ctx in runner.graph_names()}
+        graphs = {spec.name: spec for spec in runner.graph_names()}
     except BaseException as e:  # noqa: BLE001 - reported against the bucket this worker would take next
         name = tasks.get()
         if name is not None:
@@ -180,9 +180,32 @@ def compile_worker(tasks: Any, results: Any, config: Any, device: Any, dtype: An
             return
         results.put(("start", pid, name))
         try:
-            kind, size, ctx = graphs[name]
-            run = getattr(runner, f"_run_{kind}")
-            rec = compiler.warm(name, lambda: run([], size, ctx))
+            spec = graphs[name]
+            rec = compiler.warm(name, lambda: runner.warm_graph(spec))
             results.put(("done", pid, name, rec.seconds))
         except BaseException as e:  # noqa: BLE001 - one bucket's failure, reported by name
             results.put(("fail", pid, name, f"{type(e).__name__}: {e}"))
+
+
+def compile_missing(runner: ModelRunnerBase) -> None:
+    """NEURON_LIBTORCH_PARALLEL_COMPILE_WORKERS > 1: the runner's buckets missing from the compile cache are
+    compiled by that many processes, before its warm-up loads them (the engine calls this after the KV cache
+    is sized, so that the workers compile for the same pool)."""
+    workers = envs.NEURON_LIBTORCH_PARALLEL_COMPILE_WORKERS or 1
+    compiler = runner.compiler
+    if runner.backend == "eager" or workers <= 1 or compiler.disabled or compiler.fail_on_miss:
+        return  # (VLLM_NEURON_DISABLE_WARMUP_COMPILE: a missing bucket stays fatal)
+    missing = compiler.missing([g.name for g in runner.graph_names()])
+    if len(missing) <= 1:
+        return
+    n = min(workers, len(missing))
+    threads = max(1, torch.get_num_threads() // n)
+    logger.info("Compiling %d buckets in %d worker processes (%d torch threads each; each holds its own "
+                "copy of the weights and the KV pool): %s", len(missing), n, threads, ", ".join(missing))
+    t0 = time.perf_counter()
+    seconds = run_bucket_workers(missing, n, compile_worker, (
+        runner.config, runner.device, runner.dtype, runner.backend, compiler.num_blocks, runner._kv_sizing,
+        compiler.key, threads), timeout=compiler.timeout)
+    compiler.record_compiled(seconds)
+    logger.info("Parallel compilation of %d buckets done in %.1f s (%.1f s of compilation)", len(missing),
+                time.perf_counter() - t0, sum(seconds.values()))

@@ -33,6 +33,7 @@ import torch
 from vllm_neuron.config.engine_config import EngineConfig
 from vllm_neuron.distributed import parallel_state as ps
 from vllm_neuron.logger import init_logger
+from vllm_neuron.worker.runner_factory import create_runner
 
 logger = init_logger(__name__)
 
@@ -77,23 +78,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def create_runner(config: EngineConfig, ckpt, device: torch.device, dtype: torch.dtype, backend: str):
-    """The model runner the config selects (MRv2, MRv1, or MRv1's multimodal runner)."""
-    if config.use_v2_model_runner:
-        from vllm_neuron.worker.model_runner_v2 import ModelRunnerV2
-
-        return ModelRunnerV2(config, ckpt, device, dtype, backend)
-    from vllm_neuron.model.registry import is_multimodal
-
-    if is_multimodal(ckpt.hf_config):
-        from vllm_neuron.worker.model_runner_mm import MultimodalRunnerV1
-
-        return MultimodalRunnerV1(config, ckpt, device, dtype, backend)
-    from vllm_neuron.worker.model_runner_v1 import ModelRunnerV1
-
-    return ModelRunnerV1(config, ckpt, device, dtype, backend)
 
 
 def _join(setup: RankSetup, rank: int) -> int:

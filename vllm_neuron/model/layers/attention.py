@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from vllm_neuron.model.layers import kv_quant
+from vllm_neuron.model.layers.kernels import ops
 from vllm_neuron.model.layers.paged_decode import paged_decode
 
 
@@ -151,16 +152,14 @@ def paged_attention(
         raise ValueError("attention sinks and sliding windows need the CPU kernel or the torch attention path "
                          "(ModelSpec)")
     if meta.use_kernels:
-        from vllm_neuron.model.layers import kernels
-
         if kv_quant.is_fp8(k_cache.dtype):
-            out = kernels.paged_attention_fp8(q, k_cache, v_cache, meta.block_tables, meta.query_start,
-                                              meta.positions, scale, meta.block_size, k_scale, v_scale, sinks,
-                                              sliding_window)
-        else:
-            out = kernels.paged_attention(q.to(k_cache.dtype), k_cache, v_cache, meta.block_tables,
-                                          meta.query_start, meta.positions, scale, meta.block_size, sinks,
+            out = ops.paged_attention_fp8(q, k_cache, v_cache, meta.block_tables, meta.query_start,
+                                          meta.positions, scale, meta.block_size, k_scale, v_scale, sinks,
                                           sliding_window)
+        else:
+            out = ops.paged_attention(q.to(k_cache.dtype), k_cache, v_cache, meta.block_tables,
+                                      meta.query_start, meta.positions, scale, meta.block_size, sinks,
+                                      sliding_window)
         return out.to(q.dtype).reshape(q.shape[0], -1)
     if meta.paged_decode:
         out = paged_decode(q.to(k_cache.dtype), k_cache, v_cache, meta.block_tables, meta.positions + 1, scale,

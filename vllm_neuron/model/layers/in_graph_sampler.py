@@ -55,24 +55,15 @@ def fold_seed(seed: int) -> int:
     return (s ^ (s >> 32)) & _M32
 
 
-_cpu_kernels_on = False
+def _cpu_kernels(logits: torch.Tensor, use_kernels: bool) -> bool:
+    return use_kernels and logits.device.type == "cpu"
 
 
-def set_sampler_kernels(enabled: bool) -> None:
-    """CPU logits take the mask and argmax kernels (kernels/token_mask.cpp); set once by the runner when the
-    custom kernels are built: a graph sees a plain global, not the build (which dynamo cannot trace)."""
-    global _cpu_kernels_on
-    _cpu_kernels_on = enabled
-
-
-def _cpu_kernels(logits: torch.Tensor) -> bool:
-    return _cpu_kernels_on and logits.device.type == "cpu"
-
-
-def greedy_in_graph(logits: torch.Tensor) -> torch.Tensor:
+def greedy_in_graph(logits: torch.Tensor, use_kernels: bool = False) -> torch.Tensor:
     """[B, V] -> [B] int64 argmax (torch.argmax's: the first largest, a NaN above all), for all-greedy
-    configurations; on the logits' own dtype (widening to fp32 changes no order)."""
-    if _cpu_kernels(logits) and logits.dtype in (torch.bfloat16, torch.float32):  # fp16: no vector path
+    configurations; on the logits' own dtype (widening to fp32 changes no order). `use_kernels` (the engine's
+    KernelConfig.sampler): CPU logits take the argmax kernel (kernels/token_mask.cpp)."""
+    if _cpu_kernels(logits, use_kernels) and logits.dtype in (torch.bfloat16, torch.float32):  # fp16: no vector path
         return torch.ops.vllm_neuron.greedy_argmax(logits)
     return torch.argmax(logits, dim=-1)
 
@@ -171,18 +162,19 @@ def _branch(pred: torch.Tensor, true_fn, false_fn, operands: tuple) -> torch.Ten
 
 def sample_in_graph(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
                     top_p: torch.Tensor, uniform: torch.Tensor,
-                    max_top_k: int = DEFAULT_MAX_TOP_K, width: int | None = None) -> torch.Tensor:
+                    max_top_k: int = DEFAULT_MAX_TOP_K, width: int | None = None,
+                    use_kernels: bool = False) -> torch.Tensor:
     """Samples one token per row (the module docstring says how).
 
     logits [B, V]; temperature [B] f32 (0 = greedy); top_k [B] int64 (<= 0: off); top_p [B] f32 in
     (0, 1]; uniform [B] f32 in [0, 1) (`counter_uniform`). max_top_k caps top-p's tokens when top_k
     is off; width (default max_top_k) is how many tokens the threshold search looks at, at least the
-    largest top_k of the batch. Returns [B] int64 token ids.
+    largest top_k of the batch; use_kernels as in `greedy_in_graph`. Returns [B] int64 token ids.
     """
     width = max_top_k if width is None else width
     all_greedy = (temperature < _GREEDY_EPS).all()
     # Only the sampling side widens to fp32 (the argmax is the same on the model's dtype).
-    return _branch(all_greedy, lambda lg, t, k, p, u: greedy_in_graph(lg),
+    return _branch(all_greedy, lambda lg, t, k, p, u: greedy_in_graph(lg, use_kernels),
                    lambda lg, t, k, p, u: _sample_rows(lg.to(torch.float32), t, k, p, u, max_top_k, width),
                    (logits, temperature, top_k, top_p, uniform))
 
@@ -199,14 +191,15 @@ def _unmasked(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     return logits.clone()  # a cond branch may not return its input
 
 
-def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, use_kernels: bool = False) -> torch.Tensor:
     """Masks disallowed tokens to -inf. bitmask [B, ceil(V / 32)] int32, bit j of word w allows token
     32 * w + j (xgrammar's layout); an all-ones row (-1 words) allows everything. Static shapes.
-    On the CPU kernels the mask goes into `logits` IN PLACE (callers pass a tensor of their own, the graphs'
-    fresh logits), touching only words that forbid something. Elsewhere a batch without constraints (every
-    word -1) branches past the per-token unpack (`torch.cond`, whose untaken side must copy): the unpack was
+    With `use_kernels` (the engine's KernelConfig.sampler) on CPU logits the mask goes into `logits` IN PLACE
+    (callers pass a tensor of their own, the graphs' fresh logits), touching only words that forbid something.
+    Elsewhere a batch without constraints (every word -1) branches past the per-token unpack (`torch.cond`, whose untaken side must copy): the unpack was
     ~0.8 ms of every ~20 ms decode_b16 step of the bundled model (16 rows x 49,152 tokens; AMD EPYC, 2 cores)."""
-    if _cpu_kernels(logits) and logits.is_contiguous() and bitmask.is_contiguous() and bitmask.dtype == torch.int32:
+    if (_cpu_kernels(logits, use_kernels) and logits.is_contiguous() and bitmask.is_contiguous()
+            and bitmask.dtype == torch.int32):
         torch.ops.vllm_neuron.apply_token_bitmask_(logits, bitmask)
         return logits
     return _branch((bitmask != -1).any(), _masked, _unmasked, (logits, bitmask))

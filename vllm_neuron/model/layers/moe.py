@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from vllm_neuron.model.layers.activation import silu_and_mul
+from vllm_neuron.model.layers.kernel_config import KernelConfig
 from vllm_neuron.model.layers.mxfp4 import GROUP, dequantize_mxfp4
 
 
@@ -47,8 +48,10 @@ class StackedExperts(nn.Module):
     `_scales`, gpt-oss's checkpoint names) and only the experts a step uses are dequantized, inside
     the graph; biases stay in the compute dtype."""
 
+    kernels = KernelConfig()  # the engine's, set when the model is built (kernel_config.apply_kernel_config)
+
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, *, bias: bool = False,
-                 activation: Callable[[torch.Tensor], torch.Tensor] = silu_and_mul, mxfp4: bool = False) -> None:
+                 activation: Callable[[torch.Tensor], torch.Tensor] | None = None, mxfp4: bool = False) -> None:
         super().__init__()
         self.num_experts, self.intermediate_size = num_experts, intermediate_size
         self.mxfp4 = mxfp4
@@ -69,7 +72,12 @@ class StackedExperts(nn.Module):
             self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size))
             self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden_size))
         self.has_bias = bias
-        self.activation = activation
+        self.activation = activation  # None: silu(gate) * up
+
+    def _activate(self, h: torch.Tensor) -> torch.Tensor:
+        if self.activation is None:
+            return silu_and_mul(h, self.kernels.activation)
+        return self.activation(h)
 
     def expert_weights(self, ids: torch.Tensor | None, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(gate_up, down) of the experts `ids` ([M] -> [M, 2I, H], [M, H, I]), or of all experts."""
@@ -100,7 +108,7 @@ class StackedExperts(nn.Module):
         h = torch.bmm(gate_up.to(x.dtype), xs)[..., 0]  # [n*k, 2I]
         if self.has_bias:
             h = h + self.gate_up_proj_bias[flat]
-        h = self.activation(h)
+        h = self._activate(h)
         y = torch.bmm(down.to(x.dtype), h[..., None])[..., 0]  # [n*k, H]
         if self.has_bias:
             y = y + self.down_proj_bias[flat]
@@ -111,7 +119,7 @@ class StackedExperts(nn.Module):
         h = torch.einsum("nh,eoh->eno", x, gate_up.to(x.dtype))  # [E, N, 2I]
         if self.has_bias:
             h = h + self.gate_up_proj_bias[:, None, :]
-        h = self.activation(h)
+        h = self._activate(h)
         y = torch.einsum("eni,ehi->enh", h, down.to(x.dtype))  # [E, N, H]
         if self.has_bias:
             y = y + self.down_proj_bias[:, None, :]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from vllm_neuron.model.layers.kernels import ops
 from vllm_neuron.model.layers.quant_bands import from_bands, to_bands
 
 GROUP_SIZE = 32
@@ -52,15 +53,11 @@ def linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, bias: to
            use_kernel: bool) -> torch.Tensor:
     rows = x.reshape(-1, x.shape[-1])
     if use_kernel and rows.shape[0] <= KERNEL_ROWS:
-        from vllm_neuron.model.layers.kernels import linear_int4
-
-        y = linear_int4(rows, packed, scales)
+        y = ops.linear_int4(rows, packed, scales)
         if bias is not None:
             y = y + bias
     elif use_kernel:
-        from vllm_neuron.model.layers.kernels import unpack_int4
-
-        y = torch.nn.functional.linear(rows, unpack_int4(packed, scales, x.dtype), bias)
+        y = torch.nn.functional.linear(rows, ops.unpack_int4(packed, scales, x.dtype), bias)
     else:
         y = torch.nn.functional.linear(rows, dequantize(packed, scales, x.dtype), bias)
     return y.reshape(*x.shape[:-1], y.shape[-1])

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from vllm_neuron.model.layers.kernels import ops
 from vllm_neuron.model.layers.quant_bands import from_bands, to_bands
 
 KERNEL_ROWS = 16
@@ -43,13 +44,9 @@ def linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Te
            use_kernel: bool) -> torch.Tensor:
     rows = x.reshape(-1, x.shape[-1])
     if use_kernel and rows.shape[0] <= KERNEL_ROWS:
-        from vllm_neuron.model.layers.kernels import linear_int8
-
-        y = linear_int8(rows, q, scale)
+        y = ops.linear_int8(rows, q, scale)
     elif use_kernel:
-        from vllm_neuron.model.layers.kernels import unpack_int8
-
-        y = scaled_linear(rows, unpack_int8(q, x.dtype), scale)
+        y = scaled_linear(rows, ops.unpack_int8(q, x.dtype), scale)
     else:
         y = scaled_linear(rows, from_bands(q, CHUNK), scale)
     if bias is not None:

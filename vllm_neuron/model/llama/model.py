@@ -14,6 +14,7 @@ from vllm_neuron.model.base import CausalLM, ModelSpec, Target
 from vllm_neuron.model.layer_region import layer_region
 from vllm_neuron.model.layers.activation import silu_and_mul
 from vllm_neuron.model.layers.attention import AttentionMetadata, paged_attention
+from vllm_neuron.model.layers.kernel_config import KernelConfig
 from vllm_neuron.model.layers.linear import Linear
 from vllm_neuron.model.layers.norm import RMSNorm
 from vllm_neuron.model.layers.parallel import (VocabParallelEmbedding, all_reduce, gather_last_dim,
@@ -63,6 +64,8 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
+    kernels = KernelConfig()  # the engine's, set when the model is built (kernel_config.apply_kernel_config)
+
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
         super().__init__()
         intermediate_size = split_size(intermediate_size, "the MLP intermediate size")
@@ -74,7 +77,7 @@ class LlamaMLP(nn.Module):
             mark_added_once(self.down_proj.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return all_reduce(self.down_proj(silu_and_mul(self.gate_up_proj(x))))
+        return all_reduce(self.down_proj(silu_and_mul(self.gate_up_proj(x), self.kernels.activation)))
 
 
 class LlamaDecoderLayer(nn.Module):

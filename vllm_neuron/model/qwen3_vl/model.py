@@ -1,15 +1,19 @@
 """Qwen3-VL (dense): the Qwen3 text tower with M-RoPE and deepstack, plus the vision tower (vision.py).
 
 The runner encodes images with `encode(...)` (vision.py's fixed-shape inputs) outside the text graph and
-passes the results in: `embed(input_ids, mm_embeds, mm_mask)` puts the vision embeddings at the
-placeholder positions (the inputs_embeds path), and `forward(..., positions=[3, N] rotary positions,
-deepstack=[D, N, hidden])` adds deepstack features after the first D decoder layers (zero rows at
-text tokens, so text is untouched). Parameter names equal transformers' (`model.language_model.*`,
+passes the results into a prefill as `forward(..., mm=MultimodalEmbeds)`: the vision embeddings go to the
+placeholder positions (`embed`, the inputs_embeds path), the [3, N] M-RoPE positions rotate, and the
+deepstack features [D, N, hidden] are added after the first D decoder layers (zero rows at text tokens, so
+text is untouched). A decode or verification row takes `forward(..., rope_delta=[N])`: its sequential
+position plus its request's M-RoPE delta, on all three axes. Parameter names equal transformers' (`model.language_model.*`,
 `model.visual.*`, `lm_head`). `language_model_only` builds the text tower alone (vision tensors skipped).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+import torch.utils._pytree as pytree
 from torch import nn
 
 from vllm_neuron.model.base import CausalLM, ModelSpec, Target
@@ -19,6 +23,19 @@ from vllm_neuron.model.llama.model import LlamaDecoderLayer, LlamaModel
 from vllm_neuron.model.llama.weight_loaders import llama_checkpoint_target
 from vllm_neuron.model.qwen3_vl.config import Qwen3VLArchConfig
 from vllm_neuron.model.qwen3_vl.vision import Qwen3VLVisionModel
+
+
+@dataclass
+class MultimodalEmbeds:
+    """A prefill's multimodal inputs (fixed shapes per bucket; zeros and False at text tokens)."""
+
+    rope_positions: torch.Tensor  # [3, T] M-RoPE positions
+    embeds: torch.Tensor  # [T, hidden] vision embeddings at placeholder rows
+    mask: torch.Tensor  # [T] bool: the rows that take `embeds`
+    deepstack: torch.Tensor  # [D, T, hidden]
+
+
+pytree.register_dataclass(MultimodalEmbeds)
 
 
 class MRotaryEmbedding(nn.Module):
@@ -108,10 +125,15 @@ class Qwen3VLForConditionalGeneration(CausalLM):
             return x
         return torch.where(mm_mask[:, None], mm_embeds.to(x.dtype), x)
 
-    def forward(self, input_ids, positions, kv_caches, meta, inputs_embeds=None, deepstack=None) -> torch.Tensor:
-        """positions: [3, N] M-RoPE positions (or [N] for text-only steps); attention reads the sequential
-        positions from `meta`."""
-        return self.model.language_model(input_ids, positions, kv_caches, meta, inputs_embeds, deepstack)
+    def forward(self, input_ids, positions, kv_caches, meta, mm: MultimodalEmbeds | None = None,
+                rope_delta: torch.Tensor | None = None) -> torch.Tensor:
+        """positions: [N] sequential positions (attention reads them from `meta`); rotary positions come from
+        `mm` (a prefill) or are positions + `rope_delta` (decode, verification; text-only steps: positions)."""
+        if mm is not None:
+            x = self.embed(input_ids, mm.embeds, mm.mask)
+            return self.model.language_model(input_ids, mm.rope_positions, kv_caches, meta, x, mm.deepstack)
+        rope = positions if rope_delta is None else positions + rope_delta
+        return self.model.language_model(input_ids, rope, kv_caches, meta)
 
     def checkpoint_target(self, name: str) -> Target | None:
         if name.startswith("model.visual."):

@@ -1,14 +1,16 @@
-"""Model Runner V1 for a multimodal model: vision encoding during prefill, its outputs placed at the
-media placeholders, M-RoPE positions and the decode delta.
+"""A multimodal model's state (Qwen3-VL): vision encoding during prefill, its outputs placed at the media
+placeholders, M-RoPE positions and the decode delta; on both model runners.
 
-Per request the runner keeps the media items and the prompt's M-RoPE positions (computed once from the
-items' grids). A prefill step first encodes the media of its chunks that the encoder cache lacks (one
-vision-tower call for all of them), then fills fixed-shape inputs: the embedding rows of the chunk's
-placeholder tokens (a segment of a segmented prefill takes only its own rows), the deepstack rows, the
-mask and the rotary positions. Decode steps encode nothing; they add each row's rotary delta.
+Per request it keeps the media items and the prompt's M-RoPE positions (computed once from the items'
+grids). A prefill step first encodes the media of its chunks that the encoder cache lacks (block-packed into
+one compiled encoder graph per bucket `encoder_p{patches}`, warmed up and cached like the text graphs), then
+fills fixed-shape inputs: the embedding rows of the chunk's placeholder tokens (a segment of a segmented
+prefill takes only its own rows), the deepstack rows, the mask and the rotary positions. Decode steps encode
+nothing; each row adds its request's rotary delta (per row on MRv1, per slot on MRv2).
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -18,19 +20,21 @@ from vllm_neuron.config import buckets as B
 from vllm_neuron.config.neuron_config import EncoderNeuronConfig
 from vllm_neuron.logger import init_logger
 from vllm_neuron.model.qwen3_vl.block_packing import check_buckets, pack_ffd
+from vllm_neuron.model.qwen3_vl.model import MultimodalEmbeds
 from vllm_neuron.model.qwen3_vl.mrope import VisionRun, mrope_positions, rope_positions_for
 from vllm_neuron.model.qwen3_vl.preprocessing import vision_inputs
-from vllm_neuron.step import ModelRunnerOutput, SchedulerOutput
+from vllm_neuron.step import NewRequestData, ScheduledChunk
 from vllm_neuron.worker.encoder_cache import EncoderCache
-from vllm_neuron.worker.graphs_mm import MultimodalStepGraphs
-from vllm_neuron.worker.model_runner_v1 import ModelRunnerV1
+from vllm_neuron.worker.input_builder import PrefillArrays
+from vllm_neuron.worker.model_kinds.base import GraphSpec, ModelKindState
+from vllm_neuron.worker.step_inputs import EncoderInputs
 
 logger = init_logger(__name__)
 DEFAULT_ENCODER_CACHE_BYTES = 256 * 2**20
 
 
 @dataclass
-class _MediaState:
+class _Media:
     items: list  # MultiModalItem
     rope: np.ndarray  # [3, prompt length]
     delta: int
@@ -45,87 +49,74 @@ def encoder_settings(config, hf_config) -> tuple[int, list[int]]:
     return block, check_buckets(enc.input_buckets(config.max_model_len * merge_unit), block)
 
 
-class MultimodalRunnerV1(ModelRunnerV1):
-    def __init__(self, config, checkpoint, *args, **kwargs) -> None:
-        super().__init__(config, checkpoint, *args, **kwargs)
-        self.media: dict[str, _MediaState] = {}
-        self.encoder_block, self.encoder_buckets = encoder_settings(config, checkpoint.hf_config)
+class MultimodalState(ModelKindState):
+    def __init__(self, config, hf_config, model: torch.nn.Module, dtype: torch.dtype, device: torch.device,
+                 graph: Callable[[str, int, int], Callable]) -> None:
+        """graph(kind, size, context): the runner's compiled graph of a bucket."""
+        self.model, self.dtype, self.device, self.graph = model, dtype, device, graph
+        self.media: dict[str, _Media] = {}
+        self.encoder_block, self.encoder_buckets = encoder_settings(config, hf_config)
         enc = config.additional_config.encoder_neuron_config
         nbytes = DEFAULT_ENCODER_CACHE_BYTES
         if enc is not None and enc.encoder_cache_num_blocks:  # a block: one attention block's merged tokens
-            text, vision = checkpoint.hf_config.get_text_config(), checkpoint.hf_config.vision_config
-            per_token = text.hidden_size * (1 + len(vision.deepstack_visual_indexes)) * self.dtype.itemsize
+            text, vision = hf_config.get_text_config(), hf_config.vision_config
+            per_token = text.hidden_size * (1 + len(vision.deepstack_visual_indexes)) * dtype.itemsize
             nbytes = enc.encoder_cache_num_blocks * self.encoder_block // vision.spatial_merge_size ** 2 * per_token
         self.encoder_cache = EncoderCache(nbytes)
         self.num_encoder_runs = 0
         self.language_model_only = config.additional_config.mm_language_model_only
 
-    def graph_names(self) -> list[tuple[str, str, int, int]]:
-        out = super().graph_names()
-        if not self.language_model_only:  # one vision-tower graph per encoder bucket
-            out += [(self._graph_name("encode", b, 0), "encode", b, 0) for b in self.encoder_buckets]
-        return out
+    # -- set-up ---------------------------------------------------------------------------------------
+    def graph_specs(self) -> list[GraphSpec]:
+        if self.language_model_only:
+            return []
+        return [GraphSpec(f"encoder_p{b}", "encode", b, 0) for b in self.encoder_buckets]
 
-    def _graph_name(self, kind: str, size: int, context: int) -> str:
-        return f"encoder_p{size}" if kind == "encode" else super()._graph_name(kind, size, context)
+    def warm(self, spec: GraphSpec) -> None:
+        vision, size = self.model.mm_arch.vision, spec.size
+        seg = torch.full((size // self.encoder_block, self.encoder_block), -1, dtype=torch.long)
+        self._run_encoder(size, EncoderInputs(torch.zeros(size, vision.patch_dim),
+                                              torch.zeros(size, 4, dtype=torch.long), torch.zeros(size, 4),
+                                              torch.zeros(size, 2, dtype=torch.long), seg))
 
-    def _run_encode(self, chunks, size: int, context: int, vi=None):
-        """One encoder bucket's graph; warm-up runs it on padding only."""
-        if vi is None:
-            vision = self.model.mm_arch.vision
-            seg = torch.full((size // self.encoder_block, self.encoder_block), -1, dtype=torch.long)
-            args = (torch.zeros(size, vision.patch_dim), torch.zeros(size, 4, dtype=torch.long),
-                    torch.zeros(size, 4), torch.zeros(size, 2, dtype=torch.long), seg)
-        else:
-            args = vi.tensors()
-        with torch.inference_mode():
-            return self._graph("encode", size, 0)(*(t.to(self.device) for t in args))
-
-    def num_blocks(self, weight_bytes: int) -> int:
-        """The encoder cache's bound is reserved beside the weights before the KV pool is sized."""
+    def reserved_bytes(self) -> int:
         logger.info("Encoder cache: up to %.1f MiB of vision embeddings (reserved in the memory budget)",
                     self.encoder_cache.max_bytes / 2**20)
-        return super().num_blocks(weight_bytes + self.encoder_cache.max_bytes)
+        return self.encoder_cache.max_bytes
+
+    def graph_options(self) -> dict:
+        return {"language_model_only": self.language_model_only}
 
     def encoder_cache_stats(self) -> tuple[int, int]:
         return self.encoder_cache.hits, self.encoder_cache.misses
 
-    def _make_graphs(self) -> MultimodalStepGraphs:
-        return MultimodalStepGraphs(self.model, self.odsc, self.block_size, self.use_kernels, self.paged_decode)
+    # -- requests -------------------------------------------------------------------------------------
+    def add_request(self, data: NewRequestData) -> None:
+        if data.mm_items:
+            runs = [VisionRun(o, g) for item in data.mm_items for o, g in item.runs]
+            rope, delta = mrope_positions(len(data.prompt_token_ids), runs)
+            self.media[data.req_id] = _Media(data.mm_items, rope, delta)
 
-    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        for rid in sched.finished_req_ids:
-            self.media.pop(rid, None)
-        for data in sched.new_requests:
-            if data.mm_items:
-                runs = [VisionRun(o, g) for item in data.mm_items for o, g in item.runs]
-                rope, delta = mrope_positions(len(data.prompt_token_ids), runs)
-                self.media[data.req_id] = _MediaState(data.mm_items, rope, delta)
-        return super().execute(sched)
+    def remove_request(self, req_id: str) -> None:
+        self.media.pop(req_id, None)
 
-    # -- prefill ---------------------------------------------------------------------------------
-    def _run_prefill(self, chunks, num_tokens: int, num_context: int, masks: dict | None = None):
-        def row_inputs(rows: int) -> tuple:
-            s = self.sampling.graph_tensors([c.req_id for c in chunks], rows)
-            return tuple(self._t(s[k]) for k in ("temperature", "top_k", "top_p", "uniform"))
-        return self._prefill_graph(chunks, num_tokens, num_context, masks, row_inputs,
-                                   lambda x: self._media_inputs(chunks, x))
+    def row_extras(self, req_ids: list[str], rows: int) -> dict[str, np.ndarray]:
+        delta = np.zeros(rows, dtype=np.int64)
+        for i, rid in enumerate(req_ids):
+            state = self.media.get(rid)
+            if state is not None:
+                delta[i] = state.delta
+        return {"rope_delta": delta}
 
-    def _overlapping(self, chunk) -> list[tuple]:
-        """(item, its token positions, selection of rows in this chunk) for the chunk's media."""
-        state = self.media.get(chunk.req_id)
-        if state is None:
-            return []
-        start, end = chunk.start_pos, chunk.start_pos + len(chunk.token_ids)
-        out = []
-        for item in state.items:
-            tp = item.token_positions()
-            sel = (tp >= start) & (tp < end)
-            if sel.any():
-                out.append((item, tp, sel))
-        return out
+    def slot_extras(self) -> dict[str, torch.dtype]:
+        return {"rope_delta": torch.int64}
 
-    def _media_inputs(self, chunks, x) -> tuple:
+    def slot_values(self, req_id: str) -> dict[str, int]:
+        state = self.media.get(req_id)
+        return {"rope_delta": state.delta if state is not None else 0}
+
+    # -- prefill --------------------------------------------------------------------------------------
+    def prefill_kwargs(self, chunks: list[ScheduledChunk], x: PrefillArrays) -> dict:
         n = x.input_ids.shape[0]
         hidden = self.model.arch.hidden_size
         rope = np.repeat(x.positions[None], 3, axis=0)
@@ -148,7 +139,28 @@ class MultimodalRunnerV1(ModelRunnerV1):
                 deepstack[:, dest] = ds[:, rows].to(self.dtype)
                 mask[dest.numpy()] = True
             t += m
-        return (self._t(rope), embeds.to(self.device), self._t(mask), deepstack.to(self.device))
+        d = self.device
+        return {"mm": MultimodalEmbeds(torch.from_numpy(rope).to(d), embeds.to(d), torch.from_numpy(mask).to(d),
+                                       deepstack.to(d))}
+
+    def _overlapping(self, chunk: ScheduledChunk) -> list[tuple]:
+        """(item, its token positions, selection of rows in this chunk) for the chunk's media."""
+        state = self.media.get(chunk.req_id)
+        if state is None:
+            return []
+        start, end = chunk.start_pos, chunk.start_pos + len(chunk.token_ids)
+        out = []
+        for item in state.items:
+            tp = item.token_positions()
+            sel = (tp >= start) & (tp < end)
+            if sel.any():
+                out.append((item, tp, sel))
+        return out
+
+    def _run_encoder(self, size: int, x: EncoderInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        x = EncoderInputs(*(t.to(self.device) for t in (x.pixels, x.interp_idx, x.interp_w, x.rot_pos, x.segment)))
+        with torch.inference_mode():
+            return self.graph("encode", size, 0)(x)
 
     def _encode(self, items: list) -> dict:
         """mm_hash -> (embeds, deepstack) for `items`: from the encoder cache, else from vision-tower calls
@@ -167,7 +179,7 @@ class MultimodalRunnerV1(ModelRunnerV1):
             size = B.select_bucket(self.encoder_buckets, n_blocks * self.encoder_block)
             vi = vision_inputs(self.model.mm_arch.vision, [torch.from_numpy(i.pixel_values) for i in group],
                                [i.grid_thw for i in group], num_patches=size, block_size=self.encoder_block)
-            embeds, deepstack = self._run_encode([], size, 0, vi)
+            embeds, deepstack = self._run_encoder(size, EncoderInputs(*vi.tensors()))
             rows = vi.token_rows.to(embeds.device)
             embeds, deepstack = embeds[rows], deepstack[:, rows]  # back to item order
             self.num_encoder_runs += 1
@@ -191,15 +203,6 @@ class MultimodalRunnerV1(ModelRunnerV1):
             else:
                 groups.append([item])
         return groups
-
-    # -- decode ----------------------------------------------------------------------------------
-    def _decode_extra(self, chunks, x) -> tuple:
-        delta = np.zeros(x.positions.shape[0], dtype=np.int64)
-        for i, c in enumerate(chunks):
-            state = self.media.get(c.req_id)
-            if state is not None:
-                delta[i] = state.delta
-        return (self._t(delta),)
 
 
 def _frame_sizes(items: list) -> list[int]:

@@ -1,0 +1,118 @@
+"""Building and loading the custom CPU kernels' shared object, once per machine and CPU class.
+
+The object lands in `<cache root>/kernels/<digest>/`; the digest covers the sources, torch's version, the
+build variant and its flags, the compiler and the CPU's instruction set, so a `-march=native` build never
+reaches another CPU through a shared cache root. A cold build compiles every source at once (the first start
+waits for the slowest source, not the sum) and logs each source as it finishes.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import platform
+import subprocess
+import sysconfig
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from vllm_neuron import envs
+from vllm_neuron.config.device import compiler_id, cpu_isa
+from vllm_neuron.logger import init_logger
+from vllm_neuron.model.layers.kernels.ops import register_fakes
+
+logger = init_logger(__name__)
+
+SOURCES = ("paged_attention.cpp", "linear_bf16.cpp", "linear_quant.cpp", "linear_amx.cpp", "linear_dot_tiles.cpp",
+           "token_mask.cpp", "activation.cpp", "linear_tile_copies.cpp")
+HEADERS = ("simd.h", "attention_tiles.h", "int8_vnni.h", "online_softmax.h", "amx_tiles.h", "attention_bf16.h",
+           "attention_amx.h", "attention_decode.h", "attention_split.h", "cache_elems.h", "tile_linear_args.h")
+_FLAGS = ("-O3", "-fopenmp", "-ffast-math", "-fno-finite-math-only", "-fPIC", "-std=c++17")
+# CPU class -> target flags. avx2 is x86-64-v3 (Haswell and later, Zen 1 and later), so a forced avx2
+# build on an AVX-512 machine has no AVX-512 code in it.
+VARIANTS = {
+    "avx512bf16": ("-march=native",),
+    "avx2": ("-march=x86-64-v3", "-mtune=generic"),
+    "generic": ("-march=native",) if platform.machine() not in ("x86_64", "AMD64") else ("-march=x86-64",),
+}
+# What a cold build took on 2 cores (the slowest source bounds it), for the log's expectation.
+_EXPECTED_BUILD_SECONDS = 90
+_HERE = Path(__file__).resolve().parent
+
+
+def _build_dir(digest: str) -> Path:
+    return Path(envs.VLLM_CACHE_ROOT) / "kernels" / digest
+
+
+def cxx() -> str:
+    return os.environ.get("CXX", "g++")
+
+
+def digest(variant: str) -> str:
+    """The build's cache key for `variant` (see the module's docstring)."""
+    h = hashlib.sha256()
+    for s in SOURCES + HEADERS:
+        h.update((_HERE / s).read_bytes())
+    h.update(torch.__version__.encode())
+    h.update(" ".join((*_FLAGS, variant, *VARIANTS[variant])).encode())
+    h.update(compiler_id(cxx()).encode())
+    h.update(cpu_isa().encode())
+    return h.hexdigest()[:16]
+
+
+def _compile(out: Path, variant: str) -> None:
+    from torch.utils import cpp_extension
+
+    torch_lib = Path(torch.__file__).resolve().parent / "lib"
+    includes = [f"-I{p}" for p in cpp_extension.include_paths()] + [f"-I{sysconfig.get_paths()['include']}"]
+    abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    logger.info("Building the custom CPU kernels, %s build (once per machine and CPU class): %d sources in "
+                "parallel, about %d s on 2 cores; into %s", variant, len(SOURCES), _EXPECTED_BUILD_SECONDS,
+                out.parent)
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(dir=out.parent) as work:
+        objects = [os.path.join(work, s + ".o") for s in SOURCES]
+        procs = {s: subprocess.Popen([cxx(), *_FLAGS, *VARIANTS[variant], abi, *includes, "-c", str(_HERE / s),
+                                      "-o", o], stderr=subprocess.PIPE, text=True)
+                 for s, o in zip(SOURCES, objects)}
+        pending, done = dict(procs), 0
+        while pending:
+            for s, p in list(pending.items()):
+                if p.poll() is None:
+                    continue
+                err = p.stderr.read()
+                if p.returncode:
+                    for q in pending.values():
+                        q.kill()
+                    raise RuntimeError(f"{cxx()} failed ({p.returncode}) on {s}: {err.strip()[-2000:]}")
+                done += 1
+                del pending[s]
+                logger.info("Kernel source %d/%d built: %s (%.0f s)", done, len(SOURCES), s, time.perf_counter() - t0)
+            time.sleep(0.2)
+        tmp = os.path.join(work, "vllm_neuron_kernels.so")
+        link = subprocess.run([cxx(), "-shared", "-fopenmp", *objects, "-o", tmp, f"-L{torch_lib}", "-ltorch_cpu",
+                               "-lc10", f"-Wl,-rpath,{torch_lib}"], capture_output=True, text=True)
+        if link.returncode:
+            raise RuntimeError(f"{cxx()} failed ({link.returncode}) linking: {link.stderr.strip()[-2000:]}")
+        os.replace(tmp, out)  # atomic: concurrent starts never load a half-written library
+    logger.info("Custom CPU kernels built in %.0f s", time.perf_counter() - t0)
+
+
+@functools.lru_cache(maxsize=None)
+def load(variant: str) -> bool:
+    """Builds (on first use) and loads the `variant` build's ops; False, logged once, when that fails: the
+    layers then take their torch paths."""
+    try:
+        so = _build_dir(digest(variant)) / "vllm_neuron_kernels.so"
+        if not so.exists():
+            _compile(so, variant)
+        torch.ops.load_library(str(so))
+    except Exception as e:  # noqa: BLE001 - the torch paths are always there
+        logger.warning("Custom CPU kernels unavailable, using the torch paths: %s", e)
+        return False
+    register_fakes()
+    return True

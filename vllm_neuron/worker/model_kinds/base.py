@@ -1,0 +1,73 @@
+"""A model kind's state: what one kind of model (multimodal, and later audio, pooling, LoRA) keeps per request
+and adds to each step, as one object the runners call at fixed points instead of a runner subclass.
+
+Both runners call, in this order:
+* at set-up: `graph_specs` (graphs of its own beside the step graphs, e.g. an encoder's buckets, warmed up
+  through `warm`), `reserved_bytes` (memory it holds beside the weights, taken from the KV budget),
+  `graph_options` (what of it shapes the graphs: part of the compile-cache key);
+* every step, before the graph: `add_request` / `remove_request` for the step's joins and leaves, then the
+  named model inputs of the step: `prefill_kwargs` (a prefill's, built from the step's host arrays) and
+  `row_extras` (per decode row, MRv1) or, on Model Runner V2, `slot_values` when a request takes a batch
+  slot (kept in the slot state's `extras`, named by `slot_extras`, and gathered per row inside the graph).
+
+The graphs hand these inputs to the model's forward as keyword arguments, so the model names them.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from vllm_neuron.step import NewRequestData, ScheduledChunk
+from vllm_neuron.worker.input_builder import PrefillArrays
+
+
+class GraphSpec(NamedTuple):
+    """One graph warm-up compiles: its bucket name, kind (prefill / decode / verify / a kind's own), size and
+    context."""
+
+    name: str
+    kind: str
+    size: int
+    context: int
+
+
+class ModelKindState:
+    def add_request(self, data: NewRequestData) -> None:
+        pass
+
+    def remove_request(self, req_id: str) -> None:
+        pass
+
+    def prefill_kwargs(self, chunks: list[ScheduledChunk], x: PrefillArrays) -> dict:
+        """Model inputs of a prefill step (device tensors, fixed shapes per bucket)."""
+        return {}
+
+    def row_extras(self, req_ids: list[str], rows: int) -> dict[str, np.ndarray]:
+        """Per-row model inputs of a decode step ([rows] each; padded rows past len(req_ids))."""
+        return {}
+
+    def slot_extras(self) -> dict[str, torch.dtype]:
+        """Names and dtypes of the per-slot model inputs kept in Model Runner V2's slot state."""
+        return {}
+
+    def slot_values(self, req_id: str) -> dict[str, float | int]:
+        """A request's values of `slot_extras`, written when it takes a batch slot."""
+        return {}
+
+    def graph_specs(self) -> list[GraphSpec]:
+        return []
+
+    def warm(self, spec: GraphSpec) -> None:
+        """Runs one of `graph_specs` once on padding (warm-up compiles or loads it)."""
+        raise NotImplementedError
+
+    def reserved_bytes(self) -> int:
+        return 0
+
+    def graph_options(self) -> dict:
+        return {}
+
+    def encoder_cache_stats(self) -> tuple[int, int] | None:
+        return None

@@ -1,0 +1,108 @@
+"""Building a model for an engine: construct it on the device in the compute dtype, hand it the engine's
+kernel choice, load its weights (FP8 checkpoints, FP8 KV scales), quantize it (int8 / int4), move its weights
+into huge pages and pack them once for the tile kernels; and zeroed KV memory that costs nothing until used."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from vllm_neuron import huge_pages
+from vllm_neuron.config.device import check_weight_quantization
+from vllm_neuron.config.engine_config import EngineConfig
+from vllm_neuron.logger import init_logger
+from vllm_neuron.model.base import ModelSpec
+from vllm_neuron.model.layers import kv_quant, quant_fp8
+from vllm_neuron.model.layers.kernel_config import KernelConfig, apply_kernel_config
+from vllm_neuron.model.layers.kernels.cpu_caps import describe_copies
+from vllm_neuron.model.layers.linear import make_linears_fp8_, pack_linears_, packed_bytes, quantize_linears_
+from vllm_neuron.model.loader import Checkpoint
+from vllm_neuron.worker import memory
+
+logger = init_logger(__name__)
+
+
+@dataclass
+class LoadStats:
+    seconds: float
+    nbytes: int
+
+
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Zeroed KV memory. On CPU it comes from calloc through numpy, so the OS maps zero pages lazily
+    and a multi-GiB cache costs nothing until used (torch.zeros would touch every page at start)."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    bits = torch.finfo(dtype).bits
+    raw = np.zeros(shape, dtype={8: np.int8, 16: np.int16, 32: np.int32, 64: np.int64}[bits])
+    return torch.from_numpy(raw).view(dtype)
+
+
+def checkpoint_scheme(ckpt: Checkpoint, spec: ModelSpec, config: EngineConfig) -> tuple[str | None, list[str]]:
+    """(the checkpoint's own weight quantization or None, the modules it leaves unquantized); FP8 static
+    weights come from the checkpoint's quantization_config (any other scheme is refused here)."""
+    scheme, unquantized = quant_fp8.checkpoint_weight_scheme(ckpt.hf_config, spec.quantizations)
+    if scheme and config.neuron_config.quantization:
+        raise ValueError(f"neuron_config.quantization={config.neuron_config.quantization!r} cannot apply to a "
+                         f"checkpoint whose weights are already quantized ({scheme}); remove it")
+    return scheme, unquantized
+
+
+def build_model(cls: type, ckpt: Checkpoint, config: EngineConfig, spec: ModelSpec, dtype: torch.dtype,
+                device: torch.device, kernels: KernelConfig) -> tuple[torch.nn.Module, int]:
+    """(the loaded model, bytes of weights loaded)."""
+    scheme, unquantized = checkpoint_scheme(ckpt, spec, config)
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            extra = {"language_model_only": config.additional_config.mm_language_model_only} \
+                if getattr(cls, "multimodal", False) else {}
+            model = cls(ckpt.hf_config, quantization=config.neuron_config.quantization, **extra)
+    finally:
+        torch.set_default_dtype(prev)
+    apply_kernel_config(model, kernels)
+    if scheme == "fp8":
+        n = make_linears_fp8_(model, unquantized)
+        logger.info("FP8 static weights (ModelOpt checkpoint): %d linear layers hold float8_e4m3fn weights "
+                    "and compute in %s", n, dtype)
+    kv_dtype = kv_quant.kv_cache_torch_dtype(config.kv_cache_dtype, dtype)
+    kv_scales: list[str] = []
+    nbytes = model.load_weights(tqdm(kv_quant.tap_scales(ckpt.iter_weights(dtype), kv_scales),
+                                     desc="Loading weights", unit="tensor", leave=False, disable=None))
+    if kv_quant.is_fp8(kv_dtype):
+        kv_quant.log_scales(config.kv_cache_dtype, kv_scales, model.kv_cache_spec()[0])
+    model = model.eval().requires_grad_(False)
+    quantization = config.neuron_config.quantization
+    if quantization in ("int8", "int4"):  # mxfp4 belongs to the gpt-oss experts' own loading
+        check_weight_quantization(quantization, dtype, device)
+        layers, before, after = quantize_linears_(model, quantization)
+        logger.info("Weight-only %s: %d linear layers, %.1f MiB -> %.1f MiB (%s kernel for decode)", quantization,
+                    layers, before / 2**20, after / 2**20, "custom" if kernels.quant else "no")
+    if device.type == "cpu" and huge_pages.available():
+        moved, moved_bytes = huge_pages.move_parameters_(model)
+        logger.info("Weights in 2 MiB pages: %d tensors, %.1f MiB (VLLM_NEURON_HUGE_PAGES=0 keeps 4 KiB ones)",
+                    moved, moved_bytes / 2**20)
+    if kernels.prepacked:
+        pack_weights(model, kernels)
+    return model, nbytes
+
+
+def pack_weights(model: torch.nn.Module, kernels: KernelConfig) -> None:
+    """Packed copies of the bf16 linear weights for the rows above the decode kernel's (packed_weights.py),
+    unless they would take more than half of the host's available memory: a model that fits once may
+    not fit twice, and without its copy a weight takes F.linear (same results, same graphs)."""
+    need, free = packed_bytes(model), memory.host_available_bytes()
+    if need > free // 2:
+        logger.warning("Weights not packed: the copies (%.1f MiB) would take more than half of the "
+                       "host's available memory (%.1f MiB); F.linear serves the rows above %d", need / 2**20,
+                       free / 2**20, kernels.linear_rows)
+        return
+    t0 = time.perf_counter()
+    layers, added = pack_linears_(model)
+    logger.info("Weights packed once: %d bf16 linear layers above %d rows, %s (+%.1f MiB beside the weights "
+                "the decode kernel streams; %.1f s)", layers, kernels.linear_rows, describe_copies(), added / 2**20,
+                time.perf_counter() - t0)
