@@ -3,6 +3,8 @@ fail fast with a message naming the problem (never a traceback, never a hang, ne
 from __future__ import annotations
 
 import json
+import re
+import socket
 import subprocess
 import time
 
@@ -44,6 +46,24 @@ def test_serve_help(tmp_path):
     assert proc.returncode == 0, _output(proc)
     for flag in ("--max-model-len", "--additional-config", "--api-key", "--port"):
         assert flag in proc.stdout, flag
+
+
+def test_port_in_use_fails_before_loading(tmp_path):
+    """The port is checked before anything loads (here the bundled model, seconds to load): the failure comes
+    as fast as `serve --help` (the same imports and parser) and says what to do."""
+    t0 = time.monotonic()
+    proc = run_cli(["serve", "--help"], str(tmp_path), timeout=60)
+    reference = time.monotonic() - t0
+    assert proc.returncode == 0, _output(proc)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        t0 = time.monotonic()
+        proc = run_cli(["serve", "--port", str(port)], str(tmp_path), timeout=60)
+        seconds = time.monotonic() - t0
+    _assert_clean_failure(proc, f"port {port} is in use: pass --port")
+    assert seconds < max(2.0, reference + 1.0), f"{seconds:.1f} s (serve --help: {reference:.1f} s)"
 
 
 def test_unknown_neuron_config_key_is_named(tiny_llama_dir, tmp_path):
