@@ -60,10 +60,13 @@ def _parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="generate from prompts offline and print the answers",
                          description="Load the model in this process, answer the prompts, print the answers. "
-                         "Sampling defaults come from the model's generation config (see --generation-config).",
+                         "Sampling defaults come from the model's generation config (see --generation-config). "
+                         "The answers go to stdout, the log to stderr (warnings only, unless -v).",
                          usage="vllm-neuron generate [options] PROMPT [PROMPT ...]", formatter_class=HelpFormatter)
     gen.add_argument("prompts", nargs="+", metavar="PROMPT", help="prompt(s); chat-formatted unless --raw")
     gen.add_argument("--raw", action="store_true", help="send the prompt as plain text, no chat template")
+    gen.add_argument("-v", "--verbose", action="store_true",
+                     help="log the engine's start-up and progress to stderr, as serve does")
     s = gen.add_argument_group("Sampling (unset: the generation config's default, else vLLM's)")
     s.add_argument("--max-tokens", type=int, default=None,
                    help="tokens to generate at most (default: the generation config's max_new_tokens, else 16)")
