@@ -2,7 +2,6 @@
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt scripts/setup_venv.py | sha1sum | cut -c1-12)
 HOST ?= 127.0.0.1
 PORT ?= 8000
 ARGS ?=
@@ -13,6 +12,8 @@ SERVE_ARGS ?=
 # triton on a machine without an NVIDIA GPU (scripts/setup_venv.py).
 TORCH_BUILD ?= auto
 KEEP_TRITON ?=
+# Setup re-runs when its inputs or its settings change.
+STAMP := $(VENV)/.installed-$(shell (cat pyproject.toml constraints.txt scripts/setup_venv.py; echo "$(TORCH_BUILD) $(KEEP_TRITON)") | sha1sum | cut -c1-12)
 
 .PHONY: setup run test test-fast bench compile gpu-check clean
 

@@ -11,6 +11,9 @@ removed after the install: only CUDA kernels use it (xgrammar's CUDA bitmask ker
 decode kernel); xgrammar's CPU path and torch's CPU inductor do not. The removal is checked by
 compiling a grammar and a torch.compile'd function without it, and undone if that fails.
 `--keep-triton` keeps it (the CPU test of the Triton decode kernel runs it in Triton's interpreter).
+pip has no way to leave out one dependency of a package, so triton is downloaded and then removed; `pip check`
+names xgrammar's triton requirement as unmet afterwards, and a later `pip install` into the venv brings it back
+(the next setup removes it again).
 
 Only the standard library: this runs under the system's python3 before the venv exists.
 `--resolve-only REPORT` creates the venv and asks pip for the same install with --dry-run,
