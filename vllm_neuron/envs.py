@@ -16,7 +16,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from vllm_neuron.logger import init_logger, warning_once
+from vllm_neuron.logger import STREAMS, init_logger, warning_once
 
 logger = init_logger(__name__)
 
@@ -153,6 +153,16 @@ def _cache_root() -> str:
     return os.path.expanduser(_str("VLLM_CACHE_ROOT") or os.path.join("~", ".cache", "vllm_neuron"))
 
 
+def _logging_stream() -> str:
+    """VLLM_LOGGING_STREAM (vLLM's variable): where log lines go, `ext://sys.stdout` (the default) or
+    `ext://sys.stderr`; child processes inherit it. `vllm-neuron generate` sets stderr for its own run, so that
+    stdout holds only the answers."""
+    raw = _str("VLLM_LOGGING_STREAM") or "ext://sys.stdout"
+    if raw not in STREAMS:
+        raise ValueError(f"VLLM_LOGGING_STREAM={raw!r} is not valid; valid values: {', '.join(STREAMS)}")
+    return raw
+
+
 def _log_level() -> str:
     """VLLM_NEURON_LOG_LEVEL, upper-cased; DEBUG, INFO, WARNING, ERROR or CRITICAL."""
     raw = (_str("VLLM_NEURON_LOG_LEVEL") or "INFO").upper()
@@ -265,6 +275,7 @@ _VARS: dict[str, EnvVar] = {
             "Default 0.",
         ),
         EnvVar("VLLM_NEURON_LOG_LEVEL", _log_level, _log_level.__doc__ or ""),
+        EnvVar("VLLM_LOGGING_STREAM", _logging_stream, _logging_stream.__doc__ or ""),
         EnvVar(
             "VLLM_NEURON_DISABLE_NKI_KERNELS",
             lambda: _bool("VLLM_NEURON_DISABLE_NKI_KERNELS"),

@@ -4,7 +4,8 @@ Lines look like vLLM's so that the seeds' log lines can be grepped the same way:
 
     INFO 11-30 13:10:29 [model_runner_v2.py:123] Using the standalone V2 Neuron model runner.
 
-The level comes from VLLM_NEURON_LOG_LEVEL (default INFO). The handler sits on the
+The level comes from VLLM_NEURON_LOG_LEVEL (default INFO), the stream from vLLM's VLLM_LOGGING_STREAM
+(`ext://sys.stdout`, the default, or `ext://sys.stderr`; child processes inherit both). The handler sits on the
 "vllm_neuron" logger, not on the root logger, so that embedding applications keep control
 of their own logging. Records still propagate to the root logger: pytest's caplog and
 applications that collect everything at the root keep seeing them (the root logger has no
@@ -49,15 +50,31 @@ def _level_from_env() -> tuple[int, str | None]:
     return getattr(logging, name), None
 
 
+STREAMS = {"ext://sys.stdout": "stdout", "ext://sys.stderr": "stderr"}
+_stream_name: str | None = None  # the sys attribute the handler writes to
+
+
+def _stream_from_env() -> tuple[str, str | None]:
+    """Return ("stdout" or "stderr", problem), from VLLM_LOGGING_STREAM (read directly, as the level is)."""
+    raw = os.environ.get("VLLM_LOGGING_STREAM", "").strip()
+    if not raw:
+        return "stdout", None
+    if raw in STREAMS:
+        return STREAMS[raw], None
+    return "stdout", (f"VLLM_LOGGING_STREAM={raw!r} is not a valid stream; valid values: {', '.join(STREAMS)}. "
+                      "Using stdout.")
+
+
 def configure_root_logger(level: str | int | None = None) -> logging.Logger:
-    """(Re)configure the "vllm_neuron" logger: handler, format and level.
+    """(Re)configure the "vllm_neuron" logger: handler, stream, format and level.
 
     `level` overrides VLLM_NEURON_LOG_LEVEL. Called once implicitly by init_logger; call it
     again to apply a changed environment (tests, CLI --log-level style options).
     """
-    global _configured, _handler
+    global _configured, _handler, _stream_name
     with _lock:
         root = logging.getLogger(ROOT_LOGGER_NAME)
+        stream, stream_problem = _stream_from_env()
         problem = None
         if level is None:
             lvl, problem = _level_from_env()
@@ -70,13 +87,17 @@ def configure_root_logger(level: str | int | None = None) -> logging.Logger:
         else:
             lvl = int(level)
         if _handler is None:
-            _handler = logging.StreamHandler(sys.stdout)
+            _handler = logging.StreamHandler(getattr(sys, stream))
             _handler.setFormatter(logging.Formatter(LOG_FORMAT, datefmt=DATE_FORMAT))
             root.addHandler(_handler)
+        elif stream != _stream_name:  # only on a change: the stream object it holds stays otherwise
+            _handler.setStream(getattr(sys, stream))
+        _stream_name = stream
         root.setLevel(lvl)
         _configured = True
-    if problem:
-        root.warning(problem)
+    for text in (stream_problem, problem):
+        if text:
+            root.warning(text)
     return root
 
 

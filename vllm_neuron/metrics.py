@@ -35,6 +35,7 @@ from __future__ import annotations
 import atexit
 import os
 import shutil
+import signal
 import tempfile
 import threading
 import time
@@ -45,12 +46,35 @@ from vllm_neuron.logger import init_logger, warning_once
 
 logger = init_logger(__name__)
 
+
+
+def _remove_at_exit(path: str) -> None:
+    """Removes `path` when this process exits: at exit, and on SIGTERM / SIGHUP too, whose default action
+    skips atexit (a test run or a loading server killed by them left the folder behind). A signal handler
+    already installed is left alone; ours removes the folder, then lets the signal take its default course."""
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    if threading.current_thread() is not threading.main_thread():
+        return  # signal handlers can only be set from the main thread
+    owner = os.getpid()
+
+    def remove_then_die(signum: int, _frame: object) -> None:
+        if os.getpid() == owner:  # not in a forked child, which shares the handler but not the folder
+            shutil.rmtree(path, ignore_errors=True)
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+
+    for name in ("SIGTERM", "SIGHUP"):  # no SIGHUP on Windows
+        sig = getattr(signal, name, None)
+        if sig is not None and signal.getsignal(sig) is signal.SIG_DFL:
+            signal.signal(sig, remove_then_die)
+
+
 # prometheus_client picks its value class (mmap-backed or in-memory) from this variable when it
 # is imported, so the folder must exist in the environment first.
 if envs.PROMETHEUS_MULTIPROC_DIR is None:
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="vllm_neuron_prometheus_")
     # Ours to remove: the process that made it exits last (child processes inherit the variable).
-    atexit.register(shutil.rmtree, os.environ["PROMETHEUS_MULTIPROC_DIR"], ignore_errors=True)
+    _remove_at_exit(os.environ["PROMETHEUS_MULTIPROC_DIR"])
 MULTIPROC_DIR: str = os.environ["PROMETHEUS_MULTIPROC_DIR"]
 os.makedirs(MULTIPROC_DIR, exist_ok=True)
 

@@ -3,6 +3,8 @@ fail fast with a message naming the problem (never a traceback, never a hang, ne
 from __future__ import annotations
 
 import json
+import re
+import socket
 import subprocess
 import time
 
@@ -25,18 +27,27 @@ def _assert_clean_failure(proc: subprocess.CompletedProcess, *needles: str) -> s
     return out
 
 
-def test_generate_prints_prompt_and_answer(tiny_llama_dir, tmp_path):
+_LOG_LINE = re.compile(r"^(DEBUG|INFO|WARNING|ERROR|CRITICAL) \d\d-\d\d \d\d:\d\d:\d\d ", re.MULTILINE)
+
+
+def test_generate_stdout_holds_only_the_answer(tiny_llama_dir, tmp_path):
+    """A command-line tool's streams: the answer alone on stdout, the log on stderr (-v for all of it), so that
+    `vllm-neuron generate ... > answer.txt` captures the answer and nothing else."""
     from transformers import AutoTokenizer
 
-    proc = run_cli(["generate", "--model", tiny_llama_dir, "--enforce-eager", "--max-tokens", "5", "hello"],
-                   str(tmp_path), timeout=120)
-    assert proc.returncode == 0, _output(proc)
-    lines = proc.stdout.splitlines()
-    assert ">>> hello" in lines, proc.stdout
-    answer = "\n".join(lines[lines.index(">>> hello") + 1:])
-    assert answer.strip(), proc.stdout
+    base = ["generate", "--model", tiny_llama_dir, "--enforce-eager", "--max-tokens", "5", "--temperature", "0"]
+    quiet = run_cli(base + ["hello"], str(tmp_path), timeout=120, VLLM_NEURON_LOG_LEVEL="")
+    verbose = run_cli(base + ["-v", "hello"], str(tmp_path), timeout=120, VLLM_NEURON_LOG_LEVEL="")
+    for proc in (quiet, verbose):
+        assert proc.returncode == 0, _output(proc)
+        assert not _LOG_LINE.search(proc.stdout), proc.stdout
+    # Greedy: the same answer both times, so nothing of the verbose run's log reached its stdout.
+    assert quiet.stdout == verbose.stdout and quiet.stdout.endswith("\n"), (quiet.stdout, verbose.stdout)
+    answer = quiet.stdout[:-1]
     n = len(AutoTokenizer.from_pretrained(tiny_llama_dir).encode(answer, add_special_tokens=False))
     assert 1 <= n <= 6, f"{n} tokens for --max-tokens 5: {answer!r}"  # +1: a space may re-tokenize apart
+    assert not _LOG_LINE.search(quiet.stderr), quiet.stderr  # warnings only, and this run has none
+    assert "INFO" in verbose.stderr and "Engine" in verbose.stderr, verbose.stderr
 
 
 def test_serve_help(tmp_path):
@@ -44,6 +55,24 @@ def test_serve_help(tmp_path):
     assert proc.returncode == 0, _output(proc)
     for flag in ("--max-model-len", "--additional-config", "--api-key", "--port"):
         assert flag in proc.stdout, flag
+
+
+def test_port_in_use_fails_before_loading(tmp_path):
+    """The port is checked before anything loads (here the bundled model, seconds to load): the failure comes
+    as fast as `serve --help` (the same imports and parser) and says what to do."""
+    t0 = time.monotonic()
+    proc = run_cli(["serve", "--help"], str(tmp_path), timeout=60)
+    reference = time.monotonic() - t0
+    assert proc.returncode == 0, _output(proc)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        t0 = time.monotonic()
+        proc = run_cli(["serve", "--port", str(port)], str(tmp_path), timeout=60)
+        seconds = time.monotonic() - t0
+    _assert_clean_failure(proc, f"port {port} is in use: pass --port")
+    assert seconds < max(2.0, reference + 1.0), f"{seconds:.1f} s (serve --help: {reference:.1f} s)"
 
 
 def test_unknown_neuron_config_key_is_named(tiny_llama_dir, tmp_path):

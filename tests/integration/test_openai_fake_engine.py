@@ -382,18 +382,25 @@ def test_api_key(engine):
         assert httpx.get(url + "/metrics").status_code == 200
 
 
+def _health_codes(url: str) -> list[int]:
+    """/health, and vLLM's /ping by GET and POST, which answer the same."""
+    return [httpx.get(url + "/health").status_code, httpx.get(url + "/ping").status_code,
+            httpx.post(url + "/ping").status_code]
+
+
 def test_health_follows_engine_state(tokenizer):
     fake = FakeEngine(tokenizer, ready=False)
-    with serve(build_app(fake, served_model_names=[MODEL])) as url:
+    with serve(build_app(fake, served_model_names=[MODEL], api_key="sk-test")) as url:
         r = httpx.get(url + "/health")
         assert r.status_code == 503 and r.json()["error"]["code"] == 503
-        r = httpx.post(url + "/v1/completions", json={"prompt": "x"})
+        assert _health_codes(url) == [503] * 3
+        r = httpx.post(url + "/v1/completions", json={"prompt": "x"}, headers={"Authorization": "Bearer sk-test"})
         assert r.status_code == 503
         fake.ready = True
-        assert httpx.get(url + "/health").status_code == 200
+        assert _health_codes(url) == [200] * 3  # open without the key, as in vLLM
         fake.dead = True
-        assert httpx.get(url + "/health").status_code == 503
-        r = httpx.post(url + "/v1/completions", json={"prompt": "x"})
+        assert _health_codes(url) == [503] * 3
+        r = httpx.post(url + "/v1/completions", json={"prompt": "x"}, headers={"Authorization": "Bearer sk-test"})
         assert r.status_code == 500 and r.json()["error"]["type"] == "InternalServerError"
 
 

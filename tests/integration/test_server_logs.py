@@ -1,6 +1,7 @@
 """What a served log says and what a server leaves behind: a start from a fresh cache (the C++ kernels
-built first) under a realistic timeout, vLLM's periodic stats line within 15 s of work, and no temporary
-folder left after a clean shutdown. (No line with --disable-log-stats: test_server_e2e's keyed server.)"""
+built first) under a realistic timeout, saying that the engine still warms up after uvicorn's start-up and
+when it is ready, vLLM's periodic stats line within 15 s of work, and no temporary folder left after a clean
+shutdown. (No line with --disable-log-stats: test_server_e2e's keyed server.)"""
 from __future__ import annotations
 
 import os
@@ -34,7 +35,15 @@ def test_fresh_cache_stats_line_and_no_litter(tiny_llama_dir, tmp_path):
                         TMPDIR=str(tmp), PROMETHEUS_MULTIPROC_DIR="")
     try:
         srv.wait_healthy(timeout=FRESH_START_TIMEOUT)
-        assert "Building the custom CPU kernels" in srv.log()  # the cache really was empty
+        log = srv.log()
+        assert "Building the custom CPU kernels" in log  # the cache really was empty
+        # uvicorn's "startup complete" comes long before the engine is warm: the next line says so, and one
+        # line with the URL says when /health turned 200.
+        started = log.index("Application startup complete")
+        warming = log.index("the engine is still warming up")
+        ready = log.index("Ready in ")
+        assert started < warming < ready, log
+        assert f"{srv.url}/v1" in log[ready:].splitlines()[0]
         assert any(n.startswith("vllm_neuron_prometheus_") for n in os.listdir(tmp))
         t0 = time.monotonic()
         _complete(srv)

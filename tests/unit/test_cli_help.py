@@ -7,7 +7,7 @@ import re
 import pytest
 
 from vllm_neuron.config.arg_utils import GROUPS, arg_group
-from vllm_neuron.entrypoints.cli.main import _parser
+from vllm_neuron.entrypoints.cli.main import _parser, main
 
 
 def _subparsers(parser: argparse.ArgumentParser, path: str = "vllm-neuron"):
@@ -77,3 +77,25 @@ def test_generate_help_is_true_to_it():
     # Sampling flags left unset take the generation config's defaults.
     args = gen.parse_args(["hi"])
     assert (args.temperature, args.top_p, args.top_k, args.max_tokens) == (None, None, None, None)
+
+
+@pytest.mark.parametrize("argv, usage, hint", [
+    (["serve", "--max-model-length", "4096"], "usage: vllm-neuron serve", "did you mean --max-model-len?"),
+    (["generate", "--temprature", "0", "hi"], "usage: vllm-neuron generate", "did you mean --temperature?"),
+    (["bench", "serve", "--max-concurency", "4"], "usage: vllm-neuron bench serve", "did you mean --max-concurrency?"),
+])
+def test_flag_typo_gets_the_command_usage_and_a_suggestion(argv, usage, hint, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2
+    assert usage in err and hint in err, err
+    assert "{serve,generate" not in err, "the top-level usage instead of the command's"
+    assert len(err.splitlines()) <= 3, err  # the short usage, not ~100 flags
+
+
+def test_unknown_flag_without_a_near_one_has_no_suggestion(capsys):
+    with pytest.raises(SystemExit):
+        main(["serve", "--zzzz"])
+    err = capsys.readouterr().err
+    assert "unrecognized arguments: --zzzz" in err and "did you mean" not in err

@@ -31,7 +31,8 @@ def test_every_seed_variable_is_known_and_documented():
     ours = ["VLLM_NEURON_AOT_COMPILE", "VLLM_NEURON_GGUF_CACHE_MAX_GIB", "VLLM_NEURON_CUDA_GRAPHS",
             "VLLM_LOG_STATS_INTERVAL", "VLLM_NEURON_CPU_ISA", "VLLM_IMAGE_FETCH_TIMEOUT",
             "VLLM_MEDIA_MAX_BYTES", "VLLM_ENGINE_ITERATION_TIMEOUT_S", "VLLM_NEURON_DIST_TIMEOUT_S",
-            "VLLM_NEURON_INDUCTOR_CACHE_DIR", "VLLM_NEURON_KV_PREFAULT_MB", "VLLM_NEURON_HUGE_PAGES"]  # beyond the seeds
+            "VLLM_NEURON_INDUCTOR_CACHE_DIR", "VLLM_NEURON_KV_PREFAULT_MB", "VLLM_NEURON_HUGE_PAGES",
+            "VLLM_LOGGING_STREAM"]  # beyond the seeds
     assert sorted(seeds + ours) == sorted(ALL)
     for name in seeds + ours:
         assert len(envs.doc(name)) > 20, name
@@ -221,6 +222,29 @@ def test_log_level_from_env(monkeypatch):
         monkeypatch.delenv("VLLM_NEURON_LOG_LEVEL")
         vlog.configure_root_logger()
     assert len([h for h in root.handlers if h is vlog._handler]) == 1  # no duplicate handlers
+
+
+def test_logging_stream_from_env(monkeypatch, capsys):
+    log = vlog.init_logger("vllm_neuron.test_stream")
+    before = vlog._handler.stream  # the session's stdout: capsys' streams close after this test
+    try:
+        monkeypatch.setenv("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+        vlog.configure_root_logger()
+        log.info("to stderr")
+        monkeypatch.setenv("VLLM_LOGGING_STREAM", "ext://sys.stdout")
+        vlog.configure_root_logger()
+        log.info("to stdout")
+        out, err = capsys.readouterr()
+        assert "to stderr" in err and "to stderr" not in out
+        assert "to stdout" in out and "to stdout" not in err
+        assert envs.VLLM_LOGGING_STREAM == "ext://sys.stdout"
+        monkeypatch.setenv("VLLM_LOGGING_STREAM", "sys.stderr")
+        with pytest.raises(ValueError, match="ext://sys.stderr"):
+            envs.VLLM_LOGGING_STREAM
+    finally:
+        monkeypatch.delenv("VLLM_LOGGING_STREAM")
+        vlog.configure_root_logger()
+        vlog._handler.setStream(before)
 
 
 def test_warning_once(caplog):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import sys
 
 from vllm_neuron.config.arg_utils import HelpFormatter, add_engine_args, arg_group
@@ -50,18 +51,22 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="vllm-neuron", description="vLLM Neuron's design on PyTorch devices")
     sub = p.add_subparsers(dest="command", required=True)
 
+    # Short usage lines: argparse's own lists every one of ~100 flags before the error it explains.
     serve = sub.add_parser("serve", help="OpenAI-compatible server (default: the bundled SmolLM2-135M-Instruct)",
                            description="Serve a model over vLLM's OpenAI-compatible HTTP API.",
-                           formatter_class=HelpFormatter)
+                           usage="vllm-neuron serve [MODEL] [options]", formatter_class=HelpFormatter)
     add_engine_args(serve)
     add_server_args(serve)
 
     gen = sub.add_parser("generate", help="generate from prompts offline and print the answers",
                          description="Load the model in this process, answer the prompts, print the answers. "
-                         "Sampling defaults come from the model's generation config (see --generation-config).",
-                         formatter_class=HelpFormatter)
+                         "Sampling defaults come from the model's generation config (see --generation-config). "
+                         "The answers go to stdout, the log to stderr (warnings only, unless -v).",
+                         usage="vllm-neuron generate [options] PROMPT [PROMPT ...]", formatter_class=HelpFormatter)
     gen.add_argument("prompts", nargs="+", metavar="PROMPT", help="prompt(s); chat-formatted unless --raw")
     gen.add_argument("--raw", action="store_true", help="send the prompt as plain text, no chat template")
+    gen.add_argument("-v", "--verbose", action="store_true",
+                     help="log the engine's start-up and progress to stderr, as serve does")
     s = gen.add_argument_group("Sampling (unset: the generation config's default, else vLLM's)")
     s.add_argument("--max-tokens", type=int, default=None,
                    help="tokens to generate at most (default: the generation config's max_new_tokens, else 16)")
@@ -73,13 +78,15 @@ def _parser() -> argparse.ArgumentParser:
 
     comp = sub.add_parser("compile", help="compile every bucket into the compile cache, then exit",
                           description="Fill the compile cache for a configuration, then exit: a later serve with "
-                          "the same flags loads every graph without compiling.", formatter_class=HelpFormatter)
+                          "the same flags loads every graph without compiling.",
+                          usage="vllm-neuron compile [MODEL] [options]", formatter_class=HelpFormatter)
     add_engine_args(comp)
 
     val = sub.add_parser("validate-logits", help="compare the engine's log-probabilities with transformers fp32 / bf16",
                          description="Teacher-forced logit validation against transformers (fp32 and bf16) on the "
                          "same prompts, text or with images / videos: per position the largest difference of the "
-                         "top-k log-probabilities and the top-k overlap.", formatter_class=HelpFormatter)
+                         "top-k log-probabilities and the top-k overlap.",
+                         usage="vllm-neuron validate-logits [MODEL] [options]", formatter_class=HelpFormatter)
     from vllm_neuron.entrypoints.cli.validate_logits import add_args as add_validate_args
 
     add_validate_args(val)
@@ -88,15 +95,42 @@ def _parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks")
     bsub = bench.add_subparsers(dest="bench_command", required=True)
     bserve = bsub.add_parser("serve", help="serving benchmark against an OpenAI-compatible server",
-                             formatter_class=HelpFormatter)
+                             usage="vllm-neuron bench serve [options]", formatter_class=HelpFormatter)
     from vllm_neuron.benchmarks.serve import add_cli_args
 
     add_cli_args(bserve)
     return p
 
 
+def _command_parser(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
+    """The (sub)command parser that parsed `args` (`vllm-neuron bench serve`'s for bench serve)."""
+    for dest in ("command", "bench_command"):
+        action = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
+        if action is None or getattr(args, dest, None) is None:
+            break
+        parser = action.choices[getattr(args, dest)]
+    return parser
+
+
+def _unrecognized(parser: argparse.ArgumentParser, extra: list[str]) -> str:
+    """argparse's message, with the nearest flag of this command for each unknown one."""
+    flags = [f for a in parser._actions for f in a.option_strings if f.startswith("--")]
+    hints = []
+    for arg in extra:
+        if arg.startswith("--"):
+            near = difflib.get_close_matches(arg.split("=", 1)[0], flags, n=1, cutoff=0.75)
+            if near:
+                hints.append(f"did you mean {near[0]}?")
+    message = f"unrecognized arguments: {' '.join(extra)}"
+    return f"{message} ({'; '.join(hints)})" if hints else message
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # argparse would report them with the top-level usage: the command's, and a suggestion, instead
+        command = _command_parser(parser, args)
+        command.error(_unrecognized(command, extra))
     try:
         if args.command == "serve":
             from vllm_neuron.entrypoints.cli.serve import run_serve

@@ -2,15 +2,35 @@
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 
 from vllm_neuron.config.arg_utils import engine_config_from_args
+from vllm_neuron.config.engine_config import BUNDLED_MODEL_NAME
+from vllm_neuron.logger import configure_root_logger
+
+
+def _log_to_stderr(verbose: bool) -> None:
+    """A command-line tool's streams: the log on stderr (warnings and errors only unless verbose), stdout for
+    the answers. Through the environment, so that engine processes (tensor-parallel ranks, data-parallel
+    replicas) do the same; a level the user set stays."""
+    os.environ["VLLM_LOGGING_STREAM"] = "ext://sys.stderr"
+    if not os.environ.get("VLLM_NEURON_LOG_LEVEL", "").strip():
+        os.environ["VLLM_NEURON_LOG_LEVEL"] = "INFO" if verbose else "WARNING"
+    configure_root_logger()
 
 
 def run_generate(args: argparse.Namespace) -> int:
     from vllm_neuron.entrypoints.llm import LLM
     from vllm_neuron.sampling_params import SamplingParams
 
-    llm = LLM.from_config(engine_config_from_args(args))
+    _log_to_stderr(args.verbose)
+    config = engine_config_from_args(args)
+    if not args.verbose:  # the first run on a machine builds kernels and compiles graphs: minutes without a word
+        model = config.model or f"the bundled {BUNDLED_MODEL_NAME}"
+        print(f"Loading {model} (-v shows the engine's log; the first run on a machine builds kernels and compiles "
+              "graphs, which takes minutes)", file=sys.stderr, flush=True)
+    llm = LLM.from_config(config)
     defaults = llm.get_default_sampling_params()
     kwargs = {n: getattr(defaults, n) for n in ("max_tokens", "temperature", "top_p", "top_k", "min_p",
                                                 "repetition_penalty")}
@@ -18,11 +38,16 @@ def run_generate(args: argparse.Namespace) -> int:
                    if getattr(args, n) is not None})
     params = SamplingParams(**kwargs)
     if args.raw:
-        outs = llm.generate(list(args.prompts), params)
+        outs = llm.generate(list(args.prompts), params, use_tqdm=args.verbose)
     else:
-        outs = llm.chat([[{"role": "user", "content": p}] for p in args.prompts], params)
-    for prompt, out in zip(args.prompts, outs):
-        print(f"\n>>> {prompt}\n{out.outputs[0].text}")
+        outs = llm.chat([[{"role": "user", "content": p}] for p in args.prompts], params, use_tqdm=args.verbose)
+    if len(outs) == 1:
+        print(outs[0].outputs[0].text)
+        return 0
+    for i, (prompt, out) in enumerate(zip(args.prompts, outs)):  # several: each answer under its prompt
+        if i:
+            print()
+        print(f">>> {prompt}\n{out.outputs[0].text}")
     return 0
 
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import os
+import socket
 import time
 
 from vllm_neuron.config.arg_utils import engine_config_from_args
@@ -16,8 +18,32 @@ logger = init_logger(__name__)
 _ENGINE_WATCH_SECONDS = 0.2
 
 
+def check_port_free(host: str, port: int) -> None:
+    """Raises ValueError, before anything loads, when the API server could not listen on host:port (uvicorn
+    would find out only after the engine's warm-up). Binds as uvicorn does (SO_REUSEADDR, every address the
+    host resolves to) and lets go at once."""
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise ValueError(f"--host {host!r} does not resolve to an address to listen on ({e.strerror})") from None
+    for family, kind, proto, _, address in infos:
+        with socket.socket(family, kind, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                sock.bind(address)
+            except OSError as e:
+                if e.errno == errno.EADDRINUSE:
+                    raise ValueError(f"port {port} is in use: pass --port with a free one (make run: PORT=...), or "
+                                     f"stop the server listening on {host}:{port}") from None
+                raise ValueError(f"cannot listen on {host}:{port} ({e.strerror}): pass another --host or --port") from None
+
+
 def run_serve(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
+    if not getattr(args, "headless", False):  # a headless node serves no HTTP
+        check_port_free(args.host, args.port)
     if getattr(args, "enable_auto_tool_choice", False) and not getattr(args, "tool_call_parser", None):
         raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
     limits = RequestLimits(args.max_n, args.max_request_body_bytes, args.trust_request_chat_template)
@@ -59,9 +85,19 @@ async def _serve(config, args: argparse.Namespace, api_key: str | None, limits: 
         server = create_server(app, args.host, args.port, args.uvicorn_log_level)
         exit_code = 0
 
+        url = f"http://[{args.host}]:{args.port}" if ":" in args.host else f"http://{args.host}:{args.port}"
+
         async def _watch_engine() -> None:
             nonlocal exit_code
             try:
+                # uvicorn's "Application startup complete" comes within a second; the engine's warm-up (kernels,
+                # bucket graphs) takes seconds to minutes more: say so right after uvicorn's lines.
+                while not server.started and not engine.is_ready:
+                    await asyncio.sleep(0.05)
+                if not engine.is_ready:
+                    logger.info("The HTTP server listens on %s, but the engine is still warming up (loading or "
+                                "compiling its bucket graphs): /health answers 503 until the 'Ready' line below",
+                                url)
                 await engine.wait_until_ready()
             except EngineDeadError as e:
                 # Startup failed (bad KV budget, compile-cache miss under DISABLE_WARMUP_COMPILE, ...):
@@ -70,10 +106,11 @@ async def _serve(config, args: argparse.Namespace, api_key: str | None, limits: 
                 exit_code = 1
                 server.should_exit = True
                 return
+            while not server.started:  # an engine whose graphs were all cached can beat uvicorn's start-up
+                await asyncio.sleep(0.05)
             seconds = time.perf_counter() - t0
             metrics.record_startup_time(seconds)
-            logger.info("Server ready in %.1f s: http://%s:%d/v1 (model %s)", seconds, args.host, args.port,
-                        names[0])
+            logger.info("Ready in %.1f s: %s/v1 serves %s (/health answers 200)", seconds, url, names[0])
             while not engine.errored:
                 await asyncio.sleep(_ENGINE_WATCH_SECONDS)
             # vLLM's behaviour: a server without its engine exits, so that a supervisor restarts both.
@@ -84,7 +121,6 @@ async def _serve(config, args: argparse.Namespace, api_key: str | None, limits: 
             server.should_exit = True
 
         ready_task = asyncio.create_task(_watch_engine())
-        logger.info("Serving on http://%s:%d; /health is 503 until warm-up finishes", args.host, args.port)
         await server.serve()
         ready_task.cancel()
         return exit_code

@@ -49,7 +49,7 @@ logger = init_logger(__name__)
 
 
 class ApiKeyMiddleware:
-    """Requires `Authorization: Bearer KEY` on every /v1 route; /health, /metrics, /version,
+    """Requires `Authorization: Bearer KEY` on every /v1 route; /health, /ping, /metrics, /version,
     /tokenize and /detokenize stay open, as in vLLM. Pure ASGI so streaming is untouched."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
@@ -130,6 +130,10 @@ def build_app(engine: EngineClient, *, served_model_names: list[str], api_key: s
         except Exception as e:  # any failure of the health check means not healthy
             return error_response(f"The engine is unhealthy: {e}", 503)
         return Response(status_code=200)
+
+    # vLLM's (SageMaker's) liveness route: /health's answer, to GET and POST (one route each: one operation id each).
+    for method in ("GET", "POST"):
+        app.add_api_route("/ping", health, methods=[method], response_class=Response, responses=spec.HEALTH_RESPONSES)
 
     @app.get("/version", responses=spec.VERSION_RESPONSES)
     async def show_version() -> JSONResponse:
