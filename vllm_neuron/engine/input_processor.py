@@ -153,8 +153,7 @@ class InputProcessor:
 
     def _validate_structured_outputs(self, params: SamplingParams) -> None:
         # Compiled here (cached by its text) so a bad constraint is refused before it reaches the engine.
-        from vllm_neuron.structured_output.compiler import make_tokenizer_info
-        from vllm_neuron.structured_output.params import validate
+        from vllm_neuron.structured_output.compiler import make_tokenizer_info, validate
 
         validate(params.structured_outputs, make_tokenizer_info(self.tokenizer))
 
