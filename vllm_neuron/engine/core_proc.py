@@ -8,6 +8,7 @@ request is unfinished, so an idle engine costs nothing.
 """
 from __future__ import annotations
 
+import multiprocessing
 import os
 import pickle
 import signal
@@ -35,6 +36,16 @@ IDLE_WORK_AFTER_S = 0.25
 
 def _send(sock: zmq.Socket, msg: Any) -> None:
     sock.send(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL), copy=False)
+
+
+def spawn_replica(config: EngineConfig, address: str, placement: ReplicaPlacement,
+                  model_name: str) -> multiprocessing.Process:
+    """Starts one EngineCore process that connects to `address` (the head's ROUTER socket)."""
+    proc = multiprocessing.get_context("spawn").Process(
+        target=run_engine_core, args=(config, address, placement, model_name),
+        name=f"EngineCore_DP{placement.rank}", daemon=True)
+    proc.start()
+    return proc
 
 
 def run_engine_core(config: EngineConfig, address: str, placement: ReplicaPlacement, model_name: str) -> None:

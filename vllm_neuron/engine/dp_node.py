@@ -22,7 +22,8 @@ import zmq
 from vllm_neuron import metrics
 from vllm_neuron.config.engine_config import EngineConfig
 from vllm_neuron.engine.core_client import HEARTBEAT_S, NODE_TIMEOUT_S
-from vllm_neuron.engine.replica import host_placements, spawn_replica
+from vllm_neuron.engine.core_proc import spawn_replica
+from vllm_neuron.engine.replica import host_placements
 from vllm_neuron.logger import init_logger
 
 logger = init_logger(__name__)

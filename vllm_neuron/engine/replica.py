@@ -1,5 +1,5 @@
-"""Where an EngineCore replica runs and how it is started: its data-parallel rank, threads, device, and
-the spawned process (shared by the API server and a `serve --headless` node).
+"""Where an EngineCore replica runs: its data-parallel rank, threads and device (shared by the API server and
+a `serve --headless` node; engine/core_proc.py starts the process).
 
 Replicas on one host share its cores and memory: on CPU each gets cores / replicas threads (2 cores,
 2 replicas -> 1 thread each) and the KV budget is split between them (worker/memory.py's
@@ -7,7 +7,6 @@ local_workers); on CUDA they take the visible GPUs round-robin, splitting the bu
 """
 from __future__ import annotations
 
-import multiprocessing
 from dataclasses import dataclass
 
 from vllm_neuron.config.engine_config import EngineConfig
@@ -60,18 +59,6 @@ def host_placements(config: EngineConfig, ranks: range) -> list[ReplicaPlacement
     on_cuda = resolve_device(config.device).type == "cuda"
     return plan_placements(ranks, on_cuda=on_cuda, cuda_count=torch.cuda.device_count() if on_cuda else 0,
                            cpu_threads=torch.get_num_threads(), tensor_parallel_size=config.tensor_parallel_size)
-
-
-def spawn_replica(config: EngineConfig, address: str, placement: ReplicaPlacement,
-                  model_name: str) -> multiprocessing.Process:
-    """Starts one EngineCore process that connects to `address` (the head's ROUTER socket)."""
-    from vllm_neuron.engine.core_proc import run_engine_core
-
-    proc = multiprocessing.get_context("spawn").Process(
-        target=run_engine_core, args=(config, address, placement, model_name),
-        name=f"EngineCore_DP{placement.rank}", daemon=True)
-    proc.start()
-    return proc
 
 
 def placement_config(config: EngineConfig, placement: ReplicaPlacement) -> None:
