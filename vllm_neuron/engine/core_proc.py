@@ -20,7 +20,7 @@ from typing import Any
 import zmq
 
 from vllm_neuron.config.engine_config import EngineConfig
-from vllm_neuron.engine.replica import ReplicaPlacement, apply_placement, engine_identity, placement_config
+from vllm_neuron.engine.replica import ReplicaPlacement, apply_placement, engine_identity
 from vllm_neuron.logger import init_logger
 
 logger = init_logger(__name__)
@@ -61,8 +61,7 @@ def run_engine_core(config: EngineConfig, address: str, placement: ReplicaPlacem
         from vllm_neuron.engine.core import EngineCore
 
         _send(out, ("hello", {"pid": os.getpid(), "host": socket.gethostname()}))
-        apply_placement(placement)
-        placement_config(config, placement)
+        apply_placement(placement)  # the config came resolved, its KV-budget share included
         metrics.configure(model_name, engine=placement.rank)
         core = EngineCore(config)
         for rec in core.compiler.records:
