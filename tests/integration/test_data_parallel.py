@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from tests.integration.server_utils import rank_children
-from vllm_neuron.config.engine_config import EngineConfig
+from vllm_neuron.config.engine_args import EngineArgs
 from vllm_neuron.engine.async_llm import AsyncLLM
 from vllm_neuron.engine.protocol import EngineDeadError
 from vllm_neuron.sampling_params import RequestOutputKind, SamplingParams
@@ -46,7 +46,7 @@ _LOOP = asyncio.new_event_loop()  # one loop for the module: the engine's output
 
 @pytest.fixture(scope="module")
 def dp_engine(tiny_llama_dir):
-    llm = AsyncLLM(EngineConfig.from_kwargs(model=tiny_llama_dir, data_parallel_size=2, **OPTS))
+    llm = AsyncLLM.from_engine_args(EngineArgs.from_kwargs(model=tiny_llama_dir, data_parallel_size=2, **OPTS))
     yield llm
     llm.shutdown()
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_neuron.config.engine_config import EngineConfig
+from vllm_neuron.config.engine_args import EngineArgs
 from vllm_neuron.engine.llm_engine import LLMEngine
 from vllm_neuron.sampling_params import SamplingParams
 
@@ -23,7 +23,7 @@ def engine(tiny_llama_dir, request) -> LLMEngine:
     async_scheduling, use_v2 = request.param
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("VLLM_USE_V2_MODEL_RUNNER", use_v2)  # eager alone would pick MRv1
-        engine = LLMEngine(EngineConfig.from_kwargs(
+        engine = LLMEngine.from_engine_args(EngineArgs.from_kwargs(
             model=tiny_llama_dir, enforce_eager=True, max_model_len=256, max_num_seqs=4, dtype="float32",
             num_gpu_blocks_override=64, block_size=16, async_scheduling=async_scheduling))
     assert engine.config.use_v2_model_runner == (use_v2 == "1")

@@ -110,3 +110,40 @@ def test_chat_uses_the_template(llm):
     tok = llm.get_tokenizer()
     assert out.prompt_token_ids[0] == tok.convert_tokens_to_ids("<|im_start|>")
     assert out.prompt_token_ids.count(tok.convert_tokens_to_ids("<|im_start|>")) >= 2  # system + user (+ assistant)
+
+
+def test_config_is_resolved_once_and_engine_cores_take_it_resolved(tiny_llama_dir, monkeypatch):
+    """LLM(...) resolves its options once, in its own process; the engine core gets the frozen result and
+    never resolves (nor builds another EngineConfig) itself. max_logprobs=-1 (the whole vocabulary) rides along."""
+    from vllm_neuron.config import engine_config
+    from vllm_neuron.config.engine_args import EngineArgs
+    from vllm_neuron.config.engine_config import EngineConfig
+    from vllm_neuron.engine.core import EngineCore
+    from vllm_neuron.engine.resolve import resolve_engine_config
+
+    opts = dict(model=tiny_llama_dir, enforce_eager=True, max_model_len=256, max_num_seqs=2, dtype="float32",
+                num_gpu_blocks_override=32, block_size=16)
+    calls = []
+    real = engine_config.resolve
+    monkeypatch.setattr(engine_config, "resolve", lambda *a: calls.append(a) or real(*a))
+    llm = LLM(**opts, max_logprobs=-1)
+    assert len(calls) == 1 and llm.llm_engine.core.config is llm.llm_engine.config
+    out = llm.generate("Hi", SamplingParams(max_tokens=2, logprobs=30, ignore_eos=True), use_tqdm=False)[0]
+    assert len(out.outputs[0].logprobs[0]) >= 30  # above the default cap of 20
+
+    config, ckpt = resolve_engine_config(EngineArgs.from_kwargs(**opts))
+
+    def no_more(*args, **kwargs):
+        raise AssertionError("an engine core resolved the configuration again")
+
+    monkeypatch.setattr(engine_config, "resolve", no_more)
+    monkeypatch.setattr(EngineConfig, "__init__", no_more)
+    core = EngineCore(config, ckpt)
+    assert core.config is config and (core.device, core.dtype) == (config.torch_device, config.torch_dtype)
+    with pytest.raises(TypeError, match="EngineCore takes a resolved EngineConfig"):
+        EngineCore(EngineArgs.from_kwargs(**opts))
+
+
+def test_expert_parallel_on_a_dense_model_is_refused_before_the_engine_starts(tiny_llama_dir):
+    with pytest.raises(ValueError, match="enable_expert_parallel=True cannot apply to this model: it has no experts"):
+        LLM(tiny_llama_dir, enable_expert_parallel=True, enforce_eager=True, max_model_len=256)

@@ -52,11 +52,11 @@ def test_decode_cpp_wrapper_needs_compiled_graphs(tmp_path):
 
 
 def test_decode_cpp_wrapper_is_refused_off_the_cpu(tmp_path, monkeypatch):
-    from vllm_neuron.config.engine_config import EngineConfig
+    from vllm_neuron.config.engine_args import EngineArgs
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.delenv("VLLM_NEURON_CPU_MODE", raising=False)
     with pytest.raises(ValueError, match="decode_cpp_wrapper.*CPU only"):
-        EngineConfig.from_kwargs(model=make_tiny_llama(str(tmp_path / "model"), **CFG), device="cuda",
+        EngineArgs.from_kwargs(model=make_tiny_llama(str(tmp_path / "model"), **CFG), device="cuda",
                                  additional_config={"neuron_config": {"decode_cpp_wrapper": True}})
 

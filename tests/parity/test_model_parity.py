@@ -19,7 +19,7 @@ from tests.model_factory import (build_tiny_gpt_oss_mxfp4, build_tiny_llama, bui
                                  shared_prefix_prompts)
 from tests.parity.parity_utils import LLAMA_ENGINE, assert_tokens, fp32_llm, greedy_outputs
 from vllm_neuron import LLM, SamplingParams
-from vllm_neuron.config.runner_selection import V2_LOG_LINE
+from vllm_neuron.config.compatibility import V2_LOG_LINE
 from vllm_neuron.worker.model_runner_v2 import ModelRunnerV2
 
 ARCHS = ["qwen3", "qwen3_moe", "gpt_oss"]

@@ -19,7 +19,7 @@ import torch
 from tests.model_factory import build_tiny_llama, hf_greedy_reference, shared_prefix_prompts
 from tests.parity.parity_utils import LLAMA_ENGINE, fp32_llm, generate_ids
 from vllm_neuron import LLM, SamplingParams
-from vllm_neuron.config.runner_selection import V2_LOG_LINE
+from vllm_neuron.config.compatibility import V2_LOG_LINE
 from vllm_neuron.step import PLACEHOLDER_TOKEN_ID
 from vllm_neuron.model.layers.in_graph_sampler import counter_uniform, fold_seed
 from vllm_neuron.worker.batch_state import BatchState, SlotParams

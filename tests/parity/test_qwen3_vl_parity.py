@@ -185,26 +185,34 @@ def test_chat_with_image_content_parts(eager, tokenizer):
         eager.chat([{"role": "user", "content": [{"type": "audio_url", "audio_url": {"url": url}}]}], params)
 
 
-def test_video_matches_transformers(eager, tokenizer):
-    """Four frames without metadata (24 fps, as transformers assumes): two frame pairs, each written as
-    <t seconds><|vision_start|><|video_pad|> x 4<|vision_end|> with transformers' pair timestamps."""
-    import numpy as np
+def _check_video_against_transformers(eager, tokenizer, video, source_indices: list[int], fps: float):
+    """Our tokens for one video prompt equal transformers' greedy ones on the same pixels, and the prompt
+    holds <t seconds><|vision_start|><|video_pad|> x 4<|vision_end|> per frame pair, at transformers' pair
+    timestamps of those source frames; returns the timestamps."""
     import torch
     from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
 
-    frames = np.stack([np.asarray(random_image(56, 56, 10 + i)) for i in range(4)])
     text = "Watch: <|vision_start|><|video_pad|><|vision_end|> what happens?"
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
-    out = eager.generate({"prompt": text, "multi_modal_data": {"video": frames}}, params, use_tqdm=False)
-    ids, items = eager.llm_engine.input_processor.mm_processor.process(tokenizer.encode(text), {"video": frames})
-    stamps = Qwen3VLProcessor._calculate_timestamps(None, [0, 1, 2, 3], 24, 2)
+    out = eager.generate({"prompt": text, "multi_modal_data": {"video": video}}, params, use_tqdm=False)
+    ids, items = eager.llm_engine.input_processor.mm_processor.process(tokenizer.encode(text), {"video": video})
+    stamps = Qwen3VLProcessor._calculate_timestamps(None, source_indices, fps, 2)
     layout = "".join(f"<{t:.1f} seconds><|vision_start|>" + "<|video_pad|>" * 4 + "<|vision_end|>" for t in stamps)
     assert layout in tokenizer.decode(ids)
-    assert items[0].grid_thw == (2, 4, 4) and len(items[0].runs) == 2
+    assert len(items) == 1 and items[0].grid_thw == (2, 4, 4) and len(items[0].runs) == 2
     types = [2 if t == tokenizer.convert_tokens_to_ids("<|video_pad|>") else 0 for t in ids]
     ref = hf_generate(ids, types, MAX_NEW, pixel_values_videos=torch.from_numpy(items[0].pixel_values),
                       video_grid_thw=torch.tensor([items[0].grid_thw]))
     assert out[0].outputs[0].token_ids == ref
+    return stamps
+
+
+def test_video_matches_transformers(eager, tokenizer):
+    """Four frames without metadata (24 fps, as transformers assumes): two frame pairs."""
+    import numpy as np
+
+    frames = np.stack([np.asarray(random_image(56, 56, 10 + i)) for i in range(4)])
+    _check_video_against_transformers(eager, tokenizer, frames, [0, 1, 2, 3], 24)
 
 
 def test_video_file_is_decoded_and_sampled_at_fps(eager, tokenizer):
@@ -231,3 +239,34 @@ def test_language_model_only_serves_text_and_refuses_media(model_dir, eager, tok
         eager.generate(text, params, use_tqdm=False)[0].outputs[0].token_ids
     with pytest.raises(ValueError, match="mm_language_model_only"):
         llm.generate({"prompt": CASES[0][0], "multi_modal_data": {"image": _images(CASES[0][1])}}, params)
+
+
+def test_video_frames_and_metadata_tuple_matches_transformers(eager, tokenizer):
+    """Seed 000's offline form {"video": (frames, metadata)}: one video whose frame pairs are timed by the
+    metadata (frames 0, 5, 10, 15 of a 10 fps source), as transformers' Qwen3-VL processor times them."""
+    import numpy as np
+
+    frames = np.stack([np.asarray(random_image(56, 56, 30 + i)) for i in range(4)])
+    video = (frames, {"fps": 10.0, "frames_indices": [0, 5, 10, 15], "total_num_frames": 20})
+    assert _check_video_against_transformers(eager, tokenizer, video, [0, 5, 10, 15], 10.0) == [0.25, 1.25]
+
+
+def test_seed_offline_example_configuration(model_dir):
+    """Seed 000's Qwen3-VL offline example: neuron_config.quantization "bf16" means unquantized bfloat16
+    weights and runs; its tensor_parallel_size=16 is refused with the reason (the vision tower is not sharded)."""
+    import torch
+
+    bf16 = {**BUCKETS, "neuron_config": {**BUCKETS["neuron_config"], "quantization": "bf16"}}
+    with pytest.raises(ValueError, match="tensor_parallel_size=16 is not supported yet by vllm-neuron for "
+                                         "multimodal models \\(the vision tower is not sharded\\)"):
+        LLM(model_dir, tensor_parallel_size=16, device="cpu", max_model_len=256, additional_config=bf16)
+    with pytest.raises(ValueError, match="quantization='bf16' asks for unquantized bfloat16 weights, but "
+                                         "dtype='float32'"):
+        _engine(model_dir, enforce_eager=True, additional_config=bf16)
+    llm = _engine(model_dir, enforce_eager=True, dtype="auto", additional_config=bf16)
+    config = llm.llm_engine.config
+    assert (config.dtype, config.neuron_config.quantization) == ("bfloat16", None)
+    assert llm.llm_engine.core.runner.model.model.language_model.embed_tokens.weight.dtype == torch.bfloat16
+    out = llm.generate({"prompt": CASES[0][0], "multi_modal_data": {"image": _images(CASES[0][1])}},
+                       SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == MAX_NEW

@@ -99,3 +99,34 @@ def test_unknown_flag_without_a_near_one_has_no_suggestion(capsys):
         main(["serve", "--zzzz"])
     err = capsys.readouterr().err
     assert "unrecognized arguments: --zzzz" in err and "did you mean" not in err
+
+
+def _help(dest: str) -> str:
+    serve = dict(ALL)["vllm-neuron serve"]
+    action = next(a for a in serve._actions if a.dest == dest)
+    return " ".join(_flag_help(serve, action).split())
+
+
+def test_help_lists_what_the_engine_accepts():
+    """Help texts name every value the engine accepts (and no stale "only ..."), for the options whose
+    values are lists in the code."""
+    from vllm_neuron.config.engine_args import KV_CACHE_DTYPES, EngineArgs
+    from vllm_neuron.config.neuron_config import QUANTIZATIONS
+    from vllm_neuron.config.speculative import SPECULATIVE_METHODS
+
+    kv = _help("kv_cache_dtype")
+    assert "only" not in kv and all(v in kv for v in KV_CACHE_DTYPES)
+    for v in KV_CACHE_DTYPES:
+        EngineArgs.from_kwargs(kv_cache_dtype=v)
+    spec = _help("speculative_config")
+    assert "only ngram" not in spec and all(m in spec for m in SPECULATIVE_METHODS)
+    quant = _help("quantization")
+    assert all(q in quant for q in QUANTIZATIONS)
+    # Refusals the help announces are what the engine does.
+    assert "refused for a dense model" in _help("enable_expert_parallel")
+    assert "-1: the whole vocabulary" in _help("max_logprobs")
+    EngineArgs.from_kwargs(max_logprobs=-1)
+    assert "not with a multimodal model or speculative decoding" in _help("tensor_parallel_size")
+    with pytest.raises(ValueError, match="tensor_parallel_size=2"):
+        EngineArgs.from_kwargs(device="cpu", tensor_parallel_size=2,
+                               speculative_config={"method": "ngram", "num_speculative_tokens": 2})

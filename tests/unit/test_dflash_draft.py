@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tests.model_factory import SMOLLM2_VOCAB_SIZE, make_tiny_dflash
-from vllm_neuron.config.engine_config import EngineConfig
+from vllm_neuron.config.engine_args import EngineArgs
 from vllm_neuron.model.dflash import load_dflash_draft, read_dflash_config
 
 V = SMOLLM2_VOCAB_SIZE
@@ -31,7 +31,7 @@ def test_both_layouts_read_the_same_draft(tmp_path, speculators):
     model, nbytes = _load(path)
     assert model.lm_head is None and model.embed_tokens is None and nbytes > 0  # the target's are borrowed
     assert model.kv_cache_specs() == [(2, 16), (2, 16)]
-    EngineConfig.from_kwargs(speculative_config={"method": "dflash", "model": path, "num_speculative_tokens": 4})
+    EngineArgs.from_kwargs(speculative_config={"method": "dflash", "model": path, "num_speculative_tokens": 4})
 
 
 def _edit(path, cfg=None, dflash=None, drop=None, add=None):

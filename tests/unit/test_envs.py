@@ -155,21 +155,21 @@ def test_compile_cache_dir(monkeypatch, tmp_path):
     ("VLLM_NEURON_ATTN_MASK_TORCH", "true"),
 ])
 def test_variables_without_a_feature_here_are_refused_at_startup(monkeypatch, name, value):
-    from vllm_neuron.config.engine_config import EngineConfig
+    from vllm_neuron.config.engine_args import EngineArgs
 
-    EngineConfig.from_kwargs()
+    EngineArgs.from_kwargs()
     monkeypatch.setenv(name, value)
     with pytest.raises(ValueError, match=f"not supported yet.*{name}"):
-        EngineConfig.from_kwargs()
+        EngineArgs.from_kwargs()
 
 
 def test_unset_or_default_values_are_accepted(monkeypatch):
-    from vllm_neuron.config.engine_config import EngineConfig
+    from vllm_neuron.config.engine_args import EngineArgs
 
     for name, value in [("VLLM_NEURON_CPU_COMPILE", "0"), ("VLLM_NEURON_ATTN_MASK_TORCH", "0"),
                         ("NEURON_LIBTORCH_PARALLEL_COMPILE_WORKERS", "4")]:
         monkeypatch.setenv(name, value)
-    EngineConfig.from_kwargs()
+    EngineArgs.from_kwargs()
 
 
 def test_cpu_mode_forces_the_cpu(monkeypatch):
@@ -270,10 +270,10 @@ def test_warning_once_memory_is_bounded(monkeypatch):
 
 
 def test_parallel_compile_workers_refused_with_tensor_parallelism(monkeypatch):
-    from vllm_neuron.config.engine_config import EngineConfig
+    from vllm_neuron.config.engine_args import EngineArgs
 
-    EngineConfig.from_kwargs(tensor_parallel_size=2)
+    EngineArgs.from_kwargs(tensor_parallel_size=2)
     monkeypatch.setenv("NEURON_LIBTORCH_PARALLEL_COMPILE_WORKERS", "2")
     with pytest.raises(ValueError, match="NEURON_LIBTORCH_PARALLEL_COMPILE_WORKERS=2 is not supported yet.*"
                                          "tensor_parallel_size=2"):
-        EngineConfig.from_kwargs(tensor_parallel_size=2)
+        EngineArgs.from_kwargs(tensor_parallel_size=2)

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from vllm_neuron.config.engine_config import EngineConfig
+from vllm_neuron.config.engine_args import EngineArgs
 from vllm_neuron.config.generation_config import (effective_generation_config, parse_override,
                                                   sampling_defaults)
 from vllm_neuron.model.loader.checkpoint import BUNDLED_GENERATION_CONFIG
@@ -37,7 +37,7 @@ def test_folder_and_override(tmp_path):
 ])
 def test_refusals_name_the_option(kwargs, match):
     with pytest.raises(ValueError, match=match):
-        EngineConfig.from_kwargs(**kwargs)
+        EngineArgs.from_kwargs(**kwargs)
 
 
 def test_bundled_config_is_the_model_cards_sampling():

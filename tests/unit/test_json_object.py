@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_neuron.config.engine_config import EngineConfig
+from vllm_neuron.config.engine_args import EngineArgs
 from vllm_neuron.config.generation_config import parse_override
 from vllm_neuron.config.json_object import parse_json_object
 from vllm_neuron.config.neuron_config import parse_additional_config
@@ -36,7 +36,7 @@ def test_refusals_use_the_callers_message(value, message):
     (parse_override, r"^override_generation_config must be a JSON object, got list$"),
     (parse_speculative_config, r"^speculative_config must be a JSON object, got list$"),
     (parse_additional_config, r"^--additional-config must be a JSON object, got \[1\]$"),
-    (lambda v: EngineConfig(mm_processor_kwargs=v).validate_static(), r"^mm_processor_kwargs must be a JSON object, got \[1\]$"),
+    (lambda v: EngineArgs.from_kwargs(mm_processor_kwargs=v), r"^mm_processor_kwargs must be a JSON object, got \[1\]$"),
 ])
 def test_each_option_names_itself(parse, message):
     with pytest.raises(ValueError, match=message):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tests.unit.test_kernels import _reference
-from vllm_neuron.config.engine_config import EngineConfig
+from vllm_neuron.config.engine_args import EngineArgs
 from vllm_neuron.model.layers.kernels import build, ops
 from vllm_neuron.model.layers.kernels import cpu_caps as caps
 from vllm_neuron.model.layers import kv_quant
@@ -35,7 +35,7 @@ def test_kv_dtype_names():
     assert kv_quant.kv_cache_torch_dtype("fp8_e4m3", torch.float32) == torch.float8_e4m3fn
     assert kv_quant.kv_cache_torch_dtype("fp8_e5m2", torch.float32) == torch.float8_e5m2
     for name in ("fp8", "fp8_e4m3", "fp8_e5m2"):
-        assert EngineConfig.from_kwargs(kv_cache_dtype=name).kv_cache_dtype == name
+        assert EngineArgs.from_kwargs(kv_cache_dtype=name).kv_cache_dtype == name
 
 
 def _caches(g, slots, kv, d, dtype, k_scale, v_scale):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.vlm_factory import (IMAGE_PAD, MERGE, data_url, png_bytes, random_image, solid_image,
+from tests.vlm_factory import (IMAGE_PAD, MERGE, VIDEO_PAD, data_url, png_bytes, random_image, solid_image,
                                 tiny_qwen3_vl_config)
 from vllm_neuron.multimodal.media import load_image
 from vllm_neuron.multimodal.processor import MultiModalProcessor
@@ -89,3 +89,56 @@ def test_an_image_larger_than_an_encoder_block_is_refused(processor):
     small = MultiModalProcessor(tiny_qwen3_vl_config(), processor.model_path, max_frame_patches=32)
     with pytest.raises(ValueError, match="an image of 64 patches \\(8x8\\) does not fit encoder_attention_block_size=32"):
         small.process([IMAGE_PAD], {"image": random_image(112, 112, 0)})
+
+
+class _CharTokenizer:
+    """Just enough tokenizer for the timestamps written before each video frame pair: one id per character."""
+
+    def encode(self, text, add_special_tokens=False):
+        return [1000 + ord(c) for c in text]
+
+
+def _video_processor(processor) -> MultiModalProcessor:
+    return MultiModalProcessor(tiny_qwen3_vl_config(), processor.model_path, tokenizer=_CharTokenizer())
+
+
+def _stamps(ids) -> list[str]:
+    text = "".join(chr(t - 1000) if t >= 1000 and t < VIDEO_PAD - 8 else "|" for t in ids)
+    return [part for part in text.split("|") if part]
+
+
+def test_video_frames_and_metadata_tuple_is_one_video(processor):
+    """Seed 000's offline example passes {"video": (frames, metadata)} (vLLM's VideoAsset form): one video,
+    its frames taken as sampled, each pair timed by its frames' places in the source (frames_indices / fps)."""
+    import numpy as np
+
+    frames = np.stack([np.asarray(random_image(56, 56, 20 + i)) for i in range(4)])
+    meta = {"fps": 10.0, "frames_indices": [0, 10, 20, 30], "total_num_frames": 40, "duration": 4.0,
+            "video_backend": "opencv"}
+    proc = _video_processor(processor)
+    ids, items = proc.process([5, VIDEO_PAD, 6], {"video": (frames, meta)})
+    assert len(items) == 1 and items[0].grid_thw == (2, 4, 4) and len(items[0].runs) == 2
+    assert _stamps(ids) == ["<0.5 seconds>", "<2.5 seconds>"]  # (0 + 1.0) / 2, (2.0 + 3.0) / 2
+    # The same frames as a plain array: the pixels are the same video, timed at transformers' 24 fps default.
+    plain_ids, plain = proc.process([5, VIDEO_PAD, 6], {"video": frames})
+    assert plain[0].mm_hash == items[0].mm_hash and _stamps(plain_ids) == ["<0.0 seconds>", "<0.1 seconds>"]
+    # Several videos: a list of tuples; without frames_indices the frames are 0, 1, 2, ... of the source.
+    _, two = proc.process([VIDEO_PAD, VIDEO_PAD], {"video": [(frames, {"fps": 2}), (frames[:2], {"fps": 2})]})
+    assert [i.grid_thw for i in two] == [(2, 4, 4), (1, 4, 4)]
+    # do_sample_frames: the frames (20) are the whole source, sampled at the requested fps (2): 0, 5, 10, 15.
+    sampled_ids, sampled = proc.process([VIDEO_PAD], {"video": (np.concatenate([frames] * 5), {
+        "fps": 10.0, "do_sample_frames": True})})
+    assert sampled[0].grid_thw == (2, 4, 4) and _stamps(sampled_ids) == ["<0.2 seconds>", "<1.2 seconds>"]
+
+
+@pytest.mark.parametrize("meta, match", [
+    ({"fps": 0}, "video metadata fps must be a positive number"),
+    ({"fps": 10, "frames_indices": [0, 1]}, r"frames_indices must give one non-negative index per frame \(4 frames\)"),
+    ({"fps": 10, "do_sample_frames": "yes"}, "do_sample_frames must be true or false"),
+])
+def test_bad_video_metadata_is_refused(processor, meta, match):
+    import numpy as np
+
+    frames = np.stack([np.asarray(random_image(56, 56, i)) for i in range(4)])
+    with pytest.raises(ValueError, match=match):
+        _video_processor(processor).process([VIDEO_PAD], {"video": (frames, meta)})

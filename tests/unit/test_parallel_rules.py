@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from tests.model_factory import build_tiny_model, tiny_config
-from vllm_neuron.config.arg_utils import engine_config_from_args
-from vllm_neuron.config.engine_config import EngineConfig
+from vllm_neuron.config.arg_utils import engine_args_from_cli
+from vllm_neuron.config.engine_args import EngineArgs
 from vllm_neuron.distributed import parallel_state as ps
 from vllm_neuron.model.layers.parallel import shard_tensor
 
@@ -183,8 +183,8 @@ def test_gpt_oss_mxfp4_experts_split_in_whole_blocks(rank_info):
         _rank_models(GptOssForCausalLM, hf, rank_info, 2, 1, quantization="mxfp4")
 
 
-def _cfg(**kw) -> EngineConfig:
-    return EngineConfig.from_kwargs(device="cpu", **kw)
+def _cfg(**kw) -> EngineArgs:
+    return EngineArgs.from_kwargs(device="cpu", **kw)
 
 
 def test_seeds_expert_parallel_rules():
@@ -216,13 +216,13 @@ def test_tensor_parallel_and_multi_node_flags():
     add_engine_args(parser)
     args = parser.parse_args(["-tp", "4", "--nnodes", "2", "--node-rank", "1", "--master-addr", "10.0.0.1",
                               "--master-port", "30000", "--device", "cpu"])
-    cfg = engine_config_from_args(args)
+    cfg = engine_args_from_cli(args)
     assert (cfg.tensor_parallel_size, cfg.nnodes, cfg.node_rank, cfg.master_addr, cfg.master_port) == \
         (4, 2, 1, "10.0.0.1", 30000)
     assert cfg.local_tp_ranks == 2
     with pytest.raises(ValueError, match="nnodes must be a positive integer that divides tensor_parallel_size=3"):
         _cfg(tensor_parallel_size=3, nnodes=2)
-    with pytest.raises(ValueError, match=r"node_rank must be an integer in \[0, nnodes=2\)"):
+    with pytest.raises(ValueError, match=r"node_rank must be an integer in \[0, 1\] \(nnodes=2\), got 2"):
         _cfg(tensor_parallel_size=2, nnodes=2, node_rank=2)
     with pytest.raises(ValueError, match="master_port must be a TCP port"):
         _cfg(tensor_parallel_size=2, nnodes=2, master_port=70000)
@@ -233,12 +233,12 @@ def test_tensor_parallel_and_multi_node_flags():
 
 
 def test_tensor_parallel_refused_where_not_built(monkeypatch):
-    from vllm_neuron.config import engine_config
+    from vllm_neuron.config import engine_args
 
-    monkeypatch.setattr(engine_config, "resolve_device", lambda d: torch.device("cuda"))
+    monkeypatch.setattr(engine_args, "resolve_device", lambda d: torch.device("cuda"))
     with pytest.raises(ValueError, match="tensor_parallel_size=2 is not supported yet.*CPU.*one GPU per rank"):
-        EngineConfig.from_kwargs(device="cuda", tensor_parallel_size=2)
+        EngineArgs.from_kwargs(device="cuda", tensor_parallel_size=2)
     monkeypatch.undo()
     with pytest.raises(ValueError, match="speculative_config='ngram' is not supported yet.*tensor_parallel_size=2"):
-        EngineConfig.from_kwargs(device="cpu", tensor_parallel_size=2,
-                                 speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+        EngineArgs.from_kwargs(device="cpu", tensor_parallel_size=2,
+                               speculative_config={"method": "ngram", "num_speculative_tokens": 2})

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from vllm_neuron.config.engine_config import EngineConfig
+from vllm_neuron.config.engine_args import EngineArgs
 from vllm_neuron.model.layers.kernels import build, ops
 from vllm_neuron.model.layers.kernels import cpu_caps as caps
 from vllm_neuron.model.layers import quant_int4 as Q4
@@ -208,9 +208,9 @@ def test_refused_off_cpu_for_other_dtypes_shapes_and_schemes():
         Q4.quantize(torch.randn(16, 96))
     with pytest.raises(ValueError, match="in_features divisible by 16"):
         Q8.quantize(torch.randn(16, 40))
-    with pytest.raises(ValueError, match="quantization='mxfp8'.*not supported yet.*'int8' / 'int4'"):
-        EngineConfig(device="cpu", additional_config={"neuron_config": {"quantization": "mxfp8"}}).validate_static()
+    with pytest.raises(ValueError, match="quantization='mxfp8' is not supported yet.*valid values: bf16 .*int8 .*int4"):
+        EngineArgs.from_kwargs(device="cpu", additional_config={"neuron_config": {"quantization": "mxfp8"}})
     with pytest.raises(ValueError, match="quantization='mxfp4'.*not supported yet.*int8, int4"):
         check_weight_quantization("mxfp4", torch.float32, CPU)
     for scheme in ("int8", "int4"):
-        EngineConfig(device="cpu", additional_config={"neuron_config": {"quantization": scheme}}).validate_static()
+        EngineArgs.from_kwargs(device="cpu", additional_config={"neuron_config": {"quantization": scheme}})

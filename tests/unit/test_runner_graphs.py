@@ -1,7 +1,8 @@
 """The graph list warm-up compiles: names, kinds and the shapes each graph is warmed with."""
 from __future__ import annotations
 
-from vllm_neuron.config.engine_config import EngineConfig
+from vllm_neuron.config.engine_args import EngineArgs
+from vllm_neuron.config.engine_config import ModelFacts, resolve
 from vllm_neuron.model.layers.kernel_config import KernelConfig
 from vllm_neuron.worker.model_runner_v1 import ModelRunnerV1
 from vllm_neuron.worker.runner_base import ModelRunnerBase
@@ -9,8 +10,7 @@ from vllm_neuron.worker.spec_decode import make_speculator
 
 
 def _runner(use_kernels: bool = False, cls: type = ModelRunnerBase, **kw) -> ModelRunnerBase:
-    cfg = EngineConfig.from_kwargs(**kw)
-    cfg.finalize(model_max_len=2048)
+    cfg = resolve(EngineArgs.from_kwargs(**kw), ModelFacts(2048))
     r = cls.__new__(cls)  # graph planning needs no model
     r.config = cfg
     r.kernels = KernelConfig(attention=use_kernels)  # the torch path: cached context needs prefill context graphs

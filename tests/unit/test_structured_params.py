@@ -15,8 +15,8 @@ from vllm_neuron.entrypoints.openai.errors import BadRequestError
 from vllm_neuron.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from vllm_neuron.entrypoints.openai.structured import structured_outputs_from_request
 from vllm_neuron.sampling_params import SamplingParams
-from vllm_neuron.structured_output import StructuredOutputsParams, validate
-from vllm_neuron.structured_output.compiler import make_tokenizer_info
+from vllm_neuron.structured_output import StructuredOutputsParams
+from vllm_neuron.structured_output.compiler import make_tokenizer_info, validate
 from vllm_neuron.structured_output.manager import StructuredOutputManager
 
 EOS = 2

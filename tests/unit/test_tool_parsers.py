@@ -185,7 +185,7 @@ def test_tool_choice_errors(tools, choice, parser, param, needle):
 
 
 def test_tool_choice_modes(tokenizer_info):
-    from vllm_neuron.structured_output import validate
+    from vllm_neuron.structured_output.compiler import validate
 
     assert resolve_tool_choice(None, None, True, None).mode == "none"
     assert resolve_tool_choice(TOOLS, "none", True, None).mode == "none"

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from vllm_neuron.benchmarks.datasets import SampleRequest, sample_random_requests
+from vllm_neuron.benchmarks.prompts import SampleRequest, sample_random_requests
 
 DEFAULT_BUCKETS = "{(256, 256, 1): 0.5, (720, 1280, 1): 0.5}"
 DEFAULT_LIMITS = '{"image": 255, "video": 0}'

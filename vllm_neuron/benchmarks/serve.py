@@ -26,9 +26,10 @@ import httpx
 import numpy as np
 from tqdm import tqdm
 
-from vllm_neuron.benchmarks.datasets import SampleRequest, add_dataset_args, get_samples
+from vllm_neuron.benchmarks.datasets import add_dataset_args, get_samples
 from vllm_neuron.benchmarks.endpoint_request import (BACKENDS, RequestInput, RequestOutput,
                                                      fetch_first_model, send_request)
+from vllm_neuron.benchmarks.prompts import SampleRequest
 from vllm_neuron.benchmarks.result_table import (PERCENTILE_METRICS, compute_metrics,
                                                  failure_report, format_result_table,
                                                  result_dict)

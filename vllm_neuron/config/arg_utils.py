@@ -1,7 +1,8 @@
-"""vLLM's command-line flags <-> EngineConfig fields, grouped by topic like vLLM's `--help`.
+"""vLLM's command-line flags <-> EngineArgs fields, grouped by topic like vLLM's `--help`.
 
 Flags for features that exist in vLLM but not here yet are still parsed, so that using one gives a
-clear "not supported yet" error from EngineConfig instead of argparse's "unrecognized argument".
+clear "not supported yet" error from EngineArgs instead of argparse's "unrecognized argument".
+Help texts say what the engine accepts (tests/unit/test_cli_help.py checks the ones that list values).
 
 Every flag has help text and shows its default exactly once: `HelpFormatter` appends "(default: X)"
 unless the help already says "default" (write that when X alone would not tell, e.g. None). Add a
@@ -11,12 +12,13 @@ every parser and fails on a flag without help.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 
 from vllm_neuron.config.device import DEVICE_CHOICES, DTYPE_CHOICES
-from vllm_neuron.config.engine_config import BUNDLED_MODEL_NAME, EngineConfig
+from vllm_neuron.config.engine_args import BLOCK_SIZES, BUNDLED_MODEL_NAME, KV_CACHE_DTYPES, EngineArgs, option_names
 from vllm_neuron.config.generation_config import GENERATION_CONFIG_HELP
+from vllm_neuron.config.neuron_config import QUANTIZATIONS
+from vllm_neuron.config.speculative import SPECULATIVE_METHODS
 
 # Topic groups in the order --help shows them (vLLM's config classes, by topic).
 GROUPS = {
@@ -65,7 +67,7 @@ def _json_arg(value: str):
 def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool = True) -> None:
     """The engine's flags. model_positional: MODEL is the first positional (serve, compile); without
     it (generate, whose positionals are the prompts) the model is `--model` only."""
-    d = EngineConfig()
+    d = EngineArgs()
     g = arg_group(parser, "model")
     bundled = f"the bundled {BUNDLED_MODEL_NAME}"
     if model_positional:
@@ -82,33 +84,37 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool =
                    help="context length in tokens, prompt plus output (default: the model's)")
     g.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
                    help="weight and activation dtype; auto: bfloat16 on CUDA and on CPUs with AVX512-BF16 or AMX, "
-                   "else float32 (the start-up log says which and why)")
-    g.add_argument("--device", default="auto", choices=DEVICE_CHOICES, help="auto picks CUDA when present, else CPU")
+                   "else float32, and bfloat16 with neuron_config.quantization 'bf16' (the start-up log says which "
+                   "and why)")
+    g.add_argument("--device", default="auto", choices=DEVICE_CHOICES,
+                   help="auto picks CUDA when present (unless VLLM_NEURON_CPU_MODE=1), else CPU")
     g.add_argument("--seed", type=int, default=d.seed, help="seed of the sampler's random numbers")
     g.add_argument("--max-logprobs", type=int, default=d.max_logprobs,
-                   help="largest logprobs / top_logprobs a request may ask for (-1: the whole vocabulary)")
+                   help="largest logprobs / top_logprobs a request may ask for (0 or more; -1: the whole vocabulary)")
     g.add_argument("--generation-config", default=d.generation_config,
                    help=f"default sampling parameters: {GENERATION_CONFIG_HELP}")
     g.add_argument("--override-generation-config", type=_json_arg, default=None,
                    help="JSON applied over the generation config, e.g. '{\"temperature\": 0.5, \"max_new_tokens\": "
                    "128}' (default: none)")
     g.add_argument("--quantization", "-q", default=None,
-                   help="refused: vLLM's flag; quantize with --additional-config '{\"neuron_config\": "
-                   "{\"quantization\": \"int4\"}}' or a quantized checkpoint (default: unset)")
+                   help="refused: vLLM's flag; use neuron_config.quantization in --additional-config ("
+                   f"{', '.join(QUANTIZATIONS)}), or an FP8 checkpoint (default: unset)")
     g.add_argument("--trust-remote-code", action="store_true",
                    help="accepted for vLLM compatibility; no remote code is ever run")
     g.add_argument("--enable-prompt-embeds", action="store_true", help="refused: not supported yet")
 
     g = arg_group(parser, "cache")
-    g.add_argument("--block-size", type=int, default=d.block_size, help="KV cache block size in tokens")
+    g.add_argument("--block-size", type=int, default=d.block_size, choices=BLOCK_SIZES,
+                   help="KV cache block size in tokens")
     g.add_argument("--num-gpu-blocks-override", type=int, default=None,
                    help="number of KV cache blocks (default: as many as the memory budget allows)")
     g.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
                    help="fraction of device memory (host RAM on CPU) for the KV budget")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV blocks of identical prompt prefixes")
-    g.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype,
-                   help="KV cache dtype; only 'auto' (the model dtype) for now")
+    g.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=KV_CACHE_DTYPES,
+                   help="KV cache dtype: auto (the model dtype), or an FP8 KV cache with per-tensor scales: fp8 "
+                   "(= fp8_e4m3), fp8_e4m3, fp8_e5m2")
 
     g = arg_group(parser, "scheduler")
     g.add_argument("--max-num-seqs", type=int, default=None,
@@ -118,15 +124,16 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool =
                    "num_batched_tokens_bucket, else min(512, max-model-len))")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule step N+1 while step N runs (default: on, except on a CPU whose cores torch's "
-                   "threads all use)")
+                   "threads all use, with speculative decoding, and with CPU sampling)")
     g.add_argument("--speculative-config", type=_json_arg, default=None,
                    help='speculative decoding, vLLM\'s JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'; '
-                   "only ngram for now (default: off)")
+                   f"methods: {', '.join(SPECULATIVE_METHODS)} (eagle3 and dflash name their draft checkpoint in "
+                   "\"model\"); tensor-parallel-size 1 only (default: off)")
 
     g = arg_group(parser, "parallel")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
-                   help="tensor parallel ranks (processes, CPU only for now); each node's cores are split between its "
-                   "ranks")
+                   help="tensor parallel ranks (processes, CPU only for now; not with a multimodal model or "
+                   "speculative decoding); each node's cores are split between its ranks")
     g.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                    help="engine replicas behind one API server; each request goes to the least loaded one, or "
                    "to the one that cached its prompt's prefix")
@@ -145,14 +152,16 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool =
     g.add_argument("--data-parallel-hybrid-lb", action="store_true",
                    help="refused: per-node API servers are not supported yet; replicas join the head's router")
     g.add_argument("--enable-expert-parallel", action="store_true",
-                   help="shard MoE experts over the ranks (neuron_config.ep_degree, default: tensor-parallel-size)")
+                   help="shard a mixture-of-experts model's experts over the tensor parallel ranks "
+                   "(neuron_config.ep_degree, default: tensor-parallel-size); refused for a dense model and with "
+                   "--data-parallel-size > 1")
     g.add_argument("--nnodes", type=int, default=1,
                    help="nodes the tensor parallel ranks span (tensor-parallel-size / nnodes ranks each)")
     g.add_argument("--node-rank", type=int, default=0, help="this node's index (0: the head, with the API server)")
     g.add_argument("--master-addr", default="127.0.0.1", help="address of node 0, where the ranks meet")
     g.add_argument("--master-port", type=int, default=29501, help="port of node 0 for the tensor parallel group")
     g.add_argument("--kv-transfer-config", type=_json_arg, default=None,
-                   help="refused: disaggregated prefill is not supported yet (default: none)")
+                   help="refused: disaggregated prefill/decode is not supported yet (default: none)")
     g.add_argument("--ec-transfer-config", type=_json_arg, default=None,
                    help="refused: encoder-disaggregated (EPD) inference is not supported yet (default: none)")
     g.add_argument("--mm-encoder-only", action="store_true",
@@ -168,7 +177,8 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool =
                    help="folder whose files requests may name as file:// media URLs (default: none allowed)")
 
     g = arg_group(parser, "compilation")
-    g.add_argument("--enforce-eager", action="store_true", help="run the bucket graphs uncompiled")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="run the bucket graphs uncompiled (on Model Runner V1 unless VLLM_USE_V2_MODEL_RUNNER=1)")
     g.add_argument("--additional-config", type=_json_arg, default=None,
                    help='JSON, e.g. \'{"neuron_config": {"num_seqs_buckets": [1, 2, 4, 8]}}\' (default: none; '
                    "the README lists the neuron_config keys)")
@@ -178,7 +188,7 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool =
                    help="Jinja chat template, as text or a file path (default: the tokenizer's)")
 
 
-def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+def engine_args_from_cli(args: argparse.Namespace) -> EngineArgs:
     if getattr(args, "quantization", None):
         raise ValueError(f"--quantization {args.quantization} is not supported: keep it unset and use "
                          "neuron_config.quantization or a quantized checkpoint")
@@ -186,6 +196,6 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     flag = getattr(args, "model_flag", None)
     if model and flag and model != flag:
         raise ValueError(f"conflicting models: positional {model!r} and --model {flag!r}")
-    names = {f.name for f in dataclasses.fields(EngineConfig) if f.init}
+    names = option_names()
     kwargs = {k: v for k, v in vars(args).items() if k in names and k != "model"}
-    return EngineConfig.from_kwargs(model=model or flag, **kwargs)
+    return EngineArgs.from_kwargs(model=model or flag, **kwargs)

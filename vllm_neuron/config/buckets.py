@@ -13,15 +13,11 @@ from __future__ import annotations
 import bisect
 from typing import Sequence
 
+from vllm_neuron.config import validate as V
+
 MIN_DEFAULT_PREFILL_BUCKET = 128
 CONTEXT_BUCKET_MULTIPLE = 128
 KV_SEGMENT_SIZES = (512, 1024, 2048, 4096, 8192)
-
-
-def _check_positive_int(option: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{option} must be a positive integer, got {value!r}")
-    return value
 
 
 def _powers_of_two_up_to(start: int, maximum: int, factor: int = 2) -> list[int]:
@@ -37,7 +33,7 @@ def _powers_of_two_up_to(start: int, maximum: int, factor: int = 2) -> list[int]
 def default_prefill_buckets(max_num_batched_tokens: int, start: int = MIN_DEFAULT_PREFILL_BUCKET) -> list[int]:
     """Powers of two from `start` (the seeds' 128) up to max_num_batched_tokens, the maximum itself
     included (it need not be a power of two). A maximum below `start` gives [max_num_batched_tokens]."""
-    _check_positive_int("max_num_batched_tokens", max_num_batched_tokens)
+    V.integer("max_num_batched_tokens", max_num_batched_tokens, minimum=1)
     if max_num_batched_tokens < start:
         return [max_num_batched_tokens]
     return _powers_of_two_up_to(start, max_num_batched_tokens)
@@ -46,7 +42,7 @@ def default_prefill_buckets(max_num_batched_tokens: int, start: int = MIN_DEFAUL
 def default_decode_buckets(max_num_seqs: int, factor: int = 2) -> list[int]:
     """Powers of two (the seeds' default; `factor` 4 gives powers of four) from 1 up to max_num_seqs,
     the maximum itself included."""
-    _check_positive_int("max_num_seqs", max_num_seqs)
+    V.integer("max_num_seqs", max_num_seqs, minimum=1)
     return _powers_of_two_up_to(1, max_num_seqs, factor)
 
 
@@ -80,7 +76,7 @@ def _check_largest(option: str, buckets: list[int], limit_name: str, limit: int)
 def validate_prefill_buckets(buckets: Sequence[int], max_num_batched_tokens: int) -> list[int]:
     """Check num_batched_tokens_buckets: positive, strictly ascending, largest equal to
     max_num_batched_tokens. Returns the list."""
-    _check_positive_int("max_num_batched_tokens", max_num_batched_tokens)
+    V.integer("max_num_batched_tokens", max_num_batched_tokens, minimum=1)
     out = validate_bucket_list("num_batched_tokens_buckets", buckets)
     _check_largest("num_batched_tokens_buckets", out, "max_num_batched_tokens", max_num_batched_tokens)
     return out
@@ -89,7 +85,7 @@ def validate_prefill_buckets(buckets: Sequence[int], max_num_batched_tokens: int
 def validate_decode_buckets(buckets: Sequence[int], max_num_seqs: int) -> list[int]:
     """Check num_seqs_buckets: positive, strictly ascending, largest equal to max_num_seqs.
     Returns the list."""
-    _check_positive_int("max_num_seqs", max_num_seqs)
+    V.integer("max_num_seqs", max_num_seqs, minimum=1)
     out = validate_bucket_list("num_seqs_buckets", buckets)
     _check_largest("num_seqs_buckets", out, "max_num_seqs", max_num_seqs)
     return out
@@ -104,8 +100,8 @@ def validate_context_buckets(
     whole number of KV blocks (divisible by block_size), since a context bucket fixes how
     many blocks a decode graph gathers per sequence.
     """
-    _check_positive_int("max_model_len", max_model_len)
-    _check_positive_int("block_size", block_size)
+    V.integer("max_model_len", max_model_len, minimum=1)
+    V.integer("block_size", block_size, minimum=1)
     if buckets is None:
         return None
     option = "decode_context_length_buckets"
@@ -149,7 +145,7 @@ def validate_kv_segment_buckets(
     single segment size supported at this time, and identical to num_batched_tokens_buckets
     (kernel constraint).
     """
-    _check_positive_int("block_size", block_size)
+    V.integer("block_size", block_size, minimum=1)
     if kv_segment_size_buckets is None:
         return None
     option = "kv_segment_size_buckets"

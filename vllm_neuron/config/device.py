@@ -1,4 +1,4 @@
-"""`--device auto|cpu|cuda` and `--dtype` resolution."""
+"""`--device auto|cpu|cuda` and `--dtype` resolution; how data-parallel replicas on one host share its memory."""
 from __future__ import annotations
 
 import functools
@@ -104,6 +104,32 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     if device.type == "cuda":
         return torch.bfloat16
     return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
+
+
+BF16_WEIGHTS = "bf16"  # neuron_config.quantization's "no quantization, bfloat16 weights"
+
+
+def resolve_model_dtype(dtype: str | torch.dtype, device: torch.device,
+                        quantization: str | None) -> tuple[torch.dtype, str]:
+    """The model's dtype and why (the start-up log's reason). neuron_config.quantization='bf16' (the seeds'
+    Qwen3-VL example) asks for unquantized bfloat16 weights: it picks bfloat16 and refuses another --dtype."""
+    if quantization != BF16_WEIGHTS:
+        return resolve_dtype(dtype, device), dtype_reason(dtype, device)
+    if dtype != "auto" and resolve_dtype(dtype, device) != torch.bfloat16:
+        raise ValueError(f"neuron_config.quantization='bf16' asks for unquantized bfloat16 weights, but dtype={dtype!r}; "
+                         "remove one of them (or give dtype='bfloat16')")
+    return torch.bfloat16, "neuron_config.quantization='bf16': unquantized bfloat16 weights"
+
+
+def replicas_sharing_memory(on_cuda: bool, replicas: int, cuda_count: int) -> int:
+    """How many of a host's `replicas` share one replica's memory: all of them share the host's RAM on CPU;
+    on CUDA they take the GPUs round-robin, so as many as share the most loaded GPU (pure)."""
+    replicas = max(replicas, 1)
+    if not on_cuda:
+        return replicas
+    if cuda_count < 1:
+        raise ValueError("placing data parallel replicas on CUDA needs at least one visible GPU")
+    return -(-replicas // cuda_count)
 
 
 def async_scheduling_default(device: torch.device) -> tuple[bool, str]:

@@ -14,8 +14,12 @@ Deliberate choices:
   temperature). The reference table says "null (CPU sampling)", but the features guide says
   on-device sampling "is enabled by default", and async scheduling - on by default - requires
   it; we follow the features guide. An explicit JSON null selects host (CPU) sampling.
-* quantization names are checked against KNOWN_QUANTIZATIONS here; whether a model supports
-  the chosen scheme is checked later by the model.
+* quantization names are checked against QUANTIZATIONS here (every listed value is accepted);
+  whether a model supports the chosen scheme is checked once the model's config is read. "bf16"
+  (the seeds' Qwen3-VL example) asks for no quantization: unquantized bfloat16 weights, so it
+  selects dtype bfloat16 and conflicts with another --dtype.
+* Every namespace is a frozen dataclass: the resolved engine config holds them, and nothing may
+  change them after start-up.
 """
 
 from __future__ import annotations
@@ -25,14 +29,21 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 from vllm_neuron.config import buckets as B
+from vllm_neuron.config import validate as V
 from vllm_neuron.config.json_object import parse_json_object
 from vllm_neuron.logger import init_logger, warning_once
 
 logger = init_logger(__name__)
 
-# "bf16" appears in the seeds' Qwen3-VL example; FP8 static weights come from the checkpoint's
+# neuron_config.quantization values -> what each one does. FP8 static weights come from the checkpoint's
 # quantization_config, not from this option.
-KNOWN_QUANTIZATIONS = ("bf16", "mxfp4", "mxfp8", "int8", "int4")
+QUANTIZATIONS = {
+    "bf16": "no quantization: bfloat16 weights",
+    "int8": "weight-only int8, CPU",
+    "int4": "weight-only int4, CPU",
+    "mxfp4": "gpt-oss experts kept in MXFP4",
+}
+NOT_BUILT_QUANTIZATIONS = ("mxfp8",)  # named by the seeds, refused here as not built yet
 DEFAULT_ON_DEVICE_TOP_K = 256
 COMPONENT_DP_OPTIONS = ("attention_dp_size", "embedding_dp_size", "mlp_dp_size", "lm_head_dp_size")
 
@@ -57,37 +68,22 @@ ONLY_GREEDY_MESSAGE = (
 
 # --- value coercion (JSON gives ints/floats/strings; the seeds' examples quote numbers: "0.7") ---
 
-def _number(option: str, value: Any) -> float:
-    if isinstance(value, bool):
-        raise ValueError(f"{option} must be a number, got {value!r}")
-    if isinstance(value, (int, float)):
-        return float(value)
-    if isinstance(value, str):
-        try:
-            return float(value.strip())
-        except ValueError:
-            pass
-    raise ValueError(f"{option} must be a number, got {value!r}")
+def _number(option: str, value: Any, **bounds: Any) -> float:
+    return V.number(option, value, from_text=True, **bounds)
 
 
 def _integer(option: str, value: Any, minimum: int | None = 1) -> int:
-    ok = not isinstance(value, bool)
-    if ok and isinstance(value, str):
-        try:
-            value = int(value.strip())
-        except ValueError:
-            ok = False
-    if not ok or not isinstance(value, int):
-        raise ValueError(f"{option} must be an integer, got {value!r}")
-    if minimum is not None and value < minimum:
-        raise ValueError(f"{option} must be >= {minimum}, got {value}")
-    return value
+    return V.integer(option, value, minimum=minimum, from_text=True)
 
 
-def _boolean(option: str, value: Any) -> bool:
-    if isinstance(value, bool):
+def check_quantization(value: Any) -> str | None:
+    """neuron_config.quantization: None (unset) or one of QUANTIZATIONS."""
+    if value is None or (isinstance(value, str) and value in QUANTIZATIONS):
         return value
-    raise ValueError(f"{option} must be true or false, got {value!r}")
+    valid = "; ".join(f"{name} ({what})" for name, what in QUANTIZATIONS.items())
+    problem = "is not supported yet by vllm-neuron" if value in NOT_BUILT_QUANTIZATIONS else "is not valid"
+    raise ValueError(f"neuron_config.quantization={value!r} {problem}; valid values: {valid}. FP8 static weights "
+                     "come from the checkpoint's quantization_config, not from this option")
 
 
 def _opt_list(option: str, value: Any) -> list[int] | None:
@@ -116,7 +112,13 @@ def _check_keys(namespace: str, data: Mapping[str, Any], valid: Sequence[str], e
 
 # --- on-device sampling ---
 
-@dataclass
+def _set_fields(obj: Any, **values: Any) -> None:
+    """__post_init__ of a frozen dataclass storing its normalized values (the only writes they ever get)."""
+    for name, value in values.items():
+        object.__setattr__(obj, name, value)
+
+
+@dataclass(frozen=True)
 class OnDeviceSamplingConfig:
     """neuron_config.on_device_sampling_config: sampling inside the compiled graph.
 
@@ -138,23 +140,18 @@ class OnDeviceSamplingConfig:
 
     def __post_init__(self) -> None:
         ns = "on_device_sampling_config"
-        self.all_greedy = _boolean(f"{ns}.all_greedy", self.all_greedy)
-        if self.temperature is not None:
-            self.temperature = _number(f"{ns}.temperature", self.temperature)
-            if self.temperature < 0:
-                raise ValueError(f"{ns}.temperature must be >= 0, got {self.temperature}")
-            if self.temperature == 0:
-                self.all_greedy = True
+        all_greedy = V.boolean(f"{ns}.all_greedy", self.all_greedy)
+        temperature = None if self.temperature is None else \
+            _number(f"{ns}.temperature", self.temperature, minimum=0.0)
         top_k = _integer(f"{ns}.top_k", self.top_k, minimum=None)
         if top_k in (-1, 0):
             top_k = DEFAULT_ON_DEVICE_TOP_K
         elif top_k < 1:
             raise ValueError(f"{ns}.top_k must be a positive integer, or -1 for {DEFAULT_ON_DEVICE_TOP_K}; got {top_k}")
-        self.top_k = top_k
-        if self.top_p is not None:
-            self.top_p = _number(f"{ns}.top_p", self.top_p)
-            if not 0.0 < self.top_p <= 1.0:
-                raise ValueError(f"{ns}.top_p must be in (0, 1], got {self.top_p}")
+        top_p = None if self.top_p is None else \
+            _number(f"{ns}.top_p", self.top_p, minimum=0.0, maximum=1.0, min_exclusive=True)
+        _set_fields(self, all_greedy=all_greedy or temperature == 0, temperature=temperature, top_k=top_k,
+                    top_p=top_p)
 
     @classmethod
     def from_value(cls, value: Any) -> OnDeviceSamplingConfig | None:
@@ -198,7 +195,7 @@ class OnDeviceSamplingConfig:
 
 # --- neuron_config ---
 
-@dataclass
+@dataclass(frozen=True)
 class NeuronConfig:
     """neuron_config: text-model options (compilation buckets, sampling, quantization, parallel).
 
@@ -236,24 +233,16 @@ class NeuronConfig:
     )
 
     def __post_init__(self) -> None:
-        for name in ("num_batched_tokens_buckets", "num_seqs_buckets", "kv_segment_size_buckets",
-                     "decode_context_length_buckets", "context_buckets"):
-            setattr(self, name, _opt_list(name, getattr(self, name)))
-        self.on_device_sampling_config = OnDeviceSamplingConfig.from_value(self.on_device_sampling_config)
-        if self.quantization is not None:
-            if not isinstance(self.quantization, str) or self.quantization not in KNOWN_QUANTIZATIONS:
-                raise ValueError(
-                    f"neuron_config quantization={self.quantization!r} is not supported; valid "
-                    f"values: {', '.join(KNOWN_QUANTIZATIONS)} (FP8 static weights come from the "
-                    "checkpoint's quantization_config, not from this option)"
-                )
-        if self.ep_degree is not None:
-            self.ep_degree = _integer("ep_degree", self.ep_degree)
-        for name in COMPONENT_DP_OPTIONS:
-            setattr(self, name, _integer(name, getattr(self, name)))
-        self.fp8_packed_kv = _boolean("fp8_packed_kv", self.fp8_packed_kv)
-        self.gk_decode = _boolean("gk_decode", self.gk_decode)
-        self.decode_cpp_wrapper = _boolean("decode_cpp_wrapper", self.decode_cpp_wrapper)
+        lists = {name: _opt_list(name, getattr(self, name)) for name in (
+            "num_batched_tokens_buckets", "num_seqs_buckets", "kv_segment_size_buckets",
+            "decode_context_length_buckets", "context_buckets")}
+        _set_fields(self, **lists,
+                    on_device_sampling_config=OnDeviceSamplingConfig.from_value(self.on_device_sampling_config),
+                    quantization=check_quantization(self.quantization),
+                    ep_degree=None if self.ep_degree is None else _integer("ep_degree", self.ep_degree),
+                    **{name: _integer(name, getattr(self, name)) for name in COMPONENT_DP_OPTIONS},
+                    **{name: V.boolean(name, getattr(self, name))
+                       for name in ("fp8_packed_kv", "gk_decode", "decode_cpp_wrapper")})
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any] | None) -> NeuronConfig:
@@ -329,9 +318,11 @@ class NeuronConfig:
         if comp:
             listed = ", ".join(f"{k}={v}" for k, v in comp.items())
             if not kv_transfer_config:
+                # The seeds' rule; the disaggregated prefill/decode it needs is not built here yet.
                 raise ValueError(
-                    f"component data parallelism ({listed}) requires disaggregated inference; "
-                    "pass --kv-transfer-config"
+                    f"component data parallelism ({listed}) needs disaggregated prefill/decode inference "
+                    "(--kv-transfer-config), which vllm-neuron does not support yet; remove "
+                    f"{' and '.join(comp)}"
                 )
             for name, size in comp.items():
                 if tp % size:
@@ -372,7 +363,7 @@ ENCODER_BLOCK_MULTIPLE = 128
 EPD_MIN_HOLD_TIME_MS = 100.0
 
 
-@dataclass
+@dataclass(frozen=True)
 class EncoderNeuronConfig:
     """encoder_neuron_config: multimodal encoder options.
 
@@ -390,19 +381,18 @@ class EncoderNeuronConfig:
     encoder_cache_min_hold_time_ms: float | None = None
 
     def __post_init__(self) -> None:
-        self.num_encoder_input_buckets = _opt_list("num_encoder_input_buckets", self.num_encoder_input_buckets)
         size = _integer("encoder_attention_block_size", self.encoder_attention_block_size)
         if size % ENCODER_BLOCK_MULTIPLE:
             raise ValueError(f"encoder_attention_block_size must be a multiple of {ENCODER_BLOCK_MULTIPLE}, got {size}")
-        self.encoder_attention_block_size = size
-        for name in ("max_encoder_seq_len", "tp_size", "dp_size", "encoder_cache_num_blocks"):
-            if getattr(self, name) is not None:
-                setattr(self, name, _integer(name, getattr(self, name)))
-        if self.encoder_cache_min_hold_time_ms is not None:
-            hold = _number("encoder_cache_min_hold_time_ms", self.encoder_cache_min_hold_time_ms)
-            if hold < 0:
-                raise ValueError(f"encoder_cache_min_hold_time_ms must be >= 0, got {hold}")
-            self.encoder_cache_min_hold_time_ms = hold
+        hold = self.encoder_cache_min_hold_time_ms
+        _set_fields(self, num_encoder_input_buckets=_opt_list("num_encoder_input_buckets",
+                                                              self.num_encoder_input_buckets),
+                    encoder_attention_block_size=size,
+                    **{name: _integer(name, getattr(self, name))
+                       for name in ("max_encoder_seq_len", "tp_size", "dp_size", "encoder_cache_num_blocks")
+                       if getattr(self, name) is not None},
+                    encoder_cache_min_hold_time_ms=None if hold is None else
+                    _number("encoder_cache_min_hold_time_ms", hold, minimum=0.0))
         if self.num_encoder_input_buckets is not None and self.max_encoder_seq_len is not None:
             warning_once(
                 logger,
@@ -488,7 +478,7 @@ _ENCODER_KEYS = {k: "encoder_neuron_config" for k in (*EncoderNeuronConfig.OPTIO
 
 # --- additional_config ---
 
-@dataclass
+@dataclass(frozen=True)
 class AdditionalConfig:
     neuron_config: NeuronConfig = field(default_factory=NeuronConfig)
     encoder_neuron_config: EncoderNeuronConfig | None = None
@@ -544,5 +534,5 @@ def _parse_mapping(value: Mapping[str, Any]) -> AdditionalConfig:
     return AdditionalConfig(
         neuron_config=NeuronConfig.from_dict(value.get("neuron_config")),
         encoder_neuron_config=encoder,
-        mm_language_model_only=_boolean("mm_language_model_only", value.get("mm_language_model_only", False)),
+        mm_language_model_only=V.boolean("mm_language_model_only", value.get("mm_language_model_only", False)),
     )

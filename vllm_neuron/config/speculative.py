@@ -17,6 +17,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from vllm_neuron.config import validate as V
 from vllm_neuron.config.json_object import parse_json_object
 
 SPECULATIVE_METHODS = ("ngram", "eagle3", "dflash")
@@ -54,12 +55,7 @@ class SpeculativeConfig:
 
 
 def _int_field(name: str, value: Any, minimum: int, maximum: int | None = None) -> int:
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise ValueError(f"{_NS}.{name} must be an integer, got {value!r}")
-    if value < minimum or (maximum is not None and value > maximum):
-        bound = f"between {minimum} and {maximum}" if maximum is not None else f">= {minimum}"
-        raise ValueError(f"{_NS}.{name} must be {bound}, got {value}")
-    return value
+    return V.integer(f"{_NS}.{name}", value, minimum=minimum, maximum=maximum)
 
 
 def parse_speculative_config(value: dict | str | SpeculativeConfig | None) -> SpeculativeConfig | None:
@@ -83,8 +79,7 @@ def parse_speculative_config(value: dict | str | SpeculativeConfig | None) -> Sp
         method, d["model"] = "ngram", None  # vLLM's legacy spelling
     if method == "[ngram]":
         method = "ngram"
-    if method not in SPECULATIVE_METHODS:
-        raise ValueError(f"{_NS}.method={method!r} is not valid; choose one of {list(SPECULATIVE_METHODS)}")
+    V.choice(f"{_NS}.method", method, SPECULATIVE_METHODS)
     if "num_speculative_tokens" not in d:
         raise ValueError(f"{_NS}.num_speculative_tokens is required (1..{MAX_SPECULATIVE_TOKENS})")
     k = _int_field("num_speculative_tokens", d["num_speculative_tokens"], 1, MAX_SPECULATIVE_TOKENS)

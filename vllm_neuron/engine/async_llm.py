@@ -14,6 +14,7 @@ import time
 from collections.abc import AsyncGenerator
 from typing import Any
 
+from vllm_neuron.config.engine_args import EngineArgs
 from vllm_neuron.config.engine_config import EngineConfig
 from vllm_neuron.config.generation_config import effective_generation_config
 from vllm_neuron.engine.core_client import CoreClient
@@ -22,8 +23,8 @@ from vllm_neuron.engine.input_processor import InputProcessor, multimodal_proces
 from vllm_neuron.engine.output_processor import OutputProcessor
 from vllm_neuron.engine.protocol import EngineClient, EngineDeadError, EngineRequestError, ModelInfo, PromptType
 from vllm_neuron.logger import init_logger
-from vllm_neuron.model.loader import load_checkpoint, load_tokenizer
-from vllm_neuron.model.registry import is_multimodal, model_spec
+from vllm_neuron.engine.resolve import resolve_engine_config
+from vllm_neuron.model.loader import Checkpoint, load_checkpoint, load_tokenizer
 from vllm_neuron.outputs import RequestOutput
 from vllm_neuron.sampling_params import SamplingParams
 
@@ -34,11 +35,11 @@ _WAIT_NOTE_S = 30.0  # how often start-up names the remote ranks that have not j
 
 
 class AsyncLLM(EngineClient):
-    def __init__(self, config: EngineConfig, model_name: str | None = None) -> None:
-        ckpt = load_checkpoint(config.model)
-        spec = model_spec(ckpt.hf_config, config.neuron_config.quantization)  # bad models fail before spawning
-        nc = config.finalize(ckpt.hf_config.get_text_config().max_position_embeddings, moe=spec.is_moe,
-                             sliding_window=spec.has_sliding_window, multimodal=is_multimodal(ckpt.hf_config))
+    def __init__(self, config: EngineConfig, checkpoint: Checkpoint | None = None,
+                 model_name: str | None = None) -> None:
+        """`config` is resolved (from_engine_args does it here); the engine processes get it as it is."""
+        ckpt = checkpoint or load_checkpoint(config.model)
+        nc = config.neuron_config
         self.config = config
         self.model_name = model_name or config.served_names()[0]
         self._queues: dict[str, asyncio.Queue] = {}
@@ -66,6 +67,13 @@ class AsyncLLM(EngineClient):
         self.output_processor = OutputProcessor(self.tokenizer)
         self.model_info = ModelInfo(ckpt.path, config.max_model_len, self.input_processor.eos_token_id,
                                     self.input_processor.generation_defaults)
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs, model_name: str | None = None) -> "AsyncLLM":
+        """Resolves `args` in this process (bad options and unsupported models fail before any engine process
+        starts), then starts the engines."""
+        config, ckpt = resolve_engine_config(args)
+        return cls(config, ckpt, model_name)
 
     # -- EngineClient -----------------------------------------------------------------------------
     @property

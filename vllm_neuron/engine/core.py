@@ -7,16 +7,14 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from vllm_neuron import envs
 from vllm_neuron.config import buckets as B
-from vllm_neuron.config.device import dtype_reason, resolve_device, resolve_dtype
+from vllm_neuron.config.compatibility import V2_LOG_LINE
 from vllm_neuron.config.engine_config import EngineConfig
-from vllm_neuron.config.runner_selection import V2_LOG_LINE
 from vllm_neuron.core.request import Request, RequestStatus
 from vllm_neuron.core.scheduler import Scheduler, SchedulerConfig
 from vllm_neuron.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from vllm_neuron.logger import init_logger
 from vllm_neuron.step import ModelRunnerOutput, SchedulerOutput
 from vllm_neuron.model.loader import Checkpoint, load_checkpoint
-from vllm_neuron.model.registry import is_multimodal, model_spec
 from vllm_neuron.worker import memory
 from vllm_neuron.worker.parallel_compile import compile_missing
 from vllm_neuron.worker.runner_factory import create_runner
@@ -33,16 +31,18 @@ MAX_CONSECUTIVE_STEP_FAILURES = 4
 
 class EngineCore:
     def __init__(self, config: EngineConfig, checkpoint: Checkpoint | None = None) -> None:
+        """`config` comes resolved (engine/resolve.py, in the process that got the user's options); the engine
+        core only loads the checkpoint's weights."""
+        if not isinstance(config, EngineConfig):
+            raise TypeError(f"EngineCore takes a resolved EngineConfig (engine/resolve.py), got {type(config).__name__}")
         t0 = time.perf_counter()
         self.config = config
         self.ckpt = checkpoint or load_checkpoint(config.model)
-        spec = model_spec(self.ckpt.hf_config, config.neuron_config.quantization)
-        nc = config.finalize(self.ckpt.hf_config.get_text_config().max_position_embeddings, moe=spec.is_moe,
-                             sliding_window=spec.has_sliding_window, multimodal=is_multimodal(self.ckpt.hf_config))
-        self.device = resolve_device(config.device)
-        self.dtype = resolve_dtype(config.dtype, self.device)
-        logger.info("dtype %s (%s)", str(self.dtype).removeprefix("torch."), dtype_reason(config.dtype, self.device))
-        backend = "eager" if config.enforce_eager else envs.VLLM_NEURON_BACKEND
+        nc = config.neuron_config
+        self.device = config.torch_device
+        self.dtype = config.torch_dtype
+        logger.info("dtype %s (%s)", config.dtype, config.dtype_reason)
+        backend = config.backend
         logger.info("Engine config: model=%s device=%s dtype=%s max_model_len=%d max_num_seqs=%d "
                     "max_num_batched_tokens=%d block_size=%d prefix_caching=%s sampling=%s",
                     self.ckpt.path, self.device, self.dtype, config.max_model_len, config.max_num_seqs,

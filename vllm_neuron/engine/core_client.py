@@ -26,7 +26,8 @@ import zmq.asyncio
 
 from vllm_neuron import metrics
 from vllm_neuron.config.engine_config import EngineConfig
-from vllm_neuron.engine.replica import engine_identity, host_placements, rank_of_identity, spawn_replica
+from vllm_neuron.engine.core_proc import spawn_replica
+from vllm_neuron.engine.replica import engine_identity, host_placements, rank_of_identity
 from vllm_neuron.logger import init_logger
 
 logger = init_logger(__name__)

@@ -8,6 +8,7 @@ request is unfinished, so an idle engine costs nothing.
 """
 from __future__ import annotations
 
+import multiprocessing
 import os
 import pickle
 import signal
@@ -19,7 +20,7 @@ from typing import Any
 import zmq
 
 from vllm_neuron.config.engine_config import EngineConfig
-from vllm_neuron.engine.replica import ReplicaPlacement, apply_placement, engine_identity, placement_config
+from vllm_neuron.engine.replica import ReplicaPlacement, apply_placement, engine_identity
 from vllm_neuron.logger import init_logger
 
 logger = init_logger(__name__)
@@ -37,6 +38,16 @@ def _send(sock: zmq.Socket, msg: Any) -> None:
     sock.send(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL), copy=False)
 
 
+def spawn_replica(config: EngineConfig, address: str, placement: ReplicaPlacement,
+                  model_name: str) -> multiprocessing.Process:
+    """Starts one EngineCore process that connects to `address` (the head's ROUTER socket)."""
+    proc = multiprocessing.get_context("spawn").Process(
+        target=run_engine_core, args=(config, address, placement, model_name),
+        name=f"EngineCore_DP{placement.rank}", daemon=True)
+    proc.start()
+    return proc
+
+
 def run_engine_core(config: EngineConfig, address: str, placement: ReplicaPlacement, model_name: str) -> None:
     """Process entry point (spawned)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the API server process owns Ctrl-C and tells us
@@ -50,8 +61,7 @@ def run_engine_core(config: EngineConfig, address: str, placement: ReplicaPlacem
         from vllm_neuron.engine.core import EngineCore
 
         _send(out, ("hello", {"pid": os.getpid(), "host": socket.gethostname()}))
-        apply_placement(placement)
-        placement_config(config, placement)
+        apply_placement(placement)  # the config came resolved, its KV-budget share included
         metrics.configure(model_name, engine=placement.rank)
         core = EngineCore(config)
         for rec in core.compiler.records:

@@ -20,9 +20,11 @@ import time
 import zmq
 
 from vllm_neuron import metrics
-from vllm_neuron.config.engine_config import EngineConfig
+from vllm_neuron.config.engine_args import EngineArgs
 from vllm_neuron.engine.core_client import HEARTBEAT_S, NODE_TIMEOUT_S
-from vllm_neuron.engine.replica import host_placements, spawn_replica
+from vllm_neuron.engine.core_proc import spawn_replica
+from vllm_neuron.engine.replica import host_placements
+from vllm_neuron.engine.resolve import resolve_engine_config
 from vllm_neuron.logger import init_logger
 
 logger = init_logger(__name__)
@@ -30,13 +32,15 @@ logger = init_logger(__name__)
 METRICS_S = 2.0  # how often the node sends its replicas' metrics to the head
 
 
-def run_headless(config: EngineConfig) -> int:
-    """Runs this node's replicas until the head lets them go; the exit code (0: the head shut down)."""
-    if config.data_parallel_size < 2 or not config.multi_node_dp:
+def run_headless(args: EngineArgs) -> int:
+    """Runs this node's replicas until the head lets them go; the exit code (0: the head shut down). The
+    node received the options, so it resolves them (for its own replicas' share of its memory)."""
+    if args.data_parallel_size < 2 or not args.multi_node_dp:
         raise ValueError("--headless runs some of the replicas of a multi-node data parallel deployment: it needs "
                          "--data-parallel-size > 1 and --data-parallel-size-local below it (this node's replicas)")
-    if config.local_dp_replicas < 1:
+    if args.local_dp_replicas < 1:
         raise ValueError("--headless needs --data-parallel-size-local >= 1 (the replicas this node runs)")
+    config, _ = resolve_engine_config(args)
     ranks = range(config.data_parallel_start_rank, config.data_parallel_start_rank + config.local_dp_replicas)
     address = f"tcp://{config.data_parallel_address}:{config.data_parallel_rpc_port}"
     model_name = config.served_names()[0]

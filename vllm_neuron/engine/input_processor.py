@@ -46,7 +46,7 @@ class InputProcessor:
         self.mm_processor = mm_processor
         self.max_model_len = max_model_len
         self.odsc = odsc
-        self.max_logprobs = max_logprobs
+        self.max_logprobs = vocab_size if max_logprobs == -1 else max_logprobs  # -1: the whole vocabulary
         self.vocab_size = vocab_size
         self.eos_token_id = tokenizer.eos_token_id
         eos = generation_config.get("eos_token_id")
@@ -153,8 +153,7 @@ class InputProcessor:
 
     def _validate_structured_outputs(self, params: SamplingParams) -> None:
         # Compiled here (cached by its text) so a bad constraint is refused before it reaches the engine.
-        from vllm_neuron.structured_output.compiler import make_tokenizer_info
-        from vllm_neuron.structured_output.params import validate
+        from vllm_neuron.structured_output.compiler import make_tokenizer_info, validate
 
         validate(params.structured_outputs, make_tokenizer_info(self.tokenizer))
 

@@ -7,20 +7,22 @@ from __future__ import annotations
 
 from typing import Any
 
+from vllm_neuron.config.engine_args import EngineArgs
 from vllm_neuron.config.engine_config import EngineConfig
 from vllm_neuron.config.generation_config import effective_generation_config
 from vllm_neuron.engine.core import EngineCore
 from vllm_neuron.engine.input_processor import InputProcessor, multimodal_processor
 from vllm_neuron.engine.output_processor import OutputProcessor
-from vllm_neuron.model.loader import load_checkpoint, load_tokenizer
+from vllm_neuron.engine.resolve import resolve_engine_config
+from vllm_neuron.model.loader import Checkpoint, load_checkpoint, load_tokenizer
 from vllm_neuron.outputs import RequestOutput
 from vllm_neuron.sampling_params import SamplingParams
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, checkpoint: Checkpoint | None = None) -> None:
         self.config = config
-        ckpt = load_checkpoint(config.model)
+        ckpt = checkpoint or load_checkpoint(config.model)
         self.checkpoint = ckpt
         self.tokenizer = load_tokenizer(config.tokenizer or ckpt, config.chat_template)
         self.core = EngineCore(config, ckpt)
@@ -32,8 +34,13 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
 
     @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
+        """Resolves `args` here (this process received them), then builds the engine."""
+        return cls(*resolve_engine_config(args))
+
+    @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "LLMEngine":
-        return cls(EngineConfig.from_kwargs(**kwargs))
+        return cls.from_engine_args(EngineArgs.from_kwargs(**kwargs))
 
     def add_request(self, request_id: str, prompt: Any, params: SamplingParams) -> None:
         text, ids, reqs = self.input_processor.process(request_id, prompt, params)

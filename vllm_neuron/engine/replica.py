@@ -1,5 +1,5 @@
-"""Where an EngineCore replica runs and how it is started: its data-parallel rank, threads, device, and
-the spawned process (shared by the API server and a `serve --headless` node).
+"""Where an EngineCore replica runs: its data-parallel rank, threads and device (shared by the API server and
+a `serve --headless` node; engine/core_proc.py starts the process).
 
 Replicas on one host share its cores and memory: on CPU each gets cores / replicas threads (2 cores,
 2 replicas -> 1 thread each) and the KV budget is split between them (worker/memory.py's
@@ -7,9 +7,9 @@ local_workers); on CUDA they take the visible GPUs round-robin, splitting the bu
 """
 from __future__ import annotations
 
-import multiprocessing
 from dataclasses import dataclass
 
+from vllm_neuron.config.device import replicas_sharing_memory
 from vllm_neuron.config.engine_config import EngineConfig
 
 
@@ -18,7 +18,8 @@ class ReplicaPlacement:
     rank: int  # data-parallel rank (global across nodes)
     num_threads: int | None  # torch threads on CPU (None: torch's default, the single-replica case)
     cuda_index: int | None  # the GPU on CUDA hosts
-    kv_budget_shared_by: int  # replicas sharing this replica's memory (host RAM, or one GPU)
+    kv_budget_shared_by: int  # replicas sharing this replica's memory (host RAM, or one GPU): the resolved
+    # EngineConfig.kv_budget_shared_by of this host's replicas
 
 
 def engine_identity(rank: int) -> bytes:
@@ -42,43 +43,20 @@ def plan_placements(ranks: range, *, on_cuda: bool, cuda_count: int, cpu_threads
     n = len(ranks)
     if n == 0:  # a head that runs only the API server
         return []
+    shared_by = replicas_sharing_memory(on_cuda, n, cuda_count)
     if on_cuda:
-        if cuda_count < 1:
-            raise ValueError("placing data parallel replicas on CUDA needs at least one visible GPU")
-        per_gpu = -(-n // cuda_count)
-        return [ReplicaPlacement(r, None, i % cuda_count, per_gpu) for i, r in enumerate(ranks)]
+        return [ReplicaPlacement(r, None, i % cuda_count, shared_by) for i, r in enumerate(ranks)]
     threads = None if n == 1 else max(1, cpu_threads // (n * tensor_parallel_size))
-    return [ReplicaPlacement(r, threads, None, n) for r in ranks]
+    return [ReplicaPlacement(r, threads, None, shared_by) for r in ranks]
 
 
 def host_placements(config: EngineConfig, ranks: range) -> list[ReplicaPlacement]:
     """plan_placements for this host, probed."""
     import torch
 
-    from vllm_neuron.config.device import resolve_device
-
-    on_cuda = resolve_device(config.device).type == "cuda"
+    on_cuda = config.device == "cuda"
     return plan_placements(ranks, on_cuda=on_cuda, cuda_count=torch.cuda.device_count() if on_cuda else 0,
                            cpu_threads=torch.get_num_threads(), tensor_parallel_size=config.tensor_parallel_size)
-
-
-def spawn_replica(config: EngineConfig, address: str, placement: ReplicaPlacement,
-                  model_name: str) -> multiprocessing.Process:
-    """Starts one EngineCore process that connects to `address` (the head's ROUTER socket)."""
-    from vllm_neuron.engine.core_proc import run_engine_core
-
-    proc = multiprocessing.get_context("spawn").Process(
-        target=run_engine_core, args=(config, address, placement, model_name),
-        name=f"EngineCore_DP{placement.rank}", daemon=True)
-    proc.start()
-    return proc
-
-
-def placement_config(config: EngineConfig, placement: ReplicaPlacement) -> None:
-    """The replica's share of its memory, in its config (the KV pool size, baked into every graph, follows)."""
-    config.kv_budget_shared_by = placement.kv_budget_shared_by  # host RAM: split by local_workers
-    if placement.cuda_index is not None and placement.kv_budget_shared_by > 1:  # replicas sharing one GPU
-        config.gpu_memory_utilization /= placement.kv_budget_shared_by
 
 
 def apply_placement(placement: ReplicaPlacement) -> None:

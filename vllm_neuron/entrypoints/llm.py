@@ -10,8 +10,11 @@ from typing import Any
 
 from tqdm import tqdm
 
+from vllm_neuron.config.engine_args import EngineArgs
 from vllm_neuron.config.engine_config import EngineConfig
 from vllm_neuron.engine.llm_engine import LLMEngine
+from vllm_neuron.engine.resolve import resolve_engine_config
+from vllm_neuron.model.loader import Checkpoint
 from vllm_neuron.entrypoints.openai.chat_template import normalize_messages
 from vllm_neuron.entrypoints.openai.errors import BadRequestError
 from vllm_neuron.outputs import RequestOutput
@@ -25,23 +28,24 @@ class LLM:
     dtype, seed, device, additional_config={"neuron_config": {...}}, ...)."""
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
-        self._init(EngineConfig.from_kwargs(model=model, **kwargs))
+        self._init(EngineArgs.from_kwargs(model=model, **kwargs))
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> "LLM":
+    def from_engine_args(cls, args: EngineArgs) -> "LLM":
         llm = cls.__new__(cls)
-        llm._init(config)
+        llm._init(args)
         return llm
 
-    def _init(self, config: EngineConfig) -> None:
+    def _init(self, args: EngineArgs) -> None:
         self._counter = itertools.count()
         self._dp: _DataParallelEngine | None = None
+        config, ckpt = resolve_engine_config(args)  # once, here: the engines get it resolved
         if config.data_parallel_size > 1:
-            self._dp = _DataParallelEngine(config)
+            self._dp = _DataParallelEngine(config, ckpt)
             weakref.finalize(self, self._dp.shutdown)
             self.llm_engine = None
         else:
-            self.llm_engine = LLMEngine(config)
+            self.llm_engine = LLMEngine(config, ckpt)
 
     def get_tokenizer(self):
         return (self._dp or self.llm_engine).tokenizer
@@ -132,11 +136,11 @@ class LLM:
 class _DataParallelEngine:
     """The replicas of LLM(data_parallel_size=N): AsyncLLM (engine/async_llm.py) driven to completion."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, checkpoint: Checkpoint) -> None:
         from vllm_neuron.engine.async_llm import AsyncLLM
 
         self.loop = asyncio.new_event_loop()
-        self.client = AsyncLLM(config)
+        self.client = AsyncLLM(config, checkpoint)
         try:
             self.loop.run_until_complete(self.client.wait_until_ready())
         except BaseException:

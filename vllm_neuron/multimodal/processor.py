@@ -18,8 +18,8 @@ import numpy as np
 
 from vllm_neuron.multimodal.inputs import MultiModalItem, media_hash
 from vllm_neuron.multimodal.media import load_image
-from vllm_neuron.multimodal.video import (DEFAULT_SAMPLE_FPS, UNKNOWN_FPS, load_video, pair_frames, pair_timestamps,
-                                          sample_indices)
+from vllm_neuron.multimodal.video import (DEFAULT_SAMPLE_FPS, UNKNOWN_FPS, has_metadata, load_video, pad_to_patches,
+                                          pair_frames, pair_timestamps, sample_indices)
 
 MODALITIES = ("image", "video")
 
@@ -73,7 +73,8 @@ class MultiModalProcessor:
             if modality not in MODALITIES:
                 raise ValueError(f"multi_modal_data has unknown modality {modality!r}; valid modalities: "
                                  f"{list(MODALITIES)}")
-            items = list(value) if isinstance(value, (list, tuple)) else [value]
+            one = not isinstance(value, (list, tuple)) or (modality == "video" and has_metadata(value))
+            items = [value] if one else list(value)
             limit = self.limits.get(modality)
             if limit is not None and len(items) > limit:
                 raise ValueError(f"At most {limit} {modality}(s) may be provided in one prompt, got {len(items)} "
@@ -145,9 +146,14 @@ class MultiModalProcessor:
         """(pixel rows, patch grid (t, h, w), seconds of each temporal patch) of one video."""
         from PIL import Image
 
-        frames, source_fps = load_video(source, self.allowed_local_media_path)
-        tp = processor.temporal_patch_size
-        idx = sample_indices(len(frames), source_fps, fps, tp)
+        video = load_video(source, self.allowed_local_media_path)
+        frames, tp = video.frames, processor.temporal_patch_size
+        if video.source_indices is None:
+            idx = sample_indices(len(frames), video.fps, fps, tp)
+            at = idx  # the frames are the whole source
+        else:  # already sampled (vLLM's metadata): every frame, timed at its place in the source
+            idx = pad_to_patches(list(range(len(frames))), tp)
+            at = [video.source_indices[i] for i in idx]
         first = Image.fromarray(frames[idx[0]])
         # Every frame at the first frame's size: the processor then gives all of them one grid.
         picked = [Image.fromarray(frames[i]).resize(first.size) for i in idx]
@@ -156,4 +162,4 @@ class MultiModalProcessor:
         grid = (len(idx) // tp, h, w)
         self._check_frame(grid, "a video frame")
         rows = pair_frames(out["pixel_values"], len(idx), 3, tp, processor.patch_size)
-        return rows, grid, pair_timestamps(idx, source_fps or UNKNOWN_FPS, tp)
+        return rows, grid, pair_timestamps(at, video.fps or UNKNOWN_FPS, tp)

@@ -7,10 +7,17 @@ taking slot 0 of frames 2k and 2k+1 gives the [C, 2, P, P] patch of that frame p
 with the image processor's own min/max pixels per frame (transformers' video processor budgets pixels
 over the whole clip instead, so a long clip may get smaller frames there); timestamps in the prompt
 follow transformers' Qwen3-VL processor: the mean time of each frame pair, 24 fps when unknown.
+
+A video may also come as vLLM's `(frames, metadata)` tuple (its video loader's and VideoAsset's form):
+metadata "fps" is the source's frame rate and "frames_indices" where each given frame sits in the source,
+which place the timestamps; the frames are taken as already sampled unless "do_sample_frames" is true.
 """
 from __future__ import annotations
 
 import io
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -21,18 +28,59 @@ UNKNOWN_FPS = 24.0  # transformers' Qwen3-VL default for frames without metadata
 DEFAULT_SAMPLE_FPS = 2.0
 
 
-def load_video(source, allowed_local_media_path: str | None = None) -> tuple[list[np.ndarray], float | None]:
-    """(RGB uint8 frames [H, W, 3], the source fps or None) from frames (an array [T, H, W, 3] or a list of
-    arrays / PIL images), encoded bytes, or a data:/file:/http(s): URL."""
-    if isinstance(source, np.ndarray) and source.ndim == 4:
-        return [np.asarray(f, dtype=np.uint8) for f in source], None
-    if isinstance(source, (list, tuple)):
-        return [np.asarray(f.convert("RGB") if hasattr(f, "convert") else f, dtype=np.uint8) for f in source], None
+@dataclass(frozen=True)
+class Video:
+    frames: list[np.ndarray]  # RGB uint8 [H, W, 3]
+    fps: float | None  # the source's frame rate (None: unknown)
+    # Each frame's index in the source when the frames are already sampled (None: sample them at the
+    # requested fps; the frames are then the whole source).
+    source_indices: list[int] | None = None
+
+
+def has_metadata(value: Any) -> bool:
+    """vLLM's (frames, metadata) video tuple: one video, not two."""
+    return isinstance(value, tuple) and len(value) == 2 and isinstance(value[1], Mapping)
+
+
+def load_video(source, allowed_local_media_path: str | None = None) -> Video:
+    """A video from frames (an array [T, H, W, 3] or a list of arrays / PIL images), vLLM's (frames,
+    metadata) tuple, encoded bytes, or a data:/file:/http(s): URL."""
+    if has_metadata(source):
+        return _with_metadata(_frames(source[0]), source[1])
+    if isinstance(source, (np.ndarray, list, tuple)):
+        return Video(_frames(source), None)
     if isinstance(source, str):
         source = fetch_url(source, VIDEO_MEDIA_TYPES, allowed_local_media_path)
     if isinstance(source, (bytes, bytearray)):
-        return _decode(bytes(source))
-    raise ValueError(f"a video must be frames ([T, H, W, 3] array or list), bytes or a URL, got {type(source).__name__}")
+        return Video(*_decode(bytes(source)))
+    raise ValueError(f"a video must be frames ([T, H, W, 3] array or list), (frames, metadata), bytes or a URL, "
+                     f"got {type(source).__name__}")
+
+
+def _frames(source) -> list[np.ndarray]:
+    if isinstance(source, np.ndarray) and source.ndim == 4:
+        return [np.asarray(f, dtype=np.uint8) for f in source]
+    if isinstance(source, (list, tuple)) and len(source) > 0:
+        return [np.asarray(f.convert("RGB") if hasattr(f, "convert") else f, dtype=np.uint8) for f in source]
+    raise ValueError(f"video frames must be a [T, H, W, 3] array or a non-empty list of frames, got "
+                     f"{type(source).__name__}")
+
+
+def _with_metadata(frames: list[np.ndarray], meta: Mapping[str, Any]) -> Video:
+    fps = meta.get("fps")
+    if fps is not None and (isinstance(fps, bool) or not isinstance(fps, (int, float)) or not fps > 0):
+        raise ValueError(f"video metadata fps must be a positive number, got {fps!r}")
+    sample = meta.get("do_sample_frames", False)
+    if not isinstance(sample, bool):
+        raise ValueError(f"video metadata do_sample_frames must be true or false, got {sample!r}")
+    if sample:
+        return Video(frames, fps)
+    given = meta.get("frames_indices")
+    indices = np.arange(len(frames)) if given is None else np.asarray(given)
+    if indices.shape != (len(frames),) or not np.issubdtype(indices.dtype, np.integer) or indices.min() < 0:
+        raise ValueError(f"video metadata frames_indices must give one non-negative index per frame ({len(frames)} "
+                         f"frames), got {given!r}")
+    return Video(frames, None if fps is None else float(fps), [int(i) for i in indices])
 
 
 def _decode(data: bytes) -> tuple[list[np.ndarray], float | None]:
@@ -58,6 +106,12 @@ def sample_indices(num_frames: int, source_fps: float | None, fps: float, tempor
     else:
         idx = sorted(set(int(round(t)) for t in np.arange(0, num_frames, source_fps / fps)))
         idx = [i for i in idx if i < num_frames]
+    return pad_to_patches(idx, temporal_patch)
+
+
+def pad_to_patches(indices: list[int], temporal_patch: int) -> list[int]:
+    """`indices` padded with the last one to a multiple of the temporal patch size."""
+    idx = list(indices)
     while len(idx) % temporal_patch:
         idx.append(idx[-1])
     return idx

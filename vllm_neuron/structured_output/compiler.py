@@ -128,3 +128,9 @@ def _native(field: str, what: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
 def compile_cached(params: StructuredOutputsParams, tokenizer_info: xgr.TokenizerInfo) -> xgr.CompiledGrammar:
     """compile_params with the shared compiler of `tokenizer_info` (cached by the grammar's text)."""
     return compile_params(compiler_for(tokenizer_info), params)
+
+
+def validate(params: StructuredOutputsParams, tokenizer_info: xgr.TokenizerInfo) -> None:
+    """Compiles the constraint against `tokenizer_info` (compiled grammars are cached by their text):
+    ValueError naming the problem when it is invalid or would not be enforced in full."""
+    compile_cached(params, tokenizer_info)

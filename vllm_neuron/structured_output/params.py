@@ -1,7 +1,7 @@
 """`StructuredOutputsParams` (vLLM's fields) and its validation.
 
-Torch-free and xgrammar-free at import: SamplingParams (imported by the scheduler) holds these. Only
-`validate` compiles, through `vllm_neuron.structured_output.compiler`.
+Torch-free and xgrammar-free at import: SamplingParams (imported by the scheduler) holds these.
+Compiling one (`compiler.validate`) is the compiler's job; this module imports nothing of it.
 
 xgrammar silently ignores some JSON-schema keywords; a schema using one would yield output that does
 not validate, so `unsupported_json_schema_feature` refuses them up front (checked against xgrammar
@@ -161,11 +161,3 @@ def unsupported_json_schema_feature(schema: Any, path: str = "#") -> str | None:
                     return found
     return None
 
-
-def validate(params: StructuredOutputsParams, tokenizer_info: Any) -> None:
-    """Compiles the constraint against `tokenizer_info` (an xgrammar TokenizerInfo; compiled grammars
-    are cached by their text): ValueError naming the problem when it is invalid or would not be
-    enforced in full."""
-    from vllm_neuron.structured_output.compiler import compile_cached
-
-    compile_cached(params, tokenizer_info)

@@ -6,7 +6,7 @@ import difflib
 import sys
 
 from vllm_neuron.config.arg_utils import HelpFormatter, add_engine_args, arg_group
-from vllm_neuron.config.engine_config import BUNDLED_MODEL_NAME
+from vllm_neuron.config.engine_args import BUNDLED_MODEL_NAME
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:

@@ -5,8 +5,8 @@ import argparse
 import os
 import sys
 
-from vllm_neuron.config.arg_utils import engine_config_from_args
-from vllm_neuron.config.engine_config import BUNDLED_MODEL_NAME
+from vllm_neuron.config.arg_utils import engine_args_from_cli
+from vllm_neuron.config.engine_args import BUNDLED_MODEL_NAME
 from vllm_neuron.logger import configure_root_logger
 
 
@@ -25,12 +25,12 @@ def run_generate(args: argparse.Namespace) -> int:
     from vllm_neuron.sampling_params import SamplingParams
 
     _log_to_stderr(args.verbose)
-    config = engine_config_from_args(args)
+    engine_args = engine_args_from_cli(args)
     if not args.verbose:  # the first run on a machine builds kernels and compiles graphs: minutes without a word
-        model = config.model or f"the bundled {BUNDLED_MODEL_NAME}"
+        model = engine_args.model or f"the bundled {BUNDLED_MODEL_NAME}"
         print(f"Loading {model} (-v shows the engine's log; the first run on a machine builds kernels and compiles "
               "graphs, which takes minutes)", file=sys.stderr, flush=True)
-    llm = LLM.from_config(config)
+    llm = LLM.from_engine_args(engine_args)
     defaults = llm.get_default_sampling_params()
     kwargs = {n: getattr(defaults, n) for n in ("max_tokens", "temperature", "top_p", "top_k", "min_p",
                                                 "repetition_penalty")}
@@ -53,13 +53,10 @@ def run_generate(args: argparse.Namespace) -> int:
 
 def run_compile(args: argparse.Namespace) -> int:
     from vllm_neuron.engine.core import EngineCore
+    from vllm_neuron.engine.resolve import resolve_engine_config
 
-    config = engine_config_from_args(args)
-    if config.data_parallel_size > 1:  # the replicas' graphs: each replica's KV share sizes its pool
-        from vllm_neuron.engine.replica import host_placements, placement_config
-
-        placement_config(config, host_placements(config, range(max(config.local_dp_replicas, 1)))[0])
-    core = EngineCore(config)
+    # With data parallelism the resolved config holds each replica's KV share, which sizes the graphs' pool.
+    core = EngineCore(*resolve_engine_config(engine_args_from_cli(args)))
     c = core.compiler
     print(f"compile cache {c.dir}: {len(c.records)} graphs, {c.num_compiled} compiled now, "
           f"{len(c.records) - c.num_compiled} already cached")

@@ -9,7 +9,7 @@ import os
 import socket
 import time
 
-from vllm_neuron.config.arg_utils import engine_config_from_args
+from vllm_neuron.config.arg_utils import engine_args_from_cli
 from vllm_neuron.entrypoints.openai.request_policy import RequestLimits
 from vllm_neuron.logger import init_logger
 
@@ -47,32 +47,34 @@ def run_serve(args: argparse.Namespace) -> int:
     if getattr(args, "enable_auto_tool_choice", False) and not getattr(args, "tool_call_parser", None):
         raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
     limits = RequestLimits(args.max_n, args.max_request_body_bytes, args.trust_request_chat_template)
-    config = engine_config_from_args(args)
+    engine_args = engine_args_from_cli(args)
     if getattr(args, "headless", False):
-        if config.nnodes > 1:
+        if engine_args.nnodes > 1:
+            from vllm_neuron.engine.resolve import resolve_engine_config
             from vllm_neuron.worker.tp_executor import run_headless_ranks
 
-            return run_headless_ranks(config)
+            return run_headless_ranks(resolve_engine_config(engine_args)[0])
         from vllm_neuron.engine.dp_node import run_headless
 
-        return run_headless(config)
-    if config.data_parallel_start_rank != 0:
-        raise ValueError(f"--data-parallel-start-rank {config.data_parallel_start_rank} is for --headless nodes; "
-                         "the head (the API server) runs ranks 0 .. --data-parallel-size-local - 1")
-    if config.node_rank != 0:
-        raise ValueError(f"--node-rank {config.node_rank} is for --headless nodes; node 0 runs the API server")
+        return run_headless(engine_args)
+    if engine_args.data_parallel_start_rank != 0:
+        raise ValueError(f"--data-parallel-start-rank {engine_args.data_parallel_start_rank} is for --headless "
+                         "nodes; the head (the API server) runs ranks 0 .. --data-parallel-size-local - 1")
+    if engine_args.node_rank != 0:
+        raise ValueError(f"--node-rank {engine_args.node_rank} is for --headless nodes; node 0 runs the API server")
     api_key = args.api_key or os.environ.get("VLLM_API_KEY")
-    return asyncio.run(_serve(config, args, api_key, limits, t0))
+    return asyncio.run(_serve(engine_args, args, api_key, limits, t0))
 
 
-async def _serve(config, args: argparse.Namespace, api_key: str | None, limits: RequestLimits,
+async def _serve(engine_args, args: argparse.Namespace, api_key: str | None, limits: RequestLimits,
                  t0: float) -> int:
     from vllm_neuron import metrics
     from vllm_neuron.engine.async_llm import AsyncLLM
     from vllm_neuron.engine.protocol import EngineDeadError
     from vllm_neuron.entrypoints.openai.api_server import build_app, create_server
 
-    engine = AsyncLLM(config)
+    engine = AsyncLLM.from_engine_args(engine_args)  # resolved here, in the API server process
+    config = engine.config
     try:
         names = config.served_names()
         app = build_app(engine, served_model_names=names, api_key=api_key, chat_template=config.chat_template,

@@ -110,14 +110,14 @@ def validate(llm, prompts: list, max_tokens: int, k: int) -> list[dict]:
 
 
 def run_validate_logits(args: argparse.Namespace) -> int:
-    from vllm_neuron.config.arg_utils import engine_config_from_args
+    from vllm_neuron.config.arg_utils import engine_args_from_cli
     from vllm_neuron.entrypoints.llm import LLM
 
-    config = engine_config_from_args(args)
-    if config.data_parallel_size > 1:
+    engine_args = engine_args_from_cli(args)
+    if engine_args.data_parallel_size > 1:
         raise ValueError(f"validate-logits runs one in-process engine; --data-parallel-size must be 1, got "
-                         f"{config.data_parallel_size}")
-    llm = LLM.from_config(config)
+                         f"{engine_args.data_parallel_size}")
+    llm = LLM.from_engine_args(engine_args)
     texts = args.prompt or ["The capital of France is"]
     if args.image or args.video:
         from vllm_neuron.entrypoints.openai.chat_template import normalize_messages

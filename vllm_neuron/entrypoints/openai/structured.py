@@ -79,8 +79,7 @@ def structured_outputs_from_request(req: Any) -> tuple[StructuredOutputsParams |
 
 async def validate_structured_outputs(params: StructuredOutputsParams, tokenizer: Any, param: str | None) -> None:
     """Compiles the constraint (off the event loop; cached by its text): 400 naming the problem."""
-    from vllm_neuron.structured_output.compiler import make_tokenizer_info
-    from vllm_neuron.structured_output.params import validate
+    from vllm_neuron.structured_output.compiler import make_tokenizer_info, validate
 
     def _check() -> None:
         validate(params, make_tokenizer_info(tokenizer))

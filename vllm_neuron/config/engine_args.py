@@ -1,0 +1,255 @@
+"""The engine's options as the user gave them (`EngineArgs`), and every check that needs no model.
+
+The offline `LLM(**kwargs)` and `vllm-neuron serve --flags` both build `EngineArgs`, so a flag and a
+keyword argument mean the same thing. Options for features that are not built yet are refused with
+"not supported yet" rather than ignored. `config/engine_config.py` resolves them, with the model's facts,
+into the frozen `EngineConfig` the engine runs on.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from vllm_neuron import envs
+from vllm_neuron.config import compatibility
+from vllm_neuron.config import validate as V
+from vllm_neuron.config.device import (DEVICE_CHOICES, DTYPE_CHOICES, check_weight_quantization, resolve_device,
+                                       resolve_model_dtype)
+from vllm_neuron.config.generation_config import check_generation_config_arg, parse_override
+from vllm_neuron.config.json_object import parse_json_object
+from vllm_neuron.config.neuron_config import AdditionalConfig, parse_additional_config
+from vllm_neuron.config.speculative import SpeculativeConfig, parse_speculative_config
+
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")  # fp8 = fp8_e4m3
+BLOCK_SIZES = (8, 16, 32, 64, 128)
+BUNDLED_MODEL_NAME = "SmolLM2-135M-Instruct"  # served name of the bundled model (no MODEL given)
+MM_MODALITIES = ("image", "video")
+
+
+def parse_limit_mm_per_prompt(value: dict | str | None) -> dict[str, int]:
+    """vLLM's --limit-mm-per-prompt ('{"image": 4, "video": 1}') -> {modality: max items}; a modality
+    left out is limited by the context length only."""
+    limits = _json_dict("limit_mm_per_prompt", value)
+    for k, v in limits.items():
+        V.choice("limit_mm_per_prompt modality", k, MM_MODALITIES)
+        V.integer(f"limit_mm_per_prompt[{k!r}]", v, minimum=0)
+    return limits
+
+
+def _json_dict(option: str, value: dict | str | None) -> dict:
+    return parse_json_object(value or None, f"{option} must be a JSON object, got {{value!r}}: {{error}}",
+                             f"{option} must be a JSON object, got {{value!r}}")
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """Every engine option, with vLLM's names and defaults: what EngineArgs (as given) and EngineConfig
+    (resolved) both carry."""
+
+    model: str | None = None  # HF directory or .gguf file; None: the bundled SmolLM2-135M-Instruct
+    tokenizer: str | None = None
+    served_model_name: str | list[str] | None = None
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    max_num_seqs: int | None = None  # None: the largest num_seqs_bucket, else 16
+    max_num_batched_tokens: int | None = None  # None: the largest num_batched_tokens_bucket, else min(512, max_model_len)
+    block_size: int = 32
+    num_gpu_blocks_override: int | None = None
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    enforce_eager: bool = False
+    dtype: str | torch.dtype = "auto"
+    seed: int = 0
+    device: str = "auto"
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    # Multi-node data parallelism (vLLM's names): replicas on this node, the first one's rank (a
+    # --headless node), and the head's address / port that remote replicas connect to.
+    data_parallel_size_local: int | None = None  # None: every replica on this node
+    data_parallel_start_rank: int = 0
+    data_parallel_address: str = "127.0.0.1"
+    data_parallel_rpc_port: int = 29550
+    data_parallel_rank: int | None = None  # external load balancing (one server per rank): refused
+    data_parallel_backend: str = "mp"
+    data_parallel_hybrid_lb: bool = False
+    enable_expert_parallel: bool = False
+    # Multi-node tensor parallelism (vLLM's multiprocessing-backend names): nodes, this node's index, and
+    # where rank 0 (node 0) listens for the process group.
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29501
+    kv_cache_dtype: str = "auto"
+    async_scheduling: bool | None = None
+    max_logprobs: int = 20  # -1: the whole vocabulary
+    enable_prompt_embeds: bool = False
+    speculative_config: dict | str | SpeculativeConfig | None = None
+    kv_transfer_config: dict | str | None = None
+    ec_transfer_config: dict | str | None = None
+    mm_encoder_only: bool = False
+    limit_mm_per_prompt: dict | str | None = None  # {"image": N, "video": M}
+    mm_processor_kwargs: dict | str | None = None  # the image processor's options, e.g. {"max_pixels": ...}
+    allowed_local_media_path: str | None = None  # file:// media must lie under this folder
+    chat_template: str | None = None
+    trust_remote_code: bool = False  # accepted for vLLM compatibility; no remote code is ever run
+    disable_log_stats: bool = False
+    generation_config: str = "auto"  # auto | vllm | a folder with generation_config.json
+    override_generation_config: dict | str | None = None
+    additional_config: dict | str | AdditionalConfig | None = None
+
+    @property
+    def local_tp_ranks(self) -> int:
+        """Tensor-parallel ranks on this node."""
+        return self.tensor_parallel_size // self.nnodes
+
+    @property
+    def local_dp_replicas(self) -> int:
+        """Data-parallel replicas this node runs."""
+        local = self.data_parallel_size_local
+        return self.data_parallel_size if local is None else local
+
+    @property
+    def multi_node_dp(self) -> bool:
+        """Some replicas run on other nodes: the head listens on data_parallel_address:rpc_port."""
+        return self.local_dp_replicas < self.data_parallel_size
+
+    def served_names(self) -> list[str]:
+        if self.served_model_name is None:
+            return [self.model or BUNDLED_MODEL_NAME]
+        if isinstance(self.served_model_name, str):
+            return [self.served_model_name]
+        return list(self.served_model_name)
+
+
+_BOOLEANS = ("enable_prefix_caching", "enforce_eager", "data_parallel_hybrid_lb", "enable_expert_parallel",
+             "enable_prompt_embeds", "mm_encoder_only", "trust_remote_code", "disable_log_stats")
+
+
+@dataclass(frozen=True)
+class EngineArgs(EngineOptions):
+    """The options as given. `from_kwargs` refuses unknown names and bad values at once; `checked` returns
+    a copy whose JSON options (speculative_config, additional_config, ...) are parsed."""
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
+        names = option_names()
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise ValueError(f"unknown engine option(s) {unknown}; valid options: {sorted(names)}")
+        return cls(**kwargs).checked()
+
+    def checked(self, device: torch.device | None = None) -> EngineArgs:
+        """Every check that needs no model (types, ranges, combinations, features not built yet), on the
+        resolved `device` (resolved here when not given); returns the copy with its JSON options parsed."""
+        V.choice("device", self.device, DEVICE_CHOICES)
+        if not isinstance(self.dtype, torch.dtype):
+            V.choice("dtype", self.dtype, DTYPE_CHOICES)
+        device = resolve_device(self.device) if device is None else device
+        self._check_numbers()
+        V.choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        V.boolean("async_scheduling", self.async_scheduling, allow_none=True)
+        self._check_data_parallel()
+        if self.enable_prompt_embeds:
+            raise V.not_supported("enable_prompt_embeds", True)
+        if self.kv_transfer_config:
+            raise V.not_supported("kv_transfer_config", self.kv_transfer_config,
+                                  "disaggregated prefill/decode inference is not built yet")
+        if self.ec_transfer_config:
+            raise V.not_supported("ec_transfer_config", self.ec_transfer_config,
+                                  "encoder-disaggregated (EPD) inference is not supported yet")
+        if self.mm_encoder_only:
+            raise V.not_supported("mm_encoder_only", True, "encoder-disaggregated (EPD) inference is not supported yet")
+        if self.allowed_local_media_path is not None and not os.path.isdir(self.allowed_local_media_path):
+            raise ValueError(f"allowed_local_media_path={self.allowed_local_media_path!r} is not an existing folder")
+        check_generation_config_arg(self.generation_config)
+        envs.check_supported()
+        parsed = dataclasses.replace(
+            self, speculative_config=parse_speculative_config(self.speculative_config),
+            limit_mm_per_prompt=parse_limit_mm_per_prompt(self.limit_mm_per_prompt),
+            mm_processor_kwargs=_json_dict("mm_processor_kwargs", self.mm_processor_kwargs),
+            override_generation_config=parse_override(self.override_generation_config),
+            additional_config=parse_additional_config(self.additional_config))
+        parsed._check_parallel()
+        parsed._check_neuron_config(device)
+        compatibility.check(parsed.features(device))
+        return parsed
+
+    def features(self, device: torch.device, **model: bool) -> compatibility.Features:
+        """What this (checked) configuration uses, for config/compatibility.py; `model`: the model's facts."""
+        nc = self.additional_config.neuron_config
+        return compatibility.Features(
+            **model, device=device.type,
+            speculative=self.speculative_config.method if self.speculative_config else None,
+            cpu_sampling=nc.on_device_sampling_config is None, enforce_eager=self.enforce_eager,
+            eager_backend=self.enforce_eager or envs.VLLM_NEURON_BACKEND == "eager",
+            async_scheduling=self.async_scheduling, tensor_parallel_size=self.tensor_parallel_size,
+            data_parallel_size=self.data_parallel_size, nnodes=self.nnodes,
+            expert_parallel=self.enable_expert_parallel, decode_cpp_wrapper=nc.decode_cpp_wrapper,
+            compile_workers=envs.NEURON_LIBTORCH_PARALLEL_COMPILE_WORKERS or 1)
+
+    def _check_numbers(self) -> None:
+        V.choice("block_size", self.block_size, BLOCK_SIZES)
+        for name in ("tensor_parallel_size", "data_parallel_size"):
+            V.integer(name, getattr(self, name), minimum=1)
+        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "num_gpu_blocks_override"):
+            V.optional_integer(name, getattr(self, name), minimum=1)
+        if self.max_logprobs != -1:
+            V.integer("max_logprobs", self.max_logprobs, minimum=0, context="or -1: the whole vocabulary")
+        V.integer("seed", self.seed)
+        V.number("gpu_memory_utilization", self.gpu_memory_utilization, minimum=0.0, maximum=1.0,
+                 min_exclusive=True)
+        for name in _BOOLEANS:
+            V.boolean(name, getattr(self, name))
+
+    def _check_data_parallel(self) -> None:
+        dp = self.data_parallel_size
+        if self.data_parallel_rank is not None:
+            raise V.not_supported("data_parallel_rank", self.data_parallel_rank,
+                                  "external load balancing (one server per rank); use --data-parallel-size with "
+                                  "--data-parallel-size-local / --headless for replicas behind one API server")
+        if self.data_parallel_backend != "mp":
+            raise V.not_supported("data_parallel_backend", self.data_parallel_backend, "only 'mp' (multiprocessing)")
+        if self.data_parallel_hybrid_lb:
+            raise V.not_supported("data_parallel_hybrid_lb", True, "replicas on every node join the head's router")
+        V.optional_integer("data_parallel_size_local", self.data_parallel_size_local, minimum=0, maximum=dp,
+                           context=f"data_parallel_size={dp}")
+        start = V.integer("data_parallel_start_rank", self.data_parallel_start_rank, minimum=0, maximum=dp - 1,
+                          context=f"data_parallel_size={dp}")
+        if start + self.local_dp_replicas > dp:
+            raise ValueError(f"data_parallel_start_rank={start} + data_parallel_size_local={self.local_dp_replicas} "
+                             f"exceeds data_parallel_size={dp}")
+        V.port("data_parallel_rpc_port", self.data_parallel_rpc_port)
+        V.host("data_parallel_address", self.data_parallel_address)
+
+    def _check_parallel(self) -> None:
+        """Tensor / expert parallelism and the multi-node flags (the seeds' EP rules: neuron_config.py)."""
+        tp = self.tensor_parallel_size
+        self.additional_config.neuron_config.validate_parallel(self.enable_expert_parallel, tp,
+                                                               self.data_parallel_size, self.kv_transfer_config)
+        if not isinstance(self.nnodes, int) or isinstance(self.nnodes, bool) or self.nnodes < 1 or tp % self.nnodes:
+            raise ValueError(f"nnodes must be a positive integer that divides tensor_parallel_size={tp} (each node "
+                             f"runs tensor_parallel_size / nnodes ranks), got {self.nnodes!r}")
+        V.integer("node_rank", self.node_rank, minimum=0, maximum=self.nnodes - 1, context=f"nnodes={self.nnodes}")
+        V.port("master_port", self.master_port)
+        V.host("master_addr", self.master_addr)
+
+    def _check_neuron_config(self, device: torch.device) -> None:
+        nc = self.additional_config.neuron_config
+        dtype, _ = resolve_model_dtype(self.dtype, device, nc.quantization)
+        if nc.quantization in ("int8", "int4"):
+            check_weight_quantization(nc.quantization, dtype, device)
+        if nc.fp8_packed_kv:
+            # The seeds' rule: the packed layout selects Model Runner V1, whose packed path is not built.
+            raise V.not_supported("neuron_config.fp8_packed_kv", True,
+                                  "the packed FP8 KV layout needs Model Runner V1's packed path; kv_cache_dtype='fp8' "
+                                  "gives the unpacked FP8 KV cache")
+        if nc.gk_decode:
+            raise V.not_supported("neuron_config.gk_decode", True)
+
+
+def option_names() -> set[str]:
+    """Every engine option (LLM keyword / CLI flag destination)."""
+    return {f.name for f in dataclasses.fields(EngineOptions)}
