@@ -43,6 +43,7 @@ class FakeEngine(EngineClient):
     max_model_len: int = 256
     ready: bool = True
     dead: bool = False
+    warmed_up: tuple[int, int] | None = None  # what the engine reports of its warm-up
     token_delay: float = 0.0
     calls: dict[str, Call] = field(default_factory=dict)
     aborted: list[str] = field(default_factory=list)
@@ -53,6 +54,10 @@ class FakeEngine(EngineClient):
         self.script_ids = self.tokenizer.encode(SCRIPT, add_special_tokens=False)
 
     # ---- EngineClient ----
+    @property
+    def warmup_progress(self) -> tuple[int, int] | None:
+        return self.warmed_up
+
     @property
     def is_ready(self) -> bool:
         return self.ready and not self.dead

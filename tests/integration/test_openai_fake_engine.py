@@ -393,6 +393,9 @@ def test_health_follows_engine_state(tokenizer):
     with serve(build_app(fake, served_model_names=[MODEL], api_key="sk-test")) as url:
         r = httpx.get(url + "/health")
         assert r.status_code == 503 and r.json()["error"]["code"] == 503
+        assert "graphs" not in r.json()["error"]["message"]  # before the engine says how far it got
+        fake.warmed_up = (3, 8)
+        assert "in progress (3 of 8 graphs)" in httpx.get(url + "/health").json()["error"]["message"]
         assert _health_codes(url) == [503] * 3
         r = httpx.post(url + "/v1/completions", json={"prompt": "x"}, headers={"Authorization": "Bearer sk-test"})
         assert r.status_code == 503

@@ -1,7 +1,7 @@
 """Tensor and expert parallelism end to end: greedy fp32 tokens at TP=2 (two processes, gloo, one thread
 each) equal transformers' and TP=1's on tiny Llama, Qwen3, Qwen3-MoE and gpt-oss models, eager and compiled,
 with prompts longer than max_num_batched_tokens (segmented prefill) and a second pass served from the prefix
-cache; EP=2 (experts split over the ranks) equals EP=1.
+cache; EP=2 (experts split over the ranks) equals EP=1; speculative decoding (n-gram, EAGLE3) at TP=2 keeps them.
 """
 from __future__ import annotations
 
@@ -41,10 +41,10 @@ def model_dirs(tmp_path_factory) -> dict[str, str]:
             for a in ("llama", "qwen3", "qwen3_moe", "gpt_oss")}
 
 
-def _generate(model_dir: str, *, tp: int, eager: bool = True, cached_pass: bool = True,
+def _generate(model_dir: str, *, tp: int, eager: bool = True, cached_pass: bool = True, stats: list | None = None,
               **kw) -> tuple[list[list[int]], list[list[int]], list]:
     """Two passes over the prompts (the second from the prefix cache; none without `cached_pass`): tokens of
-    each, cached token counts."""
+    each, cached token counts; the scheduler's speculative-decoding counters appended to `stats`."""
     llm = LLM(model_dir, tensor_parallel_size=tp, max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32,
               block_size=16, dtype="float32", device="cpu", num_gpu_blocks_override=64, enforce_eager=eager,
               additional_config={"neuron_config": EAGER_BUCKETS if eager else COMPILED_BUCKETS}, **kw)
@@ -53,6 +53,8 @@ def _generate(model_dir: str, *, tp: int, eager: bool = True, cached_pass: bool 
         prompts = [{"prompt_token_ids": p} for p in _prompts()]
         first = llm.generate(prompts, params, use_tqdm=False)
         second = llm.generate(prompts, params, use_tqdm=False) if cached_pass else []
+        if stats is not None:
+            stats.append(llm.llm_engine.core.scheduler.spec_stats)
     finally:
         llm.llm_engine.shutdown()
     return ([o.outputs[0].token_ids for o in first], [o.outputs[0].token_ids for o in second],
@@ -102,3 +104,32 @@ def test_gpt_oss_tp2_and_ep2_equal_transformers_and_tp1(model_dirs):
     _check("gpt_oss", *tp2)
     assert _generate(d, tp=2, enable_expert_parallel=True, cached_pass=False)[0] == tp2[0]
     assert _generate(d, tp=1, cached_pass=False)[0] == tp2[0]
+
+
+def test_speculative_decoding_with_tp2_equals_transformers(model_dirs, tmp_path, monkeypatch):
+    """Speculation shards with the target: verification steps run on every rank from the scheduler's drafts. N-gram
+    drafts come from an oracle on rank 0 (each request's own continuation, its last draft junk: accepted and
+    rejected drafts in every step); an EAGLE3 draft runs whole on both ranks. Greedy tokens stay transformers'."""
+    from tests.model_factory import make_tiny_eagle3
+    from vllm_neuron.worker.spec_decode.ngram import NgramSpeculator
+
+    ref = _reference("llama")
+
+    def propose(self, states, req_ids, rows, graph_drafts):
+        out = {}
+        for rid in req_ids:
+            done = states[rid].output_token_ids
+            r = next((r for r in ref if done and r[:len(done)] == done), None)
+            if r is not None and len(done) < len(r):
+                out[rid] = r[len(done):len(done) + self.k - 1] + [5]
+        return out
+    monkeypatch.setattr(NgramSpeculator, "propose", propose)
+    stats = []
+    _check("llama", *_generate(model_dirs["llama"], tp=2, stats=stats, speculative_config={
+        "method": "ngram", "num_speculative_tokens": 3}))
+    draft = make_tiny_eagle3(str(tmp_path / "eagle3"), aux_layer_ids=[0, 1, 1])
+    first, _, _ = _generate(model_dirs["llama"], tp=2, cached_pass=False, stats=stats, speculative_config={
+        "method": "eagle3", "model": draft, "num_speculative_tokens": 3})
+    assert first == ref
+    ngram, eagle3 = stats
+    assert 0 < ngram.num_accepted_tokens < ngram.num_draft_tokens and eagle3.num_drafts > 0

@@ -51,3 +51,13 @@ def test_engine_error_output_reaches_the_request(client):
     assert isinstance(queues["bad"].get_nowait(), EngineRequestError)
     assert isinstance(queues["good"].get_nowait(), RequestOutput)
     assert "good" in client.output_processor.requests
+
+
+def test_warmup_progress_adds_up_over_the_replicas(client):
+    """What the engine cores report of their warm-up, graph by graph (the API server's /health says it)."""
+    client._warmup = {}
+    assert client.warmup_progress is None
+    client._on_message(0, "progress", {"done": 1, "total": 8, "last": "compiled"})
+    client._on_message(1, "progress", {"done": 2, "total": 8, "last": "loaded"})
+    client._on_message(0, "progress", {"done": 3, "total": 8, "last": "loaded"})
+    assert client.warmup_progress == (5, 16)

@@ -79,3 +79,32 @@ def test_input_signature_names_every_shape_dtype_and_stride():
                   (torch.zeros(3, 2).t(), None, a[2]), (torch.zeros(2, 3), None, [(torch.zeros(8, dtype=torch.int32),
                                                                                   torch.zeros(1))])]:
         assert input_signature(other) != input_signature(a)
+
+
+def test_warmup_reports_each_graph_and_whether_it_was_compiled_or_loaded():
+    class FakeCompiler:
+        backend, dir = "native", "/cache"
+
+        def __init__(self):
+            self.warmed = []
+
+        def missing(self, names):
+            return [n for n in names if n.startswith("decode")]
+
+        def warm(self, name, run):
+            run()
+            self.warmed.append(name)
+
+        def finish(self):
+            pass
+
+    r = _runner(max_model_len=128, max_num_seqs=2, max_num_batched_tokens=64, enable_prefix_caching=False)
+    r.backend, r.compiler = "native", FakeCompiler()
+    ran = []
+    r.warm_graph = ran.append
+    seen = []
+    r.warmup(lambda done, total, how: seen.append((done, total, how)))
+    names = [g.name for g in r.graph_names()]
+    assert ran == r.graph_names() and r.compiler.warmed == names
+    assert seen == [(i, len(names), "compiled" if n.startswith("decode") else "loaded")
+                    for i, n in enumerate(names, 1)]

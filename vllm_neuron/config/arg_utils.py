@@ -128,12 +128,12 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool =
     g.add_argument("--speculative-config", type=_json_arg, default=None,
                    help='speculative decoding, vLLM\'s JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'; '
                    f"methods: {', '.join(SPECULATIVE_METHODS)} (eagle3 and dflash name their draft checkpoint in "
-                   "\"model\"); tensor-parallel-size 1 only (default: off)")
+                   "\"model\"; a draft model runs whole on every tensor-parallel rank; default: off)")
 
     g = arg_group(parser, "parallel")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
-                   help="tensor parallel ranks (processes, CPU only for now; not with a multimodal model or "
-                   "speculative decoding); each node's cores are split between its ranks")
+                   help="tensor parallel ranks (processes, CPU only for now; not with a multimodal model); each "
+                   "node's cores are split between its ranks")
     g.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                    help="engine replicas behind one API server; each request goes to the least loaded one, or "
                    "to the one that cached its prompt's prefix")

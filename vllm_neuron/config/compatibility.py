@@ -57,8 +57,6 @@ REFUSED: tuple[Refusal, ...] = (
     # Speculative decoding and sampling
     _refuse("speculative", MRV2, message="VLLM_USE_V2_MODEL_RUNNER=1 cannot serve speculative decoding: Neuron Model "
             "Runner V2 does not support it; unset VLLM_USE_V2_MODEL_RUNNER (MRv1 is then selected)"),
-    _refuse("speculative", "tensor_parallel", message="speculative_config={speculative!r} is not supported yet by "
-            "vllm-neuron: with tensor_parallel_size={tensor_parallel_size} (speculative decoding is not sharded yet)"),
     _refuse("speculative", "cpu_sampling", message="speculative decoding requires on-device sampling (the rejection "
             "sampler runs in the graph), but neuron_config.on_device_sampling_config is null; enable on-device "
             "sampling or remove --speculative-config"),

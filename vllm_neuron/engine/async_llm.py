@@ -46,6 +46,7 @@ class AsyncLLM(EngineClient):
         self._replica_of: dict[str, int] = {}  # request id -> the replica serving it
         self._weight: dict[str, int] = {}  # request id -> engine requests it holds (n)
         self._ready = False
+        self._warmup: dict[int, tuple[int, int]] = {}  # replica rank -> (graphs warmed up, graphs in all)
         self._dead: str | None = None
         self._handler: asyncio.Task | None = None
         self.startup_info: dict[str, Any] = {}
@@ -84,6 +85,13 @@ class AsyncLLM(EngineClient):
         if self.input_processor.mm_processor is None:
             return super().process_multimodal(token_ids, media, mm_processor_kwargs)
         return self.input_processor.mm_processor.process(token_ids, media, mm_processor_kwargs)
+
+    @property
+    def warmup_progress(self) -> tuple[int, int] | None:
+        """(graphs warmed up, graphs in all) over the replicas that reported any; None before the first."""
+        if not self._warmup:
+            return None
+        return sum(d for d, _ in self._warmup.values()), sum(t for _, t in self._warmup.values())
 
     @property
     def is_ready(self) -> bool:
@@ -211,16 +219,21 @@ class AsyncLLM(EngineClient):
             if not got:
                 continue
             rank, (kind, *rest) = await self.cores.recv()
-            payload = rest[0] if rest else None
-            if kind == "outputs":
-                self._dispatch(payload, rank)
-            elif kind == "ready":
-                self._on_ready(rank, payload)
-            elif kind == "dead":
-                self._replica_died(rank, payload)
-            elif kind == "node_dead":
-                for r, reason in payload:
-                    self._replica_died(r, reason)
+            self._on_message(rank, kind, rest[0] if rest else None)
+
+    def _on_message(self, rank: int | None, kind: str, payload) -> None:
+        """One message from a replica (engine/core_proc.py lists them) or a node supervisor."""
+        if kind == "outputs":
+            self._dispatch(payload, rank)
+        elif kind == "progress":
+            self._warmup[rank] = (payload["done"], payload["total"])
+        elif kind == "ready":
+            self._on_ready(rank, payload)
+        elif kind == "dead":
+            self._replica_died(rank, payload)
+        elif kind == "node_dead":
+            for r, reason in payload:
+                self._replica_died(r, reason)
 
     def _on_ready(self, rank: int, info: dict) -> None:
         # The EngineCore logged its own "Engine ready" line with the details: no second one.

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from vllm_neuron import envs
@@ -30,9 +31,10 @@ MAX_CONSECUTIVE_STEP_FAILURES = 4
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, checkpoint: Checkpoint | None = None) -> None:
+    def __init__(self, config: EngineConfig, checkpoint: Checkpoint | None = None,
+                 on_progress: Callable[[int, int, str], None] | None = None) -> None:
         """`config` comes resolved (engine/resolve.py, in the process that got the user's options); the engine
-        core only loads the checkpoint's weights."""
+        core only loads the checkpoint's weights. on_progress(done, total, how): each graph of warm-up."""
         if not isinstance(config, EngineConfig):
             raise TypeError(f"EngineCore takes a resolved EngineConfig (engine/resolve.py), got {type(config).__name__}")
         t0 = time.perf_counter()
@@ -72,7 +74,7 @@ class EngineCore:
                                             self.runner.request_blocks()))
         if not isinstance(self.runner, TPExecutor):  # (tensor parallelism refuses compile workers)
             compile_missing(self.runner)
-        self.compiler = self.runner.warmup()
+        self.compiler = self.runner.warmup(on_progress)
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=config.max_model_len, block_size=config.block_size, num_blocks=self.num_blocks,

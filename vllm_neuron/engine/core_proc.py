@@ -2,8 +2,8 @@
 
 One DEALER socket, identity `engine-<dp rank>`, connected to the API server's ROUTER (ipc on one
 host, tcp for data-parallel replicas on other hosts). Messages are pickled tuples ("add",
-EngineCoreRequest) / ("abort", [ids]) / ("shutdown",) in, and ("hello", info) / ("ready", info) /
-("outputs", EngineCoreOutputs) / ("alive", None) / ("dead", message) out. The loop blocks on the socket only when no
+EngineCoreRequest) / ("abort", [ids]) / ("shutdown",) in, and ("hello", info) / ("progress", {done, total,
+last}) per warm-up graph / ("ready", info) / ("outputs", EngineCoreOutputs) / ("alive", None) / ("dead", message) out. The loop blocks on the socket only when no
 request is unfinished, so an idle engine costs nothing.
 """
 from __future__ import annotations
@@ -63,7 +63,8 @@ def run_engine_core(config: EngineConfig, address: str, placement: ReplicaPlacem
         _send(out, ("hello", {"pid": os.getpid(), "host": socket.gethostname()}))
         apply_placement(placement)  # the config came resolved, its KV-budget share included
         metrics.configure(model_name, engine=placement.rank)
-        core = EngineCore(config)
+        core = EngineCore(config, on_progress=lambda done, total, how: _send(
+            out, ("progress", {"done": done, "total": total, "last": how})))
         for rec in core.compiler.records:
             metrics.record_compilation_time(rec.name, rec.seconds)
         metrics.record_model_load(core.load_stats.seconds, core.load_stats.nbytes)

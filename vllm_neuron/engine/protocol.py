@@ -81,6 +81,11 @@ class EngineClient(ABC):
         """Aborts a request; its KV blocks are freed. Unknown ids are ignored."""
 
     @property
+    def warmup_progress(self) -> tuple[int, int] | None:
+        """(graphs warmed up, graphs in all) while the engine starts; None when it does not say."""
+        return None
+
+    @property
     @abstractmethod
     def is_ready(self) -> bool:
         """True once warm-up and compilation have finished."""

@@ -6,8 +6,10 @@ runner only ever:
 
 * asks `cls.spec(hf_config)` - before building it - what the KV cache and the graphs need
   (`ModelSpec`: layers, KV heads, head dim, per-layer sliding windows, MoE, attention sinks);
-* calls `forward(input_ids, positions, kv_caches, meta, inputs_embeds=None)` -> hidden states [N, hidden]
-  for N (padded) tokens; `kv_caches[i]` is layer i's (K, V) pair of [slots, kv_heads, head_dim]
+* calls `forward(input_ids, positions, kv_caches, meta, **inputs)` -> hidden states [N, hidden]
+  for N (padded) tokens; `inputs` are the model kind's named inputs (worker/model_kinds/: e.g. Qwen3-VL's
+  `mm` in a prefill, `rope_delta` per decode row), and `aux_layers=(...)` for a target a draft model taps
+  (then the result is (hidden states, the tapped layers' inputs)); `kv_caches[i]` is layer i's (K, V) pair of [slots, kv_heads, head_dim]
   tensors, `meta` the step's `AttentionMetadata` shared by all layers, or a list of one per layer
   (KV cache groups, kv_cache_groups.py: layers of different groups write and read through different
   block tables, and layers of the same index in different groups share one K/V tensor pair);

@@ -268,7 +268,9 @@ class ModelRunnerBase:
         """The bucket graph functions this runner compiles (worker/graphs.py)."""
         raise NotImplementedError
 
-    def warmup(self) -> GraphCompiler:
+    def warmup(self, progress: Callable[[int, int, str], None] | None = None) -> GraphCompiler:
+        """Compiles (or loads) every graph of `graph_names()`; progress(done, total, "compiled" / "loaded") after
+        each one, for whoever waits on the engine (the API server's /health says how far it got)."""
         graphs = self.graph_names()
         if self.backend == "eager":
             logger.info("Eager execution (enforce_eager or VLLM_NEURON_BACKEND=eager): %d bucket graphs run "
@@ -284,6 +286,8 @@ class ModelRunnerBase:
             logger.info("Warming up: graph %d of %d, %s (%s) ...", i, len(graphs), spec.name,
                         "compiling it" if spec.name in missing else "loading it from the compile cache")
             self.compiler.warm(spec.name, lambda: self.warm_graph(spec))
+            if progress is not None:
+                progress(i, len(graphs), "compiled" if spec.name in missing else "loaded")
         self.compiler.finish()
         return self.compiler
 

@@ -16,7 +16,7 @@ import torch
 
 from vllm_neuron.config.neuron_config import OnDeviceSamplingConfig
 from vllm_neuron.model.layers.in_graph_sampler import counter_uniform, fold_seed
-from vllm_neuron.logger import init_logger, warning_once
+from vllm_neuron.logger import init_logger
 from vllm_neuron.sampling_params import SAMPLING_EPS
 from vllm_neuron.step import NewRequestData, StepLogprobs
 from vllm_neuron.worker.host_sampler import HostSamplingRow, host_sample
@@ -47,9 +47,11 @@ class SamplingStates:
         self.rng = torch.Generator().manual_seed(seed)
         self.states: dict[str, RequestState] = {}
         if odsc is not None and not odsc.all_greedy:
+            # Said once here: a per-request warning fired on the bundled model's own default (top_p 0.9).
             logger.info("In-graph sampling draws from the %d most likely tokens (neuron_config."
-                        "on_device_sampling_config.top_k); a request with a larger top_k samples on the host",
-                        odsc.top_k)
+                        "on_device_sampling_config.top_k), top_p with top_k off included, in the graph and on the "
+                        "host alike; a request with a larger top_k samples on the host; on_device_sampling_config "
+                        "null gives top-p over the full vocabulary", odsc.top_k)
 
     def add(self, data: NewRequestData) -> None:
         p = data.sampling_params
@@ -57,11 +59,6 @@ class SamplingStates:
             torch.randint(0, 1 << 32, (1,), generator=self.rng).item())
         # A top_k wider than the graph's top-k width would be silently narrowed: sample it on the host.
         on_host = self.odsc is None or p.needs_host_sampling or p.top_k > self.odsc.top_k
-        if (self.odsc is not None and p.top_k <= 0 and p.top_p < 1.0 and p.temperature >= SAMPLING_EPS
-                and not self.odsc.all_greedy):
-            warning_once(logger, "top_p with top_k=-1 (off) keeps at most the %d most likely tokens "
-                         "(neuron_config.on_device_sampling_config.top_k), in the graph and on the host alike; "
-                         "set on_device_sampling_config to null for top-p over the full vocabulary", self.odsc.top_k)
         self.states[data.req_id] = RequestState(data, seed, on_host=on_host)
 
     def truncate(self, req_id: str, num_output_tokens: int) -> None:

@@ -67,7 +67,6 @@ class RankSetup:
 
         # One node: the group meets on a free loopback port (--master-port matters across nodes only).
         addr, port = (config.master_addr, config.master_port) if config.nnodes > 1 else ("127.0.0.1", _free_port())
-        # A headless node's config is not finalized (no model yet): its ranks take ep_degree from rank 0.
         return cls(config.tensor_parallel_size, config.nnodes, addr, port, config.neuron_config.ep_degree or 1,
                    envs.VLLM_NEURON_DIST_TIMEOUT_S, config.kv_budget_shared_by)
 
@@ -191,6 +190,11 @@ class TPExecutor:
                 raise WorkerRankError(f"{reason}; the tensor parallel group is broken, the engine stops") from e
             raise
 
+    def warmup(self, progress=None):
+        """Warm-up on every rank; rank 0 alone reports progress (a callback does not cross processes)."""
+        self._call(_send, ("warmup", ()))
+        return self._call(self.runner.warmup, progress)
+
     def __getattr__(self, name: str):
         attr = getattr(self.runner, name)
         if not callable(attr):
@@ -237,12 +241,8 @@ def _start_rank(setup: RankSetup, rank: int) -> subprocess.Popen:
 
 
 def _check_shardable(hf_config, world: int) -> None:
-    """The head-split rules, before any process starts (parallel_state.local_kv_heads)."""
-    from vllm_neuron.model.registry import is_multimodal
-
-    if is_multimodal(hf_config):
-        raise ValueError(f"tensor_parallel_size={world} is not supported yet by vllm-neuron for multimodal models "
-                         "(the vision tower is not sharded); use tensor_parallel_size=1")
+    """The head-split rules, before any process starts (parallel_state.local_kv_heads); which models shard at all
+    is config/compatibility.py's to say."""
     heads = getattr(hf_config, "num_attention_heads", None)
     if heads:
         ps.check_tp_divides("the number of attention heads", heads, world)

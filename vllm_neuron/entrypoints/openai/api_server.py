@@ -124,7 +124,9 @@ def build_app(engine: EngineClient, *, served_model_names: list[str], api_key: s
         if engine.errored:
             return error_response("The engine is dead.", 503)
         if not engine.is_ready:
-            return error_response("The server is not ready yet: warm-up and compilation are in progress.", 503)
+            done = engine.warmup_progress
+            return error_response("The server is not ready yet: warm-up and compilation are in progress"
+                                  + (f" ({done[0]} of {done[1]} graphs)." if done else "."), 503)
         try:
             await engine.check_health()
         except Exception as e:  # any failure of the health check means not healthy
