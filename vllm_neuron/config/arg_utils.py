@@ -128,7 +128,7 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool =
     g.add_argument("--speculative-config", type=_json_arg, default=None,
                    help='speculative decoding, vLLM\'s JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'; '
                    f"methods: {', '.join(SPECULATIVE_METHODS)} (eagle3 and dflash name their draft checkpoint in "
-                   "\"model\"; a draft model runs whole on every tensor-parallel rank; default: off)")
+                   "\"model\"; a draft model runs whole on every tensor-parallel rank) (default: off)")
 
     g = arg_group(parser, "parallel")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
