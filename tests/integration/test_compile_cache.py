@@ -205,7 +205,7 @@ def test_loaded_graphs_generate_what_eager_generates(model, new_root, tmp_path):
     assert warm == eager, (warm, eager)
     # Same bucket names, other input shapes (a wider block table): the saved graphs must not be reused.
     wider = ("--max-model-len", "256")
-    proc = run_cli(["generate", "--model", model, "--raw", "--max-tokens", "12", "--temperature", "0",
+    proc = run_cli(["generate", "-v", "--model", model, "--raw", "--max-tokens", "12", "--temperature", "0",
                     "--dtype", "float32",
                     *_args((2,)), *wider, *prompts], str(tmp_path), timeout=300, NEURON_COMPILED_ARTIFACTS=root)
     assert proc.returncode == 0, proc.stdout + proc.stderr
