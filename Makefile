@@ -30,8 +30,8 @@ run: setup  ## serve the bundled model (OpenAI API on http://$(HOST):$(PORT)/v1;
 test: setup  ## the whole test suite (CPU)
 	$(BIN)/python -m pytest -q --durations=30 $(ARGS)
 
-test-fast: setup  ## unit tests only
-	$(BIN)/python -m pytest -q tests/unit $(ARGS)
+test-fast: setup  ## the fast tier: every test that builds no engine (pure units, the kernels, the HTTP layer on a fake engine)
+	$(BIN)/python -m pytest -q -m "not engine and not slow and not network and not soak and not gpu" $(ARGS)
 
 compile: setup  ## fill the compile cache for the default serving configuration
 	$(BIN)/vllm-neuron compile $(ARGS)

@@ -55,6 +55,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.skip(reason=reason))
 
 
+@pytest.fixture(autouse=True)
+def _engine_tests_are_marked(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A test that builds an engine must say so (`pytest.mark.engine`): the fast tier (`make test-fast`) leaves
+    those out, so an unmarked one would slow it down unnoticed. Engines built by module- or session-scoped
+    fixtures exist before this runs; the files that have such fixtures are marked whole."""
+    if request.node.get_closest_marker("engine") is not None:
+        return
+    from vllm_neuron.engine.core import EngineCore
+
+    def refused(*args, **kwargs):
+        raise AssertionError(f"{request.node.nodeid} builds an engine: mark it with pytest.mark.engine")
+    monkeypatch.setattr(EngineCore, "__init__", refused)
+
+
 @pytest.fixture(scope="session")
 def smollm2_tokenizer_dir() -> str:
     """Directory with the SmolLM2 tokenizer (save_pretrained of the bundled GGUF's tokenizer)."""

@@ -47,6 +47,23 @@ def shared_prefix_prompts(lengths: list[int], shared_len: int, first_shared: int
     return out
 
 
+# The tests' engine: fp32 on the CPU, eager, small buckets, a fixed KV pool (no memory probing).
+TINY_ENGINE = dict(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=32, block_size=16, dtype="float32",
+                   device="cpu", num_gpu_blocks_override=160, enforce_eager=True)
+
+
+def tiny_llm(model_dir: str, **overrides: Any):
+    """The tests' engine on `model_dir`: TINY_ENGINE's settings, `overrides` replacing them."""
+    from vllm_neuron import LLM
+
+    return LLM(model_dir, **{**TINY_ENGINE, **overrides})
+
+
+def greedy_reference(hf, prompts: list[list[int]], max_new: int) -> list[list[int]]:
+    """transformers' greedy tokens of `max_new` new tokens (EOS ignored) after each prompt, one at a time."""
+    return hf_greedy_reference(hf, prompts, max_new, logits=False)[0]
+
+
 def hf_greedy_reference(hf, prompts: list[list[int]], max_new: int,
                         logits: bool = True) -> tuple[list[list[int]], list[torch.Tensor] | None]:
     """transformers' greedy generate of `max_new` tokens (EOS ignored), one prompt at a time (no padding):

@@ -5,6 +5,8 @@ import pytest
 
 from vllm_neuron import LLM, SamplingParams
 
+pytestmark = pytest.mark.engine
+
 
 @pytest.mark.slow
 def test_bundled_smollm2_knows_paris():

@@ -2,6 +2,8 @@
 fail fast with a message naming the problem (never a traceback, never a hang, never a download)."""
 from __future__ import annotations
 
+import pytest
+
 import json
 import re
 import socket
@@ -30,6 +32,7 @@ def _assert_clean_failure(proc: subprocess.CompletedProcess, *needles: str) -> s
 _LOG_LINE = re.compile(r"^(DEBUG|INFO|WARNING|ERROR|CRITICAL) \d\d-\d\d \d\d:\d\d:\d\d ", re.MULTILINE)
 
 
+@pytest.mark.engine
 def test_generate_stdout_holds_only_the_answer(tiny_llama_dir, tmp_path):
     """A command-line tool's streams: the answer alone on stdout, the log on stderr (-v for all of it), so that
     `vllm-neuron generate ... > answer.txt` captures the answer and nothing else."""
@@ -96,12 +99,14 @@ def test_hub_model_name_is_not_downloaded(tmp_path):
     assert "Nothing is downloaded" in out or "nothing is downloaded" in out, out
 
 
+@pytest.mark.engine
 def test_too_few_kv_blocks_offline(tiny_llama_dir, tmp_path):
     proc = run_cli(["generate", "--model", tiny_llama_dir, "--enforce-eager", *_SMALL_KV, "hello"], str(tmp_path),
                    timeout=120)
     _assert_clean_failure(proc, "num_gpu_blocks_override", "max_model_len")
 
 
+@pytest.mark.engine
 def test_too_few_kv_blocks_serve_exits(tiny_llama_dir, tmp_path):
     # TMPDIR: the server is killed below, and its IPC folder would be left in /tmp.
     srv = ServerProcess(tiny_llama_dir, ["--enforce-eager", *_SMALL_KV], str(tmp_path), TMPDIR=str(tmp_path))

@@ -26,6 +26,7 @@ def _table_rows(text: str) -> list[list[str]]:
             for line in text.splitlines() if line.startswith("| ")]
 
 
+@pytest.mark.engine
 def test_ours_p2_end_to_end(tiny_llama_dir, tmp_path):
     from tests.model_factory import build_tiny_llama
 

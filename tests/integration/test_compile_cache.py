@@ -19,7 +19,7 @@ import pytest
 from tests.integration.server_utils import run_cli
 from tests.model_factory import make_tiny_llama
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
 _SUMMARY_RE = re.compile(r"compile cache (\S+): (\d+) graphs, (\d+) compiled now, (\d+) already cached")
 _BUCKET_RE = re.compile(r"Bucket (\w+): compile cache (hit|miss)")

@@ -22,6 +22,8 @@ from vllm_neuron.engine.async_llm import AsyncLLM
 from vllm_neuron.engine.protocol import EngineDeadError
 from vllm_neuron.sampling_params import RequestOutputKind, SamplingParams
 
+pytestmark = pytest.mark.engine
+
 OPTS = dict(enforce_eager=True, max_model_len=256, max_num_seqs=8, dtype="float32", num_gpu_blocks_override=96,
             block_size=16)
 GROUPS, PER_GROUP, MAX_TOKENS = 4, 8, 6

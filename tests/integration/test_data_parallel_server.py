@@ -11,6 +11,8 @@ local replica.)
 """
 from __future__ import annotations
 
+import pytest
+
 import os
 import re
 import signal
@@ -22,6 +24,8 @@ from prometheus_client import CollectorRegistry, generate_latest, multiprocess
 
 from tests.integration.server_utils import ServerProcess, free_port, wait_for
 from vllm_neuron import LLM, SamplingParams
+
+pytestmark = pytest.mark.engine
 
 # Long enough a context that a stream is still running when the test has seen one on each replica (1,000 tokens:
 # with 240, the two streams' overlap was at times too short for the poll to catch).

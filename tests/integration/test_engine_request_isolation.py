@@ -14,6 +14,8 @@ from vllm_neuron.config.engine_args import EngineArgs
 from vllm_neuron.engine.llm_engine import LLMEngine
 from vllm_neuron.sampling_params import SamplingParams
 
+pytestmark = pytest.mark.engine
+
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 
 

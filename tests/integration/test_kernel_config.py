@@ -6,21 +6,21 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.model_factory import build_tiny_llama, generate_token_ids, hf_greedy_reference
+from tests.model_factory import build_tiny_llama, generate_token_ids, hf_greedy_reference, tiny_llm
 from vllm_neuron import LLM, SamplingParams
 from vllm_neuron.model.layers import linear
 from vllm_neuron.model.layers.kernel_config import KernelConfig
 from vllm_neuron.model.layers.kernels.cpu_caps import kernels_enabled
 
-pytestmark = pytest.mark.skipif(not kernels_enabled(torch.device("cpu")), reason="the custom CPU kernels did not build")
+pytestmark = [pytest.mark.engine, pytest.mark.skipif(not kernels_enabled(torch.device("cpu")),
+                                                     reason="the custom CPU kernels did not build")]
 
 PROMPTS = [[1, 523, 8091, 77, 3001, 12], [1, 9, 4000, 4001]]
 PARAMS = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
 
 
 def _engine(model_dir: str) -> LLM:
-    return LLM(model_dir, max_model_len=128, max_num_seqs=2, max_num_batched_tokens=32, block_size=16,
-               dtype="float32", device="cpu", enforce_eager=True, num_gpu_blocks_override=32)
+    return tiny_llm(model_dir, max_model_len=128, max_num_seqs=2, num_gpu_blocks_override=32)
 
 
 def _layers_kernels(llm: LLM) -> set[KernelConfig]:

@@ -6,6 +6,8 @@ import pytest
 from vllm_neuron import LLM, SamplingParams
 from vllm_neuron.outputs import RequestOutput
 
+pytestmark = pytest.mark.engine
+
 
 @pytest.fixture(scope="module")
 def llm(tiny_llama_dir) -> LLM:

@@ -15,6 +15,7 @@ import json
 import os
 import re
 import signal
+import statistics
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -24,6 +25,8 @@ import openai
 import pytest
 
 from tests.integration.server_utils import ServerProcess, run_cli, wait_for
+
+pytestmark = pytest.mark.engine
 
 SERVE_ARGS = ["--enforce-eager", "--max-model-len", "512", "--num-gpu-blocks-override", "64",
               "--max-num-seqs", "4"]
@@ -364,6 +367,11 @@ def test_heavy_request_does_not_stall_the_server(server, model):
     gaps: list[float] = []
     health: list[float] = []
     started = threading.Event()
+    idle_health = []  # the reference: /health on this machine, now, with nothing else running
+    for _ in range(5):
+        t0 = time.monotonic()
+        assert httpx.get(server.url + "/health", timeout=30).status_code == 200
+        idle_health.append(time.monotonic() - t0)
 
     def heavy() -> None:
         started.wait(30)
@@ -392,9 +400,14 @@ def test_heavy_request_does_not_stall_the_server(server, model):
     worker.join(120)
     assert heavy_s and heavy_s[0] > 0.5, "the heavy request was too quick to measure a stall"
     assert gaps and health, "nothing was measured while the heavy request ran"
-    # Idle figures: ~0.05 s per token, ~0.01 s per /health; the bound leaves room for a loaded machine.
-    assert max(health) < 1.0, f"/health stalled {max(health):.2f} s during a {heavy_s[0]:.1f} s tokenization"
-    assert max(gaps) < 1.0, f"the stream stalled {max(gaps):.2f} s during a {heavy_s[0]:.1f} s tokenization"
+    # Blocked by the tokenization, /health and the stream would wait for all of it (heavy_s); run beside it, they
+    # take about what they take at idle. Both bounds scale with this machine's speed at the time of the run.
+    stall = 0.5 * heavy_s[0]
+    assert max(health) < max(idle_health) + stall, \
+        f"/health stalled {max(health):.2f} s (idle {max(idle_health):.3f} s) during a {heavy_s[0]:.1f} s tokenization"
+    assert max(gaps) < statistics.median(gaps) + stall, \
+        f"the stream stalled {max(gaps):.2f} s (median gap {statistics.median(gaps):.3f} s) during a " \
+        f"{heavy_s[0]:.1f} s tokenization"
 
 
 # ---- disconnects and metrics -------------------------------------------------------------------

@@ -4,12 +4,16 @@ when it is ready, vLLM's periodic stats line within 15 s of work, and no tempora
 shutdown. (No line with --disable-log-stats: test_server_e2e's keyed server.)"""
 from __future__ import annotations
 
+import pytest
+
 import os
 import time
 
 import httpx
 
 from tests.integration.server_utils import ServerProcess, wait_for
+
+pytestmark = pytest.mark.engine
 
 ARGS = ["--enforce-eager", "--max-model-len", "256", "--num-gpu-blocks-override", "32", "--max-num-seqs", "2"]
 STATS = "Avg prompt throughput:"

@@ -14,6 +14,8 @@ import pytest
 from tests.integration.server_utils import ServerProcess
 from tests.vlm_factory import IMAGE, data_url, hf_greedy, make_tiny_qwen3_vl, mp4_bytes, png_bytes, random_image
 
+pytestmark = pytest.mark.engine
+
 MAX_NEW = 6
 
 

@@ -28,6 +28,7 @@ def test_bound_is_the_slower_of_compute_and_memory(sb):
     assert by == "compute" and ms == pytest.approx(2 * 100e6 * 512 / 100e9 * 1e3)
 
 
+@pytest.mark.engine
 def test_tiny_model_run_prints_every_step_kind(tiny_llama_dir):
     env = dict(os.environ)  # the tests' cache root (conftest): kernels built once; eager writes no graphs
     proc = subprocess.run([sys.executable, _SCRIPT, "--model", tiny_llama_dir, "--eager", "--dtype", "float32",

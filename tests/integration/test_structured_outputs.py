@@ -26,6 +26,8 @@ from transformers import AutoTokenizer
 from vllm_neuron import LLM, SamplingParams
 from vllm_neuron.structured_output import StructuredOutputsParams
 
+pytestmark = pytest.mark.engine
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 HOST_SAMPLING = {"neuron_config": {"on_device_sampling_config": None}}
 SCHEMA = {

@@ -5,6 +5,8 @@ server exits unhealthy, both in bounded time.
 """
 from __future__ import annotations
 
+import pytest
+
 import os
 import signal
 import subprocess
@@ -14,6 +16,8 @@ import time
 import httpx
 
 from tests.integration.server_utils import ServerProcess, child_env, cli, free_port, rank_children
+
+pytestmark = pytest.mark.engine
 
 COMMON = ["--enforce-eager", "--tensor-parallel-size", "2", "--max-model-len", "256", "--dtype", "float32",
           "--device", "cpu", "--num-gpu-blocks-override", "64", "--disable-log-stats"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from tests.model_factory import tiny_llm
 from vllm_neuron import LLM, RequestOutput, SamplingParams
 
 # The tiny Llama's engine (max_position_embeddings 512): room for 8 sequences, 128-token prefill
@@ -13,8 +14,9 @@ LLAMA_ENGINE = dict(max_model_len=512, max_num_seqs=8, max_num_batched_tokens=12
 
 
 def fp32_llm(model_dir: str, base: dict[str, Any], **kw: Any) -> LLM:
-    """LLM(model_dir) on `base` settings, `kw` overriding them."""
-    return LLM(model_dir, **{**base, **kw})
+    """The tests' engine (model_factory.tiny_llm) on `base` settings, compiled unless they say otherwise, `kw`
+    overriding them."""
+    return tiny_llm(model_dir, **{"enforce_eager": False, **base, **kw})
 
 
 def generate_ids(llm: LLM, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]

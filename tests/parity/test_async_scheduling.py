@@ -10,10 +10,12 @@ import random
 
 import pytest
 
-from tests.model_factory import make_tiny_llama
+from tests.model_factory import make_tiny_llama, tiny_llm
 from vllm_neuron import LLM, SamplingParams
 from vllm_neuron.engine.core import BATCH_QUEUE_DEPTH
 from vllm_neuron.step import PLACEHOLDER_TOKEN_ID
+
+pytestmark = pytest.mark.engine
 
 
 @pytest.fixture(scope="module")
@@ -23,11 +25,9 @@ def model_dir(tmp_path_factory) -> str:
 
 def _engine(model_dir: str, async_scheduling: bool, monkeypatch, **kw) -> LLM:
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
-    base = dict(max_model_len=512, max_num_seqs=8, max_num_batched_tokens=64, block_size=16, dtype="float32",
-                device="cpu", num_gpu_blocks_override=256, enforce_eager=True, async_scheduling=async_scheduling,
-                additional_config={"neuron_config": {"num_seqs_buckets": [2, 4, 8]}})
-    base.update(kw)
-    return LLM(model_dir, **base)
+    return tiny_llm(model_dir, **{"max_model_len": 512, "max_num_batched_tokens": 64, "num_gpu_blocks_override": 256,
+                                  "async_scheduling": async_scheduling,
+                                  "additional_config": {"neuron_config": {"num_seqs_buckets": [2, 4, 8]}}, **kw})
 
 
 def _requests(n: int = 9):

@@ -5,13 +5,14 @@ passed on the device into the next replay), segmented prefill and a prefix-cache
 from __future__ import annotations
 
 import pytest
-import torch
 
-from tests.model_factory import build_tiny_llama, make_tiny_llama, shared_prefix_prompts
+from tests.model_factory import build_tiny_llama, greedy_reference, make_tiny_llama, shared_prefix_prompts
 from tests.unit.test_cuda_graphs import FakeCapturer
 from vllm_neuron import LLM, SamplingParams
 from vllm_neuron.worker import runner_base
 from vllm_neuron.worker.cuda_graphs import ReplayedGraph
+
+pytestmark = pytest.mark.engine
 
 LENGTHS = [3, 17, 40, 70, 129]
 MAX_NEW = 8
@@ -29,14 +30,7 @@ def prompts() -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def reference(prompts) -> list[list[int]]:
-    hf = build_tiny_llama(max_position_embeddings=512).eval()
-    out = []
-    with torch.no_grad():
-        for p in prompts:
-            seq = hf.generate(torch.tensor([p]), max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW, do_sample=False,
-                              pad_token_id=2)
-            out.append(seq[0, len(p):].tolist())
-    return out
+    return greedy_reference(build_tiny_llama(max_position_embeddings=512).eval(), prompts, MAX_NEW)
 
 
 @pytest.mark.parametrize("runner", ["0", "1"])  # MRv1, MRv2

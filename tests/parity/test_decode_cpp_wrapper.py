@@ -6,8 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.model_factory import build_tiny_llama, make_tiny_llama
+from tests.model_factory import build_tiny_llama, greedy_reference, make_tiny_llama
 from vllm_neuron import LLM, SamplingParams
+
+pytestmark = pytest.mark.engine
 
 PROMPTS = [[(5 * i + 11 * j) % 3000 + 7 for j in range(n)] for i, n in enumerate([3, 17, 40])]
 MAX_NEW = 10
@@ -17,9 +19,7 @@ CFG = dict(max_position_embeddings=256)
 def test_decode_graphs_with_the_cpp_wrapper_match_transformers(tmp_path, monkeypatch):
     model_dir = make_tiny_llama(str(tmp_path / "model"), **CFG)
     hf = build_tiny_llama(**CFG)
-    with torch.no_grad():
-        ref = [hf.generate(torch.tensor([p]), max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW, do_sample=False,
-                           pad_token_id=2)[0, len(p):].tolist() for p in PROMPTS]
+    ref = greedy_reference(hf, PROMPTS, MAX_NEW)
     monkeypatch.setenv("NEURON_COMPILED_ARTIFACTS", str(tmp_path / "cache"))
     seen: list[bool] = []
     real_compile = torch.compile

@@ -18,8 +18,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.model_factory import generate_token_ids, build_tiny_llama, make_tiny_eagle3, make_tiny_llama, shared_prefix_prompts
+from tests.model_factory import (build_tiny_llama, generate_token_ids, make_tiny_eagle3, make_tiny_llama, shared_prefix_prompts, tiny_llm)
 from vllm_neuron import LLM, SamplingParams
+
+pytestmark = pytest.mark.engine
 
 K = 3
 AUX = [0, 1, 1]  # the 2-layer target's taps (vLLM's default needs >= 4 layers)
@@ -33,14 +35,13 @@ def dirs(tmp_path_factory) -> tuple[str, str]:
             make_tiny_eagle3(str(root / "draft"), aux_layer_ids=AUX))
 
 
+BUCKETS = {"neuron_config": {"num_seqs_buckets": [2, 4, 8]}}
+
+
 def _engine(dirs, monkeypatch, spec=True, **kw) -> LLM:
     monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
-    base = dict(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=32, block_size=16, dtype="float32",
-                device="cpu", num_gpu_blocks_override=160, enforce_eager=True,
-                additional_config={"neuron_config": {"num_seqs_buckets": [2, 4, 8]}})
-    base.update(kw)
     sc = {"method": "eagle3", "model": dirs[1], "num_speculative_tokens": K} if spec else None
-    return LLM(dirs[0], speculative_config=sc, **base)
+    return tiny_llm(dirs[0], speculative_config=sc, **{"additional_config": BUCKETS, **kw})
 
 
 def _prompts() -> list[list[int]]:

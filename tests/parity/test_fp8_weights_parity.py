@@ -11,9 +11,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.model_factory import build_tiny_llama, make_tiny_llama
-from vllm_neuron import LLM, SamplingParams
+from tests.model_factory import build_tiny_llama, greedy_reference, make_tiny_llama, tiny_llm
+from vllm_neuron import SamplingParams
 from vllm_neuron.model.layers import quant_fp8
+
+pytestmark = pytest.mark.engine
 
 MAX_NEW = 8
 PROMPTS = [[(7 * i + 3 * j) % 4000 + 10 for j in range(n)] for i, n in enumerate([5, 12, 40, 70])]
@@ -61,16 +63,13 @@ def reference(fp8_dir) -> list[list[int]]:
 
 
 def _greedy(hf) -> list[list[int]]:
-    with torch.no_grad():
-        return [hf.generate(torch.tensor([p]), max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW, do_sample=False,
-                            pad_token_id=2)[0, len(p):].tolist() for p in PROMPTS]
+    return greedy_reference(hf, PROMPTS, MAX_NEW)
 
 
 def _llm(path, eager=True, **extra):
-    return LLM(path, max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64, block_size=16, dtype="float32",
-               device="cpu", num_gpu_blocks_override=128, enforce_eager=eager,
-               additional_config={"neuron_config": {"num_batched_tokens_buckets": [64], "num_seqs_buckets": [4],
-                                                    **extra}})
+    return tiny_llm(path, max_num_seqs=4, max_num_batched_tokens=64, num_gpu_blocks_override=128, enforce_eager=eager,
+                    additional_config={"neuron_config": {"num_batched_tokens_buckets": [64], "num_seqs_buckets": [4],
+                                                         **extra}})
 
 
 @pytest.mark.parametrize("eager", [True, False])

@@ -6,6 +6,8 @@ import pytest
 from tests.parity.test_model_parity import (LLAMA_LENGTHS, _assert_tokens, _llama_engine,  # noqa: F401
                                             _llama_run, llama_dir, llama_reference)
 
+pytestmark = pytest.mark.engine
+
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("eager", [True, False])

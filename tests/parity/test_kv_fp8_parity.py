@@ -10,9 +10,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.model_factory import build_tiny_llama, make_tiny_llama
+from tests.model_factory import build_tiny_llama, hf_greedy_reference, make_tiny_llama, tiny_llm
 from vllm_neuron import LLM, SamplingParams
 from vllm_neuron.model.layers import kv_quant
+
+pytestmark = pytest.mark.engine
 
 MAX_NEW = 8
 PROMPTS = [[(7 * i + 3 * j) % 4000 + 10 for j in range(n)] for i, n in enumerate([5, 12, 40, 70])]
@@ -47,14 +49,7 @@ def _fp8_attention(cache_dtype: torch.dtype, k_scales: list[float], v_scales: li
 
 
 def _greedy(hf) -> tuple[list[list[int]], list[torch.Tensor]]:
-    tokens, logits = [], []
-    with torch.no_grad():
-        for p in PROMPTS:
-            out = hf.generate(torch.tensor([p]), max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW, do_sample=False,
-                              pad_token_id=2, output_logits=True, return_dict_in_generate=True)
-            tokens.append(out.sequences[0, len(p):].tolist())
-            logits.append(torch.stack(out.logits)[:, 0])
-    return tokens, logits
+    return hf_greedy_reference(hf, PROMPTS, MAX_NEW)
 
 
 def _reference(cache_dtype, k_scales, v_scales):
@@ -71,11 +66,9 @@ def _engine(model_dir, kv_cache_dtype, eager, tmp_path, monkeypatch, kernels=Tru
     monkeypatch.setenv("NEURON_COMPILED_ARTIFACTS", str(tmp_path / "cache"))
     if not kernels:
         monkeypatch.setenv("VLLM_NEURON_DISABLE_NKI_KERNELS", "1")
-    llm = LLM(model_dir, max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64, block_size=16,
-              dtype="float32", device="cpu", num_gpu_blocks_override=128, enforce_eager=eager,
-              kv_cache_dtype=kv_cache_dtype,
-              additional_config={"neuron_config": {"num_batched_tokens_buckets": [64], "num_seqs_buckets": [4]}})
-    return llm
+    return tiny_llm(model_dir, max_num_seqs=4, max_num_batched_tokens=64, num_gpu_blocks_override=128,
+                    enforce_eager=eager, kv_cache_dtype=kv_cache_dtype,
+                    additional_config={"neuron_config": {"num_batched_tokens_buckets": [64], "num_seqs_buckets": [4]}})
 
 
 def _run(llm, logprobs: int | None = None):

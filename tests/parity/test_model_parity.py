@@ -22,6 +22,8 @@ from vllm_neuron import LLM, SamplingParams
 from vllm_neuron.config.compatibility import V2_LOG_LINE
 from vllm_neuron.worker.model_runner_v2 import ModelRunnerV2
 
+pytestmark = pytest.mark.engine
+
 ARCHS = ["qwen3", "qwen3_moe", "gpt_oss"]
 MOE_ARCHS = ["qwen3_moe", "gpt_oss"]
 MAX_NEW = 8

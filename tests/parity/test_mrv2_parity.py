@@ -26,6 +26,8 @@ from vllm_neuron.worker.batch_state import BatchState, SlotParams
 from vllm_neuron.worker.model_runner_v1 import ModelRunnerV1
 from vllm_neuron.worker.model_runner_v2 import ModelRunnerV2
 
+pytestmark = pytest.mark.engine
+
 MAX_NEW = 10
 # Around block (16) and bucket edges, and beyond max_num_batched_tokens (128): segmented prefill.
 LENGTHS = [3, 16, 17, 40, 70, 129, 200]

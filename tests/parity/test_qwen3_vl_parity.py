@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import pytest
 
+from tests.model_factory import tiny_llm
 from tests.vlm_factory import (IMAGE, data_url, hf_generate, hf_greedy, make_tiny_qwen3_vl, mp4_bytes, png_bytes,
                                random_image, solid_image)
 from vllm_neuron import LLM, SamplingParams
+
+pytestmark = pytest.mark.engine
 
 MAX_NEW = 6
 # Vision attention in blocks of 128 patches (56x56 = 16, 112x112 = 64), encoder buckets of 1 and 2 blocks.
@@ -51,10 +54,8 @@ def reference(tokenizer) -> list[list[int]]:
 
 
 def _engine(model_dir: str, **kw) -> LLM:
-    base = dict(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=32, block_size=16, dtype="float32",
-                device="cpu", num_gpu_blocks_override=96, additional_config=BUCKETS)
-    base.update(kw)
-    return LLM(model_dir, **base)
+    return tiny_llm(model_dir, **{"max_num_seqs": 4, "num_gpu_blocks_override": 96, "enforce_eager": False,
+                                  "additional_config": BUCKETS, **kw})
 
 
 def _generate(llm: LLM, cases=CASES, seed0: int = 0):

@@ -17,9 +17,11 @@ from collections import Counter, defaultdict
 import pytest
 import torch
 
-from tests.model_factory import build_tiny_llama, make_tiny_llama, make_tiny_model, shared_prefix_prompts
+from tests.model_factory import build_tiny_llama, make_tiny_llama, make_tiny_model, shared_prefix_prompts, tiny_llm
 from vllm_neuron import LLM, SamplingParams
 from vllm_neuron.worker.spec_decode.ngram import NgramSpeculator
+
+pytestmark = pytest.mark.engine
 
 K = 3
 NGRAM = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
@@ -31,13 +33,12 @@ def model_dir(tmp_path_factory) -> str:
     return make_tiny_llama(str(tmp_path_factory.mktemp("spec_llama")), max_position_embeddings=256)
 
 
+BUCKETS = {"neuron_config": {"num_seqs_buckets": [2, 4, 8]}}
+
+
 def _engine(model_dir, monkeypatch, spec=True, **kw) -> LLM:
     monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
-    base = dict(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=32, block_size=16, dtype="float32",
-                device="cpu", num_gpu_blocks_override=160, enforce_eager=True,
-                additional_config={"neuron_config": {"num_seqs_buckets": [2, 4, 8]}})
-    base.update(kw)
-    return LLM(model_dir, speculative_config=NGRAM if spec else None, **base)
+    return tiny_llm(model_dir, speculative_config=NGRAM if spec else None, **{"additional_config": BUCKETS, **kw})
 
 
 def _prompts() -> list[list[int]]:

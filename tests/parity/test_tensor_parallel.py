@@ -11,6 +11,8 @@ import torch
 from tests.model_factory import build_tiny_model, make_tiny_model, shared_prefix_prompts
 from vllm_neuron import LLM, SamplingParams
 
+pytestmark = pytest.mark.engine
+
 MAX_NEW = 8
 LENGTHS = [3, 17, 40, 70]  # 40 and 70 exceed max_num_batched_tokens (32): segmented prefill
 SHARED = 32  # prompts 2.. share two blocks: the second pass starts from cached blocks

@@ -12,6 +12,8 @@ from vllm_neuron import LLM
 from vllm_neuron.entrypoints.cli.main import main
 from vllm_neuron.entrypoints.cli.validate_logits import compare_position, validate
 
+pytestmark = pytest.mark.engine
+
 ENGINE = dict(dtype="float32", device="cpu", enforce_eager=True, max_model_len=256, max_num_batched_tokens=64,
               block_size=16, num_gpu_blocks_override=64, max_num_seqs=4)
 

@@ -7,9 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.model_factory import build_tiny_llama, make_tiny_llama
+from tests.model_factory import build_tiny_llama, greedy_reference, make_tiny_llama
 from vllm_neuron import LLM, SamplingParams
 from vllm_neuron.model.layers import quant_int4, quant_int8
+
+pytestmark = pytest.mark.engine
 
 MAX_NEW = 8
 PROMPTS = [[(7 * i + 3 * j) % 4000 + 10 for j in range(n)] for i, n in enumerate([5, 12, 40, 70])]
@@ -23,9 +25,7 @@ def model_dir(tmp_path_factory) -> str:
 
 
 def _greedy(hf) -> list[list[int]]:
-    with torch.no_grad():
-        return [hf.generate(torch.tensor([p]), max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW, do_sample=False,
-                            pad_token_id=2)[0, len(p):].tolist() for p in PROMPTS]
+    return greedy_reference(hf, PROMPTS, MAX_NEW)
 
 
 @pytest.fixture(scope="module")

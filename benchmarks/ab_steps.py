@@ -1,0 +1,81 @@
+"""Same-run A/B of two checkouts of this repository: median step time per bucket graph on the bundled model.
+
+Each round runs one child process per checkout, in turn (A, B, A, B, ...), so that a machine whose speed drifts
+slows both alike; every child serves the same offline workload (prefills of 32..512 tokens, decode batches of 1,
+4 and 16) and reports every step's wall time by bucket graph. A first, untimed round per checkout fills its
+compile cache (each checkout's code has its own cache key). Prints the medians over all timed rounds and B / A.
+
+    python benchmarks/ab_steps.py --a /path/to/old-checkout --b . --rounds 3
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+_CHILD = r"""
+import json, sys
+sys.path.insert(0, sys.argv[1])  # this script's folder: step_timing.py times both checkouts' runners alike
+from step_timing import time_steps
+from vllm_neuron import LLM, SamplingParams
+
+llm = LLM(max_model_len=2048)  # the bundled model, default dtype and buckets
+times = time_steps(llm)
+def prompt(n, seed):
+    return {"prompt_token_ids": [1 + (seed * 7919 + i * 104729) % 49000 for i in range(n)]}
+greedy = lambda n: SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+for n in (32, 64, 128, 256, 512):  # one prefill bucket each (one output token)
+    llm.generate([prompt(n, s) for s in range(3)], greedy(1), use_tqdm=False)
+for batch in (1, 4, 16):  # decode buckets: 48 steps each
+    llm.generate([prompt(24, 100 + s) for s in range(batch)], greedy(48), use_tqdm=False)
+print("AB_RESULT " + json.dumps(times))
+"""
+
+
+def run_child(checkout: str, cache_root: str) -> dict[str, list[float]]:
+    env = dict(os.environ, PYTHONPATH=os.path.abspath(checkout), VLLM_CACHE_ROOT=cache_root,
+               VLLM_NEURON_LOG_LEVEL="WARNING")
+    here = os.path.dirname(os.path.abspath(__file__))
+    proc = subprocess.run([sys.executable, "-c", _CHILD, here], env=env, capture_output=True, text=True, timeout=3600,
+                          cwd=tempfile.gettempdir())
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("AB_RESULT ")), None)
+    if proc.returncode or line is None:
+        raise SystemExit(f"{checkout}: the child failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    return json.loads(line.removeprefix("AB_RESULT "))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--a", required=True, help="checkout A (the reference)")
+    ap.add_argument("--b", required=True, help="checkout B")
+    ap.add_argument("--rounds", type=int, default=3, help="timed rounds (each runs A then B; default 3)")
+    ap.add_argument("--cache-root", default=os.path.join(tempfile.gettempdir(), "vllm_neuron_ab_cache"),
+                    help="VLLM_CACHE_ROOT of the children (kernels, compile caches; kept between runs)")
+    args = ap.parse_args()
+    if args.rounds < 1:
+        raise SystemExit(f"--rounds must be at least 1, got {args.rounds}")
+    sides = {"A": args.a, "B": args.b}
+    print("warm-up round (fills each checkout's compile cache) ...", file=sys.stderr, flush=True)
+    for side in sides.values():
+        run_child(side, args.cache_root)
+    got: dict[str, dict[str, list[float]]] = {"A": {}, "B": {}}
+    for r in range(args.rounds):
+        for name, checkout in sides.items():
+            print(f"round {r + 1}/{args.rounds}: {name} ({checkout}) ...", file=sys.stderr, flush=True)
+            for bucket, ts in run_child(checkout, args.cache_root).items():
+                got[name].setdefault(bucket, []).extend(ts)
+    buckets = sorted(set(got["A"]) & set(got["B"]), key=lambda b: (not b.startswith("prefill"), len(b), b))
+    print(f"A = {args.a}\nB = {args.b}\n")
+    print("| bucket graph | steps (A / B) | A median (ms) | B median (ms) | B / A |")
+    print("| --- | --- | --- | --- | --- |")
+    for b in buckets:
+        a_ms, b_ms = (statistics.median(got[s][b]) * 1e3 for s in ("A", "B"))
+        print(f"| {b} | {len(got['A'][b])} / {len(got['B'][b])} | {a_ms:.2f} | {b_ms:.2f} | {b_ms / a_ms:.3f} |")
+
+
+if __name__ == "__main__":
+    main()
