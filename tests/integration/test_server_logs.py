@@ -39,7 +39,9 @@ def test_fresh_cache_stats_line_and_no_litter(tiny_llama_dir, tmp_path):
                         TMPDIR=str(tmp), PROMETHEUS_MULTIPROC_DIR="")
     try:
         srv.wait_healthy(timeout=FRESH_START_TIMEOUT)
-        log = srv.log()
+        # /health turns 200 a moment before the server's own "Ready" line is written (more on a loaded machine).
+        log = wait_for(lambda: next((lg for lg in [srv.log()] if "Ready in " in lg), None), timeout=30,
+                       interval=0.2, what="the 'Ready in' line")
         assert "Building the custom CPU kernels" in log  # the cache really was empty
         # uvicorn's "startup complete" comes long before the engine is warm: the next line says so, and one
         # line with the URL says when /health turned 200.
