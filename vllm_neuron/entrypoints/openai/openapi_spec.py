@@ -20,6 +20,7 @@ _REF = "#/components/schemas/{model}"
 _ERRORS = {
     400: "Invalid request: bad JSON or field (the error's `param` names it), or a prompt over the context length",
     404: "Unknown model",
+    408: "The request body did not arrive within --body-read-timeout",
     413: "Request body larger than --max-request-body-bytes",
     415: "Content-Type is not application/json",
     500: "The engine failed this request or is dead",

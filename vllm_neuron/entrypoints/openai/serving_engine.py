@@ -8,6 +8,7 @@ disconnect handling in streaming.py.
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -155,10 +156,13 @@ class OpenAIServing:
         logit_bias = None
         if req.logit_bias:
             try:
-                logit_bias = {int(k): max(-100.0, min(100.0, float(v))) for k, v in req.logit_bias.items()}
+                logit_bias = {int(k): float(v) for k, v in req.logit_bias.items()}
             except (TypeError, ValueError):
                 raise BadRequestError("logit_bias keys must be token ids (integers as strings).",
                                       param="logit_bias") from None
+            if not all(math.isfinite(v) for v in logit_bias.values()):
+                raise BadRequestError("logit_bias values must be finite numbers.", param="logit_bias")
+            logit_bias = {k: max(-100.0, min(100.0, v)) for k, v in logit_bias.items()}
             self.check_token_ids(list(logit_bias), "logit_bias")
         try:
             sp = SamplingParams(
