@@ -3,7 +3,8 @@
 `build_app` wires an `EngineClient` into a FastAPI app; it starts nothing. `serve_http` runs the
 app with uvicorn and returns when the server shuts down (SIGINT/SIGTERM included), so that the
 caller can stop the engine afterwards. `create_server` puts the HTTP edge around the app
-(http_edge.py: no exception reaches uvicorn, uvicorn's own 400 is an OpenAI error object).
+(http_edge.py: no exception reaches uvicorn, uvicorn's own 400 is an OpenAI error object, the heap is
+trimmed after large requests).
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from vllm_neuron.engine.protocol import EngineClient
 from vllm_neuron.entrypoints.openai import openapi_spec as spec
 from vllm_neuron.entrypoints.openai.chat_template import load_chat_template
 from vllm_neuron.entrypoints.openai.errors import error_response, install_exception_handlers
-from vllm_neuron.entrypoints.openai.http_edge import ApiKeyMiddleware, ExceptionGuard, JsonErrorH11Protocol
+from vllm_neuron.entrypoints.openai.http_edge import ApiKeyMiddleware, ExceptionGuard, HeapTrim, JsonErrorH11Protocol
 from vllm_neuron.entrypoints.openai.request_body import read_json_body
 from vllm_neuron.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -162,7 +163,8 @@ class _Server(uvicorn.Server):
 def create_server(app: FastAPI, host: str, port: int, log_level: str = "info",
                   **uvicorn_kwargs: Any) -> uvicorn.Server:
     uvicorn_kwargs.setdefault("http", JsonErrorH11Protocol)
-    config = uvicorn.Config(ExceptionGuard(app), host=host, port=port, log_level=log_level, **uvicorn_kwargs)
+    config = uvicorn.Config(ExceptionGuard(HeapTrim(app)), host=host, port=port, log_level=log_level,
+                            **uvicorn_kwargs)
     return _Server(config)
 
 

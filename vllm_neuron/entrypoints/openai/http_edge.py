@@ -1,5 +1,5 @@
 """The HTTP edge around the app: the API-key check, an outermost guard for exceptions that escape the
-app, and uvicorn's own 400 answer as an OpenAI error object.
+app, uvicorn's own 400 answer as an OpenAI error object, and the heap given back after large requests.
 
 Starlette's ServerErrorMiddleware answers an unexpected exception with our handler's 500 and then
 re-raises it; uvicorn logs "Exception in ASGI application" and closes the connection, so a keep-alive
@@ -9,11 +9,20 @@ response is only logged, and one before any response gets the JSON 500 itself.
 uvicorn answers a request it cannot parse (a bad Content-Length, a malformed request line, headers
 larger than h11 takes) before any app runs, in plain text; `JsonErrorH11Protocol` writes the same 400
 as the OpenAI error object. The connection is closed afterwards, as HTTP requires after a framing error.
+
+A large request (a megabyte prompt, tokenized and answered 400) frees its memory into glibc's heaps,
+which keep it: the process would stay hundreds of MB larger after one such request. `HeapTrim` calls
+glibc's malloc_trim once a request with a large body has ended (at most once a second, off the event
+loop), so those pages go back to the system.
 """
 from __future__ import annotations
 
+import asyncio
+import ctypes
+import ctypes.util
 import hmac
 import json
+import time
 
 import h11
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -116,3 +125,65 @@ class JsonErrorH11Protocol(H11Protocol):
         except h11.LocalProtocolError:  # a response was already under way: nothing more can be said
             pass
         self.transport.close()
+
+
+def _load_malloc_trim():
+    """glibc's malloc_trim, or None (another C library: nothing to trim this way)."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):
+        return None
+    trim.argtypes = [ctypes.c_size_t]
+    trim.restype = ctypes.c_int
+    return trim
+
+
+class HeapTrim:
+    """Gives the heap's free pages back to the system after requests whose body had `threshold_bytes` or
+    more (see the module docstring)."""
+
+    def __init__(self, app: ASGIApp, threshold_bytes: int = 1 << 20, min_interval_s: float = 1.0) -> None:
+        self.app = app
+        self.threshold_bytes = threshold_bytes
+        self.min_interval_s = min_interval_s
+        self._trim = _load_malloc_trim()
+        self._last = 0.0
+        self._scheduled = False
+        self.trims = 0  # how many trims ran
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or self._trim is None:
+            await self.app(scope, receive, send)
+            return
+        received = 0
+
+        async def counting_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+            return message
+
+        try:
+            await self.app(scope, counting_receive, send)
+        finally:
+            if received >= self.threshold_bytes:
+                self._trim_soon()
+
+    def _trim_soon(self) -> None:
+        """One trim, as soon as the last one is `min_interval_s` old (requests ending together share it)."""
+        if self._scheduled:
+            return
+        self._scheduled = True
+        loop = asyncio.get_running_loop()
+        delay = max(0.0, self._last + self.min_interval_s - time.monotonic())
+        loop.call_later(delay, lambda: loop.run_in_executor(None, self._run_trim))
+
+    def _run_trim(self) -> None:
+        try:
+            self._trim(0)
+            self.trims += 1
+        finally:
+            self._last = time.monotonic()
+            self._scheduled = False

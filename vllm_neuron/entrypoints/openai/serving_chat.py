@@ -108,7 +108,7 @@ class OpenAIServingChat(OpenAIServing):
                                       template_kwargs=self._template_kwargs(req), documents=req.documents,
                                       tools=req.tools, media=media)
         # The template writes the special tokens itself: no second BOS unless asked for.
-        prompt_ids = await self.encode(text, req.add_special_tokens)
+        prompt_ids = await self.encode(text, req.add_special_tokens, bounded=req.truncate_prompt_tokens is None)
         mm_items = None
         if media:
             if req.truncate_prompt_tokens is not None:

@@ -95,7 +95,9 @@ class OpenAIServingCompletion(OpenAIServing):
             if isinstance(item, str):
                 if not item:
                     raise empty
-                prompts.append(_Prompt(await self.encode(item, req.add_special_tokens), item))
+                prompts.append(_Prompt(await self.encode(item, req.add_special_tokens,
+                                                          bounded=req.truncate_prompt_tokens is None,
+                                                          param="prompt"), item))
             else:
                 if not item:
                     raise empty

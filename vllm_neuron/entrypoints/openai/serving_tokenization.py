@@ -37,7 +37,7 @@ class OpenAIServingTokenization(OpenAIServing):
         elif "prompt" in data:
             req = parse_request(TokenizeCompletionRequest, data)
             self.models.resolve(req.model)
-            ids = await self.encode(req.prompt, req.add_special_tokens)
+            ids = await self.encode(req.prompt, req.add_special_tokens, param="prompt")
             want_strs = req.return_token_strs
         else:
             raise BadRequestError("Either `prompt` or `messages` must be given.", param="prompt")
