@@ -171,6 +171,7 @@ class _StatsRecorder:
         self.prev = (0, 0, 0, 0)
         self.prev_spec = (0, 0, 0, [])
         self.prev_encoder = (0, 0)
+        self.prev_grammar = (-1, 0)  # (cache bytes, compile timeouts) last recorded
 
     def record(self, s) -> None:
         if s is None:
@@ -192,6 +193,12 @@ class _StatsRecorder:
             (h, m), (ph, pm) = s.encoder_cache, self.prev_encoder
             self.metrics.record_encoder_cache(h - ph, m - pm)
             self.prev_encoder = s.encoder_cache
+        grammar = (s.grammar_cache_bytes, s.grammar_compile_timeouts)
+        if grammar != self.prev_grammar:
+            self.metrics.record_grammar_cache(self.metrics.engine_process(), grammar[0])
+            if grammar[1] > self.prev_grammar[1]:
+                self.metrics.record_grammar_timeout(self.metrics.engine_process(), grammar[1] - self.prev_grammar[1])
+            self.prev_grammar = grammar
         if s.bucket_name:
             self.metrics.record_execution(s.bucket_name)
             self.metrics.record_padding("tokens" if s.step_kind == "prefill" else "seqs", s.bucket_name,

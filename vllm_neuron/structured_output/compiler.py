@@ -1,7 +1,8 @@
 """xgrammar: tokenizer info, one GrammarCompiler per tokenizer info, and StructuredOutputsParams ->
 CompiledGrammar with errors turned into ValueErrors that name the problem.
 
-xgrammar's compiler keeps its own cache keyed by the grammar text (a repeat compile costs ~0.1 ms).
+xgrammar's compiler keeps its own cache keyed by the grammar text (a repeat compile costs ~0.1 ms), bounded
+in bytes (`--grammar-cache-bytes`): compiled JSON schemas take megabytes each (18 MB for 3,000 properties).
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import Any
 
 import xgrammar as xgr
 
+from vllm_neuron.config.grammar_limits import DEFAULT_CACHE_BYTES
 from vllm_neuron.structured_output.params import StructuredOutputsParams, unsupported_json_schema_feature
 
 # "[13:51:04] /project/cpp/json_schema_converter.cc:5082: message" -> "message"
@@ -22,7 +24,7 @@ _NATIVE_PREFIX = re.compile(r"^\s*\[[0-9:]+\]\s+\S+:\d+:\s*")
 MAX_JSON_WHITESPACE = 32
 _lock = threading.Lock()
 _tokenizer_infos: dict[tuple[int, int | None], tuple[Any, Any]] = {}
-_compilers: dict[int, tuple[Any, Any]] = {}
+_compilers: dict[tuple[int, int], tuple[Any, Any]] = {}
 
 
 def make_tokenizer_info(tokenizer: Any, vocab_size: int | None = None) -> xgr.TokenizerInfo:
@@ -40,13 +42,21 @@ def make_tokenizer_info(tokenizer: Any, vocab_size: int | None = None) -> xgr.To
     return info
 
 
-def compiler_for(tokenizer_info: xgr.TokenizerInfo, max_threads: int = 2) -> xgr.GrammarCompiler:
+def new_compiler(tokenizer_info: xgr.TokenizerInfo, cache_bytes: int, max_threads: int = 2) -> xgr.GrammarCompiler:
+    """A compiler whose cache of compiled grammars holds at most `cache_bytes` (0: no cache)."""
+    return xgr.GrammarCompiler(tokenizer_info, max_threads=max_threads, cache_enabled=cache_bytes > 0,
+                               cache_limit_bytes=cache_bytes if cache_bytes > 0 else -1)
+
+
+def compiler_for(tokenizer_info: xgr.TokenizerInfo, cache_bytes: int, max_threads: int = 2) -> xgr.GrammarCompiler:
+    """The shared compiler of `tokenizer_info` (one per tokenizer info and cache size)."""
+    key = (id(tokenizer_info), cache_bytes)
     with _lock:
-        hit = _compilers.get(id(tokenizer_info))
+        hit = _compilers.get(key)
         if hit is not None and hit[0] is tokenizer_info:
             return hit[1]
-        compiler = xgr.GrammarCompiler(tokenizer_info, max_threads=max_threads, cache_enabled=True)
-        _compilers[id(tokenizer_info)] = (tokenizer_info, compiler)
+        compiler = new_compiler(tokenizer_info, cache_bytes, max_threads)
+        _compilers[key] = (tokenizer_info, compiler)
         return compiler
 
 
@@ -125,12 +135,14 @@ def _native(field: str, what: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
         raise ValueError(f"structured_outputs.{field}: {what}: {native_message(e)}") from None
 
 
-def compile_cached(params: StructuredOutputsParams, tokenizer_info: xgr.TokenizerInfo) -> xgr.CompiledGrammar:
+def compile_cached(params: StructuredOutputsParams, tokenizer_info: xgr.TokenizerInfo,
+                   cache_bytes: int = DEFAULT_CACHE_BYTES) -> xgr.CompiledGrammar:
     """compile_params with the shared compiler of `tokenizer_info` (cached by the grammar's text)."""
-    return compile_params(compiler_for(tokenizer_info), params)
+    return compile_params(compiler_for(tokenizer_info, cache_bytes), params)
 
 
-def validate(params: StructuredOutputsParams, tokenizer_info: xgr.TokenizerInfo) -> None:
+def validate(params: StructuredOutputsParams, tokenizer_info: xgr.TokenizerInfo,
+             cache_bytes: int = DEFAULT_CACHE_BYTES) -> None:
     """Compiles the constraint against `tokenizer_info` (compiled grammars are cached by their text):
     ValueError naming the problem when it is invalid or would not be enforced in full."""
-    compile_cached(params, tokenizer_info)
+    compile_cached(params, tokenizer_info, cache_bytes)

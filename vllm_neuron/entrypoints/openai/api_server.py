@@ -67,7 +67,7 @@ def build_app(engine: EngineClient, *, served_model_names: list[str], api_key: s
     if max_logprobs < -1:
         raise ValueError(f"max_logprobs must be -1 (no cap) or >= 0, got {max_logprobs}")
     models = OpenAIServingModels(served_model_names, engine.model_info.model_path, engine.model_info.max_model_len)
-    metrics.configure(models.default_name)
+    metrics.configure(models.default_name, api_server=True)
     limits = limits or RequestLimits()
     # One pool for the blocking work (template rendering, tokenization) of every route.
     pool = ThreadPoolExecutor(2, thread_name_prefix="vllm-neuron-render")

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, TypeVar
 
 from vllm_neuron import metrics
-from vllm_neuron.engine.protocol import EngineClient
+from vllm_neuron.engine.protocol import AdmissionTicket, EngineClient, EngineOverloadedError
 from vllm_neuron.entrypoints.openai.chat_template import render_chat
 from vllm_neuron.entrypoints.openai.errors import BadRequestError, InternalServerError, ServiceUnavailableError
 from vllm_neuron.entrypoints.openai.request_policy import RequestLimits, context_error, param_of_error
@@ -40,9 +40,10 @@ class RequestTracker:
     """The engine requests of one HTTP request: metrics from the stream, abort of what is left
     unfinished when the HTTP request ends early (client gone, error, cancellation)."""
 
-    def __init__(self, serving: OpenAIServing, arrival: float) -> None:
+    def __init__(self, serving: OpenAIServing, arrival: float, ticket: AdmissionTicket | None = None) -> None:
         self._serving = serving
         self._arrival = arrival  # time.monotonic() when the HTTP request arrived
+        self._ticket = ticket  # the request's admission, given back by close()
         self._timers: dict[str, metrics.RequestTimer | None] = {}
         self._reasons: dict[str, str] = {}
 
@@ -70,6 +71,8 @@ class RequestTracker:
             if timer is not None:
                 timer.finish(reason)
         self._timers.clear()
+        if self._ticket is not None:
+            self._ticket.release()
 
 
 class OpenAIServing:
@@ -190,6 +193,36 @@ class OpenAIServing:
             raise BadRequestError(str(e), param=param_of_error(str(e))) from None
         return sp
 
+    # ---- admission and grammars ----------------------------------------------------------------
+
+    async def admitted(self, weight: int, work: Callable[[AdmissionTicket], Awaitable[T]]) -> T:
+        """`work(ticket)` with room for `weight` engine requests reserved first (a 503 with Retry-After when
+        the server is saturated). The ticket goes back when work fails, else when the request's generation
+        ends (RequestTracker.close), for a stream after its last chunk."""
+        try:
+            ticket = self.engine.admit(weight)
+        except EngineOverloadedError as e:
+            raise ServiceUnavailableError(str(e), headers={"Retry-After": str(e.retry_after_s)}) from None
+        except ValueError as e:
+            raise BadRequestError(str(e), param="n") from None
+        try:
+            return await work(ticket)
+        except BaseException:
+            ticket.release()
+            raise
+
+    async def check_structured_outputs(self, params: StructuredOutputsParams, param: str | None,
+                                       max_tokens: int | None) -> None:
+        """The constraint's size limits and compilation (off the event loop; remembered once compiled): a 400
+        naming the problem, a 503 while the grammar compiler is busy with another request."""
+        try:
+            # Not in the render pool: a check may wait seconds for the compile process, and rendering must not.
+            await asyncio.to_thread(self.engine.check_structured_outputs, params, max_tokens)
+        except ValueError as e:
+            raise BadRequestError(str(e), param=param) from None
+        except EngineOverloadedError as e:
+            raise ServiceUnavailableError(str(e), headers={"Retry-After": str(e.retry_after_s)}) from None
+
     # ---- blocking work, off the event loop ------------------------------------------------------
 
     async def run_blocking(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
@@ -249,6 +282,8 @@ class OpenAIServing:
         except ValueError as e:
             # The engine refuses a request it cannot take (documented in EngineClient.generate).
             raise BadRequestError(str(e)) from e
+        except EngineOverloadedError as e:
+            raise ServiceUnavailableError(str(e), headers={"Retry-After": str(e.retry_after_s)}) from e
 
     # ---- logprobs -------------------------------------------------------------------------------
 
