@@ -31,6 +31,7 @@ def multimodal_processor(config, ckpt, tokenizer) -> "MultiModalProcessor | None
     return MultiModalProcessor(ckpt.hf_config, ckpt.path, mm_processor_kwargs=config.mm_processor_kwargs,
                                limits=config.limit_mm_per_prompt,
                                allowed_local_media_path=config.allowed_local_media_path,
+                               allowed_media_domains=config.allowed_media_domains,
                                language_model_only=config.additional_config.mm_language_model_only,
                                max_frame_patches=enc.encoder_attention_block_size, tokenizer=tokenizer)
 
