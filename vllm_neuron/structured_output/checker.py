@@ -153,8 +153,9 @@ class GrammarChecker:
 
 
 def _child_main(conn: Connection) -> None:
-    """The compile process: one constraint at a time, (error or None, cache bytes) back."""
-    os.nice(_COMPILE_NICE)
+    """The compile process: one constraint at a time, (error or None, cache bytes) back. Its start-up (imports:
+    xgrammar brings torch and transformers) runs at normal priority, so that the first grammar's request is not
+    kept waiting behind busy cores; only the compilations run niced."""
     import xgrammar as xgr
 
     from vllm_neuron.structured_output.compiler import compile_params, new_compiler
@@ -162,6 +163,7 @@ def _child_main(conn: Connection) -> None:
     info_json, cache_bytes = conn.recv()
     compiler = new_compiler(xgr.TokenizerInfo.deserialize_json(info_json), cache_bytes)
     del info_json
+    os.nice(_COMPILE_NICE)
     conn.send("ready")
     while True:
         try:
