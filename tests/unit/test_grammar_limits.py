@@ -96,6 +96,7 @@ def _status(manager, rid, timeout=15.0):
 
 
 def test_manager_fails_a_compilation_past_the_time_limit_and_one_queued_behind_it(tokenizer, monkeypatch):
+    from vllm_neuron.structured_output import compiler as C
     from vllm_neuron.structured_output import manager as M
 
     release = threading.Event()
@@ -106,7 +107,7 @@ def test_manager_fails_a_compilation_past_the_time_limit_and_one_queued_behind_i
         release.wait(20)
         raise ValueError("released")
 
-    monkeypatch.setattr(M, "compile_params", slow_compile)
+    monkeypatch.setattr(C, "compile_params", slow_compile)
     m = M.StructuredOutputManager(tokenizer, 49152, max_workers=1, compile_timeout_s=0.3)
     try:
         m.submit("a", {"regex": "a+"})
@@ -126,6 +127,7 @@ def test_manager_fails_a_compilation_past_the_time_limit_and_one_queued_behind_i
 def test_manager_threads_compile_at_low_priority(tokenizer, monkeypatch):
     import os
 
+    from vllm_neuron.structured_output import compiler as C
     from vllm_neuron.structured_output import manager as M
 
     seen = []
@@ -134,7 +136,7 @@ def test_manager_threads_compile_at_low_priority(tokenizer, monkeypatch):
         seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
         raise ValueError("noted")
 
-    monkeypatch.setattr(M, "compile_params", compile_noting_priority)
+    monkeypatch.setattr(C, "compile_params", compile_noting_priority)
     m = M.StructuredOutputManager(tokenizer, 49152, max_workers=1)
     try:
         m.submit("a", {"regex": "a+"})
@@ -142,6 +144,20 @@ def test_manager_threads_compile_at_low_priority(tokenizer, monkeypatch):
         assert seen and seen[0] >= 10  # nice 10 (or more, if the test runs niced already)
     finally:
         m.shutdown()
+
+
+def test_grammar_cache_is_bounded_in_bytes(tokenizer):
+    from vllm_neuron.structured_output.compiler import GrammarCache, make_tokenizer_info, new_compiler
+
+    info = make_tokenizer_info(tokenizer, 49152)
+    params = [StructuredOutputsParams(regex=r) for r in ("a+", "b+", "c+")]
+    size = {p.regex: GrammarCache(new_compiler(info), 1 << 30).get(p).memory_size_bytes for p in params}
+    cache = GrammarCache(new_compiler(info), size["b+"] + size["c+"])
+    grammars = [cache.get(p) for p in params]
+    assert cache.size_bytes <= size["b+"] + size["c+"] and list(cache._grammars) == [p.key() for p in params[1:]]
+    assert cache.get(params[2]) is grammars[2]  # kept: the same object
+    assert cache.get(params[0]) is not grammars[0]  # "a+" went out first: compiled again
+    assert GrammarCache(new_compiler(info), 0).get(params[0]) is not None  # keeps none, still compiles
 
 
 # ---- the API server's compile process -----------------------------------------------------------------

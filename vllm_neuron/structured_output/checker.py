@@ -24,6 +24,7 @@ from collections import OrderedDict
 from multiprocessing.connection import Connection
 from typing import Any
 
+from vllm_neuron import heap
 from vllm_neuron.config.grammar_limits import GrammarLimits
 from vllm_neuron.logger import init_logger
 from vllm_neuron.structured_output.limits import check_constraint, longest_token_chars
@@ -78,11 +79,11 @@ class GrammarChecker:
 
     def _compile(self, params: StructuredOutputsParams) -> None:
         if self.in_process:
-            from vllm_neuron.structured_output.compiler import compiler_for, compile_params, make_tokenizer_info
+            from vllm_neuron.structured_output.compiler import grammar_cache_for, make_tokenizer_info
 
-            compiler = compiler_for(make_tokenizer_info(self._tokenizer, self._vocab_size), self.limits.cache_bytes)
-            compile_params(compiler, params)
-            self.cache_bytes = compiler.get_cache_size_bytes()
+            cache = grammar_cache_for(make_tokenizer_info(self._tokenizer, self._vocab_size), self.limits.cache_bytes)
+            cache.get(params)
+            self.cache_bytes = cache.size_bytes
             return
         timeout = self.limits.compile_timeout_s
         if not self._worker_lock.acquire(timeout=timeout):
@@ -158,10 +159,10 @@ def _child_main(conn: Connection) -> None:
     kept waiting behind busy cores; only the compilations run niced."""
     import xgrammar as xgr
 
-    from vllm_neuron.structured_output.compiler import compile_params, new_compiler
+    from vllm_neuron.structured_output.compiler import GrammarCache, new_compiler
 
     info_json, cache_bytes = conn.recv()
-    compiler = new_compiler(xgr.TokenizerInfo.deserialize_json(info_json), cache_bytes)
+    cache = GrammarCache(new_compiler(xgr.TokenizerInfo.deserialize_json(info_json)), cache_bytes)
     del info_json
     os.nice(_COMPILE_NICE)
     conn.send("ready")
@@ -172,14 +173,15 @@ def _child_main(conn: Connection) -> None:
             return
         t0 = time.perf_counter()
         try:
-            compile_params(compiler, StructuredOutputsParams(**fields))
+            cache.get(StructuredOutputsParams(**fields))
             error = None
         except ValueError as e:
             error = str(e)
         except Exception as e:  # noqa: BLE001 - any failure is this constraint's, reported to its request
             error = f"structured_outputs: the grammar failed to compile: {type(e).__name__}: {e}"
         logger.debug("grammar compiled in %.3f s (%s)", time.perf_counter() - t0, error or "ok")
-        conn.send((error, compiler.get_cache_size_bytes()))
+        conn.send((error, cache.size_bytes))
+        heap.trim()  # what the compilation freed goes back (milliseconds, after the answer)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ never stalls the decoding of other requests; the EngineCore keeps a request out 
 `status` says its grammar is ready. A compilation running longer than `compile_timeout_s` fails its
 requests (the client's 400); its thread cannot be interrupted and finishes unseen.
 Compiled grammars are shared by requests with the same text while they compile, and afterwards through
-the compiler's cache, bounded in bytes (`cache_bytes`).
+a GrammarCache bounded in bytes (`cache_bytes`).
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from vllm_neuron.config.grammar_limits import DEFAULT_CACHE_BYTES, DEFAULT_COMPI
 from vllm_neuron.logger import init_logger
 from vllm_neuron.structured_output import GRAMMAR_BUSY, GRAMMAR_INVALID
 from vllm_neuron.structured_output.closing import ClosingPlan, TokenWriter
-from vllm_neuron.structured_output.compiler import compile_params, make_tokenizer_info, new_compiler
+from vllm_neuron.structured_output.compiler import GrammarCache, make_tokenizer_info, new_compiler
 from vllm_neuron.structured_output.params import StructuredOutputsParams
 
 logger = init_logger(__name__)
@@ -59,7 +59,7 @@ class StructuredOutputManager:
         self.vocab_size = vocab_size
         self.compile_timeout_s = compile_timeout_s
         self.tokenizer_info = make_tokenizer_info(tokenizer, vocab_size)
-        self.compiler = new_compiler(self.tokenizer_info, cache_bytes, max_threads=max_workers)
+        self.grammars = GrammarCache(new_compiler(self.tokenizer_info, max_threads=max_workers), cache_bytes)
         self.num_words = -(-vocab_size // 32)
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grammar-compile",
                                         initializer=_lower_priority)
@@ -80,8 +80,8 @@ class StructuredOutputManager:
 
     @property
     def cache_bytes(self) -> int:
-        """Bytes of compiled grammars the compiler keeps."""
-        return self.compiler.get_cache_size_bytes()
+        """Bytes of compiled grammars kept for reuse."""
+        return self.grammars.size_bytes
 
     # -- compilation --------------------------------------------------------------------------------
     def submit(self, req_id: str, spec: Any) -> None:
@@ -106,7 +106,7 @@ class StructuredOutputManager:
 
         def run() -> xgr.CompiledGrammar:
             comp.started = time.monotonic()
-            return compile_params(self.compiler, params)
+            return self.grammars.get(params)
 
         comp.future = self._pool.submit(run)
         self._compiling[key] = comp

@@ -18,8 +18,6 @@ loop), so those pages go back to the system.
 from __future__ import annotations
 
 import asyncio
-import ctypes
-import ctypes.util
 import hmac
 import json
 import time
@@ -28,6 +26,7 @@ import h11
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from vllm_neuron import heap
 from vllm_neuron.entrypoints.openai.errors import error_body, error_response
 from vllm_neuron.logger import init_logger
 
@@ -127,18 +126,6 @@ class JsonErrorH11Protocol(H11Protocol):
         self.transport.close()
 
 
-def _load_malloc_trim():
-    """glibc's malloc_trim, or None (another C library: nothing to trim this way)."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        trim = libc.malloc_trim
-    except (OSError, AttributeError):
-        return None
-    trim.argtypes = [ctypes.c_size_t]
-    trim.restype = ctypes.c_int
-    return trim
-
-
 class HeapTrim:
     """Gives the heap's free pages back to the system after requests whose body had `threshold_bytes` or
     more (see the module docstring)."""
@@ -147,13 +134,12 @@ class HeapTrim:
         self.app = app
         self.threshold_bytes = threshold_bytes
         self.min_interval_s = min_interval_s
-        self._trim = _load_malloc_trim()
         self._last = 0.0
         self._scheduled = False
         self.trims = 0  # how many trims ran
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or self._trim is None:
+        if scope["type"] != "http" or not heap.available():
             await self.app(scope, receive, send)
             return
         received = 0
@@ -182,7 +168,7 @@ class HeapTrim:
 
     def _run_trim(self) -> None:
         try:
-            self._trim(0)
+            heap.trim()
             self.trims += 1
         finally:
             self._last = time.monotonic()
