@@ -22,7 +22,7 @@ import time
 import httpx
 import pytest
 
-from tests.integration.server_utils import ServerProcess, wait_for
+from tests.integration.server_utils import serving, wait_for
 
 ARGS = ["--enforce-eager", "--dtype", "float32", "--max-model-len", "512", "--num-gpu-blocks-override", "64",
         "--max-num-seqs", "2", "--max-num-queued-reqs", "4", "--grammar-compile-timeout", "2",
@@ -32,13 +32,8 @@ KEY = "sk-hostile"
 
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir, tmp_path_factory):
-    srv = ServerProcess(tiny_llama_dir, ARGS, str(tmp_path_factory.mktemp("hostile")))
-    try:
-        srv.wait_healthy(timeout=120)
+    with serving(tiny_llama_dir, ARGS, str(tmp_path_factory.mktemp("hostile"))) as srv:
         yield srv
-    finally:
-        srv.stop()
-        srv.kill()
 
 
 @pytest.fixture(autouse=True)
@@ -244,11 +239,9 @@ def test_a_client_that_gives_up_frees_its_place(server):
 # ---- the API key on every route -----------------------------------------------------------------------
 
 def test_api_key_on_every_route(tiny_llama_dir, tmp_path):
-    srv = ServerProcess(tiny_llama_dir, ["--enforce-eager", "--max-model-len", "256", "--num-gpu-blocks-override",
-                                         "16", "--max-num-seqs", "2", "--api-key", KEY, "--api-key-all-routes"],
-                        str(tmp_path))
-    try:
-        srv.wait_healthy(timeout=120)
+    args = ["--enforce-eager", "--max-model-len", "256", "--num-gpu-blocks-override", "16", "--max-num-seqs", "2",
+            "--api-key", KEY, "--api-key-all-routes"]
+    with serving(tiny_llama_dir, args, str(tmp_path)) as srv:
         auth = {"Authorization": f"Bearer {KEY}"}
         for method, path, body in [("GET", "/metrics", None), ("POST", "/tokenize", {"prompt": "hi"}),
                                    ("POST", "/detokenize", {"tokens": [1]}), ("GET", "/openapi.json", None),
@@ -258,9 +251,6 @@ def test_api_key_on_every_route(tiny_llama_dir, tmp_path):
             assert httpx.request(method, srv.url + path, json=body, headers=auth, timeout=30).status_code == 200, path
         for path in ("/health", "/ping", "/version"):  # liveness probes stay open
             assert httpx.get(srv.url + path, timeout=30).status_code == 200, path
-    finally:
-        srv.stop()
-        srv.kill()
 
 
 def test_api_key_all_routes_needs_a_key(tiny_llama_dir, tmp_path):
