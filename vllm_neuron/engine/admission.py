@@ -38,7 +38,10 @@ class _Ticket(AdmissionTicket):
 
     def __del__(self) -> None:
         # A streaming response whose body never started (its client left first) drops its ticket unreleased.
-        self.release()
+        try:
+            self.release()
+        except Exception:  # noqa: BLE001 - at interpreter exit the metrics may be gone; nothing is waiting then
+            pass
 
 
 class AdmissionControl:

@@ -46,7 +46,8 @@ def normalize_messages(messages: list[Any], media: dict[str, list] | None = None
         if content is None and not msg.get("tool_calls"):
             # Templates read message.content: without it they fail with a Jinja error that names nothing.
             raise BadRequestError(f"messages[{i}] needs `content` (a string or a list of content parts); only an "
-                                  "assistant message with `tool_calls` may leave it out.", param=f"messages[{i}].content")
+                                  "assistant message with `tool_calls` may leave it out.",
+                                  param=f"messages[{i}].content")
         if isinstance(content, list):
             parts = [_content_part(part, media, f"messages[{i}].content[{j}]") for j, part in enumerate(content)]
             msg["content"] = parts if media is not None else "\n".join(p["text"] for p in parts)

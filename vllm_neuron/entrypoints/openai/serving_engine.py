@@ -231,8 +231,8 @@ class OpenAIServing:
     async def encode(self, text: str, add_special_tokens: bool, bounded: bool = True,
                      param: str = "messages") -> list[int]:
         """Token ids of `text`. `bounded`: a text longer than max_model_len tokens of the vocabulary's longest
-        can hold is refused before tokenizing (tokenizing 7 MB costs ~500 MB, for a 400 all the same); only a
-        request that truncates its prompt (truncate_prompt_tokens) tokenizes text of any length."""
+        can hold is refused before tokenizing (tokenizing 7 MB costs ~500 MB, for a 400 all the same); a request
+        that truncates its prompt (truncate_prompt_tokens), and /tokenize, tokenize text of any length."""
         if bounded and len(text) > self.max_prompt_chars:
             raise BadRequestError(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, your prompt is "
