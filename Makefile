@@ -52,3 +52,7 @@ bench-bounds: setup  ## the machine's matmul peak (engine dtype) and read bandwi
 .PHONY: bench-peers
 bench-peers: setup  ## our server vs vLLM CPU and llama.cpp's llama-server (peers install once into ~/.cache/vllm_neuron_peers)
 	$(BIN)/python benchmarks/compare_peers.py $(ARGS)
+
+.PHONY: soak
+soak: setup  ## the soak test for SOAK_MINUTES (default 30): mixed valid, invalid and disconnecting traffic; RSS samples in soak_rss.csv
+	VLLM_NEURON_SOAK_MINUTES=$(or $(SOAK_MINUTES),30) VLLM_NEURON_SOAK_CSV=$(or $(SOAK_CSV),soak_rss.csv) $(BIN)/python -m pytest -q -s -m soak tests/soak $(ARGS)

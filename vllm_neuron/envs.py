@@ -344,6 +344,12 @@ _VARS: dict[str, EnvVar] = {
             "Seconds to fetch one http(s) media URL (vLLM's variable). Default 5.",
         ),
         EnvVar(
+            "VLLM_MEDIA_URL_ALLOW_REDIRECTS",
+            lambda: _bool("VLLM_MEDIA_URL_ALLOW_REDIRECTS", True),
+            "Follow redirects of http(s) media URLs, each hop checked like the first URL (vLLM's variable). "
+            "Default 1; 0 refuses them.",
+        ),
+        EnvVar(
             "VLLM_MEDIA_MAX_BYTES",
             lambda: _int("VLLM_MEDIA_MAX_BYTES", 20 * 2**20, minimum=1),
             "Largest media item, in bytes, read from an http(s) URL or a local file. Default 20 MiB.",

@@ -23,6 +23,10 @@ Who records what (exactly one owner per series, or counts double):
                                                  record_async_sync_fallback()
     workers (each rank, at start-up)            record_compilation_time(...), record_model_load(...)
     server launcher (once, when ready)          record_startup_time(...)
+    API server and engines (their own process)  record_grammar_cache(...), record_grammar_timeout(...)
+        vllm_neuron:grammar_cache_bytes{process} (gauge), vllm_neuron:grammar_compile_timeouts{process}
+    API server (admission, per request)         record_admission(...)
+        vllm_neuron:num_requests_admitted (gauge), vllm_neuron:num_requests_rejected{reason} (counter)
     API server (per request, from the stream it serves; see RequestTimer)
         vllm:prompt_tokens / generation_tokens / request_success (counters)
         vllm:time_to_first_token_seconds / inter_token_latency_seconds /
@@ -169,6 +173,18 @@ ENCODER_CACHE_HITS = Counter("vllm_neuron:encoder_cache_hits", "Media items whos
                              "encoder cache.", _ME, registry=None)
 ENCODER_CACHE_MISSES = Counter("vllm_neuron:encoder_cache_misses", "Media items the vision encoder ran for.", _ME,
                                registry=None)
+# `process`: "api_server" (its grammar compile process) or "engine_<rank>".
+GRAMMAR_CACHE_BYTES = Gauge("vllm_neuron:grammar_cache_bytes", "Bytes of compiled grammars kept for reuse "
+                            "(--grammar-cache-bytes), by process.", ["model_name", "process"], registry=None,
+                            multiprocess_mode="livesum")
+GRAMMAR_COMPILE_TIMEOUTS = Counter("vllm_neuron:grammar_compile_timeouts", "Grammars refused for compiling longer "
+                                   "than --grammar-compile-timeout, by process.", ["model_name", "process"],
+                                   registry=None)
+NUM_REQUESTS_ADMITTED = Gauge("vllm_neuron:num_requests_admitted", "Engine requests the API server admitted and "
+                              "has not finished (running or waiting; --max-num-queued-reqs bounds them).", _M,
+                              registry=None, multiprocess_mode="livesum")
+NUM_REQUESTS_REJECTED = Counter("vllm_neuron:num_requests_rejected", "Requests answered 503 because the server "
+                                "was saturated, by reason.", ["model_name", "reason"], registry=None)
 # Only with a multimodal model.
 ENCODER_CACHE_SERIES: tuple[str, ...] = ("vllm_neuron:encoder_cache_hits_total",
                                          "vllm_neuron:encoder_cache_misses_total")
@@ -189,7 +205,11 @@ SERIES_NAMES: tuple[str, ...] = (
     "vllm_neuron:neff_execution_count_total", "vllm_neuron:async_sync_fallbacks_total",
     "vllm_neuron:startup_time_seconds", "vllm_neuron:compilation_time_seconds",
     "vllm_neuron:model_load_time_seconds", "vllm_neuron:model_load_size_bytes",
+    "vllm_neuron:grammar_cache_bytes", "vllm_neuron:grammar_compile_timeouts_total",
+    "vllm_neuron:num_requests_admitted", "vllm_neuron:num_requests_rejected_total",
 )
+
+REJECT_REASONS = ("queue_full", "grammar_busy")
 
 _lock = threading.Lock()
 _model_name: str | None = None
@@ -197,9 +217,10 @@ _rank_id: str = "0"
 _engine: str = "0"
 
 
-def configure(model_name: str, rank_id: int = 0, engine: int = 0) -> None:
+def configure(model_name: str, rank_id: int = 0, engine: int = 0, *, api_server: bool = False) -> None:
     """Sets this process' `model_name` label (the served model name), `rank_id` (local rank) and
-    `engine` (the data-parallel rank of the engine replica it belongs to).
+    `engine` (the data-parallel rank of the engine replica it belongs to); `api_server`: this process
+    serves HTTP (its own series are created too).
 
     Also creates the label sets that are known up front, so that /metrics lists the vLLM series
     with a 0 value before the first request (dashboards and scrapers expect them).
@@ -222,6 +243,13 @@ def configure(model_name: str, rank_id: int = 0, engine: int = 0) -> None:
         metric.labels(model_name)
     for reason in ("stop", "length", "abort", "error"):
         REQUEST_SUCCESS.labels(model_name, reason)
+    process = "api_server" if api_server else engine_process()
+    GRAMMAR_CACHE_BYTES.labels(model_name, process)
+    GRAMMAR_COMPILE_TIMEOUTS.labels(model_name, process)
+    if api_server:
+        NUM_REQUESTS_ADMITTED.labels(model_name)
+        for reason in REJECT_REASONS:
+            NUM_REQUESTS_REJECTED.labels(model_name, reason)
 
 
 def _name() -> str:
@@ -308,7 +336,31 @@ def record_startup_time(seconds: float) -> None:
     STARTUP_TIME.labels(_name()).set(seconds)
 
 
+def record_grammar_cache(process: str, nbytes: int) -> None:
+    """The size of `process`'s compiled-grammar cache ("api_server", or engine_process())."""
+    GRAMMAR_CACHE_BYTES.labels(_name(), process).set(nbytes)
+
+
+def record_grammar_timeout(process: str, count: int = 1) -> None:
+    """`count` grammars refused in `process` for compiling past --grammar-compile-timeout."""
+    GRAMMAR_COMPILE_TIMEOUTS.labels(_name(), process).inc(count)
+
+
+def engine_process() -> str:
+    """This engine process' `process` label."""
+    return f"engine_{_engine}"
+
+
 # ---- API server side ---------------------------------------------------------------------------
+
+def record_admission(admitted: int, rejected_reason: str | None = None) -> None:
+    """Engine requests admitted and unfinished now; `rejected_reason` (one of REJECT_REASONS): one request
+    was just answered 503."""
+    name = _name()
+    NUM_REQUESTS_ADMITTED.labels(name).set(admitted)
+    if rejected_reason is not None:
+        NUM_REQUESTS_REJECTED.labels(name, rejected_reason).inc()
+
 
 def record_first_token(ttft_s: float, prompt_tokens: int) -> None:
     name = _name()

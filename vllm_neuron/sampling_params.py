@@ -128,6 +128,11 @@ class SamplingParams:
         if invalid:
             raise ValueError(
                 f"logit_bias contains key(s) that cannot be converted to integer token IDs: {invalid!r}")
+        # A NaN bias compares with nothing: the server would clamp it to an arbitrary end of [-100, 100].
+        not_finite = [t for t, b in converted.items() if not math.isfinite(b)]
+        if not_finite:
+            raise ValueError(f"logit_bias values must be finite numbers; token(s) {not_finite[:10]} have "
+                             f"{[converted[t] for t in not_finite[:10]]}")
         return converted
 
     def _verify_args(self) -> None:

@@ -13,7 +13,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import httpx
@@ -114,17 +115,24 @@ class ServerProcess:
             pass
         return out
 
-    def engine_pid(self) -> int:
-        """The EngineCore child: the spawned multiprocessing child (the other one is the
-        resource tracker)."""
+    def child_running(self, marker: bytes) -> int | None:
+        """The first child whose command line contains `marker`, or None."""
         for pid in self.children():
             try:
                 with open(f"/proc/{pid}/cmdline", "rb") as c:
-                    if b"spawn_main" in c.read():
+                    if marker in c.read():
                         return pid
             except OSError:
                 continue
-        raise AssertionError(f"no EngineCore child of server pid {self.proc.pid}")
+        return None
+
+    def engine_pid(self) -> int:
+        """The EngineCore child: the spawned multiprocessing child (the other one is the
+        resource tracker)."""
+        pid = self.child_running(b"spawn_main")
+        if pid is None:
+            raise AssertionError(f"no EngineCore child of server pid {self.proc.pid}")
+        return pid
 
     def stop(self, timeout: float = 15.0) -> tuple[int | None, float]:
         """SIGTERM, then waits; returns (exit code or None when it had to be killed, seconds)."""
@@ -147,6 +155,18 @@ class ServerProcess:
         self.proc.wait(10)
         if not self._log.closed:
             self._log.close()
+
+
+@contextmanager
+def serving(model: str, args: list[str], tmp_dir: str, timeout: float = 120.0, **env: str) -> Iterator[ServerProcess]:
+    """A healthy `ServerProcess`, stopped (and its process group killed) afterwards."""
+    srv = ServerProcess(model, args, tmp_dir, **env)
+    try:
+        srv.wait_healthy(timeout=timeout)
+        yield srv
+    finally:
+        srv.stop()
+        srv.kill()
 
 
 def rank_children(pid: int) -> list[int]:

@@ -194,6 +194,30 @@ def test_openapi_describes_the_routes(base_url):
     n = schemas["ChatCompletionRequest"]["properties"]["n"]["anyOf"][0]
     assert (n["minimum"], n["maximum"]) == (1, MAX_N)
     assert "text/event-stream" in doc["paths"]["/v1/completions"]["post"]["responses"]["200"]["content"]
+    # What the routes refuse is stated (schemathesis' positive_data_acceptance found these refused as valid):
+    chat = schemas["ChatCompletionRequest"]["properties"]
+    assert chat["prompt_logprobs"]["type"] == "null" and chat["chat_template"]["type"] == "null"
+    item = chat["messages"]["items"]
+    assert item["properties"]["role"]["minLength"] == 1 and {"content"} in [set(v["required"]) for v in item["anyOf"]]
+    formats = next(o for o in chat["response_format"]["anyOf"] if o.get("type") == "object")["anyOf"]
+    assert {"format"} in [set(v.get("required", [])) for v in formats]
+
+
+@pytest.mark.parametrize("messages, param", [
+    ([{"role": "", "content": "hi"}], "messages[0].role"),
+    ([{"role": "user"}], "messages[0].content"),
+    ([{"role": "user", "content": None}], "messages[0].content"),
+])
+def test_malformed_messages_are_named(base_url, messages, param):
+    r = httpx.post(base_url + "/v1/chat/completions", json={"messages": messages, "max_tokens": 2})
+    assert "Chat template error" not in _error(r, 400, param)
+    _still_serves(base_url)
+
+
+def test_structural_tag_without_a_format_is_a_400(base_url):
+    r = httpx.post(base_url + "/v1/completions", json={"prompt": "x", "max_tokens": 2,
+                                                       "response_format": {"type": "structural_tag"}})
+    assert "structural_tag" in _error(r, 400, "response_format")
 
 
 @pytest.mark.slow

@@ -1,7 +1,9 @@
 """`vllm-neuron serve` on the tiny Qwen3-VL: the openai SDK's chat with a data: image gives
 transformers' greedy tokens; a file:// image under --allowed-local-media-path works; a broken image,
 an unsupported media type, too many images and a path outside the allowed folder each get a 400
-naming the problem, and the server keeps serving."""
+naming the problem, and the server keeps serving. http(s) images come from --allowed-media-domains hosts
+only (here `localhost`, served by a thread of this test), never from an address a redirect or the
+literal IP of a host not listed points at."""
 from __future__ import annotations
 
 import os
@@ -12,6 +14,7 @@ import openai
 import pytest
 
 from tests.integration.server_utils import ServerProcess
+from tests.media_host import media_host
 from tests.vlm_factory import IMAGE, data_url, hf_greedy, make_tiny_qwen3_vl, mp4_bytes, png_bytes, random_image
 
 pytestmark = pytest.mark.engine
@@ -30,7 +33,7 @@ def setup(tmp_path_factory):
     srv = ServerProcess(model_dir, ["--enforce-eager", "--dtype", "float32", "--max-model-len", "256",
                                     "--num-gpu-blocks-override", "64", "--max-num-seqs", "4",
                                     "--limit-mm-per-prompt", '{"image": 2}', "--allowed-local-media-path",
-                                    str(media)], str(root))
+                                    str(media), "--allowed-media-domains", "localhost"], str(root))
     try:
         srv.wait_healthy(timeout=120)
         yield srv, model_dir, str(media)
@@ -140,3 +143,29 @@ def test_tokenize_counts_the_image_tokens(setup):
         "model": model_dir, "messages": [{"role": "user", "content": [{"type": "text", "text": "Describe."}]}]}).json()
     # <|vision_start|> + 6 image tokens + <|vision_end|> more than the text-only conversation
     assert with_image["count"] == text_only["count"] + 8
+
+
+@pytest.fixture(scope="module")
+def media():
+    with media_host(png_bytes(random_image(56, 56, 5))) as host:
+        yield host
+
+
+def test_http_media_only_from_allowed_hosts(setup, media):
+    srv, model_dir, _ = setup
+    media_port = media.port
+    media.requests.clear()
+    ok = _chat(srv, model_dir, _message(f"http://localhost:{media_port}/cat.png"))  # listed: fetched
+    assert ok.choices[0].finish_reason == "length" and media.requests == ["/cat.png"]
+    for url, needle in [
+        (f"http://127.0.0.1:{media_port}/cat.png", "'127.0.0.1' is not in --allowed-media-domains"),
+        ("http://169.254.169.254/latest/meta-data/", "'169.254.169.254' is not in --allowed-media-domains"),
+        # A listed host's redirect to an address that is not: refused at that hop, never fetched.
+        (f"http://localhost:{media_port}/to/http://127.0.0.1:{media_port}/cat.png",
+         "'127.0.0.1' is not in --allowed-media-domains"),
+    ]:
+        media.requests.clear()
+        r = httpx.post(srv.url + "/v1/chat/completions", timeout=60,
+                       json={"model": model_dir, "messages": _message(url), "max_tokens": 2})
+        assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
+        assert "/cat.png" not in media.requests

@@ -64,11 +64,11 @@ def test_local_files_load_only_under_the_allowed_folder(processor, tmp_path):
     inside = processor.allowed_local_media_path + "/cat.png"
     with open(inside, "wb") as f:
         f.write(png_bytes(random_image(56, 56, 4)))
-    assert load_image("file://" + inside, processor.allowed_local_media_path).size == (56, 56)
+    assert load_image("file://" + inside, processor.media_access).size == (56, 56)
     with pytest.raises(ValueError, match="not started with --allowed-local-media-path"):
-        load_image("file://" + inside, None)
+        load_image("file://" + inside)
     with pytest.raises(ValueError, match="outside the allowed"):
-        load_image("file://" + processor.allowed_local_media_path + "/../x.png", processor.allowed_local_media_path)
+        load_image("file://" + processor.allowed_local_media_path + "/../x.png", processor.media_access)
 
 
 def test_unknown_processor_kwargs_are_refused(processor):

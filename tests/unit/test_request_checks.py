@@ -55,6 +55,10 @@ def test_lone_surrogates_replaced_pairs_kept():
     (b"{", "Invalid JSON"), (b"[1]", "JSON object"), (b"\xff\xfe", "Invalid JSON"),
     (b"[" * 5000 + b"]" * 5000, "nested deeper"),
     (b'{"a": ' + b"[" * (MAX_JSON_DEPTH + 1) + b"]" * (MAX_JSON_DEPTH + 1) + b"}", "nested deeper"),
+    # int() refuses literals of more than sys.get_int_max_str_digits() digits with a plain ValueError
+    (b'{"prompt": "hi", "max_tokens": ' + b"9" * 5000 + b"}", "4300 digits"),
+    (b'{"logit_bias": {"1": NaN}}', "NaN is not a JSON number"),
+    (b'{"temperature": -Infinity}', "-Infinity is not a JSON number"),
 ])
 def test_parse_json_object_errors(raw, needle):
     with pytest.raises(BadRequestError, match=needle):
@@ -64,3 +68,9 @@ def test_parse_json_object_errors(raw, needle):
 def test_parse_json_object_replaces_surrogates_only_when_escaped():
     assert parse_json_object(b'{"p": "a\\ud800", "q": "\\ud83d\\ude00"}') == {"p": "a\ufffd", "q": "\U0001F600"}
     assert parse_json_object(b'{"p": "plain"}') == {"p": "plain"}
+
+
+def test_limits_refuse_bad_body_read_timeout():
+    for bad in (0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="--body-read-timeout"):
+            RequestLimits(body_read_timeout_s=bad)

@@ -129,3 +129,9 @@ def test_outputs_shapes():
     text = repr(r)
     assert "r1" in text and "'hi'" in text and "finish_reason=stop" in text
 
+
+
+@pytest.mark.parametrize("bias", [float("nan"), float("inf"), float("-inf")])
+def test_logit_bias_must_be_finite(bias):
+    with pytest.raises(ValueError, match="logit_bias values must be finite"):
+        SamplingParams(logit_bias={5: bias})

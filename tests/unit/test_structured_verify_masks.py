@@ -27,7 +27,7 @@ def manager():
 def _ready(m: StructuredOutputManager, rid: str, choices: list[str]) -> None:
     m.submit(rid, {"choice": choices})
     for _ in range(500):
-        ready, err = m.status(rid)
+        ready, err, _ = m.status(rid)
         assert err is None
         if ready:
             return

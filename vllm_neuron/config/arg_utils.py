@@ -30,6 +30,7 @@ GROUPS = {
     "server": "Server: HTTP listener, authentication, logging",
     "frontend": "Frontend: OpenAI API behaviour (chat templates, tools, served names)",
     "multimodal": "Multimodal: images and video (limits, processor options, local media)",
+    "structured_outputs": "Structured outputs: how much grammar work one request may ask for",
 }
 
 
@@ -122,6 +123,10 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool =
     g.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="max tokens per prefill step; longer prompts are segmented (default: the largest "
                    "num_batched_tokens_bucket, else min(512, max-model-len))")
+    g.add_argument("--max-num-queued-reqs", type=int, default=None,
+                   help="engine requests (running and waiting; n > 1 counts n) the server takes at once; beyond it "
+                   "a request gets a 503 with Retry-After before any work is done for it (default: 16 x "
+                   "max-num-seqs x data-parallel-size; 0: no bound)")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule step N+1 while step N runs (default: on, except on a CPU whose cores torch's "
                    "threads all use, with speculative decoding, and with CPU sampling)")
@@ -175,6 +180,30 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool =
                    "checkpoint's preprocessor_config.json)")
     g.add_argument("--allowed-local-media-path", default=None,
                    help="folder whose files requests may name as file:// media URLs (default: none allowed)")
+    g.add_argument("--allowed-media-domains", nargs="+", default=None, metavar="HOST",
+                   help="the only hosts http(s) media URLs may name (redirects are checked too); loopback, "
+                   "link-local and private addresses are refused unless their host is listed (default: any "
+                   "public host)")
+
+    g = arg_group(parser, "structured_outputs")
+    g.add_argument("--grammar-max-properties", type=int, default=d.grammar_max_properties,
+                   help="object properties one JSON schema (response_format, structured_outputs, tools) may have, "
+                   "every level counted; a larger schema gets a 400 before it compiles")
+    g.add_argument("--grammar-max-depth", type=int, default=d.grammar_max_depth,
+                   help="subschemas a JSON schema may nest in one another")
+    g.add_argument("--grammar-max-pattern-length", type=int, default=d.grammar_max_pattern_length,
+                   help="characters of a schema's `pattern` or of a regex constraint")
+    g.add_argument("--grammar-max-repeat", type=int, default=d.grammar_max_repeat,
+                   help="largest repetition count ({m,n}) in a pattern or regex")
+    g.add_argument("--grammar-max-bytes", type=int, default=d.grammar_max_bytes,
+                   help="size of a constraint's text in bytes (the schema's JSON, a regex, an EBNF grammar, the "
+                   "choices)")
+    g.add_argument("--grammar-compile-timeout", type=float, default=d.grammar_compile_timeout,
+                   help="seconds one grammar may take to compile (in a process of its own at low priority, "
+                   "off the event loop and the engine's steps); a slower one is stopped and its request gets a 400")
+    g.add_argument("--grammar-cache-bytes", type=int, default=d.grammar_cache_bytes,
+                   help="bytes of compiled grammars kept for reuse, in the API server and in each engine process "
+                   "(vllm_neuron:grammar_cache_bytes in /metrics); 0 keeps none")
 
     g = arg_group(parser, "compilation")
     g.add_argument("--enforce-eager", action="store_true",

@@ -8,7 +8,9 @@ into the frozen `EngineConfig` the engine runs on.
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import os
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +21,7 @@ from vllm_neuron.config import compatibility
 from vllm_neuron.config import validate as V
 from vllm_neuron.config.device import (DEVICE_CHOICES, DTYPE_CHOICES, check_weight_quantization, resolve_device,
                                        resolve_model_dtype)
+from vllm_neuron.config import grammar_limits as GL
 from vllm_neuron.config.generation_config import check_generation_config_arg, parse_override
 from vllm_neuron.config.json_object import parse_json_object
 from vllm_neuron.config.neuron_config import AdditionalConfig, parse_additional_config
@@ -28,6 +31,7 @@ KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")  # fp8 = fp8_e4m3
 BLOCK_SIZES = (8, 16, 32, 64, 128)
 BUNDLED_MODEL_NAME = "SmolLM2-135M-Instruct"  # served name of the bundled model (no MODEL given)
 MM_MODALITIES = ("image", "video")
+_HOST_NAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]*[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]*[A-Za-z0-9])?)*\.?")
 
 
 def parse_limit_mm_per_prompt(value: dict | str | None) -> dict[str, int]:
@@ -38,6 +42,23 @@ def parse_limit_mm_per_prompt(value: dict | str | None) -> dict[str, int]:
         V.choice("limit_mm_per_prompt modality", k, MM_MODALITIES)
         V.integer(f"limit_mm_per_prompt[{k!r}]", v, minimum=0)
     return limits
+
+
+def check_allowed_media_domains(value: object) -> None:
+    """None, or a list of host names / IP addresses (no scheme, path or port)."""
+    if value is None:
+        return
+    if isinstance(value, str) or not isinstance(value, (list, tuple)) or not all(isinstance(d, str) for d in value):
+        raise ValueError(f"allowed_media_domains must be a list of host names, got {value!r}")
+    for domain in value:
+        try:
+            ipaddress.ip_address(domain.strip("[]"))
+            continue
+        except ValueError:
+            pass
+        if not _HOST_NAME.fullmatch(domain):
+            raise ValueError(f"allowed_media_domains: {domain!r} is not a host name or IP address (give hosts "
+                             "only, e.g. upload.wikimedia.org or 10.0.0.5, without scheme, port or path)")
 
 
 def _json_dict(option: str, value: dict | str | None) -> dict:
@@ -56,6 +77,9 @@ class EngineOptions:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     max_num_seqs: int | None = None  # None: the largest num_seqs_bucket, else 16
     max_num_batched_tokens: int | None = None  # None: the largest num_batched_tokens_bucket, else min(512, max_model_len)
+    # Engine requests admitted and unfinished (running + waiting) beyond which the server answers 503
+    # (vLLM's name); None: 16 x max_num_seqs x data_parallel_size; 0: no bound.
+    max_num_queued_reqs: int | None = None
     block_size: int = 32
     num_gpu_blocks_override: int | None = None
     gpu_memory_utilization: float = 0.9
@@ -93,12 +117,29 @@ class EngineOptions:
     limit_mm_per_prompt: dict | str | None = None  # {"image": N, "video": M}
     mm_processor_kwargs: dict | str | None = None  # the image processor's options, e.g. {"max_pixels": ...}
     allowed_local_media_path: str | None = None  # file:// media must lie under this folder
+    # http(s) media hosts (vLLM's --allowed-media-domains); None: any public host. Loopback, link-local and
+    # private addresses are refused unless their host is listed here.
+    allowed_media_domains: list[str] | None = None
     chat_template: str | None = None
     trust_remote_code: bool = False  # accepted for vLLM compatibility; no remote code is ever run
     disable_log_stats: bool = False
     generation_config: str = "auto"  # auto | vllm | a folder with generation_config.json
     override_generation_config: dict | str | None = None
     additional_config: dict | str | AdditionalConfig | None = None
+    # Structured outputs: how much grammar work one request may ask for (config/grammar_limits.py).
+    grammar_max_properties: int = GL.DEFAULT_MAX_PROPERTIES
+    grammar_max_depth: int = GL.DEFAULT_MAX_DEPTH
+    grammar_max_pattern_length: int = GL.DEFAULT_MAX_PATTERN_LENGTH
+    grammar_max_repeat: int = GL.DEFAULT_MAX_REPEAT
+    grammar_max_bytes: int = GL.DEFAULT_MAX_BYTES
+    grammar_compile_timeout: float = GL.DEFAULT_COMPILE_TIMEOUT_S
+    grammar_cache_bytes: int = GL.DEFAULT_CACHE_BYTES
+
+    @property
+    def grammar_limits(self) -> GL.GrammarLimits:
+        return GL.GrammarLimits(self.grammar_max_properties, self.grammar_max_depth, self.grammar_max_pattern_length,
+                                self.grammar_max_repeat, self.grammar_max_bytes, self.grammar_compile_timeout,
+                                self.grammar_cache_bytes)
 
     @property
     def local_tp_ranks(self) -> int:
@@ -164,6 +205,7 @@ class EngineArgs(EngineOptions):
             raise V.not_supported("mm_encoder_only", True, "encoder-disaggregated (EPD) inference is not supported yet")
         if self.allowed_local_media_path is not None and not os.path.isdir(self.allowed_local_media_path):
             raise ValueError(f"allowed_local_media_path={self.allowed_local_media_path!r} is not an existing folder")
+        check_allowed_media_domains(self.allowed_media_domains)
         check_generation_config_arg(self.generation_config)
         envs.check_supported()
         parsed = dataclasses.replace(
@@ -196,6 +238,7 @@ class EngineArgs(EngineOptions):
             V.integer(name, getattr(self, name), minimum=1)
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "num_gpu_blocks_override"):
             V.optional_integer(name, getattr(self, name), minimum=1)
+        V.optional_integer("max_num_queued_reqs", self.max_num_queued_reqs, minimum=0, context="0: no bound")
         if self.max_logprobs != -1:
             V.integer("max_logprobs", self.max_logprobs, minimum=0, context="or -1: the whole vocabulary")
         V.integer("seed", self.seed)
@@ -203,6 +246,7 @@ class EngineArgs(EngineOptions):
                  min_exclusive=True)
         for name in _BOOLEANS:
             V.boolean(name, getattr(self, name))
+        self.grammar_limits.check()
 
     def _check_data_parallel(self) -> None:
         dp = self.data_parallel_size

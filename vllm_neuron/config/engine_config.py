@@ -8,7 +8,8 @@ replicas, which never resolve again. Nothing can change it afterwards: setting a
 FrozenInstanceError naming it (the nested neuron_config / on_device_sampling_config are frozen too).
 
 Resolved here: the device and dtype (with the reason logged at start-up), the backend, the runner
-(config/compatibility.py), max_model_len / max_num_seqs / max_num_batched_tokens and the bucket lists,
+(config/compatibility.py), max_model_len / max_num_seqs / max_num_batched_tokens / max_num_queued_reqs and
+the bucket lists,
 async scheduling (and why), and each data-parallel replica's share of its host's memory.
 """
 from __future__ import annotations
@@ -30,6 +31,9 @@ from vllm_neuron.config.speculative import SpeculativeConfig
 
 DEFAULT_MAX_NUM_SEQS = 16
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 512
+# max_num_queued_reqs left unset: this many full batches per replica may run or wait (a client that waits
+# behind 15 full batches still gets its answer; one past them gets a 503 at once).
+DEFAULT_QUEUED_BATCHES = 16
 
 
 @dataclass(frozen=True)
@@ -49,6 +53,7 @@ class EngineConfig(EngineOptions):
     max_model_len: int
     max_num_seqs: int
     max_num_batched_tokens: int
+    max_num_queued_reqs: int  # 0: no bound
     device: str  # "cpu" or "cuda" (torch_device)
     dtype: str  # "bfloat16", "float32" or "float16" (torch_dtype)
     # This replica's share of its device's memory: the user's value divided among the replicas sharing a GPU.
@@ -130,6 +135,8 @@ def resolve(args: EngineArgs, facts: ModelFacts) -> EngineConfig:
     return EngineConfig(**{
         **options, "max_model_len": max_model_len, "max_num_seqs": max_num_seqs,
         "max_num_batched_tokens": max_num_batched_tokens, "device": device.type,
+        "max_num_queued_reqs": (DEFAULT_QUEUED_BATCHES * max_num_seqs * args.data_parallel_size
+                                if args.max_num_queued_reqs is None else args.max_num_queued_reqs),
         "dtype": str(dtype).removeprefix("torch."), "gpu_memory_utilization": gmu, "async_scheduling": async_on,
         "additional_config": dataclasses.replace(args.additional_config, neuron_config=nc),
         "model_facts": facts, "dtype_reason": dtype_reason,

@@ -14,6 +14,7 @@ import time
 from collections.abc import AsyncGenerator
 from typing import Any
 
+from vllm_neuron import metrics
 from vllm_neuron.config.engine_args import EngineArgs
 from vllm_neuron.config.engine_config import EngineConfig
 from vllm_neuron.config.generation_config import effective_generation_config
@@ -21,12 +22,16 @@ from vllm_neuron.engine.core_client import CoreClient
 from vllm_neuron.engine.dp_router import DPRouter
 from vllm_neuron.engine.input_processor import InputProcessor, multimodal_processor
 from vllm_neuron.engine.output_processor import OutputProcessor
-from vllm_neuron.engine.protocol import EngineClient, EngineDeadError, EngineRequestError, ModelInfo, PromptType
+from vllm_neuron.engine.admission import AdmissionControl
+from vllm_neuron.engine.protocol import (AdmissionTicket, EngineClient, EngineDeadError, EngineOverloadedError,
+                                         EngineRequestError, ModelInfo, PromptType)
 from vllm_neuron.logger import init_logger
 from vllm_neuron.engine.resolve import resolve_engine_config
 from vllm_neuron.model.loader import Checkpoint, load_checkpoint, load_tokenizer
 from vllm_neuron.outputs import RequestOutput
 from vllm_neuron.sampling_params import SamplingParams
+from vllm_neuron.structured_output.checker import GrammarChecker, GrammarCompilerBusy
+from vllm_neuron.structured_output import GRAMMAR_BUSY, GRAMMAR_INVALID
 
 logger = init_logger(__name__)
 
@@ -61,10 +66,14 @@ class AsyncLLM(EngineClient):
             raise
         generation = effective_generation_config(config.generation_config, ckpt.generation_config,
                                                  config.override_generation_config)
+        vocab_size = ckpt.hf_config.get_text_config().vocab_size
+        # Grammars compile in a child process of their own, under the time limit (structured_output/checker.py).
+        self.grammar_checker = GrammarChecker(self.tokenizer, vocab_size, config.grammar_limits)
+        self.admission = AdmissionControl(config.max_num_queued_reqs, metrics.record_admission)
         self.input_processor = InputProcessor(self.tokenizer, config.max_model_len, generation,
-                                              nc.on_device_sampling_config, config.max_logprobs,
-                                              ckpt.hf_config.get_text_config().vocab_size,
-                                              multimodal_processor(config, ckpt, self.tokenizer))
+                                              nc.on_device_sampling_config, config.max_logprobs, vocab_size,
+                                              multimodal_processor(config, ckpt, self.tokenizer),
+                                              grammar_check=self.grammar_checker.check)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.model_info = ModelInfo(ckpt.path, config.max_model_len, self.input_processor.eos_token_id,
                                     self.input_processor.generation_defaults)
@@ -77,6 +86,23 @@ class AsyncLLM(EngineClient):
         return cls(config, ckpt, model_name)
 
     # -- EngineClient -----------------------------------------------------------------------------
+    def admit(self, weight: int) -> AdmissionTicket:
+        return self.admission.admit(weight)
+
+    def check_structured_outputs(self, params: Any, max_tokens: int | None = None) -> None:
+        checker = self.grammar_checker
+        timeouts = checker.compile_timeouts
+        try:
+            checker.check(params, max_tokens)
+        except GrammarCompilerBusy as e:
+            metrics.record_admission(self.admission.admitted, "grammar_busy")
+            raise EngineOverloadedError(str(e), retry_after_s=max(1, int(checker.limits.compile_timeout_s)),
+                                        reason="grammar_busy") from None
+        finally:
+            metrics.record_grammar_cache("api_server", checker.cache_bytes)
+            if checker.compile_timeouts > timeouts:
+                metrics.record_grammar_timeout("api_server", checker.compile_timeouts - timeouts)
+
     @property
     def is_multimodal(self) -> bool:
         return self.input_processor.mm_processor is not None
@@ -251,7 +277,7 @@ class AsyncLLM(EngineClient):
         by_request: dict[str | None, list] = {}
         for out in outs.outputs:
             if out.error is not None:
-                self._fail_request(out.request_id, out.error, rank)
+                self._fail_request(out.request_id, out.error, rank, out.error_kind)
             else:
                 by_request.setdefault(self.output_processor.parent_of.get(out.request_id), []).append(out)
         for group in by_request.values():
@@ -268,7 +294,7 @@ class AsyncLLM(EngineClient):
                 if q is not None:
                     q.put_nowait(res)
 
-    def _fail_request(self, engine_request_id: str, error: str, rank: int = 0) -> None:
+    def _fail_request(self, engine_request_id: str, error: str, rank: int = 0, kind: str | None = None) -> None:
         """The engine failed one completion: the whole request fails with the error (its other
         completions are aborted); the engine goes on."""
         parent = self.output_processor.parent_of.get(engine_request_id)
@@ -280,7 +306,7 @@ class AsyncLLM(EngineClient):
             self._send(("abort", ids), rank)
         self.output_processor.abort(parent)
         if q is not None:
-            q.put_nowait(EngineRequestError(f"the engine failed this request: {error}"))
+            q.put_nowait(_request_error(error, kind))
 
     def _fail_replica_request(self, request_id: str, rank: int, why: str) -> None:
         self.output_processor.abort(request_id)
@@ -323,4 +349,15 @@ class AsyncLLM(EngineClient):
     def shutdown(self) -> None:
         if self._handler is not None:
             self._handler.cancel()
+        self.grammar_checker.close()
         self.cores.shutdown()
+
+
+def _request_error(error: str, kind: str | None) -> Exception:
+    """What the engine's failure of one request raises in its stream: ValueError for the request's own fault
+    (a 400: its grammar failed or compiled too long), EngineOverloadedError for the engine's capacity (503)."""
+    if kind == GRAMMAR_INVALID:
+        return ValueError(error)
+    if kind == GRAMMAR_BUSY:
+        return EngineOverloadedError(error, reason="grammar_busy")
+    return EngineRequestError(f"the engine failed this request: {error}")

@@ -128,7 +128,10 @@ class EngineCore:
             from vllm_neuron.structured_output.manager import StructuredOutputManager
 
             tok = load_tokenizer(self.config.tokenizer or self.ckpt)
-            self.structured = StructuredOutputManager(tok, self.ckpt.hf_config.get_text_config().vocab_size)
+            limits = self.config.grammar_limits
+            self.structured = StructuredOutputManager(tok, self.ckpt.hf_config.get_text_config().vocab_size,
+                                                      compile_timeout_s=limits.compile_timeout_s,
+                                                      cache_bytes=limits.cache_bytes)
         return self.structured
 
     def abort_requests(self, req_ids: list[str], reason: str = "abort") -> None:
@@ -145,12 +148,12 @@ class EngineCore:
     def _admit_compiled_grammars(self) -> list[EngineCoreOutput]:
         failed = []
         for rid, request in list(self._grammar_wait.items()):
-            ready, error = self.structured.status(rid)
+            ready, error, kind = self.structured.status(rid)
             if error is not None:
                 logger.warning("request %s: structured output grammar failed: %s", rid, error)
                 del self._grammar_wait[rid]
                 self.structured.remove(rid)
-                failed.append(EngineCoreOutput(rid, [], finish_reason="abort"))
+                failed.append(EngineCoreOutput(rid, [], finish_reason="error", error=error, error_kind=kind))
             elif ready:
                 del self._grammar_wait[rid]
                 self.scheduler.add_request(request)
@@ -324,4 +327,6 @@ class EngineCore:
             step_kind=sched.kind if sched else "", bucket_name=result.bucket_name if result else "",
             num_padding=result.num_padding if result else 0, num_tokens=sched.num_tokens if sched else 0,
             num_async_sync_fallbacks=self.num_async_sync_fallbacks, spec_decode=s.spec_stats.cumulative(),
-            encoder_cache=self.runner.encoder_cache_stats())
+            encoder_cache=self.runner.encoder_cache_stats(),
+            grammar_cache_bytes=self.structured.cache_bytes if self.structured is not None else 0,
+            grammar_compile_timeouts=self.structured.compile_timeouts if self.structured is not None else 0)

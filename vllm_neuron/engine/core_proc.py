@@ -19,6 +19,7 @@ from typing import Any
 
 import zmq
 
+from vllm_neuron import heap
 from vllm_neuron.config.engine_config import EngineConfig
 from vllm_neuron.engine.replica import ReplicaPlacement, apply_placement, engine_identity
 from vllm_neuron.logger import init_logger
@@ -32,6 +33,10 @@ ALIVE_S = 1.0
 # P3's warm TTFT (4 requests in flight, waves back to back) was 119-153 ms with it, 70-86 ms without
 # (Zen 5 EPYC VM, 2026-12-04).
 IDLE_WORK_AFTER_S = 0.25
+# glibc keeps freed memory in its per-thread heaps (grammar compile threads, large requests): given back when
+# the engine turns idle (at most every 5 s) and once a minute under constant load (vllm_neuron/heap.py).
+IDLE_TRIM_EVERY_S = 5.0
+BUSY_TRIM_EVERY_S = 60.0
 
 
 def _send(sock: zmq.Socket, msg: Any) -> None:
@@ -92,7 +97,7 @@ def _loop(core, inp: zmq.Socket, out: zmq.Socket, metrics, log_stats: bool = Tru
     stats_logger = StatsLogger(envs.VLLM_LOG_STATS_INTERVAL, time.monotonic()) if log_stats else None
     last_sent = time.monotonic()
     idle_work = True  # idle time may have work to fill: poll without blocking until it says it has none
-    last_busy = time.monotonic()
+    last_busy = last_trim = time.monotonic()
     while True:
         busy = core.has_unfinished()  # the stats line's wait only matters to an idle engine
         timeout = poll_timeout_ms(busy, idle_work, time.monotonic() - last_busy,
@@ -113,10 +118,16 @@ def _loop(core, inp: zmq.Socket, out: zmq.Socket, metrics, log_stats: bool = Tru
             if handled:  # aborts free blocks: the gauges must say so even when nothing runs
                 recorder.record(core.idle_stats())
             if idle_work and now - last_busy >= IDLE_WORK_AFTER_S:
+                if now - last_trim >= IDLE_TRIM_EVERY_S:
+                    heap.trim()
+                    last_trim = now
                 idle_work = core.idle_work()
             continue
         outs = core.step()
         last_busy = time.monotonic()
+        if last_busy - last_trim >= BUSY_TRIM_EVERY_S:
+            heap.trim()
+            last_trim = last_busy
         idle_work = True  # the step may have moved the newest block: idle time may have work again
         recorder.record(outs.stats)
         if stats_logger is not None:
@@ -172,6 +183,7 @@ class _StatsRecorder:
         self.prev = (0, 0, 0, 0)
         self.prev_spec = (0, 0, 0, [])
         self.prev_encoder = (0, 0)
+        self.prev_grammar = (-1, 0)  # (cache bytes, compile timeouts) last recorded
 
     def record(self, s) -> None:
         if s is None:
@@ -193,6 +205,12 @@ class _StatsRecorder:
             (h, m), (ph, pm) = s.encoder_cache, self.prev_encoder
             self.metrics.record_encoder_cache(h - ph, m - pm)
             self.prev_encoder = s.encoder_cache
+        grammar = (s.grammar_cache_bytes, s.grammar_compile_timeouts)
+        if grammar != self.prev_grammar:
+            self.metrics.record_grammar_cache(self.metrics.engine_process(), grammar[0])
+            if grammar[1] > self.prev_grammar[1]:
+                self.metrics.record_grammar_timeout(self.metrics.engine_process(), grammar[1] - self.prev_grammar[1])
+            self.prev_grammar = grammar
         if s.bucket_name:
             self.metrics.record_execution(s.bucket_name)
             self.metrics.record_padding("tokens" if s.step_kind == "prefill" else "seqs", s.bucket_name,

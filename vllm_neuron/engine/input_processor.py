@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from vllm_neuron.config.generation_config import sampling_defaults
@@ -12,6 +12,7 @@ from vllm_neuron.engine.messages import EngineCoreRequest
 from vllm_neuron.config.neuron_config import OnDeviceSamplingConfig
 from vllm_neuron.model.registry import is_multimodal
 from vllm_neuron.sampling_params import SamplingParams
+from vllm_neuron.structured_output.params import StructuredOutputsParams
 
 if TYPE_CHECKING:
     from vllm_neuron.multimodal.processor import MultiModalProcessor
@@ -30,6 +31,7 @@ def multimodal_processor(config, ckpt, tokenizer) -> "MultiModalProcessor | None
     return MultiModalProcessor(ckpt.hf_config, ckpt.path, mm_processor_kwargs=config.mm_processor_kwargs,
                                limits=config.limit_mm_per_prompt,
                                allowed_local_media_path=config.allowed_local_media_path,
+                               allowed_media_domains=config.allowed_media_domains,
                                language_model_only=config.additional_config.mm_language_model_only,
                                max_frame_patches=enc.encoder_attention_block_size, tokenizer=tokenizer)
 
@@ -41,8 +43,12 @@ def child_request_id(index: int, request_id: str) -> str:
 class InputProcessor:
     def __init__(self, tokenizer: Any, max_model_len: int, generation_config: Mapping[str, Any],
                  odsc: OnDeviceSamplingConfig | None, max_logprobs: int, vocab_size: int,
-                 mm_processor: "MultiModalProcessor | None" = None) -> None:
+                 mm_processor: "MultiModalProcessor | None" = None,
+                 grammar_check: Callable[[StructuredOutputsParams, int | None], None] | None = None) -> None:
+        """grammar_check(params, max_tokens): a structured-output constraint's size limits and compilation
+        (structured_output/checker.py; ValueError naming the problem); None: compiled here, unbounded."""
         self.tokenizer = tokenizer
+        self.grammar_check = grammar_check
         self.mm_processor = mm_processor
         self.max_model_len = max_model_len
         self.odsc = odsc
@@ -152,7 +158,11 @@ class InputProcessor:
             self.odsc.check_request(params.temperature)
 
     def _validate_structured_outputs(self, params: SamplingParams) -> None:
-        # Compiled here (cached by its text) so a bad constraint is refused before it reaches the engine.
+        # Checked here (compiled once, remembered by its text) so a bad constraint is refused before it reaches
+        # the engine.
+        if self.grammar_check is not None:
+            self.grammar_check(params.structured_outputs, params.max_tokens)
+            return
         from vllm_neuron.structured_output.compiler import make_tokenizer_info, validate
 
         validate(params.structured_outputs, make_tokenizer_info(self.tokenizer))

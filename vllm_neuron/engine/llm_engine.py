@@ -17,6 +17,7 @@ from vllm_neuron.engine.resolve import resolve_engine_config
 from vllm_neuron.model.loader import Checkpoint, load_checkpoint, load_tokenizer
 from vllm_neuron.outputs import RequestOutput
 from vllm_neuron.sampling_params import SamplingParams
+from vllm_neuron.structured_output.checker import GrammarChecker
 
 
 class LLMEngine:
@@ -26,11 +27,14 @@ class LLMEngine:
         self.checkpoint = ckpt
         self.tokenizer = load_tokenizer(config.tokenizer or ckpt, config.chat_template)
         self.core = EngineCore(config, ckpt)
+        vocab_size = ckpt.hf_config.get_text_config().vocab_size
+        # In this process: the offline caller is the only user; the engine's time limit still holds.
+        checker = GrammarChecker(self.tokenizer, vocab_size, config.grammar_limits, in_process=True)
         self.input_processor = InputProcessor(
             self.tokenizer, config.max_model_len, effective_generation_config(
                 config.generation_config, ckpt.generation_config, config.override_generation_config),
             config.neuron_config.on_device_sampling_config, config.max_logprobs,
-            ckpt.hf_config.get_text_config().vocab_size, multimodal_processor(config, ckpt, self.tokenizer))
+            vocab_size, multimodal_processor(config, ckpt, self.tokenizer), grammar_check=checker.check)
         self.output_processor = OutputProcessor(self.tokenizer)
 
     @classmethod

@@ -29,6 +29,9 @@ class EngineCoreOutput:
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     error: str | None = None  # with finish_reason "error": why the engine failed this request
+    # Whose fault the error is (structured_output's GRAMMAR_INVALID / GRAMMAR_BUSY): "invalid" the request's (a
+    # 400: its grammar failed or compiled too long), "busy" the engine's capacity (a 503), None a fault (500).
+    error_kind: str | None = None
 
     @property
     def finished(self) -> bool:
@@ -49,6 +52,8 @@ class SchedulerStats:
     spec_decode: tuple[int, int, int, list[int]] | None = None
     # Encoder cache hits and misses in media items (cumulative; None without a multimodal model).
     encoder_cache: tuple[int, int] | None = None
+    grammar_cache_bytes: int = 0  # compiled grammars the structured-output compiler keeps
+    grammar_compile_timeouts: int = 0  # cumulative
     step_kind: str = ""
     bucket_name: str = ""
     num_padding: int = 0

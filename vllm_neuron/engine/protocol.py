@@ -39,6 +39,24 @@ class EngineRequestError(RuntimeError):
     and every other request keep running."""
 
 
+class EngineOverloadedError(RuntimeError):
+    """The engine cannot take this request now (its queue is full, or its grammar compiler is busy): the
+    client should retry after `retry_after_s` seconds (a 503 with Retry-After)."""
+
+    def __init__(self, message: str, retry_after_s: int = 1, reason: str = "queue_full") -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+        self.reason = reason
+
+
+class AdmissionTicket:
+    """A request's place among the engine requests admitted (see EngineClient.admit); `release` gives it
+    back (idempotent). This one bounds nothing: engine clients without admission control hand it out."""
+
+    def release(self) -> None:
+        pass
+
+
 @dataclass
 class ModelInfo:
     model_path: str  # what was loaded (dir or .gguf file)
@@ -63,6 +81,19 @@ class EngineClient(ABC):
         finished=True. Raises ValueError for invalid input (prompt longer than max_model_len, ...) before
         the first output; EngineRequestError if the engine fails this request; EngineDeadError if the
         engine dies. Cancelling the consumer aborts the request."""
+
+    def admit(self, weight: int) -> AdmissionTicket:
+        """Reserves room for `weight` engine requests (n x prompts) before any work is done for them;
+        raises EngineOverloadedError when the engine has no room. Release the ticket when the request ends
+        (its streams finished, failed or were cancelled)."""
+        return AdmissionTicket()
+
+    def check_structured_outputs(self, params: Any, max_tokens: int | None = None) -> None:
+        """Blocking (call it off the event loop): a StructuredOutputsParams' size limits and compilation.
+        Raises ValueError naming the problem; EngineOverloadedError when the grammar compiler is busy."""
+        from vllm_neuron.structured_output.compiler import make_tokenizer_info, validate
+
+        validate(params, make_tokenizer_info(self.tokenizer))
 
     @property
     def is_multimodal(self) -> bool:

@@ -1,20 +1,31 @@
 """Media from where requests point: PIL images, raw bytes, data: URLs, file:// paths under the allowed
-folder, http(s) URLs (fetched with a timeout and a size limit). Every problem is a ValueError naming it
-(the server turns it into a 400)."""
+folder, http(s) URLs (http_fetch.py: public or allow-listed hosts only, redirects checked, a timeout and a
+size limit). Every problem is a ValueError naming it (the server turns it into a 400)."""
 from __future__ import annotations
 
 import base64
 import binascii
 import io
 import os
+from dataclasses import dataclass
 from urllib.parse import unquote, urlparse
 
 from vllm_neuron import envs
+from vllm_neuron.multimodal import http_fetch
 
 IMAGE_MEDIA_TYPES = ("image/png", "image/jpeg", "image/jpg", "image/webp", "image/gif", "image/bmp", "image/tiff")
 
 
-def load_image(source, allowed_local_media_path: str | None = None):
+@dataclass(frozen=True)
+class MediaAccess:
+    """Where media URLs may point: file:// under `allowed_local_media_path` (None: no file:// at all), http(s)
+    to `allowed_media_domains` only (None: any public host; see http_fetch.py)."""
+
+    allowed_local_media_path: str | None = None
+    allowed_media_domains: tuple[str, ...] | None = None
+
+
+def load_image(source, access: MediaAccess = MediaAccess()):
     """A PIL image (RGB) from a PIL image, bytes, or a data:/file:/http(s): URL."""
     from PIL import Image
 
@@ -23,7 +34,7 @@ def load_image(source, allowed_local_media_path: str | None = None):
     if isinstance(source, (bytes, bytearray)):
         return _decode_image(bytes(source), "the image bytes")
     if isinstance(source, str):
-        return _decode_image(fetch_url(source, IMAGE_MEDIA_TYPES, allowed_local_media_path), _describe(source))
+        return _decode_image(fetch_url(source, IMAGE_MEDIA_TYPES, access), _describe(source))
     raise ValueError(f"an image must be a PIL image, bytes or a URL string, got {type(source).__name__}")
 
 
@@ -42,14 +53,16 @@ def _decode_image(data: bytes, what: str):
     return img.convert("RGB")
 
 
-def fetch_url(url: str, media_types: tuple[str, ...], allowed_local_media_path: str | None) -> bytes:
+def fetch_url(url: str, media_types: tuple[str, ...], access: MediaAccess) -> bytes:
     scheme = urlparse(url).scheme.lower()
     if scheme == "data":
         return _data_url(url, media_types)
     if scheme == "file":
-        return _local_file(url, allowed_local_media_path)
+        return _local_file(url, access.allowed_local_media_path)
     if scheme in ("http", "https"):
-        return _http(url)
+        return http_fetch.fetch(url, allowed_domains=access.allowed_media_domains,
+                                timeout_s=envs.VLLM_IMAGE_FETCH_TIMEOUT, max_bytes=envs.VLLM_MEDIA_MAX_BYTES,
+                                allow_redirects=envs.VLLM_MEDIA_URL_ALLOW_REDIRECTS)
     raise ValueError(f"media URL scheme {scheme!r} is not supported; use data:, file: (under "
                      "--allowed-local-media-path) or http(s):")
 
@@ -84,24 +97,3 @@ def _local_file(url: str, allowed: str | None) -> bytes:
         raise ValueError(f"the media file {path!r} is larger than {envs.VLLM_MEDIA_MAX_BYTES} bytes")
     with open(path, "rb") as f:
         return f.read()
-
-
-def _http(url: str) -> bytes:
-    import httpx
-
-    limit = envs.VLLM_MEDIA_MAX_BYTES
-    try:
-        with httpx.Client(timeout=envs.VLLM_IMAGE_FETCH_TIMEOUT, follow_redirects=True) as client:
-            with client.stream("GET", url) as r:
-                if r.status_code != 200:
-                    raise ValueError(f"fetching {url!r} failed with HTTP status {r.status_code}")
-                data = bytearray()
-                for chunk in r.iter_bytes():
-                    data += chunk
-                    if len(data) > limit:
-                        raise ValueError(f"the media at {url!r} is larger than {limit} bytes")
-                return bytes(data)
-    except httpx.TimeoutException:
-        raise ValueError(f"fetching {url!r} timed out after {envs.VLLM_IMAGE_FETCH_TIMEOUT} s") from None
-    except httpx.HTTPError as e:
-        raise ValueError(f"fetching {url!r} failed: {e}") from None

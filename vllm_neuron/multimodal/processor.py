@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from vllm_neuron.multimodal.inputs import MultiModalItem, media_hash
-from vllm_neuron.multimodal.media import load_image
+from vllm_neuron.multimodal.media import MediaAccess, load_image
 from vllm_neuron.multimodal.video import (DEFAULT_SAMPLE_FPS, UNKNOWN_FPS, has_metadata, load_video, pad_to_patches,
                                           pair_frames, pair_timestamps, sample_indices)
 
@@ -33,6 +33,7 @@ def _processor_keys() -> set[str]:
 class MultiModalProcessor:
     def __init__(self, hf_config, model_path: str, *, mm_processor_kwargs: Mapping[str, Any] | None = None,
                  limits: Mapping[str, int] | None = None, allowed_local_media_path: str | None = None,
+                 allowed_media_domains: list[str] | None = None,
                  language_model_only: bool = False, max_frame_patches: int | None = None, tokenizer=None) -> None:
         self.image_token_id = hf_config.image_token_id
         self.video_token_id = hf_config.video_token_id
@@ -43,6 +44,8 @@ class MultiModalProcessor:
         self.model_path = model_path
         self.limits = dict(limits or {})
         self.allowed_local_media_path = allowed_local_media_path
+        self.media_access = MediaAccess(allowed_local_media_path,
+                                        None if allowed_media_domains is None else tuple(allowed_media_domains))
         self.language_model_only = language_model_only
         self.max_frame_patches = max_frame_patches  # encoder_attention_block_size: a frame must fit a block
         kwargs = self.check_kwargs(mm_processor_kwargs or {})
@@ -131,7 +134,7 @@ class MultiModalProcessor:
     def _images(self, processor, sources: list) -> list[tuple[np.ndarray, tuple[int, int, int]]]:
         if not sources:
             return []
-        images = [load_image(x, self.allowed_local_media_path) for x in sources]
+        images = [load_image(x, self.media_access) for x in sources]
         out = processor(images=images, return_tensors="np")
         result, start = [], 0
         for g in out["image_grid_thw"]:
@@ -146,7 +149,7 @@ class MultiModalProcessor:
         """(pixel rows, patch grid (t, h, w), seconds of each temporal patch) of one video."""
         from PIL import Image
 
-        video = load_video(source, self.allowed_local_media_path)
+        video = load_video(source, self.media_access)
         frames, tp = video.frames, processor.temporal_patch_size
         if video.source_indices is None:
             idx = sample_indices(len(frames), video.fps, fps, tp)

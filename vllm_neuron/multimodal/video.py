@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from vllm_neuron.multimodal.media import fetch_url
+from vllm_neuron.multimodal.media import MediaAccess, fetch_url
 
 VIDEO_MEDIA_TYPES = ("video/mp4", "video/webm", "video/quicktime", "video/x-matroska", "video/avi", "video/mpeg")
 UNKNOWN_FPS = 24.0  # transformers' Qwen3-VL default for frames without metadata
@@ -42,7 +42,7 @@ def has_metadata(value: Any) -> bool:
     return isinstance(value, tuple) and len(value) == 2 and isinstance(value[1], Mapping)
 
 
-def load_video(source, allowed_local_media_path: str | None = None) -> Video:
+def load_video(source, access: MediaAccess = MediaAccess()) -> Video:
     """A video from frames (an array [T, H, W, 3] or a list of arrays / PIL images), vLLM's (frames,
     metadata) tuple, encoded bytes, or a data:/file:/http(s): URL."""
     if has_metadata(source):
@@ -50,7 +50,7 @@ def load_video(source, allowed_local_media_path: str | None = None) -> Video:
     if isinstance(source, (np.ndarray, list, tuple)):
         return Video(_frames(source), None)
     if isinstance(source, str):
-        source = fetch_url(source, VIDEO_MEDIA_TYPES, allowed_local_media_path)
+        source = fetch_url(source, VIDEO_MEDIA_TYPES, access)
     if isinstance(source, (bytes, bytearray)):
         return Video(*_decode(bytes(source)))
     raise ValueError(f"a video must be frames ([T, H, W, 3] array or list), (frames, metadata), bytes or a URL, "

@@ -1,51 +1,87 @@
 """The EngineCore's structured-output state: grammars compiled off the step loop, one matcher per request,
 and the packed bitmask of the next token's allowed ids.
 
-Compilation runs in a small thread pool (xgrammar compiles in native code) so that a slow schema never
-stalls the decoding of other requests; the EngineCore keeps a request out of the scheduler until
-`status` says its grammar is ready. Compiled grammars are shared by requests with the same text.
+Compilation runs in a small thread pool (xgrammar compiles in native code and releases the GIL) whose
+threads run at low priority (nice 10, inherited by xgrammar's own compile threads), so that a slow schema
+never stalls the decoding of other requests; the EngineCore keeps a request out of the scheduler until
+`status` says its grammar is ready. A compilation running longer than `compile_timeout_s` fails its
+requests (the client's 400); its thread cannot be interrupted and finishes unseen.
+Compiled grammars are shared by requests with the same text while they compile, and afterwards through
+a GrammarCache bounded in bytes (`cache_bytes`).
 """
 from __future__ import annotations
 
+import os
 import threading
-from collections import OrderedDict
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import xgrammar as xgr
 
+from vllm_neuron.config.grammar_limits import DEFAULT_CACHE_BYTES, DEFAULT_COMPILE_TIMEOUT_S
 from vllm_neuron.logger import init_logger
+from vllm_neuron.structured_output import GRAMMAR_BUSY, GRAMMAR_INVALID
 from vllm_neuron.structured_output.closing import ClosingPlan, TokenWriter
-from vllm_neuron.structured_output.compiler import compile_params, make_tokenizer_info
+from vllm_neuron.structured_output.compiler import GrammarCache, make_tokenizer_info, new_compiler
 from vllm_neuron.structured_output.params import StructuredOutputsParams
 
 logger = init_logger(__name__)
 
-# Distinct grammars kept compiled (an LRU; a JSON schema's compiled form is tens of KB).
-_CACHE_SIZE = 256
+_COMPILE_NICE = 10
+
+
+# A compilation queued behind others this many time limits long gives up (the threads are held by
+# compilations past their limit, which cannot be interrupted).
+_QUEUE_LIMITS = 3
+
+
+def _lower_priority() -> None:
+    """This thread at nice 10: the step threads get the cores first (Linux: per-thread nice values)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), _COMPILE_NICE)
+    except (AttributeError, OSError):  # not Linux: compile at the process' priority
+        pass
+
+
+@dataclass
+class _Compilation:
+    future: Future
+    started: float | None = None  # time.monotonic() when it began running (not while it queued)
+    submitted: float = field(default_factory=time.monotonic)
 
 
 class StructuredOutputManager:
-    def __init__(self, tokenizer: Any, vocab_size: int, max_workers: int = 2) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int, max_workers: int = 2,
+                 compile_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S, cache_bytes: int = DEFAULT_CACHE_BYTES) -> None:
         self.vocab_size = vocab_size
+        self.compile_timeout_s = compile_timeout_s
         self.tokenizer_info = make_tokenizer_info(tokenizer, vocab_size)
-        self.compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=max_workers, cache_enabled=True)
+        self.grammars = GrammarCache(new_compiler(self.tokenizer_info, max_threads=max_workers), cache_bytes)
         self.num_words = -(-vocab_size // 32)
-        self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grammar-compile")
-        self._lock = threading.Lock()
-        self._grammars: OrderedDict[str, Future] = OrderedDict()
-        self._pending: dict[str, Future] = {}
+        self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grammar-compile",
+                                        initializer=_lower_priority)
+        self._lock = threading.RLock()
+        self._compiling: dict[str, _Compilation] = {}  # grammar key -> its compilation, while it runs
+        self._pending: dict[str, _Compilation] = {}  # request id -> the compilation it waits for
         self._matchers: dict[str, xgr.GrammarMatcher] = {}
         self._buffers: dict[str, np.ndarray] = {}
         self._plans: dict[str, ClosingPlan] = {}
         self._writer: TokenWriter | None = None
+        self.compile_timeouts = 0
         # After the grammar has accepted its stop token only a stop token may follow (ignore_eos).
         stop_only = np.zeros(self.num_words, np.uint32)
         for t in self.tokenizer_info.stop_token_ids:
             if 0 <= t < vocab_size:
                 stop_only[t >> 5] |= np.uint32(1) << np.uint32(t & 31)
         self._stop_only = stop_only.view(np.int32)
+
+    @property
+    def cache_bytes(self) -> int:
+        """Bytes of compiled grammars kept for reuse."""
+        return self.grammars.size_bytes
 
     # -- compilation --------------------------------------------------------------------------------
     def submit(self, req_id: str, spec: Any) -> None:
@@ -56,32 +92,59 @@ class StructuredOutputManager:
         except ValueError as e:
             failed: Future = Future()
             failed.set_exception(e)
-            self._pending[req_id] = failed
+            self._pending[req_id] = _Compilation(failed)
             return
         with self._lock:
-            fut = self._grammars.get(key)
-            if fut is None:
-                fut = self._pool.submit(compile_params, self.compiler, params)
-                self._grammars[key] = fut
-                while len(self._grammars) > _CACHE_SIZE:
-                    self._grammars.popitem(last=False)
-            else:
-                self._grammars.move_to_end(key)
-        self._pending[req_id] = fut
+            comp = self._compiling.get(key)
+            if comp is None:
+                comp = self._start(key, params)
+        self._pending[req_id] = comp
 
-    def status(self, req_id: str) -> tuple[bool, str | None]:
-        """(ready, error): ready once the grammar is compiled and the request has its matcher."""
+    def _start(self, key: str, params: StructuredOutputsParams) -> _Compilation:
+        """(under self._lock)"""
+        comp = _Compilation(Future())
+
+        def run() -> xgr.CompiledGrammar:
+            comp.started = time.monotonic()
+            return self.grammars.get(params)
+
+        comp.future = self._pool.submit(run)
+        self._compiling[key] = comp
+        # Runs at once, in this thread, when the compilation is done already: hence the RLock.
+        comp.future.add_done_callback(lambda _f: self._compiled(key, comp))
+        return comp
+
+    def _compiled(self, key: str, comp: _Compilation) -> None:
+        with self._lock:
+            if self._compiling.get(key) is comp:
+                del self._compiling[key]
+
+    def status(self, req_id: str) -> tuple[bool, str | None, str | None]:
+        """(ready, error, error kind): ready once the grammar is compiled and the request has its matcher; an
+        error fails the request (kinds: GRAMMAR_INVALID, GRAMMAR_BUSY, or None for an unexpected fault)."""
         if req_id in self._matchers:
-            return True, None
-        fut = self._pending.get(req_id)
-        if fut is None:
-            return False, f"no grammar was submitted for request {req_id}"
+            return True, None, None
+        comp = self._pending.get(req_id)
+        if comp is None:
+            return False, f"no grammar was submitted for request {req_id}", None
+        fut = comp.future
         if not fut.done():
-            return False, None
+            now, limit = time.monotonic(), self.compile_timeout_s
+            if comp.started is not None and now - comp.started > limit:
+                del self._pending[req_id]
+                self.compile_timeouts += 1
+                return False, (f"structured_outputs: the grammar did not compile within {limit:g} s "
+                               "(--grammar-compile-timeout); simplify it (fewer properties, shorter patterns)"), \
+                    GRAMMAR_INVALID
+            if comp.started is None and now - comp.submitted > _QUEUE_LIMITS * limit:
+                del self._pending[req_id]
+                return False, (f"the grammar compiler is busy with other requests' grammars (waited "
+                               f"{now - comp.submitted:.0f} s); retry"), GRAMMAR_BUSY
+            return False, None, None
         error = fut.exception()
         if error is not None:
             del self._pending[req_id]
-            return False, str(error) or type(error).__name__
+            return False, str(error) or type(error).__name__, GRAMMAR_INVALID if isinstance(error, ValueError) else None
         del self._pending[req_id]
         matcher = xgr.GrammarMatcher(fut.result())
         self._matchers[req_id] = matcher
@@ -90,7 +153,7 @@ class StructuredOutputManager:
             info = self.tokenizer_info
             self._writer = TokenWriter(info.decoded_vocab, set(info.special_token_ids) | set(info.stop_token_ids))
         self._plans[req_id] = ClosingPlan(matcher, self._writer)
-        return True, None
+        return True, None, None
 
     def has(self, req_id: str) -> bool:
         return req_id in self._matchers

@@ -25,10 +25,10 @@ _IGNORED_KEYWORDS = ("not", "if", "then", "else", "dependentRequired", "dependen
                      "uniqueItems", "contains", "minContains", "maxContains", "$dynamicRef",
                      "$dynamicAnchor", "$recursiveRef")
 # Keywords whose value is one subschema / a dict of subschemas / a list of subschemas.
-_SUB_ONE = ("additionalProperties", "unevaluatedProperties", "propertyNames", "additionalItems",
+SUB_ONE = ("additionalProperties", "unevaluatedProperties", "propertyNames", "additionalItems",
             "unevaluatedItems", "items")
-_SUB_DICT = ("properties", "patternProperties", "$defs", "definitions")
-_SUB_LIST = ("anyOf", "oneOf", "allOf", "prefixItems")
+SUB_DICT = ("properties", "patternProperties", "$defs", "definitions")
+SUB_LIST = ("anyOf", "oneOf", "allOf", "prefixItems")
 
 
 @dataclass
@@ -140,19 +140,19 @@ def unsupported_json_schema_feature(schema: Any, path: str = "#") -> str | None:
     if "propertyNames" in schema and ("properties" in schema or "patternProperties" in schema
                                       or isinstance(schema.get("additionalProperties"), dict)):
         return f"`propertyNames` beside other property keywords at {path}"
-    for kw in _SUB_ONE:
+    for kw in SUB_ONE:
         sub = schema.get(kw)
         found = unsupported_json_schema_feature(sub, f"{path}/{kw}") if isinstance(sub, dict) else None
         if found:
             return found
-    for kw in _SUB_DICT:
+    for kw in SUB_DICT:
         subs = schema.get(kw)
         if isinstance(subs, dict):
             for name, sub in subs.items():
                 found = unsupported_json_schema_feature(sub, f"{path}/{kw}/{name}")
                 if found:
                     return found
-    for kw in _SUB_LIST:
+    for kw in SUB_LIST:
         subs = schema.get(kw)
         if isinstance(subs, list):
             for i, sub in enumerate(subs):

@@ -11,7 +11,8 @@ from vllm_neuron.config.engine_args import BUNDLED_MODEL_NAME
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
     """`serve`'s own flags (HTTP listener, served names, logging)."""
-    from vllm_neuron.entrypoints.openai.request_policy import DEFAULT_MAX_N, DEFAULT_MAX_REQUEST_BODY_BYTES
+    from vllm_neuron.entrypoints.openai.request_policy import (DEFAULT_BODY_READ_TIMEOUT_S, DEFAULT_MAX_N,
+                                                               DEFAULT_MAX_REQUEST_BODY_BYTES)
     from vllm_neuron.tool_parsers import ToolParserManager
 
     g = arg_group(parser, "server")
@@ -19,6 +20,10 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--port", type=int, default=8000, help="port to listen on")
     g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes "
                    "(default: $VLLM_API_KEY, else no key)")
+    g.add_argument("--api-key-all-routes", action="store_true",
+                   help="require the API key on every route but the liveness probes (/health, /ping, /version): "
+                   "/metrics, /tokenize, /detokenize, /openapi.json and the docs too (without it, as in vLLM, only "
+                   "/v1 routes need it)")
     g.add_argument("--allowed-origins", nargs="*", default=None, help="CORS origins (default: any)")
     g.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"], help="uvicorn's log level")
@@ -27,6 +32,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    "prefix-cache hit rate)")
     g.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
                    help="larger request bodies get a 413 before they are read")
+    g.add_argument("--body-read-timeout", type=float, default=DEFAULT_BODY_READ_TIMEOUT_S,
+                   help="seconds in which a request body must arrive whole; a slower (or shorter than its "
+                   "Content-Length) body gets a 408 and the connection is closed")
     g = arg_group(parser, "frontend")
     g.add_argument("--trust-request-chat-template", action="store_true",
                    help="accept a `chat_template` sent in a request (it runs on the server; refused otherwise)")

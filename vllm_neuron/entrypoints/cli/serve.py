@@ -46,7 +46,8 @@ def run_serve(args: argparse.Namespace) -> int:
         check_port_free(args.host, args.port)
     if getattr(args, "enable_auto_tool_choice", False) and not getattr(args, "tool_call_parser", None):
         raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
-    limits = RequestLimits(args.max_n, args.max_request_body_bytes, args.trust_request_chat_template)
+    limits = RequestLimits(args.max_n, args.max_request_body_bytes, args.trust_request_chat_template,
+                           args.body_read_timeout)
     engine_args = engine_args_from_cli(args)
     if getattr(args, "headless", False):
         if engine_args.nnodes > 1:
@@ -63,6 +64,8 @@ def run_serve(args: argparse.Namespace) -> int:
     if engine_args.node_rank != 0:
         raise ValueError(f"--node-rank {engine_args.node_rank} is for --headless nodes; node 0 runs the API server")
     api_key = args.api_key or os.environ.get("VLLM_API_KEY")
+    if args.api_key_all_routes and not api_key:
+        raise ValueError("--api-key-all-routes needs an API key: pass --api-key KEY or set $VLLM_API_KEY")
     return asyncio.run(_serve(engine_args, args, api_key, limits, t0))
 
 
@@ -81,7 +84,7 @@ async def _serve(engine_args, args: argparse.Namespace, api_key: str | None, lim
                         max_logprobs=config.max_logprobs, allowed_origins=args.allowed_origins,
                         enable_auto_tool_choice=getattr(args, "enable_auto_tool_choice", False),
                         tool_call_parser=getattr(args, "tool_call_parser", None),
-                        limits=limits)
+                        limits=limits, api_key_all_routes=args.api_key_all_routes)
         await engine.start()
 
         server = create_server(app, args.host, args.port, args.uvicorn_log_level)

@@ -2,11 +2,12 @@
 
 `build_app` wires an `EngineClient` into a FastAPI app; it starts nothing. `serve_http` runs the
 app with uvicorn and returns when the server shuts down (SIGINT/SIGTERM included), so that the
-caller can stop the engine afterwards.
+caller can stop the engine afterwards. `create_server` puts the HTTP edge around the app
+(http_edge.py: no exception reaches uvicorn, uvicorn's own 400 is an OpenAI error object, the heap is
+trimmed after large requests).
 """
 from __future__ import annotations
 
-import hmac
 import signal
 import socket
 from concurrent.futures import ThreadPoolExecutor
@@ -17,13 +18,13 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
-from starlette.types import ASGIApp, Receive, Scope, Send
 
 from vllm_neuron import metrics
 from vllm_neuron.engine.protocol import EngineClient
 from vllm_neuron.entrypoints.openai import openapi_spec as spec
 from vllm_neuron.entrypoints.openai.chat_template import load_chat_template
 from vllm_neuron.entrypoints.openai.errors import error_response, install_exception_handlers
+from vllm_neuron.entrypoints.openai.http_edge import ApiKeyMiddleware, ExceptionGuard, HeapTrim, JsonErrorH11Protocol
 from vllm_neuron.entrypoints.openai.request_body import read_json_body
 from vllm_neuron.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -48,41 +49,11 @@ from vllm_neuron.version import __version__
 logger = init_logger(__name__)
 
 
-class ApiKeyMiddleware:
-    """Requires `Authorization: Bearer KEY` on every /v1 route; /health, /ping, /metrics, /version,
-    /tokenize and /detokenize stay open, as in vLLM. Pure ASGI so streaming is untouched."""
-
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
-        self.app = app
-        self._expected = f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] not in ("http", "websocket") or scope.get("method") == "OPTIONS":
-            await self.app(scope, receive, send)
-            return
-        path = scope.get("path", "")
-        root = scope.get("root_path", "")
-        if root and path.startswith(root):
-            path = path[len(root):]
-        if path == "/v1" or path.startswith("/v1/"):
-            given = b""
-            for name, value in scope.get("headers", []):
-                if name.lower() == b"authorization":
-                    given = value
-                    break
-            if not hmac.compare_digest(given, self._expected):
-                response = error_response("Unauthorized: a valid `Authorization: Bearer <api key>` header is "
-                                          "required.", 401)
-                await response(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-
 def build_app(engine: EngineClient, *, served_model_names: list[str], api_key: str | None = None,
               chat_template: str | None = None, max_logprobs: int = 20, return_tokens_as_token_ids: bool = False,
               record_request_metrics: bool = True, allowed_origins: list[str] | None = None,
               enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
-              limits: RequestLimits | None = None) -> FastAPI:
+              limits: RequestLimits | None = None, api_key_all_routes: bool = False) -> FastAPI:
     """The OpenAI-compatible app serving `engine` under `served_model_names` (the first one is the
     default and the metrics' model_name label).
 
@@ -90,12 +61,13 @@ def build_app(engine: EngineClient, *, served_model_names: list[str], api_key: s
     max_logprobs: cap on logprobs/top_logprobs/prompt_logprobs (-1: the whole vocabulary).
     record_request_metrics: the HTTP layer records the per-request series (see vllm_neuron.metrics).
     enable_auto_tool_choice, tool_call_parser: tool_choice="auto" with that parser (vllm_neuron.tool_parsers).
-    limits: --max-n, --max-request-body-bytes, --trust-request-chat-template.
+    limits: --max-n, --max-request-body-bytes, --trust-request-chat-template, --body-read-timeout.
+    api_key_all_routes: the key guards every route but the liveness probes' (/metrics, /tokenize, the docs...).
     """
     if max_logprobs < -1:
         raise ValueError(f"max_logprobs must be -1 (no cap) or >= 0, got {max_logprobs}")
     models = OpenAIServingModels(served_model_names, engine.model_info.model_path, engine.model_info.max_model_len)
-    metrics.configure(models.default_name)
+    metrics.configure(models.default_name, api_server=True)
     limits = limits or RequestLimits()
     # One pool for the blocking work (template rendering, tokenization) of every route.
     pool = ThreadPoolExecutor(2, thread_name_prefix="vllm-neuron-render")
@@ -109,15 +81,17 @@ def build_app(engine: EngineClient, *, served_model_names: list[str], api_key: s
     version = __version__
 
     app = FastAPI(title="vllm-neuron OpenAI-compatible server", version=version)
+    if api_key_all_routes and not api_key:
+        raise ValueError("--api-key-all-routes needs an API key (--api-key or $VLLM_API_KEY)")
     if api_key:
-        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key, all_routes=api_key_all_routes)
     # Added last, so outermost: CORS preflights are answered before the key check.
     app.add_middleware(CORSMiddleware, allow_origins=allowed_origins or ["*"], allow_credentials=False,
                        allow_methods=["*"], allow_headers=["*"])
     install_exception_handlers(app)
 
     async def body(raw_request: Request) -> dict:
-        return await read_json_body(raw_request, limits.max_body_bytes)
+        return await read_json_body(raw_request, limits.max_body_bytes, limits.body_read_timeout_s)
 
     @app.get("/health", response_class=Response, responses=spec.HEALTH_RESPONSES)
     async def health() -> Response:
@@ -160,13 +134,13 @@ def build_app(engine: EngineClient, *, served_model_names: list[str], api_key: s
         return await chat.create_chat_completion(await body(raw_request), raw_request)
 
     @app.post("/tokenize", openapi_extra=spec.request_body(TokenizeCompletionRequest, TokenizeChatRequest),
-              responses=spec.route_responses(TokenizeResponse))
+              responses=spec.route_responses(TokenizeResponse, auth=bool(api_key) and api_key_all_routes))
     async def tokenize(raw_request: Request) -> JSONResponse:
         result = await tokenization.tokenize(await body(raw_request))
         return JSONResponse(content=result.model_dump(exclude_none=True))
 
     @app.post("/detokenize", openapi_extra=spec.request_body(DetokenizeRequest),
-              responses=spec.route_responses(DetokenizeResponse))
+              responses=spec.route_responses(DetokenizeResponse, auth=bool(api_key) and api_key_all_routes))
     async def detokenize(raw_request: Request) -> JSONResponse:
         return JSONResponse(content=(await tokenization.detokenize(await body(raw_request))).model_dump())
 
@@ -190,7 +164,9 @@ class _Server(uvicorn.Server):
 
 def create_server(app: FastAPI, host: str, port: int, log_level: str = "info",
                   **uvicorn_kwargs: Any) -> uvicorn.Server:
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, **uvicorn_kwargs)
+    uvicorn_kwargs.setdefault("http", JsonErrorH11Protocol)
+    config = uvicorn.Config(ExceptionGuard(HeapTrim(app)), host=host, port=port, log_level=log_level,
+                            **uvicorn_kwargs)
     return _Server(config)
 
 

@@ -36,13 +36,18 @@ def normalize_messages(messages: list[Any], media: dict[str, list] | None = None
         raise BadRequestError("`messages` must contain at least one message.", param="messages")
     out = []
     for i, msg in enumerate(messages):
-        if not isinstance(msg, dict) or not isinstance(msg.get("role"), str):
-            raise BadRequestError(f"messages[{i}] must be an object with a string `role`.",
+        if not isinstance(msg, dict) or not isinstance(msg.get("role"), str) or not msg["role"]:
+            raise BadRequestError(f"messages[{i}] must be an object with a non-empty string `role`.",
                                   param=f"messages[{i}].role")
         msg = dict(msg)
         if msg["role"] == "assistant" and isinstance(msg.get("tool_calls"), list):
             msg["tool_calls"] = [_template_tool_call(tc) for tc in msg["tool_calls"]]
         content = msg.get("content")
+        if content is None and not msg.get("tool_calls"):
+            # Templates read message.content: without it they fail with a Jinja error that names nothing.
+            raise BadRequestError(f"messages[{i}] needs `content` (a string or a list of content parts); only an "
+                                  "assistant message with `tool_calls` may leave it out.",
+                                  param=f"messages[{i}].content")
         if isinstance(content, list):
             parts = [_content_part(part, media, f"messages[{i}].content[{j}]") for j, part in enumerate(content)]
             msg["content"] = parts if media is not None else "\n".join(p["text"] for p in parts)

@@ -28,6 +28,7 @@ _TYPE_BY_STATUS = {
     403: "PermissionDeniedError",
     404: "NotFoundError",
     405: "MethodNotAllowedError",
+    408: "RequestTimeoutError",
     413: "RequestTooLargeError",
     415: "UnsupportedMediaTypeError",
     500: "InternalServerError",
@@ -38,10 +39,11 @@ _TYPE_BY_STATUS = {
 class OpenAIError(Exception):
     status_code: int = 500
 
-    def __init__(self, message: str, param: str | None = None) -> None:
+    def __init__(self, message: str, param: str | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
+        self.headers = headers or {}  # e.g. Retry-After on a 503
 
 
 class BadRequestError(OpenAIError):
@@ -54,6 +56,10 @@ class AuthenticationError(OpenAIError):
 
 class NotFoundError(OpenAIError):
     status_code = 404
+
+
+class RequestTimeoutError(OpenAIError):
+    status_code = 408
 
 
 class RequestTooLargeError(OpenAIError):
@@ -83,8 +89,10 @@ def error_body(message: str, status_code: int, param: str | None = None) -> Erro
                                          code=status_code))
 
 
-def error_response(message: str, status_code: int, param: str | None = None) -> JSONResponse:
-    return JSONResponse(status_code=status_code, content=error_body(message, status_code, param).model_dump())
+def error_response(message: str, status_code: int, param: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(status_code=status_code, content=error_body(message, status_code, param).model_dump(),
+                        headers=headers)
 
 
 def from_exception(exc: BaseException) -> ErrorResponse:
@@ -122,7 +130,7 @@ def format_validation_error(exc: ValidationError | RequestValidationError,
 def install_exception_handlers(app: FastAPI) -> None:
     @app.exception_handler(OpenAIError)
     async def _openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
-        return error_response(exc.message, exc.status_code, exc.param)
+        return error_response(exc.message, exc.status_code, exc.param, exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -147,6 +155,6 @@ def install_exception_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        # A fault of ours, whatever the exception's type: the status and the body both say 500.
         logger.exception("Unexpected error while serving a request")
-        body = from_exception(exc)
-        return JSONResponse(status_code=500, content=body.model_dump())
+        return error_response(f"Internal server error: {type(exc).__name__}: {exc}", 500)

@@ -20,12 +20,24 @@ _REF = "#/components/schemas/{model}"
 _ERRORS = {
     400: "Invalid request: bad JSON or field (the error's `param` names it), or a prompt over the context length",
     404: "Unknown model",
+    408: "The request body did not arrive within --body-read-timeout",
     413: "Request body larger than --max-request-body-bytes",
     415: "Content-Type is not application/json",
     500: "The engine failed this request or is dead",
     503: "The server is still warming up",
 }
 _request_models: dict[str, type[BaseModel]] = {}
+# What each response_format type needs besides `type` (structured.py reads them so).
+_RESPONSE_FORMAT_VARIANTS = [
+    {"properties": {"type": {"enum": ["text", "json_object"]}}},
+    {"required": ["json_schema"], "properties": {"type": {"const": "json_schema"}, "json_schema": {
+        "type": "object", "required": ["schema"], "properties": {"schema": {"type": "object"}}}}},
+    # xgrammar's structural tag: a `format` object, or vLLM's original `structures` + `triggers`
+    {"required": ["format"], "properties": {"type": {"const": "structural_tag"}, "format": {"type": "object"}}},
+    {"required": ["structures", "triggers"], "properties": {"type": {"const": "structural_tag"},
+                                                            "structures": {"type": "array"},
+                                                            "triggers": {"type": "array"}}},
+]
 # Optional in the models (vLLM's shapes) but refused when missing or empty by the serving code.
 _NON_EMPTY = {"CompletionRequest": ("prompt",), "ChatCompletionRequest": ("messages",),
               "TokenizeChatRequest": ("messages",)}
@@ -142,11 +154,24 @@ def install(app: FastAPI, limits: RequestLimits, max_logprobs: int, vocab_size: 
                 _bound_token_ids(schema, field, vocab_size)
             for option in schema.get("properties", {}).get("response_format", {}).get("anyOf", []):
                 if option.get("type") == "object":
-                    option.update(required=["type"], properties={"type": {"enum": list(RESPONSE_FORMATS)}})
+                    option.update(required=["type"], properties={"type": {"enum": list(RESPONSE_FORMATS)}},
+                                  anyOf=_RESPONSE_FORMAT_VARIANTS)
+            if "chat_template" in schema.get("properties", {}) and not limits.trust_request_chat_template:
+                schema["properties"]["chat_template"] = {"type": "null", "description": "refused with a 400 unless "
+                                                         "the server runs with --trust-request-chat-template"}
+            if "prompt_logprobs" in schema.get("properties", {}):
+                # Parsed (vLLM's field) but refused when set: the prefill graphs keep the last position's logits only.
+                schema["properties"]["prompt_logprobs"] = {"type": "null", "description": "not supported yet: "
+                                                           "refused with a 400 when set"}
             messages = schema.get("properties", {}).get("messages", {})
             if messages.get("type") == "array":
-                messages["items"] = {"type": "object", "required": ["role"], "additionalProperties": True,
-                                     "properties": {"role": {"type": "string"}}}
+                messages["items"] = {
+                    "type": "object", "required": ["role"], "additionalProperties": True,
+                    "properties": {"role": {"type": "string", "minLength": 1}},
+                    # content is required, except beside tool_calls (an assistant's call)
+                    "anyOf": [{"required": ["content"], "properties": {"content": {"type": ["string", "array"]}}},
+                              {"required": ["tool_calls"], "properties": {"tool_calls": {"type": "array",
+                                                                                         "minItems": 1}}}]}
             if max_logprobs >= 0:
                 for field in ("logprobs", "top_logprobs"):
                     _set_maximum(schema, field, max_logprobs)

@@ -12,6 +12,7 @@ from typing import Any, Callable, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
+from vllm_neuron.config import validate as V
 from vllm_neuron.entrypoints.openai.errors import BadRequestError, format_validation_error
 from vllm_neuron.logger import init_logger, warning_once
 
@@ -21,22 +22,26 @@ M = TypeVar("M", bound=BaseModel)
 
 DEFAULT_MAX_N = 64
 DEFAULT_MAX_REQUEST_BODY_BYTES = 8 << 20
+# 8 MiB (the default body limit) in 30 s is 2.2 Mbit/s: slower clients raise --body-read-timeout.
+DEFAULT_BODY_READ_TIMEOUT_S = 30.0
 
 
 @dataclass(frozen=True)
 class RequestLimits:
     """What one request may ask of the server (--max-n, --max-request-body-bytes,
-    --trust-request-chat-template)."""
+    --trust-request-chat-template, --body-read-timeout)."""
 
     max_n: int = DEFAULT_MAX_N
     max_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
     trust_request_chat_template: bool = False
+    body_read_timeout_s: float = DEFAULT_BODY_READ_TIMEOUT_S
 
     def __post_init__(self) -> None:
         if self.max_n < 1:
             raise ValueError(f"--max-n must be at least 1, got {self.max_n}")
         if self.max_body_bytes < 1024:
             raise ValueError(f"--max-request-body-bytes must be at least 1024, got {self.max_body_bytes}")
+        V.number("--body-read-timeout", self.body_read_timeout_s, minimum=0.0, min_exclusive=True)
 
     def check_n(self, n: int | None) -> None:
         if n is None:

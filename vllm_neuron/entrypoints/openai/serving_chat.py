@@ -9,7 +9,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from vllm_neuron.engine.protocol import TokensPrompt
+from vllm_neuron.engine.protocol import AdmissionTicket, TokensPrompt
 from vllm_neuron.entrypoints.openai.errors import BadRequestError, from_exception
 from vllm_neuron.entrypoints.openai.protocol import (
     ChatCompletionLogProb,
@@ -36,10 +36,11 @@ from vllm_neuron.entrypoints.openai.serving_engine import (
     RequestTracker,
 )
 from vllm_neuron.entrypoints.openai.streaming import SSE_DONE, run_until_disconnect, sse
-from vllm_neuron.entrypoints.openai.structured import structured_outputs_from_request, validate_structured_outputs
+from vllm_neuron.entrypoints.openai.structured import structured_outputs_from_request
 from vllm_neuron.entrypoints.openai.tool_calls import ToolCallStream, ToolChoice, extract_final, resolve_tool_choice
 from vllm_neuron.outputs import Logprob
 from vllm_neuron.sampling_params import SamplingParams
+from vllm_neuron.structured_output.params import StructuredOutputsParams
 from vllm_neuron.tool_parsers import StreamDelta, ToolParser, ToolParserManager
 
 _ROLE = "assistant"
@@ -57,6 +58,7 @@ class _Ctx:
     arrival: float
     tool: ToolChoice
     mm_items: list | None = None  # processed media (EngineClient.process_multimodal)
+    ticket: AdmissionTicket | None = None  # released when the request ends (RequestTracker.close)
 
 
 def check_generation_prompt_flags(data: dict[str, Any]) -> None:
@@ -98,9 +100,13 @@ class OpenAIServingChat(OpenAIServing):
                 raise BadRequestError(f"tool_choice {tool.mode!r} constrains the output itself; it cannot be "
                                       f"combined with `{structured_param}`.", param=structured_param)
             structured, structured_param = tool.structured_outputs, "tools"
-        if structured is not None:
-            await validate_structured_outputs(structured, self.tokenizer, structured_param)
+        # Room among the admitted requests before any work (rendering, tokenization, media, grammar).
+        return await self.admitted(req.n or 1, lambda ticket: self._create(
+            req, model, tool, structured, structured_param, arrival, ticket, raw_request))
 
+    async def _create(self, req: ChatCompletionRequest, model: str, tool: ToolChoice,
+                      structured: StructuredOutputsParams | None, structured_param: str | None, arrival: float,
+                      ticket: AdmissionTicket, raw_request: Request) -> Response:
         media: dict[str, list] | None = {} if self.engine.is_multimodal else None
         text = await self.render_chat(req.messages, request_template=req.chat_template,
                                       add_generation_prompt=req.add_generation_prompt,
@@ -108,7 +114,7 @@ class OpenAIServingChat(OpenAIServing):
                                       template_kwargs=self._template_kwargs(req), documents=req.documents,
                                       tools=req.tools, media=media)
         # The template writes the special tokens itself: no second BOS unless asked for.
-        prompt_ids = await self.encode(text, req.add_special_tokens)
+        prompt_ids = await self.encode(text, req.add_special_tokens, bounded=req.truncate_prompt_tokens is None)
         mm_items = None
         if media:
             if req.truncate_prompt_tokens is not None:
@@ -130,6 +136,8 @@ class OpenAIServingChat(OpenAIServing):
         else:
             requested, param = req.max_tokens, "max_tokens"
         max_tokens = self.resolve_max_tokens(len(prompt_ids), requested, param)
+        if structured is not None:
+            await self.check_structured_outputs(structured, structured_param, max_tokens)
         sp = self.build_sampling_params(req, max_tokens=max_tokens,
                                         logprobs=(req.top_logprobs or 0) if req.logprobs else None,
                                         structured_outputs=structured)
@@ -141,7 +149,7 @@ class OpenAIServingChat(OpenAIServing):
             if last.get("role") == _ROLE and isinstance(last.get("content"), str):
                 echo_text = last["content"]
         ctx = _Ctx(req, model, f"chatcmpl-{req.request_id or random_uuid()}", prompt_ids, text, echo_text,
-                   int(time.time()), arrival, tool, mm_items)
+                   int(time.time()), arrival, tool, mm_items, ticket)
         if req.stream:
             return StreamingResponse(self._stream(ctx, sp), media_type="text/event-stream")
         result = await run_until_disconnect(self._full(ctx, sp), raw_request)
@@ -182,7 +190,7 @@ class OpenAIServingChat(OpenAIServing):
 
     async def _full(self, ctx: _Ctx, sp: SamplingParams) -> ChatCompletionResponse:
         req = ctx.req
-        tracker = RequestTracker(self, ctx.arrival)
+        tracker = RequestTracker(self, ctx.arrival, ctx.ticket)
         choices = {j: ChoiceAccumulator() for j in range(sp.n)}
         error: BaseException | None = None
         try:
@@ -251,7 +259,7 @@ class OpenAIServingChat(OpenAIServing):
 
         tool_streams = [ToolCallStream(ctx.tool, self._parser(ctx)) for _ in range(sp.n)] \
             if ctx.tool.mode != "none" else None
-        tracker = RequestTracker(self, ctx.arrival)
+        tracker = RequestTracker(self, ctx.arrival, ctx.ticket)
         error: Exception | None = None
         try:
             for j in range(sp.n):

@@ -9,7 +9,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from vllm_neuron.engine.protocol import TokensPrompt
+from vllm_neuron.engine.protocol import AdmissionTicket, TokensPrompt
 from vllm_neuron.entrypoints.openai.errors import BadRequestError, from_exception
 from vllm_neuron.entrypoints.openai.protocol import (
     CompletionLogProbs,
@@ -29,10 +29,18 @@ from vllm_neuron.entrypoints.openai.serving_engine import (
     RequestTracker,
 )
 from vllm_neuron.entrypoints.openai.streaming import SSE_DONE, merge_async_iterators, run_until_disconnect, sse
-from vllm_neuron.entrypoints.openai.structured import structured_outputs_from_request, validate_structured_outputs
+from vllm_neuron.entrypoints.openai.structured import structured_outputs_from_request
 from vllm_neuron.outputs import Logprob
+from vllm_neuron.structured_output.params import StructuredOutputsParams
 
 _DEFAULT_MAX_TOKENS = 16  # vLLM's and OpenAI's default for this endpoint
+
+
+def _num_prompts(prompt: Any) -> int:
+    """The prompts a completion request holds (a text, a token list, or a list of either)."""
+    if isinstance(prompt, list) and prompt and not all(isinstance(t, int) for t in prompt):
+        return len(prompt)
+    return 1
 
 
 @dataclass
@@ -60,18 +68,25 @@ class OpenAIServingCompletion(OpenAIServing):
             # The echoed prompt's tokens would need their logprobs (prompt_logprobs).
             raise BadRequestError("`logprobs` with `echo` is not supported yet: " + PROMPT_LOGPROBS_UNSUPPORTED,
                                   param="echo")
+        structured, structured_param = structured_outputs_from_request(req)
+        # Room among the admitted requests before any work (tokenization, grammar).
+        return await self.admitted((req.n or 1) * _num_prompts(req.prompt), lambda ticket: self._create(
+            req, model, structured, structured_param, arrival, ticket, raw_request))
+
+    async def _create(self, req: CompletionRequest, model: str, structured: StructuredOutputsParams | None,
+                      structured_param: str | None, arrival: float, ticket: AdmissionTicket,
+                      raw_request: Request) -> Response:
         prompts = await self._prompts(req)
         echo_only = bool(req.echo) and req.max_tokens == 0
         requested = 1 if echo_only else req.max_tokens
         for p in prompts:
             self.resolve_max_tokens(len(p.token_ids), requested, "max_tokens")
-        structured, structured_param = structured_outputs_from_request(req)
         if structured is not None:
-            await validate_structured_outputs(structured, self.tokenizer, structured_param)
+            await self.check_structured_outputs(structured, structured_param, requested)
         sp = self.build_sampling_params(req, max_tokens=requested, logprobs=req.logprobs,
                                         structured_outputs=structured)
         request_id = f"cmpl-{req.request_id or random_uuid()}"
-        ctx = _Ctx(req, model, request_id, prompts, echo_only, int(time.time()), arrival)
+        ctx = _Ctx(req, model, request_id, prompts, echo_only, int(time.time()), arrival, ticket)
         if req.stream:
             return StreamingResponse(self._stream(ctx, sp), media_type="text/event-stream")
         result = await run_until_disconnect(self._full(ctx, sp), raw_request)
@@ -95,7 +110,9 @@ class OpenAIServingCompletion(OpenAIServing):
             if isinstance(item, str):
                 if not item:
                     raise empty
-                prompts.append(_Prompt(await self.encode(item, req.add_special_tokens), item))
+                prompts.append(_Prompt(await self.encode(item, req.add_special_tokens,
+                                                          bounded=req.truncate_prompt_tokens is None,
+                                                          param="prompt"), item))
             else:
                 if not item:
                     raise empty
@@ -151,7 +168,7 @@ class OpenAIServingCompletion(OpenAIServing):
 
     async def _full(self, ctx: _Ctx, sp) -> CompletionResponse:
         req, n = ctx.req, sp.n
-        tracker = RequestTracker(self, ctx.arrival)
+        tracker = RequestTracker(self, ctx.arrival, ctx.ticket)
         choices = {(i, j): ChoiceAccumulator() for i in range(len(ctx.prompts)) for j in range(n)}
         error: BaseException | None = None
         try:
@@ -193,7 +210,7 @@ class OpenAIServingCompletion(OpenAIServing):
         include_usage = bool(opts and opts.include_usage)
         continuous = include_usage and bool(opts.continuous_usage_stats)
         as_ids = bool(req.return_tokens_as_token_ids)
-        tracker = RequestTracker(self, ctx.arrival)
+        tracker = RequestTracker(self, ctx.arrival, ctx.ticket)
         sent_chars: dict[tuple[int, int], int] = {}
         tokens: dict[tuple[int, int], int] = {}
         finished: set[tuple[int, int]] = set()
@@ -262,3 +279,4 @@ class _Ctx:
     echo_only: bool
     created: int
     arrival: float
+    ticket: AdmissionTicket | None = None  # released when the request ends (RequestTracker.close)

@@ -8,13 +8,14 @@ disconnect handling in streaming.py.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import math
+from collections.abc import AsyncIterator, Awaitable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, TypeVar
 
 from vllm_neuron import metrics
-from vllm_neuron.engine.protocol import EngineClient
+from vllm_neuron.engine.protocol import AdmissionTicket, EngineClient, EngineOverloadedError
 from vllm_neuron.entrypoints.openai.chat_template import render_chat
 from vllm_neuron.entrypoints.openai.errors import BadRequestError, InternalServerError, ServiceUnavailableError
 from vllm_neuron.entrypoints.openai.request_policy import RequestLimits, context_error, param_of_error
@@ -39,9 +40,10 @@ class RequestTracker:
     """The engine requests of one HTTP request: metrics from the stream, abort of what is left
     unfinished when the HTTP request ends early (client gone, error, cancellation)."""
 
-    def __init__(self, serving: OpenAIServing, arrival: float) -> None:
+    def __init__(self, serving: OpenAIServing, arrival: float, ticket: AdmissionTicket | None = None) -> None:
         self._serving = serving
         self._arrival = arrival  # time.monotonic() when the HTTP request arrived
+        self._ticket = ticket  # the request's admission, given back by close()
         self._timers: dict[str, metrics.RequestTimer | None] = {}
         self._reasons: dict[str, str] = {}
 
@@ -69,6 +71,8 @@ class RequestTracker:
             if timer is not None:
                 timer.finish(reason)
         self._timers.clear()
+        if self._ticket is not None:
+            self._ticket.release()
 
 
 class OpenAIServing:
@@ -87,6 +91,7 @@ class OpenAIServing:
         self.limits = limits or RequestLimits()
         self._pool = blocking_pool or ThreadPoolExecutor(_BLOCKING_WORKERS, thread_name_prefix="vllm-neuron-render")
         self._background: set[asyncio.Task] = set()
+        self._max_prompt_chars: int | None = None
 
     @property
     def tokenizer(self) -> Any:
@@ -155,10 +160,13 @@ class OpenAIServing:
         logit_bias = None
         if req.logit_bias:
             try:
-                logit_bias = {int(k): max(-100.0, min(100.0, float(v))) for k, v in req.logit_bias.items()}
+                logit_bias = {int(k): float(v) for k, v in req.logit_bias.items()}
             except (TypeError, ValueError):
                 raise BadRequestError("logit_bias keys must be token ids (integers as strings).",
                                       param="logit_bias") from None
+            if not all(math.isfinite(v) for v in logit_bias.values()):
+                raise BadRequestError("logit_bias values must be finite numbers.", param="logit_bias")
+            logit_bias = {k: max(-100.0, min(100.0, v)) for k, v in logit_bias.items()}
             self.check_token_ids(list(logit_bias), "logit_bias")
         try:
             sp = SamplingParams(
@@ -185,13 +193,63 @@ class OpenAIServing:
             raise BadRequestError(str(e), param=param_of_error(str(e))) from None
         return sp
 
+    # ---- admission and grammars ----------------------------------------------------------------
+
+    async def admitted(self, weight: int, work: Callable[[AdmissionTicket], Awaitable[T]]) -> T:
+        """`work(ticket)` with room for `weight` engine requests reserved first (a 503 with Retry-After when
+        the server is saturated). The ticket goes back when work fails, else when the request's generation
+        ends (RequestTracker.close), for a stream after its last chunk."""
+        try:
+            ticket = self.engine.admit(weight)
+        except EngineOverloadedError as e:
+            raise ServiceUnavailableError(str(e), headers={"Retry-After": str(e.retry_after_s)}) from None
+        except ValueError as e:
+            raise BadRequestError(str(e), param="n") from None
+        try:
+            return await work(ticket)
+        except BaseException:
+            ticket.release()
+            raise
+
+    async def check_structured_outputs(self, params: StructuredOutputsParams, param: str | None,
+                                       max_tokens: int | None) -> None:
+        """The constraint's size limits and compilation (off the event loop; remembered once compiled): a 400
+        naming the problem, a 503 while the grammar compiler is busy with another request."""
+        try:
+            # Not in the render pool: a check may wait seconds for the compile process, and rendering must not.
+            await asyncio.to_thread(self.engine.check_structured_outputs, params, max_tokens)
+        except ValueError as e:
+            raise BadRequestError(str(e), param=param) from None
+        except EngineOverloadedError as e:
+            raise ServiceUnavailableError(str(e), headers={"Retry-After": str(e.retry_after_s)}) from None
+
     # ---- blocking work, off the event loop ------------------------------------------------------
 
     async def run_blocking(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._pool, lambda: fn(*args, **kwargs))
 
-    async def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+    async def encode(self, text: str, add_special_tokens: bool, bounded: bool = True,
+                     param: str = "messages") -> list[int]:
+        """Token ids of `text`. `bounded`: a text longer than max_model_len tokens of the vocabulary's longest
+        can hold is refused before tokenizing (tokenizing 7 MB costs ~500 MB, for a 400 all the same); a request
+        that truncates its prompt (truncate_prompt_tokens), and /tokenize, tokenize text of any length."""
+        if bounded and len(text) > self.max_prompt_chars:
+            raise BadRequestError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, your prompt is "
+                f"{len(text)} characters long, more than {self.max_model_len} tokens hold (at most "
+                f"{self.max_prompt_chars} characters). Please reduce the length of the messages.", param=param)
         return await self.run_blocking(lambda: list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens)))
+
+    @property
+    def max_prompt_chars(self) -> int:
+        """Characters max_model_len tokens can cover at most: max_model_len x the longest vocabulary entry, x 4
+        when the tokenizer normalizes its input (Unicode composition may merge several characters into one)."""
+        if self._max_prompt_chars is None:
+            longest = max((len(t) for t in self.tokenizer.get_vocab()), default=1)
+            backend = getattr(self.tokenizer, "backend_tokenizer", None)
+            normalizes = backend is None or backend.normalizer is not None
+            self._max_prompt_chars = self.max_model_len * max(longest, 1) * (4 if normalizes else 1)
+        return self._max_prompt_chars
 
     async def render_chat(self, messages: list[Any], *, request_template: str | None, **kwargs: Any) -> str:
         """The prompt text of a conversation; a request's own template only with
@@ -224,6 +282,8 @@ class OpenAIServing:
         except ValueError as e:
             # The engine refuses a request it cannot take (documented in EngineClient.generate).
             raise BadRequestError(str(e)) from e
+        except EngineOverloadedError as e:
+            raise ServiceUnavailableError(str(e), headers={"Retry-After": str(e.retry_after_s)}) from e
 
     # ---- logprobs -------------------------------------------------------------------------------
 

@@ -27,7 +27,9 @@ class OpenAIServingTokenization(OpenAIServing):
                                           add_generation_prompt=chat.add_generation_prompt,
                                           continue_final_message=chat.continue_final_message,
                                           template_kwargs=chat.chat_template_kwargs, tools=chat.tools, media=media)
-            ids = await self.encode(text, chat.add_special_tokens)
+            # vLLM's /tokenize counts prompts of any length (no max_model_len check): only the body limit bounds
+            # them, and the API server gives the memory back after a large one (http_edge.HeapTrim).
+            ids = await self.encode(text, chat.add_special_tokens, bounded=False)
             if media:  # the media's placeholder tokens count, as the model will see them
                 try:
                     ids, _ = await self.run_blocking(self.engine.process_multimodal, ids, media)
@@ -37,7 +39,7 @@ class OpenAIServingTokenization(OpenAIServing):
         elif "prompt" in data:
             req = parse_request(TokenizeCompletionRequest, data)
             self.models.resolve(req.model)
-            ids = await self.encode(req.prompt, req.add_special_tokens)
+            ids = await self.encode(req.prompt, req.add_special_tokens, bounded=False)
             want_strs = req.return_token_strs
         else:
             raise BadRequestError("Either `prompt` or `messages` must be given.", param="prompt")

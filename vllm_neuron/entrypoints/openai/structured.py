@@ -7,7 +7,6 @@ Sources, as in vLLM: `structured_outputs` (its options may accompany another sou
 """
 from __future__ import annotations
 
-import asyncio
 import re
 from typing import Any
 
@@ -74,17 +73,4 @@ def structured_outputs_from_request(req: Any) -> tuple[StructuredOutputsParams |
         named = re.match(r"structured_outputs\.(\w+)", str(e))
         if named and named.group(1) in source:
             param = source[named.group(1)]
-        raise BadRequestError(str(e), param=param) from None
-
-
-async def validate_structured_outputs(params: StructuredOutputsParams, tokenizer: Any, param: str | None) -> None:
-    """Compiles the constraint (off the event loop; cached by its text): 400 naming the problem."""
-    from vllm_neuron.structured_output.compiler import make_tokenizer_info, validate
-
-    def _check() -> None:
-        validate(params, make_tokenizer_info(tokenizer))
-
-    try:
-        await asyncio.to_thread(_check)
-    except ValueError as e:
         raise BadRequestError(str(e), param=param) from None
