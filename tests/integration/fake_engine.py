@@ -32,6 +32,7 @@ class Call:
     prompt_ids: list[int]
     prompt_text: str | None
     params: SamplingParams
+    priority: int = 0
     cancelled: bool = False
     finished: bool = False
     outputs_sent: int = 0
@@ -88,11 +89,11 @@ class FakeEngine(EngineClient):
             out[alt] = Logprob(self.logprob_of(step, r), r, self.tokenizer.decode([alt]))
         return out
 
-    def generate(self, prompt: PromptType, sampling_params: SamplingParams,
-                 request_id: str) -> AsyncGenerator[RequestOutput, None]:
-        return self._generate(prompt, sampling_params, request_id)
+    def generate(self, prompt: PromptType, sampling_params: SamplingParams, request_id: str,
+                 priority: int = 0) -> AsyncGenerator[RequestOutput, None]:
+        return self._generate(prompt, sampling_params, request_id, priority)
 
-    async def _generate(self, prompt: PromptType, sp: SamplingParams, request_id: str):
+    async def _generate(self, prompt: PromptType, sp: SamplingParams, request_id: str, priority: int = 0):
         if isinstance(prompt, str):
             ids, text = self.tokenizer.encode(prompt), prompt
         elif isinstance(prompt, list):
@@ -101,7 +102,7 @@ class FakeEngine(EngineClient):
             ids, text = list(prompt["prompt_token_ids"]), prompt.get("prompt")
         else:
             ids, text = self.tokenizer.encode(prompt["prompt"]), prompt["prompt"]
-        call = self.calls[request_id] = Call(request_id, ids, text, sp)
+        call = self.calls[request_id] = Call(request_id, ids, text, sp, priority)
         decoded = self.tokenizer.decode(ids)
         if "[[invalid]]" in decoded:
             raise ValueError("the fake engine refuses this prompt")

@@ -153,6 +153,14 @@ def test_streaming_with_usage(client, engine, tokenizer, base_url):
     assert json.loads(events[-2])["choices"][0]["finish_reason"] == "length"
 
 
+def test_priority_reaches_the_engine(client, engine):
+    client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, extra_body={"priority": -3})
+    assert last_call(engine).priority == -3
+    client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
+                                   extra_body={"priority": 7})
+    assert last_call(engine).priority == 7
+
+
 def test_n_choices(client, engine, tokenizer):
     r = client.completions.create(model=MODEL, prompt="Hi", max_tokens=5, n=2, temperature=1.0, seed=3)
     assert [c.index for c in r.choices] == [0, 1]

@@ -192,6 +192,15 @@ def test_completions_n2_seeded(client, model):
     assert {c.index: c.text for c in again.choices} == texts
 
 
+def test_priority_is_refused_without_the_priority_policy(server, model):
+    body = {"model": model, "prompt": "Hi", "max_tokens": 2}
+    assert httpx.post(server.url + "/v1/completions", json={**body, "priority": 0}, timeout=60).status_code == 200
+    r = httpx.post(server.url + "/v1/completions", json={**body, "priority": 3}, timeout=60)
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "priority", r.text
+    assert "--scheduling-policy priority" in err["message"]
+
+
 def test_seed_reproducibility(client, model):
     a = _complete(client, model, temperature=1.0, seed=7, max_tokens=16).choices[0].text
     b = _complete(client, model, temperature=1.0, seed=7, max_tokens=16).choices[0].text

@@ -38,6 +38,7 @@ def test_unknown_kwarg_names_the_valid_ones():
     ({"speculative_config": {"method": "eagle3"}}, "speculative_config"),
     ({"async_scheduling": "yes"}, "async_scheduling"),
     ({"block_size": 24}, "block_size=24 is not valid"),
+    ({"scheduling_policy": "lifo"}, r"scheduling_policy='lifo' is not valid; valid values: \['fcfs', 'priority'\]"),
     ({"device": "tpu"}, "device='tpu' is not valid"),
     ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
     ({"additional_config": {"neuron_config": {"bogus": 1}}}, "bogus"),
@@ -80,11 +81,13 @@ def test_model_limits():
 def test_cli_flags_map_to_fields():
     c = _cli("/m", "--max-model-len", "1024", "--max-num-seqs", "4", "--no-enable-prefix-caching",
              "--enforce-eager", "--block-size", "16", "--num-gpu-blocks-override", "99", "--dtype", "float32",
-             "--additional-config", '{"neuron_config": {"num_seqs_buckets": [2, 4]}}')
+             "--additional-config", '{"neuron_config": {"num_seqs_buckets": [2, 4]}}', "--scheduling-policy",
+             "priority")
     assert (c.model, c.max_model_len, c.max_num_seqs, c.enable_prefix_caching, c.enforce_eager) == \
         ("/m", 1024, 4, False, True)
     assert (c.block_size, c.num_gpu_blocks_override, c.dtype) == (16, 99, "float32")
     assert c.additional_config.neuron_config.num_seqs_buckets == [2, 4]
+    assert c.scheduling_policy == "priority"
 
 
 def test_cli_refuses_vllm_quantization_flag_and_conflicting_models():

@@ -23,13 +23,15 @@ EOS = 2
 
 
 def make(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64, block_size=4, num_blocks=64,
-         caching=True, max_ctx=None) -> Scheduler:
+         caching=True, max_ctx=None, policy="fcfs") -> Scheduler:
     return Scheduler(SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len, block_size, num_blocks,
-                                     caching, max_ctx))
+                                     caching, max_ctx, policy=policy))
 
 
-def req(rid, prompt, max_tokens=4, eos=None, **kw) -> Request:
-    return Request(rid, list(prompt), SamplingParams(max_tokens=max_tokens, **kw), eos_token_id=eos)
+def req(rid, prompt, max_tokens=4, eos=None, priority=0, arrival=None, **kw) -> Request:
+    extra = {} if arrival is None else {"arrival_time": arrival}
+    return Request(rid, list(prompt), SamplingParams(max_tokens=max_tokens, **kw), eos_token_id=eos,
+                   priority=priority, **extra)
 
 
 def prompt_of(seed: int, n: int) -> list[int]:
@@ -132,8 +134,12 @@ class Driver:
             self.prefill_while_decodes_wait = 0
         if out.kind == "decode":
             assert ids <= decodable
-            # Preemption takes the newest first: survivors are a prefix of the admission order.
-            assert s.running == running_before[:len(s.running)]
+            # Preemption takes the newest first (fcfs), else the largest (priority, arrival): survivors are a
+            # prefix of that order.
+            order = running_before if s.config.policy == "fcfs" else \
+                sorted(running_before, key=lambda r: (r.priority, r.arrival_time))
+            assert set(s.running) == set(order[:len(s.running)])
+            assert s.running == [r for r in running_before if r in s.running]  # admission order kept
         else:
             assert not ids & decodable
             assert all(c.start_pos + len(c.token_ids) <= s.config.max_model_len for c in out.chunks)
@@ -386,6 +392,48 @@ def test_back_to_back_prefills_when_nothing_decodes():
     s.add_request(req("a", prompt_of(0, 30), max_tokens=1))
     d.run()
     assert [o.kind for o in d.steps] == ["prefill"] * 4
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_priority_policy_orders_waiting_requests_under_a_full_batch(policy):
+    # One sequence at a time: everything added while "first" runs waits, then runs in policy order.
+    s = make(max_num_seqs=1, max_num_batched_tokens=64, policy=policy)
+    d = Driver(s)
+    s.add_request(req("first", prompt_of(0, 6), max_tokens=3, priority=5, arrival=0.0))
+    d.step()
+    for i, (rid, prio) in enumerate([("b", 3), ("c", 1), ("d", 1), ("e", -2), ("f", 3)]):
+        s.add_request(req(rid, prompt_of(i + 1, 6), max_tokens=2, priority=prio, arrival=1.0 + i))
+    d.run()
+    admitted = [n.req_id for o in d.steps for n in o.new_requests]
+    if policy == "priority":  # lower first, ties by arrival; the running one is never displaced
+        assert admitted == ["first", "e", "c", "d", "b", "f"]
+    else:
+        assert admitted == ["first", "b", "c", "d", "e", "f"]
+    assert {rid: len(t) for rid, t in d.outputs.items()} == {"first": 3, **{r: 2 for r in "bcdef"}}
+    assert_all_blocks_free(s)
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_priority_policy_preempts_the_lowest_priority_and_requeues_it_in_its_place(policy):
+    # 8 usable blocks, two 12-token prompts growing until they collide; "low" came first.
+    s = make(max_num_seqs=2, max_num_batched_tokens=32, max_model_len=32, num_blocks=9, policy=policy)
+    d = Driver(s)
+    s.add_request(req("low", prompt_of(0, 12), max_tokens=20, priority=5, arrival=0.0))
+    s.add_request(req("high", prompt_of(1, 12), max_tokens=20, priority=0, arrival=1.0))
+    d.step()
+    assert {r.request_id for r in s.running} == {"low", "high"}
+    s.add_request(req("urgent", prompt_of(2, 4), max_tokens=2, priority=1, arrival=2.0))
+    s.add_request(req("later", prompt_of(3, 4), max_tokens=2, priority=9, arrival=3.0))
+    while not s.num_preemptions:
+        d.step()
+    victim = "low" if policy == "priority" else "high"  # fcfs: the newest
+    assert s.requests[victim].status == RequestStatus.PREEMPTED
+    assert d.steps[-1].preempted_req_ids.keys() == {victim}
+    waiting = [r.request_id for r in s.waiting]
+    assert waiting == (["urgent", "low", "later"] if policy == "priority" else ["high", "urgent", "later"])
+    d.run()
+    assert {rid: len(t) for rid, t in d.outputs.items()} == {"low": 20, "high": 20, "urgent": 2, "later": 2}
+    assert_all_blocks_free(s)
 
 
 # -- preemption ----------------------------------------------------------------------------------------

@@ -15,7 +15,8 @@ import argparse
 import json
 
 from vllm_neuron.config.device import DEVICE_CHOICES, DTYPE_CHOICES
-from vllm_neuron.config.engine_args import BLOCK_SIZES, BUNDLED_MODEL_NAME, KV_CACHE_DTYPES, EngineArgs, option_names
+from vllm_neuron.config.engine_args import (BLOCK_SIZES, BUNDLED_MODEL_NAME, KV_CACHE_DTYPES, SCHEDULING_POLICIES,
+                                            EngineArgs, option_names)
 from vllm_neuron.config.generation_config import GENERATION_CONFIG_HELP
 from vllm_neuron.config.neuron_config import QUANTIZATIONS
 from vllm_neuron.config.speculative import SPECULATIVE_METHODS
@@ -127,6 +128,9 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool =
                    help="engine requests (running and waiting; n > 1 counts n) the server takes at once; beyond it "
                    "a request gets a 503 with Retry-After before any work is done for it (default: 16 x "
                    "max-num-seqs x data-parallel-size; 0: no bound)")
+    g.add_argument("--scheduling-policy", default=d.scheduling_policy, choices=SCHEDULING_POLICIES,
+                   help="fcfs: requests run in arrival order; priority: by each request's `priority` (lower first, "
+                   "ties by arrival), and KV preemption takes the running request with the largest value first")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule step N+1 while step N runs (default: on, except on a CPU whose cores torch's "
                    "threads all use, with speculative decoding, and with CPU sampling)")

@@ -31,6 +31,7 @@ KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")  # fp8 = fp8_e4m3
 BLOCK_SIZES = (8, 16, 32, 64, 128)
 BUNDLED_MODEL_NAME = "SmolLM2-135M-Instruct"  # served name of the bundled model (no MODEL given)
 MM_MODALITIES = ("image", "video")
+SCHEDULING_POLICIES = ("fcfs", "priority")  # vLLM's --scheduling-policy values
 _HOST_NAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]*[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]*[A-Za-z0-9])?)*\.?")
 
 
@@ -80,6 +81,8 @@ class EngineOptions:
     # Engine requests admitted and unfinished (running + waiting) beyond which the server answers 503
     # (vLLM's name); None: 16 x max_num_seqs x data_parallel_size; 0: no bound.
     max_num_queued_reqs: int | None = None
+    # fcfs: arrival order; priority: a request's `priority` (lower first), then arrival (core/scheduler.py).
+    scheduling_policy: str = "fcfs"
     block_size: int = 32
     num_gpu_blocks_override: int | None = None
     gpu_memory_utilization: float = 0.9
@@ -191,6 +194,7 @@ class EngineArgs(EngineOptions):
         device = resolve_device(self.device) if device is None else device
         self._check_numbers()
         V.choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        V.choice("scheduling_policy", self.scheduling_policy, SCHEDULING_POLICIES)
         V.boolean("async_scheduling", self.async_scheduling, allow_none=True)
         self._check_data_parallel()
         if self.enable_prompt_embeds:

@@ -36,6 +36,8 @@ class Request:
     # Keys that must match besides the tokens for a prefix-cache hit (e.g. image hashes, LoRA).
     cache_salt: tuple = ()
     mm_items: list | None = None  # media items (opaque here; the runner encodes them)
+    # --scheduling-policy priority: lower runs first (vLLM's convention); ties go by arrival.
+    priority: int = 0
 
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING

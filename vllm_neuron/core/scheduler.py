@@ -25,10 +25,16 @@ Policy:
   and it is recomputed later (its full blocks usually come back as prefix-cache hits). Prefill never
   preempts; it waits for blocks. Startup guarantees one request of max_model_len always fits, so this
   never deadlocks and never drops a request.
+* `policy="priority"` (vLLM's --scheduling-policy priority): "arrival order" above becomes (priority,
+  arrival) order, lower priority values first: the waiting queue is kept sorted by it (a preempted
+  request goes back to its place in it), decode steps hand out blocks in that order, and the victim of a
+  preemption is the running request last in it (the largest priority value, the latest arrival among
+  equals). As in vLLM, a running request is never preempted only to admit a waiting one.
 """
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from vllm_neuron.core.kv_cache_manager import KVCacheManager
@@ -59,6 +65,11 @@ class SchedulerConfig:
     spec_disable_by_batch_size: int | None = None  # steps with at least this many running requests: no drafts
     # KV cache groups (kv_cache_groups.py): None is one group of every layer.
     kv_cache_layout: KVCacheLayout | None = None
+    policy: str = "fcfs"  # or "priority" (config/engine_args.py's SCHEDULING_POLICIES, checked there)
+
+
+def _priority_key(req: Request) -> tuple[int, float]:
+    return req.priority, req.arrival_time
 
 
 @dataclass
@@ -72,11 +83,12 @@ class FinishedRequest:
 class Scheduler:
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
+        self._by_priority = config.policy == "priority"
         self.kv = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching,
                                  config.kv_cache_layout)
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []  # in admission order; the last is preempted first
+        self.running: list[Request] = []  # in admission order; the last in policy order is preempted first
         self._finished_ids: list[str] = []  # to tell the runner
         self._preempted_ids: dict[str, int] = {}
         self._sent_to_runner: set[str] = set()
@@ -92,7 +104,26 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self._enqueue(request)
+
+    def _enqueue(self, req: Request) -> None:
+        """Into the waiting queue: at the end (fcfs), or at its (priority, arrival) place."""
+        if self._by_priority:
+            key = _priority_key(req)
+            for i, other in enumerate(self.waiting):  # bounded by admission control: a short scan
+                if _priority_key(other) > key:
+                    self.waiting.insert(i, req)
+                    return
+        self.waiting.append(req)
+
+    def _in_policy_order(self, reqs: Iterable[Request]) -> list[Request]:
+        """Admission order (fcfs), else (priority, arrival) order; stable, so equal keys keep admission order."""
+        reqs = list(reqs)
+        return sorted(reqs, key=_priority_key) if self._by_priority else reqs
+
+    def _victim(self) -> Request:
+        """The running request preempted first: the last in policy order."""
+        return self._in_policy_order(self.running)[-1]
 
     def finish_request(self, req_id: str, reason: str = "abort") -> Request | None:
         """Ends a request from outside (abort, or a stop string found by the detokenizer)."""
@@ -160,7 +191,7 @@ class Scheduler:
         chunks: list[ScheduledChunk] = []
         new: list[NewRequestData] = []
         alone = False
-        candidates = [r for r in self.running if r.is_prefilling] + list(self.waiting)
+        candidates = self._in_policy_order(r for r in self.running if r.is_prefilling) + list(self.waiting)
         for req in candidates:
             if budget == 0:
                 break
@@ -210,7 +241,8 @@ class Scheduler:
     def _schedule_decode(self) -> SchedulerOutput | None:
         scheduled: list[tuple[Request, list[int]]] = []
         batch_drafts = self._batch_allows_drafts()
-        for req in list(self.running):
+        # Blocks go to requests in policy order, so a victim (the last in it) is never one already scheduled.
+        for req in self._in_policy_order(self.running):
             if req.status != RequestStatus.RUNNING or req.is_prefilling or self._will_finish(req):
                 continue
             drafts = self._drafts(req) if self.spec_policy.take_step(req.request_id) and batch_drafts else []
@@ -218,7 +250,7 @@ class Scheduler:
                 drafts = []  # blocks are short: verify nothing rather than preempt anyone for drafts
             if not drafts:
                 while not self.kv.allocate(req, 1):
-                    victim = self.running[-1]
+                    victim = self._victim()
                     self._preempt(victim)
                     if victim is req:
                         break
@@ -287,7 +319,10 @@ class Scheduler:
         req.num_preemptions += 1
         self.num_preemptions += 1
         self._preempted_ids[req.request_id] = len(req.output_token_ids)
-        self.waiting.appendleft(req)
+        if self._by_priority:
+            self._enqueue(req)
+        else:
+            self.waiting.appendleft(req)
 
     # -- results -----------------------------------------------------------------------------------
     def update(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[FinishedRequest]:

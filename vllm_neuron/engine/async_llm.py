@@ -73,7 +73,8 @@ class AsyncLLM(EngineClient):
         self.input_processor = InputProcessor(self.tokenizer, config.max_model_len, generation,
                                               nc.on_device_sampling_config, config.max_logprobs, vocab_size,
                                               multimodal_processor(config, ckpt, self.tokenizer),
-                                              grammar_check=self.grammar_checker.check)
+                                              grammar_check=self.grammar_checker.check,
+                                              scheduling_policy=config.scheduling_policy)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.model_info = ModelInfo(ckpt.path, config.max_model_len, self.input_processor.eos_token_id,
                                     self.input_processor.generation_defaults)
@@ -148,14 +149,14 @@ class AsyncLLM(EngineClient):
     def get_default_sampling_params(self) -> SamplingParams:
         return self.input_processor.default_sampling_params()
 
-    async def generate(self, prompt: PromptType, sampling_params: SamplingParams,
-                       request_id: str) -> AsyncGenerator[RequestOutput, None]:
+    async def generate(self, prompt: PromptType, sampling_params: SamplingParams, request_id: str,
+                       priority: int = 0) -> AsyncGenerator[RequestOutput, None]:
         self._ensure_handler()
         if self._dead is not None:
             raise EngineDeadError(f"the engine process died: {self._dead}")
         if request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is already in use")
-        text, ids, reqs = self.input_processor.process(request_id, prompt, sampling_params)
+        text, ids, reqs = self.input_processor.process(request_id, prompt, sampling_params, priority)
         q: asyncio.Queue = asyncio.Queue()
         decision = self.router.route(ids, weight=len(reqs))
         if self.router.loads[decision.replica] == len(reqs):

@@ -81,7 +81,7 @@ class EngineCore:
             enable_prefix_caching=config.enable_prefix_caching,
             max_prefill_context_tokens=max(nc.context_buckets), num_speculative_tokens=config.num_speculative_tokens,
             spec_disable_by_batch_size=config.speculative.disable_by_batch_size if config.speculative else None,
-            kv_cache_layout=self.runner.kv_layout))
+            kv_cache_layout=self.runner.kv_layout, policy=config.scheduling_policy))
         self.structured = None  # StructuredOutputManager, created with the first grammar request
         self._grammar_wait: dict[str, Request] = {}
         self.async_scheduling = bool(config.async_scheduling)
@@ -114,7 +114,8 @@ class EngineCore:
         # Media hashes join the prefix-cache keys: prompts that differ only in their media share no KV.
         salt = tuple(item.mm_hash for item in req.mm_items) if req.mm_items else ()
         request = Request(req.request_id, req.prompt_token_ids, req.sampling_params, req.eos_token_id,
-                          arrival_time=req.arrival_time, cache_salt=salt, mm_items=req.mm_items)
+                          arrival_time=req.arrival_time, cache_salt=salt, mm_items=req.mm_items,
+                          priority=req.priority)
         if req.sampling_params.structured_outputs is None:
             self.scheduler.add_request(request)
             return

@@ -44,10 +44,13 @@ class InputProcessor:
     def __init__(self, tokenizer: Any, max_model_len: int, generation_config: Mapping[str, Any],
                  odsc: OnDeviceSamplingConfig | None, max_logprobs: int, vocab_size: int,
                  mm_processor: "MultiModalProcessor | None" = None,
-                 grammar_check: Callable[[StructuredOutputsParams, int | None], None] | None = None) -> None:
+                 grammar_check: Callable[[StructuredOutputsParams, int | None], None] | None = None,
+                 scheduling_policy: str = "fcfs") -> None:
         """grammar_check(params, max_tokens): a structured-output constraint's size limits and compilation
-        (structured_output/checker.py; ValueError naming the problem); None: compiled here, unbounded."""
+        (structured_output/checker.py; ValueError naming the problem); None: compiled here, unbounded.
+        scheduling_policy: a request `priority` other than 0 is refused unless it is "priority" (vLLM's rule)."""
         self.tokenizer = tokenizer
+        self.scheduling_policy = scheduling_policy
         self.grammar_check = grammar_check
         self.mm_processor = mm_processor
         self.max_model_len = max_model_len
@@ -105,8 +108,9 @@ class InputProcessor:
             return None, list(prompt)
         raise ValueError(f"prompt must be a string, a list of token ids or a prompt dict, got {type(prompt).__name__}")
 
-    def process(self, request_id: str, prompt: Any, params: SamplingParams) -> tuple[str | None, list[int],
-                                                                                     list[EngineCoreRequest]]:
+    def process(self, request_id: str, prompt: Any, params: SamplingParams,
+                priority: int = 0) -> tuple[str | None, list[int], list[EngineCoreRequest]]:
+        self.check_priority(priority)
         text, ids, mm_items = self.tokenize_multimodal(prompt)
         self.validate(ids, params)
         params = params.clone()
@@ -118,13 +122,20 @@ class InputProcessor:
             params._bad_words_token_ids = self._bad_words_ids(params.bad_words)
         now = time.monotonic()
         if params.n == 1:
-            return text, ids, [EngineCoreRequest(request_id, ids, params, self.eos_token_id, now, mm_items)]
+            return text, ids, [EngineCoreRequest(request_id, ids, params, self.eos_token_id, now, mm_items, priority)]
         reqs = []
         for i in range(params.n):
             child = dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + i)
             reqs.append(EngineCoreRequest(child_request_id(i, request_id), ids, child, self.eos_token_id, now,
-                                          mm_items))
+                                          mm_items, priority))
         return text, ids, reqs
+
+    def check_priority(self, priority: Any) -> None:
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+        if priority != 0 and self.scheduling_policy != "priority":
+            raise ValueError(f"Got priority {priority} but priority scheduling is not enabled: start the engine "
+                             "with --scheduling-policy priority (scheduling_policy='priority'), or send priority 0")
 
     def validate(self, ids: list[int], params: SamplingParams) -> None:
         if not ids:

@@ -34,7 +34,8 @@ class LLMEngine:
             self.tokenizer, config.max_model_len, effective_generation_config(
                 config.generation_config, ckpt.generation_config, config.override_generation_config),
             config.neuron_config.on_device_sampling_config, config.max_logprobs,
-            vocab_size, multimodal_processor(config, ckpt, self.tokenizer), grammar_check=checker.check)
+            vocab_size, multimodal_processor(config, ckpt, self.tokenizer), grammar_check=checker.check,
+            scheduling_policy=config.scheduling_policy)
         self.output_processor = OutputProcessor(self.tokenizer)
 
     @classmethod
@@ -46,8 +47,8 @@ class LLMEngine:
     def from_kwargs(cls, **kwargs: Any) -> "LLMEngine":
         return cls.from_engine_args(EngineArgs.from_kwargs(**kwargs))
 
-    def add_request(self, request_id: str, prompt: Any, params: SamplingParams) -> None:
-        text, ids, reqs = self.input_processor.process(request_id, prompt, params)
+    def add_request(self, request_id: str, prompt: Any, params: SamplingParams, priority: int = 0) -> None:
+        text, ids, reqs = self.input_processor.process(request_id, prompt, params, priority)
         self.output_processor.add_request(request_id, text, ids, params, reqs)
         for r in reqs:
             self.core.add_request(r)

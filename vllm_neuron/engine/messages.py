@@ -17,6 +17,7 @@ class EngineCoreRequest:
     eos_token_id: int | None
     arrival_time: float
     mm_items: list | None = None  # multimodal.inputs.MultiModalItem per media item, in prompt order
+    priority: int = 0  # --scheduling-policy priority: lower first
 
 
 @dataclass

@@ -74,13 +74,14 @@ class EngineClient(ABC):
 
     @abstractmethod
     def generate(
-        self, prompt: PromptType, sampling_params: SamplingParams, request_id: str
+        self, prompt: PromptType, sampling_params: SamplingParams, request_id: str, priority: int = 0
     ) -> AsyncGenerator[RequestOutput, None]:
         """Yields RequestOutputs as tokens arrive, per sampling_params.output_kind (CUMULATIVE: full text
         so far; DELTA: only the new text/tokens; FINAL_ONLY: one output at the end). The last one has
         finished=True. Raises ValueError for invalid input (prompt longer than max_model_len, ...) before
         the first output; EngineRequestError if the engine fails this request; EngineDeadError if the
-        engine dies. Cancelling the consumer aborts the request."""
+        engine dies. Cancelling the consumer aborts the request. priority: --scheduling-policy priority's
+        order, lower first (a ValueError when not 0 under fcfs)."""
 
     def admit(self, weight: int) -> AdmissionTicket:
         """Reserves room for `weight` engine requests (n x prompts) before any work is done for them;

@@ -54,10 +54,14 @@ class LLM:
         return (self._dp or self.llm_engine).input_processor.default_sampling_params()
 
     def generate(self, prompts: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
         """prompts: a string, a list of strings, a list of token ids, a list of such lists, or prompt
-        dicts ({"prompt": ...} / {"prompt_token_ids": [...]})."""
+        dicts ({"prompt": ...} / {"prompt_token_ids": [...]}).
+        priority: one per prompt, lower first (needs scheduling_policy="priority"), as vLLM's."""
         prompts = self._as_prompt_list(prompts)
+        priorities = [0] * len(prompts) if priority is None else list(priority)
+        if len(priorities) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(priorities)} priorities")
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
@@ -68,16 +72,16 @@ class LLM:
                 raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling_params")
         ids = []
         requests = []
-        for prompt, p in zip(prompts, params):
+        for prompt, p, prio in zip(prompts, params, priorities):
             if p.output_kind != RequestOutputKind.FINAL_ONLY:
                 p = p.clone()
                 p.output_kind = RequestOutputKind.FINAL_ONLY
-            requests.append((str(next(self._counter)), prompt, p))
+            requests.append((str(next(self._counter)), prompt, p, prio))
         if self._dp is not None:
             return self._dp.run(requests, use_tqdm)
         try:
-            for rid, prompt, p in requests:
-                self.llm_engine.add_request(rid, prompt, p)
+            for rid, prompt, p, prio in requests:
+                self.llm_engine.add_request(rid, prompt, p, prio)
                 ids.append(rid)
             return self._run(ids, use_tqdm)
         except BaseException:
@@ -149,12 +153,12 @@ class _DataParallelEngine:
         self.tokenizer = self.client.tokenizer
         self.input_processor = self.client.input_processor
 
-    def run(self, requests: list[tuple[str, Any, SamplingParams]], use_tqdm: bool) -> list[RequestOutput]:
+    def run(self, requests: list[tuple[str, Any, SamplingParams, int]], use_tqdm: bool) -> list[RequestOutput]:
         bar = tqdm(total=len(requests), desc="Processed prompts", disable=not use_tqdm or None, unit="req")
 
-        async def one(rid: str, prompt: Any, params: SamplingParams) -> RequestOutput:
+        async def one(rid: str, prompt: Any, params: SamplingParams, priority: int) -> RequestOutput:
             final = None
-            async for out in self.client.generate(prompt, params, rid):
+            async for out in self.client.generate(prompt, params, rid, priority):
                 final = out
             bar.update(1)
             return final

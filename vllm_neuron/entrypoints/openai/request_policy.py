@@ -75,7 +75,6 @@ _UNSUPPORTED_COMMON: dict[str, Callable[[Any], bool]] = {
     "logprob_token_ids": _is_set,
     "vllm_xargs": _is_set,
     "cache_salt": _is_set,
-    "priority": lambda v: v not in (None, 0),
 }
 _UNSUPPORTED_CHAT: dict[str, Callable[[Any], bool]] = {
     "functions": _is_set,

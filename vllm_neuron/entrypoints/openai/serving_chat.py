@@ -195,7 +195,7 @@ class OpenAIServingChat(OpenAIServing):
         error: BaseException | None = None
         try:
             async for res in self.generate(tracker, self._engine_prompt(ctx), sp, ctx.request_id,
-                                           len(ctx.prompt_ids)):
+                                           len(ctx.prompt_ids), ctx.req.priority):
                 for o in res.outputs:
                     choices[o.index].add(o)
         except Exception as e:
@@ -271,7 +271,8 @@ class OpenAIServingChat(OpenAIServing):
                         index=j, delta=DeltaMessage(content=ctx.echo_text), logprobs=None, finish_reason=None)],
                         usage(j) if continuous else None)
             finished: set[int] = set()
-            async for res in self.generate(tracker, self._engine_prompt(ctx), sp, ctx.request_id, prompt_tokens):
+            async for res in self.generate(tracker, self._engine_prompt(ctx), sp, ctx.request_id, prompt_tokens,
+                                           ctx.req.priority):
                 for o in res.outputs:
                     ids = list(o.token_ids)
                     if o.index in finished or (not o.text and not ids and o.finish_reason is None):

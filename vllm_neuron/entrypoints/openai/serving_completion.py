@@ -163,8 +163,8 @@ class OpenAIServingCompletion(OpenAIServing):
         return out
 
     def _generators(self, ctx: _Ctx, sp, tracker: RequestTracker) -> list[AsyncIterator]:
-        return [self.generate(tracker, self._engine_prompt(p), sp, f"{ctx.request_id}-{i}", len(p.token_ids))
-                for i, p in enumerate(ctx.prompts)]
+        return [self.generate(tracker, self._engine_prompt(p), sp, f"{ctx.request_id}-{i}", len(p.token_ids),
+                              ctx.req.priority) for i, p in enumerate(ctx.prompts)]
 
     async def _full(self, ctx: _Ctx, sp) -> CompletionResponse:
         req, n = ctx.req, sp.n

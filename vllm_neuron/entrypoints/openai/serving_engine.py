@@ -273,15 +273,15 @@ class OpenAIServing:
         task.add_done_callback(self._background.discard)
 
     async def generate(self, tracker: RequestTracker, prompt: Any, sp: SamplingParams, request_id: str,
-                       prompt_tokens: int) -> AsyncIterator[RequestOutput]:
+                       prompt_tokens: int, priority: int = 0) -> AsyncIterator[RequestOutput]:
         tracker.start(request_id, prompt_tokens)
         try:
-            async for res in self.engine.generate(prompt, sp, request_id):
+            async for res in self.engine.generate(prompt, sp, request_id, priority):
                 tracker.observe(res)
                 yield res
         except ValueError as e:
             # The engine refuses a request it cannot take (documented in EngineClient.generate).
-            raise BadRequestError(str(e)) from e
+            raise BadRequestError(str(e), param="priority" if "priority" in str(e) else None) from e
         except EngineOverloadedError as e:
             raise ServiceUnavailableError(str(e), headers={"Retry-After": str(e.retry_after_s)}) from e
 
