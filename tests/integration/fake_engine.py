@@ -14,7 +14,11 @@ Markers in the decoded prompt trigger behaviours:
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import AsyncGenerator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +26,28 @@ from vllm_neuron import metrics
 from vllm_neuron.engine.protocol import EngineClient, EngineDeadError, ModelInfo, PromptType
 from vllm_neuron.outputs import CompletionOutput, Logprob, RequestOutput
 from vllm_neuron.sampling_params import RequestOutputKind, SamplingParams
+
+@contextlib.contextmanager
+def serve_app(app: Any, **uvicorn_kwargs: Any) -> Iterator[int]:
+    """`app` served by create_server (uvicorn with the HTTP edge) in a thread on 127.0.0.1; yields the port."""
+    from vllm_neuron.entrypoints.openai.api_server import create_server
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    server = create_server(app, "127.0.0.1", sock.getsockname()[1], timeout_graceful_shutdown=1, **uvicorn_kwargs)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "server did not start"
+        time.sleep(0.01)
+    try:
+        yield sock.getsockname()[1]
+    finally:
+        server.should_exit = True
+        thread.join(5)
+        sock.close()
+
 
 SCRIPT = " The quick brown fox jumps over the lazy dog. A stitch in time saves nine."
 

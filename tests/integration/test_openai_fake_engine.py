@@ -10,10 +10,8 @@ import contextlib
 import importlib.util
 import json
 import os
-import socket
 import subprocess
 import sys
-import threading
 import time
 
 import httpx
@@ -22,9 +20,9 @@ import pytest
 from transformers import AutoTokenizer
 
 from vllm_neuron import metrics
-from vllm_neuron.entrypoints.openai.api_server import build_app, create_server
+from vllm_neuron.entrypoints.openai.api_server import build_app
 
-from tests.integration.fake_engine import FakeEngine
+from tests.integration.fake_engine import FakeEngine, serve_app
 
 MODEL = "smol"
 ALIAS = "smol-alias"
@@ -39,22 +37,8 @@ def tokenizer():
 
 @contextlib.contextmanager
 def serve(app):
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = create_server(app, "127.0.0.1", port, log_level="warning", timeout_graceful_shutdown=1)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "server did not start"
-        time.sleep(0.01)
-    try:
+    with serve_app(app, log_level="warning") as port:
         yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(5)
-        sock.close()
 
 
 @pytest.fixture(scope="module")

@@ -24,9 +24,34 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    help="require the API key on every route but the liveness probes (/health, /ping, /version): "
                    "/metrics, /tokenize, /detokenize, /openapi.json and the docs too (without it, as in vLLM, only "
                    "/v1 routes need it)")
-    g.add_argument("--allowed-origins", nargs="*", default=None, help="CORS origins (default: any)")
+    g.add_argument("--ssl-keyfile", default=None, help="serve HTTPS: the server's PEM private key (default: plain HTTP)")
+    g.add_argument("--ssl-certfile", default=None, help="serve HTTPS: the server's PEM certificate (chain) (default: "
+                   "plain HTTP)")
+    g.add_argument("--ssl-ca-certs", default=None, help="PEM CA certificates that client certificates must chain to "
+                   "(with --ssl-cert-reqs 1 or 2) (default: none)")
+    g.add_argument("--ssl-cert-reqs", type=int, default=0, choices=(0, 1, 2),
+                   help="client certificates: 0 not asked for, 1 checked when given, 2 required (Python's ssl.CERT_*)")
+    g.add_argument("--root-path", default=None,
+                   help="path prefix a proxy serves the API under, e.g. /llm: routes answer with and without it, "
+                   "/openapi.json and the docs point through it (default: none)")
+    g.add_argument("--allowed-origins", nargs="+", default=None,
+                   help="CORS origins, as words or vLLM's JSON list (default: any)")
+    g.add_argument("--allowed-methods", nargs="+", default=None,
+                   help="CORS methods, as words or vLLM's JSON list (default: any)")
+    g.add_argument("--allowed-headers", nargs="+", default=None,
+                   help="CORS request headers, as words or vLLM's JSON list (default: any)")
+    g.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials (cookies, auth headers)")
+    g.add_argument("--enable-log-requests", action="store_true",
+                   help="log each request's id, prompt (see --max-log-len), token ids, sampling parameters and "
+                   "priority as it goes to the engine")
+    g.add_argument("--max-log-len", type=int, default=None,
+                   help="characters of prompt / output and token ids a request log line shows (default: all)")
+    g.add_argument("--enable-log-outputs", action="store_true",
+                   help="with --enable-log-requests, also log each answer (text, token ids, finish reason)")
     g.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"], help="uvicorn's log level")
+    g.add_argument("--disable-uvicorn-access-log", action="store_true",
+                   help="turn off uvicorn's access log (one line per HTTP request; on by default, as in vLLM)")
     g.add_argument("--disable-log-stats", action="store_true",
                    help="turn off the engine stats logged every 10 s (throughput, requests, KV usage, "
                    "prefix-cache hit rate)")

@@ -11,6 +11,7 @@ import time
 
 from vllm_neuron.config.arg_utils import engine_args_from_cli
 from vllm_neuron.entrypoints.openai.request_policy import RequestLimits
+from vllm_neuron.entrypoints.openai.server_options import HttpOptions
 from vllm_neuron.logger import init_logger
 
 logger = init_logger(__name__)
@@ -66,11 +67,12 @@ def run_serve(args: argparse.Namespace) -> int:
     api_key = args.api_key or os.environ.get("VLLM_API_KEY")
     if args.api_key_all_routes and not api_key:
         raise ValueError("--api-key-all-routes needs an API key: pass --api-key KEY or set $VLLM_API_KEY")
-    return asyncio.run(_serve(engine_args, args, api_key, limits, t0))
+    http = HttpOptions.from_args(args)  # a wrong TLS file fails here, before the engine loads
+    return asyncio.run(_serve(engine_args, args, api_key, limits, http, t0))
 
 
 async def _serve(engine_args, args: argparse.Namespace, api_key: str | None, limits: RequestLimits,
-                 t0: float) -> int:
+                 http: HttpOptions, t0: float) -> int:
     from vllm_neuron import metrics
     from vllm_neuron.engine.async_llm import AsyncLLM
     from vllm_neuron.engine.protocol import EngineDeadError
@@ -81,16 +83,17 @@ async def _serve(engine_args, args: argparse.Namespace, api_key: str | None, lim
     try:
         names = config.served_names()
         app = build_app(engine, served_model_names=names, api_key=api_key, chat_template=config.chat_template,
-                        max_logprobs=config.max_logprobs, allowed_origins=args.allowed_origins,
+                        max_logprobs=config.max_logprobs,
                         enable_auto_tool_choice=getattr(args, "enable_auto_tool_choice", False),
                         tool_call_parser=getattr(args, "tool_call_parser", None),
-                        limits=limits, api_key_all_routes=args.api_key_all_routes)
+                        limits=limits, api_key_all_routes=args.api_key_all_routes, **http.app_kwargs())
         await engine.start()
 
-        server = create_server(app, args.host, args.port, args.uvicorn_log_level)
+        server = create_server(app, args.host, args.port, **http.uvicorn_kwargs())
         exit_code = 0
 
-        url = f"http://[{args.host}]:{args.port}" if ":" in args.host else f"http://{args.host}:{args.port}"
+        host = f"[{args.host}]" if ":" in args.host else args.host
+        url = f"{http.scheme}://{host}:{args.port}{http.root_path}"
 
         async def _watch_engine() -> None:
             nonlocal exit_code

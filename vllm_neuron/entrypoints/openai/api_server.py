@@ -24,8 +24,10 @@ from vllm_neuron.engine.protocol import EngineClient
 from vllm_neuron.entrypoints.openai import openapi_spec as spec
 from vllm_neuron.entrypoints.openai.chat_template import load_chat_template
 from vllm_neuron.entrypoints.openai.errors import error_response, install_exception_handlers
-from vllm_neuron.entrypoints.openai.http_edge import ApiKeyMiddleware, ExceptionGuard, HeapTrim, JsonErrorH11Protocol
+from vllm_neuron.entrypoints.openai.http_edge import (ApiKeyMiddleware, ExceptionGuard, HeapTrim, JsonErrorH11Protocol,
+                                                      RequestIdMiddleware, RootPath)
 from vllm_neuron.entrypoints.openai.request_body import read_json_body
+from vllm_neuron.entrypoints.openai.request_logger import RequestLogger
 from vllm_neuron.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -53,7 +55,10 @@ def build_app(engine: EngineClient, *, served_model_names: list[str], api_key: s
               chat_template: str | None = None, max_logprobs: int = 20, return_tokens_as_token_ids: bool = False,
               record_request_metrics: bool = True, allowed_origins: list[str] | None = None,
               enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
-              limits: RequestLimits | None = None, api_key_all_routes: bool = False) -> FastAPI:
+              limits: RequestLimits | None = None, api_key_all_routes: bool = False,
+              allowed_methods: list[str] | None = None, allowed_headers: list[str] | None = None,
+              allow_credentials: bool = False, root_path: str = "",
+              request_logger: RequestLogger | None = None) -> FastAPI:
     """The OpenAI-compatible app serving `engine` under `served_model_names` (the first one is the
     default and the metrics' model_name label).
 
@@ -63,6 +68,10 @@ def build_app(engine: EngineClient, *, served_model_names: list[str], api_key: s
     enable_auto_tool_choice, tool_call_parser: tool_choice="auto" with that parser (vllm_neuron.tool_parsers).
     limits: --max-n, --max-request-body-bytes, --trust-request-chat-template, --body-read-timeout.
     api_key_all_routes: the key guards every route but the liveness probes' (/metrics, /tokenize, the docs...).
+    allowed_origins / allowed_methods / allowed_headers / allow_credentials: CORS, vLLM's defaults (any, any, any,
+    no credentials).
+    root_path: the path prefix a proxy serves the app under (--root-path); routes answer with and without it.
+    request_logger: --enable-log-requests' lines (entrypoints/openai/request_logger.py).
     """
     if max_logprobs < -1:
         raise ValueError(f"max_logprobs must be -1 (no cap) or >= 0, got {max_logprobs}")
@@ -73,7 +82,8 @@ def build_app(engine: EngineClient, *, served_model_names: list[str], api_key: s
     pool = ThreadPoolExecutor(2, thread_name_prefix="vllm-neuron-render")
     kwargs: dict[str, Any] = dict(max_logprobs=max_logprobs, chat_template=load_chat_template(chat_template),
                                   return_tokens_as_token_ids=return_tokens_as_token_ids,
-                                  record_metrics=record_request_metrics, limits=limits, blocking_pool=pool)
+                                  record_metrics=record_request_metrics, limits=limits, blocking_pool=pool,
+                                  request_logger=request_logger)
     completion = OpenAIServingCompletion(engine, models, **kwargs)
     chat = OpenAIServingChat(engine, models, enable_auto_tool_choice=enable_auto_tool_choice,
                              tool_call_parser=tool_call_parser, **kwargs)
@@ -81,13 +91,17 @@ def build_app(engine: EngineClient, *, served_model_names: list[str], api_key: s
     version = __version__
 
     app = FastAPI(title="vllm-neuron OpenAI-compatible server", version=version)
+    app.state.root_path = root_path
     if api_key_all_routes and not api_key:
         raise ValueError("--api-key-all-routes needs an API key (--api-key or $VLLM_API_KEY)")
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key, all_routes=api_key_all_routes)
-    # Added last, so outermost: CORS preflights are answered before the key check.
-    app.add_middleware(CORSMiddleware, allow_origins=allowed_origins or ["*"], allow_credentials=False,
-                       allow_methods=["*"], allow_headers=["*"])
+    # Added after the key check, so outside it: CORS preflights are answered before the key check.
+    app.add_middleware(CORSMiddleware, allow_origins=allowed_origins or ["*"], allow_credentials=allow_credentials,
+                       allow_methods=allowed_methods or ["*"], allow_headers=allowed_headers or ["*"])
+    app.add_middleware(RequestIdMiddleware)  # every answer, a 401 or a preflight too, carries the id
+    if root_path:
+        app.add_middleware(RootPath, root_path=root_path)  # outermost: the key check sees the route's own path
     install_exception_handlers(app)
 
     async def body(raw_request: Request) -> dict:
@@ -164,6 +178,7 @@ class _Server(uvicorn.Server):
 
 def create_server(app: FastAPI, host: str, port: int, log_level: str = "info",
                   **uvicorn_kwargs: Any) -> uvicorn.Server:
+    """uvicorn_kwargs: uvicorn.Config's (TLS files, access_log; server_options.HttpOptions.uvicorn_kwargs())."""
     uvicorn_kwargs.setdefault("http", JsonErrorH11Protocol)
     config = uvicorn.Config(ExceptionGuard(HeapTrim(app)), host=host, port=port, log_level=log_level,
                             **uvicorn_kwargs)

@@ -1,5 +1,5 @@
-"""The HTTP edge around the app: the API-key check, an outermost guard for exceptions that escape the
-app, uvicorn's own 400 answer as an OpenAI error object, and the heap given back after large requests.
+"""The HTTP edge around the app: the API-key check, X-Request-Id, --root-path, an outermost guard for exceptions that
+escape the app, uvicorn's own 400 answer as an OpenAI error object, and the heap given back after large requests.
 
 Starlette's ServerErrorMiddleware answers an unexpected exception with our handler's 500 and then
 re-raises it; uvicorn logs "Exception in ASGI application" and closes the connection, so a keep-alive
@@ -21,6 +21,7 @@ import asyncio
 import hmac
 import json
 import time
+import uuid
 
 import h11
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -73,6 +74,71 @@ class ApiKeyMiddleware:
                                           "required.", 401)
                 await response(scope, receive, send)
                 return
+        await self.app(scope, receive, send)
+
+
+REQUEST_ID_HEADER = b"x-request-id"
+MAX_REQUEST_ID_CHARS = 256
+
+
+def header_request_id(scope: Scope) -> str | None:
+    """The client's X-Request-Id (checked by RequestIdMiddleware), or None."""
+    for name, value in scope.get("headers", []):
+        if name.lower() == REQUEST_ID_HEADER:
+            return value.decode("latin-1")
+    return None
+
+
+def use_request_id(scope: Scope, request_id: str) -> None:
+    """Records the id a generation route gave its request: the X-Request-Id the response echoes."""
+    scope.setdefault("state", {})["request_id"] = request_id
+
+
+def _header_safe(value: str) -> bool:
+    """A body's request_id may hold characters no header value may (control characters, non-Latin-1)."""
+    return all(32 <= ord(c) < 256 and ord(c) != 127 for c in value)
+
+
+class RequestIdMiddleware:
+    """X-Request-Id as vLLM: a client's header names its request (the completion's id is built from it) and
+    every response carries the header back: the id the route used, else the client's, else a new one."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        given = header_request_id(scope)
+        if given is not None and not 0 < len(given) <= MAX_REQUEST_ID_CHARS:
+            response = error_response(f"The X-Request-Id header must have 1 to {MAX_REQUEST_ID_CHARS} characters, "
+                                      f"got {len(given)}.", 400)
+            await response(scope, receive, send)
+            return
+        state = scope.setdefault("state", {})  # shared with the route's Request, even through scope copies
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                rid = next(r for r in (state.get("request_id"), given, uuid.uuid4().hex) if r and _header_safe(r))
+                headers = [*message.get("headers", []), (REQUEST_ID_HEADER, rid.encode("latin-1"))]
+                message = {**message, "headers": headers}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
+class RootPath:
+    """--root-path: the prefix a proxy serves the app under. The ASGI root_path of every request, so that routes
+    match whether the proxy forwards `/prefix/v1/...` as it is or strips the prefix, and the docs link through it."""
+
+    def __init__(self, app: ASGIApp, root_path: str) -> None:
+        self.app = app
+        self.root_path = root_path
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] in ("http", "websocket"):
+            scope["root_path"] = self.root_path
         await self.app(scope, receive, send)
 
 

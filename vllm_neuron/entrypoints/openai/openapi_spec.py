@@ -141,7 +141,9 @@ def install(app: FastAPI, limits: RequestLimits, max_logprobs: int, vocab_size: 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is not None:
             return app.openapi_schema
-        doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        root = getattr(app.state, "root_path", "")
+        servers = [{"url": root}] if root else None  # --root-path: clients call through the prefix
+        doc = get_openapi(title=app.title, version=app.version, routes=app.routes, servers=servers)
         schemas = doc.setdefault("components", {}).setdefault("schemas", {})
         for name, model in _request_models.items():
             schema = model.model_json_schema(ref_template=_REF)

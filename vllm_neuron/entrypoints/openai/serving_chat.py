@@ -26,7 +26,6 @@ from vllm_neuron.entrypoints.openai.protocol import (
     FunctionCall,
     ToolCall,
     UsageInfo,
-    random_uuid,
 )
 from vllm_neuron.entrypoints.openai.request_policy import check_unsupported_fields, parse_request
 from vllm_neuron.entrypoints.openai.serving_engine import (
@@ -148,7 +147,7 @@ class OpenAIServingChat(OpenAIServing):
             last = req.messages[-1] if req.messages else {}
             if last.get("role") == _ROLE and isinstance(last.get("content"), str):
                 echo_text = last["content"]
-        ctx = _Ctx(req, model, f"chatcmpl-{req.request_id or random_uuid()}", prompt_ids, text, echo_text,
+        ctx = _Ctx(req, model, f"chatcmpl-{self.base_request_id(raw_request, req.request_id)}", prompt_ids, text, echo_text,
                    int(time.time()), arrival, tool, mm_items, ticket)
         if req.stream:
             return StreamingResponse(self._stream(ctx, sp), media_type="text/event-stream")

@@ -19,7 +19,6 @@ from vllm_neuron.entrypoints.openai.protocol import (
     CompletionResponseStreamChoice,
     CompletionStreamResponse,
     UsageInfo,
-    random_uuid,
 )
 from vllm_neuron.entrypoints.openai.request_policy import check_unsupported_fields, parse_request
 from vllm_neuron.entrypoints.openai.serving_engine import (
@@ -85,7 +84,7 @@ class OpenAIServingCompletion(OpenAIServing):
             await self.check_structured_outputs(structured, structured_param, requested)
         sp = self.build_sampling_params(req, max_tokens=requested, logprobs=req.logprobs,
                                         structured_outputs=structured)
-        request_id = f"cmpl-{req.request_id or random_uuid()}"
+        request_id = f"cmpl-{self.base_request_id(raw_request, req.request_id)}"
         ctx = _Ctx(req, model, request_id, prompts, echo_only, int(time.time()), arrival, ticket)
         if req.stream:
             return StreamingResponse(self._stream(ctx, sp), media_type="text/event-stream")

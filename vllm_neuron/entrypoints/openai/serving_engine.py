@@ -18,6 +18,9 @@ from vllm_neuron import metrics
 from vllm_neuron.engine.protocol import AdmissionTicket, EngineClient, EngineOverloadedError
 from vllm_neuron.entrypoints.openai.chat_template import render_chat
 from vllm_neuron.entrypoints.openai.errors import BadRequestError, InternalServerError, ServiceUnavailableError
+from vllm_neuron.entrypoints.openai.http_edge import header_request_id, use_request_id
+from vllm_neuron.entrypoints.openai.protocol import random_uuid
+from vllm_neuron.entrypoints.openai.request_logger import RequestLogger
 from vllm_neuron.entrypoints.openai.request_policy import RequestLimits, context_error, param_of_error
 from vllm_neuron.entrypoints.openai.serving_models import OpenAIServingModels
 from vllm_neuron.logger import init_logger
@@ -79,10 +82,11 @@ class OpenAIServing:
     def __init__(self, engine: EngineClient, models: OpenAIServingModels, *, max_logprobs: int = 20,
                  chat_template: str | None = None, return_tokens_as_token_ids: bool = False,
                  record_metrics: bool = True, limits: RequestLimits | None = None,
-                 blocking_pool: ThreadPoolExecutor | None = None) -> None:
+                 blocking_pool: ThreadPoolExecutor | None = None, request_logger: RequestLogger | None = None) -> None:
         """blocking_pool: where template rendering and tokenization run (shared by the routes of one
-        app; a private pool of its own when not given)."""
+        app; a private pool of its own when not given). request_logger: --enable-log-requests' lines."""
         self.engine = engine
+        self.request_logger = request_logger
         self.models = models
         self.max_logprobs = max_logprobs
         self.chat_template = chat_template
@@ -260,6 +264,13 @@ class OpenAIServing:
 
     # ---- requests in flight ---------------------------------------------------------------------
 
+    @staticmethod
+    def base_request_id(raw_request: Any, body_request_id: str | None) -> str:
+        """vLLM's rule: the X-Request-Id header, else the body's `request_id`, else a new id; the response echoes it."""
+        rid = header_request_id(raw_request.scope) or body_request_id or random_uuid()
+        use_request_id(raw_request.scope, rid)
+        return rid
+
     def abort_soon(self, request_id: str) -> None:
         """Aborts in a task of its own: callable from a finally of a cancelled task, where awaiting
         would be interrupted again."""
@@ -275,15 +286,23 @@ class OpenAIServing:
     async def generate(self, tracker: RequestTracker, prompt: Any, sp: SamplingParams, request_id: str,
                        prompt_tokens: int, priority: int = 0) -> AsyncIterator[RequestOutput]:
         tracker.start(request_id, prompt_tokens)
+        log = self.request_logger
+        if log is not None:
+            log.log_inputs(request_id, prompt, sp, priority)
         try:
             async for res in self.engine.generate(prompt, sp, request_id, priority):
                 tracker.observe(res)
+                if log is not None:
+                    log.observe(res)
                 yield res
         except ValueError as e:
             # The engine refuses a request it cannot take (documented in EngineClient.generate).
             raise BadRequestError(str(e), param="priority" if "priority" in str(e) else None) from e
         except EngineOverloadedError as e:
             raise ServiceUnavailableError(str(e), headers={"Retry-After": str(e.retry_after_s)}) from e
+        finally:
+            if log is not None:
+                log.forget(request_id)
 
     # ---- logprobs -------------------------------------------------------------------------------
 
