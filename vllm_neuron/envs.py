@@ -369,6 +369,20 @@ _VARS: dict[str, EnvVar] = {
             "Seconds between the server's engine stats lines (vLLM's variable). Default 10; "
             "--disable-log-stats turns them off.",
         ),
+        # -- models by Hugging Face id (huggingface_hub's own variables; HF_TOKEN is read by huggingface_hub and
+        # never logged) --
+        EnvVar(
+            "HF_ENDPOINT",
+            lambda: _str("HF_ENDPOINT"),
+            "The Hugging Face hub that `org/name` models come from (default https://huggingface.co): a mirror, "
+            "or the tests' local server.",
+        ),
+        EnvVar(
+            "HF_HUB_OFFLINE",
+            lambda: (_raw("HF_HUB_OFFLINE") or _raw("TRANSFORMERS_OFFLINE") or "").upper() in ("1", "ON", "YES", "TRUE"),
+            "1: models by id come from the cache only (--download-dir or the Hugging Face cache); a file missing "
+            "there is named in the error. TRANSFORMERS_OFFLINE=1 means the same, as in huggingface_hub.",
+        ),
         EnvVar(
             "PROMETHEUS_MULTIPROC_DIR",
             lambda: _str("PROMETHEUS_MULTIPROC_DIR"),

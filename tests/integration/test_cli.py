@@ -92,11 +92,16 @@ def test_ep_degree_without_expert_parallel_fails_at_startup(tiny_llama_dir, tmp_
     _assert_clean_failure(proc, "ep_degree requires --enable-expert-parallel")
 
 
-def test_hub_model_name_is_not_downloaded(tmp_path):
+def test_hub_model_without_a_reachable_hub_is_one_clean_error(tmp_path):
+    """A model by id is downloaded (tests/integration/test_hub_models.py); with no hub to reach and nothing cached,
+    serve stops with one line saying so."""
     name = "meta-llama/Llama-3.2-1B-Instruct"
-    proc = run_cli(["serve", name, "--enforce-eager"], str(tmp_path), timeout=60)
-    out = _assert_clean_failure(proc, name)
-    assert "Nothing is downloaded" in out or "nothing is downloaded" in out, out
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}"  # nothing listens once the socket is closed
+    proc = run_cli(["serve", name, "--enforce-eager", "--download-dir", str(tmp_path / "hub")], str(tmp_path),
+                   timeout=60, HF_ENDPOINT=dead)
+    _assert_clean_failure(proc, name, "cannot be reached", "check the network and HF_ENDPOINT")
 
 
 @pytest.mark.engine

@@ -102,12 +102,14 @@ def test_hf_dir_with_missing_shard_is_refused(tmp_path):
 # ---------------------------------------------------------------- model paths
 
 
-def test_hub_name_is_rejected_without_download():
+def test_the_loader_reads_local_paths_only():
+    """A Hugging Face id is fetched by the engine's option resolution (tests/integration/test_hub_models.py), never
+    by the loader itself."""
     with pytest.raises(ValueError) as e:
         resolve_model_path("meta-llama/Llama-3-8B")
     msg = str(e.value)
-    assert "meta-llama/Llama-3-8B" in msg and "Nothing is downloaded" in msg
-    with pytest.raises(ValueError, match="Nothing is downloaded"):
+    assert "meta-llama/Llama-3-8B" in msg and "is not a local path" in msg
+    with pytest.raises(ValueError, match="is not a local path"):
         load_checkpoint("meta-llama/Llama-3-8B")
 
 
@@ -294,7 +296,7 @@ def test_chat_template_override(tmp_path, tiny_llama_dir):
 def test_tokenizer_from_checkpoint_and_bad_path(tiny_llama_dir):
     ck = load_checkpoint(tiny_llama_dir)
     assert load_tokenizer(ck) is load_tokenizer(tiny_llama_dir)
-    with pytest.raises(ValueError, match="Nothing is downloaded"):
+    with pytest.raises(ValueError, match="is not a local path"):
         load_tokenizer("HuggingFaceTB/SmolLM2-135M-Instruct")
 
 

@@ -74,14 +74,24 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool =
     bundled = f"the bundled {BUNDLED_MODEL_NAME}"
     if model_positional:
         g.add_argument("model", nargs="?", default=None, metavar="MODEL",
-                       help=f"HF model directory or .gguf file (default: {bundled})")
+                       help=f"HF model directory, .gguf file, or Hugging Face id org/name[:QUANT] (default: {bundled})")
         g.add_argument("--model", dest="model_flag", default=None, metavar="MODEL",
                        help="the same as the positional MODEL, vLLM's older spelling (default: the positional "
                        "MODEL, else the bundled model)")
     else:
         g.add_argument("--model", dest="model_flag", default=None, metavar="MODEL",
-                       help=f"HF model directory or .gguf file (default: {bundled})")
-    g.add_argument("--tokenizer", default=None, help="tokenizer directory or .gguf (default: the model's)")
+                       help=f"HF model directory, .gguf file, or Hugging Face id org/name[:QUANT] (default: {bundled})")
+    g.add_argument("--tokenizer", default=None,
+                   help="tokenizer directory, .gguf, or Hugging Face id (default: the model's)")
+    g.add_argument("--revision", default=None,
+                   help="branch, tag or commit of a model given by Hugging Face id (default: main)")
+    g.add_argument("--tokenizer-revision", default=None,
+                   help="branch, tag or commit of the tokenizer's repository (default: --revision)")
+    g.add_argument("--download-dir", default=None,
+                   help="cache folder for models by Hugging Face id (default: huggingface_hub's, $HF_HUB_CACHE)")
+    g.add_argument("--hf-file", default=None,
+                   help="the GGUF file of a GGUF repository given by id (default: llama.cpp's rule: the file named "
+                   "with MODEL's :QUANT, else Q4_K_M, else the first)")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="context length in tokens, prompt plus output (default: the model's)")
     g.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,

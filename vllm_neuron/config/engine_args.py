@@ -72,8 +72,14 @@ class EngineOptions:
     """Every engine option, with vLLM's names and defaults: what EngineArgs (as given) and EngineConfig
     (resolved) both carry."""
 
-    model: str | None = None  # HF directory or .gguf file; None: the bundled SmolLM2-135M-Instruct
+    model: str | None = None  # HF directory, .gguf file or Hugging Face id; None: the bundled SmolLM2-135M-Instruct
     tokenizer: str | None = None
+    # Models by Hugging Face id (model/loader/hub.py): the branch / tag / commit, the tokenizer's, the cache folder
+    # (None: huggingface_hub's), and the one GGUF file of a GGUF repository (llama.cpp's --hf-file).
+    revision: str | None = None
+    tokenizer_revision: str | None = None
+    download_dir: str | None = None
+    hf_file: str | None = None
     served_model_name: str | list[str] | None = None
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     max_num_seqs: int | None = None  # None: the largest num_seqs_bucket, else 16
@@ -210,6 +216,10 @@ class EngineArgs(EngineOptions):
         if self.allowed_local_media_path is not None and not os.path.isdir(self.allowed_local_media_path):
             raise ValueError(f"allowed_local_media_path={self.allowed_local_media_path!r} is not an existing folder")
         check_allowed_media_domains(self.allowed_media_domains)
+        for name in ("revision", "tokenizer_revision", "download_dir", "hf_file"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value.strip()):
+                raise ValueError(f"{name} must be a non-empty string, got {value!r}")
         check_generation_config_arg(self.generation_config)
         envs.check_supported()
         parsed = dataclasses.replace(

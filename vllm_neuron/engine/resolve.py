@@ -6,18 +6,58 @@ core processes, tensor-parallel ranks, compile workers and replicas get the resu
 """
 from __future__ import annotations
 
+import dataclasses
+import os
+
 from vllm_neuron.config import engine_config
 from vllm_neuron.config.engine_args import EngineArgs
 from vllm_neuron.config.engine_config import EngineConfig, ModelFacts
 from vllm_neuron.model.loader import Checkpoint, load_checkpoint
+from vllm_neuron.model.loader.checkpoint import remote_code_note
+from vllm_neuron.model.loader.hub import fetch_model, parse_hub_id
 from vllm_neuron.model.registry import check_quantization, is_multimodal, resolve_model_class
+
+
+def fetch_hub_models(args: EngineArgs) -> EngineArgs:
+    """A model / tokenizer given by Hugging Face id is downloaded (or found in the cache) here, once: the result
+    names the local paths (the engine processes load them as any folder) and serves the model under its id."""
+    model_ref = parse_hub_id(args.model) if isinstance(args.model, str) else None
+    tok_ref = parse_hub_id(args.tokenizer) if isinstance(args.tokenizer, str) else None
+    if model_ref is None:
+        given = [f"--{n.replace('_', '-')}" for n in ("revision", "download_dir", "hf_file") if getattr(args, n)]
+        if given:
+            raise ValueError(f"{', '.join(given)} apply to a model given by Hugging Face id (org/name); the model here "
+                             f"is {'the bundled one' if args.model is None else repr(args.model)}: drop them")
+    if args.tokenizer_revision and tok_ref is None and (args.tokenizer is not None or model_ref is None):
+        raise ValueError("--tokenizer-revision applies to a tokenizer from a Hugging Face id (--tokenizer org/name, "
+                         "or MODEL given by id): drop it")
+    changes: dict = {}
+    if model_ref is not None:
+        changes["model"] = fetch_model(args.model, revision=args.revision, download_dir=args.download_dir,
+                                       hf_file=args.hf_file)
+        if args.served_model_name is None:
+            changes["served_model_name"] = args.model  # as vLLM: the id, not the cache path
+    tok_revision = args.tokenizer_revision or args.revision
+    if tok_ref is not None:
+        changes["tokenizer"] = fetch_model(args.tokenizer, revision=args.tokenizer_revision,
+                                           download_dir=args.download_dir, only_tokenizer=True)
+    elif args.tokenizer is None and model_ref is not None and tok_revision != args.revision:
+        changes["tokenizer"] = fetch_model(args.model, revision=tok_revision, download_dir=args.download_dir,
+                                           only_tokenizer=True)
+    return dataclasses.replace(args, **changes) if changes else args
 
 
 def resolve_engine_config(args: EngineArgs, checkpoint: Checkpoint | None = None) -> tuple[EngineConfig, Checkpoint]:
     """(the resolved config, the checkpoint it was resolved for): every refusal happens here, before any
     engine process starts (an architecture we do not serve included)."""
+    if checkpoint is None:
+        args = fetch_hub_models(args)
     ckpt = checkpoint or load_checkpoint(args.model)
-    cls = resolve_model_class(ckpt.hf_config)
+    try:
+        cls = resolve_model_class(ckpt.hf_config)
+    except ValueError as e:
+        note = remote_code_note(ckpt.path) if os.path.isdir(ckpt.path) else None
+        raise ValueError(f"{e}; {note}" if note else str(e)) from None
     spec = cls.spec(ckpt.hf_config)
     facts = ModelFacts(max_model_len=ckpt.hf_config.get_text_config().max_position_embeddings,
                        moe=spec.is_moe, sliding_window=spec.has_sliding_window, multimodal=is_multimodal(ckpt.hf_config))

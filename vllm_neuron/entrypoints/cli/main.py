@@ -189,6 +189,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: what was interrupted has logged its line (a download: what it kept)
+        print("interrupted", file=sys.stderr)
+        return 130
     return 1
 
 

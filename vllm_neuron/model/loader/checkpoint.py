@@ -67,11 +67,33 @@ def resolve_model_path(model: str | None) -> str:
             f"model {model!r} is a file but not a .gguf file; pass a .gguf file or a Hugging Face "
             f"style directory (config.json, *.safetensors, tokenizer files)"
         )
+    from vllm_neuron.model.loader.hub import parse_hub_id
+
+    if parse_hub_id(os.fspath(model)) is not None:
+        raise ValueError(
+            f"model {model!r} is not a local path. As a Hugging Face id it is downloaded where the engine's options "
+            f"are resolved (LLM(model=...), vllm-neuron serve / generate / compile), not by the checkpoint loader: "
+            f"pass the id there, or a local folder or .gguf file here."
+        )
     raise ValueError(
-        f"model {model!r} does not exist locally. Pass a local Hugging Face style directory "
-        f"(config.json, *.safetensors, tokenizer files) or a .gguf file, or nothing for the bundled "
-        f"SmolLM2 model. Nothing is downloaded from a model hub."
+        f"model {model!r} does not exist locally and is not a Hugging Face id (org/name, org/name:QUANT). Pass a "
+        f"local Hugging Face style directory (config.json, *.safetensors, tokenizer files), a .gguf file, a "
+        f"Hugging Face id, or nothing for the bundled SmolLM2 model."
     )
+
+
+def remote_code_note(model_dir: str) -> str | None:
+    """Why the folder's model needs trust_remote_code (its config.json's auto_map), or None."""
+    try:
+        with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
+            auto_map = json.load(f).get("auto_map")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if not auto_map:
+        return None
+    return (f"it needs trust_remote_code: its config.json's auto_map names the repository's own code "
+            f"({', '.join(sorted(set(map(str, auto_map.values())))[:3])}), and vllm-neuron never runs a model's code; "
+            "serve an architecture it implements (see the README's table)")
 
 
 def _read_json(path: str) -> dict[str, Any]:
@@ -101,10 +123,11 @@ def _load_hf_dir(path: str) -> Checkpoint:
 
     # Fail on pickle-only or empty directories now, not at the first weight read.
     safetensors_loader.list_safetensors_files(path)
+    remote = remote_code_note(path)
     try:
         config = AutoConfig.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError, KeyError) as e:
-        raise ValueError(f"Cannot read config.json of model directory {path}: {e}") from e
+        raise ValueError(f"Cannot read config.json of model directory {path}: {remote or e}") from e
     return Checkpoint(
         path=path,
         hf_config=config,
