@@ -10,12 +10,11 @@ import json
 import os
 import signal
 import subprocess
-import sys
 
 import pytest
 
 from tests.hub_server import TOKEN, LocalHub, folder_files
-from tests.integration.server_utils import free_port
+from tests.integration.server_utils import child_env, cli, free_port
 from tests.model_factory import tiny_llm
 from vllm_neuron.config.engine_args import EngineArgs
 from vllm_neuron.engine.resolve import fetch_hub_models, resolve_engine_config
@@ -141,21 +140,23 @@ def test_a_dropped_connection_resumes_where_it_stopped(online, tmp_path):
     assert sha(os.path.join(path, "model.safetensors")) == hashlib.sha256(content).hexdigest()
 
 
-def test_a_killed_download_is_never_loaded_truncated_and_completes_next_time(online, tmp_path, monkeypatch):
-    """Ctrl-C in the middle of model.safetensors (SIGINT, then a kill: huggingface_hub's download threads outlive a
-    first Ctrl-C). huggingface_hub 2 keeps no partial file across runs, so the next run fetches that file again."""
-    d = str(tmp_path)
+def test_ctrl_c_in_a_download_is_one_line_never_loaded_truncated_and_finished_next_time(online, tmp_path, monkeypatch):
+    """`vllm-neuron serve org/name` interrupted (SIGINT) in the middle of model.safetensors. huggingface_hub 2 keeps
+    no partial file across runs (so that two processes never append to one), so the next run fetches it again."""
+    d = str(tmp_path / "hub")
     online.stall("model.safetensors", after=1 << 20)
-    env = {**os.environ, "PYTHONPATH": _REPO_ROOT, "HF_ENDPOINT": online.url, "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
-    proc = subprocess.Popen([sys.executable, "-c", "import sys; from vllm_neuron.model.loader.hub import fetch_model; "
-                             "fetch_model('acme/big', download_dir=sys.argv[1])", d], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(cli() + ["serve", "acme/big", "--download-dir", d, "--port", str(free_port())],
+                            cwd=_REPO_ROOT, env=child_env(str(tmp_path), HF_ENDPOINT=online.url),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         assert online.stalled.wait(120), "the download never reached the stall"
         proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=30)
     finally:
         proc.kill()
-        proc.wait(30)
+        online.release()
+    assert proc.returncode == 130, out
+    assert "Download of acme/big interrupted: the files it finished stay in" in out and "Traceback" not in out, out
     snapshot = os.path.join(d, "models--acme--big", "snapshots")
     assert not any("model.safetensors" in files for _, _, files in os.walk(snapshot))  # nothing partial to load
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -163,7 +164,6 @@ def test_a_killed_download_is_never_loaded_truncated_and_completes_next_time(onl
                                          "an earlier download was interrupted; run once with network access"):
         fetch_model("acme/big", download_dir=d)
     monkeypatch.delenv("HF_HUB_OFFLINE")
-    online.release()
     path = fetch_model("acme/big", download_dir=d)
     assert sha(os.path.join(path, "model.safetensors")) == \
         hashlib.sha256(online.repos["acme/big"].revisions["main"]["model.safetensors"]).hexdigest()

@@ -44,6 +44,8 @@ def fetch_hub_models(args: EngineArgs) -> EngineArgs:
     elif args.tokenizer is None and model_ref is not None and tok_revision != args.revision:
         changes["tokenizer"] = fetch_model(args.model, revision=tok_revision, download_dir=args.download_dir,
                                            only_tokenizer=True)
+    if changes:  # consumed: the result names local paths, and fetching it again is a no-op
+        changes.update(revision=None, tokenizer_revision=None, download_dir=None, hf_file=None)
     return dataclasses.replace(args, **changes) if changes else args
 
 

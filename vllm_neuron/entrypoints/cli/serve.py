@@ -68,6 +68,10 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.api_key_all_routes and not api_key:
         raise ValueError("--api-key-all-routes needs an API key: pass --api-key KEY or set $VLLM_API_KEY")
     http = HttpOptions.from_args(args)  # a wrong TLS file fails here, before the engine loads
+    from vllm_neuron.engine.resolve import fetch_hub_models
+
+    # Before the event loop: asyncio.run turns the first Ctrl-C into a cancellation a blocking download never sees.
+    engine_args = fetch_hub_models(engine_args)
     return asyncio.run(_serve(engine_args, args, api_key, limits, http, t0))
 
 

@@ -157,7 +157,7 @@ def fetch_model(model: str, *, revision: str | None = None, download_dir: str | 
                 hf_file: str | None = None, only_tokenizer: bool = False) -> str:
     """The local path (a snapshot folder, or a .gguf file in one) of the hub model `model` (`org/name[:TAG]`).
     only_tokenizer: the tokenizer's files and the JSON beside them, no weights (--tokenizer, --tokenizer-revision)."""
-    from huggingface_hub import HfApi, snapshot_download
+    from huggingface_hub import HfApi, hf_hub_download, snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, IncompleteSnapshotError, LocalEntryNotFoundError
 
     ref = parse_hub_id(model)
@@ -168,13 +168,14 @@ def fetch_model(model: str, *, revision: str | None = None, download_dir: str | 
     offline = envs.HF_HUB_OFFLINE
     where = download_dir or "the Hugging Face cache"
     files: list[str] | None = None
+    commit: str | None = None
     unreachable: BaseException | None = None
     if not offline:
         try:
             # model_info, not list_repo_files: its one request fails at once when the hub is unreachable (the
             # listing's retries would wait ~30 s before the cache is looked at).
             info = HfApi(endpoint=endpoint).model_info(ref.repo_id, revision=revision)
-            files = [sib.rfilename for sib in info.siblings or []]
+            files, commit = [sib.rfilename for sib in info.siblings or []], info.sha
         except _network_errors() as e:
             unreachable = e
             logger.warning("The hub at %s cannot be reached (%s: %s); looking for %s in %s", endpoint,
@@ -194,8 +195,16 @@ def fetch_model(model: str, *, revision: str | None = None, download_dir: str | 
     logger.info("%s %s (revision %s) from %s: %s", "Tokenizer" if only_tokenizer else "Model", ref.repo_id, revision,
                 "the cache" if offline or unreachable else endpoint, ", ".join(wanted))
     try:
+        if not offline and unreachable is None:
+            # The repository's listing and the revision's ref are cached with the first file (what an offline start
+            # checks the cache against), then each file comes with a progress bar of its own, all at one commit.
+            snapshot_download(ref.repo_id, revision=revision, cache_dir=download_dir, allow_patterns=wanted[:1],
+                              endpoint=endpoint)
+            for name in wanted[1:]:
+                hf_hub_download(ref.repo_id, name, revision=commit or revision, cache_dir=download_dir,
+                                endpoint=endpoint)
         folder = snapshot_download(ref.repo_id, revision=revision, cache_dir=download_dir, allow_patterns=wanted,
-                                   endpoint=endpoint, local_files_only=offline or unreachable is not None)
+                                   endpoint=endpoint, local_files_only=True)
     except IncompleteSnapshotError as e:
         missing = str(e).split("missing (", 1)[-1].split(")", 1)[0]
         raise ValueError(f"the cached {ref.repo_id!r} (revision {revision!r}) in {where} is incomplete, missing "
