@@ -41,6 +41,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--allowed-headers", nargs="+", default=None,
                    help="CORS request headers, as words or vLLM's JSON list (default: any)")
     g.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials (cookies, auth headers)")
+    g.add_argument("--enable-request-id-headers", action="store_true",
+                   help="vLLM's flag, accepted: X-Request-Id is honoured and echoed whether it is given or not "
+                   "(default: echoed)")
     g.add_argument("--enable-log-requests", action="store_true",
                    help="log each request's id, prompt (see --max-log-len), token ids, sampling parameters and "
                    "priority as it goes to the engine")
