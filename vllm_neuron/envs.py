@@ -22,6 +22,7 @@ logger = init_logger(__name__)
 
 _TRUE = ("1", "true")
 _FALSE = ("0", "false")
+_HUB_TRUE = ("1", "ON", "YES", "TRUE")  # huggingface_hub's own reading of HF_HUB_OFFLINE
 
 
 def _raw(name: str) -> str | None:
@@ -379,7 +380,7 @@ _VARS: dict[str, EnvVar] = {
         ),
         EnvVar(
             "HF_HUB_OFFLINE",
-            lambda: (_raw("HF_HUB_OFFLINE") or _raw("TRANSFORMERS_OFFLINE") or "").upper() in ("1", "ON", "YES", "TRUE"),
+            lambda: (_raw("HF_HUB_OFFLINE") or _raw("TRANSFORMERS_OFFLINE") or "").upper() in _HUB_TRUE,
             "1: models by id come from the cache only (--download-dir or the Hugging Face cache); a file missing "
             "there is named in the error. TRANSFORMERS_OFFLINE=1 means the same, as in huggingface_hub.",
         ),

@@ -24,7 +24,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    help="require the API key on every route but the liveness probes (/health, /ping, /version): "
                    "/metrics, /tokenize, /detokenize, /openapi.json and the docs too (without it, as in vLLM, only "
                    "/v1 routes need it)")
-    g.add_argument("--ssl-keyfile", default=None, help="serve HTTPS: the server's PEM private key (default: plain HTTP)")
+    g.add_argument("--ssl-keyfile", default=None,
+                   help="serve HTTPS: the server's PEM private key (default: plain HTTP)")
     g.add_argument("--ssl-certfile", default=None, help="serve HTTPS: the server's PEM certificate (chain) (default: "
                    "plain HTTP)")
     g.add_argument("--ssl-ca-certs", default=None, help="PEM CA certificates that client certificates must chain to "

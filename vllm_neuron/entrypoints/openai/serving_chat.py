@@ -147,8 +147,9 @@ class OpenAIServingChat(OpenAIServing):
             last = req.messages[-1] if req.messages else {}
             if last.get("role") == _ROLE and isinstance(last.get("content"), str):
                 echo_text = last["content"]
-        ctx = _Ctx(req, model, f"chatcmpl-{self.base_request_id(raw_request, req.request_id)}", prompt_ids, text, echo_text,
-                   int(time.time()), arrival, tool, mm_items, ticket)
+        request_id = f"chatcmpl-{self.base_request_id(raw_request, req.request_id)}"
+        ctx = _Ctx(req, model, request_id, prompt_ids, text, echo_text, int(time.time()), arrival, tool, mm_items,
+                   ticket)
         if req.stream:
             return StreamingResponse(self._stream(ctx, sp), media_type="text/event-stream")
         result = await run_until_disconnect(self._full(ctx, sp), raw_request)

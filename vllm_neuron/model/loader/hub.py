@@ -8,8 +8,8 @@ files and chat templates; never `.bin` / `.pt` weights. A GGUF repository gives 
 `:TAG` quantization in the file name, case-insensitive, Q4_K_M when none is given, else the first GGUF), never an
 `mmproj` file. huggingface_hub downloads into a temporary `.incomplete` file and moves it into the snapshot only
 once it is whole, so a truncated file is never loaded: a dropped connection is resumed within the run (a Range
-request), a run stopped by Ctrl-C or killed fetches that file again next time (the finished files stay cached). Offline (HF_HUB_OFFLINE=1, or the hub unreachable) the cache alone is used; what is
-missing is named.
+request), a run stopped by Ctrl-C or killed fetches that file again next time (the finished files stay cached).
+Offline (HF_HUB_OFFLINE=1, or the hub unreachable) the cache alone is used; what is missing is named.
 
 Every failure is a ValueError of one line that says what went wrong and what to do.
 """
