@@ -34,7 +34,8 @@ class LLMEngine:
             self.tokenizer, config.max_model_len, effective_generation_config(
                 config.generation_config, ckpt.generation_config, config.override_generation_config),
             config.neuron_config.on_device_sampling_config, config.max_logprobs,
-            vocab_size, multimodal_processor(config, ckpt, self.tokenizer), grammar_check=checker.check)
+            vocab_size, multimodal_processor(config, ckpt, self.tokenizer), grammar_check=checker.check,
+            kv_transfer=config.kv_transfer is not None)
         self.output_processor = OutputProcessor(self.tokenizer)
 
     @classmethod
