@@ -78,9 +78,12 @@ def test_compiled_instances(model_dirs):
     ref = greedy_reference(build_tiny_model("llama", max_position_embeddings=256), PROMPTS, MAX_NEW)
     p = tiny_llm(model_dirs["llama"], enforce_eager=False, additional_config=COMPILED,
                  kv_transfer_config=_kv("kv_producer"))
-    d = tiny_llm(model_dirs["llama"], enforce_eager=False, additional_config=COMPILED,
-                 kv_transfer_config=_kv("kv_consumer"))
+    # A decode instance sees contexts far shorter than max_model_len: a 128-token context bucket (the seeds'
+    # decode_context_length_buckets advice for disaggregated decode) serves them with smaller decode graphs.
+    d = tiny_llm(model_dirs["llama"], enforce_eager=False, kv_transfer_config=_kv("kv_consumer"), additional_config={
+        "neuron_config": {**COMPILED["neuron_config"], "decode_context_length_buckets": [128]}})
     assert _disaggregated(p, d, PROMPTS) == ref
+    assert "decode_b8_c128" in {r.name for r in d.llm_engine.core.compiler.records}
     _assert_pools_back(p, d)
 
 

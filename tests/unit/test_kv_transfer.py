@@ -34,6 +34,7 @@ def test_kv_transfer_config_vllm_fields_and_errors():
     both = parse_kv_transfer_config({"kv_connector": "TcpConnector", "kv_role": "kv_both"})
     assert both.is_producer and both.is_consumer and both.engine_id.startswith("vllm-neuron-")
     bad = [({"kv_connector": "P2pNcclConnector", "kv_role": "kv_both"}, "kv_connector.*TcpConnector"),
+           ({"kv_connector": "NixlConnector", "kv_role": "kv_both"}, "NixlConnector' is not supported yet.*TcpConnector"),
            ({"kv_connector": "TcpConnector", "kv_role": "both"}, "kv_role.*kv_producer"),
            ({"kv_connector": "TcpConnector"}, "needs kv_connector .* and kv_role"),
            ({"kv_connector": "TcpConnector", "kv_role": "kv_both", "kv_prot": 1}, r"unknown field\(s\) \['kv_prot'\]"),

@@ -1,8 +1,7 @@
 """`--kv-transfer-config`: vLLM's JSON for disaggregated prefill/decode -> `KVTransferConfig` (pure).
 
-Fields keep vLLM's names: `kv_connector` (which transport moves the KV blocks: `NixlConnector`, NIXL over UCX
-where the `nixl` package is installed, or `TcpConnector`, ours, pyzmq frames over TCP, which needs nothing
-beyond the base install), `kv_role` (`kv_producer`: a prefill instance that holds a finished prompt's blocks
+Fields keep vLLM's names: `kv_connector` (which transport moves the KV blocks: `TcpConnector`, ours, pyzmq frames
+over TCP, which needs nothing beyond the base install; vLLM's `NixlConnector` is refused by name), `kv_role` (`kv_producer`: a prefill instance that holds a finished prompt's blocks
 for a decode instance to read; `kv_consumer`: a decode instance that reads them; `kv_both`: either, per
 request), `kv_rank` and `kv_parallel_size` (accepted as vLLM's; each instance is addressed by the
 `kv_transfer_params` of the request instead), `kv_ip` / `kv_port` (where this instance serves its blocks;
@@ -23,7 +22,7 @@ from typing import Any
 from vllm_neuron.config import validate as V
 from vllm_neuron.config.json_object import parse_json_object
 
-CONNECTORS = ("TcpConnector", "NixlConnector")
+CONNECTORS = ("TcpConnector",)
 ROLES = ("kv_producer", "kv_consumer", "kv_both")
 DEFAULT_KV_PORT = 14579  # vLLM's
 _EXTRA_KEYS = {"hold_timeout_s": 120.0, "fetch_timeout_s": 30.0, "advertise_host": None}
@@ -89,6 +88,10 @@ def parse_kv_transfer_config(value: dict | str | KVTransferConfig | None) -> KVT
     if "kv_connector" not in d or "kv_role" not in d:
         raise ValueError(f"kv_transfer_config needs kv_connector (one of {list(CONNECTORS)}) and kv_role (one of "
                          f"{list(ROLES)}), got {sorted(d)}")
+    if d["kv_connector"] == "NixlConnector":
+        raise V.not_supported("kv_transfer_config.kv_connector", "NixlConnector",
+                              f"NIXL is not wired in; valid connectors: {list(CONNECTORS)} (docs/features.md: "
+                              "Disaggregated prefill/decode)")
     connector = V.choice("kv_transfer_config.kv_connector", d["kv_connector"], CONNECTORS)
     role = V.choice("kv_transfer_config.kv_role", d["kv_role"], ROLES)
     extra = parse_json_object(d.get("kv_connector_extra_config") or None,
