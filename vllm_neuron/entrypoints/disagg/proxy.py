@@ -15,6 +15,7 @@ it loses nothing there (a prefill instance frees unread blocks after its hold ti
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import uuid
 from collections.abc import AsyncIterator
@@ -170,7 +171,12 @@ class DisaggProxy:
 
 
 def build_app(proxy: DisaggProxy) -> FastAPI:
-    app = FastAPI(title="vllm-neuron disagg-proxy")
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: FastAPI):
+        yield
+        await proxy.client.aclose()
+
+    app = FastAPI(title="vllm-neuron disagg-proxy", lifespan=lifespan)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -191,10 +197,6 @@ def build_app(proxy: DisaggProxy) -> FastAPI:
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(generate_latest(proxy.metrics.registry), media_type="text/plain; version=0.0.4")
-
-    @app.on_event("shutdown")
-    async def close() -> None:
-        await proxy.client.aclose()
 
     return app
 
