@@ -304,6 +304,16 @@ def test_nixl_reads_held_blocks_whole_or_a_head_slice_and_only_with_the_secret(m
         monkeypatch.setattr(reader, "_transfer", lambda *a: (transfer(*a), server.forget("r1")))
         with pytest.raises(TransferError, match="no blocks are held"):
             reader.read(client, addr, hold, [([3], [1])], HeadSlice(0, 0, 0, 4), 5)
+        monkeypatch.undo()
+        # The source restarts on the same port under a new agent: the reader adds that one instead.
+        server.close()
+        source.close()
+        source = NixlAgent(src, BS, "p0", 0)
+        server = BlockServer("127.0.0.1", port, src, BS, "p0", {"nixl_meta": source.meta_reply})
+        server.hold("r1", "sec", [[4]])
+        whole[0][0].zero_()
+        reader.read(client, addr, hold, [([4], [0])], HeadSlice(0, 0, 0, 4), 5)
+        assert reader.remote_agents == {addr: source.name} and torch.equal(whole[0][0][:BS], src[0][0][4 * BS:5 * BS])
     finally:
         client.close()
         server.close()

@@ -21,6 +21,9 @@ import numpy as np
 from vllm_neuron.distributed.kv_transfer.block_io import KVPairs
 from vllm_neuron.distributed.kv_transfer.head_split import HeadSlice
 from vllm_neuron.distributed.kv_transfer.tcp import BlockClient, TransferError
+from vllm_neuron.logger import init_logger
+
+logger = init_logger(__name__)
 
 PIP_HINT = "pip install nixl (or pip install 'vllm-neuron[nixl]')"
 _POLL_S = 0.0002
@@ -76,7 +79,7 @@ class NixlAgent:
         t = self.tensors[0]
         self.block_size, self.heads = block_size, t.shape[1]
         self.layout = {"agent": self.name, "bases": [x.data_ptr() for x in self.tensors],
-                       "blocks": t.shape[0] // block_size, "heads": self.heads,
+                       "heads": self.heads,
                        "head_bytes": t.shape[2] * t.element_size(), "block_size": block_size,
                        "dtype": str(t.dtype).removeprefix("torch.")}
         self.remote_agents: dict[str, str] = {}  # source address -> the agent added for it
@@ -133,25 +136,35 @@ class NixlAgent:
 
     def _transfer(self, dst_rows: np.ndarray, src_rows: np.ndarray, remote: str, address: str,
                   timeout_s: float) -> None:
+        # The bindings raise their own Exception subclasses (nixlRemoteDisconnectError when the source dies...):
+        # each is this read's failure, never the reader thread's.
+        handle, state = None, "ERR"
         try:
             handle = self.agent.initialize_xfer("READ", self.agent.get_xfer_descs(dst_rows, "DRAM"),
                                                 self.agent.get_xfer_descs(src_rows, "DRAM"), remote)
-        except Exception as e:  # noqa: BLE001 - e.g. descriptors outside the registered memory
-            raise TransferError(f"NIXL refused a READ from {address}: {type(e).__name__}: {e}") from e
-        deadline = time.monotonic() + timeout_s
-        try:
+            deadline = time.monotonic() + timeout_s
             state = self.agent.transfer(handle)
             while state == "PROC" and time.monotonic() < deadline:
                 time.sleep(_POLL_S)
                 state = self.agent.check_xfer_state(handle)
-            if state != "DONE":
-                why = f"not done within {timeout_s:g} s" if state == "PROC" else f"state {state}"
-                raise TransferError(f"NIXL READ from {address}: {why}")
+        except Exception as e:  # noqa: BLE001
+            raise TransferError(f"NIXL READ from {address}: {type(e).__name__}: {e}") from e
         finally:
-            self.agent.release_xfer_handle(handle)
+            if handle is not None:
+                try:
+                    self.agent.release_xfer_handle(handle)  # cancels one still in progress
+                except Exception as e:  # noqa: BLE001
+                    logger.warning("NIXL READ from %s: its handle could not be released (%s: %s)", address,
+                                   type(e).__name__, e)
+        if state != "DONE":
+            raise TransferError(f"NIXL READ from {address}: " + (f"not done within {timeout_s:g} s"
+                                                                 if state == "PROC" else f"state {state}"))
 
     def close(self) -> None:
         for name in self.remote_agents.values():
-            self.agent.remove_remote_agent(name)
+            try:
+                self.agent.remove_remote_agent(name)
+            except Exception:  # noqa: BLE001 - a source gone first; nothing to disconnect
+                pass
         self.remote_agents.clear()
         self.agent.deregister_memory(self._reg)
