@@ -1,9 +1,10 @@
-"""Disaggregated prefill/decode, offline (two engines in this process, the TCP connector between them): greedy
-fp32 tokens of a prompt prefilled on one instance and decoded on another equal transformers' on tiny Llama and
-Qwen3 models, eager and compiled, with prompts over several blocks and past max_num_batched_tokens (TP=1 -> TP=2
+"""Disaggregated prefill/decode, offline (two engines in this process, the TCP connector between them, and NIXL's
+when the optional nixl package is installed): greedy fp32 tokens of a prompt prefilled on one instance and decoded
+on another equal transformers' on tiny Llama and Qwen3 models, eager and compiled, with prompts over several blocks and past max_num_batched_tokens (TP=1 -> TP=2
 runs between servers: tests/integration/test_disagg_server.py, as two engines of different TP cannot share a
-process); FP8 KV through the connector equals FP8 KV locally; a decode-side prefix hit reads fewer blocks; every instance's
-KV pool back to its baseline (the prefill instance frees what the reader released)."""
+process); FP8 KV through the connector equals FP8 KV locally; a decode-side prefix hit reads fewer blocks; a forged
+secret gets a NIXL reader nothing and it prefills locally; every instance's KV pool back to its baseline (the prefill
+instance frees what the reader released)."""
 from __future__ import annotations
 
 import time
@@ -13,11 +14,14 @@ import pytest
 from tests.integration.server_utils import free_port
 from tests.model_factory import build_tiny_model, greedy_reference, make_tiny_model, shared_prefix_prompts, tiny_llm
 from vllm_neuron import SamplingParams
+from vllm_neuron.config.kv_transfer import nixl_installed
 
 pytestmark = pytest.mark.engine
 
 MAX_NEW = 8
 PROMPTS = shared_prefix_prompts([20, 45, 70], 32, first_shared=1, seed=5)  # 70 > max_num_batched_tokens (32)
+NIXL = pytest.param("NixlConnector", marks=pytest.mark.skipif(
+    not nixl_installed(), reason="the optional nixl package is not installed (pip install nixl)"))
 COMPILED = {"neuron_config": {"num_batched_tokens_buckets": [32], "num_seqs_buckets": [8]}}
 
 
@@ -27,8 +31,8 @@ def model_dirs(tmp_path_factory) -> dict[str, str]:
             for a in ("llama", "qwen3")}
 
 
-def _kv(role: str, **extra) -> dict:
-    return {"kv_connector": "TcpConnector", "kv_role": role, "kv_port": free_port(), **extra}
+def _kv(role: str, connector: str = "TcpConnector", **extra) -> dict:
+    return {"kv_connector": connector, "kv_role": role, "kv_port": free_port(), **extra}
 
 
 def _disaggregated(prefill, decode, prompts: list[list[int]], max_new: int = MAX_NEW) -> list[list[int]]:
@@ -57,11 +61,12 @@ def _assert_pools_back(*llms) -> None:
         assert core.scheduler.kv.num_free_blocks() == core.num_blocks - 1
 
 
+@pytest.mark.parametrize("connector", ["TcpConnector", NIXL])
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_disaggregated_greedy_equals_transformers(model_dirs, arch):
+def test_disaggregated_greedy_equals_transformers(model_dirs, arch, connector):
     ref = greedy_reference(build_tiny_model(arch, max_position_embeddings=256), PROMPTS, MAX_NEW)
-    p = tiny_llm(model_dirs[arch], kv_transfer_config=_kv("kv_producer"))
-    d = tiny_llm(model_dirs[arch], kv_transfer_config=_kv("kv_consumer"))
+    p = tiny_llm(model_dirs[arch], kv_transfer_config=_kv("kv_producer", connector))
+    d = tiny_llm(model_dirs[arch], kv_transfer_config=_kv("kv_consumer", connector))
     assert _disaggregated(p, d, PROMPTS) == ref
     stats = d.llm_engine.core.scheduler.kv_transfer.stats
     assert stats.loads == 3 and stats.recomputed == 0
@@ -71,6 +76,28 @@ def test_disaggregated_greedy_equals_transformers(model_dirs, arch):
     before = stats.loaded_blocks
     assert _disaggregated(p, d, PROMPTS) == ref
     assert stats.loaded_blocks - before < before
+    _assert_pools_back(p, d)
+
+
+@pytest.mark.skipif(not nixl_installed(), reason="the optional nixl package is not installed (pip install nixl)")
+def test_nixl_reader_with_a_forged_secret_gets_nothing_and_prefills_locally(model_dirs):
+    ref = greedy_reference(build_tiny_model("llama", max_position_embeddings=256), [PROMPTS[2]], MAX_NEW)
+    p = tiny_llm(model_dirs["llama"], kv_transfer_config=_kv("kv_producer", "NixlConnector"))
+    d = tiny_llm(model_dirs["llama"], kv_transfer_config=_kv("kv_consumer", "NixlConnector"))
+    held = p.generate([{"prompt_token_ids": PROMPTS[2]}], SamplingParams(max_tokens=1, extra_args={
+        "kv_transfer_params": {"do_remote_decode": True}}), use_tqdm=False)[0].kv_transfer_params
+
+    def decode(params: dict) -> list[int]:
+        return d.generate([{"prompt_token_ids": PROMPTS[2]}], SamplingParams(
+            max_tokens=MAX_NEW, temperature=0, ignore_eos=True, extra_args={"kv_transfer_params": params}),
+            use_tqdm=False)[0].outputs[0].token_ids
+
+    stats = d.llm_engine.core.scheduler.kv_transfer.stats
+    assert decode({**held, "remote_secret": "0" * 32}) == ref[0]
+    assert (stats.loads, stats.recomputed) == (0, 1)
+    assert d.llm_engine.core.runner.kv_connector.nixl.remote_agents == {}  # not even the source's NIXL metadata
+    assert decode(held) == ref[0]  # the hold outlived the forgery: its true reader still reads it
+    assert (stats.loads, stats.recomputed) == (1, 1)
     _assert_pools_back(p, d)
 
 

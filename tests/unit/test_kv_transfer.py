@@ -1,17 +1,19 @@
 """Disaggregated prefill/decode, the pure parts: --kv-transfer-config and kv_transfer_params parsing, the
 scheduler holding a prefill instance's blocks and admitting a decode instance's remote prefills, the head
-split between tensor-parallel sizes, block gather/scatter, the TCP block server's checks, the proxy's pool."""
+split between tensor-parallel sizes, block gather/scatter, the TCP block server's checks, NIXL reads through it
+(when the optional nixl package is installed), the proxy's pool."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from vllm_neuron.config.kv_transfer import parse_kv_transfer_config, parse_kv_transfer_params
+from vllm_neuron.config import kv_transfer as kv_transfer_config
+from vllm_neuron.config.kv_transfer import nixl_installed, parse_kv_transfer_config, parse_kv_transfer_params
 from vllm_neuron.core.kv_transfer import KVTransferScheduler
 from vllm_neuron.core.request import Request, RequestStatus
 from vllm_neuron.core.scheduler import Scheduler, SchedulerConfig
 from vllm_neuron.distributed.kv_transfer.block_io import gather_blocks, scatter_blocks
-from vllm_neuron.distributed.kv_transfer.head_split import rank_heads, read_plan
+from vllm_neuron.distributed.kv_transfer.head_split import HeadSlice, rank_heads, read_plan
 from vllm_neuron.distributed.kv_transfer.tcp import BlockClient, BlockServer, TransferError
 from vllm_neuron.entrypoints.disagg.pool import InstancePool
 from vllm_neuron.entrypoints.disagg.proxy import prefill_body
@@ -34,7 +36,6 @@ def test_kv_transfer_config_vllm_fields_and_errors():
     both = parse_kv_transfer_config({"kv_connector": "TcpConnector", "kv_role": "kv_both"})
     assert both.is_producer and both.is_consumer and both.engine_id.startswith("vllm-neuron-")
     bad = [({"kv_connector": "P2pNcclConnector", "kv_role": "kv_both"}, "kv_connector.*TcpConnector"),
-           ({"kv_connector": "NixlConnector", "kv_role": "kv_both"}, "NixlConnector' is not supported yet.*TcpConnector"),
            ({"kv_connector": "TcpConnector", "kv_role": "both"}, "kv_role.*kv_producer"),
            ({"kv_connector": "TcpConnector"}, "needs kv_connector .* and kv_role"),
            ({"kv_connector": "TcpConnector", "kv_role": "kv_both", "kv_prot": 1}, r"unknown field\(s\) \['kv_prot'\]"),
@@ -46,6 +47,15 @@ def test_kv_transfer_config_vllm_fields_and_errors():
     for value, match in bad:
         with pytest.raises(ValueError, match=match):
             parse_kv_transfer_config(value)
+
+
+def test_nixl_connector_needs_the_nixl_package(monkeypatch):
+    monkeypatch.setattr(kv_transfer_config, "nixl_installed", lambda: True)
+    assert parse_kv_transfer_config({"kv_connector": "NixlConnector", "kv_role": "kv_both"}).kv_connector == \
+        "NixlConnector"
+    monkeypatch.setattr(kv_transfer_config, "nixl_installed", lambda: False)
+    with pytest.raises(ValueError, match=r"'NixlConnector' needs the nixl package.*pip install nixl.*TcpConnector"):
+        parse_kv_transfer_config({"kv_connector": "NixlConnector", "kv_role": "kv_consumer"})
 
 
 def test_kv_transfer_params_shape_checked():
@@ -217,13 +227,18 @@ def test_gather_scatter_round_trip_with_a_head_slice():
         scatter_blocks(dst, [1], BS, 0, frames)
 
 
-def test_block_server_serves_only_held_blocks_with_the_secret():
+def _free_port() -> int:
     import socket
 
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     sock.close()
+    return port
+
+
+def test_block_server_serves_only_held_blocks_with_the_secret():
+    port = _free_port()
     kv = [(torch.arange(8 * BS * 2 * 2, dtype=torch.float32).view(8 * BS, 2, 2),) * 2]
     server = BlockServer("127.0.0.1", port, kv, BS, "p0")
     client = BlockClient()
@@ -244,9 +259,66 @@ def test_block_server_serves_only_held_blocks_with_the_secret():
         assert server.drain_released() == ["r1"]
         with pytest.raises(TransferError, match="no blocks are held"):
             client.read(addr, "r1", "sec", "p0", [[3]], (0, 1), 5)
+        server.hold("r2", "sec", [[3]])  # a NixlConnector reader of a TcpConnector source: refused, never served
+        with pytest.raises(TransferError, match="unknown op 'nixl_meta'; valid ops: read, release"):
+            client.call(addr, {"op": "nixl_meta", "key": "r2", "secret": "sec", "groups": [[3]]}, 5)
     finally:
         client.close()
         server.close()
+
+
+@pytest.mark.skipif(not nixl_installed(), reason="the optional nixl package is not installed (pip install nixl)")
+def test_nixl_reads_held_blocks_whole_or_a_head_slice_and_only_with_the_secret(monkeypatch):
+    from vllm_neuron.distributed.kv_transfer.nixl import NixlAgent
+
+    torch.manual_seed(0)
+    src = [(torch.randn(8 * BS, 4, 2), torch.randn(8 * BS, 4, 2)) for _ in range(2)]
+    whole = [(torch.zeros(8 * BS, 4, 2), torch.zeros(8 * BS, 4, 2)) for _ in range(2)]
+    half = [(torch.zeros(8 * BS, 2, 2), torch.zeros(8 * BS, 2, 2)) for _ in range(2)]  # a TP=2 reader's heads
+    port = _free_port()
+    source, reader, half_reader = (NixlAgent(kv, BS, name, 0) for kv, name in [(src, "p0"), (whole, "d0"),
+                                                                                (half, "d1")])
+    server = BlockServer("127.0.0.1", port, src, BS, "p0", {"nixl_meta": source.meta_reply})
+    client, addr = BlockClient(), f"127.0.0.1:{port}"
+    hold = {"key": "r1", "secret": "sec", "engine_id": "p0"}
+    try:
+        server.hold("r1", "sec", [[2, 3, 5]])
+        # A forged secret gets neither the agent's metadata nor a byte of KV.
+        for forged, match in [({**hold, "secret": "bad"}, "wrong secret"), ({**hold, "engine_id": "p9"}, "not 'p9'")]:
+            with pytest.raises(TransferError, match=match):
+                reader.read(client, addr, forged, [([3], [1])], HeadSlice(0, 0, 0, 4), 5)
+        with pytest.raises(TransferError, match="not the ones held"):
+            reader.read(client, addr, hold, [([4], [1])], HeadSlice(0, 0, 0, 4), 5)
+        assert reader.remote_agents == {} and not any(t.any() for p in whole for t in p)
+        per_head = 2 * 2 * BS * 2 * 4  # per block: 2 layers' K and V, BS slots of head_dim 2 in fp32
+        assert reader.read(client, addr, hold, [([3, 2], [1, 6])], HeadSlice(0, 0, 0, 4), 5) == 2 * 4 * per_head
+        assert half_reader.read(client, addr, hold, [([5], [7])], HeadSlice(0, 2, 0, 2), 5) == 2 * per_head
+        for (sk, sv), (wk, wv), (hk, hv) in zip(src, whole, half):
+            assert torch.equal(wk[BS:2 * BS], sk[3 * BS:4 * BS]) and torch.equal(wv[6 * BS:7 * BS], sv[2 * BS:3 * BS])
+            assert not wk[:BS].any() and not wk[2 * BS:6 * BS].any()
+            assert torch.equal(hk[7 * BS:], sk[5 * BS:6 * BS, 2:]) and torch.equal(hv[7 * BS:], sv[5 * BS:6 * BS, 2:])
+            assert not hk[:7 * BS].any()
+        assert reader.remote_agents == {addr: source.name}
+        # The hold went while the blocks were read (freed, maybe reused): the read is refused after the fact.
+        transfer = reader._transfer
+        monkeypatch.setattr(reader, "_transfer", lambda *a: (transfer(*a), server.forget("r1")))
+        with pytest.raises(TransferError, match="no blocks are held"):
+            reader.read(client, addr, hold, [([3], [1])], HeadSlice(0, 0, 0, 4), 5)
+        monkeypatch.undo()
+        # The source restarts on the same port under a new agent: the reader adds that one instead.
+        server.close()
+        source.close()
+        source = NixlAgent(src, BS, "p0", 0)
+        server = BlockServer("127.0.0.1", port, src, BS, "p0", {"nixl_meta": source.meta_reply})
+        server.hold("r1", "sec", [[4]])
+        whole[0][0].zero_()
+        reader.read(client, addr, hold, [([4], [0])], HeadSlice(0, 0, 0, 4), 5)
+        assert reader.remote_agents == {addr: source.name} and torch.equal(whole[0][0][:BS], src[0][0][4 * BS:5 * BS])
+    finally:
+        client.close()
+        server.close()
+        for agent in (source, reader, half_reader):
+            agent.close()
 
 
 def test_unreachable_or_silent_source_fails_fast():

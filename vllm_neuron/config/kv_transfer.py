@@ -1,20 +1,25 @@
 """`--kv-transfer-config`: vLLM's JSON for disaggregated prefill/decode -> `KVTransferConfig` (pure).
 
 Fields keep vLLM's names: `kv_connector` (which transport moves the KV blocks: `TcpConnector`, ours, pyzmq frames
-over TCP, which needs nothing beyond the base install; vLLM's `NixlConnector` is refused by name), `kv_role` (`kv_producer`: a prefill instance that holds a finished prompt's blocks
+over TCP, which needs nothing beyond the base install; or vLLM's `NixlConnector`, NIXL over UCX from the prefill
+instance's registered host memory, which needs the optional `nixl` package: `pip install nixl`, refused at
+start-up without it), `kv_role` (`kv_producer`: a prefill instance that holds a finished prompt's blocks
 for a decode instance to read; `kv_consumer`: a decode instance that reads them; `kv_both`: either, per
 request), `kv_rank` and `kv_parallel_size` (accepted as vLLM's; each instance is addressed by the
-`kv_transfer_params` of the request instead), `kv_ip` / `kv_port` (where this instance serves its blocks;
-tensor-parallel rank r of data-parallel replica d listens on `kv_port + d * tensor_parallel_size + r`),
+`kv_transfer_params` of the request instead), `kv_ip` / `kv_port` (where this instance serves its blocks, and
+with NixlConnector its NIXL metadata; tensor-parallel rank r of data-parallel replica d listens on
+`kv_port + d * tensor_parallel_size + r`),
 `engine_id` (names this instance in `kv_transfer_params`; default: a fresh id per start) and
 `kv_connector_extra_config` (`hold_timeout_s`: how long a prefill instance keeps a finished prompt's blocks
 for a reader that does not come, default 120; `advertise_host`: the host decode instances are told to reach
 when it differs from `kv_ip`, e.g. 0.0.0.0 bound behind a routable name; `fetch_timeout_s`: how long a decode
-instance waits for one transfer, default 30).
+instance waits for one transfer, default 30). A NixlConnector prefill instance serves TcpConnector readers too;
+a NixlConnector reader of a TcpConnector instance prefills locally (counted as a recompute).
 """
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,7 +27,7 @@ from typing import Any
 from vllm_neuron.config import validate as V
 from vllm_neuron.config.json_object import parse_json_object
 
-CONNECTORS = ("TcpConnector",)
+CONNECTORS = ("TcpConnector", "NixlConnector")
 ROLES = ("kv_producer", "kv_consumer", "kv_both")
 DEFAULT_KV_PORT = 14579  # vLLM's
 _EXTRA_KEYS = {"hold_timeout_s": 120.0, "fetch_timeout_s": 30.0, "advertise_host": None}
@@ -66,6 +71,11 @@ class KVTransferConfig:
                 f"{self.host}:{self.kv_port}+")
 
 
+def nixl_installed() -> bool:
+    """Whether the optional `nixl` package is there (found, not imported: importing it loads its libraries)."""
+    return importlib.util.find_spec("nixl") is not None
+
+
 def parse_kv_transfer_config(value: dict | str | KVTransferConfig | None) -> KVTransferConfig | None:
     """vLLM's --kv-transfer-config JSON (a dict or its text) -> KVTransferConfig; None when unset. Every field
     is checked here, where the option enters; an unknown field is refused by name."""
@@ -88,11 +98,11 @@ def parse_kv_transfer_config(value: dict | str | KVTransferConfig | None) -> KVT
     if "kv_connector" not in d or "kv_role" not in d:
         raise ValueError(f"kv_transfer_config needs kv_connector (one of {list(CONNECTORS)}) and kv_role (one of "
                          f"{list(ROLES)}), got {sorted(d)}")
-    if d["kv_connector"] == "NixlConnector":
-        raise V.not_supported("kv_transfer_config.kv_connector", "NixlConnector",
-                              f"NIXL is not wired in; valid connectors: {list(CONNECTORS)} (docs/features.md: "
-                              "Disaggregated prefill/decode)")
     connector = V.choice("kv_transfer_config.kv_connector", d["kv_connector"], CONNECTORS)
+    if connector == "NixlConnector" and not nixl_installed():
+        raise ValueError("kv_transfer_config.kv_connector 'NixlConnector' needs the nixl package, which is not "
+                         "installed: pip install nixl (or pip install 'vllm-neuron[nixl]'); or use 'TcpConnector', "
+                         "which needs nothing more")
     role = V.choice("kv_transfer_config.kv_role", d["kv_role"], ROLES)
     extra = parse_json_object(d.get("kv_connector_extra_config") or None,
                               "kv_transfer_config.kv_connector_extra_config must be a JSON object, got {value!r}: "

@@ -1,7 +1,9 @@
 """The runner's side of disaggregated prefill/decode: every tensor-parallel rank serves the blocks its instance
 holds for remote readers (a prefill instance) and reads its own KV heads of a remote request's blocks into the
 local pool (a decode instance). Source and reader may differ in tensor-parallel size: head_split.py says which
-source rank holds which of a reader's heads. The transport is the config's `kv_connector`.
+source rank holds which of a reader's heads. The transport is the config's `kv_connector`: `TcpConnector` reads
+the blocks as frames from the source's block server; `NixlConnector` asks that server for the source's NIXL agent
+under the same checks and reads the blocks through NIXL (distributed/kv_transfer/nixl.py).
 
 Reads run on a thread of their own, so a slow or unreachable source delays only its request: the engine starts
 them (`start_loads`), goes on stepping, and polls (`poll_loads`). They write only into blocks allocated to
@@ -39,8 +41,14 @@ class KVConnectorWorker:
                  tp_size: int) -> None:
         self.cfg, self.kv, self.block_size = cfg, kv, block_size
         self.num_kv_heads, self.tp_rank, self.tp_size = num_kv_heads, tp_rank, tp_size
-        self.server = BlockServer(cfg.kv_ip, cfg.port_of(0, tp_size, tp_rank), kv, block_size, cfg.engine_id) \
-            if cfg.is_producer else None
+        self.nixl = None
+        if cfg.kv_connector == "NixlConnector":
+            from vllm_neuron.distributed.kv_transfer.nixl import NixlAgent  # nixl is an optional install
+
+            self.nixl = NixlAgent(kv, block_size, cfg.engine_id, tp_rank)
+        ops = {"nixl_meta": self.nixl.meta_reply} if self.nixl is not None else None
+        self.server = BlockServer(cfg.kv_ip, cfg.port_of(0, tp_size, tp_rank), kv, block_size, cfg.engine_id,
+                                  ops) if cfg.is_producer else None
         self.client = BlockClient() if cfg.is_consumer else None
         self._results: dict[str, LoadResult] = {}
         self._done: list[LoadResult] = []  # for metrics, taken by take_results
@@ -123,7 +131,13 @@ class KVConnectorWorker:
         nbytes = 0
         remote = [r for r, _ in job.groups]
         for part in read_plan(self.num_kv_heads, job.tp_size, self.tp_size, self.tp_rank):
-            frames = self.client.read(f"{job.host}:{job.port + part.src_rank}", job.key, job.secret, job.engine_id,
+            address = f"{job.host}:{job.port + part.src_rank}"
+            if self.nixl is not None:
+                nbytes += self.nixl.read(self.client, address, {"key": job.key, "secret": job.secret,
+                                                                "engine_id": job.engine_id}, job.groups, part,
+                                         self.cfg.fetch_timeout_s)
+                continue
+            frames = self.client.read(address, job.key, job.secret, job.engine_id,
                                       remote, (part.src_start, part.count), self.cfg.fetch_timeout_s)
             per_group = 2 * len(self.kv)
             if len(frames) != per_group * len(job.groups):
@@ -142,3 +156,5 @@ class KVConnectorWorker:
             self.server.close()
         if self.client is not None:
             self.client.close()
+        if self.nixl is not None:
+            self.nixl.close()

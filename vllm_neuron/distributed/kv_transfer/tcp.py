@@ -1,12 +1,13 @@
 """`TcpConnector`'s transport: a prefill instance serves held blocks over pyzmq, each tensor one zero-copy frame.
 
 Every tensor-parallel rank of a prefill instance runs a `BlockServer` (a ROUTER socket on its own port, served
-by a daemon thread) that answers two requests, each a JSON header frame:
+by a daemon thread) that answers these requests, each a JSON header frame:
 
 * `read`: {key, secret, groups: [[block id, ...] per KV cache group], heads: [start, count]} -> a JSON header
   {ok, shapes, dtype} and one frame per K / V tensor and group (block_io's layout); the blocks must be among
   those held for `key` under `secret`, so a reader never gets another request's KV;
-* `release`: {key, secret} -> the reader is done; the instance's scheduler frees the blocks at its next tick.
+* `release`: {key, secret} -> the reader is done; the instance's scheduler frees the blocks at its next tick;
+* ops a transport adds (`ops`, nixl.py's `nixl_meta`), asked like `read` and checked the same way first.
 
 Headers are JSON, never pickle: the socket may face the network. A reader (`fetch`) waits at most its timeout
 for the reply and raises `TransferError` with the reason otherwise.
@@ -16,6 +17,7 @@ from __future__ import annotations
 import json
 import socket
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -43,8 +45,11 @@ class _Hold:
 class BlockServer:
     """Serves this rank's blocks of the requests it holds (hold / release come from the scheduler's side)."""
 
-    def __init__(self, host: str, port: int, kv: KVPairs, block_size: int, engine_id: str) -> None:
+    def __init__(self, host: str, port: int, kv: KVPairs, block_size: int, engine_id: str,
+                 ops: dict[str, Callable[[dict, list[list[int]], int, int], list]] | None = None) -> None:
         self.kv, self.block_size, self.engine_id = kv, block_size, engine_id
+        # op -> answer(request, groups, head start, head count): called once the request passed read's checks.
+        self._ops = {"read": self._read, **(ops or {})}
         self._holds: dict[str, _Hold] = {}
         self._released: list[str] = []
         self._lock = threading.Lock()
@@ -109,8 +114,8 @@ class BlockServer:
                 self._holds.pop(key)
                 self._released.append(key)
                 return [json.dumps({"ok": True}).encode()]
-            if op != "read":
-                raise TransferError(f"unknown op {op!r}; valid ops: read, release")
+            if op not in self._ops:
+                raise TransferError(f"unknown op {op!r}; valid ops: {', '.join([*self._ops, 'release'])}")
             groups = req.get("groups")
             if not isinstance(groups, list) or len(groups) != len(hold.groups) or any(
                     not isinstance(g, list) or not set(g) <= held for g, held in zip(groups, hold.groups)):
@@ -120,7 +125,9 @@ class BlockServer:
         if not (isinstance(heads, list) and len(heads) == 2 and all(type(h) is int for h in heads)
                 and 0 <= heads[0] and 0 < heads[1] and heads[0] + heads[1] <= n_heads):
             raise TransferError(f"heads {heads!r} are not a [start, count] range of this rank's {n_heads}")
-        start, count = heads
+        return self._ops[op](req, groups, *heads)
+
+    def _read(self, req: dict, groups: list[list[int]], start: int, count: int) -> list:
         frames = [f for g in groups for f in gather_blocks(self.kv, g, self.block_size, start, count)]
         header = {"ok": True, "shapes": [list(f.shape) for f in frames],
                   "dtype": str(self.kv[0][0].dtype).removeprefix("torch.")}
@@ -135,7 +142,8 @@ class BlockClient:
         self._socks: dict[str, zmq.Socket] = {}
         self._lock = threading.Lock()
 
-    def _call(self, address: str, header: dict, timeout_s: float) -> list:
+    def call(self, address: str, header: dict, timeout_s: float) -> list:
+        """One request to the block server at `address`: [its JSON reply (ok), its frames (zmq.Frame)...]."""
         with self._lock:
             sock = self._socks.get(address)
             if sock is None:
@@ -163,7 +171,7 @@ class BlockClient:
 
     def read(self, address: str, key: str, secret: str, engine_id: str, groups: list[list[int]],
              heads: tuple[int, int], timeout_s: float) -> list[torch.Tensor]:
-        reply, *frames = self._call(address, {"op": "read", "key": key, "secret": secret, "engine_id": engine_id,
+        reply, *frames = self.call(address, {"op": "read", "key": key, "secret": secret, "engine_id": engine_id,
                                               "groups": groups, "heads": list(heads)}, timeout_s)
         dtype = _DTYPES.get(reply.get("dtype"))
         if dtype is None or len(frames) != len(reply["shapes"]):
@@ -173,7 +181,7 @@ class BlockClient:
                 for f, shape in zip(frames, reply["shapes"])]
 
     def release(self, address: str, key: str, secret: str, engine_id: str, timeout_s: float) -> None:
-        self._call(address, {"op": "release", "key": key, "secret": secret, "engine_id": engine_id}, timeout_s)
+        self.call(address, {"op": "release", "key": key, "secret": secret, "engine_id": engine_id}, timeout_s)
 
     def close(self) -> None:
         for s in self._socks.values():
