@@ -185,6 +185,27 @@ NUM_REQUESTS_ADMITTED = Gauge("vllm_neuron:num_requests_admitted", "Engine reque
                               registry=None, multiprocess_mode="livesum")
 NUM_REQUESTS_REJECTED = Counter("vllm_neuron:num_requests_rejected", "Requests answered 503 because the server "
                                 "was saturated, by reason.", ["model_name", "reason"], registry=None)
+# Disaggregated prefill/decode (only with --kv-transfer-config).
+KV_TRANSFER_BLOCKS = Counter("vllm_neuron:kv_transfer_blocks", "KV blocks read from prefill instances.", _ME,
+                             registry=None)
+KV_TRANSFER_BYTES = Counter("vllm_neuron:kv_transfer_bytes", "Bytes of KV read from prefill instances (this "
+                            "instance's first tensor-parallel rank).", _ME, registry=None)
+KV_TRANSFER_TIME = Histogram("vllm_neuron:kv_transfer_time_seconds", "Time to read one request's KV blocks from "
+                             "its prefill instance.", _ME, registry=None,
+                             buckets=[0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0])
+KV_TRANSFER_RECOMPUTED = Counter("vllm_neuron:kv_transfer_recomputed", "Requests prefilled here because their KV "
+                                 "could not be read from the prefill instance.", _ME, registry=None)
+KV_HELD_BLOCKS = Gauge("vllm_neuron:kv_transfer_held_blocks", "KV blocks a prefill instance holds for decode "
+                       "instances to read.", _ME, registry=None, multiprocess_mode="livesum")
+KV_HELD_REQUESTS = Gauge("vllm_neuron:kv_transfer_held_requests", "Finished prefills whose KV blocks are held for "
+                         "a decode instance.", _ME, registry=None, multiprocess_mode="livesum")
+KV_HOLD_EXPIRED = Counter("vllm_neuron:kv_transfer_hold_expired", "Held KV blocks freed because no decode "
+                          "instance read them within hold_timeout_s, in requests.", _ME, registry=None)
+KV_TRANSFER_SERIES: tuple[str, ...] = (
+    "vllm_neuron:kv_transfer_blocks_total", "vllm_neuron:kv_transfer_bytes_total",
+    "vllm_neuron:kv_transfer_time_seconds", "vllm_neuron:kv_transfer_recomputed_total",
+    "vllm_neuron:kv_transfer_held_blocks", "vllm_neuron:kv_transfer_held_requests",
+    "vllm_neuron:kv_transfer_hold_expired_total")
 # Only with a multimodal model.
 ENCODER_CACHE_SERIES: tuple[str, ...] = ("vllm_neuron:encoder_cache_hits_total",
                                          "vllm_neuron:encoder_cache_misses_total")
@@ -297,6 +318,20 @@ def record_encoder_cache(hits: int, misses: int) -> None:
     me = _name(), _engine
     ENCODER_CACHE_HITS.labels(*me).inc(hits)
     ENCODER_CACHE_MISSES.labels(*me).inc(misses)
+
+
+def record_kv_transfer(*, held_requests: int, held_blocks: int, expired: int, blocks: int, nbytes: int,
+                       recomputed: int, seconds: list[float]) -> None:
+    """One step's disaggregation increments (held_*: levels). Called every step of a disaggregated instance."""
+    me = _name(), _engine
+    KV_HELD_REQUESTS.labels(*me).set(held_requests)
+    KV_HELD_BLOCKS.labels(*me).set(held_blocks)
+    KV_HOLD_EXPIRED.labels(*me).inc(expired)
+    KV_TRANSFER_BLOCKS.labels(*me).inc(blocks)
+    KV_TRANSFER_BYTES.labels(*me).inc(nbytes)
+    KV_TRANSFER_RECOMPUTED.labels(*me).inc(recomputed)
+    for t in seconds:
+        KV_TRANSFER_TIME.labels(*me).observe(t)
 
 
 def record_padding(kind: Literal["seqs", "tokens"], bucket_name: str, padding: int) -> None:

@@ -68,6 +68,9 @@ class RequestOutput:
     finished: bool = False
     metrics: RequestMetrics | None = None
     num_cached_tokens: int | None = None
+    # Disaggregated prefill/decode: on a prefill instance's final output, what the decode instance needs
+    # (vLLM's kv_transfer_params: pass it in the decode request's SamplingParams.extra_args).
+    kv_transfer_params: dict | None = None
 
     def __repr__(self) -> str:
         return (f"RequestOutput(request_id={self.request_id!r}, prompt={self.prompt!r}, "

@@ -45,6 +45,22 @@ class ScheduledChunk:
 
 
 @dataclass
+class KVLoadJob:
+    """Disaggregated prefill/decode: the blocks of one request to read from the instance that prefilled it."""
+
+    req_id: str
+    host: str  # the source instance's KV server (its tensor-parallel rank r listens on port + r)
+    port: int
+    tp_size: int  # the source's tensor-parallel size
+    key: str  # the request's id at the source
+    secret: str
+    # Per KV cache group: (the source's block ids, the local block ids they go to), in step.
+    groups: list[tuple[list[int], list[int]]]
+    num_tokens: int = 0  # prompt tokens whose K/V the blocks hold
+    engine_id: str = ""  # the source's, as its kv_transfer_params named it (checked by the source)
+
+
+@dataclass
 class SchedulerOutput:
     kind: Literal["prefill", "decode"]
     chunks: list[ScheduledChunk]

@@ -24,6 +24,8 @@ import pytest
 
 from tests.integration.server_utils import serving, wait_for
 
+pytestmark = pytest.mark.engine
+
 ARGS = ["--enforce-eager", "--dtype", "float32", "--max-model-len", "512", "--num-gpu-blocks-override", "64",
         "--max-num-seqs", "2", "--max-num-queued-reqs", "4", "--grammar-compile-timeout", "2",
         "--body-read-timeout", "2"]
@@ -186,10 +188,10 @@ def test_a_slow_grammar_is_stopped_at_the_time_limit_and_a_stream_keeps_its_pace
 
 # ---- admission ----------------------------------------------------------------------------------------
 
-def _long(server, results: list, timeout: float = 600) -> None:
+def _long(server, results: list, timeout: float = 600, max_tokens: int = 200) -> None:
     try:
         r = httpx.post(server.url + "/v1/completions", timeout=timeout,
-                       json={"prompt": "Go on", "max_tokens": 200, "ignore_eos": True})
+                       json={"prompt": "Go on", "max_tokens": max_tokens, "ignore_eos": True})
         results.append(r.status_code)
     except httpx.TimeoutException:
         results.append("gave up")
@@ -216,7 +218,8 @@ def test_past_the_queue_bound_a_503_with_retry_after(server):
 def test_a_client_that_gives_up_frees_its_place(server):
     results: list = []
     # Two run (max_num_seqs 2) for seconds, two wait behind them; the waiting ones' clients give up at once.
-    runners = [threading.Thread(target=_long, args=(server, results)) for _ in range(2)]
+    # The runners take the whole context: on a fast machine 200 tokens end before the poll below sees them.
+    runners = [threading.Thread(target=_long, args=(server, results, 600, 500)) for _ in range(2)]
     for t in runners:
         t.start()
     wait_for(lambda: _metric(server.url, "vllm_neuron:num_requests_admitted") == 2, 30, what="2 admitted")

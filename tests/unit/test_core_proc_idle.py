@@ -19,6 +19,9 @@ class _IdleCore:
     def has_unfinished(self) -> bool:
         return False
 
+    def tick_ms(self) -> None:
+        return None  # no timed work (blocks held for remote readers)
+
     def idle_work(self) -> bool:
         self.first_call = self.first_call or time.monotonic()
         self.calls += 1

@@ -220,16 +220,13 @@ def test_ep_degree_defaults_and_dp_rule():
     assert "got ep_degree=8" in str(e.value)
 
 
-def test_component_dp_requires_kv_transfer_config():
-    cfg = NeuronConfig(attention_dp_size=2)
-    # The seeds' rule, told truthfully: the disaggregated inference it needs is not built here.
-    with pytest.raises(ValueError, match=r"attention_dp_size=2\) needs disaggregated prefill/decode inference "
-                                         r"\(--kv-transfer-config\), which vllm-neuron does not support yet; remove "
-                                         "attention_dp_size$"):
-        cfg.validate(**LIMITS, tensor_parallel_size=8)
-    cfg.validate(**LIMITS, tensor_parallel_size=8, kv_transfer_config={"kv_role": "kv_producer"})
-    with pytest.raises(ValueError, match="mlp_dp_size=3 must divide tensor_parallel_size=8"):
-        NeuronConfig(mlp_dp_size=3).validate(**LIMITS, tensor_parallel_size=8, kv_transfer_config={"x": 1})
+def test_component_dp_refused_with_the_way_to_disaggregate():
+    # A disaggregated instance here is one replica with its own TP: the message points at the working setup.
+    for cfg, listed in ((NeuronConfig(attention_dp_size=2), "attention_dp_size=2"),
+                        (NeuronConfig(mlp_dp_size=2, lm_head_dp_size=2), "mlp_dp_size=2, lm_head_dp_size=2")):
+        with pytest.raises(ValueError, match=rf"component data parallelism \({listed}\) is not supported by "
+                                             r"vllm-neuron: remove .*--kv-transfer-config.*disagg-proxy"):
+            cfg.validate(**LIMITS, tensor_parallel_size=8)
 
 
 def test_encoder_defaults_and_parallel_inference():

@@ -19,6 +19,15 @@ class _Fake:
     def record_spec_decode(self, *args) -> None:
         self.spec.append(args)
 
+    def engine_process(self) -> str:
+        return "engine_0"
+
+    def record_grammar_cache(self, *args) -> None:
+        pass
+
+    def record_grammar_timeout(self, *args) -> None:
+        pass
+
 
 def test_stats_recorder_turns_cumulative_counts_into_increments():
     st = SpecDecodeStats(3)

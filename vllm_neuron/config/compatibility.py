@@ -80,6 +80,16 @@ REFUSED: tuple[Refusal, ...] = (
     _refuse("expert_parallel", "data_parallel", message="enable_expert_parallel=True is not supported yet by "
             "vllm-neuron: with data_parallel_size={data_parallel_size} (experts over the replicas); use expert "
             "parallelism within one replica"),
+    # Disaggregated prefill/decode: each instance is one replica (the proxy balances over instances).
+    _refuse("kv_transfer", "data_parallel", message="kv_transfer_config is not supported yet by vllm-neuron with "
+            "data_parallel_size={data_parallel_size}: run one instance per replica (each with its own kv_port) "
+            "behind `vllm-neuron disagg-proxy`"),
+    _refuse("kv_transfer", "speculative", message="kv_transfer_config is not supported yet by vllm-neuron with "
+            "speculative_config={speculative!r}: remove --speculative-config on disaggregated instances"),
+    _refuse("kv_transfer", "multimodal", message="kv_transfer_config is not supported yet by vllm-neuron for "
+            "multimodal models (the media's embeddings do not travel with the KV blocks)"),
+    _refuse("kv_transfer", "sliding_window", message="kv_transfer_config is not supported yet by vllm-neuron for "
+            "sliding-window models (their KV cache groups give blocks back as the window moves)"),
     # Compilation
     _refuse("decode_cpp_wrapper", "eager_backend", message="neuron_config.decode_cpp_wrapper=true needs compiled "
             "graphs; it cannot be combined with enforce_eager or VLLM_NEURON_BACKEND=eager"),
@@ -109,6 +119,7 @@ class Features:
     expert_parallel: bool = False
     decode_cpp_wrapper: bool = False
     compile_workers: int = 1  # NEURON_LIBTORCH_PARALLEL_COMPILE_WORKERS
+    kv_transfer: bool = False  # --kv-transfer-config (disaggregated prefill/decode)
 
     def names(self) -> frozenset[str]:
         flags = {
@@ -118,7 +129,7 @@ class Features:
             "async_scheduling": self.async_scheduling is True, "tensor_parallel": self.tensor_parallel_size > 1,
             "data_parallel": self.data_parallel_size > 1, "multi_node_tp": self.nnodes > 1,
             "expert_parallel": self.expert_parallel, "decode_cpp_wrapper": self.decode_cpp_wrapper,
-            "parallel_compile": self.compile_workers > 1,
+            "parallel_compile": self.compile_workers > 1, "kv_transfer": self.kv_transfer,
         }
         out = {name for name, on in flags.items() if on}
         if self.speculative is not None:

@@ -24,6 +24,7 @@ from vllm_neuron.config.device import (DEVICE_CHOICES, DTYPE_CHOICES, check_weig
 from vllm_neuron.config import grammar_limits as GL
 from vllm_neuron.config.generation_config import check_generation_config_arg, parse_override
 from vllm_neuron.config.json_object import parse_json_object
+from vllm_neuron.config.kv_transfer import KVTransferConfig, parse_kv_transfer_config
 from vllm_neuron.config.neuron_config import AdditionalConfig, parse_additional_config
 from vllm_neuron.config.speculative import SpeculativeConfig, parse_speculative_config
 
@@ -120,7 +121,7 @@ class EngineOptions:
     max_logprobs: int = 20  # -1: the whole vocabulary
     enable_prompt_embeds: bool = False
     speculative_config: dict | str | SpeculativeConfig | None = None
-    kv_transfer_config: dict | str | None = None
+    kv_transfer_config: dict | str | KVTransferConfig | None = None  # config/kv_transfer.py
     ec_transfer_config: dict | str | None = None
     mm_encoder_only: bool = False
     limit_mm_per_prompt: dict | str | None = None  # {"image": N, "video": M}
@@ -205,9 +206,6 @@ class EngineArgs(EngineOptions):
         self._check_data_parallel()
         if self.enable_prompt_embeds:
             raise V.not_supported("enable_prompt_embeds", True)
-        if self.kv_transfer_config:
-            raise V.not_supported("kv_transfer_config", self.kv_transfer_config,
-                                  "disaggregated prefill/decode inference is not built yet")
         if self.ec_transfer_config:
             raise V.not_supported("ec_transfer_config", self.ec_transfer_config,
                                   "encoder-disaggregated (EPD) inference is not supported yet")
@@ -224,6 +222,7 @@ class EngineArgs(EngineOptions):
         envs.check_supported()
         parsed = dataclasses.replace(
             self, speculative_config=parse_speculative_config(self.speculative_config),
+            kv_transfer_config=parse_kv_transfer_config(self.kv_transfer_config),
             limit_mm_per_prompt=parse_limit_mm_per_prompt(self.limit_mm_per_prompt),
             mm_processor_kwargs=_json_dict("mm_processor_kwargs", self.mm_processor_kwargs),
             override_generation_config=parse_override(self.override_generation_config),
@@ -244,6 +243,7 @@ class EngineArgs(EngineOptions):
             async_scheduling=self.async_scheduling, tensor_parallel_size=self.tensor_parallel_size,
             data_parallel_size=self.data_parallel_size, nnodes=self.nnodes,
             expert_parallel=self.enable_expert_parallel, decode_cpp_wrapper=nc.decode_cpp_wrapper,
+            kv_transfer=self.kv_transfer_config is not None,
             compile_workers=envs.NEURON_LIBTORCH_PARALLEL_COMPILE_WORKERS or 1)
 
     def _check_numbers(self) -> None:
@@ -286,7 +286,7 @@ class EngineArgs(EngineOptions):
         """Tensor / expert parallelism and the multi-node flags (the seeds' EP rules: neuron_config.py)."""
         tp = self.tensor_parallel_size
         self.additional_config.neuron_config.validate_parallel(self.enable_expert_parallel, tp,
-                                                               self.data_parallel_size, self.kv_transfer_config)
+                                                               self.data_parallel_size)
         if not isinstance(self.nnodes, int) or isinstance(self.nnodes, bool) or self.nnodes < 1 or tp % self.nnodes:
             raise ValueError(f"nnodes must be a positive integer that divides tensor_parallel_size={tp} (each node "
                              f"runs tensor_parallel_size / nnodes ranks), got {self.nnodes!r}")

@@ -26,6 +26,7 @@ from vllm_neuron.config.compatibility import RunnerChoice, select_runner
 from vllm_neuron.config.device import (BF16_WEIGHTS, async_scheduling_default, replicas_sharing_memory,
                                        resolve_device, resolve_model_dtype)
 from vllm_neuron.config.engine_args import EngineArgs, EngineOptions
+from vllm_neuron.config.kv_transfer import KVTransferConfig
 from vllm_neuron.config.neuron_config import AdditionalConfig, NeuronConfig
 from vllm_neuron.config.speculative import SpeculativeConfig
 
@@ -88,6 +89,11 @@ class EngineConfig(EngineOptions):
         return self.runner_choice.use_v2
 
     @property
+    def kv_transfer(self) -> KVTransferConfig | None:
+        """The parsed kv_transfer_config (None: not a disaggregated instance)."""
+        return self.kv_transfer_config
+
+    @property
     def speculative(self) -> SpeculativeConfig | None:
         """The parsed speculative_config (None: no speculation)."""
         return self.speculative_config
@@ -116,7 +122,6 @@ def resolve(args: EngineArgs, facts: ModelFacts) -> EngineConfig:
         max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
         block_size=args.block_size, enable_expert_parallel=args.enable_expert_parallel,
         tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size,
-        kv_transfer_config=args.kv_transfer_config,
         # On CPU a decode step streams every weight whatever the batch, so padding a batch up to the
         # next bucket is cheap, while every bucket is a graph to compile and load at start-up. A
         # prefill step is compute-bound there instead, and costs its padded tokens: short prompts

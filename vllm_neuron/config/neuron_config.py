@@ -283,7 +283,6 @@ class NeuronConfig:
     def validate(
         self, *, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int, block_size: int,
         enable_expert_parallel: bool = False, tensor_parallel_size: int = 1, data_parallel_size: int = 1,
-        kv_transfer_config: object | None = None,
     ) -> None:
         """Apply the bucket rules and the parallelism rules; ValueError on the first broken one."""
         prefill = B.validate_prefill_buckets(self._prefill_buckets(max_num_batched_tokens), max_num_batched_tokens)
@@ -293,9 +292,9 @@ class NeuronConfig:
             B.default_decode_buckets(max_num_seqs)
         B.validate_context_buckets(self.decode_context_length_buckets, max_model_len, block_size)
         B.validate_kv_segment_buckets(self.kv_segment_size_buckets, prefill, block_size)
-        self.validate_parallel(enable_expert_parallel, tensor_parallel_size, data_parallel_size, kv_transfer_config)
+        self.validate_parallel(enable_expert_parallel, tensor_parallel_size, data_parallel_size)
 
-    def validate_parallel(self, enable_ep: bool, tp: int, dp: int, kv_transfer_config: object | None) -> None:
+    def validate_parallel(self, enable_ep: bool, tp: int, dp: int) -> None:
         tp = _integer("tensor_parallel_size", tp)
         dp = _integer("data_parallel_size", dp)
         if self.ep_degree is not None and self.ep_degree > 1 and not enable_ep:
@@ -317,21 +316,19 @@ class NeuronConfig:
         comp = self.component_dp
         if comp:
             listed = ", ".join(f"{k}={v}" for k, v in comp.items())
-            if not kv_transfer_config:
-                # The seeds' rule; the disaggregated prefill/decode it needs is not built here yet.
-                raise ValueError(
-                    f"component data parallelism ({listed}) needs disaggregated prefill/decode inference "
-                    "(--kv-transfer-config), which vllm-neuron does not support yet; remove "
-                    f"{' and '.join(comp)}"
-                )
-            for name, size in comp.items():
-                if tp % size:
-                    raise ValueError(f"{name}={size} must divide tensor_parallel_size={tp}")
+            # The seeds shard attention / MoE over data-parallel groups inside one disaggregated instance; here a
+            # disaggregated instance is one replica with its own tensor parallelism, so there is nothing to shard.
+            raise ValueError(
+                f"component data parallelism ({listed}) is not supported by vllm-neuron: remove "
+                f"{' and '.join(comp)}. For disaggregated inference run prefill and decode instances, each with "
+                "its own --tensor-parallel-size and --kv-transfer-config, behind `vllm-neuron disagg-proxy` "
+                "(README: Disaggregated prefill/decode)"
+            )
 
     def resolved(
         self, *, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int, block_size: int,
         enable_expert_parallel: bool = False, tensor_parallel_size: int = 1, data_parallel_size: int = 1,
-        kv_transfer_config: object | None = None, decode_bucket_factor: int = 2,
+        decode_bucket_factor: int = 2,
         prefill_bucket_start: int = B.MIN_DEFAULT_PREFILL_BUCKET,
     ) -> NeuronConfig:
         """validate(), then a copy with every default filled (see the class docstring).
@@ -341,7 +338,7 @@ class NeuronConfig:
             max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
             max_model_len=max_model_len, block_size=block_size,
             enable_expert_parallel=enable_expert_parallel, tensor_parallel_size=tensor_parallel_size,
-            data_parallel_size=data_parallel_size, kv_transfer_config=kv_transfer_config,
+            data_parallel_size=data_parallel_size,
         )
         return dataclasses.replace(
             self,

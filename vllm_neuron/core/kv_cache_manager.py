@@ -194,6 +194,18 @@ class KVCacheManager:
             self.pool.release(table)
         request.block_hashes = []
 
+    def detach(self, request: Request) -> list[list[int]]:
+        """Takes the request's tables out without freeing their blocks (a prefill instance holds them for a
+        remote reader); `release_tables` frees them later. Cached blocks stay findable meanwhile."""
+        tables = self.req_blocks.pop(request.request_id, None) or []
+        self._released.pop(request.request_id, None)
+        request.block_hashes = []
+        return tables
+
+    def release_tables(self, tables: list[list[int]]) -> None:
+        for table in tables:
+            self.pool.release(table)
+
     def num_free_blocks(self) -> int:
         return self.pool.num_free_blocks
 

@@ -38,14 +38,15 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from vllm_neuron.core.kv_cache_manager import KVCacheManager
+from vllm_neuron.core.kv_transfer import KVTransferScheduler
 from vllm_neuron.core.request import Request, RequestStatus
 from vllm_neuron.core.spec_decode_stats import SpecDecodeStats
 from vllm_neuron.core.spec_policy import SpecPolicy
 from vllm_neuron.core.stop_checker import check_stop
 from vllm_neuron.kv_cache_groups import KVCacheLayout
 from vllm_neuron.logger import init_logger
-from vllm_neuron.step import (PLACEHOLDER_TOKEN_ID, ModelRunnerOutput, NewRequestData, ScheduledChunk,
-                              SchedulerOutput)
+from vllm_neuron.step import (PLACEHOLDER_TOKEN_ID, KVLoadJob, ModelRunnerOutput, NewRequestData,
+                              ScheduledChunk, SchedulerOutput)
 
 logger = init_logger(__name__)
 
@@ -81,9 +82,11 @@ class FinishedRequest:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig) -> None:
+    def __init__(self, config: SchedulerConfig, kv_transfer: KVTransferScheduler | None = None) -> None:
+        """kv_transfer: a disaggregated instance's side of its transfers (core/kv_transfer.py)."""
         self.config = config
         self._by_priority = config.policy == "priority"
+        self.kv_transfer = kv_transfer
         self.kv = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching,
                                  config.kv_cache_layout)
         self.requests: dict[str, Request] = {}
@@ -121,9 +124,6 @@ class Scheduler:
         reqs = list(reqs)
         return sorted(reqs, key=_priority_key) if self._by_priority else reqs
 
-    def _victim(self) -> Request:
-        """The running request preempted first: the last in policy order."""
-        return self._in_policy_order(self.running)[-1]
 
     def finish_request(self, req_id: str, reason: str = "abort") -> Request | None:
         """Ends a request from outside (abort, or a stop string found by the detokenizer)."""
@@ -163,7 +163,7 @@ class Scheduler:
     # -- one step --------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput | None:
         decodable = [r for r in self.running if not r.is_prefilling]
-        want_prefill = bool(self.waiting) or any(r.is_prefilling for r in self.running)
+        want_prefill = bool(self.waiting) or any(self._can_prefill(r) for r in self.running)
         out = None
         if want_prefill:
             used = self._prefill_tokens_since_decode if decodable else 0
@@ -191,7 +191,7 @@ class Scheduler:
         chunks: list[ScheduledChunk] = []
         new: list[NewRequestData] = []
         alone = False
-        candidates = self._in_policy_order(r for r in self.running if r.is_prefilling) + list(self.waiting)
+        candidates = self._in_policy_order(r for r in self.running if self._can_prefill(r)) + list(self.waiting)
         for req in candidates:
             if budget == 0:
                 break
@@ -214,19 +214,14 @@ class Scheduler:
                     req.num_computed_tokens = 0
                 break
             if not admitted:
-                self.kv.record_prefix_lookup(req, cached)
-                self.waiting.remove(req)
-                self.running.append(req)
-                req.status = RequestStatus.RUNNING
-                if req.num_cached_tokens < 0:
-                    req.num_cached_tokens = start
-                if req.request_id not in self._sent_to_runner:
-                    self._sent_to_runner.add(req.request_id)
-                    if req.request_id in self._isolated:
-                        self._isolated.discard(req.request_id)
-                        alone = True
-                    new.append(NewRequestData(req.request_id, req.prompt_token_ids, req.sampling_params,
-                                              req.eos_token_id, req.mm_items))
+                self._admit(req, cached, start)
+            if req.request_id not in self._sent_to_runner:  # (one admitted to read remote KV is sent here)
+                self._sent_to_runner.add(req.request_id)
+                if req.request_id in self._isolated:
+                    self._isolated.discard(req.request_id)
+                    alone = True
+                new.append(NewRequestData(req.request_id, req.prompt_token_ids, req.sampling_params,
+                                          req.eos_token_id, req.mm_items))
             tokens = req.all_token_ids[start:start + n]
             sample = start + n == req.num_tokens
             chunks.append(ScheduledChunk(req.request_id, tokens, start, *self._tables(req.request_id),
@@ -237,6 +232,72 @@ class Scheduler:
         if not chunks:
             return None
         return SchedulerOutput("prefill", chunks, new)
+
+    def _admit(self, req: Request, cached, start: int) -> None:
+        self.kv.record_prefix_lookup(req, cached)
+        self.waiting.remove(req)
+        self.running.append(req)
+        req.status = RequestStatus.RUNNING
+        if req.num_cached_tokens < 0:
+            req.num_cached_tokens = start
+
+    def _victim(self) -> Request:
+        """The running request last in policy order (fcfs: the newest) whose blocks no transfer is writing (the
+        decoding one always qualifies)."""
+        loading = self.kv_transfer.is_loading if self.kv_transfer is not None else (lambda _: False)
+        return next(r for r in reversed(self._in_policy_order(self.running)) if not loading(r.request_id))
+
+    def _can_prefill(self, req: Request) -> bool:
+        return req.is_prefilling and not (self.kv_transfer and self.kv_transfer.is_loading(req.request_id))
+
+    # -- disaggregated prefill/decode: a decode instance reads prompts' KV (core/kv_transfer.py) --------
+    def take_kv_loads(self) -> list[KVLoadJob]:
+        """Admits the waiting requests whose prompt was prefilled elsewhere, in arrival order while seats and
+        blocks last: blocks for the whole prompt (after a local prefix hit), and a job to read those the hit
+        does not cover. They prefill nothing until `finish_kv_load`."""
+        jobs: list[KVLoadJob] = []
+        if self.kv_transfer is None:
+            return jobs
+        for req in list(self.waiting):
+            params = self.kv_transfer.remote_source(req)
+            if params is None:
+                continue
+            if len(self.running) >= self.config.max_num_seqs:
+                break
+            cached = self.kv.find_cached_prefix(req)
+            start = cached.num_blocks * self.config.block_size
+            req.num_computed_tokens = start
+            if not self.kv.allocate(req, req.num_tokens - start, cached):
+                req.num_computed_tokens = 0
+                break  # FCFS: blocks come back as requests finish
+            self._admit(req, cached, start)
+            job = self.kv_transfer.load_job(req, params, cached.num_blocks,
+                                            [list(self.kv.block_table(req.request_id, g))
+                                             for g in range(self.kv.num_groups)])
+            if job is not None:
+                jobs.append(job)
+        return jobs
+
+    def finish_kv_load(self, req_id: str, ok: bool) -> None:
+        """The read of `req_id`'s prompt KV ended: read, its last prompt token prefills next; failed, the
+        prompt prefills here from its local prefix hit (the same answer, later)."""
+        orphaned = self.kv_transfer.finish_load(req_id, ok)
+        if orphaned is not None:
+            self.kv.release_tables(orphaned)
+        req = self.requests.get(req_id)
+        if req is None or req.status != RequestStatus.RUNNING:
+            return  # aborted meanwhile (its blocks are already free)
+        if ok:
+            req.num_computed_tokens = req.num_prompt_tokens - 1
+            self.kv.cache_computed_blocks(req)
+
+    def release_held(self, req_ids: list[str] | None = None) -> list[str]:
+        """Frees the blocks held for remote readers: those of `req_ids` (read), else those whose hold timed
+        out; returns the request ids freed."""
+        held = self.kv_transfer.take_expired() if req_ids is None else self.kv_transfer.take_released(req_ids)
+        for h in held:
+            self.kv.release_tables(h.groups)
+        return [h.request.request_id for h in held]
 
     def _schedule_decode(self) -> SchedulerOutput | None:
         scheduled: list[tuple[Request, list[int]]] = []
@@ -367,7 +428,15 @@ class Scheduler:
 
     def _free(self, req: Request, status: RequestStatus) -> None:
         req.status = status
-        self.kv.free(req)
+        xfer = self.kv_transfer
+        if xfer is not None and xfer.wants_hold(req, status.value):
+            xfer.hold(req, self.kv.detach(req))  # freed when read (release_held)
+        elif xfer is not None and xfer.is_loading(req.request_id):
+            xfer.orphan(req.request_id, self.kv.detach(req))  # a transfer still writes them: freed when it ends
+        else:
+            self.kv.free(req)
+        if xfer is not None:
+            xfer.forget(req.request_id)
         self.spec_policy.remove(req.request_id)
         del self.requests[req.request_id]
         self._isolated.discard(req.request_id)

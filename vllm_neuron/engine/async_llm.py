@@ -74,7 +74,8 @@ class AsyncLLM(EngineClient):
                                               nc.on_device_sampling_config, config.max_logprobs, vocab_size,
                                               multimodal_processor(config, ckpt, self.tokenizer),
                                               grammar_check=self.grammar_checker.check,
-                                              scheduling_policy=config.scheduling_policy)
+                                              scheduling_policy=config.scheduling_policy,
+                                              kv_transfer=config.kv_transfer is not None)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.model_info = ModelInfo(ckpt.path, config.max_model_len, self.input_processor.eos_token_id,
                                     self.input_processor.generation_defaults)

@@ -12,6 +12,7 @@ from vllm_neuron.config.compatibility import V2_LOG_LINE
 from vllm_neuron.config.engine_config import EngineConfig
 from vllm_neuron.core.request import Request, RequestStatus
 from vllm_neuron.core.scheduler import Scheduler, SchedulerConfig
+from vllm_neuron.engine.kv_transfer import KVTransferEngine
 from vllm_neuron.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from vllm_neuron.logger import init_logger
 from vllm_neuron.step import ModelRunnerOutput, SchedulerOutput
@@ -75,13 +76,17 @@ class EngineCore:
         if not isinstance(self.runner, TPExecutor):  # (tensor parallelism refuses compile workers)
             compile_missing(self.runner)
         self.compiler = self.runner.warmup(on_progress)
+        self.kv_transfer = KVTransferEngine(config.kv_transfer, tp_size=config.tensor_parallel_size,
+                                            block_size=config.block_size, call=self._runner_call) \
+            if config.kv_transfer is not None else None
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=config.max_model_len, block_size=config.block_size, num_blocks=self.num_blocks,
             enable_prefix_caching=config.enable_prefix_caching,
             max_prefill_context_tokens=max(nc.context_buckets), num_speculative_tokens=config.num_speculative_tokens,
             spec_disable_by_batch_size=config.speculative.disable_by_batch_size if config.speculative else None,
-            kv_cache_layout=self.runner.kv_layout, policy=config.scheduling_policy))
+            kv_cache_layout=self.runner.kv_layout, policy=config.scheduling_policy),
+            kv_transfer=self.kv_transfer.scheduler_side if self.kv_transfer is not None else None)
         self.structured = None  # StructuredOutputManager, created with the first grammar request
         self._grammar_wait: dict[str, Request] = {}
         self.async_scheduling = bool(config.async_scheduling)
@@ -102,6 +107,23 @@ class EngineCore:
             logger.info("Engine ready in %.1f s (%d graphs: %d compiled, %d loaded from the compile cache)",
                         self.startup_seconds, len(self.compiler.records), self.compiler.num_compiled,
                         len(self.compiler.records) - self.compiler.num_compiled)
+
+    def _runner_call(self, name: str, *args):
+        """A runner call between steps: tensor-parallel ranks take one call at a time, so with a step in flight
+        it waits its turn on the step thread; one rank's runner takes it at once (the calls are thread-safe)."""
+        fn = getattr(self.runner, name)
+        if self._executor is not None and isinstance(self.runner, TPExecutor):
+            return self._executor.submit(fn, *args).result()
+        return fn(*args)
+
+    def kv_transfer_tick(self) -> None:
+        """An idle instance's transfer work (blocks released by readers, holds timed out)."""
+        if self.kv_transfer is not None:
+            self.kv_transfer.before_schedule(self.scheduler)
+
+    def tick_ms(self) -> int | None:
+        """How soon an idle engine has timed work (None: none)."""
+        return self.kv_transfer.tick_ms() if self.kv_transfer is not None else None
 
     def shutdown(self) -> None:
         """Lets the other tensor-parallel ranks go (nothing to do with one rank)."""
@@ -199,7 +221,11 @@ class EngineCore:
         return self._finish(sched, result, failed)
 
     def _schedule(self) -> SchedulerOutput | None:
+        if self.kv_transfer is not None:
+            self.kv_transfer.before_schedule(self.scheduler)
         sched = self.scheduler.schedule()
+        if sched is None and self.kv_transfer is not None and self.kv_transfer.busy:
+            time.sleep(0.001)  # only remote reads are in flight: poll them without spinning a core
         if sched is not None and self.structured is not None:
             # A chunk with drafts gets one mask per verified position (the matcher walks its drafts).
             sched.grammar_bitmask = {
@@ -294,6 +320,8 @@ class EngineCore:
                         del live[rid]
                         outputs.append(self._fail(rid, e))
         finished = {f.request.request_id: f for f in self.scheduler.update(sched, result)}
+        if self.kv_transfer is not None:
+            self.kv_transfer.after_update()  # prompts held for remote readers are served before their outputs go
         for rid in finished:
             self._step_failures.pop(rid, None)
             if self.structured is not None:
@@ -309,7 +337,8 @@ class EngineCore:
             outputs.append(EngineCoreOutput(
                 rid, list(toks), [lp.entries] if lp is not None else None,
                 finish_reason=fin.finish_reason if fin else None,
-                stop_reason=req.stop_reason if fin else None, num_cached_tokens=max(req.num_cached_tokens, 0)))
+                stop_reason=req.stop_reason if fin else None, num_cached_tokens=max(req.num_cached_tokens, 0),
+                kv_transfer_params=self.kv_transfer.params_of(rid) if fin and self.kv_transfer else None))
         return EngineCoreOutputs(outputs, self._stats(sched, result))
 
     def idle_work(self) -> bool:
@@ -330,4 +359,5 @@ class EngineCore:
             num_async_sync_fallbacks=self.num_async_sync_fallbacks, spec_decode=s.spec_stats.cumulative(),
             encoder_cache=self.runner.encoder_cache_stats(),
             grammar_cache_bytes=self.structured.cache_bytes if self.structured is not None else 0,
-            grammar_compile_timeouts=self.structured.compile_timeouts if self.structured is not None else 0)
+            grammar_compile_timeouts=self.structured.compile_timeouts if self.structured is not None else 0,
+            kv_transfer=self.kv_transfer.stats() if self.kv_transfer is not None else None)

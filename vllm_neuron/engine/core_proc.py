@@ -102,6 +102,9 @@ def _loop(core, inp: zmq.Socket, out: zmq.Socket, metrics, log_stats: bool = Tru
         busy = core.has_unfinished()  # the stats line's wait only matters to an idle engine
         timeout = poll_timeout_ms(busy, idle_work, time.monotonic() - last_busy,
                                   None if busy else _idle_timeout_ms(stats_logger))
+        tick = None if busy else core.tick_ms()  # blocks held for remote readers: their releases and timeouts
+        if tick is not None:
+            timeout = tick if timeout is None else min(timeout, tick)
         handled = False
         while poller.poll(timeout):
             msg = pickle.loads(inp.recv())
@@ -115,7 +118,9 @@ def _loop(core, inp: zmq.Socket, out: zmq.Socket, metrics, log_stats: bool = Tru
         if handled:
             last_busy = now
         if not core.has_unfinished():
-            if handled:  # aborts free blocks: the gauges must say so even when nothing runs
+            if tick is not None:
+                core.kv_transfer_tick()
+            if handled or tick is not None:  # aborts and releases free blocks: the gauges must say so
                 recorder.record(core.idle_stats())
             if idle_work and now - last_busy >= IDLE_WORK_AFTER_S:
                 if now - last_trim >= IDLE_TRIM_EVERY_S:
@@ -184,6 +189,7 @@ class _StatsRecorder:
         self.prev_spec = (0, 0, 0, [])
         self.prev_encoder = (0, 0)
         self.prev_grammar = (-1, 0)  # (cache bytes, compile timeouts) last recorded
+        self.prev_kv = (0, 0, 0, 0)  # (expired, blocks read, recomputed, bytes read) last recorded
 
     def record(self, s) -> None:
         if s is None:
@@ -211,6 +217,14 @@ class _StatsRecorder:
             if grammar[1] > self.prev_grammar[1]:
                 self.metrics.record_grammar_timeout(self.metrics.engine_process(), grammar[1] - self.prev_grammar[1])
             self.prev_grammar = grammar
+        if s.kv_transfer is not None:
+            held_reqs, held_blocks, expired, _, blocks, recomputed, nbytes, results = s.kv_transfer
+            cur = (expired, blocks, recomputed, nbytes)
+            self.metrics.record_kv_transfer(held_requests=held_reqs, held_blocks=held_blocks,
+                                            **dict(zip(("expired", "blocks", "recomputed", "nbytes"),
+                                                       (c - p for c, p in zip(cur, self.prev_kv)))),
+                                            seconds=[t for ok, _, t in results if ok])
+            self.prev_kv = cur
         if s.bucket_name:
             self.metrics.record_execution(s.bucket_name)
             self.metrics.record_padding("tokens" if s.step_kind == "prefill" else "seqs", s.bucket_name,

@@ -7,6 +7,7 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from vllm_neuron.config.generation_config import sampling_defaults
+from vllm_neuron.config.kv_transfer import parse_kv_transfer_params
 from vllm_neuron.logger import init_logger
 from vllm_neuron.engine.messages import EngineCoreRequest
 from vllm_neuron.config.neuron_config import OnDeviceSamplingConfig
@@ -45,12 +46,14 @@ class InputProcessor:
                  odsc: OnDeviceSamplingConfig | None, max_logprobs: int, vocab_size: int,
                  mm_processor: "MultiModalProcessor | None" = None,
                  grammar_check: Callable[[StructuredOutputsParams, int | None], None] | None = None,
-                 scheduling_policy: str = "fcfs") -> None:
+                 scheduling_policy: str = "fcfs", kv_transfer: bool = False) -> None:
         """grammar_check(params, max_tokens): a structured-output constraint's size limits and compilation
         (structured_output/checker.py; ValueError naming the problem); None: compiled here, unbounded.
-        scheduling_policy: a request `priority` other than 0 is refused unless it is "priority" (vLLM's rule)."""
+        scheduling_policy: a request `priority` other than 0 is refused unless it is "priority" (vLLM's rule).
+        kv_transfer: the engine is a disaggregated instance (requests may carry kv_transfer_params)."""
         self.tokenizer = tokenizer
         self.scheduling_policy = scheduling_policy
+        self.kv_transfer = kv_transfer
         self.grammar_check = grammar_check
         self.mm_processor = mm_processor
         self.max_model_len = max_model_len
@@ -167,6 +170,14 @@ class InputProcessor:
                                  f"(vocab size {self.vocab_size})")
         if self.odsc is not None:
             self.odsc.check_request(params.temperature)
+        ktp = (params.extra_args or {}).get("kv_transfer_params")
+        if ktp is not None:
+            parse_kv_transfer_params(ktp)
+            if not self.kv_transfer:
+                raise ValueError("kv_transfer_params needs an engine started with kv_transfer_config "
+                                 "(--kv-transfer-config); this one is not a disaggregated instance")
+            if params.n != 1:
+                raise ValueError(f"kv_transfer_params supports n=1 only, got n={params.n}")
 
     def _validate_structured_outputs(self, params: SamplingParams) -> None:
         # Checked here (compiled once, remembered by its text) so a bad constraint is refused before it reaches

@@ -35,7 +35,7 @@ class LLMEngine:
                 config.generation_config, ckpt.generation_config, config.override_generation_config),
             config.neuron_config.on_device_sampling_config, config.max_logprobs,
             vocab_size, multimodal_processor(config, ckpt, self.tokenizer), grammar_check=checker.check,
-            scheduling_policy=config.scheduling_policy)
+            scheduling_policy=config.scheduling_policy, kv_transfer=config.kv_transfer is not None)
         self.output_processor = OutputProcessor(self.tokenizer)
 
     @classmethod

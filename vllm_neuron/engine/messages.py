@@ -33,6 +33,8 @@ class EngineCoreOutput:
     # Whose fault the error is (structured_output's GRAMMAR_INVALID / GRAMMAR_BUSY): "invalid" the request's (a
     # 400: its grammar failed or compiled too long), "busy" the engine's capacity (a 503), None a fault (500).
     error_kind: str | None = None
+    # A prefill instance's answer for the decode instance (vLLM's kv_transfer_params), on the final output.
+    kv_transfer_params: dict | None = None
 
     @property
     def finished(self) -> bool:
@@ -55,6 +57,8 @@ class SchedulerStats:
     encoder_cache: tuple[int, int] | None = None
     grammar_cache_bytes: int = 0  # compiled grammars the structured-output compiler keeps
     grammar_compile_timeouts: int = 0  # cumulative
+    # Disaggregated prefill/decode (None without --kv-transfer-config): engine/kv_transfer.py's stats().
+    kv_transfer: tuple | None = None
     step_kind: str = ""
     bucket_name: str = ""
     num_padding: int = 0

@@ -34,6 +34,7 @@ class _RequestState:
     completions: dict[str, _Completion]
     metrics: RequestMetrics
     num_cached_tokens: int = 0
+    kv_transfer_params: dict | None = None  # a prefill instance's answer for the decode instance
 
     @property
     def finished(self) -> bool:
@@ -91,6 +92,8 @@ class OutputProcessor:
                 continue
             self._record_timing(st, now, len(out.new_token_ids))
             st.num_cached_tokens = max(st.num_cached_tokens, out.num_cached_tokens)
+            if out.kv_transfer_params is not None:
+                st.kv_transfer_params = out.kv_transfer_params
             c.token_ids.extend(out.new_token_ids)
             if out.new_logprobs is not None and c.logprobs is not None:
                 for entries in out.new_logprobs:
@@ -154,5 +157,5 @@ class OutputProcessor:
             comps.append(CompletionOutput(c.index, text, ids, c.cumulative_logprob,
                                           list(lps) if lps is not None else None, c.finish_reason, c.stop_reason))
         return RequestOutput(st.request_id, st.prompt, st.prompt_token_ids, None, comps, finished,
-                             st.metrics, st.num_cached_tokens)
+                             st.metrics, st.num_cached_tokens, st.kv_transfer_params if finished else None)
 

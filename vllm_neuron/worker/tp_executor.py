@@ -38,7 +38,9 @@ from vllm_neuron.worker.runner_factory import create_runner
 logger = init_logger(__name__)
 
 # Runner calls whose result is reduced over the ranks (min): the KV pool every rank can hold.
-_MIN_REDUCED = ("num_blocks",)
+# Calls whose result is the minimum over the ranks (an int, or a list of ints element by element: kv_poll_loads'
+# per-request state, so a load counts as read only when every rank read its heads).
+_MIN_REDUCED = ("num_blocks", "kv_poll_loads")
 
 
 class WorkerRankError(RuntimeError):
@@ -118,12 +120,13 @@ def _recv() -> Any:
     return pickle.loads(payload.numpy().tobytes())
 
 
-def _min_over_ranks(value: int) -> int:
+def _min_over_ranks(value: int | list[int]) -> int | list[int]:
     import torch.distributed as dist
 
-    t = torch.tensor([value], dtype=torch.int64)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=ps.control_group())
-    return int(t.item())
+    t = torch.tensor(value if isinstance(value, list) else [value], dtype=torch.int64)
+    if t.numel():
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=ps.control_group())
+    return t.tolist() if isinstance(value, list) else int(t.item())
 
 
 class TPExecutor:
@@ -283,7 +286,7 @@ def follower_main(setup: RankSetup, rank: int) -> None:
                 if _is_group_failure(e):
                     raise
                 logger.warning("rank %d: %s failed like on rank 0: %s", rank, name, e)
-                result = 0
+                result = [0] * len(args[0]) if name == "kv_poll_loads" else 0
             if name in _MIN_REDUCED:
                 _min_over_ranks(result)
     except Exception as e:  # noqa: BLE001

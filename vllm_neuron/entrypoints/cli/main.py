@@ -1,4 +1,4 @@
-"""`vllm-neuron`: serve | generate | compile | bench serve."""
+"""`vllm-neuron`: serve | generate | compile | validate-logits | disagg-proxy | bench serve."""
 from __future__ import annotations
 
 import argparse
@@ -129,6 +129,19 @@ def _parser() -> argparse.ArgumentParser:
     add_validate_args(val)
     add_engine_args(val)
 
+    proxy = sub.add_parser("disagg-proxy", help="one OpenAI endpoint in front of prefill and decode instances "
+                           "(disaggregated prefill/decode; instances started with --kv-transfer-config)",
+                           usage="vllm-neuron disagg-proxy --prefill URL [URL ...] --decode URL [URL ...] [--port N]",
+                           formatter_class=HelpFormatter)
+    proxy.add_argument("--prefill", nargs="+", required=True, metavar="URL", default=argparse.SUPPRESS,
+                       help="prefill instances (kv_role kv_producer or kv_both), e.g. http://127.0.0.1:8100 (default: none; "
+                       "required)")
+    proxy.add_argument("--decode", nargs="+", required=True, metavar="URL", default=argparse.SUPPRESS,
+                       help="decode instances (kv_role kv_consumer or kv_both) (default: none; required)")
+    proxy.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    proxy.add_argument("--port", type=int, default=8000, help="port to listen on")
+    proxy.add_argument("--timeout", type=float, default=600.0, help="seconds an instance may take to answer")
+
     bench = sub.add_parser("bench", help="benchmarks")
     bsub = bench.add_subparsers(dest="bench_command", required=True)
     bserve = bsub.add_parser("serve", help="serving benchmark against an OpenAI-compatible server",
@@ -185,6 +198,10 @@ def main(argv: list[str] | None = None) -> int:
             from vllm_neuron.entrypoints.cli.validate_logits import run_validate_logits
 
             return run_validate_logits(args)
+        if args.command == "disagg-proxy":
+            from vllm_neuron.entrypoints.disagg.proxy import run_proxy
+
+            return run_proxy(args)
         if args.command == "bench":
             from vllm_neuron.benchmarks.serve import main as bench_main
 

@@ -173,6 +173,8 @@ class _SamplingFields(OpenAIRequestModel):
     return_tokens_as_token_ids: bool | None = None
     return_token_ids: bool | None = None
     mm_processor_kwargs: dict[str, Any] | None = None
+    # Disaggregated prefill/decode (vLLM's protocol; a server started with --kv-transfer-config)
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 # ---- /v1/completions ----------------------------------------------------------------------------
@@ -212,6 +214,7 @@ class CompletionResponse(OpenAIBaseModel):
     choices: list[CompletionResponseChoice]
     system_fingerprint: str | None = None
     usage: UsageInfo
+    kv_transfer_params: dict[str, Any] | None = None  # a prefill instance's answer for the decode instance
 
 
 class CompletionResponseStreamChoice(OpenAIBaseModel):
@@ -321,6 +324,7 @@ class ChatCompletionResponse(OpenAIBaseModel):
     system_fingerprint: str | None = None
     usage: UsageInfo
     prompt_token_ids: list[int] | None = None
+    kv_transfer_params: dict[str, Any] | None = None  # a prefill instance's answer for the decode instance
 
 
 class DeltaMessage(OpenAIBaseModel):

@@ -69,7 +69,6 @@ _UNSUPPORTED_COMMON: dict[str, Callable[[Any], bool]] = {
     "prompt_embeds": _is_set,
     "thinking_token_budget": lambda v: v is not None and v != -1,
     "repetition_detection": _is_set,
-    "kv_transfer_params": _is_set,
     "ec_transfer_params": _is_set,
     "watermarking": _is_set,
     "logprob_token_ids": _is_set,

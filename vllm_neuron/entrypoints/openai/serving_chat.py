@@ -193,9 +193,11 @@ class OpenAIServingChat(OpenAIServing):
         tracker = RequestTracker(self, ctx.arrival, ctx.ticket)
         choices = {j: ChoiceAccumulator() for j in range(sp.n)}
         error: BaseException | None = None
+        kv_transfer_params = None
         try:
             async for res in self.generate(tracker, self._engine_prompt(ctx), sp, ctx.request_id,
                                            len(ctx.prompt_ids), ctx.req.priority):
+                kv_transfer_params = res.kv_transfer_params or kv_transfer_params
                 for o in res.outputs:
                     choices[o.index].add(o)
         except Exception as e:
@@ -231,7 +233,7 @@ class OpenAIServingChat(OpenAIServing):
             id=ctx.request_id, created=ctx.created, model=ctx.model, choices=out,
             usage=UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                             total_tokens=prompt_tokens + completion_tokens),
-            prompt_token_ids=ctx.prompt_ids if req.return_token_ids else None)
+            prompt_token_ids=ctx.prompt_ids if req.return_token_ids else None, kv_transfer_params=kv_transfer_params)
 
     def _parser(self, ctx: _Ctx) -> ToolParser | None:
         return self.tool_parser(self.tokenizer) if ctx.tool.mode == "auto" and self.tool_parser else None

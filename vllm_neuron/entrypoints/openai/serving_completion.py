@@ -76,6 +76,9 @@ class OpenAIServingCompletion(OpenAIServing):
                       structured_param: str | None, arrival: float, ticket: AdmissionTicket,
                       raw_request: Request) -> Response:
         prompts = await self._prompts(req)
+        if req.kv_transfer_params is not None and len(prompts) > 1:
+            raise BadRequestError("kv_transfer_params applies to one prompt; send the prompts as separate requests",
+                                  param="kv_transfer_params")
         echo_only = bool(req.echo) and req.max_tokens == 0
         requested = 1 if echo_only else req.max_tokens
         for p in prompts:
@@ -170,8 +173,10 @@ class OpenAIServingCompletion(OpenAIServing):
         tracker = RequestTracker(self, ctx.arrival, ctx.ticket)
         choices = {(i, j): ChoiceAccumulator() for i in range(len(ctx.prompts)) for j in range(n)}
         error: BaseException | None = None
+        kv_transfer_params = None
         try:
             async for i, res in merge_async_iterators(*self._generators(ctx, sp, tracker)):
+                kv_transfer_params = res.kv_transfer_params or kv_transfer_params
                 for o in res.outputs:
                     choices[(i, o.index)].add(o)
         except Exception as e:
@@ -201,7 +206,7 @@ class OpenAIServingCompletion(OpenAIServing):
         usage = UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                           total_tokens=prompt_tokens + completion_tokens)
         return CompletionResponse(id=ctx.request_id, created=ctx.created, model=ctx.model, choices=out_choices,
-                                  usage=usage)
+                                  usage=usage, kv_transfer_params=kv_transfer_params)
 
     async def _stream(self, ctx: _Ctx, sp) -> AsyncIterator[str]:
         req, n = ctx.req, sp.n

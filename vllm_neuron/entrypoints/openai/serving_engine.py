@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, TypeVar
 
 from vllm_neuron import metrics
+from vllm_neuron.config.kv_transfer import parse_kv_transfer_params
 from vllm_neuron.engine.protocol import AdmissionTicket, EngineClient, EngineOverloadedError
 from vllm_neuron.entrypoints.openai.chat_template import render_chat
 from vllm_neuron.entrypoints.openai.errors import BadRequestError, InternalServerError, ServiceUnavailableError
@@ -172,8 +173,19 @@ class OpenAIServing:
                 raise BadRequestError("logit_bias values must be finite numbers.", param="logit_bias")
             logit_bias = {k: max(-100.0, min(100.0, v)) for k, v in logit_bias.items()}
             self.check_token_ids(list(logit_bias), "logit_bias")
+        extra_args = None
+        if req.kv_transfer_params is not None:
+            try:
+                ktp = parse_kv_transfer_params(req.kv_transfer_params)
+            except ValueError as e:
+                raise BadRequestError(str(e), param="kv_transfer_params") from None
+            if ktp.get("do_remote_decode") and req.stream:
+                raise BadRequestError("kv_transfer_params with do_remote_decode needs stream: false (the response "
+                                      "carries the kv_transfer_params for the decode instance)", param="stream")
+            extra_args = {"kv_transfer_params": ktp}
         try:
             sp = SamplingParams(
+                extra_args=extra_args,
                 n=req.n if req.n is not None else 1,
                 presence_penalty=req.presence_penalty if req.presence_penalty is not None else 0.0,
                 frequency_penalty=req.frequency_penalty if req.frequency_penalty is not None else 0.0,
