@@ -225,6 +225,38 @@ def test_completion_logprobs(client, model):
     assert [b - a for a, b in zip(lp.text_offset, lp.text_offset[1:])] == [len(t) for t in lp.tokens[:-1]]
 
 
+def test_echo_scoring(server, model, tokenizer):
+    """lm-evaluation-harness's log-likelihood request: echo, logprobs 1, max_tokens 0 over two prompts; the
+    echoed prompt's logprobs are transformers', streamed the same."""
+    import torch
+
+    from tests.model_factory import build_tiny_llama
+
+    prompts = ["Question: which colour is the sky? Answer: blue", "Question: which colour is grass? Answer: red"]
+    body = {"model": model, "prompt": prompts, "echo": True, "logprobs": 1, "max_tokens": 0, "temperature": 0.0}
+    r = httpx.post(server.url + "/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["usage"]["completion_tokens"] == 0
+    hf = build_tiny_llama().eval()
+    for prompt, choice in zip(prompts, out["choices"]):
+        ids = tokenizer.encode(prompt)
+        lp = choice["logprobs"]
+        assert choice["text"] == prompt and choice["finish_reason"] == "length"
+        assert lp["tokens"] == [tokenizer.decode([t]) for t in ids] and lp["token_logprobs"][0] is None
+        with torch.no_grad():
+            ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), -1)
+        want = [ref[p - 1, ids[p]].item() for p in range(1, len(ids))]
+        assert max(abs(a - b) for a, b in zip(lp["token_logprobs"][1:], want)) < 1e-4
+        assert all(len(top) in (1, 2) for top in lp["top_logprobs"][1:])  # the best token, and the prompt's
+    streamed = [json.loads(line[6:]) for line in httpx.post(
+        server.url + "/v1/completions", json={**body, "prompt": prompts[0], "stream": True}, timeout=120).text.splitlines()
+        if line.startswith("data: {")]
+    token_logprobs = [v for c in streamed for ch in c["choices"] if ch.get("logprobs")
+                      for v in ch["logprobs"]["token_logprobs"]]
+    assert token_logprobs == out["choices"][0]["logprobs"]["token_logprobs"]
+
+
 def test_stop_string(client, model):
     base = _complete(client, model, max_tokens=24).choices[0].text
     start = next(i for i in range(len(base) // 2, len(base) - 3)

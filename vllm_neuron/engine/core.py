@@ -89,6 +89,8 @@ class EngineCore:
         self.num_async_passed = 0  # decode steps fed straight from the previous step's device tokens
         self._queue: deque[tuple[SchedulerOutput, Future]] = deque()
         self._step_failures: dict[str, int] = {}  # request id -> failed steps it was part of
+        # Prompt logprobs of requests still prefilling (segmented): their chunks' entries, joined in order.
+        self._prompt_logprobs: dict[str, list] = {}
         self._consecutive_step_failures = 0
         # One thread: steps execute in order, so step N+1 always sees step N's KV and runner state.
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="vllm-neuron-step") \
@@ -138,6 +140,7 @@ class EngineCore:
         for rid in req_ids:
             self._grammar_wait.pop(rid, None)
             self._step_failures.pop(rid, None)
+            self._prompt_logprobs.pop(rid, None)
             self.scheduler.finish_request(rid, reason)
             if self.structured is not None:
                 self.structured.remove(rid)
@@ -292,6 +295,9 @@ class EngineCore:
                     except Exception as e:  # noqa: BLE001 - that request's grammar, not the engine's
                         del live[rid]
                         outputs.append(self._fail(rid, e))
+        for rid, (start, entries) in result.prompt_logprobs.items():
+            if rid in live:  # a recompute (after a failed step) rewrites the positions it covers
+                self._prompt_logprobs.setdefault(rid, [])[start:start + len(entries)] = entries
         finished = {f.request.request_id: f for f in self.scheduler.update(sched, result)}
         for rid in finished:
             self._step_failures.pop(rid, None)
@@ -308,7 +314,8 @@ class EngineCore:
             outputs.append(EngineCoreOutput(
                 rid, list(toks), [lp.entries] if lp is not None else None,
                 finish_reason=fin.finish_reason if fin else None,
-                stop_reason=req.stop_reason if fin else None, num_cached_tokens=max(req.num_cached_tokens, 0)))
+                stop_reason=req.stop_reason if fin else None, num_cached_tokens=max(req.num_cached_tokens, 0),
+                prompt_logprobs=self._prompt_logprobs.pop(rid, None)))  # complete with the first sample
         return EngineCoreOutputs(outputs, self._stats(sched, result))
 
     def idle_work(self) -> bool:

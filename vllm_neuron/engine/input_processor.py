@@ -144,7 +144,10 @@ class InputProcessor:
                 f"requested {n + params.max_tokens} tokens ({n} in the messages, {params.max_tokens} in the "
                 f"completion). Please reduce the length of the messages or completion.")
         if params.prompt_logprobs is not None:
-            raise ValueError("prompt_logprobs is not supported yet")
+            wanted = self.vocab_size if params.prompt_logprobs == -1 else params.prompt_logprobs
+            if wanted > self.max_logprobs:
+                raise ValueError(f"Requested prompt logprobs of {wanted}, which is greater than max allowed: "
+                                 f"{self.max_logprobs}")
         if params.logprobs is not None and params.logprobs > self.max_logprobs:
             raise ValueError(f"Requested sample logprobs of {params.logprobs}, which is greater than "
                              f"max allowed: {self.max_logprobs}")

@@ -32,6 +32,9 @@ class EngineCoreOutput:
     # Whose fault the error is (structured_output's GRAMMAR_INVALID / GRAMMAR_BUSY): "invalid" the request's (a
     # 400: its grammar failed or compiled too long), "busy" the engine's capacity (a 503), None a fault (500).
     error_kind: str | None = None
+    # With the request's first token, when it asked for prompt_logprobs: per prompt position 1.. the
+    # [(prompt token, logprob, rank), top-N...] entries.
+    prompt_logprobs: list[list[tuple[int, float, int]]] | None = None
 
     @property
     def finished(self) -> bool:

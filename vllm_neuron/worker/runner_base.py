@@ -42,8 +42,9 @@ from vllm_neuron.worker.input_builder import PrefillArrays, build_prefill_inputs
 from vllm_neuron.worker.kv_prefault import KVPrefaulter
 from vllm_neuron.worker.model_kinds import GraphSpec, ModelKindState, make_model_kinds
 from vllm_neuron.worker.model_setup import LoadStats, build_model, checkpoint_scheme, zeros
+from vllm_neuron.worker.prompt_logprobs import plan_prompt_logprobs, prompt_logprob_entries
 from vllm_neuron.worker.sampling_state import SamplingStates
-from vllm_neuron.worker.step_inputs import GroupTables, PrefillInputs, RowSampling, SlotRows
+from vllm_neuron.worker.step_inputs import GroupTables, PrefillInputs, RowSampling, SlotRows, StepOutput
 
 logger = init_logger(__name__)
 
@@ -74,6 +75,7 @@ class ModelRunnerBase:
         self.graphs = None  # the runner's StepGraphs / SlotStepGraphs
         self._bucket_graphs: dict[tuple[str, int, int], Callable] = {}
         self._free_before_load: int | None = None
+        self._prompt_logprobs: dict = {}  # the current step's (ModelRunnerOutput.prompt_logprobs)
         self._kv_sizing: dict | None = None
         self.model_cls = resolve_model_class(checkpoint.hf_config)
         self.model_spec = model_spec(checkpoint.hf_config, config.neuron_config.quantization)
@@ -403,6 +405,22 @@ class ModelRunnerBase:
             return req_ids, {}, {}
         sampled, logprobs = self.sampling.finalize(req_ids, tokens, logits, rows)
         return req_ids, sampled, logprobs
+
+    def _call_prefill(self, x: PrefillInputs, chunks, num_tokens: int, num_context: int) -> StepOutput:
+        """The prefill bucket's graph on x. A step with requests that want prompt logprobs runs the same graph
+        function eagerly and computes the logits of their prompt rows too (the compiled graph keeps only
+        each chunk's last row); the scheduler puts such requests in steps of their own."""
+        plan = plan_prompt_logprobs(chunks, self.sampling.states, self.ckpt.hf_config.get_text_config().vocab_size,
+                                    self.device)
+        if plan is None:
+            return self._graph("prefill", num_tokens, num_context)(x)
+        out, lp = self.graphs.prefill_with_prompt_logprobs(x, plan.rows)
+        self._prompt_logprobs = prompt_logprob_entries(plan, lp)
+        return out
+
+    def _take_prompt_logprobs(self) -> dict:
+        out, self._prompt_logprobs = self._prompt_logprobs, {}
+        return out
 
     def _run_prefill(self, chunks, num_tokens: int, num_context: int, masks: dict | None = None):
         raise NotImplementedError

@@ -22,12 +22,7 @@ from vllm_neuron.entrypoints.openai.protocol import (
     random_uuid,
 )
 from vllm_neuron.entrypoints.openai.request_policy import check_unsupported_fields, parse_request
-from vllm_neuron.entrypoints.openai.serving_engine import (
-    PROMPT_LOGPROBS_UNSUPPORTED,
-    ChoiceAccumulator,
-    OpenAIServing,
-    RequestTracker,
-)
+from vllm_neuron.entrypoints.openai.serving_engine import ChoiceAccumulator, OpenAIServing, RequestTracker
 from vllm_neuron.entrypoints.openai.streaming import SSE_DONE, merge_async_iterators, run_until_disconnect, sse
 from vllm_neuron.entrypoints.openai.structured import structured_outputs_from_request
 from vllm_neuron.outputs import Logprob
@@ -62,12 +57,7 @@ class OpenAIServingCompletion(OpenAIServing):
         if req.stream_options is not None and not req.stream:
             raise BadRequestError("Stream options can only be defined when `stream=True`.", param="stream_options")
         self.check_logprobs_cap(req.logprobs, "logprobs")
-        if req.prompt_logprobs is not None:
-            raise BadRequestError(PROMPT_LOGPROBS_UNSUPPORTED, param="prompt_logprobs")
-        if req.echo and req.logprobs is not None:
-            # The echoed prompt's tokens would need their logprobs (prompt_logprobs).
-            raise BadRequestError("`logprobs` with `echo` is not supported yet: " + PROMPT_LOGPROBS_UNSUPPORTED,
-                                  param="echo")
+        self.check_logprobs_cap(req.prompt_logprobs, "prompt_logprobs")
         structured, structured_param = structured_outputs_from_request(req)
         # Room among the admitted requests before any work (tokenization, grammar).
         return await self.admitted((req.n or 1) * _num_prompts(req.prompt), lambda ticket: self._create(
@@ -83,8 +73,11 @@ class OpenAIServingCompletion(OpenAIServing):
             self.resolve_max_tokens(len(p.token_ids), requested, "max_tokens")
         if structured is not None:
             await self.check_structured_outputs(structured, structured_param, requested)
+        # vLLM's rule: echo with logprobs scores the prompt too (its logprobs lead the echoed tokens').
+        prompt_logprobs = req.prompt_logprobs if req.prompt_logprobs is not None else \
+            req.logprobs if req.echo else None
         sp = self.build_sampling_params(req, max_tokens=requested, logprobs=req.logprobs,
-                                        structured_outputs=structured)
+                                        structured_outputs=structured, prompt_logprobs=prompt_logprobs)
         request_id = f"cmpl-{req.request_id or random_uuid()}"
         ctx = _Ctx(req, model, request_id, prompts, echo_only, int(time.time()), arrival, ticket)
         if req.stream:
@@ -162,6 +155,11 @@ class OpenAIServingCompletion(OpenAIServing):
             last_len = len(tok)
         return out
 
+    @staticmethod
+    def _prompt_steps(p: _Prompt, plp: list | None) -> list:
+        """The echoed prompt's logprob steps (None for the first token, which nothing predicts)."""
+        return list(plp) if plp is not None else [None] * len(p.token_ids)
+
     def _generators(self, ctx: _Ctx, sp, tracker: RequestTracker) -> list[AsyncIterator]:
         return [self.generate(tracker, self._engine_prompt(p), sp, f"{ctx.request_id}-{i}", len(p.token_ids))
                 for i, p in enumerate(ctx.prompts)]
@@ -170,9 +168,12 @@ class OpenAIServingCompletion(OpenAIServing):
         req, n = ctx.req, sp.n
         tracker = RequestTracker(self, ctx.arrival, ctx.ticket)
         choices = {(i, j): ChoiceAccumulator() for i in range(len(ctx.prompts)) for j in range(n)}
+        prompt_lps: dict[int, list] = {}
         error: BaseException | None = None
         try:
             async for i, res in merge_async_iterators(*self._generators(ctx, sp, tracker)):
+                if res.prompt_logprobs is not None:
+                    prompt_lps[i] = res.prompt_logprobs
                 for o in res.outputs:
                     choices[(i, o.index)].add(o)
         except Exception as e:
@@ -192,12 +193,16 @@ class OpenAIServingCompletion(OpenAIServing):
             logprobs = None
             if req.echo:
                 text = self._prompt_text(p) + text
-            elif req.logprobs is not None:
-                logprobs = self._logprobs(ids, steps, req.logprobs, 0, as_ids)
+            if req.logprobs is not None:
+                lp_ids, lp_steps = (p.token_ids + ids, self._prompt_steps(p, prompt_lps.get(i)) + steps) \
+                    if req.echo else (ids, steps)
+                logprobs = self._logprobs(lp_ids, lp_steps, req.logprobs, 0, as_ids)
             out_choices.append(CompletionResponseChoice(
                 index=i * n + j, text=text, logprobs=logprobs, finish_reason=finish, stop_reason=stop_reason,
                 token_ids=ids if req.return_token_ids else None,
-                prompt_token_ids=p.token_ids if req.return_token_ids else None))
+                prompt_token_ids=p.token_ids if req.return_token_ids else None,
+                prompt_logprobs=self.prompt_logprobs_json(prompt_lps.get(i)) if sp.prompt_logprobs is not None
+                else None))
         prompt_tokens = sum(len(p.token_ids) for p in ctx.prompts)
         usage = UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                           total_tokens=prompt_tokens + completion_tokens)
@@ -214,10 +219,13 @@ class OpenAIServingCompletion(OpenAIServing):
         sent_chars: dict[tuple[int, int], int] = {}
         tokens: dict[tuple[int, int], int] = {}
         finished: set[tuple[int, int]] = set()
+        prompt_lps: dict[int, list] = {}
         error: Exception | None = None
         try:
             async for i, res in merge_async_iterators(*self._generators(ctx, sp, tracker)):
                 p = ctx.prompts[i]
+                if res.prompt_logprobs is not None:
+                    prompt_lps[i] = res.prompt_logprobs
                 for o in res.outputs:
                     key = (i, o.index)
                     if key in finished:
@@ -230,8 +238,10 @@ class OpenAIServingCompletion(OpenAIServing):
                         text, ids, steps = "", [], []
                         finish, stop_reason = ("length", None) if finish is not None else (None, None)
                     echoed = req.echo and key not in sent_chars
+                    lp_ids, lp_steps = ids, steps
                     if echoed:
                         text = self._prompt_text(p) + text
+                        lp_ids, lp_steps = p.token_ids + ids, self._prompt_steps(p, prompt_lps.get(i)) + steps
                     if not text and not ids and finish is None and key in sent_chars:
                         continue
                     offset = sent_chars.get(key, 0)
@@ -239,7 +249,7 @@ class OpenAIServingCompletion(OpenAIServing):
                     tokens[key] = tokens.get(key, 0) + len(ids)
                     logprobs = None
                     if req.logprobs is not None:
-                        logprobs = self._logprobs(ids, steps, req.logprobs, offset, as_ids)
+                        logprobs = self._logprobs(lp_ids, lp_steps, req.logprobs, offset, as_ids)
                     choice = CompletionResponseStreamChoice(
                         index=i * n + o.index, text=text, logprobs=logprobs, finish_reason=finish,
                         stop_reason=stop_reason)

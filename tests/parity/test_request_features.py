@@ -1,0 +1,77 @@
+"""What a request can ask for beyond sampling, against transformers on the default tiny Llama (fp32):
+prompt logprobs (segmented prefill, a prompt whose blocks are cached).
+
+One engine for the module: tiny buckets, so a 70-token prompt is prefilled in three segments.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.model_factory import build_tiny_llama, greedy_reference, tiny_llm
+from vllm_neuron import SamplingParams
+
+pytestmark = pytest.mark.engine
+
+LONG = [(7 * i + 3) % 4000 + 5 for i in range(70)]  # over max_num_batched_tokens (32): three segments
+SHORT = [11, 12, 13, 14, 15, 16, 17, 18, 19]
+
+
+@pytest.fixture(scope="module")
+def hf():
+    return build_tiny_llama().eval()
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama_dir):
+    return tiny_llm(tiny_llama_dir)
+
+
+def _hf_prompt_logprobs(hf, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), -1)
+
+
+def _check_prompt_logprobs(plp, ids: list[int], ref: torch.Tensor, top: int) -> None:
+    assert len(plp) == len(ids) and plp[0] is None
+    for p in range(1, len(ids)):
+        step, tok = plp[p], ids[p]
+        want = ref[p - 1]
+        assert abs(step[tok].logprob - want[tok].item()) < 1e-4, p
+        assert step[tok].rank == int((want >= want[tok]).sum())
+        best = torch.topk(want, top)
+        by_rank = {lp.rank: (t, lp.logprob) for t, lp in step.items()}
+        for r in range(top):
+            t, lp = by_rank[r + 1]
+            assert t == best.indices[r].item() and abs(lp - best.values[r].item()) < 1e-4
+
+
+def test_prompt_logprobs_match_transformers(llm, hf):
+    """Segmented prefill (LONG), a batch of two such requests, then the same prompt again after a plain
+    request filled the prefix cache with it: the hit is refused, every position computed again."""
+    sp = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=3)
+    outs = llm.generate([{"prompt_token_ids": LONG}, {"prompt_token_ids": SHORT}], sp, use_tqdm=False)
+    for out, ids in zip(outs, (LONG, SHORT)):
+        _check_prompt_logprobs(out.prompt_logprobs, ids, _hf_prompt_logprobs(hf, ids), 3)
+    llm.generate([{"prompt_token_ids": LONG}], SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)
+    again = llm.generate([{"prompt_token_ids": LONG}], sp, use_tqdm=False)[0]
+    assert again.num_cached_tokens == 0
+    _check_prompt_logprobs(again.prompt_logprobs, LONG, _hf_prompt_logprobs(hf, LONG), 3)
+
+
+def test_prompt_logprobs_leave_other_requests_alone(llm, hf):
+    """Greedy requests submitted with prompt-logprobs ones get transformers' tokens; a plain prompt served
+    from the cache after them too."""
+    plain = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    scored = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, prompt_logprobs=0)
+    outs = llm.generate([{"prompt_token_ids": SHORT}, {"prompt_token_ids": LONG}, {"prompt_token_ids": LONG[:40]}],
+                        [plain, scored, plain], use_tqdm=False)
+    ref = greedy_reference(hf, [SHORT, LONG, LONG[:40]], 6)
+    assert [o.outputs[0].token_ids for o in outs] == ref
+    assert outs[0].prompt_logprobs is None and len(outs[1].prompt_logprobs) == len(LONG)
+    assert all(len(step) == 1 for step in outs[1].prompt_logprobs[1:])  # prompt_logprobs=0: the token only
+
+
+def test_prompt_logprobs_above_the_cap_are_refused(llm):
+    with pytest.raises(ValueError, match="prompt logprobs of 21.*max allowed: 20"):
+        llm.generate("hi", SamplingParams(max_tokens=1, prompt_logprobs=21), use_tqdm=False)
