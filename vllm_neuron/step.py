@@ -28,6 +28,7 @@ class NewRequestData:
     sampling_params: SamplingParams
     eos_token_id: int | None
     mm_items: list | None = None  # multimodal.inputs.MultiModalItem per media item
+    prompt_embeds: object = None  # [len(prompt_token_ids), hidden] tensor: the prompt's input rows (ids unused)
 
 
 @dataclass

@@ -277,6 +277,9 @@ ERROR_CASES = [
     ("completions", {"prompt": "x", "echo": True, "logprobs": 21, "max_tokens": 0}, 400, "BadRequestError",
      "logprobs"),
     ("completions", {"prompt": "x", "max_tokens": 0}, 400, "BadRequestError", "max_tokens"),
+    # A server without --enable-prompt-embeds; chat never takes them (vLLM's rule).
+    ("completions", {"prompt_embeds": "AAAA"}, 400, "BadRequestError", "prompt_embeds"),
+    ("chat/completions", {"messages": CHAT, "prompt_embeds": "AAAA"}, 400, "BadRequestError", "prompt_embeds"),
     ("chat/completions", {"messages": CHAT, "prompt_logprobs": 21}, 400, "BadRequestError", "prompt_logprobs"),
     ("completions", {"prompt": "[[invalid]]"}, 400, "BadRequestError", None),
     ("completions", {"prompt": "[[dead]]"}, 500, "InternalServerError", None),

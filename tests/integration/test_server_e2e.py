@@ -72,7 +72,7 @@ def _dump_server_logs():
 
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir, tmp_path_factory):
-    srv = _start(tiny_llama_dir, str(tmp_path_factory.mktemp("server")), *FP32)
+    srv = _start(tiny_llama_dir, str(tmp_path_factory.mktemp("server")), *FP32, "--enable-prompt-embeds")
     yield srv
     _stop(srv)
 
@@ -255,6 +255,53 @@ def test_echo_scoring(server, model, tokenizer):
     token_logprobs = [v for c in streamed for ch in c["choices"] if ch.get("logprobs")
                       for v in ch["logprobs"]["token_logprobs"]]
     assert token_logprobs == out["choices"][0]["logprobs"]["token_logprobs"]
+
+
+def _b64_tensor(value) -> str:
+    import base64
+    import io
+
+    import torch
+
+    buf = io.BytesIO()
+    torch.save(value, buf)
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+class _NotATensor:
+    pass
+
+
+def test_prompt_embeds(server, model):
+    """vLLM's encoding (base64 of torch.save) alone and beside a text prompt: the greedy tokens of the
+    embeddings equal those of their token ids; bad embeddings are 400s and the server keeps serving."""
+    import pickle
+
+    import torch
+
+    from tests.model_factory import build_tiny_llama
+
+    ids = [17, 300, 4021, 99, 5, 1200, 8, 77]
+    table = build_tiny_llama().model.embed_tokens.weight.detach()
+    url = server.url + "/v1/completions"
+    common = {"model": model, "max_tokens": 5, "temperature": 0.0, "ignore_eos": True, "return_token_ids": True}
+    r = httpx.post(url, json={**common, "prompt": ids}, timeout=60)
+    want = r.json()["choices"][0]["token_ids"]
+    r = httpx.post(url, json={**common, "prompt_embeds": _b64_tensor(table[ids].clone()), "prompt": "Hi"}, timeout=60)
+    assert r.status_code == 200, r.text
+    choices = r.json()["choices"]
+    assert len(choices) == 2 and choices[0]["token_ids"] == want
+    bad = [(_b64_tensor(torch.zeros(3, 7)), "shape"), (_b64_tensor(torch.full((3, 64), float("inf"))), "NaN or inf"),
+           (_b64_tensor({"x": torch.zeros(1)}), "must hold a tensor"),
+           (__import__("base64").b64encode(pickle.dumps(_NotATensor())).decode(), "weights_only"),
+           ("A" * 400_000, "base64 characters"), ("%%%", "not valid base64")]
+    for encoded, needle in bad:
+        r = httpx.post(url, json={**common, "prompt_embeds": encoded}, timeout=60)
+        assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
+        assert r.json()["error"]["param"] == "prompt_embeds"
+    r = httpx.post(url, json={**common, "prompt_embeds": _b64_tensor(table[ids].clone()), "echo": True}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "echo"
+    assert httpx.post(url, json={**common, "prompt": ids}, timeout=60).json()["choices"][0]["token_ids"] == want
 
 
 def test_stop_string(client, model):

@@ -1,5 +1,5 @@
 """What a request can ask for beyond sampling, against transformers on the default tiny Llama (fp32):
-prompt logprobs (segmented prefill, a prompt whose blocks are cached).
+prompt logprobs (segmented prefill, a prompt whose blocks are cached), prompt embeddings.
 
 One engine for the module: tiny buckets, so a 70-token prompt is prefilled in three segments.
 """
@@ -24,7 +24,7 @@ def hf():
 
 @pytest.fixture(scope="module")
 def llm(tiny_llama_dir):
-    return tiny_llm(tiny_llama_dir)
+    return tiny_llm(tiny_llama_dir, enable_prompt_embeds=True)
 
 
 def _hf_prompt_logprobs(hf, ids: list[int]) -> torch.Tensor:
@@ -75,3 +75,36 @@ def test_prompt_logprobs_leave_other_requests_alone(llm, hf):
 def test_prompt_logprobs_above_the_cap_are_refused(llm):
     with pytest.raises(ValueError, match="prompt logprobs of 21.*max allowed: 20"):
         llm.generate("hi", SamplingParams(max_tokens=1, prompt_logprobs=21), use_tqdm=False)
+
+
+def _embeds(hf, ids: list[int]) -> torch.Tensor:
+    return hf.model.embed_tokens.weight[ids].detach().clone()
+
+
+def test_prompt_embeds_equal_their_token_ids(llm, hf):
+    """Embeddings taken from the model's table give the token ids' greedy tokens and transformers'
+    inputs_embeds generate, segmented prefill included; the same embeddings again hit the prefix cache."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    outs = llm.generate([{"prompt_embeds": _embeds(hf, LONG)}, {"prompt_token_ids": SHORT},
+                         {"prompt_embeds": _embeds(hf, SHORT)}], greedy, use_tqdm=False)
+    with torch.no_grad():
+        ref = [hf.generate(inputs_embeds=_embeds(hf, ids)[None], max_new_tokens=6, min_new_tokens=6,
+                           do_sample=False, pad_token_id=2)[0].tolist() for ids in (LONG, SHORT)]
+    assert outs[0].outputs[0].token_ids == ref[0] == greedy_reference(hf, [LONG], 6)[0]
+    assert outs[1].outputs[0].token_ids == outs[2].outputs[0].token_ids == ref[1]
+    again = llm.generate([{"prompt_embeds": _embeds(hf, LONG)}], greedy, use_tqdm=False)[0]
+    assert again.num_cached_tokens >= 64 and again.outputs[0].token_ids == ref[0]
+    other = _embeds(hf, LONG)
+    other[-1] += 0.5  # other bytes, another prefix-cache key
+    assert llm.generate([{"prompt_embeds": other}], greedy, use_tqdm=False)[0].num_cached_tokens == 0
+
+
+@pytest.mark.parametrize("embeds, match", [
+    (torch.zeros(4, 7), r"shape \[seq_len, 64\]"),
+    (torch.zeros(4, 64, dtype=torch.int64), "float32, bfloat16 or float16"),
+    (torch.full((4, 64), float("nan")), "NaN or infinite"),
+    ([[0.0] * 64], "must be a torch.Tensor"),
+])
+def test_bad_prompt_embeds_are_refused(llm, embeds, match):
+    with pytest.raises(ValueError, match=match):
+        llm.generate([{"prompt_embeds": embeds}], SamplingParams(max_tokens=1), use_tqdm=False)

@@ -102,7 +102,8 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool =
                    f"{', '.join(QUANTIZATIONS)}), or an FP8 checkpoint (default: unset)")
     g.add_argument("--trust-remote-code", action="store_true",
                    help="accepted for vLLM compatibility; no remote code is ever run")
-    g.add_argument("--enable-prompt-embeds", action="store_true", help="refused: not supported yet")
+    g.add_argument("--enable-prompt-embeds", action="store_true",
+                   help="accept prompt_embeds ([seq_len, hidden] tensors) in place of token ids")
 
     g = arg_group(parser, "cache")
     g.add_argument("--block-size", type=int, default=d.block_size, choices=BLOCK_SIZES,

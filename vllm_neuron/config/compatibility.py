@@ -80,6 +80,14 @@ REFUSED: tuple[Refusal, ...] = (
     _refuse("expert_parallel", "data_parallel", message="enable_expert_parallel=True is not supported yet by "
             "vllm-neuron: with data_parallel_size={data_parallel_size} (experts over the replicas); use expert "
             "parallelism within one replica"),
+    # Prompt embeddings
+    _refuse("prompt_embeds", "multimodal", message="enable_prompt_embeds=True is not supported yet by vllm-neuron "
+            "for multimodal models (their prefill builds its own input embeddings from the media)"),
+    _refuse("prompt_embeds", "speculative", message="enable_prompt_embeds=True is not supported yet by vllm-neuron "
+            "with speculative decoding (drafts are proposed from the prompt's token ids, which an embeddings prompt "
+            "does not have); remove --speculative-config"),
+    _refuse("prompt_embeds", "tensor_parallel", message="enable_prompt_embeds=True is not supported yet by "
+            "vllm-neuron with tensor_parallel_size={tensor_parallel_size}; use tensor_parallel_size=1"),
     # Compilation
     _refuse("decode_cpp_wrapper", "eager_backend", message="neuron_config.decode_cpp_wrapper=true needs compiled "
             "graphs; it cannot be combined with enforce_eager or VLLM_NEURON_BACKEND=eager"),
@@ -109,6 +117,7 @@ class Features:
     expert_parallel: bool = False
     decode_cpp_wrapper: bool = False
     compile_workers: int = 1  # NEURON_LIBTORCH_PARALLEL_COMPILE_WORKERS
+    prompt_embeds: bool = False  # enable_prompt_embeds
 
     def names(self) -> frozenset[str]:
         flags = {
@@ -118,7 +127,7 @@ class Features:
             "async_scheduling": self.async_scheduling is True, "tensor_parallel": self.tensor_parallel_size > 1,
             "data_parallel": self.data_parallel_size > 1, "multi_node_tp": self.nnodes > 1,
             "expert_parallel": self.expert_parallel, "decode_cpp_wrapper": self.decode_cpp_wrapper,
-            "parallel_compile": self.compile_workers > 1,
+            "parallel_compile": self.compile_workers > 1, "prompt_embeds": self.prompt_embeds,
         }
         out = {name for name, on in flags.items() if on}
         if self.speculative is not None:

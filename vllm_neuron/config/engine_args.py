@@ -193,8 +193,6 @@ class EngineArgs(EngineOptions):
         V.choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         V.boolean("async_scheduling", self.async_scheduling, allow_none=True)
         self._check_data_parallel()
-        if self.enable_prompt_embeds:
-            raise V.not_supported("enable_prompt_embeds", True)
         if self.kv_transfer_config:
             raise V.not_supported("kv_transfer_config", self.kv_transfer_config,
                                   "disaggregated prefill/decode inference is not built yet")
@@ -230,7 +228,8 @@ class EngineArgs(EngineOptions):
             async_scheduling=self.async_scheduling, tensor_parallel_size=self.tensor_parallel_size,
             data_parallel_size=self.data_parallel_size, nnodes=self.nnodes,
             expert_parallel=self.enable_expert_parallel, decode_cpp_wrapper=nc.decode_cpp_wrapper,
-            compile_workers=envs.NEURON_LIBTORCH_PARALLEL_COMPILE_WORKERS or 1)
+            compile_workers=envs.NEURON_LIBTORCH_PARALLEL_COMPILE_WORKERS or 1,
+            prompt_embeds=self.enable_prompt_embeds)
 
     def _check_numbers(self) -> None:
         V.choice("block_size", self.block_size, BLOCK_SIZES)

@@ -36,6 +36,7 @@ class Request:
     # Keys that must match besides the tokens for a prefix-cache hit (e.g. image hashes, LoRA).
     cache_salt: tuple = ()
     mm_items: list | None = None  # media items (opaque here; the runner encodes them)
+    prompt_embeds: object = None  # [num_prompt_tokens, hidden] tensor (opaque here; the runner's input rows)
 
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING

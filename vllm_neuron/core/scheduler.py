@@ -207,7 +207,7 @@ class Scheduler:
                         self._isolated.discard(req.request_id)
                         alone = True
                     new.append(NewRequestData(req.request_id, req.prompt_token_ids, req.sampling_params,
-                                              req.eos_token_id, req.mm_items))
+                                              req.eos_token_id, req.mm_items, req.prompt_embeds))
             tokens = req.all_token_ids[start:start + n]
             sample = start + n == req.num_tokens
             chunks.append(ScheduledChunk(req.request_id, tokens, start, *self._tables(req.request_id),

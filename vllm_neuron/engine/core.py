@@ -12,6 +12,7 @@ from vllm_neuron.config.compatibility import V2_LOG_LINE
 from vllm_neuron.config.engine_config import EngineConfig
 from vllm_neuron.core.request import Request, RequestStatus
 from vllm_neuron.core.scheduler import Scheduler, SchedulerConfig
+from vllm_neuron.engine.prompt_embeds import embeds_digest
 from vllm_neuron.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from vllm_neuron.logger import init_logger
 from vllm_neuron.step import ModelRunnerOutput, SchedulerOutput
@@ -115,8 +116,11 @@ class EngineCore:
     def add_request(self, req: EngineCoreRequest) -> None:
         # Media hashes join the prefix-cache keys: prompts that differ only in their media share no KV.
         salt = tuple(item.mm_hash for item in req.mm_items) if req.mm_items else ()
+        if req.prompt_embeds is not None:  # placeholder ids: the embeddings' bytes key the prefix cache
+            salt += (embeds_digest(req.prompt_embeds),)
         request = Request(req.request_id, req.prompt_token_ids, req.sampling_params, req.eos_token_id,
-                          arrival_time=req.arrival_time, cache_salt=salt, mm_items=req.mm_items)
+                          arrival_time=req.arrival_time, cache_salt=salt, mm_items=req.mm_items,
+                          prompt_embeds=req.prompt_embeds)
         if req.sampling_params.structured_outputs is None:
             self.scheduler.add_request(request)
             return

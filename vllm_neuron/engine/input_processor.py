@@ -36,6 +36,13 @@ def multimodal_processor(config, ckpt, tokenizer) -> "MultiModalProcessor | None
                                max_frame_patches=enc.encoder_attention_block_size, tokenizer=tokenizer)
 
 
+def prompt_embeds_spec(config, ckpt) -> tuple[int, Any] | None:
+    """(hidden size, dtype) a prompt's embeddings must fit with --enable-prompt-embeds; None without it."""
+    if not config.enable_prompt_embeds:
+        return None
+    return ckpt.hf_config.get_text_config().hidden_size, config.torch_dtype
+
+
 def child_request_id(index: int, request_id: str) -> str:
     return f"{index}_{request_id}"
 
@@ -44,9 +51,12 @@ class InputProcessor:
     def __init__(self, tokenizer: Any, max_model_len: int, generation_config: Mapping[str, Any],
                  odsc: OnDeviceSamplingConfig | None, max_logprobs: int, vocab_size: int,
                  mm_processor: "MultiModalProcessor | None" = None,
-                 grammar_check: Callable[[StructuredOutputsParams, int | None], None] | None = None) -> None:
+                 grammar_check: Callable[[StructuredOutputsParams, int | None], None] | None = None,
+                 prompt_embeds: tuple[int, Any] | None = None) -> None:
         """grammar_check(params, max_tokens): a structured-output constraint's size limits and compilation
-        (structured_output/checker.py; ValueError naming the problem); None: compiled here, unbounded."""
+        (structured_output/checker.py; ValueError naming the problem); None: compiled here, unbounded.
+        prompt_embeds: (hidden size, torch dtype) of the model with --enable-prompt-embeds; None: refused."""
+        self.prompt_embeds = prompt_embeds
         self.tokenizer = tokenizer
         self.grammar_check = grammar_check
         self.mm_processor = mm_processor
@@ -99,7 +109,8 @@ class InputProcessor:
             if "prompt" in prompt:
                 return prompt["prompt"], self.tokenizer.encode(prompt["prompt"], add_special_tokens=True)
             if "prompt_embeds" in prompt:
-                raise ValueError("prompt_embeds requires enable_prompt_embeds, which is not supported yet")
+                raise ValueError("prompt_embeds requires the engine option enable_prompt_embeds "
+                                 "(--enable-prompt-embeds)")
             raise ValueError(f"a prompt dict needs 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}")
         if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
             return None, list(prompt)
@@ -107,7 +118,11 @@ class InputProcessor:
 
     def process(self, request_id: str, prompt: Any, params: SamplingParams) -> tuple[str | None, list[int],
                                                                                      list[EngineCoreRequest]]:
-        text, ids, mm_items = self.tokenize_multimodal(prompt)
+        embeds = None
+        if isinstance(prompt, Mapping) and "prompt_embeds" in prompt and self.prompt_embeds is not None:
+            text, ids, mm_items, embeds = self._embeds_prompt(prompt, params)
+        else:
+            text, ids, mm_items = self.tokenize_multimodal(prompt)
         self.validate(ids, params)
         params = params.clone()
         if params.max_tokens is None:
@@ -118,13 +133,27 @@ class InputProcessor:
             params._bad_words_token_ids = self._bad_words_ids(params.bad_words)
         now = time.monotonic()
         if params.n == 1:
-            return text, ids, [EngineCoreRequest(request_id, ids, params, self.eos_token_id, now, mm_items)]
+            return text, ids, [EngineCoreRequest(request_id, ids, params, self.eos_token_id, now, mm_items, embeds)]
         reqs = []
         for i in range(params.n):
             child = dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + i)
             reqs.append(EngineCoreRequest(child_request_id(i, request_id), ids, child, self.eos_token_id, now,
-                                          mm_items))
+                                          mm_items, embeds))
         return text, ids, reqs
+
+    def _embeds_prompt(self, prompt: Mapping, params: SamplingParams) -> tuple[None, list[int], None, Any]:
+        """{"prompt_embeds": tensor}: (no text, placeholder ids, no media, the checked tensor)."""
+        from vllm_neuron.engine.prompt_embeds import check_prompt_embeds
+
+        extra = sorted(set(prompt) - {"prompt_embeds", "cache_salt"})
+        if extra:
+            raise ValueError(f"a prompt_embeds prompt takes no other input, got {extra}")
+        if params.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs is not supported with prompt_embeds: the prompt has no token ids "
+                             "to score")
+        hidden, dtype = self.prompt_embeds
+        embeds = check_prompt_embeds(prompt["prompt_embeds"], hidden, dtype, self.max_model_len)
+        return None, [0] * embeds.shape[0], None, embeds
 
     def validate(self, ids: list[int], params: SamplingParams) -> None:
         if not ids:

@@ -5,6 +5,7 @@ Plain dataclasses, so they can be sent over a socket as msgpack when the core ru
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from vllm_neuron.sampling_params import SamplingParams
 
@@ -17,6 +18,8 @@ class EngineCoreRequest:
     eos_token_id: int | None
     arrival_time: float
     mm_items: list | None = None  # multimodal.inputs.MultiModalItem per media item, in prompt order
+    # --enable-prompt-embeds: [len(prompt_token_ids), hidden] in the model's dtype (the ids are placeholders).
+    prompt_embeds: Any = None
 
 
 @dataclass

@@ -159,6 +159,15 @@ class GraphBase:
         """(the prefill step's output, the hidden states of all its tokens)."""
         raise NotImplementedError
 
+    def _prefill_kwargs(self, x: PrefillInputs) -> dict:
+        """The model's keyword inputs of a prefill; with prompt embeddings a per-row select between them and
+        the token embeddings (one graph for both kinds of prompt)."""
+        if x.embeds is None:
+            return x.model_kwargs
+        tokens = self.model.embed_input_ids(x.input_ids)
+        return {**x.model_kwargs, "inputs_embeds": torch.where(x.embeds_rows[:, None], x.embeds.to(tokens.dtype),
+                                                               tokens)}
+
     def prefill(self, x: PrefillInputs) -> StepOutput:
         return self._prefill(x)[0]
 
@@ -178,7 +187,7 @@ class StepGraphs(GraphBase):
     def _prefill(self, x: PrefillInputs) -> tuple[StepOutput, torch.Tensor]:
         meta = self.prefill_meta(x)
         hidden, taps = self.forward(x.input_ids, x.positions, x.kv_caches, meta,
-                                    self._group_metas(meta, x.groups, True), x.model_kwargs)
+                                    self._group_metas(meta, x.groups, True), self._prefill_kwargs(x))
         tokens, logits = self.sample(self.model.compute_logits(hidden[x.logits_indices]), x.bitmask, x.sampling)
         drafts = None if self.drafter is None else self.drafter.after_prefill(self, x, tokens, taps, meta)
         return StepOutput(tokens, logits, drafts), hidden
@@ -237,7 +246,7 @@ class SlotStepGraphs(GraphBase):
     def _prefill(self, x: PrefillInputs) -> tuple[StepOutput, torch.Tensor]:
         meta = self.prefill_meta(x)
         hidden, _ = self.forward(x.input_ids, x.positions, x.kv_caches, meta, self._group_metas(meta, x.groups, True),
-                                 x.model_kwargs)
+                                 self._prefill_kwargs(x))
         logits = self.model.compute_logits(hidden[x.logits_indices])
         next_pos = x.positions[x.logits_indices] + 1  # where the sampled token will sit
         slots, state = x.sampling.slots, x.sampling.state

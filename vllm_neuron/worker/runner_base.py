@@ -259,7 +259,8 @@ class ModelRunnerBase:
                 "tp_rank": ps.info().rank, "ep_degree": ps.info().ep_degree,
                 "quantization": self.config.neuron_config.quantization,
                 "decode_cpp_wrapper": self.config.neuron_config.decode_cpp_wrapper,
-                "kinds": [k.graph_options() for k in self.kinds]}
+                "kinds": [k.graph_options() for k in self.kinds],
+                "prompt_embeds": self.config.enable_prompt_embeds}
         if self.speculator is not None:
             opts["speculator"] = self.speculator.graph_options()
         if self.kv_layout.num_groups > 1:
@@ -357,7 +358,25 @@ class ModelRunnerBase:
                 c, num_tokens, num_context, rows, self.block_size, self._max_blocks()), tables),
             model_kwargs={k: v for kind in self.kinds for k, v in kind.prefill_kwargs(chunks, a).items()},
             draft_kv=self.draft_kv)
+        if self.config.enable_prompt_embeds:
+            x.embeds, x.embeds_rows = self._prompt_embeds_rows(chunks, num_tokens)
         return x, a
+
+    def _prompt_embeds_rows(self, chunks, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """([T, hidden] embeddings, [T] where they replace the token embeddings) of a prefill step: the prompt
+        positions of requests that came with prompt_embeds."""
+        embeds = torch.zeros(num_tokens, self.ckpt.hf_config.get_text_config().hidden_size, dtype=self.dtype)
+        rows = torch.zeros(num_tokens, dtype=torch.bool)
+        t = 0
+        for c in chunks:
+            st = self.sampling.states.get(c.req_id)
+            given = st.data.prompt_embeds if st is not None else None
+            end = min(c.start_pos + len(c.token_ids), given.shape[0]) if given is not None else 0
+            if end > c.start_pos:
+                embeds[t:t + end - c.start_pos] = given[c.start_pos:end]
+                rows[t:t + end - c.start_pos] = True
+            t += len(c.token_ids)
+        return embeds.to(self.device), rows.to(self.device)
 
     def _group_tables(self, chunks, build: Callable[[list], Any], tables: str) -> tuple[GroupTables, ...]:
         """KV cache groups 1..: each group's (slot_mapping, `tables` field) of the same step's host arrays built

@@ -95,6 +95,9 @@ class PrefillInputs:
     model_kwargs: dict = field(default_factory=dict)  # a model kind's inputs, e.g. {"mm": ...}
     draft: Any = None  # a speculator's prefill inputs
     draft_kv: KVCaches = field(default_factory=list)  # a speculator's KV layers
+    # --enable-prompt-embeds: [T, hidden] rows that replace the token embeddings where embeds_rows [T] is set
+    embeds: torch.Tensor | None = None
+    embeds_rows: torch.Tensor | None = None
 
 
 @_pytree

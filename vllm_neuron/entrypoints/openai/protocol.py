@@ -179,6 +179,8 @@ class _SamplingFields(OpenAIRequestModel):
 
 class CompletionRequest(_SamplingFields):
     prompt: Union[list[int], list[list[int]], str, list[str], None] = None
+    # --enable-prompt-embeds: base64 of torch.save'd [seq_len, hidden] tensors, one prompt each (vLLM's encoding)
+    prompt_embeds: Union[str, list[str], None] = None
     echo: bool | None = False
     logprobs: int | None = Field(None, ge=-1)
     max_tokens: int | None = Field(16, ge=0)  # 0 only with echo

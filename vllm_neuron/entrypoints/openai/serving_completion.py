@@ -31,17 +31,23 @@ from vllm_neuron.structured_output.params import StructuredOutputsParams
 _DEFAULT_MAX_TOKENS = 16  # vLLM's and OpenAI's default for this endpoint
 
 
-def _num_prompts(prompt: Any) -> int:
-    """The prompts a completion request holds (a text, a token list, or a list of either)."""
+def _num_prompts(req: CompletionRequest) -> int:
+    """The prompts a completion request holds: its embeddings prompts, then a text, a token list, or a list
+    of either."""
+    prompt, embeds = req.prompt, req.prompt_embeds
+    n = 0 if not embeds else 1 if isinstance(embeds, str) else len(embeds)
+    if prompt is None or prompt == "" or prompt == []:
+        return max(n, 1)
     if isinstance(prompt, list) and prompt and not all(isinstance(t, int) for t in prompt):
-        return len(prompt)
-    return 1
+        return n + len(prompt)
+    return n + 1
 
 
 @dataclass
 class _Prompt:
-    token_ids: list[int]
+    token_ids: list[int]  # placeholders (0) for an embeddings prompt
     text: str | None
+    embeds: Any = None  # torch tensor [len(token_ids), hidden]: the prompt_embeds of an embeddings prompt
 
 
 class OpenAIServingCompletion(OpenAIServing):
@@ -58,9 +64,11 @@ class OpenAIServingCompletion(OpenAIServing):
             raise BadRequestError("Stream options can only be defined when `stream=True`.", param="stream_options")
         self.check_logprobs_cap(req.logprobs, "logprobs")
         self.check_logprobs_cap(req.prompt_logprobs, "prompt_logprobs")
+        if req.prompt_embeds:
+            self._check_embeds_request(req)
         structured, structured_param = structured_outputs_from_request(req)
         # Room among the admitted requests before any work (tokenization, grammar).
-        return await self.admitted((req.n or 1) * _num_prompts(req.prompt), lambda ticket: self._create(
+        return await self.admitted((req.n or 1) * _num_prompts(req), lambda ticket: self._create(
             req, model, structured, structured_param, arrival, ticket, raw_request))
 
     async def _create(self, req: CompletionRequest, model: str, structured: StructuredOutputsParams | None,
@@ -87,9 +95,40 @@ class OpenAIServingCompletion(OpenAIServing):
             return Response(status_code=499)
         return JSONResponse(content=result.model_dump())
 
+    def _check_embeds_request(self, req: CompletionRequest) -> None:
+        if self.engine.model_info.prompt_embeds_hidden_size is None:
+            raise BadRequestError("prompt_embeds requires a server started with --enable-prompt-embeds.",
+                                  param="prompt_embeds")
+        for field, on in (("echo", req.echo), ("prompt_logprobs", req.prompt_logprobs is not None)):
+            if on:  # vLLM's rule: an embeddings prompt has no text or token ids to echo or score
+                raise BadRequestError(f"`{field}` cannot be combined with prompt_embeds (the prompt has no tokens).",
+                                      param=field)
+
+    async def _embeds_prompts(self, req: CompletionRequest) -> list[_Prompt]:
+        from vllm_neuron.engine.prompt_embeds import check_prompt_embeds, decode_prompt_embeds, max_encoded_chars
+
+        hidden = self.engine.model_info.prompt_embeds_hidden_size
+        encoded = [req.prompt_embeds] if isinstance(req.prompt_embeds, str) else list(req.prompt_embeds)
+
+        def load(item: str):  # decoding megabytes: off the event loop
+            t = decode_prompt_embeds(item, max_encoded_chars(self.max_model_len, hidden))
+            return check_prompt_embeds(t, hidden, None, self.max_model_len)
+
+        out = []
+        for item in encoded:
+            try:
+                t = await self.run_blocking(load, item)
+            except ValueError as e:
+                raise BadRequestError(str(e), param="prompt_embeds") from None
+            out.append(_Prompt([0] * t.shape[0], None, t))
+        return out
+
     async def _prompts(self, req: CompletionRequest) -> list[_Prompt]:
         raw = req.prompt
+        embedded = await self._embeds_prompts(req) if req.prompt_embeds else []
         empty = BadRequestError("Either prompt or prompt_embeds must be provided and non-empty.", param="prompt")
+        if embedded and (raw is None or raw == "" or raw == []):
+            return self._truncated(req, embedded)
         if raw is None or raw == "" or raw == []:
             raise empty
         if isinstance(raw, str):
@@ -111,6 +150,9 @@ class OpenAIServingCompletion(OpenAIServing):
                     raise empty
                 self.check_token_ids(item, "prompt")
                 prompts.append(_Prompt(list(item), None))
+        return self._truncated(req, embedded + prompts)
+
+    def _truncated(self, req: CompletionRequest, prompts: list[_Prompt]) -> list[_Prompt]:
         if req.truncate_prompt_tokens is not None:
             keep = self.max_model_len if req.truncate_prompt_tokens == -1 else req.truncate_prompt_tokens
             if keep < 1:
@@ -118,11 +160,15 @@ class OpenAIServingCompletion(OpenAIServing):
                                       param="truncate_prompt_tokens")
             for p in prompts:
                 if len(p.token_ids) > keep:
-                    ids = p.token_ids[:keep] if req.truncation_side == "right" else p.token_ids[-keep:]
-                    p.token_ids, p.text = ids, None
+                    cut = slice(None, keep) if req.truncation_side == "right" else slice(-keep, None)
+                    p.token_ids, p.text = p.token_ids[cut], None
+                    if p.embeds is not None:
+                        p.embeds = p.embeds[cut]
         return prompts
 
     def _engine_prompt(self, p: _Prompt) -> TokensPrompt:
+        if p.embeds is not None:
+            return TokensPrompt(prompt_embeds=p.embeds)
         prompt = TokensPrompt(prompt_token_ids=p.token_ids)
         if p.text is not None:
             prompt["prompt"] = p.text
