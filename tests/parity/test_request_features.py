@@ -1,5 +1,6 @@
 """What a request can ask for beyond sampling, against transformers on the default tiny Llama (fp32):
-prompt logprobs (segmented prefill, a prompt whose blocks are cached), prompt embeddings.
+prompt logprobs (segmented prefill, a prompt whose blocks are cached), prompt embeddings, --logprobs-mode
+(every mode is checked by hand in tests/unit/test_host_sampler.py; here one through the engine).
 
 One engine for the module: tiny buckets, so a 70-token prompt is prefilled in three segments.
 """
@@ -24,7 +25,8 @@ def hf():
 
 @pytest.fixture(scope="module")
 def llm(tiny_llama_dir):
-    return tiny_llm(tiny_llama_dir, enable_prompt_embeds=True)
+    # processed_logprobs: sampled tokens' logprobs after temperature and top-k (prompt logprobs stay raw).
+    return tiny_llm(tiny_llama_dir, enable_prompt_embeds=True, logprobs_mode="processed_logprobs")
 
 
 def _hf_prompt_logprobs(hf, ids: list[int]) -> torch.Tensor:
@@ -108,3 +110,16 @@ def test_prompt_embeds_equal_their_token_ids(llm, hf):
 def test_bad_prompt_embeds_are_refused(llm, embeds, match):
     with pytest.raises(ValueError, match=match):
         llm.generate([{"prompt_embeds": embeds}], SamplingParams(max_tokens=1), use_tqdm=False)
+
+
+def test_processed_logprobs_mode(llm, hf):
+    sp = SamplingParams(temperature=0.5, top_k=3, seed=7, max_tokens=4, logprobs=2, ignore_eos=True)
+    out = llm.generate([{"prompt_token_ids": SHORT}], sp, use_tqdm=False)[0].outputs[0]
+    with torch.no_grad():
+        logits = hf(torch.tensor([SHORT + out.token_ids])).logits[0, len(SHORT) - 1:-1].float()
+    for step, tok, lg in zip(out.logprobs, out.token_ids, logits):
+        top3 = (lg / 0.5).topk(3).indices
+        truncated = torch.full_like(lg, float("-inf"))
+        truncated[top3] = lg[top3] / 0.5
+        ref = truncated.log_softmax(-1)
+        assert tok in top3.tolist() and abs(step[tok].logprob - ref[tok].item()) < 1e-4

@@ -15,7 +15,8 @@ import argparse
 import json
 
 from vllm_neuron.config.device import DEVICE_CHOICES, DTYPE_CHOICES
-from vllm_neuron.config.engine_args import BLOCK_SIZES, BUNDLED_MODEL_NAME, KV_CACHE_DTYPES, EngineArgs, option_names
+from vllm_neuron.config.engine_args import (BLOCK_SIZES, BUNDLED_MODEL_NAME, KV_CACHE_DTYPES, LOGPROBS_MODES, EngineArgs,
+                                          option_names)
 from vllm_neuron.config.generation_config import GENERATION_CONFIG_HELP
 from vllm_neuron.config.neuron_config import QUANTIZATIONS
 from vllm_neuron.config.speculative import SPECULATIVE_METHODS
@@ -92,6 +93,9 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool =
     g.add_argument("--seed", type=int, default=d.seed, help="seed of the sampler's random numbers")
     g.add_argument("--max-logprobs", type=int, default=d.max_logprobs,
                    help="largest logprobs / top_logprobs a request may ask for (0 or more; -1: the whole vocabulary)")
+    g.add_argument("--logprobs-mode", default=d.logprobs_mode, choices=LOGPROBS_MODES,
+                   help="what logprobs report: the model's (raw_) or those the token is drawn from after penalties, "
+                   "temperature, top-k / top-p (processed_); log-probabilities or logits")
     g.add_argument("--generation-config", default=d.generation_config,
                    help=f"default sampling parameters: {GENERATION_CONFIG_HELP}")
     g.add_argument("--override-generation-config", type=_json_arg, default=None,

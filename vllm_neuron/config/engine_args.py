@@ -66,6 +66,10 @@ def _json_dict(option: str, value: dict | str | None) -> dict:
                              f"{option} must be a JSON object, got {{value!r}}")
 
 
+# vLLM's --logprobs-mode values: what a request's logprobs are taken from (worker/host_sampler.py).
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
+
+
 @dataclass(frozen=True)
 class EngineOptions:
     """Every engine option, with vLLM's names and defaults: what EngineArgs (as given) and EngineConfig
@@ -109,6 +113,7 @@ class EngineOptions:
     kv_cache_dtype: str = "auto"
     async_scheduling: bool | None = None
     max_logprobs: int = 20  # -1: the whole vocabulary
+    logprobs_mode: str = "raw_logprobs"  # one of LOGPROBS_MODES
     enable_prompt_embeds: bool = False
     speculative_config: dict | str | SpeculativeConfig | None = None
     kv_transfer_config: dict | str | None = None
@@ -191,6 +196,7 @@ class EngineArgs(EngineOptions):
         device = resolve_device(self.device) if device is None else device
         self._check_numbers()
         V.choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        V.choice("logprobs_mode", self.logprobs_mode, LOGPROBS_MODES)
         V.boolean("async_scheduling", self.async_scheduling, allow_none=True)
         self._check_data_parallel()
         if self.kv_transfer_config:

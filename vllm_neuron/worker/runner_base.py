@@ -65,7 +65,7 @@ class ModelRunnerBase:
         self.context_buckets = nc.context_buckets
         self.kv_segment = nc.kv_segment_size_buckets[0] if nc.kv_segment_size_buckets else 0
         self.odsc = nc.on_device_sampling_config
-        self.sampling = SamplingStates(self.odsc, config.seed)
+        self.sampling = SamplingStates(self.odsc, config.seed, config.logprobs_mode)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.draft_kv: list[tuple[torch.Tensor, torch.Tensor]] = []  # the speculator's KV layers
         self.kv_prefaulter: KVPrefaulter | None = None

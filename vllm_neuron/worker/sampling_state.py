@@ -42,8 +42,9 @@ class RequestState:
 
 
 class SamplingStates:
-    def __init__(self, odsc: OnDeviceSamplingConfig | None, seed: int) -> None:
+    def __init__(self, odsc: OnDeviceSamplingConfig | None, seed: int, logprobs_mode: str = "raw_logprobs") -> None:
         self.odsc = odsc
+        self.logprobs_mode = logprobs_mode
         self.rng = torch.Generator().manual_seed(seed)
         self.states: dict[str, RequestState] = {}
         if odsc is not None and not odsc.all_greedy:
@@ -126,7 +127,8 @@ class SamplingStates:
                 host_inputs.append(HostSamplingRow(p, st.data.prompt_token_ids, st.output_token_ids, u,
                                                    stop_ids, p._bad_words_token_ids or ()))
             res = host_sample(logits[[rows[i] for i in host_rows]].float().cpu(), host_inputs,
-                              max_top_k=self.odsc.top_k if self.odsc is not None else None)
+                              max_top_k=self.odsc.top_k if self.odsc is not None else None,
+                              logprobs_mode=self.logprobs_mode)
             for j, i in enumerate(host_rows):
                 tokens[i] = res.token_ids[j]
                 if res.logprobs[j] is not None:
