@@ -1,6 +1,7 @@
 """What a request can ask for beyond sampling, against transformers on the default tiny Llama (fp32):
 prompt logprobs (segmented prefill, a prompt whose blocks are cached), prompt embeddings, --logprobs-mode
-(every mode is checked by hand in tests/unit/test_host_sampler.py; here one through the engine).
+(every mode is checked by hand in tests/unit/test_host_sampler.py; here one through the engine), a custom
+logits processor.
 
 One engine for the module: tiny buckets, so a 70-token prompt is prefilled in three segments.
 """
@@ -11,6 +12,7 @@ import torch
 
 from tests.model_factory import build_tiny_llama, greedy_reference, tiny_llm
 from vllm_neuron import SamplingParams
+from vllm_neuron.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
 
 pytestmark = pytest.mark.engine
 
@@ -123,3 +125,56 @@ def test_processed_logprobs_mode(llm, hf):
         truncated[top3] = lg[top3] / 0.5
         ref = truncated.log_softmax(-1)
         assert tok in top3.tolist() and abs(step[tok].logprob - ref[tok].item()) < 1e-4
+
+
+class BanToken(LogitsProcessor):
+    """Bans the token a request names in extra_args["ban"] (vLLM's DummyLogitsProcessor pattern)."""
+
+    def __init__(self, config, device, is_pin_memory) -> None:
+        self.ban: dict[int, int] = {}
+
+    def is_argmax_invariant(self) -> bool:
+        return False
+
+    @classmethod
+    def validate_params(cls, params) -> None:
+        ban = (params.extra_args or {}).get("ban")
+        if ban is not None and not isinstance(ban, int):
+            raise ValueError(f"extra_args['ban'] must be a token id, got {ban!r}")
+
+    def update_state(self, update: BatchUpdate | None) -> None:
+        if update is None:
+            return
+        for i in update.removed:
+            self.ban.pop(i, None)
+        for i, params, _, _ in update.added:
+            self.ban.pop(i, None)
+            if (params.extra_args or {}).get("ban") is not None:
+                self.ban[i] = params.extra_args["ban"]
+        for a, b, how in update.moved:
+            moved, other = self.ban.pop(a, None), self.ban.pop(b, None)
+            if moved is not None:
+                self.ban[b] = moved
+            if how == MoveDirectionality.SWAP and other is not None:
+                self.ban[a] = other
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        for i, token in self.ban.items():
+            logits[i, token] = float("-inf")
+        return logits
+
+
+def test_custom_logits_processor_bans_a_token(tiny_llama_dir, hf):
+    llm = tiny_llm(tiny_llama_dir, logits_processors=[BanToken])
+    greedy = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    free = greedy_reference(hf, [SHORT], 5)[0]
+    banned = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, extra_args={"ban": free[0]})
+    outs = llm.generate([{"prompt_token_ids": SHORT}] * 3, [greedy, banned, greedy], use_tqdm=False)
+    assert outs[0].outputs[0].token_ids == outs[2].outputs[0].token_ids == free
+    got = outs[1].outputs[0].token_ids
+    with torch.no_grad():
+        first = hf(torch.tensor([SHORT])).logits[0, -1]
+    first[free[0]] = float("-inf")
+    assert free[0] not in got and got[0] == int(first.argmax())
+    with pytest.raises(ValueError, match="must be a token id"):
+        llm.generate("hi", SamplingParams(max_tokens=1, extra_args={"ban": "x"}), use_tqdm=False)

@@ -93,6 +93,9 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool =
     g.add_argument("--seed", type=int, default=d.seed, help="seed of the sampler's random numbers")
     g.add_argument("--max-logprobs", type=int, default=d.max_logprobs,
                    help="largest logprobs / top_logprobs a request may ask for (0 or more; -1: the whole vocabulary)")
+    g.add_argument("--logits-processors", nargs="+", default=None, metavar="MODULE:CLASS",
+                   help="custom logits processors (vLLM V1's batch-level interface) applied to every request on the "
+                   "host sampler (default: none)")
     g.add_argument("--logprobs-mode", default=d.logprobs_mode, choices=LOGPROBS_MODES,
                    help="what logprobs report: the model's (raw_) or those the token is drawn from after penalties, "
                    "temperature, top-k / top-p (processed_); log-probabilities or logits")

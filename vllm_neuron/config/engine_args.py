@@ -26,6 +26,7 @@ from vllm_neuron.config.generation_config import check_generation_config_arg, pa
 from vllm_neuron.config.json_object import parse_json_object
 from vllm_neuron.config.neuron_config import AdditionalConfig, parse_additional_config
 from vllm_neuron.config.speculative import SpeculativeConfig, parse_speculative_config
+from vllm_neuron.logits_processor import load_logits_processor
 
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")  # fp8 = fp8_e4m3
 BLOCK_SIZES = (8, 16, 32, 64, 128)
@@ -114,6 +115,8 @@ class EngineOptions:
     async_scheduling: bool | None = None
     max_logprobs: int = 20  # -1: the whole vocabulary
     logprobs_mode: str = "raw_logprobs"  # one of LOGPROBS_MODES
+    # Custom logits processors: 'package.module:Class' strings or classes (vllm_neuron/logits_processor.py).
+    logits_processors: list | None = None
     enable_prompt_embeds: bool = False
     speculative_config: dict | str | SpeculativeConfig | None = None
     kv_transfer_config: dict | str | None = None
@@ -197,6 +200,12 @@ class EngineArgs(EngineOptions):
         self._check_numbers()
         V.choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         V.choice("logprobs_mode", self.logprobs_mode, LOGPROBS_MODES)
+        if self.logits_processors is not None:
+            if isinstance(self.logits_processors, (str, type)) or not isinstance(self.logits_processors, (list, tuple)):
+                raise ValueError(f"logits_processors must be a list of 'package.module:Class' names or classes, got "
+                                 f"{self.logits_processors!r}")
+            for spec in self.logits_processors:
+                load_logits_processor(spec)  # a start-up error naming the entry, before any engine starts
         V.boolean("async_scheduling", self.async_scheduling, allow_none=True)
         self._check_data_parallel()
         if self.kv_transfer_config:

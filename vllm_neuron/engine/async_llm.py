@@ -20,7 +20,8 @@ from vllm_neuron.config.engine_config import EngineConfig
 from vllm_neuron.config.generation_config import effective_generation_config
 from vllm_neuron.engine.core_client import CoreClient
 from vllm_neuron.engine.dp_router import DPRouter
-from vllm_neuron.engine.input_processor import InputProcessor, multimodal_processor, prompt_embeds_spec
+from vllm_neuron.engine.input_processor import (InputProcessor, logits_processor_classes, multimodal_processor,
+                                                prompt_embeds_spec)
 from vllm_neuron.engine.output_processor import OutputProcessor
 from vllm_neuron.engine.admission import AdmissionControl
 from vllm_neuron.engine.protocol import (AdmissionTicket, EngineClient, EngineDeadError, EngineOverloadedError,
@@ -74,7 +75,8 @@ class AsyncLLM(EngineClient):
                                               nc.on_device_sampling_config, config.max_logprobs, vocab_size,
                                               multimodal_processor(config, ckpt, self.tokenizer),
                                               grammar_check=self.grammar_checker.check,
-                                              prompt_embeds=prompt_embeds_spec(config, ckpt))
+                                              prompt_embeds=prompt_embeds_spec(config, ckpt),
+                                              logits_processors=logits_processor_classes(config))
         self.output_processor = OutputProcessor(self.tokenizer)
         embeds = self.input_processor.prompt_embeds
         self.model_info = ModelInfo(ckpt.path, config.max_model_len, self.input_processor.eos_token_id,

@@ -36,6 +36,12 @@ def multimodal_processor(config, ckpt, tokenizer) -> "MultiModalProcessor | None
                                max_frame_patches=enc.encoder_attention_block_size, tokenizer=tokenizer)
 
 
+def logits_processor_classes(config) -> tuple[type, ...]:
+    from vllm_neuron.logits_processor import load_logits_processor
+
+    return tuple(load_logits_processor(s) for s in config.logits_processors or ())
+
+
 def prompt_embeds_spec(config, ckpt) -> tuple[int, Any] | None:
     """(hidden size, dtype) a prompt's embeddings must fit with --enable-prompt-embeds; None without it."""
     if not config.enable_prompt_embeds:
@@ -52,11 +58,13 @@ class InputProcessor:
                  odsc: OnDeviceSamplingConfig | None, max_logprobs: int, vocab_size: int,
                  mm_processor: "MultiModalProcessor | None" = None,
                  grammar_check: Callable[[StructuredOutputsParams, int | None], None] | None = None,
-                 prompt_embeds: tuple[int, Any] | None = None) -> None:
+                 prompt_embeds: tuple[int, Any] | None = None, logits_processors: tuple[type, ...] = ()) -> None:
         """grammar_check(params, max_tokens): a structured-output constraint's size limits and compilation
         (structured_output/checker.py; ValueError naming the problem); None: compiled here, unbounded.
-        prompt_embeds: (hidden size, torch dtype) of the model with --enable-prompt-embeds; None: refused."""
+        prompt_embeds: (hidden size, torch dtype) of the model with --enable-prompt-embeds; None: refused.
+        logits_processors: the custom processors' classes, whose validate_params refuse a request here."""
         self.prompt_embeds = prompt_embeds
+        self.logits_processors = logits_processors
         self.tokenizer = tokenizer
         self.grammar_check = grammar_check
         self.mm_processor = mm_processor
@@ -188,6 +196,10 @@ class InputProcessor:
                                  f"(vocab size {self.vocab_size})")
         if self.odsc is not None:
             self.odsc.check_request(params.temperature)
+        for cls in self.logits_processors:
+            check = getattr(cls, "validate_params", None)
+            if check is not None:
+                check(params)  # a ValueError refuses the request (vLLM's hook)
 
     def _validate_structured_outputs(self, params: SamplingParams) -> None:
         # Checked here (compiled once, remembered by its text) so a bad constraint is refused before it reaches

@@ -14,7 +14,7 @@ parallel op over the vocabulary can cost a scheduler wake-up (measured: ~5 ms ea
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -197,10 +197,12 @@ def _processed_logits(x: torch.Tensor, rows: Sequence[HostSamplingRow], max_top_
 
 
 def host_sample(logits: torch.Tensor, rows: Sequence[HostSamplingRow], max_top_k: int | None = None,
-                logprobs_mode: str = "raw_logprobs") -> HostSampleResult:
+                logprobs_mode: str = "raw_logprobs",
+                custom: Callable[[torch.Tensor], torch.Tensor] | None = None) -> HostSampleResult:
     """Samples one token per row of logits [N, V] with each row's SamplingParams. max_top_k: how many
     tokens top-p looks at when top_k is off (the in-graph sampler's cap; None: the whole vocabulary);
-    logprobs_mode: one of config/engine_args.py's LOGPROBS_MODES (vLLM's --logprobs-mode)."""
+    logprobs_mode: one of config/engine_args.py's LOGPROBS_MODES (vLLM's --logprobs-mode); custom: the custom
+    logits processors over every row (worker/logits_processors.py), after the logit edits."""
     if logits.dim() != 2 or logits.shape[0] != len(rows):
         raise ValueError(f"logits must be [num_rows, vocab] with num_rows={len(rows)}, "
                          f"got shape {tuple(logits.shape)}")
@@ -217,6 +219,8 @@ def host_sample(logits: torch.Tensor, rows: Sequence[HostSamplingRow], max_top_k
         reported = x[want_logprobs]  # a copy (advanced indexing)
 
     _process_logits(x, rows)
+    if custom is not None:
+        x = custom(x).to(torch.float32)
 
     greedy = [r.params.temperature < SAMPLING_EPS for r in rows]
     sampled = torch.empty(num_rows, dtype=torch.long, device=x.device)

@@ -42,6 +42,7 @@ from vllm_neuron.worker.input_builder import PrefillArrays, build_prefill_inputs
 from vllm_neuron.worker.kv_prefault import KVPrefaulter
 from vllm_neuron.worker.model_kinds import GraphSpec, ModelKindState, make_model_kinds
 from vllm_neuron.worker.model_setup import LoadStats, build_model, checkpoint_scheme, zeros
+from vllm_neuron.worker.logits_processors import LogitsProcessorBatch
 from vllm_neuron.worker.prompt_logprobs import plan_prompt_logprobs, prompt_logprob_entries
 from vllm_neuron.worker.sampling_state import SamplingStates
 from vllm_neuron.worker.step_inputs import GroupTables, PrefillInputs, RowSampling, SlotRows, StepOutput
@@ -65,7 +66,8 @@ class ModelRunnerBase:
         self.context_buckets = nc.context_buckets
         self.kv_segment = nc.kv_segment_size_buckets[0] if nc.kv_segment_size_buckets else 0
         self.odsc = nc.on_device_sampling_config
-        self.sampling = SamplingStates(self.odsc, config.seed, config.logprobs_mode)
+        self.sampling = SamplingStates(self.odsc, config.seed, config.logprobs_mode, LogitsProcessorBatch(
+            config.logits_processors, config, torch.device("cpu")) if config.logits_processors else None)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.draft_kv: list[tuple[torch.Tensor, torch.Tensor]] = []  # the speculator's KV layers
         self.kv_prefaulter: KVPrefaulter | None = None
