@@ -304,6 +304,26 @@ def test_prompt_embeds(server, model):
     assert httpx.post(url, json={**common, "prompt": ids}, timeout=60).json()["choices"][0]["token_ids"] == want
 
 
+def test_beam_search(server, model):
+    """use_beam_search with n=2: the two beams transformers' num_beams=2 generate keeps, best first."""
+    import torch
+
+    from tests.model_factory import build_tiny_llama
+
+    ids = [40, 41, 42, 43, 44, 45]
+    r = httpx.post(server.url + "/v1/completions", json={
+        "model": model, "prompt": ids, "n": 2, "use_beam_search": True, "max_tokens": 4, "temperature": 0.0,
+        "ignore_eos": True, "return_token_ids": True}, timeout=120)
+    assert r.status_code == 200, r.text
+    with torch.no_grad():
+        ref = build_tiny_llama().eval().generate(torch.tensor([ids]), num_beams=2, num_return_sequences=2,
+                                                 max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=2)
+    assert [c["token_ids"] for c in r.json()["choices"]] == [s[len(ids):].tolist() for s in ref]
+    r = httpx.post(server.url + "/v1/completions", json={"model": model, "prompt": ids, "n": 2, "use_beam_search": True,
+                                                          "stream": True}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stream"
+
+
 def test_stop_string(client, model):
     base = _complete(client, model, max_tokens=24).choices[0].text
     start = next(i for i in range(len(base) // 2, len(base) - 3)

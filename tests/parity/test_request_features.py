@@ -1,7 +1,7 @@
 """What a request can ask for beyond sampling, against transformers on the default tiny Llama (fp32):
 prompt logprobs (segmented prefill, a prompt whose blocks are cached), prompt embeddings, --logprobs-mode
 (every mode is checked by hand in tests/unit/test_host_sampler.py; here one through the engine), a custom
-logits processor.
+logits processor, beam search.
 
 One engine for the module: tiny buckets, so a 70-token prompt is prefilled in three segments.
 """
@@ -12,6 +12,7 @@ import torch
 
 from tests.model_factory import build_tiny_llama, greedy_reference, tiny_llm
 from vllm_neuron import SamplingParams
+from vllm_neuron.sampling_params import BeamSearchParams
 from vllm_neuron.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
 
 pytestmark = pytest.mark.engine
@@ -178,3 +179,22 @@ def test_custom_logits_processor_bans_a_token(tiny_llama_dir, hf):
     assert free[0] not in got and got[0] == int(first.argmax())
     with pytest.raises(ValueError, match="must be a token id"):
         llm.generate("hi", SamplingParams(max_tokens=1, extra_args={"ban": "x"}), use_tqdm=False)
+
+
+def _hf_beams(hf, prompt: list[int], width: int, new: int):
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), num_beams=width, num_return_sequences=width, max_new_tokens=new,
+                          min_new_tokens=new, do_sample=False, early_stopping=True, length_penalty=1.0,
+                          output_scores=True, return_dict_in_generate=True, pad_token_id=2)
+    return [s[len(prompt):].tolist() for s in out.sequences], (out.sequences_scores * new).tolist()
+
+
+def test_beam_search_equals_transformers(llm, hf):
+    width, new = 3, 5
+    outs = llm.beam_search([{"prompt_token_ids": SHORT}, {"prompt_token_ids": LONG[:20]}],
+                           BeamSearchParams(beam_width=width, max_tokens=new, ignore_eos=True))
+    for prompt, out in zip((SHORT, LONG[:20]), outs):
+        ref_tokens, ref_sums = _hf_beams(hf, prompt, width, new)
+        assert [s.tokens[len(prompt):] for s in out.sequences] == ref_tokens
+        assert [s.cum_logprob for s in out.sequences] == pytest.approx(ref_sums, abs=1e-4)
+        assert all(s.tokens[:len(prompt)] == prompt and s.finish_reason == "length" for s in out.sequences)

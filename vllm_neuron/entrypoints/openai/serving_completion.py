@@ -22,6 +22,8 @@ from vllm_neuron.entrypoints.openai.protocol import (
     random_uuid,
 )
 from vllm_neuron.entrypoints.openai.request_policy import check_unsupported_fields, parse_request
+from vllm_neuron.entrypoints.openai.serving_beam_search import (beam_search_completion, beam_search_params,
+                                                                check_beam_search_request)
 from vllm_neuron.entrypoints.openai.serving_engine import ChoiceAccumulator, OpenAIServing, RequestTracker
 from vllm_neuron.entrypoints.openai.streaming import SSE_DONE, merge_async_iterators, run_until_disconnect, sse
 from vllm_neuron.entrypoints.openai.structured import structured_outputs_from_request
@@ -66,6 +68,8 @@ class OpenAIServingCompletion(OpenAIServing):
         self.check_logprobs_cap(req.prompt_logprobs, "prompt_logprobs")
         if req.prompt_embeds:
             self._check_embeds_request(req)
+        if req.use_beam_search:
+            check_beam_search_request(req)
         structured, structured_param = structured_outputs_from_request(req)
         # Room among the admitted requests before any work (tokenization, grammar).
         return await self.admitted((req.n or 1) * _num_prompts(req), lambda ticket: self._create(
@@ -81,6 +85,10 @@ class OpenAIServingCompletion(OpenAIServing):
             self.resolve_max_tokens(len(p.token_ids), requested, "max_tokens")
         if structured is not None:
             await self.check_structured_outputs(structured, structured_param, requested)
+        if req.use_beam_search:  # n is the beam width, not n samples
+            ctx = _Ctx(req, model, f"cmpl-{req.request_id or random_uuid()}", prompts, False, int(time.time()),
+                       arrival, ticket)
+            return await self._beam_search(ctx, beam_search_params(req, requested), raw_request)
         # vLLM's rule: echo with logprobs scores the prompt too (its logprobs lead the echoed tokens').
         prompt_logprobs = req.prompt_logprobs if req.prompt_logprobs is not None else \
             req.logprobs if req.echo else None
@@ -94,6 +102,18 @@ class OpenAIServingCompletion(OpenAIServing):
         if result is None:
             return Response(status_code=499)
         return JSONResponse(content=result.model_dump())
+
+    async def _beam_search(self, ctx: _Ctx, params, raw_request: Request) -> Response:
+        tracker = RequestTracker(self, ctx.arrival, ctx.ticket)
+        error: BaseException | None = None
+        try:
+            result = await run_until_disconnect(beam_search_completion(self, ctx, params, tracker), raw_request)
+        except Exception as e:
+            error = e
+            raise
+        finally:
+            tracker.close(error)
+        return Response(status_code=499) if result is None else JSONResponse(content=result.model_dump())
 
     def _check_embeds_request(self, req: CompletionRequest) -> None:
         if self.engine.model_info.prompt_embeds_hidden_size is None:
