@@ -198,3 +198,18 @@ def test_beam_search_equals_transformers(llm, hf):
         assert [s.tokens[len(prompt):] for s in out.sequences] == ref_tokens
         assert [s.cum_logprob for s in out.sequences] == pytest.approx(ref_sums, abs=1e-4)
         assert all(s.tokens[:len(prompt)] == prompt and s.finish_reason == "length" for s in out.sequences)
+
+
+def test_model_runner_v2_prompt_logprobs_and_embeds(tiny_llama_dir, hf, monkeypatch):
+    """The module's engine runs MRv1 (eager); MRv2 (forced) takes the same inputs through its slot graphs."""
+    from vllm_neuron.worker.model_runner_v2 import ModelRunnerV2
+
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    llm = tiny_llm(tiny_llama_dir, enable_prompt_embeds=True)
+    assert isinstance(llm.llm_engine.core.runner, ModelRunnerV2)
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": LONG}, {"prompt_embeds": _embeds(hf, SHORT)}, {"prompt_token_ids": SHORT}],
+                        [SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, prompt_logprobs=2), greedy,
+                         greedy], use_tqdm=False)
+    _check_prompt_logprobs(outs[0].prompt_logprobs, LONG, _hf_prompt_logprobs(hf, LONG), 2)
+    assert [o.outputs[0].token_ids for o in outs] == greedy_reference(hf, [LONG, SHORT, SHORT], 6)
