@@ -144,13 +144,15 @@ class GraphBase:
         (tokens at least as likely, so the best is 1, as the host sampler counts), and the top_n."""
         lps, ranks, top_v, top_i = [], [], [], []
         for s in range(0, p.rows.shape[0], PROMPT_LOGPROBS_ROWS):
-            lp = torch.log_softmax(self.model.compute_logits(hidden[p.rows[s:s + PROMPT_LOGPROBS_ROWS]]).float(), -1)
-            target = lp.gather(1, p.targets[s:s + PROMPT_LOGPROBS_ROWS, None])
-            lps.append(target[:, 0])
-            ranks.append((lp >= target).sum(-1))
+            # Three passes over the logits, none written back: log_softmax would materialize a second copy.
+            logits = self.model.compute_logits(hidden[p.rows[s:s + PROMPT_LOGPROBS_ROWS]]).float()
+            lse = torch.logsumexp(logits, -1, keepdim=True)
+            target = logits.gather(1, p.targets[s:s + PROMPT_LOGPROBS_ROWS, None])
+            lps.append((target - lse)[:, 0])
+            ranks.append((logits >= target).sum(-1))
             if p.top_n:
-                v, i = lp.topk(min(p.top_n, lp.shape[-1]), dim=-1)
-                top_v.append(v)
+                v, i = logits.topk(min(p.top_n, logits.shape[-1]), dim=-1)
+                top_v.append(v - lse)
                 top_i.append(i)
         return PromptLogprobsOut(torch.cat(lps), torch.cat(ranks), torch.cat(top_i) if top_i else None,
                                  torch.cat(top_v) if top_v else None)
