@@ -234,3 +234,26 @@ class SamplingParams:
     def clone(self) -> SamplingParams:
         # Deep: the engine mutates per-request state (EOS ids, tokenized bad words) on its copy.
         return copy.deepcopy(self)
+
+
+@dataclass
+class BeamSearchParams:
+    """vLLM's beam search parameters (`LLM.beam_search`; vllm_neuron/beam_search.py runs the search)."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.beam_width, int) or self.beam_width < 1:
+            raise ValueError(f"beam_width must be a positive integer, got {self.beam_width!r}")
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens!r}")
+
+    def step_params(self) -> SamplingParams:
+        """One token per beam with its 2 x beam_width best candidates (vLLM's expansion)."""
+        return SamplingParams(temperature=self.temperature, max_tokens=1, logprobs=2 * self.beam_width,
+                              ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY)

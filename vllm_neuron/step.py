@@ -28,6 +28,7 @@ class NewRequestData:
     sampling_params: SamplingParams
     eos_token_id: int | None
     mm_items: list | None = None  # multimodal.inputs.MultiModalItem per media item
+    prompt_embeds: object = None  # [len(prompt_token_ids), hidden] tensor: the prompt's input rows (ids unused)
 
 
 @dataclass
@@ -111,3 +112,6 @@ class ModelRunnerOutput:
     tokens_passed_on_device: bool = False  # this step's input tokens came from the previous step's output
     # Speculative decoding: req_id -> draft tokens proposed for the request's next step.
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # Prompt logprobs (requests with prompt_logprobs): req_id -> (first prompt position of this step's share,
+    # per position [(prompt token, logprob, rank), top-N...]); position p's entry is token p + 1's.
+    prompt_logprobs: dict[str, tuple[int, list[list[tuple[int, float, int]]]]] = field(default_factory=dict)

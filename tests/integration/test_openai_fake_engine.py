@@ -264,10 +264,15 @@ ERROR_CASES = [
     ("completions", {"prompt": "x", "stream_options": {"include_usage": True}}, 400, "BadRequestError",
      "stream_options"),
     ("completions", {"prompt": ""}, 400, "BadRequestError", "prompt"),
-    # The engine computes no prompt logprobs: refused before the engine, even where the engine could echo them.
-    ("completions", {"prompt": "x", "prompt_logprobs": 1}, 400, "BadRequestError", "prompt_logprobs"),
-    ("completions", {"prompt": "x", "echo": True, "logprobs": 1}, 400, "BadRequestError", "echo"),
-    ("chat/completions", {"messages": CHAT, "prompt_logprobs": 0}, 400, "BadRequestError", "prompt_logprobs"),
+    # Prompt logprobs above the server's --max-logprobs (20), and max_tokens 0 without echo (nothing to score).
+    ("completions", {"prompt": "x", "prompt_logprobs": 21}, 400, "BadRequestError", "prompt_logprobs"),
+    ("completions", {"prompt": "x", "echo": True, "logprobs": 21, "max_tokens": 0}, 400, "BadRequestError",
+     "logprobs"),
+    ("completions", {"prompt": "x", "max_tokens": 0}, 400, "BadRequestError", "max_tokens"),
+    # A server without --enable-prompt-embeds; chat never takes them (vLLM's rule).
+    ("completions", {"prompt_embeds": "AAAA"}, 400, "BadRequestError", "prompt_embeds"),
+    ("chat/completions", {"messages": CHAT, "prompt_embeds": "AAAA"}, 400, "BadRequestError", "prompt_embeds"),
+    ("chat/completions", {"messages": CHAT, "prompt_logprobs": 21}, 400, "BadRequestError", "prompt_logprobs"),
     ("completions", {"prompt": "[[invalid]]"}, 400, "BadRequestError", None),
     ("completions", {"prompt": "[[dead]]"}, 500, "InternalServerError", None),
     ("chat/completions", {"messages": CHAT, "top_logprobs": 21, "logprobs": True}, 400, "BadRequestError",

@@ -72,7 +72,7 @@ def _dump_server_logs():
 
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir, tmp_path_factory):
-    srv = _start(tiny_llama_dir, str(tmp_path_factory.mktemp("server")), *FP32)
+    srv = _start(tiny_llama_dir, str(tmp_path_factory.mktemp("server")), *FP32, "--enable-prompt-embeds")
     yield srv
     _stop(srv)
 
@@ -232,6 +232,105 @@ def test_completion_logprobs(client, model):
         assert top[tok] == pytest.approx(tlp, abs=1e-4) and tlp == pytest.approx(max(top.values()), abs=1e-4)
     assert lp.text_offset[0] == 0
     assert [b - a for a, b in zip(lp.text_offset, lp.text_offset[1:])] == [len(t) for t in lp.tokens[:-1]]
+
+
+def test_echo_scoring(server, model, tokenizer):
+    """lm-evaluation-harness's log-likelihood request: echo, logprobs 1, max_tokens 0 over two prompts; the
+    echoed prompt's logprobs are transformers', streamed the same."""
+    import torch
+
+    from tests.model_factory import build_tiny_llama
+
+    prompts = ["Question: which colour is the sky? Answer: blue", "Question: which colour is grass? Answer: red"]
+    body = {"model": model, "prompt": prompts, "echo": True, "logprobs": 1, "max_tokens": 0, "temperature": 0.0}
+    r = httpx.post(server.url + "/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["usage"]["completion_tokens"] == 0
+    hf = build_tiny_llama().eval()
+    for prompt, choice in zip(prompts, out["choices"]):
+        ids = tokenizer.encode(prompt)
+        lp = choice["logprobs"]
+        assert choice["text"] == prompt and choice["finish_reason"] == "length"
+        assert lp["tokens"] == [tokenizer.decode([t]) for t in ids] and lp["token_logprobs"][0] is None
+        with torch.no_grad():
+            ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), -1)
+        want = [ref[p - 1, ids[p]].item() for p in range(1, len(ids))]
+        assert max(abs(a - b) for a, b in zip(lp["token_logprobs"][1:], want)) < 1e-4
+        assert all(len(top) in (1, 2) for top in lp["top_logprobs"][1:])  # the best token, and the prompt's
+    streamed = [json.loads(line[6:]) for line in httpx.post(
+        server.url + "/v1/completions", json={**body, "prompt": prompts[0], "stream": True}, timeout=120).text.splitlines()
+        if line.startswith("data: {")]
+    token_logprobs = [v for c in streamed for ch in c["choices"] if ch.get("logprobs")
+                      for v in ch["logprobs"]["token_logprobs"]]
+    assert token_logprobs == out["choices"][0]["logprobs"]["token_logprobs"]
+
+
+def _b64_tensor(value) -> str:
+    import base64
+    import io
+
+    import torch
+
+    buf = io.BytesIO()
+    torch.save(value, buf)
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+class _NotATensor:
+    pass
+
+
+def test_prompt_embeds(server, model):
+    """vLLM's encoding (base64 of torch.save) alone and beside a text prompt: the greedy tokens of the
+    embeddings equal those of their token ids; bad embeddings are 400s and the server keeps serving."""
+    import pickle
+
+    import torch
+
+    from tests.model_factory import build_tiny_llama
+
+    ids = [17, 300, 4021, 99, 5, 1200, 8, 77]
+    table = build_tiny_llama().model.embed_tokens.weight.detach()
+    url = server.url + "/v1/completions"
+    common = {"model": model, "max_tokens": 5, "temperature": 0.0, "ignore_eos": True, "return_token_ids": True}
+    r = httpx.post(url, json={**common, "prompt": ids}, timeout=60)
+    want = r.json()["choices"][0]["token_ids"]
+    r = httpx.post(url, json={**common, "prompt_embeds": _b64_tensor(table[ids].clone()), "prompt": "Hi"}, timeout=60)
+    assert r.status_code == 200, r.text
+    choices = r.json()["choices"]
+    assert len(choices) == 2 and choices[0]["token_ids"] == want
+    bad = [(_b64_tensor(torch.zeros(3, 7)), "shape"), (_b64_tensor(torch.full((3, 64), float("inf"))), "NaN or inf"),
+           (_b64_tensor({"x": torch.zeros(1)}), "must hold a tensor"),
+           (__import__("base64").b64encode(pickle.dumps(_NotATensor())).decode(), "weights_only"),
+           ("A" * 400_000, "base64 characters"), ("%%%", "not valid base64")]
+    for encoded, needle in bad:
+        r = httpx.post(url, json={**common, "prompt_embeds": encoded}, timeout=60)
+        assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
+        assert r.json()["error"]["param"] == "prompt_embeds"
+    r = httpx.post(url, json={**common, "prompt_embeds": _b64_tensor(table[ids].clone()), "echo": True}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "echo"
+    assert httpx.post(url, json={**common, "prompt": ids}, timeout=60).json()["choices"][0]["token_ids"] == want
+
+
+def test_beam_search(server, model):
+    """use_beam_search with n=2: the two beams transformers' num_beams=2 generate keeps, best first."""
+    import torch
+
+    from tests.model_factory import build_tiny_llama
+
+    ids = [40, 41, 42, 43, 44, 45]
+    r = httpx.post(server.url + "/v1/completions", json={
+        "model": model, "prompt": ids, "n": 2, "use_beam_search": True, "max_tokens": 4, "temperature": 0.0,
+        "ignore_eos": True, "return_token_ids": True}, timeout=120)
+    assert r.status_code == 200, r.text
+    with torch.no_grad():
+        ref = build_tiny_llama().eval().generate(torch.tensor([ids]), num_beams=2, num_return_sequences=2,
+                                                 max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=2)
+    assert [c["token_ids"] for c in r.json()["choices"]] == [s[len(ids):].tolist() for s in ref]
+    r = httpx.post(server.url + "/v1/completions", json={"model": model, "prompt": ids, "n": 2, "use_beam_search": True,
+                                                          "stream": True}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stream"
 
 
 def test_stop_string(client, model):

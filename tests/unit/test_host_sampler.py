@@ -180,3 +180,30 @@ def test_logprobs_raw_with_ranks():
     # -1: the whole vocabulary after the sampled token.
     out = host_sample(logits.repeat(2, 1), [row(SamplingParams(temperature=0.0, logprobs=-1)), row()])
     assert len(out.logprobs[0]) == 1 + V and out.logprobs[1] is None
+
+
+@pytest.mark.parametrize("mode", ["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"])
+def test_logprobs_modes(mode):
+    """vLLM's four --logprobs-mode values, hand-computed: a greedy row with a logit bias (processed = biased
+    logits) and a random row with temperature 0.5 and top_k 3 (processed = scaled, -inf outside the top 3)."""
+    logits = torch.tensor([[1.0, 3.0, 0.5, 2.0, -1.0, 0.0, 0.2, 0.1]] * 2)
+    greedy_row = row(SamplingParams(temperature=0.0, logprobs=2, logit_bias={0: 5.0}))
+    random_row = row(SamplingParams(temperature=0.5, top_k=3, logprobs=2, seed=1), uniform=0.3)
+    out = host_sample(logits.clone(), [greedy_row, random_row], logprobs_mode=mode)
+    biased = logits[0].clone()
+    biased[0] += 5.0
+    scaled = logits[1] / 0.5
+    truncated = torch.full_like(scaled, float("-inf"))
+    top3 = scaled.topk(3).indices
+    truncated[top3] = scaled[top3]
+    want = {"raw_logprobs": (logits[0].log_softmax(-1), logits[1].log_softmax(-1)),
+            "raw_logits": (logits[0], logits[1]),
+            "processed_logprobs": (biased.log_softmax(-1), truncated.log_softmax(-1)),
+            "processed_logits": (biased, truncated)}[mode]
+    assert out.token_ids[0] == 0 and out.token_ids[1] in top3.tolist()
+    for entries, ref, tok in zip(out.logprobs, want, out.token_ids):
+        assert entries[0][0] == tok and entries[0][1] == pytest.approx(ref[tok].item(), abs=1e-5)
+        assert entries[0][2] == int((ref >= ref[tok]).sum())
+        best = ref.topk(2)
+        assert [(t, round(v, 4)) for t, v, _ in entries[1:]] == \
+            [(i, round(v, 4)) for i, v in zip(best.indices.tolist(), best.values.tolist())]

@@ -15,8 +15,8 @@ import argparse
 import json
 
 from vllm_neuron.config.device import DEVICE_CHOICES, DTYPE_CHOICES
-from vllm_neuron.config.engine_args import (BLOCK_SIZES, BUNDLED_MODEL_NAME, KV_CACHE_DTYPES, SCHEDULING_POLICIES,
-                                            EngineArgs, option_names)
+from vllm_neuron.config.engine_args import (BLOCK_SIZES, BUNDLED_MODEL_NAME, KV_CACHE_DTYPES, LOGPROBS_MODES,
+                                            SCHEDULING_POLICIES, EngineArgs, option_names)
 from vllm_neuron.config.generation_config import GENERATION_CONFIG_HELP
 from vllm_neuron.config.neuron_config import QUANTIZATIONS
 from vllm_neuron.config.speculative import SPECULATIVE_METHODS
@@ -103,6 +103,12 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool =
     g.add_argument("--seed", type=int, default=d.seed, help="seed of the sampler's random numbers")
     g.add_argument("--max-logprobs", type=int, default=d.max_logprobs,
                    help="largest logprobs / top_logprobs a request may ask for (0 or more; -1: the whole vocabulary)")
+    g.add_argument("--logits-processors", nargs="+", default=None, metavar="MODULE:CLASS",
+                   help="custom logits processors (vLLM V1's batch-level interface) applied to every request on the "
+                   "host sampler (default: none)")
+    g.add_argument("--logprobs-mode", default=d.logprobs_mode, choices=LOGPROBS_MODES,
+                   help="what logprobs report: the model's (raw_) or those the token is drawn from after penalties, "
+                   "temperature, top-k / top-p (processed_); log-probabilities or logits")
     g.add_argument("--generation-config", default=d.generation_config,
                    help=f"default sampling parameters: {GENERATION_CONFIG_HELP}")
     g.add_argument("--override-generation-config", type=_json_arg, default=None,
@@ -113,7 +119,8 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool =
                    f"{', '.join(QUANTIZATIONS)}), or an FP8 checkpoint (default: unset)")
     g.add_argument("--trust-remote-code", action="store_true",
                    help="accepted for vLLM compatibility; no remote code is ever run")
-    g.add_argument("--enable-prompt-embeds", action="store_true", help="refused: not supported yet")
+    g.add_argument("--enable-prompt-embeds", action="store_true",
+                   help="accept prompt_embeds ([seq_len, hidden] tensors) in place of token ids")
 
     g = arg_group(parser, "cache")
     g.add_argument("--block-size", type=int, default=d.block_size, choices=BLOCK_SIZES,

@@ -90,6 +90,16 @@ REFUSED: tuple[Refusal, ...] = (
             "multimodal models (the media's embeddings do not travel with the KV blocks)"),
     _refuse("kv_transfer", "sliding_window", message="kv_transfer_config is not supported yet by vllm-neuron for "
             "sliding-window models (their KV cache groups give blocks back as the window moves)"),
+    _refuse("kv_transfer", "prompt_embeds", message="kv_transfer_config is not supported yet by vllm-neuron with "
+            "enable_prompt_embeds=True (the embeddings do not travel with the KV blocks)"),
+    # Prompt embeddings
+    _refuse("prompt_embeds", "multimodal", message="enable_prompt_embeds=True is not supported yet by vllm-neuron "
+            "for multimodal models (their prefill builds its own input embeddings from the media)"),
+    _refuse("prompt_embeds", "speculative", message="enable_prompt_embeds=True is not supported yet by vllm-neuron "
+            "with speculative decoding (drafts are proposed from the prompt's token ids, which an embeddings prompt "
+            "does not have); remove --speculative-config"),
+    _refuse("prompt_embeds", "tensor_parallel", message="enable_prompt_embeds=True is not supported yet by "
+            "vllm-neuron with tensor_parallel_size={tensor_parallel_size}; use tensor_parallel_size=1"),
     # Compilation
     _refuse("decode_cpp_wrapper", "eager_backend", message="neuron_config.decode_cpp_wrapper=true needs compiled "
             "graphs; it cannot be combined with enforce_eager or VLLM_NEURON_BACKEND=eager"),
@@ -120,6 +130,7 @@ class Features:
     decode_cpp_wrapper: bool = False
     compile_workers: int = 1  # NEURON_LIBTORCH_PARALLEL_COMPILE_WORKERS
     kv_transfer: bool = False  # --kv-transfer-config (disaggregated prefill/decode)
+    prompt_embeds: bool = False  # enable_prompt_embeds
 
     def names(self) -> frozenset[str]:
         flags = {
@@ -130,6 +141,7 @@ class Features:
             "data_parallel": self.data_parallel_size > 1, "multi_node_tp": self.nnodes > 1,
             "expert_parallel": self.expert_parallel, "decode_cpp_wrapper": self.decode_cpp_wrapper,
             "parallel_compile": self.compile_workers > 1, "kv_transfer": self.kv_transfer,
+            "prompt_embeds": self.prompt_embeds,
         }
         out = {name for name, on in flags.items() if on}
         if self.speculative is not None:

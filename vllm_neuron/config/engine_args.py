@@ -27,6 +27,7 @@ from vllm_neuron.config.json_object import parse_json_object
 from vllm_neuron.config.kv_transfer import KVTransferConfig, parse_kv_transfer_config
 from vllm_neuron.config.neuron_config import AdditionalConfig, parse_additional_config
 from vllm_neuron.config.speculative import SpeculativeConfig, parse_speculative_config
+from vllm_neuron.logits_processor import load_logits_processor
 
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")  # fp8 = fp8_e4m3
 BLOCK_SIZES = (8, 16, 32, 64, 128)
@@ -66,6 +67,10 @@ def check_allowed_media_domains(value: object) -> None:
 def _json_dict(option: str, value: dict | str | None) -> dict:
     return parse_json_object(value or None, f"{option} must be a JSON object, got {{value!r}}: {{error}}",
                              f"{option} must be a JSON object, got {{value!r}}")
+
+
+# vLLM's --logprobs-mode values: what a request's logprobs are taken from (worker/host_sampler.py).
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 
 
 @dataclass(frozen=True)
@@ -119,6 +124,9 @@ class EngineOptions:
     kv_cache_dtype: str = "auto"
     async_scheduling: bool | None = None
     max_logprobs: int = 20  # -1: the whole vocabulary
+    logprobs_mode: str = "raw_logprobs"  # one of LOGPROBS_MODES
+    # Custom logits processors: 'package.module:Class' strings or classes (vllm_neuron/logits_processor.py).
+    logits_processors: list | None = None
     enable_prompt_embeds: bool = False
     speculative_config: dict | str | SpeculativeConfig | None = None
     kv_transfer_config: dict | str | KVTransferConfig | None = None  # config/kv_transfer.py
@@ -202,10 +210,15 @@ class EngineArgs(EngineOptions):
         self._check_numbers()
         V.choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         V.choice("scheduling_policy", self.scheduling_policy, SCHEDULING_POLICIES)
+        V.choice("logprobs_mode", self.logprobs_mode, LOGPROBS_MODES)
+        if self.logits_processors is not None:
+            if isinstance(self.logits_processors, (str, type)) or not isinstance(self.logits_processors, (list, tuple)):
+                raise ValueError(f"logits_processors must be a list of 'package.module:Class' names or classes, got "
+                                 f"{self.logits_processors!r}")
+            for spec in self.logits_processors:
+                load_logits_processor(spec)  # a start-up error naming the entry, before any engine starts
         V.boolean("async_scheduling", self.async_scheduling, allow_none=True)
         self._check_data_parallel()
-        if self.enable_prompt_embeds:
-            raise V.not_supported("enable_prompt_embeds", True)
         if self.ec_transfer_config:
             raise V.not_supported("ec_transfer_config", self.ec_transfer_config,
                                   "encoder-disaggregated (EPD) inference is not supported yet")
@@ -244,7 +257,8 @@ class EngineArgs(EngineOptions):
             data_parallel_size=self.data_parallel_size, nnodes=self.nnodes,
             expert_parallel=self.enable_expert_parallel, decode_cpp_wrapper=nc.decode_cpp_wrapper,
             kv_transfer=self.kv_transfer_config is not None,
-            compile_workers=envs.NEURON_LIBTORCH_PARALLEL_COMPILE_WORKERS or 1)
+            compile_workers=envs.NEURON_LIBTORCH_PARALLEL_COMPILE_WORKERS or 1,
+            prompt_embeds=self.enable_prompt_embeds)
 
     def _check_numbers(self) -> None:
         V.choice("block_size", self.block_size, BLOCK_SIZES)

@@ -38,6 +38,7 @@ class Request:
     mm_items: list | None = None  # media items (opaque here; the runner encodes them)
     # --scheduling-policy priority: lower runs first (vLLM's convention); ties go by arrival.
     priority: int = 0
+    prompt_embeds: object = None  # [num_prompt_tokens, hidden] tensor (opaque here; the runner's input rows)
 
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING

@@ -13,6 +13,8 @@ Policy:
   one by one, e.g. short suffixes after a cached prefix, run back to back), and each kind is served
   first come, first served: prefills in admission then arrival order, never overtaking; every decodable
   request in every decode step.
+* A request that asks for prompt logprobs is prefilled in steps with only such requests, and neither
+  reads nor fills the prefix cache (see `_wants_prompt_logprobs`).
 * Speculative decoding: a decode chunk carries the request's draft tokens after its last token (capped
   so that no output can pass max_tokens or max_model_len); their slots are allocated with it, or the
   drafts are dropped when blocks are short. After the step, the rejected drafts' positions are rolled
@@ -49,6 +51,13 @@ from vllm_neuron.step import (PLACEHOLDER_TOKEN_ID, KVLoadJob, ModelRunnerOutput
                               ScheduledChunk, SchedulerOutput)
 
 logger = init_logger(__name__)
+
+
+def _wants_prompt_logprobs(req: Request) -> bool:
+    """Such a request neither reads nor fills the prefix cache: its logprobs need every prompt position
+    computed (as vLLM does: the hit is refused, not recomputed), and its K/V come from the eagerly run graph
+    function, which other requests' prefix hits should not read in place of their compiled graphs' values."""
+    return req.sampling_params.prompt_logprobs is not None
 
 
 @dataclass(frozen=True)
@@ -200,7 +209,10 @@ class Scheduler:
                 break
             if new and (alone or req.request_id in self._isolated):
                 break  # a request set up again after a failed step is the only new one in its step
-            cached = None if admitted else self.kv.find_cached_prefix(req)
+            if chunks and _wants_prompt_logprobs(req) != _wants_prompt_logprobs(self.requests[chunks[0].req_id]):
+                break  # prompt logprobs steps run their graph eagerly: other requests keep the compiled one
+            cached = None if admitted else \
+                self.kv.empty_hit() if _wants_prompt_logprobs(req) else self.kv.find_cached_prefix(req)
             start = req.num_computed_tokens if admitted else cached.num_blocks * cfg.block_size
             if start > ctx_budget - sum(c.start_pos for c in chunks):
                 break  # FCFS: later requests wait rather than overtake
@@ -221,7 +233,7 @@ class Scheduler:
                     self._isolated.discard(req.request_id)
                     alone = True
                 new.append(NewRequestData(req.request_id, req.prompt_token_ids, req.sampling_params,
-                                          req.eos_token_id, req.mm_items))
+                                          req.eos_token_id, req.mm_items, req.prompt_embeds))
             tokens = req.all_token_ids[start:start + n]
             sample = start + n == req.num_tokens
             chunks.append(ScheduledChunk(req.request_id, tokens, start, *self._tables(req.request_id),
@@ -398,7 +410,8 @@ class Scheduler:
             sampled = result.sampled.get(chunk.req_id, ())
             if chunk.num_draft_tokens and sampled:
                 self._roll_back_rejected(req, chunk.num_draft_tokens, len(sampled) - 1)
-            self.kv.cache_computed_blocks(req)
+            if not _wants_prompt_logprobs(req):
+                self.kv.cache_computed_blocks(req)
             for i, tok in enumerate(sampled):
                 req.output_token_ids.append(tok)
                 stop = check_stop(req.output_token_ids, req.sampling_params, req.eos_token_id,

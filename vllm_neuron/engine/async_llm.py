@@ -20,7 +20,8 @@ from vllm_neuron.config.engine_config import EngineConfig
 from vllm_neuron.config.generation_config import effective_generation_config
 from vllm_neuron.engine.core_client import CoreClient
 from vllm_neuron.engine.dp_router import DPRouter
-from vllm_neuron.engine.input_processor import InputProcessor, multimodal_processor
+from vllm_neuron.engine.input_processor import (InputProcessor, logits_processor_classes, multimodal_processor,
+                                                prompt_embeds_spec)
 from vllm_neuron.engine.output_processor import OutputProcessor
 from vllm_neuron.engine.admission import AdmissionControl
 from vllm_neuron.engine.protocol import (AdmissionTicket, EngineClient, EngineDeadError, EngineOverloadedError,
@@ -75,10 +76,13 @@ class AsyncLLM(EngineClient):
                                               multimodal_processor(config, ckpt, self.tokenizer),
                                               grammar_check=self.grammar_checker.check,
                                               scheduling_policy=config.scheduling_policy,
-                                              kv_transfer=config.kv_transfer is not None)
+                                              kv_transfer=config.kv_transfer is not None,
+                                              prompt_embeds=prompt_embeds_spec(config, ckpt),
+                                              logits_processors=logits_processor_classes(config))
         self.output_processor = OutputProcessor(self.tokenizer)
+        embeds = self.input_processor.prompt_embeds
         self.model_info = ModelInfo(ckpt.path, config.max_model_len, self.input_processor.eos_token_id,
-                                    self.input_processor.generation_defaults)
+                                    self.input_processor.generation_defaults, embeds[0] if embeds else None)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, model_name: str | None = None) -> "AsyncLLM":

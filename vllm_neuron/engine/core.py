@@ -13,6 +13,7 @@ from vllm_neuron.config.engine_config import EngineConfig
 from vllm_neuron.core.request import Request, RequestStatus
 from vllm_neuron.core.scheduler import Scheduler, SchedulerConfig
 from vllm_neuron.engine.kv_transfer import KVTransferEngine
+from vllm_neuron.engine.prompt_embeds import embeds_digest
 from vllm_neuron.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from vllm_neuron.logger import init_logger
 from vllm_neuron.step import ModelRunnerOutput, SchedulerOutput
@@ -94,6 +95,8 @@ class EngineCore:
         self.num_async_passed = 0  # decode steps fed straight from the previous step's device tokens
         self._queue: deque[tuple[SchedulerOutput, Future]] = deque()
         self._step_failures: dict[str, int] = {}  # request id -> failed steps it was part of
+        # Prompt logprobs of requests still prefilling (segmented): their chunks' entries, joined in order.
+        self._prompt_logprobs: dict[str, list] = {}
         self._consecutive_step_failures = 0
         # One thread: steps execute in order, so step N+1 always sees step N's KV and runner state.
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="vllm-neuron-step") \
@@ -135,9 +138,11 @@ class EngineCore:
     def add_request(self, req: EngineCoreRequest) -> None:
         # Media hashes join the prefix-cache keys: prompts that differ only in their media share no KV.
         salt = tuple(item.mm_hash for item in req.mm_items) if req.mm_items else ()
+        if req.prompt_embeds is not None:  # placeholder ids: the embeddings' bytes key the prefix cache
+            salt += (embeds_digest(req.prompt_embeds),)
         request = Request(req.request_id, req.prompt_token_ids, req.sampling_params, req.eos_token_id,
                           arrival_time=req.arrival_time, cache_salt=salt, mm_items=req.mm_items,
-                          priority=req.priority)
+                          priority=req.priority, prompt_embeds=req.prompt_embeds)
         if req.sampling_params.structured_outputs is None:
             self.scheduler.add_request(request)
             return
@@ -161,6 +166,7 @@ class EngineCore:
         for rid in req_ids:
             self._grammar_wait.pop(rid, None)
             self._step_failures.pop(rid, None)
+            self._prompt_logprobs.pop(rid, None)
             self.scheduler.finish_request(rid, reason)
             if self.structured is not None:
                 self.structured.remove(rid)
@@ -319,6 +325,9 @@ class EngineCore:
                     except Exception as e:  # noqa: BLE001 - that request's grammar, not the engine's
                         del live[rid]
                         outputs.append(self._fail(rid, e))
+        for rid, (start, entries) in result.prompt_logprobs.items():
+            if rid in live:  # a recompute (after a failed step) rewrites the positions it covers
+                self._prompt_logprobs.setdefault(rid, [])[start:start + len(entries)] = entries
         finished = {f.request.request_id: f for f in self.scheduler.update(sched, result)}
         if self.kv_transfer is not None:
             self.kv_transfer.after_update()  # prompts held for remote readers are served before their outputs go
@@ -338,7 +347,8 @@ class EngineCore:
                 rid, list(toks), [lp.entries] if lp is not None else None,
                 finish_reason=fin.finish_reason if fin else None,
                 stop_reason=req.stop_reason if fin else None, num_cached_tokens=max(req.num_cached_tokens, 0),
-                kv_transfer_params=self.kv_transfer.params_of(rid) if fin and self.kv_transfer else None))
+                kv_transfer_params=self.kv_transfer.params_of(rid) if fin and self.kv_transfer else None,
+                prompt_logprobs=self._prompt_logprobs.pop(rid, None)))  # complete with the first sample
         return EngineCoreOutputs(outputs, self._stats(sched, result))
 
     def idle_work(self) -> bool:

@@ -37,6 +37,19 @@ def multimodal_processor(config, ckpt, tokenizer) -> "MultiModalProcessor | None
                                max_frame_patches=enc.encoder_attention_block_size, tokenizer=tokenizer)
 
 
+def logits_processor_classes(config) -> tuple[type, ...]:
+    from vllm_neuron.logits_processor import load_logits_processor
+
+    return tuple(load_logits_processor(s) for s in config.logits_processors or ())
+
+
+def prompt_embeds_spec(config, ckpt) -> tuple[int, Any] | None:
+    """(hidden size, dtype) a prompt's embeddings must fit with --enable-prompt-embeds; None without it."""
+    if not config.enable_prompt_embeds:
+        return None
+    return ckpt.hf_config.get_text_config().hidden_size, config.torch_dtype
+
+
 def child_request_id(index: int, request_id: str) -> str:
     return f"{index}_{request_id}"
 
@@ -46,11 +59,16 @@ class InputProcessor:
                  odsc: OnDeviceSamplingConfig | None, max_logprobs: int, vocab_size: int,
                  mm_processor: "MultiModalProcessor | None" = None,
                  grammar_check: Callable[[StructuredOutputsParams, int | None], None] | None = None,
-                 scheduling_policy: str = "fcfs", kv_transfer: bool = False) -> None:
+                 scheduling_policy: str = "fcfs", kv_transfer: bool = False,
+                 prompt_embeds: tuple[int, Any] | None = None, logits_processors: tuple[type, ...] = ()) -> None:
         """grammar_check(params, max_tokens): a structured-output constraint's size limits and compilation
         (structured_output/checker.py; ValueError naming the problem); None: compiled here, unbounded.
         scheduling_policy: a request `priority` other than 0 is refused unless it is "priority" (vLLM's rule).
-        kv_transfer: the engine is a disaggregated instance (requests may carry kv_transfer_params)."""
+        kv_transfer: the engine is a disaggregated instance (requests may carry kv_transfer_params).
+        prompt_embeds: (hidden size, torch dtype) of the model with --enable-prompt-embeds; None: refused.
+        logits_processors: the custom processors' classes, whose validate_params refuse a request here."""
+        self.prompt_embeds = prompt_embeds
+        self.logits_processors = logits_processors
         self.tokenizer = tokenizer
         self.scheduling_policy = scheduling_policy
         self.kv_transfer = kv_transfer
@@ -105,7 +123,8 @@ class InputProcessor:
             if "prompt" in prompt:
                 return prompt["prompt"], self.tokenizer.encode(prompt["prompt"], add_special_tokens=True)
             if "prompt_embeds" in prompt:
-                raise ValueError("prompt_embeds requires enable_prompt_embeds, which is not supported yet")
+                raise ValueError("prompt_embeds requires the engine option enable_prompt_embeds "
+                                 "(--enable-prompt-embeds)")
             raise ValueError(f"a prompt dict needs 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}")
         if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
             return None, list(prompt)
@@ -114,7 +133,11 @@ class InputProcessor:
     def process(self, request_id: str, prompt: Any, params: SamplingParams,
                 priority: int = 0) -> tuple[str | None, list[int], list[EngineCoreRequest]]:
         self.check_priority(priority)
-        text, ids, mm_items = self.tokenize_multimodal(prompt)
+        embeds = None
+        if isinstance(prompt, Mapping) and "prompt_embeds" in prompt and self.prompt_embeds is not None:
+            text, ids, mm_items, embeds = self._embeds_prompt(prompt, params)
+        else:
+            text, ids, mm_items = self.tokenize_multimodal(prompt)
         self.validate(ids, params)
         params = params.clone()
         if params.max_tokens is None:
@@ -125,12 +148,13 @@ class InputProcessor:
             params._bad_words_token_ids = self._bad_words_ids(params.bad_words)
         now = time.monotonic()
         if params.n == 1:
-            return text, ids, [EngineCoreRequest(request_id, ids, params, self.eos_token_id, now, mm_items, priority)]
+            return text, ids, [EngineCoreRequest(request_id, ids, params, self.eos_token_id, now, mm_items,
+                                                 priority=priority, prompt_embeds=embeds)]
         reqs = []
         for i in range(params.n):
             child = dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + i)
             reqs.append(EngineCoreRequest(child_request_id(i, request_id), ids, child, self.eos_token_id, now,
-                                          mm_items, priority))
+                                          mm_items, priority=priority, prompt_embeds=embeds))
         return text, ids, reqs
 
     def check_priority(self, priority: Any) -> None:
@@ -139,6 +163,20 @@ class InputProcessor:
         if priority != 0 and self.scheduling_policy != "priority":
             raise ValueError(f"Got priority {priority} but priority scheduling is not enabled: start the engine "
                              "with --scheduling-policy priority (scheduling_policy='priority'), or send priority 0")
+
+    def _embeds_prompt(self, prompt: Mapping, params: SamplingParams) -> tuple[None, list[int], None, Any]:
+        """{"prompt_embeds": tensor}: (no text, placeholder ids, no media, the checked tensor)."""
+        from vllm_neuron.engine.prompt_embeds import check_prompt_embeds
+
+        extra = sorted(set(prompt) - {"prompt_embeds", "cache_salt"})
+        if extra:
+            raise ValueError(f"a prompt_embeds prompt takes no other input, got {extra}")
+        if params.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs is not supported with prompt_embeds: the prompt has no token ids "
+                             "to score")
+        hidden, dtype = self.prompt_embeds
+        embeds = check_prompt_embeds(prompt["prompt_embeds"], hidden, dtype, self.max_model_len)
+        return None, [0] * embeds.shape[0], None, embeds
 
     def validate(self, ids: list[int], params: SamplingParams) -> None:
         if not ids:
@@ -158,7 +196,10 @@ class InputProcessor:
                 f"requested {n + params.max_tokens} tokens ({n} in the messages, {params.max_tokens} in the "
                 f"completion). Please reduce the length of the messages or completion.")
         if params.prompt_logprobs is not None:
-            raise ValueError("prompt_logprobs is not supported yet")
+            wanted = self.vocab_size if params.prompt_logprobs == -1 else params.prompt_logprobs
+            if wanted > self.max_logprobs:
+                raise ValueError(f"Requested prompt logprobs of {wanted}, which is greater than max allowed: "
+                                 f"{self.max_logprobs}")
         if params.logprobs is not None and params.logprobs > self.max_logprobs:
             raise ValueError(f"Requested sample logprobs of {params.logprobs}, which is greater than "
                              f"max allowed: {self.max_logprobs}")
@@ -178,6 +219,10 @@ class InputProcessor:
                                  "(--kv-transfer-config); this one is not a disaggregated instance")
             if params.n != 1:
                 raise ValueError(f"kv_transfer_params supports n=1 only, got n={params.n}")
+        for cls in self.logits_processors:
+            check = getattr(cls, "validate_params", None)
+            if check is not None:
+                check(params)  # a ValueError refuses the request (vLLM's hook)
 
     def _validate_structured_outputs(self, params: SamplingParams) -> None:
         # Checked here (compiled once, remembered by its text) so a bad constraint is refused before it reaches

@@ -11,7 +11,8 @@ from vllm_neuron.config.engine_args import EngineArgs
 from vllm_neuron.config.engine_config import EngineConfig
 from vllm_neuron.config.generation_config import effective_generation_config
 from vllm_neuron.engine.core import EngineCore
-from vllm_neuron.engine.input_processor import InputProcessor, multimodal_processor
+from vllm_neuron.engine.input_processor import (InputProcessor, logits_processor_classes, multimodal_processor,
+                                                prompt_embeds_spec)
 from vllm_neuron.engine.output_processor import OutputProcessor
 from vllm_neuron.engine.resolve import resolve_engine_config
 from vllm_neuron.model.loader import Checkpoint, load_checkpoint, load_tokenizer
@@ -35,7 +36,8 @@ class LLMEngine:
                 config.generation_config, ckpt.generation_config, config.override_generation_config),
             config.neuron_config.on_device_sampling_config, config.max_logprobs,
             vocab_size, multimodal_processor(config, ckpt, self.tokenizer), grammar_check=checker.check,
-            scheduling_policy=config.scheduling_policy, kv_transfer=config.kv_transfer is not None)
+            scheduling_policy=config.scheduling_policy, kv_transfer=config.kv_transfer is not None,
+            prompt_embeds=prompt_embeds_spec(config, ckpt), logits_processors=logits_processor_classes(config))
         self.output_processor = OutputProcessor(self.tokenizer)
 
     @classmethod

@@ -5,6 +5,7 @@ Plain dataclasses, so they can be sent over a socket as msgpack when the core ru
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from vllm_neuron.sampling_params import SamplingParams
 
@@ -18,6 +19,8 @@ class EngineCoreRequest:
     arrival_time: float
     mm_items: list | None = None  # multimodal.inputs.MultiModalItem per media item, in prompt order
     priority: int = 0  # --scheduling-policy priority: lower first
+    # --enable-prompt-embeds: [len(prompt_token_ids), hidden] in the model's dtype (the ids are placeholders).
+    prompt_embeds: Any = None
 
 
 @dataclass
@@ -35,6 +38,9 @@ class EngineCoreOutput:
     error_kind: str | None = None
     # A prefill instance's answer for the decode instance (vLLM's kv_transfer_params), on the final output.
     kv_transfer_params: dict | None = None
+    # With the request's first token, when it asked for prompt_logprobs: per prompt position 1.. the
+    # [(prompt token, logprob, rank), top-N...] entries.
+    prompt_logprobs: list[list[tuple[int, float, int]]] | None = None
 
     @property
     def finished(self) -> bool:

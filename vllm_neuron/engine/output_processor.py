@@ -35,6 +35,8 @@ class _RequestState:
     metrics: RequestMetrics
     num_cached_tokens: int = 0
     kv_transfer_params: dict | None = None  # a prefill instance's answer for the decode instance
+    prompt_logprobs: list | None = None  # PromptLogprobs once the engine sent them
+    prompt_logprobs_sent: bool = False  # DELTA outputs carry them once
 
     @property
     def finished(self) -> bool:
@@ -95,6 +97,8 @@ class OutputProcessor:
             if out.kv_transfer_params is not None:
                 st.kv_transfer_params = out.kv_transfer_params
             c.token_ids.extend(out.new_token_ids)
+            if out.prompt_logprobs is not None and st.prompt_logprobs is None:
+                st.prompt_logprobs = [None] + self._logprob_dicts(out.prompt_logprobs)
             if out.new_logprobs is not None and c.logprobs is not None:
                 for entries in out.new_logprobs:
                     c.logprobs.append(self._logprob_dict(entries))
@@ -132,6 +136,19 @@ class OutputProcessor:
                 d[tok] = Logprob(lp, rank, self.tokenizer.decode([tok]))
         return d
 
+    def _logprob_dicts(self, positions: list[list[tuple[int, float, int]]]) -> list[dict[int, Logprob]]:
+        """Many positions at once: each distinct token decoded once (a scored prompt has hundreds)."""
+        ids = sorted({tok for entries in positions for tok, _, _ in entries})
+        text = dict(zip(ids, self.tokenizer.batch_decode([[t] for t in ids])))
+        out = []
+        for entries in positions:
+            d: dict[int, Logprob] = {}
+            for tok, lp, rank in entries:
+                if tok not in d:
+                    d[tok] = Logprob(lp, rank, text[tok])
+            out.append(d)
+        return out
+
     def _finish(self, st: _RequestState) -> RequestOutput:
         st.metrics.finished_time = time.time()
         self.latency_events.append(("e2e", st.metrics.finished_time - st.metrics.arrival_time))
@@ -156,6 +173,10 @@ class OutputProcessor:
             c.changed = False
             comps.append(CompletionOutput(c.index, text, ids, c.cumulative_logprob,
                                           list(lps) if lps is not None else None, c.finish_reason, c.stop_reason))
-        return RequestOutput(st.request_id, st.prompt, st.prompt_token_ids, None, comps, finished,
+        prompt_logprobs = st.prompt_logprobs
+        if delta and st.prompt_logprobs_sent:
+            prompt_logprobs = None
+        st.prompt_logprobs_sent = st.prompt_logprobs_sent or prompt_logprobs is not None
+        return RequestOutput(st.request_id, st.prompt, st.prompt_token_ids, prompt_logprobs, comps, finished,
                              st.metrics, st.num_cached_tokens, st.kv_transfer_params if finished else None)
 

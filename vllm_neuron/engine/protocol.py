@@ -25,6 +25,7 @@ class TokensPrompt(TypedDict, total=False):
     multi_modal_data: dict[str, Any]  # {"image": [...]}: the prompt holds one placeholder per item
     # Media already processed by `EngineClient.process_multimodal` (placeholders expanded in the ids).
     multi_modal_items: list[Any]
+    prompt_embeds: Any  # [seq_len, hidden] torch tensor in place of token ids (--enable-prompt-embeds)
 
 
 PromptType = Union[str, list[int], TextPrompt, TokensPrompt]
@@ -64,6 +65,8 @@ class ModelInfo:
     eos_token_id: int | None
     # SamplingParams defaults from the generation config (--generation-config); fill unset request fields.
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
+    # --enable-prompt-embeds: the hidden size a prompt's embeddings must have; None: prompt_embeds refused.
+    prompt_embeds_hidden_size: int | None = None
 
 
 class EngineClient(ABC):

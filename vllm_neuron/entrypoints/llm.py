@@ -10,6 +10,8 @@ from typing import Any
 
 from tqdm import tqdm
 
+from vllm_neuron.beam_search import BeamSearch, BeamSearchOutput
+from vllm_neuron.sampling_params import BeamSearchParams
 from vllm_neuron.config.engine_args import EngineArgs
 from vllm_neuron.config.engine_config import EngineConfig
 from vllm_neuron.engine.llm_engine import LLMEngine
@@ -112,6 +114,30 @@ class LLM:
                 ids = ids["input_ids"]
             prompts.append({"prompt_token_ids": list(ids), **({"multi_modal_data": media} if media else {})})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def beam_search(self, prompts: Any, params: BeamSearchParams, use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """vLLM's `LLM.beam_search`: each prompt's `params.beam_width` best sequences (vllm_neuron/beam_search.py
+        says how), prompt tokens included, most likely first."""
+        engine = self._dp or self.llm_engine
+        tok = self.get_tokenizer()
+        ids = []
+        for p in self._as_prompt_list(prompts):
+            if isinstance(p, dict) and "prompt_token_ids" in p:
+                ids.append(list(p["prompt_token_ids"]))
+            elif isinstance(p, (str, dict)):
+                ids.append(tok.encode(p if isinstance(p, str) else p["prompt"], add_special_tokens=True))
+            else:
+                ids.append(list(p))
+
+        search = BeamSearch(ids, params, engine.input_processor.eos_token_id, engine.input_processor.max_model_len)
+        while (beams := search.next_step()) is not None:
+            outs = self.generate([{"prompt_token_ids": b} for b in beams], search.step_params, use_tqdm=use_tqdm)
+            search.advance([o.outputs[0].logprobs[0] for o in outs])
+        best = search.results()
+        for seqs in best:
+            for s in seqs:
+                s.text = tok.decode(s.tokens, skip_special_tokens=True)
+        return [BeamSearchOutput(seqs) for seqs in best]
 
     def _as_prompt_list(self, prompts: Any) -> list[Any]:
         if isinstance(prompts, (str, dict)):

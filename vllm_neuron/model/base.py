@@ -77,6 +77,10 @@ class CausalLM(nn.Module):
                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         raise NotImplementedError
 
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The token embeddings forward() starts from (prompt embeddings replace some rows of them)."""
+        raise NotImplementedError(f"{type(self).__name__} does not take prompt embeddings")
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
 

@@ -26,8 +26,13 @@ from vllm_neuron.model.layers.in_graph_sampler import (apply_token_bitmask, coun
                                                        sample_in_graph)
 from vllm_neuron.model.layers.kernel_config import KernelConfig
 from vllm_neuron.model.layers.rejection_sampler import rejection_sample
-from vllm_neuron.worker.step_inputs import (DecodeInputs, EncoderInputs, PrefillInputs, RowSampling,
-                                            SlotDecodeInputs, SlotState, StepOutput, VerifyInputs)
+from vllm_neuron.worker.step_inputs import (DecodeInputs, EncoderInputs, PrefillInputs, PromptLogprobsOut,
+                                            PromptRows, RowSampling, SlotDecodeInputs, SlotState, StepOutput,
+                                            VerifyInputs)
+
+# Prompt logprobs are computed this many positions at a time: [rows, vocab] fp32 logits stay ~25 MB on a
+# 49k vocabulary instead of growing with the prompt.
+PROMPT_LOGPROBS_ROWS = 128
 
 
 @dataclass(frozen=True)
@@ -134,6 +139,45 @@ class GraphBase:
             return greedy_in_graph(logits, use), logits
         return sample_in_graph(logits, s.temperature, s.top_k, s.top_p, s.uniform, odsc.top_k, use_kernels=use), logits
 
+    def prompt_logprobs(self, hidden: torch.Tensor, p: PromptRows) -> PromptLogprobsOut:
+        """Log-softmax of the logits at the prompt rows `p` asks for: each target token's logprob and rank
+        (tokens at least as likely, so the best is 1, as the host sampler counts), and the top_n."""
+        lps, ranks, top_v, top_i = [], [], [], []
+        for s in range(0, p.rows.shape[0], PROMPT_LOGPROBS_ROWS):
+            # Three passes over the logits, none written back: log_softmax would materialize a second copy.
+            logits = self.model.compute_logits(hidden[p.rows[s:s + PROMPT_LOGPROBS_ROWS]]).float()
+            lse = torch.logsumexp(logits, -1, keepdim=True)
+            target = logits.gather(1, p.targets[s:s + PROMPT_LOGPROBS_ROWS, None])
+            lps.append((target - lse)[:, 0])
+            ranks.append((logits >= target).sum(-1))
+            if p.top_n:
+                v, i = logits.topk(min(p.top_n, logits.shape[-1]), dim=-1)
+                top_v.append(v - lse)
+                top_i.append(i)
+        return PromptLogprobsOut(torch.cat(lps), torch.cat(ranks), torch.cat(top_i) if top_i else None,
+                                 torch.cat(top_v) if top_v else None)
+
+    def _prefill(self, x: PrefillInputs) -> tuple[StepOutput, torch.Tensor]:
+        """(the prefill step's output, the hidden states of all its tokens)."""
+        raise NotImplementedError
+
+    def _prefill_kwargs(self, x: PrefillInputs) -> dict:
+        """The model's keyword inputs of a prefill; with prompt embeddings a per-row select between them and
+        the token embeddings (one graph for both kinds of prompt)."""
+        if x.embeds is None:
+            return x.model_kwargs
+        tokens = self.model.embed_input_ids(x.input_ids)
+        return {**x.model_kwargs, "inputs_embeds": torch.where(x.embeds_rows[:, None], x.embeds.to(tokens.dtype),
+                                                               tokens)}
+
+    def prefill(self, x: PrefillInputs) -> StepOutput:
+        return self._prefill(x)[0]
+
+    def prefill_with_prompt_logprobs(self, x: PrefillInputs, p: PromptRows) -> tuple[StepOutput, PromptLogprobsOut]:
+        """The prefill step and the prompt logprobs at `p`'s rows (run eagerly, only for steps that ask)."""
+        out, hidden = self._prefill(x)
+        return out, self.prompt_logprobs(hidden, p)
+
     def encode(self, x: EncoderInputs) -> tuple[torch.Tensor, torch.Tensor]:
         """A multimodal model's encoder over one bucket of block-packed media."""
         return self.model.encode(x.pixels, x.interp_idx, x.interp_w, x.rot_pos, x.segment)
@@ -142,13 +186,13 @@ class GraphBase:
 class StepGraphs(GraphBase):
     """Model Runner V1's graphs: host-built inputs; forward, logits of the sampled rows, in-graph sampling."""
 
-    def prefill(self, x: PrefillInputs) -> StepOutput:
+    def _prefill(self, x: PrefillInputs) -> tuple[StepOutput, torch.Tensor]:
         meta = self.prefill_meta(x)
         hidden, taps = self.forward(x.input_ids, x.positions, x.kv_caches, meta,
-                                    self._group_metas(meta, x.groups, True), x.model_kwargs)
+                                    self._group_metas(meta, x.groups, True), self._prefill_kwargs(x))
         tokens, logits = self.sample(self.model.compute_logits(hidden[x.logits_indices]), x.bitmask, x.sampling)
         drafts = None if self.drafter is None else self.drafter.after_prefill(self, x, tokens, taps, meta)
-        return StepOutput(tokens, logits, drafts)
+        return StepOutput(tokens, logits, drafts), hidden
 
     def decode(self, x: DecodeInputs) -> StepOutput:
         meta = self.decode_meta(x.slot_mapping, x.block_tables, x.positions)
@@ -201,16 +245,16 @@ class SlotStepGraphs(GraphBase):
         state.last_token.index_copy_(0, slots, torch.where(dummy, torch.zeros_like(tokens), tokens))
         state.position.index_copy_(0, slots, torch.where(dummy, torch.zeros_like(next_pos), next_pos))
 
-    def prefill(self, x: PrefillInputs) -> StepOutput:
+    def _prefill(self, x: PrefillInputs) -> tuple[StepOutput, torch.Tensor]:
         meta = self.prefill_meta(x)
         hidden, _ = self.forward(x.input_ids, x.positions, x.kv_caches, meta, self._group_metas(meta, x.groups, True),
-                                 x.model_kwargs)
+                                 self._prefill_kwargs(x))
         logits = self.model.compute_logits(hidden[x.logits_indices])
         next_pos = x.positions[x.logits_indices] + 1  # where the sampled token will sit
         slots, state = x.sampling.slots, x.sampling.state
         tokens, logits = self._sample_rows(logits, x.bitmask, slots, next_pos, state)
         self._write_token_state(slots, tokens, next_pos, state)
-        return StepOutput(tokens, logits)
+        return StepOutput(tokens, logits), hidden
 
     def decode(self, x: SlotDecodeInputs) -> StepOutput:
         state, rows, bs = x.state, x.row_slots, self.options.block_size

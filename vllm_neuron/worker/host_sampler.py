@@ -1,8 +1,11 @@
 """Host ("CPU") sampling with vLLM V1 semantics, for what the in-graph sampler does not do.
 
-Order per row, as vLLM V1's Sampler: raw logprobs (log_softmax of the model's logits) ->
+Order per row, as vLLM V1's Sampler: raw logprobs (log_softmax of the model's logits; --logprobs-mode
+raw_logits: the logits themselves) ->
 allowed_token_ids -> bad words -> min_tokens suppression -> logit_bias -> repetition / frequency /
 presence penalties -> greedy argmax, or temperature -> min_p -> top-k -> top-p -> random sample.
+With --logprobs-mode processed_logprobs / processed_logits the logprobs come from the logits the token is
+drawn from: after those edits, and for random rows temperature, min_p, top-k and top-p (-inf outside).
 Temperature, top-k, top-p and the draw are the in-graph sampler's own function (`sample_in_graph`) with
 the row's `counter_uniform` number, so a row sampled here gets the token the graph would have given it
 from the same logits.
@@ -11,12 +14,12 @@ parallel op over the vocabulary can cost a scheduler wake-up (measured: ~5 ms ea
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from vllm_neuron.model.layers.in_graph_sampler import sample_in_graph
+from vllm_neuron.model.layers.in_graph_sampler import sample_in_graph, truncated_logits
 from vllm_neuron.sampling_params import SAMPLING_EPS, SamplingParams
 
 
@@ -176,10 +179,30 @@ def _sample_random(x: torch.Tensor, rows: Sequence[HostSamplingRow], max_top_k: 
                            max_top_k=max_top_k, width=width)
 
 
-def host_sample(logits: torch.Tensor, rows: Sequence[HostSamplingRow], max_top_k: int | None = None
-                ) -> HostSampleResult:
+def _processed_logits(x: torch.Tensor, rows: Sequence[HostSamplingRow], max_top_k: int) -> torch.Tensor:
+    """The logits each row's token is drawn from (x: after the logit edits): greedy rows as they are, random
+    rows divided by their temperature, -inf outside min_p and their top-k / top-p set."""
+    dev, vocab = x.device, x.shape[1]
+    random = [r.params.temperature >= SAMPLING_EPS for r in rows]
+    temp = torch.tensor([r.params.temperature if rnd else 0.0 for r, rnd in zip(rows, random)],
+                        dtype=torch.float32, device=dev)
+    min_p_rows = [j for j, r in enumerate(rows) if random[j] and r.params.min_p > 0.0]
+    if min_p_rows:
+        min_p = torch.tensor([rows[j].params.min_p for j in min_p_rows], dtype=torch.float32, device=dev)
+        x[min_p_rows] = x[min_p_rows].masked_fill(
+            _min_p_mask(x[min_p_rows] / temp[min_p_rows].unsqueeze(1), min_p), float("-inf"))
+    top_k = torch.tensor([r.params.top_k if 0 < r.params.top_k < vocab else 0 for r in rows], device=dev)
+    top_p = torch.tensor([r.params.top_p for r in rows], dtype=torch.float32, device=dev)
+    return truncated_logits(x, temp, top_k, top_p, max_top_k)
+
+
+def host_sample(logits: torch.Tensor, rows: Sequence[HostSamplingRow], max_top_k: int | None = None,
+                logprobs_mode: str = "raw_logprobs",
+                custom: Callable[[torch.Tensor], torch.Tensor] | None = None) -> HostSampleResult:
     """Samples one token per row of logits [N, V] with each row's SamplingParams. max_top_k: how many
-    tokens top-p looks at when top_k is off (the in-graph sampler's cap; None: the whole vocabulary)."""
+    tokens top-p looks at when top_k is off (the in-graph sampler's cap; None: the whole vocabulary);
+    logprobs_mode: one of config/engine_args.py's LOGPROBS_MODES (vLLM's --logprobs-mode); custom: the custom
+    logits processors over every row (worker/logits_processors.py), after the logit edits."""
     if logits.dim() != 2 or logits.shape[0] != len(rows):
         raise ValueError(f"logits must be [num_rows, vocab] with num_rows={len(rows)}, "
                          f"got shape {tuple(logits.shape)}")
@@ -189,9 +212,15 @@ def host_sample(logits: torch.Tensor, rows: Sequence[HostSamplingRow], max_top_k
 
     want_logprobs = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
     # vLLM's default logprobs mode (raw_logprobs): the model's distribution before any processing.
-    raw_logprobs = torch.log_softmax(x[want_logprobs], dim=-1) if want_logprobs else None
+    reported = None
+    if want_logprobs and logprobs_mode == "raw_logprobs":
+        reported = torch.log_softmax(x[want_logprobs], dim=-1)
+    elif want_logprobs and logprobs_mode == "raw_logits":
+        reported = x[want_logprobs]  # a copy (advanced indexing)
 
     _process_logits(x, rows)
+    if custom is not None:
+        x = custom(x).to(torch.float32)
 
     greedy = [r.params.temperature < SAMPLING_EPS for r in rows]
     sampled = torch.empty(num_rows, dtype=torch.long, device=x.device)
@@ -204,8 +233,13 @@ def host_sample(logits: torch.Tensor, rows: Sequence[HostSamplingRow], max_top_k
 
     token_ids = sampled.tolist()
     logprobs: list[list[tuple[int, float, int]] | None] = [None] * num_rows
+    if want_logprobs and reported is None:  # processed_*: x holds the edited logits
+        cap = x.shape[1] if max_top_k is None else min(max_top_k, x.shape[1])
+        reported = _processed_logits(x[want_logprobs], [rows[i] for i in want_logprobs], cap)
+        if logprobs_mode == "processed_logprobs":
+            reported = torch.log_softmax(reported, dim=-1)
     if want_logprobs:
-        gathered = _gather_logprobs(raw_logprobs, [token_ids[i] for i in want_logprobs],
+        gathered = _gather_logprobs(reported, [token_ids[i] for i in want_logprobs],
                                     [rows[i].params.logprobs for i in want_logprobs])
         for i, entry in zip(want_logprobs, gathered):
             logprobs[i] = entry

@@ -95,7 +95,7 @@ class ModelRunnerV1(ModelRunnerBase):
                                                    self.sampling.all_tokens)
             x.draft = pytree.tree_map(lambda a: self._t(a) if isinstance(a, np.ndarray) else a, draft)
         with torch.inference_mode():
-            return self._graph("prefill", num_tokens, num_context)(x)
+            return self._call_prefill(x, chunks, num_tokens, num_context)
 
     def _run_decode(self, chunks, batch: int, context: int, masks: dict | None = None,
                     input_ids: torch.Tensor | None = None) -> StepOutput:
@@ -185,4 +185,5 @@ class ModelRunnerV1(ModelRunnerBase):
                                   {r: t[0] for r, t in sampled.items()}, host_rows)
         return ModelRunnerOutput(sampled, logprobs, bucket_name=name, num_padding=padding,
                                  async_fallback=fallback, tokens_passed_on_device=passed,
+                                 prompt_logprobs=self._take_prompt_logprobs(),
                                  spec_token_ids=self._drafts(sched, chunks, sampled, out.drafts))

@@ -60,7 +60,7 @@ class ModelRunnerV2(ModelRunnerBase):
                             self.state.state)
         x, _ = self._prefill_inputs(chunks, num_tokens, num_context, masks, sampling)
         with torch.inference_mode():
-            return self._graph("prefill", num_tokens, num_context)(x)
+            return self._call_prefill(x, chunks, num_tokens, num_context)
 
     def _run_decode(self, chunks: list[ScheduledChunk], batch: int, context: int,
                     masks: dict | None = None) -> StepOutput:
@@ -105,4 +105,5 @@ class ModelRunnerV2(ModelRunnerBase):
         req_ids, sampled, logprobs = self._finalize_rows(chunks, out.tokens, out.logits)
         host = [r for r in req_ids if self.sampling.states[r].on_host]
         self.state.set_last_tokens(host, [sampled[r][0] for r in host])
-        return ModelRunnerOutput(sampled, logprobs, bucket_name=name, num_padding=padding)
+        return ModelRunnerOutput(sampled, logprobs, bucket_name=name, num_padding=padding,
+                                 prompt_logprobs=self._take_prompt_logprobs())

@@ -43,8 +43,10 @@ from vllm_neuron.worker.kv_connector import KVConnectorWorker
 from vllm_neuron.worker.kv_prefault import KVPrefaulter
 from vllm_neuron.worker.model_kinds import GraphSpec, ModelKindState, make_model_kinds
 from vllm_neuron.worker.model_setup import LoadStats, build_model, checkpoint_scheme, zeros
+from vllm_neuron.worker.logits_processors import LogitsProcessorBatch
+from vllm_neuron.worker.prompt_logprobs import plan_prompt_logprobs, prompt_logprob_entries
 from vllm_neuron.worker.sampling_state import SamplingStates
-from vllm_neuron.worker.step_inputs import GroupTables, PrefillInputs, RowSampling, SlotRows
+from vllm_neuron.worker.step_inputs import GroupTables, PrefillInputs, RowSampling, SlotRows, StepOutput
 
 logger = init_logger(__name__)
 
@@ -65,7 +67,8 @@ class ModelRunnerBase:
         self.context_buckets = nc.context_buckets
         self.kv_segment = nc.kv_segment_size_buckets[0] if nc.kv_segment_size_buckets else 0
         self.odsc = nc.on_device_sampling_config
-        self.sampling = SamplingStates(self.odsc, config.seed)
+        self.sampling = SamplingStates(self.odsc, config.seed, config.logprobs_mode, LogitsProcessorBatch(
+            config.logits_processors, config, torch.device("cpu")) if config.logits_processors else None)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.draft_kv: list[tuple[torch.Tensor, torch.Tensor]] = []  # the speculator's KV layers
         self.kv_prefaulter: KVPrefaulter | None = None
@@ -76,6 +79,7 @@ class ModelRunnerBase:
         self.graphs = None  # the runner's StepGraphs / SlotStepGraphs
         self._bucket_graphs: dict[tuple[str, int, int], Callable] = {}
         self._free_before_load: int | None = None
+        self._prompt_logprobs: dict = {}  # the current step's (ModelRunnerOutput.prompt_logprobs)
         self._kv_sizing: dict | None = None
         self.model_cls = resolve_model_class(checkpoint.hf_config)
         self.model_spec = model_spec(checkpoint.hf_config, config.neuron_config.quantization)
@@ -288,7 +292,8 @@ class ModelRunnerBase:
                 "tp_rank": ps.info().rank, "ep_degree": ps.info().ep_degree,
                 "quantization": self.config.neuron_config.quantization,
                 "decode_cpp_wrapper": self.config.neuron_config.decode_cpp_wrapper,
-                "kinds": [k.graph_options() for k in self.kinds]}
+                "kinds": [k.graph_options() for k in self.kinds],
+                "prompt_embeds": self.config.enable_prompt_embeds}
         if self.speculator is not None:
             opts["speculator"] = self.speculator.graph_options()
         if self.kv_layout.num_groups > 1:
@@ -386,7 +391,25 @@ class ModelRunnerBase:
                 c, num_tokens, num_context, rows, self.block_size, self._max_blocks()), tables),
             model_kwargs={k: v for kind in self.kinds for k, v in kind.prefill_kwargs(chunks, a).items()},
             draft_kv=self.draft_kv)
+        if self.config.enable_prompt_embeds:
+            x.embeds, x.embeds_rows = self._prompt_embeds_rows(chunks, num_tokens)
         return x, a
+
+    def _prompt_embeds_rows(self, chunks, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """([T, hidden] embeddings, [T] where they replace the token embeddings) of a prefill step: the prompt
+        positions of requests that came with prompt_embeds."""
+        embeds = torch.zeros(num_tokens, self.ckpt.hf_config.get_text_config().hidden_size, dtype=self.dtype)
+        rows = torch.zeros(num_tokens, dtype=torch.bool)
+        t = 0
+        for c in chunks:
+            st = self.sampling.states.get(c.req_id)
+            given = st.data.prompt_embeds if st is not None else None
+            end = min(c.start_pos + len(c.token_ids), given.shape[0]) if given is not None else 0
+            if end > c.start_pos:
+                embeds[t:t + end - c.start_pos] = given[c.start_pos:end]
+                rows[t:t + end - c.start_pos] = True
+            t += len(c.token_ids)
+        return embeds.to(self.device), rows.to(self.device)
 
     def _group_tables(self, chunks, build: Callable[[list], Any], tables: str) -> tuple[GroupTables, ...]:
         """KV cache groups 1..: each group's (slot_mapping, `tables` field) of the same step's host arrays built
@@ -434,6 +457,22 @@ class ModelRunnerBase:
             return req_ids, {}, {}
         sampled, logprobs = self.sampling.finalize(req_ids, tokens, logits, rows)
         return req_ids, sampled, logprobs
+
+    def _call_prefill(self, x: PrefillInputs, chunks, num_tokens: int, num_context: int) -> StepOutput:
+        """The prefill bucket's graph on x. A step with requests that want prompt logprobs runs the same graph
+        function eagerly and computes the logits of their prompt rows too (the compiled graph keeps only
+        each chunk's last row); the scheduler puts such requests in steps of their own."""
+        plan = plan_prompt_logprobs(chunks, self.sampling.states, self.ckpt.hf_config.get_text_config().vocab_size,
+                                    self.device)
+        if plan is None:
+            return self._graph("prefill", num_tokens, num_context)(x)
+        out, lp = self.graphs.prefill_with_prompt_logprobs(x, plan.rows)
+        self._prompt_logprobs = prompt_logprob_entries(plan, lp)
+        return out
+
+    def _take_prompt_logprobs(self) -> dict:
+        out, self._prompt_logprobs = self._prompt_logprobs, {}
+        return out
 
     def _run_prefill(self, chunks, num_tokens: int, num_context: int, masks: dict | None = None):
         raise NotImplementedError

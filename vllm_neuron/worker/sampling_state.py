@@ -20,6 +20,7 @@ from vllm_neuron.logger import init_logger
 from vllm_neuron.sampling_params import SAMPLING_EPS
 from vllm_neuron.step import NewRequestData, StepLogprobs
 from vllm_neuron.worker.host_sampler import HostSamplingRow, host_sample
+from vllm_neuron.worker.logits_processors import LogitsProcessorBatch
 
 logger = init_logger(__name__)
 
@@ -42,8 +43,12 @@ class RequestState:
 
 
 class SamplingStates:
-    def __init__(self, odsc: OnDeviceSamplingConfig | None, seed: int) -> None:
+    def __init__(self, odsc: OnDeviceSamplingConfig | None, seed: int, logprobs_mode: str = "raw_logprobs",
+                 processors: LogitsProcessorBatch | None = None) -> None:
+        """processors: the custom logits processors (--logits-processors); every request is then host-sampled."""
         self.odsc = odsc
+        self.logprobs_mode = logprobs_mode
+        self.processors = processors
         self.rng = torch.Generator().manual_seed(seed)
         self.states: dict[str, RequestState] = {}
         if odsc is not None and not odsc.all_greedy:
@@ -58,8 +63,11 @@ class SamplingStates:
         seed = fold_seed(p.seed) if p.seed is not None else int(
             torch.randint(0, 1 << 32, (1,), generator=self.rng).item())
         # A top_k wider than the graph's top-k width would be silently narrowed: sample it on the host.
-        on_host = self.odsc is None or p.needs_host_sampling or p.top_k > self.odsc.top_k
-        self.states[data.req_id] = RequestState(data, seed, on_host=on_host)
+        on_host = self.odsc is None or p.needs_host_sampling or p.top_k > self.odsc.top_k or \
+            self.processors is not None
+        st = self.states[data.req_id] = RequestState(data, seed, on_host=on_host)
+        if self.processors is not None:
+            self.processors.add(data.req_id, p, data.prompt_token_ids, st.output_token_ids)
 
     def truncate(self, req_id: str, num_output_tokens: int) -> None:
         """Forgets samples the scheduler dropped (a preempted request's step in flight)."""
@@ -74,6 +82,8 @@ class SamplingStates:
 
     def remove(self, req_id: str) -> None:
         self.states.pop(req_id, None)
+        if self.processors is not None:
+            self.processors.remove(req_id)
 
     def graph_tensors(self, req_ids: list[str], rows: int) -> dict[str, np.ndarray]:
         """Per-row sampling inputs of the graph; padded rows are greedy."""
@@ -126,7 +136,10 @@ class SamplingStates:
                 host_inputs.append(HostSamplingRow(p, st.data.prompt_token_ids, st.output_token_ids, u,
                                                    stop_ids, p._bad_words_token_ids or ()))
             res = host_sample(logits[[rows[i] for i in host_rows]].float().cpu(), host_inputs,
-                              max_top_k=self.odsc.top_k if self.odsc is not None else None)
+                              max_top_k=self.odsc.top_k if self.odsc is not None else None,
+                              logprobs_mode=self.logprobs_mode,
+                              custom=None if self.processors is None else
+                              lambda x: self.processors.apply(x, [req_ids[i] for i in host_rows]))
             for j, i in enumerate(host_rows):
                 tokens[i] = res.token_ids[j]
                 if res.logprobs[j] is not None:

@@ -95,6 +95,9 @@ class PrefillInputs:
     model_kwargs: dict = field(default_factory=dict)  # a model kind's inputs, e.g. {"mm": ...}
     draft: Any = None  # a speculator's prefill inputs
     draft_kv: KVCaches = field(default_factory=list)  # a speculator's KV layers
+    # --enable-prompt-embeds: [T, hidden] rows that replace the token embeddings where embeds_rows [T] is set
+    embeds: torch.Tensor | None = None
+    embeds_rows: torch.Tensor | None = None
 
 
 @_pytree
@@ -158,6 +161,27 @@ class EncoderInputs:
     interp_w: torch.Tensor  # [P, 4]
     rot_pos: torch.Tensor  # [P, 2]
     segment: torch.Tensor  # [blocks, block_size]
+
+
+@dataclass
+class PromptRows:
+    """The prompt positions of a prefill step whose logprobs its requests asked for (`prompt_logprobs`).
+    Not a compiled graph's input: a step with such rows runs the bucket's graph function eagerly
+    (worker/graphs.py `prefill_with_prompt_logprobs`), so every other step keeps its compiled graph as is."""
+
+    rows: torch.Tensor  # [P] indices into the step's tokens
+    targets: torch.Tensor  # [P] the prompt token each row predicts (the next position's)
+    top_n: int  # top logprobs per row, the most any of the step's requests asked for
+
+
+@dataclass
+class PromptLogprobsOut:
+    """Per PromptRows row: the target token's log-probability and rank (1 = the most likely), and the top_n."""
+
+    logprobs: torch.Tensor  # [P] float32
+    ranks: torch.Tensor  # [P]
+    top_ids: torch.Tensor | None  # [P, top_n]
+    top_logprobs: torch.Tensor | None
 
 
 @_pytree

@@ -161,10 +161,6 @@ def install(app: FastAPI, limits: RequestLimits, max_logprobs: int, vocab_size: 
             if "chat_template" in schema.get("properties", {}) and not limits.trust_request_chat_template:
                 schema["properties"]["chat_template"] = {"type": "null", "description": "refused with a 400 unless "
                                                          "the server runs with --trust-request-chat-template"}
-            if "prompt_logprobs" in schema.get("properties", {}):
-                # Parsed (vLLM's field) but refused when set: the prefill graphs keep the last position's logits only.
-                schema["properties"]["prompt_logprobs"] = {"type": "null", "description": "not supported yet: "
-                                                           "refused with a 400 when set"}
             messages = schema.get("properties", {}).get("messages", {})
             if messages.get("type") == "array":
                 messages["items"] = {
@@ -175,7 +171,7 @@ def install(app: FastAPI, limits: RequestLimits, max_logprobs: int, vocab_size: 
                               {"required": ["tool_calls"], "properties": {"tool_calls": {"type": "array",
                                                                                          "minItems": 1}}}]}
             if max_logprobs >= 0:
-                for field in ("logprobs", "top_logprobs"):
+                for field in ("logprobs", "top_logprobs", "prompt_logprobs"):
                     _set_maximum(schema, field, max_logprobs)
         app.openapi_schema = doc
         return doc

@@ -181,6 +181,8 @@ class _SamplingFields(OpenAIRequestModel):
 
 class CompletionRequest(_SamplingFields):
     prompt: Union[list[int], list[list[int]], str, list[str], None] = None
+    # --enable-prompt-embeds: base64 of torch.save'd [seq_len, hidden] tensors, one prompt each (vLLM's encoding)
+    prompt_embeds: Union[str, list[str], None] = None
     echo: bool | None = False
     logprobs: int | None = Field(None, ge=-1)
     max_tokens: int | None = Field(16, ge=0)  # 0 only with echo
@@ -204,6 +206,7 @@ class CompletionResponseChoice(OpenAIBaseModel):
     stop_reason: int | str | None = None
     token_ids: list[int] | None = None
     prompt_token_ids: list[int] | None = None
+    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None
 
 
 class CompletionResponse(OpenAIBaseModel):
@@ -325,6 +328,7 @@ class ChatCompletionResponse(OpenAIBaseModel):
     usage: UsageInfo
     prompt_token_ids: list[int] | None = None
     kv_transfer_params: dict[str, Any] | None = None  # a prefill instance's answer for the decode instance
+    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None
 
 
 class DeltaMessage(OpenAIBaseModel):

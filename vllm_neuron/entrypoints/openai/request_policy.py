@@ -64,9 +64,7 @@ def _is_set(value: Any) -> bool:
 
 # Fields with a meaning we cannot honour yet: refused with a 400 when set, never ignored.
 _UNSUPPORTED_COMMON: dict[str, Callable[[Any], bool]] = {
-    "use_beam_search": _is_set,
     "logits_processors": _is_set,
-    "prompt_embeds": _is_set,
     "thinking_token_budget": lambda v: v is not None and v != -1,
     "repetition_detection": _is_set,
     "ec_transfer_params": _is_set,
@@ -82,6 +80,8 @@ _UNSUPPORTED_CHAT: dict[str, Callable[[Any], bool]] = {
     "modalities": lambda v: _is_set(v) and list(v) != ["text"],
     "prediction": _is_set,
     "web_search_options": _is_set,
+    "prompt_embeds": _is_set,  # vLLM takes them on /v1/completions only
+    "use_beam_search": _is_set,  # built on /v1/completions (and LLM.beam_search) only
 }
 _UNSUPPORTED_COMPLETION: dict[str, Callable[[Any], bool]] = {"suffix": _is_set}
 _MAX_WARNED_FIELDS = 64

@@ -28,12 +28,7 @@ from vllm_neuron.entrypoints.openai.protocol import (
     UsageInfo,
 )
 from vllm_neuron.entrypoints.openai.request_policy import check_unsupported_fields, parse_request
-from vllm_neuron.entrypoints.openai.serving_engine import (
-    PROMPT_LOGPROBS_UNSUPPORTED,
-    ChoiceAccumulator,
-    OpenAIServing,
-    RequestTracker,
-)
+from vllm_neuron.entrypoints.openai.serving_engine import ChoiceAccumulator, OpenAIServing, RequestTracker
 from vllm_neuron.entrypoints.openai.streaming import SSE_DONE, run_until_disconnect, sse
 from vllm_neuron.entrypoints.openai.structured import structured_outputs_from_request
 from vllm_neuron.entrypoints.openai.tool_calls import ToolCallStream, ToolChoice, extract_final, resolve_tool_choice
@@ -89,8 +84,7 @@ class OpenAIServingChat(OpenAIServing):
         if req.top_logprobs and not req.logprobs:
             raise BadRequestError("when using `top_logprobs`, `logprobs` must be set to true.", param="top_logprobs")
         self.check_logprobs_cap(req.top_logprobs, "top_logprobs")
-        if req.prompt_logprobs is not None:
-            raise BadRequestError(PROMPT_LOGPROBS_UNSUPPORTED, param="prompt_logprobs")
+        self.check_logprobs_cap(req.prompt_logprobs, "prompt_logprobs")
         self.limits.check_n(req.n)
         tool = resolve_tool_choice(req.tools, req.tool_choice, req.parallel_tool_calls, self.tool_parser)
         structured, structured_param = structured_outputs_from_request(req)
@@ -139,7 +133,7 @@ class OpenAIServingChat(OpenAIServing):
             await self.check_structured_outputs(structured, structured_param, max_tokens)
         sp = self.build_sampling_params(req, max_tokens=max_tokens,
                                         logprobs=(req.top_logprobs or 0) if req.logprobs else None,
-                                        structured_outputs=structured)
+                                        structured_outputs=structured, prompt_logprobs=req.prompt_logprobs)
         if tool.mode == "auto":
             self.tool_parser(self.tokenizer).adjust_request(sp)
         echo_text = None
@@ -192,12 +186,14 @@ class OpenAIServingChat(OpenAIServing):
         req = ctx.req
         tracker = RequestTracker(self, ctx.arrival, ctx.ticket)
         choices = {j: ChoiceAccumulator() for j in range(sp.n)}
+        prompt_logprobs = None
         error: BaseException | None = None
         kv_transfer_params = None
         try:
             async for res in self.generate(tracker, self._engine_prompt(ctx), sp, ctx.request_id,
                                            len(ctx.prompt_ids), ctx.req.priority):
                 kv_transfer_params = res.kv_transfer_params or kv_transfer_params
+                prompt_logprobs = res.prompt_logprobs or prompt_logprobs
                 for o in res.outputs:
                     choices[o.index].add(o)
         except Exception as e:
@@ -233,7 +229,8 @@ class OpenAIServingChat(OpenAIServing):
             id=ctx.request_id, created=ctx.created, model=ctx.model, choices=out,
             usage=UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                             total_tokens=prompt_tokens + completion_tokens),
-            prompt_token_ids=ctx.prompt_ids if req.return_token_ids else None, kv_transfer_params=kv_transfer_params)
+            prompt_token_ids=ctx.prompt_ids if req.return_token_ids else None, kv_transfer_params=kv_transfer_params,
+            prompt_logprobs=self.prompt_logprobs_json(prompt_logprobs))
 
     def _parser(self, ctx: _Ctx) -> ToolParser | None:
         return self.tool_parser(self.tokenizer) if ctx.tool.mode == "auto" and self.tool_parser else None

@@ -32,8 +32,6 @@ from vllm_neuron.structured_output.params import StructuredOutputsParams
 logger = init_logger(__name__)
 
 T = TypeVar("T")
-PROMPT_LOGPROBS_UNSUPPORTED = ("prompt_logprobs is not supported yet: the prefill graphs compute the logits of each "
-                               "sequence's last position only")
 
 # Template rendering and tokenization of one request run here, so that a heavy request (a looping
 # template, a megabyte prompt) delays only itself: /health and running streams keep the event loop.
@@ -126,7 +124,8 @@ class OpenAIServing:
         wanted = self.vocab_size if value == -1 else value
         cap = self.vocab_size if self.max_logprobs == -1 else self.max_logprobs
         if wanted > cap:
-            raise BadRequestError(f"Requested sample logprobs of {wanted}, which is greater than max allowed: "
+            kind = "prompt" if param == "prompt_logprobs" else "sample"
+            raise BadRequestError(f"Requested {kind} logprobs of {wanted}, which is greater than max allowed: "
                                   f"{cap}", param=param)
 
     def check_token_ids(self, ids: list[int], param: str) -> None:
@@ -159,7 +158,8 @@ class OpenAIServing:
         return value if value is not None else self.sampling_defaults.get(name, neutral)
 
     def build_sampling_params(self, req: Any, *, max_tokens: int, logprobs: int | None,
-                              structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
+                              structured_outputs: StructuredOutputsParams | None = None,
+                              prompt_logprobs: int | None = None) -> SamplingParams:
         self.check_token_ids(list(req.stop_token_ids or []), "stop_token_ids")
         self.check_token_ids(list(req.allowed_token_ids or []), "allowed_token_ids")
         logit_bias = None
@@ -198,6 +198,7 @@ class OpenAIServing:
                 bad_words=req.bad_words or None,
                 include_stop_str_in_output=req.include_stop_str_in_output, ignore_eos=req.ignore_eos,
                 max_tokens=max_tokens, min_tokens=req.min_tokens, logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
                 skip_special_tokens=req.skip_special_tokens,
                 spaces_between_special_tokens=req.spaces_between_special_tokens, logit_bias=logit_bias,
                 allowed_token_ids=req.allowed_token_ids, structured_outputs=structured_outputs,
@@ -337,6 +338,14 @@ class OpenAIServing:
     @staticmethod
     def clamp(logprob: float) -> float:
         return max(logprob, -9999.0)
+
+    def prompt_logprobs_json(self, plp: list[dict[int, Logprob] | None] | None) -> list[dict[str, dict] | None] | None:
+        """vLLM's `prompt_logprobs` response field: per prompt token None (the first) or token id -> Logprob."""
+        if plp is None:
+            return None
+        return [None if step is None else
+                {str(t): {"logprob": self.clamp(lp.logprob), "rank": lp.rank, "decoded_token": lp.decoded_token}
+                 for t, lp in step.items()} for step in plp]
 
 
 @dataclass

@@ -68,8 +68,9 @@ def greedy_in_graph(logits: torch.Tensor, use_kernels: bool = False) -> torch.Te
     return torch.argmax(logits, dim=-1)
 
 
-def _sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                 uniform: torch.Tensor, max_top_k: int, width: int) -> torch.Tensor:
+def _kept_set(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+              max_top_k: int, width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(logits / temperature, their logsumexp, the kept tokens [B, V] bool) of each row."""
     vocab = logits.shape[-1]
     k = min(width, vocab)  # a Python int: shapes are static per compiled graph
     is_greedy = temperature < _GREEDY_EPS
@@ -94,7 +95,22 @@ def _sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.T
     threshold = top_vals.gather(1, last_kept)
     truncating = ((top_k > 0) | (top_p < 1.0)).unsqueeze(1)
     threshold = torch.where(truncating, threshold, torch.full_like(threshold, float("-inf")))
-    kept = scaled >= threshold
+    return scaled, lse_all, scaled >= threshold
+
+
+def truncated_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                     max_top_k: int = DEFAULT_MAX_TOP_K) -> torch.Tensor:
+    """The logits a row samples from: divided by its temperature, -inf outside its top-k / top-p set
+    (vLLM's processed logits); greedy rows unchanged."""
+    scaled, _, kept = _kept_set(logits, temperature, top_k, top_p, max_top_k, logits.shape[-1])
+    return torch.where((temperature < _GREEDY_EPS).unsqueeze(1), logits, scaled.masked_fill(~kept, float("-inf")))
+
+
+def _sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                 uniform: torch.Tensor, max_top_k: int, width: int) -> torch.Tensor:
+    vocab = logits.shape[-1]
+    is_greedy = temperature < _GREEDY_EPS
+    scaled, lse_all, kept = _kept_set(logits, temperature, top_k, top_p, max_top_k, width)
 
     # Inverse CDF over the kept probabilities in token-id order (no sort of the vocabulary).
     probs = torch.exp(scaled - lse_all) * kept

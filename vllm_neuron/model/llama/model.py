@@ -172,6 +172,9 @@ class LlamaForCausalLM(CausalLM):
         of those layers concatenated, [N, len(aux_layers) * hidden] (EAGLE3's draft features)."""
         return self.model(input_ids, positions, kv_caches, meta, inputs_embeds, aux_layers)
 
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return gather_last_dim(self.lm_head(hidden), self.arch.vocab_size)
 
