@@ -25,9 +25,9 @@ ARGS = ["--enforce-eager", "--dtype", "float32", "--max-model-len", "256", "--nu
 HOLD_S = 3
 
 
-def _kv(role: str) -> list[str]:
+def _kv(role: str, hold_s: float = HOLD_S) -> list[str]:
     return ["--kv-transfer-config", json.dumps({"kv_connector": "TcpConnector", "kv_role": role, "kv_port": free_port(),
-                                                "kv_connector_extra_config": {"hold_timeout_s": HOLD_S}})]
+                                                "kv_connector_extra_config": {"hold_timeout_s": hold_s}})]
 
 
 class Proxy:
@@ -58,7 +58,8 @@ class Proxy:
 def fleet(tiny_llama_dir, tmp_path_factory):
     tmp = str(tmp_path_factory.mktemp("disagg"))
     servers = {"p1": ServerProcess(tiny_llama_dir, ARGS + _kv("kv_producer"), tmp),
-               "p2": ServerProcess(tiny_llama_dir, ARGS + _kv("kv_producer"), tmp),
+               # p2 holds long: the forgery test's real reader comes after several local prefills (a loaded CI).
+               "p2": ServerProcess(tiny_llama_dir, ARGS + _kv("kv_producer", 120), tmp),
                "d1": ServerProcess(tiny_llama_dir, ARGS + ["--tensor-parallel-size", "2"] + _kv("kv_consumer"), tmp),
                "d2": ServerProcess(tiny_llama_dir, ARGS + _kv("kv_both"), tmp)}
     proxies = []
