@@ -87,16 +87,15 @@ class OpenAIServingCompletion(OpenAIServing):
             self.resolve_max_tokens(len(p.token_ids), requested, "max_tokens")
         if structured is not None:
             await self.check_structured_outputs(structured, structured_param, requested)
+        request_id = f"cmpl-{self.base_request_id(raw_request, req.request_id)}"
         if req.use_beam_search:  # n is the beam width, not n samples
-            ctx = _Ctx(req, model, f"cmpl-{req.request_id or random_uuid()}", prompts, False, int(time.time()),
-                       arrival, ticket)
+            ctx = _Ctx(req, model, request_id, prompts, False, int(time.time()), arrival, ticket)
             return await self._beam_search(ctx, beam_search_params(req, requested), raw_request)
         # vLLM's rule: echo with logprobs scores the prompt too (its logprobs lead the echoed tokens').
         prompt_logprobs = req.prompt_logprobs if req.prompt_logprobs is not None else \
             req.logprobs if req.echo else None
         sp = self.build_sampling_params(req, max_tokens=requested, logprobs=req.logprobs,
                                         structured_outputs=structured, prompt_logprobs=prompt_logprobs)
-        request_id = f"cmpl-{self.base_request_id(raw_request, req.request_id)}"
         ctx = _Ctx(req, model, request_id, prompts, echo_only, int(time.time()), arrival, ticket)
         if req.stream:
             return StreamingResponse(self._stream(ctx, sp), media_type="text/event-stream")
