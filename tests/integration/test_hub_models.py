@@ -8,13 +8,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import signal
-import subprocess
 
 import pytest
 
 from tests.hub_server import TOKEN, LocalHub, folder_files
-from tests.integration.server_utils import child_env, cli, free_port
+from tests.integration.server_utils import free_port
 from tests.model_factory import tiny_llm
 from vllm_neuron.config.engine_args import EngineArgs
 from vllm_neuron.engine.resolve import fetch_hub_models, resolve_engine_config
@@ -138,36 +136,6 @@ def test_a_dropped_connection_resumes_where_it_stopped(online, tmp_path):
     content = online.repos["acme/big"].revisions["main"]["model.safetensors"]
     assert first is None and 0 < int(retry.removeprefix("bytes=").rstrip("-")) < len(content)  # a Range request
     assert sha(os.path.join(path, "model.safetensors")) == hashlib.sha256(content).hexdigest()
-
-
-def test_ctrl_c_in_a_download_is_one_line_never_loaded_truncated_and_finished_next_time(online, tmp_path, monkeypatch):
-    """`vllm-neuron serve org/name` interrupted (SIGINT) in the middle of model.safetensors. huggingface_hub 2 keeps
-    no partial file across runs (so that two processes never append to one), so the next run fetches it again."""
-    d = str(tmp_path / "hub")
-    online.stall("model.safetensors", after=1 << 20)
-    proc = subprocess.Popen(cli() + ["serve", "acme/big", "--download-dir", d, "--port", str(free_port())],
-                            cwd=_REPO_ROOT, env=child_env(str(tmp_path), HF_ENDPOINT=online.url),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        assert online.stalled.wait(120), "the download never reached the stall"
-        proc.send_signal(signal.SIGINT)
-        out, _ = proc.communicate(timeout=30)
-    finally:
-        proc.kill()
-        online.release()
-    assert proc.returncode == 130, out
-    assert "Download of acme/big interrupted: the files it finished stay in" in out and "Traceback" not in out, out
-    snapshot = os.path.join(d, "models--acme--big", "snapshots")
-    assert not any("model.safetensors" in files for _, _, files in os.walk(snapshot))  # nothing partial to load
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    with pytest.raises(ValueError, match=r"the cached 'acme/big' .* is incomplete, missing .*model\.safetensors.*: "
-                                         "an earlier download was interrupted; run once with network access"):
-        fetch_model("acme/big", download_dir=d)
-    monkeypatch.delenv("HF_HUB_OFFLINE")
-    path = fetch_model("acme/big", download_dir=d)
-    assert sha(os.path.join(path, "model.safetensors")) == \
-        hashlib.sha256(online.repos["acme/big"].revisions["main"]["model.safetensors"]).hexdigest()
-    assert load_checkpoint(path).hf_config.num_hidden_layers == 2
 
 
 @pytest.mark.engine
