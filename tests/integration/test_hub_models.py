@@ -19,7 +19,6 @@ from vllm_neuron.engine.resolve import fetch_hub_models, resolve_engine_config
 from vllm_neuron.model.loader import load_checkpoint
 from vllm_neuron.model.loader.hub import fetch_model
 
-_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.fixture(scope="module")
