@@ -5,8 +5,11 @@ A processor sees the host sampler's batch: `update_state(BatchUpdate | None)` be
 moved), then `apply(logits)` on the [batch_size, vocab] logits of that batch, row i being the request at
 index i. Rows of requests that sample nothing in a step hold zeros and their result is ignored. With
 `--logits-processors module:Class` (or `LLM(logits_processors=[Class])`) every request is sampled on the host
-and passes through every processor, after logit_bias, bad words, min_tokens and penalties and before
-temperature, min_p, top-k / top-p (vLLM's order). `__init__(config, device, is_pin_memory)` gets the
+and passes through every processor in vLLM's order: those whose `is_argmax_invariant()` is False after
+allowed tokens, bad words, min_tokens, logit_bias and the penalties; the argmax-invariant ones after the
+temperature and min_p, on the scaled logits, before top-k / top-p. vLLM's built-in min_tokens, logit_bias and
+min_p are processors of this interface too (vllm_neuron/worker/builtin_logits_processors.py): subclass them
+to take their option from elsewhere (extra_args, say). `__init__(config, device, is_pin_memory)` gets the
 engine's resolved config (vllm-neuron's EngineConfig, not vLLM's VllmConfig). An optional classmethod
 `validate_params(sampling_params)` raising ValueError refuses a request before it reaches the engine (a
 400 over HTTP). A processor that raises during a step fails the request the engine isolates as its cause.

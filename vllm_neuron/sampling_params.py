@@ -71,6 +71,8 @@ class SamplingParams:
     extra_args: dict[str, Any] | None = None
     # Set by the engine's input processor from the tokenizer, not by users.
     _bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False)
+    # stop_token_ids and the model's EOS, set by the worker (vLLM's all_stop_token_ids): what min_tokens holds back.
+    _all_stop_token_ids: list[int] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.output_kind, int) and not isinstance(self.output_kind, RequestOutputKind):
@@ -216,6 +218,11 @@ class SamplingParams:
             if invalid:
                 raise ValueError(f"token_id(s) {invalid} in {name} contain out-of-vocab token ids. "
                                  f"Vocabulary size: {vocab_size}")
+
+    @property
+    def all_stop_token_ids(self) -> list[int]:
+        """The stop token ids and the model's EOS (once the engine has the request), as vLLM's."""
+        return self._all_stop_token_ids if self._all_stop_token_ids is not None else list(self.stop_token_ids)
 
     @property
     def needs_host_sampling(self) -> bool:

@@ -7,6 +7,8 @@ One engine for the module: tiny buckets, so a 70-token prompt is prefilled in th
 """
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -14,6 +16,8 @@ from tests.model_factory import build_tiny_llama, greedy_reference, tiny_llm
 from vllm_neuron import SamplingParams
 from vllm_neuron.sampling_params import BeamSearchParams
 from vllm_neuron.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
+from vllm_neuron.worker.builtin_logits_processors import (LogitBiasLogitsProcessor, MinPLogitsProcessor,
+                                                          MinTokensLogitsProcessor)
 
 pytestmark = pytest.mark.engine
 
@@ -165,8 +169,61 @@ class BanToken(LogitsProcessor):
         return logits
 
 
-def test_custom_logits_processor_bans_a_token(tiny_llama_dir, hf):
-    llm = tiny_llm(tiny_llama_dir, logits_processors=[BanToken])
+class _FromExtraArgs:
+    """A built-in processor taking its option from extra_args[OPTION] instead of the field of that name."""
+    OPTION = ""
+
+    def row_state(self, params, output_token_ids):
+        value = (params.extra_args or {}).get(self.OPTION)
+        if value is None:
+            return None
+        return super().row_state(dataclasses.replace(params, **{self.OPTION: value}), output_token_ids)
+
+
+class MinTokensFromExtraArgs(_FromExtraArgs, MinTokensLogitsProcessor):
+    OPTION = "min_tokens"
+
+
+class LogitBiasFromExtraArgs(_FromExtraArgs, LogitBiasLogitsProcessor):
+    OPTION = "logit_bias"
+
+
+class MinPFromExtraArgs(_FromExtraArgs, MinPLogitsProcessor):
+    OPTION = "min_p"
+
+
+@pytest.fixture(scope="module")
+def llm_lp(tiny_llama_dir):
+    return tiny_llm(tiny_llama_dir, logits_processors=[BanToken, MinTokensFromExtraArgs, LogitBiasFromExtraArgs,
+                                                       MinPFromExtraArgs])
+
+
+def test_builtin_options_behave_identically_as_custom_processors(llm_lp, hf):
+    """min_tokens, logit_bias and min_p asked the built-in way and through custom processors (the built-in
+    classes reading extra_args, loaded with logits_processors=) give the same tokens, greedy and seeded."""
+    free = greedy_reference(hf, [SHORT], 6)[0]
+    base = dict(max_tokens=6, stop_token_ids=[free[0]])
+    cases = [
+        ({"min_tokens": 4}, dict(temperature=0.0)),  # free[0] stops the request at once unless held back
+        ({"logit_bias": {free[1]: 8.0, 77: 3.0}}, dict(temperature=0.0, ignore_eos=True)),
+        ({"min_p": 0.4}, dict(temperature=1.7, seed=5, ignore_eos=True)),
+        ({"min_p": 0.4}, dict(temperature=0.6, seed=11, ignore_eos=True)),
+    ]
+    changed = 0
+    for option, kw in cases:
+        kw = {**base, **kw} if "min_tokens" in option else {**kw, "max_tokens": 6}
+        plain = SamplingParams(**kw)
+        builtin = SamplingParams(**kw, **option)
+        custom = SamplingParams(**kw, extra_args=option)
+        outs = llm_lp.generate([{"prompt_token_ids": SHORT}] * 3, [plain, builtin, custom], use_tqdm=False)
+        tokens = [o.outputs[0].token_ids for o in outs]
+        assert tokens[1] == tokens[2], (option, kw, tokens)
+        changed += tokens[0] != tokens[1]
+    assert changed >= 3  # the options changed the output (min_p may keep one seed's draw)
+
+
+def test_custom_logits_processor_bans_a_token(llm_lp, hf):
+    llm = llm_lp
     greedy = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
     free = greedy_reference(hf, [SHORT], 5)[0]
     banned = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, extra_args={"ban": free[0]})

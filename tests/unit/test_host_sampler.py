@@ -10,9 +10,11 @@ from vllm_neuron.worker.host_sampler import HostSamplingRow, host_sample
 V = 8
 
 
-def row(params=None, prompt=(), output=(), uniform=0.5, min_tok_stops=(), bad_words=()):
-    return HostSamplingRow(params or SamplingParams(temperature=0.0), list(prompt), list(output),
-                           uniform, list(min_tok_stops), bad_words)
+def row(params=None, prompt=(), output=(), uniform=0.5, min_tok_stops=None, bad_words=()):
+    params = params or SamplingParams(temperature=0.0)
+    if min_tok_stops is not None:  # EOS and the stop ids, as the worker sets them
+        params._all_stop_token_ids = list(min_tok_stops)
+    return HostSamplingRow(params, list(prompt), list(output), uniform, bad_words)
 
 
 def greedy(logits, **kw):

@@ -158,7 +158,7 @@ def test_host_sampler_and_graph_give_the_same_token_for_the_same_number():
     u = counter_uniform(torch.arange(n), torch.full((n,), 17))
     graph = sample_in_graph(logits, temp, top_k, top_p, u, max_top_k=64)
     rows = [HostSamplingRow(SamplingParams(temperature=float(temp[i]), top_k=int(top_k[i]), top_p=float(top_p[i])),
-                            [1], [], float(u[i]), []) for i in range(n)]
+                            [1], [], float(u[i])) for i in range(n)]
     host = host_sample(logits, rows, max_top_k=64).token_ids
     assert host == graph.tolist()
     assert len(set(host)) > n // 2  # really random rows

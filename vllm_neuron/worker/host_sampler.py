@@ -3,7 +3,9 @@
 Order per row, as vLLM V1's Sampler: raw logprobs (log_softmax of the model's logits; --logprobs-mode
 raw_logits: the logits themselves) ->
 allowed_token_ids -> bad words -> min_tokens suppression -> logit_bias -> repetition / frequency /
-presence penalties -> greedy argmax, or temperature -> min_p -> top-k -> top-p -> random sample.
+presence penalties -> custom processors -> greedy argmax, or temperature -> min_p -> argmax-invariant custom
+processors -> top-k -> top-p -> random sample. min_tokens, logit_bias and min_p are vLLM's built-in logits
+processors (worker/builtin_logits_processors.py), run here through that interface.
 With --logprobs-mode processed_logprobs / processed_logits the logprobs come from the logits the token is
 drawn from: after those edits, and for random rows temperature, min_p, top-k and top-p (-inf outside).
 Temperature, top-k, top-p and the draw are the in-graph sampler's own function (`sample_in_graph`) with
@@ -21,6 +23,11 @@ import torch
 
 from vllm_neuron.model.layers.in_graph_sampler import sample_in_graph, truncated_logits
 from vllm_neuron.sampling_params import SAMPLING_EPS, SamplingParams
+from vllm_neuron.worker.builtin_logits_processors import ARGMAX_CHANGING, MinPLogitsProcessor, one_step_update
+
+
+# The custom processors: (logits of every row, argmax_invariant) -> the processed logits.
+CustomProcessors = Callable[[torch.Tensor, bool], torch.Tensor]
 
 
 @dataclass
@@ -29,7 +36,6 @@ class HostSamplingRow:
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]
     uniform: float  # the row's random number, counter_uniform(seed, position)
-    stop_token_ids_for_min_tokens: Sequence[int]  # EOS + stop ids, banned while output < min_tokens
     bad_words_token_ids: Sequence[Sequence[int]] = ()
 
 
@@ -46,7 +52,7 @@ def _padded(seqs: Sequence[Sequence[int]], pad: int, device: torch.device) -> to
 
 
 def _banned_positions(row: HostSamplingRow) -> list[int]:
-    """Tokens this row may not produce next: bad-word endings and, before min_tokens, stops."""
+    """Tokens this row may not produce next: bad-word endings."""
     banned: list[int] = []
     out = row.output_token_ids
     for word in row.bad_words_token_ids:
@@ -56,8 +62,6 @@ def _banned_positions(row: HostSamplingRow) -> list[int]:
             continue
         if prefix_len == 0 or list(out[len(out) - prefix_len:]) == list(word[:-1]):
             banned.append(word[-1])
-    if len(out) < row.params.min_tokens:
-        banned.extend(row.stop_token_ids_for_min_tokens)
     return banned
 
 
@@ -96,9 +100,22 @@ def _apply_penalties(x: torch.Tensor, idx: list[int], rows: Sequence[HostSamplin
     x[idx] = sub
 
 
-def _process_logits(x: torch.Tensor, rows: Sequence[HostSamplingRow]) -> None:
-    """Applies, in place, the edits that can change the argmax. Bans and biases commute
-    (-inf + b = -inf); only the penalties must come after the bias."""
+def _builtin(processor_types: tuple, rows: Sequence[HostSamplingRow]) -> list:
+    """The built-in processors of `processor_types` that some row uses, told this step's rows."""
+    update = one_step_update([r.params for r in rows], [r.prompt_token_ids for r in rows],
+                             [r.output_token_ids for r in rows])
+    used = []
+    for cls in processor_types:
+        p = cls()
+        p.update_state(update)
+        if p.rows:
+            used.append(p)
+    return used
+
+
+def _process_logits(x: torch.Tensor, rows: Sequence[HostSamplingRow]) -> torch.Tensor:
+    """Applies the edits that can change the argmax: allowed tokens, bad words, then min_tokens and logit_bias
+    (processors, builtin_logits_processors.py), then the penalties."""
     vocab = x.shape[1]
     dev = x.device
     allowed = [i for i, r in enumerate(rows) if r.params.allowed_token_ids is not None]
@@ -108,32 +125,33 @@ def _process_logits(x: torch.Tensor, rows: Sequence[HostSamplingRow]) -> None:
         x[allowed] = x[allowed].masked_fill(~keep[:, :vocab], float("-inf"))
     ban_rows: list[int] = []
     ban_cols: list[int] = []
-    bias_rows: list[int] = []
-    bias_cols: list[int] = []
-    bias_vals: list[float] = []
     for i, row in enumerate(rows):
-        if row.bad_words_token_ids or len(row.output_token_ids) < row.params.min_tokens:
+        if row.bad_words_token_ids:
             banned = _banned_positions(row)
             ban_rows += [i] * len(banned)
             ban_cols += banned
-        if row.params.logit_bias:
-            bias_rows += [i] * len(row.params.logit_bias)
-            bias_cols += list(row.params.logit_bias.keys())
-            bias_vals += list(row.params.logit_bias.values())
     if ban_rows:
         x[torch.tensor(ban_rows, device=dev), torch.tensor(ban_cols, device=dev)] = float("-inf")
-    if bias_rows:
-        x.index_put_((torch.tensor(bias_rows, device=dev), torch.tensor(bias_cols, device=dev)),
-                     torch.tensor(bias_vals, dtype=x.dtype, device=dev), accumulate=True)
+    for p in _builtin(ARGMAX_CHANGING, rows):
+        x = p.apply(x)
     penalized = [i for i, r in enumerate(rows) if _has_penalties(r.params)]
     if penalized:
         _apply_penalties(x, penalized, rows)
+    return x
 
 
-def _min_p_mask(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    probs = torch.softmax(logits, dim=-1)
-    threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
-    return probs < threshold
+def _scale_random_rows(x: torch.Tensor, rows: Sequence[HostSamplingRow], random_idx: list[int],
+                       custom: CustomProcessors | None) -> None:
+    """vLLM's order after the edits, in place on the random rows: divide by the temperature, then the
+    argmax-invariant processors on the scaled logits (min_p, MinPLogitsProcessor; then the custom ones, which
+    see every row: greedy rows unscaled, as their argmax is all that counts)."""
+    temp = torch.tensor([rows[i].params.temperature for i in random_idx], dtype=torch.float32, device=x.device)
+    scaled = x[random_idx] / temp.unsqueeze(1)
+    for p in _builtin((MinPLogitsProcessor,), [rows[i] for i in random_idx]):
+        scaled = p.apply(scaled)
+    x[random_idx] = scaled
+    if custom is not None:
+        x[:] = custom(x, True).to(torch.float32)
 
 
 def _gather_logprobs(raw_logprobs: torch.Tensor, token_ids: list[int],
@@ -158,39 +176,27 @@ def _gather_logprobs(raw_logprobs: torch.Tensor, token_ids: list[int],
 
 
 def _sample_random(x: torch.Tensor, rows: Sequence[HostSamplingRow], max_top_k: int) -> torch.Tensor:
-    """Temperature -> min_p -> top-k -> top-p -> sample, for rows with temperature > 0."""
+    """top-k -> top-p -> sample, for rows with temperature > 0 whose logits are already scaled."""
     dev = x.device
     vocab = x.shape[1]
-    temp = torch.tensor([r.params.temperature for r in rows], dtype=torch.float32, device=dev)
-    min_p_rows = [j for j, r in enumerate(rows) if r.params.min_p > 0.0]
-    if min_p_rows:
-        min_p = torch.tensor([rows[j].params.min_p for j in min_p_rows], dtype=torch.float32, device=dev)
-        # min_p judges the temperature-scaled probabilities; the masked logits go on unscaled.
-        x[min_p_rows] = x[min_p_rows].masked_fill(
-            _min_p_mask(x[min_p_rows] / temp[min_p_rows].unsqueeze(1), min_p), float("-inf"))
     top_k = [r.params.top_k if 0 < r.params.top_k < vocab else 0 for r in rows]
     top_p = [r.params.top_p for r in rows]
     # The threshold search needs the largest top_k (or the top-p cap) of the batch; none at all
     # when no row truncates.
     width = max([*top_k, max_top_k if any(p < 1.0 for p in top_p) else 1])
-    return sample_in_graph(x, temp, torch.tensor(top_k, dtype=torch.long, device=dev),
+    return sample_in_graph(x, torch.ones(len(rows), dtype=torch.float32, device=dev),
+                           torch.tensor(top_k, dtype=torch.long, device=dev),
                            torch.tensor(top_p, dtype=torch.float32, device=dev),
                            torch.tensor([r.uniform for r in rows], dtype=torch.float32, device=dev),
                            max_top_k=max_top_k, width=width)
 
 
 def _processed_logits(x: torch.Tensor, rows: Sequence[HostSamplingRow], max_top_k: int) -> torch.Tensor:
-    """The logits each row's token is drawn from (x: after the logit edits): greedy rows as they are, random
-    rows divided by their temperature, -inf outside min_p and their top-k / top-p set."""
+    """The logits each row's token is drawn from (x: after the edits, random rows scaled and min_p'd): greedy
+    rows as they are, random rows -inf outside their top-k / top-p set."""
     dev, vocab = x.device, x.shape[1]
-    random = [r.params.temperature >= SAMPLING_EPS for r in rows]
-    temp = torch.tensor([r.params.temperature if rnd else 0.0 for r, rnd in zip(rows, random)],
+    temp = torch.tensor([1.0 if r.params.temperature >= SAMPLING_EPS else 0.0 for r in rows],
                         dtype=torch.float32, device=dev)
-    min_p_rows = [j for j, r in enumerate(rows) if random[j] and r.params.min_p > 0.0]
-    if min_p_rows:
-        min_p = torch.tensor([rows[j].params.min_p for j in min_p_rows], dtype=torch.float32, device=dev)
-        x[min_p_rows] = x[min_p_rows].masked_fill(
-            _min_p_mask(x[min_p_rows] / temp[min_p_rows].unsqueeze(1), min_p), float("-inf"))
     top_k = torch.tensor([r.params.top_k if 0 < r.params.top_k < vocab else 0 for r in rows], device=dev)
     top_p = torch.tensor([r.params.top_p for r in rows], dtype=torch.float32, device=dev)
     return truncated_logits(x, temp, top_k, top_p, max_top_k)
@@ -198,11 +204,12 @@ def _processed_logits(x: torch.Tensor, rows: Sequence[HostSamplingRow], max_top_
 
 def host_sample(logits: torch.Tensor, rows: Sequence[HostSamplingRow], max_top_k: int | None = None,
                 logprobs_mode: str = "raw_logprobs",
-                custom: Callable[[torch.Tensor], torch.Tensor] | None = None) -> HostSampleResult:
+                custom: CustomProcessors | None = None) -> HostSampleResult:
     """Samples one token per row of logits [N, V] with each row's SamplingParams. max_top_k: how many
     tokens top-p looks at when top_k is off (the in-graph sampler's cap; None: the whole vocabulary);
     logprobs_mode: one of config/engine_args.py's LOGPROBS_MODES (vLLM's --logprobs-mode); custom: the custom
-    logits processors over every row (worker/logits_processors.py), after the logit edits."""
+    logits processors over every row (worker/logits_processors.py): custom(x, False) applies those that can
+    change the argmax, after the edits; custom(x, True) the argmax-invariant ones, after the temperature."""
     if logits.dim() != 2 or logits.shape[0] != len(rows):
         raise ValueError(f"logits must be [num_rows, vocab] with num_rows={len(rows)}, "
                          f"got shape {tuple(logits.shape)}")
@@ -218,9 +225,9 @@ def host_sample(logits: torch.Tensor, rows: Sequence[HostSamplingRow], max_top_k
     elif want_logprobs and logprobs_mode == "raw_logits":
         reported = x[want_logprobs]  # a copy (advanced indexing)
 
-    _process_logits(x, rows)
+    x = _process_logits(x, rows)
     if custom is not None:
-        x = custom(x).to(torch.float32)
+        x = custom(x, False).to(torch.float32)
 
     greedy = [r.params.temperature < SAMPLING_EPS for r in rows]
     sampled = torch.empty(num_rows, dtype=torch.long, device=x.device)
@@ -228,6 +235,7 @@ def host_sample(logits: torch.Tensor, rows: Sequence[HostSamplingRow], max_top_k
         sampled[:] = x.argmax(dim=-1)
     random_idx = [i for i in range(num_rows) if not greedy[i]]
     if random_idx:
+        _scale_random_rows(x, rows, random_idx, custom)
         cap = x.shape[1] if max_top_k is None else min(max_top_k, x.shape[1])
         sampled[random_idx] = _sample_random(x[random_idx], [rows[i] for i in random_idx], cap)
 

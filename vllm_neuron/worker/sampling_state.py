@@ -65,6 +65,10 @@ class SamplingStates:
         # A top_k wider than the graph's top-k width would be silently narrowed: sample it on the host.
         on_host = self.odsc is None or p.needs_host_sampling or p.top_k > self.odsc.top_k or \
             self.processors is not None
+        if p._all_stop_token_ids is None:
+            # min_tokens holds EOS back even with ignore_eos (vLLM's all_stop_token_ids).
+            eos = [] if data.eos_token_id is None else [data.eos_token_id]
+            p._all_stop_token_ids = list(dict.fromkeys([*p.stop_token_ids, *eos]))
         st = self.states[data.req_id] = RequestState(data, seed, on_host=on_host)
         if self.processors is not None:
             self.processors.add(data.req_id, p, data.prompt_token_ids, st.output_token_ids)
@@ -130,16 +134,14 @@ class SamplingStates:
             for i, u in zip(host_rows, uniforms):
                 st = self.states[req_ids[i]]
                 p = st.params
-                stop_ids = list(p.stop_token_ids or ())
-                if st.data.eos_token_id is not None:  # min_tokens holds EOS back even with ignore_eos
-                    stop_ids.append(st.data.eos_token_id)
                 host_inputs.append(HostSamplingRow(p, st.data.prompt_token_ids, st.output_token_ids, u,
-                                                   stop_ids, p._bad_words_token_ids or ()))
+                                                   p._bad_words_token_ids or ()))
             res = host_sample(logits[[rows[i] for i in host_rows]].float().cpu(), host_inputs,
                               max_top_k=self.odsc.top_k if self.odsc is not None else None,
                               logprobs_mode=self.logprobs_mode,
                               custom=None if self.processors is None else
-                              lambda x: self.processors.apply(x, [req_ids[i] for i in host_rows]))
+                              lambda x, invariant: self.processors.apply(x, [req_ids[i] for i in host_rows],
+                                                                         invariant))
             for j, i in enumerate(host_rows):
                 tokens[i] = res.token_ids[j]
                 if res.logprobs[j] is not None:
