@@ -8,16 +8,21 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import signal
+import subprocess
+import time
 
 import pytest
 
 from tests.hub_server import TOKEN, LocalHub, folder_files
-from tests.integration.server_utils import free_port
+from tests.integration.server_utils import child_env, cli, free_port
 from tests.model_factory import tiny_llm
 from vllm_neuron.config.engine_args import EngineArgs
 from vllm_neuron.engine.resolve import fetch_hub_models, resolve_engine_config
 from vllm_neuron.model.loader import load_checkpoint
 from vllm_neuron.model.loader.hub import fetch_model
+
+_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 
@@ -134,6 +139,71 @@ def test_a_dropped_connection_resumes_where_it_stopped(online, tmp_path):
     first, retry = online.downloads("model.safetensors")[-2:]
     content = online.repos["acme/big"].revisions["main"]["model.safetensors"]
     assert first is None and 0 < int(retry.removeprefix("bytes=").rstrip("-")) < len(content)  # a Range request
+    assert sha(os.path.join(path, "model.safetensors")) == hashlib.sha256(content).hexdigest()
+
+
+def test_ctrl_c_in_a_download_is_one_line_never_loaded_truncated_and_continued_next_time(online, tmp_path,
+                                                                                         monkeypatch):
+    """`vllm-neuron serve org/name` interrupted (SIGINT) in the middle of model.safetensors: a one-line message,
+    nothing truncated in the snapshot, and the next run continues the weight file from the bytes the first one
+    wrote (a Range request from there), ending with the whole, checked file."""
+    d = str(tmp_path / "hub")
+    online.stall("model.safetensors", after=11 << 20)  # past huggingface_hub's 10 MiB read chunk: 10 MiB written
+    proc = subprocess.Popen(cli() + ["serve", "acme/big", "--download-dir", d, "--port", str(free_port())],
+                            cwd=_REPO_ROOT, env=child_env(str(tmp_path), HF_ENDPOINT=online.url),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            # A shell's background job ignores SIGINT, and a child inherits that: Ctrl-C is the
+                            # default action here whatever ran pytest.
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        assert online.stalled.wait(180), "the download never reached the stall"
+        blobs = os.path.join(d, "models--acme--big", "blobs")
+        deadline = time.monotonic() + 60  # the bytes sent reach the file a moment after the server stalls
+        while time.monotonic() < deadline and sum(
+                os.path.getsize(os.path.join(blobs, f)) for f in os.listdir(blobs) if f.endswith(".partial")) < 10 << 20:
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+        online.release()
+    assert proc.returncode == 130, out
+    assert "Download of acme/big interrupted: the files it finished stay in" in out and "Traceback" not in out, out
+    snapshot = os.path.join(d, "models--acme--big", "snapshots")
+    assert not any("model.safetensors" in files for _, _, files in os.walk(snapshot))  # nothing partial to load
+    partial = [f for f in os.listdir(blobs) if f.endswith(".partial")]
+    assert len(partial) == 1, os.listdir(blobs)
+    kept = os.path.getsize(os.path.join(blobs, partial[0]))
+    assert kept >= 10 << 20, kept
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ValueError, match=r"the cached 'acme/big' .* is incomplete, missing .*model\.safetensors.*: "
+                                         "an earlier download was interrupted; run once with network access"):
+        fetch_model("acme/big", download_dir=d)
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    path = fetch_model("acme/big", download_dir=d)
+    assert online.downloads("model.safetensors")[-1] == f"bytes={kept}-"  # continued, not fetched again
+    assert sha(os.path.join(path, "model.safetensors")) == \
+        hashlib.sha256(online.repos["acme/big"].revisions["main"]["model.safetensors"]).hexdigest()
+    assert not [f for f in os.listdir(blobs) if f.endswith(".partial")]
+    assert load_checkpoint(path).hf_config.num_hidden_layers == 2
+
+
+def test_a_partial_file_that_does_not_match_is_refused_and_removed(online, tmp_path):
+    """A partial weight file whose bytes are not the hub's (another writer, a disk fault): the finished file fails
+    its sha256, nothing is linked, the partial goes, and the next run downloads it whole."""
+    d = str(tmp_path)
+    content = online.repos["acme/big"].revisions["main"]["model.safetensors"]
+    blobs = os.path.join(d, "models--acme--big", "blobs")
+    os.makedirs(blobs)
+    bad = os.path.join(blobs, hashlib.sha256(content).hexdigest() + ".partial")
+    with open(bad, "wb") as f:
+        f.write(b"\0" * 4096)
+    with pytest.raises(ValueError, match=r"model\.safetensors of acme/big downloaded with sha256 [0-9a-f]{64}, not "
+                                         r"the hub's [0-9a-f]{64}: the partial file was removed; run again"):
+        fetch_model("acme/big", download_dir=d)
+    assert not os.path.exists(bad)
+    path = fetch_model("acme/big", download_dir=d)
+    assert online.downloads("model.safetensors")[-1] is None
     assert sha(os.path.join(path, "model.safetensors")) == hashlib.sha256(content).hexdigest()
 
 

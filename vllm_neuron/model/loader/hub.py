@@ -6,9 +6,12 @@ Only what the loader reads is fetched: the top-level JSON files (config, generat
 the safetensors weights (the shards an index names, not a `consolidated` copy beside them), the tokenizer's own
 files and chat templates; never `.bin` / `.pt` weights. A GGUF repository gives one file: llama.cpp's rule (the
 `:TAG` quantization in the file name, case-insensitive, Q4_K_M when none is given, else the first GGUF), never an
-`mmproj` file. huggingface_hub downloads into a temporary `.incomplete` file and moves it into the snapshot only
-once it is whole, so a truncated file is never loaded: a dropped connection is resumed within the run (a Range
-request), a run stopped by Ctrl-C or killed fetches that file again next time (the finished files stay cached).
+`mmproj` file. Nothing truncated is ever loaded: files reach the snapshot only once whole. The weight files
+(safetensors, GGUF: nearly all the bytes) are fetched by `_fetch_weight_blob` into `<blob>.partial`, which a
+run stopped by Ctrl-C or killed leaves behind, and the next run continues it with a Range request (huggingface_hub
+2 deletes its own partial files when a download stops); each finished weight is checked against its sha256
+(the hub's ETag of an LFS file) before huggingface_hub links it into the snapshot. The other files are
+huggingface_hub's own downloads; a dropped connection is resumed within the run.
 Offline (HF_HUB_OFFLINE=1, or the hub unreachable) the cache alone is used; what is missing is named.
 
 Every failure is a ValueError of one line that says what went wrong and what to do.
@@ -153,6 +156,65 @@ def _cache_listing(repo_id: str, revision: str, cache_dir: str | None) -> list[s
         return None
 
 
+def _is_weight(name: str) -> bool:
+    return name.endswith((".safetensors", ".gguf"))
+
+
+def _fetch_weight_blob(repo_id: str, name: str, revision: str, cache_dir: str | None, endpoint: str) -> None:
+    """Puts the weight file `name` into the cache's blob store, continuing `<blob>.partial` left by an earlier
+    run; huggingface_hub then finds the blob and only links it into the snapshot."""
+    from urllib.parse import urlsplit
+
+    from huggingface_hub import constants, get_hf_file_metadata, hf_hub_url
+    from huggingface_hub.file_download import http_get, repo_folder_name
+    from huggingface_hub.utils import WeakFileLock, build_hf_headers
+
+    url = hf_hub_url(repo_id, name, revision=revision, endpoint=endpoint)
+    meta = get_hf_file_metadata(url, endpoint=endpoint)
+    if not meta.etag or meta.size is None:
+        return  # huggingface_hub's own download then
+    folder = os.path.join(cache_dir or constants.HF_HUB_CACHE, repo_folder_name(repo_id=repo_id, repo_type="model"))
+    blob = os.path.join(folder, "blobs", meta.etag)
+    if os.path.exists(blob):
+        return
+    os.makedirs(os.path.dirname(blob), exist_ok=True)
+    partial = blob + ".partial"
+    headers = build_hf_headers()
+    if urlsplit(meta.location).netloc != urlsplit(url).netloc:
+        headers.pop("authorization", None)  # a CDN location: the token is for the hub only
+    with WeakFileLock(partial + ".lock"):  # two starts never append to one file
+        if os.path.exists(blob):
+            return
+        have = os.path.getsize(partial) if os.path.exists(partial) else 0
+        if have > meta.size:
+            have = 0
+        if have:
+            logger.info("Resuming %s of %s at %.1f of %.1f MB (left by an interrupted run)", name, repo_id,
+                        have / 1e6, meta.size / 1e6)
+        with open(partial, "r+b" if have else "wb") as f:
+            f.seek(have)
+            f.truncate()
+            http_get(meta.location, f, resume_size=have, headers=headers, expected_size=meta.size,
+                     displayed_filename=name)
+        if re.fullmatch(r"[0-9a-f]{64}", meta.etag):  # an LFS file: its ETag is the content's sha256
+            digest = _sha256(partial)
+            if digest != meta.etag:
+                os.remove(partial)
+                raise ValueError(f"{name} of {repo_id} downloaded with sha256 {digest}, not the hub's {meta.etag}: "
+                                 "the partial file was removed; run again to download it afresh")
+        os.replace(partial, blob)
+
+
+def _sha256(path: str) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 24), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
 def fetch_model(model: str, *, revision: str | None = None, download_dir: str | None = None,
                 hf_file: str | None = None, only_tokenizer: bool = False) -> str:
     """The local path (a snapshot folder, or a .gguf file in one) of the hub model `model` (`org/name[:TAG]`).
@@ -196,11 +258,16 @@ def fetch_model(model: str, *, revision: str | None = None, download_dir: str | 
                 "the cache" if offline or unreachable else endpoint, ", ".join(wanted))
     try:
         if not offline and unreachable is None:
-            # The repository's listing and the revision's ref are cached with the first file (what an offline start
-            # checks the cache against), then each file comes with a progress bar of its own, all at one commit.
+            # The repository's listing and the revision's ref are cached with the first small file (what an offline
+            # start checks the cache against), then each file comes with a progress bar of its own, all at one commit.
+            wanted.sort(key=_is_weight)
+            if _is_weight(wanted[0]):
+                _fetch_weight_blob(ref.repo_id, wanted[0], commit or revision, download_dir, endpoint)
             snapshot_download(ref.repo_id, revision=revision, cache_dir=download_dir, allow_patterns=wanted[:1],
                               endpoint=endpoint)
             for name in wanted[1:]:
+                if _is_weight(name):
+                    _fetch_weight_blob(ref.repo_id, name, commit or revision, download_dir, endpoint)
                 hf_hub_download(ref.repo_id, name, revision=commit or revision, cache_dir=download_dir,
                                 endpoint=endpoint)
         folder = snapshot_download(ref.repo_id, revision=revision, cache_dir=download_dir, allow_patterns=wanted,
@@ -220,7 +287,7 @@ def fetch_model(model: str, *, revision: str | None = None, download_dir: str | 
                          "the files already fetched are kept") from None
     except KeyboardInterrupt:
         logger.error("Download of %s interrupted: the files it finished stay in %s and the next run fetches the "
-                     "rest", ref.repo_id, where)
+                     "rest, continuing a weight file where it stopped", ref.repo_id, where)
         raise
     missing = [f for f in wanted if not os.path.isfile(os.path.join(folder, f))]
     if missing:  # a cache without a listing (filled by older tools): nothing else says what is missing
