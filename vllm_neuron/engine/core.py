@@ -52,6 +52,8 @@ class EngineCore:
                     self.ckpt.path, self.device, self.dtype, config.max_model_len, config.max_num_seqs,
                     config.max_num_batched_tokens, config.block_size, config.enable_prefix_caching,
                     "on-device" if nc.on_device_sampling else "CPU")
+        if config.pooling is not None:
+            logger.info("%s; prefill graphs only, prefix caching off", config.pooling.describe())
         env = envs.describe()
         if env:
             logger.info("Environment: %s", env)
@@ -142,7 +144,7 @@ class EngineCore:
             salt += (embeds_digest(req.prompt_embeds),)
         request = Request(req.request_id, req.prompt_token_ids, req.sampling_params, req.eos_token_id,
                           arrival_time=req.arrival_time, cache_salt=salt, mm_items=req.mm_items,
-                          priority=req.priority, prompt_embeds=req.prompt_embeds)
+                          priority=req.priority, prompt_embeds=req.prompt_embeds, pooling_params=req.pooling_params)
         if req.sampling_params.structured_outputs is None:
             self.scheduler.add_request(request)
             return
@@ -349,6 +351,11 @@ class EngineCore:
                 stop_reason=req.stop_reason if fin else None, num_cached_tokens=max(req.num_cached_tokens, 0),
                 kv_transfer_params=self.kv_transfer.params_of(rid) if fin and self.kv_transfer else None,
                 prompt_logprobs=self._prompt_logprobs.pop(rid, None)))  # complete with the first sample
+        for rid, data in result.pooled.items():
+            req, fin = live.get(rid), finished.get(rid)
+            if req is not None and fin is not None:
+                outputs.append(EngineCoreOutput(rid, [], finish_reason=fin.finish_reason, pooled=data,
+                                                num_cached_tokens=max(req.num_cached_tokens, 0)))
         return EngineCoreOutputs(outputs, self._stats(sched, result))
 
     def idle_work(self) -> bool:

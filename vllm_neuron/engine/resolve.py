@@ -12,6 +12,8 @@ import os
 from vllm_neuron.config import engine_config
 from vllm_neuron.config.engine_args import EngineArgs
 from vllm_neuron.config.engine_config import EngineConfig, ModelFacts
+from vllm_neuron.config.pooler_config import (PoolingSetup, parse_pooler_config, read_sentence_transformers,
+                                              resolve_pooling, resolve_runner)
 from vllm_neuron.model.loader import Checkpoint, load_checkpoint
 from vllm_neuron.model.loader.checkpoint import remote_code_note
 from vllm_neuron.model.loader.hub import fetch_model, parse_hub_id
@@ -49,6 +51,21 @@ def fetch_hub_models(args: EngineArgs) -> EngineArgs:
     return dataclasses.replace(args, **changes) if changes else args
 
 
+def _pooling_setup(args: EngineArgs, ckpt: Checkpoint) -> PoolingSetup | None:
+    """The pooler when the checkpoint runs as a pooling model (--runner / --convert / --task, else its
+    architecture), from --pooler-config and its sentence-transformers files; None for a generative engine."""
+    archs = tuple(getattr(ckpt.hf_config, "architectures", None) or ())
+    runner, convert = resolve_runner(args.runner, args.convert, args.task, archs)
+    given = parse_pooler_config(args.pooler_config)
+    if runner != "pooling":
+        if given is not None:
+            raise ValueError("pooler_config applies to pooling models (--runner pooling); this one generates")
+        return None
+    resolve_model_class(ckpt.hf_config, convert)  # a family that cannot pool is refused here
+    folder = ckpt.path if os.path.isdir(ckpt.path) else ""
+    return resolve_pooling(convert, given, read_sentence_transformers(folder), ckpt.hf_config)
+
+
 def resolve_engine_config(args: EngineArgs, checkpoint: Checkpoint | None = None) -> tuple[EngineConfig, Checkpoint]:
     """(the resolved config, the checkpoint it was resolved for): every refusal happens here, before any
     engine process starts (an architecture we do not serve included)."""
@@ -62,7 +79,8 @@ def resolve_engine_config(args: EngineArgs, checkpoint: Checkpoint | None = None
         raise ValueError(f"{e}; {note}" if note else str(e)) from None
     spec = cls.spec(ckpt.hf_config)
     facts = ModelFacts(max_model_len=ckpt.hf_config.get_text_config().max_position_embeddings,
-                       moe=spec.is_moe, sliding_window=spec.has_sliding_window, multimodal=is_multimodal(ckpt.hf_config))
+                       moe=spec.is_moe, sliding_window=spec.has_sliding_window, multimodal=is_multimodal(ckpt.hf_config),
+                       pooling=_pooling_setup(args, ckpt))
     config = engine_config.resolve(args, facts)
     # The architecture must honour the weight quantization asked for ('bf16' resolved to none).
     check_quantization(cls, spec, config.neuron_config.quantization)

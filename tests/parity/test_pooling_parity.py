@@ -1,0 +1,116 @@
+"""Pooling models (issue 48) against transformers' hidden states pooled the reference way (fp32, 1e-5).
+
+Decoder embedders: a bare Qwen3Model checkpoint (Qwen3-Embedding's layout: last-token pooling, normalized,
+Matryoshka `dimensions`) and a LlamaForCausalLM converted with convert="embed" whose sentence-transformers
+files ask for mean pooling and normalization; CLS pooling through --pooler-config. Prompts longer than one
+prefill step (32 tokens) are segmented, so pooling spans chunks; each model runs batched and one prompt at a
+time. Classification: a Qwen3ForSequenceClassification head (softmax over its labels, and LLM.score as a
+one-label cross-encoder) and the Qwen3-Reranker "no"/"yes" logit form.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.model_factory import TINY_ENGINE, build_tiny_model, make_tiny_model, tiny_llm
+from vllm_neuron import PoolingParams
+
+pytestmark = pytest.mark.engine
+
+PROMPTS = [[5, 6, 7], list(range(100, 140)), list(range(300, 371)), [9] * 17]  # 40 and 71: segmented
+TOL = 1e-5
+
+
+def _hidden(hf_model, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf_model(torch.tensor([ids])).last_hidden_state[0].float()
+
+
+def _write_json(path: str, name: str, obj) -> None:
+    os.makedirs(os.path.dirname(os.path.join(path, name)), exist_ok=True)
+    with open(os.path.join(path, name), "w", encoding="utf-8") as f:
+        json.dump(obj, f)
+
+
+def _ids(prompts):
+    return [{"prompt_token_ids": p} for p in prompts]
+
+
+@pytest.fixture(scope="module")
+def qwen3_embedder(tmp_path_factory):
+    """(LLM, transformers Qwen3Model): a Qwen3-Embedding-shaped checkpoint declared Matryoshka."""
+    hf = build_tiny_model("qwen3", seed=1)
+    path = make_tiny_model(str(tmp_path_factory.mktemp("q3emb")), "qwen3", model=hf.model)
+    cfg = json.load(open(os.path.join(path, "config.json")))
+    _write_json(path, "config.json", {**cfg, "is_matryoshka": True})
+    return tiny_llm(path), hf.model
+
+
+def test_qwen3_embeddings_last_token_normalized_batched_and_alone(qwen3_embedder):
+    llm, ref_model = qwen3_embedder
+    batched = llm.embed(_ids(PROMPTS), use_tqdm=False)
+    for p, out in zip(PROMPTS, batched, strict=True):
+        ref = F.normalize(_hidden(ref_model, p)[-1], dim=-1)
+        got = torch.tensor(out.outputs.embedding)
+        assert got.shape == ref.shape
+        assert (got - ref).abs().max().item() < TOL, f"prompt of {len(p)} tokens"
+        alone = llm.embed(_ids([p]), use_tqdm=False)[0]
+        assert (torch.tensor(alone.outputs.embedding) - ref).abs().max().item() < TOL
+        assert out.prompt_token_ids == p
+
+
+def test_qwen3_matryoshka_dimensions_truncation_and_no_normalize(qwen3_embedder):
+    llm, ref_model = qwen3_embedder
+    p = PROMPTS[1]
+    h = _hidden(ref_model, p)[-1]
+    out = llm.embed(_ids([p]), pooling_params=PoolingParams(dimensions=16), use_tqdm=False)[0]
+    assert (torch.tensor(out.outputs.embedding) - F.normalize(h[:16], dim=-1)).abs().max().item() < TOL
+    raw = llm.encode(_ids([p]), PoolingParams(normalize=False), use_tqdm=False)[0]
+    assert (raw.outputs.data - h).abs().max().item() < TOL
+    # truncate_prompt_tokens keeps the last N tokens (vLLM's side)
+    cut = llm.embed(_ids([p]), truncate_prompt_tokens=10, use_tqdm=False)[0]
+    assert cut.prompt_token_ids == p[-10:]
+    assert (torch.tensor(cut.outputs.embedding) - F.normalize(_hidden(ref_model, p[-10:])[-1], dim=-1)
+            ).abs().max().item() < TOL
+
+
+def test_bad_pooling_requests_are_refused(qwen3_embedder):
+    llm, _ = qwen3_embedder
+    with pytest.raises(ValueError, match="dimensions must be at most"):
+        llm.embed(["hi"], pooling_params=PoolingParams(dimensions=65), use_tqdm=False)
+    with pytest.raises(ValueError, match="cannot be empty"):
+        llm.embed([{"prompt_token_ids": []}], use_tqdm=False)
+    with pytest.raises(ValueError, match="maximum context length"):
+        llm.embed(_ids([[7] * (TINY_ENGINE["max_model_len"] + 1)]), use_tqdm=False)
+    with pytest.raises(ValueError, match="does not generate"):
+        llm.generate(["hi"], use_tqdm=False)
+    with pytest.raises(ValueError, match="not served by this model"):
+        llm.classify(["hi"], use_tqdm=False)
+    # the engine still serves after the refusals; a prompt of exactly max_model_len fits
+    assert len(llm.embed(_ids([[7] * TINY_ENGINE["max_model_len"]]), use_tqdm=False)[0].outputs.embedding) == 64
+
+
+def test_llama_convert_embed_reads_sentence_transformers_mean_pooling(tmp_path):
+    hf = build_tiny_model("llama", seed=2)
+    path = make_tiny_model(str(tmp_path / "llama"), "llama", model=hf)
+    _write_json(path, "modules.json", [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}])
+    _write_json(path, "1_Pooling/config.json", {"word_embedding_dimension": 64, "pooling_mode_cls_token": False,
+                                                "pooling_mode_mean_tokens": True, "pooling_mode_lasttoken": False})
+    llm = tiny_llm(path, convert="embed")
+    outs = llm.embed(_ids(PROMPTS), use_tqdm=False)
+    for p, out in zip(PROMPTS, outs, strict=True):
+        ref = F.normalize(_hidden(hf.model, p).mean(0), dim=-1)
+        assert (torch.tensor(out.outputs.embedding) - ref).abs().max().item() < TOL, f"prompt of {len(p)} tokens"
+    del llm
+    # --pooler-config overrides the checkpoint's files: CLS pooling, not normalized (the older --task spelling)
+    llm = tiny_llm(path, task="embed", pooler_config={"pooling_type": "CLS", "normalize": False})
+    out = llm.embed(_ids([PROMPTS[2]]), use_tqdm=False)[0]
+    ref = _hidden(hf.model, PROMPTS[2])[0]
+    assert (torch.tensor(out.outputs.embedding) - ref).abs().max().item() < TOL
