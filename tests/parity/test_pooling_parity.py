@@ -114,3 +114,57 @@ def test_llama_convert_embed_reads_sentence_transformers_mean_pooling(tmp_path):
     out = llm.embed(_ids([PROMPTS[2]]), use_tqdm=False)[0]
     ref = _hidden(hf.model, PROMPTS[2])[0]
     assert (torch.tensor(out.outputs.embedding) - ref).abs().max().item() < TOL
+
+
+def _classifier(tmp_path, num_labels: int):
+    """(checkpoint dir, transformers Qwen3ForSequenceClassification) with the tiny Qwen3's seeded decoder."""
+    import transformers
+
+    base = build_tiny_model("qwen3", seed=3)
+    cfg = base.config
+    cfg.num_labels, cfg.architectures = num_labels, ["Qwen3ForSequenceClassification"]
+    clf = transformers.Qwen3ForSequenceClassification(cfg).eval()
+    clf.model.load_state_dict(base.model.state_dict())
+    with torch.no_grad():
+        clf.score.weight.copy_(torch.randn(clf.score.weight.shape, generator=torch.Generator().manual_seed(4)) / 8)
+    return make_tiny_model(str(tmp_path / f"clf{num_labels}"), "qwen3", model=clf), clf
+
+
+def test_sequence_classification_probs_and_cross_encoder_scores(tmp_path):
+    path, clf = _classifier(tmp_path, 3)
+    llm = tiny_llm(path)  # *ForSequenceClassification: a pooling model by its architecture
+    outs = llm.classify(_ids(PROMPTS), use_tqdm=False)
+    for p, out in zip(PROMPTS, outs, strict=True):
+        with torch.no_grad():
+            ref = torch.softmax(clf(torch.tensor([p])).logits[0].float(), -1)
+        assert (torch.tensor(out.outputs.probs) - ref).abs().max().item() < TOL
+    with pytest.raises(ValueError, match="one label"):
+        llm.score("a", ["b"], use_tqdm=False)
+    del llm
+    path, clf = _classifier(tmp_path, 1)
+    llm = tiny_llm(path)
+    query, docs = "what is a fox", ["a fox is an animal", "the sky is blue", "foxes run"]
+    scores = llm.score(query, docs, use_tqdm=False)
+    tok = llm.get_tokenizer()
+    ref = []
+    for d in docs:
+        with torch.no_grad():
+            ref.append(torch.sigmoid(clf(torch.tensor([tok(query, d)["input_ids"]])).logits[0, 0].float()).item())
+    assert [round(s.outputs.score, 5) for s in scores] == [round(r, 5) for r in ref]
+    assert sorted(range(3), key=lambda i: -scores[i].outputs.score) == sorted(range(3), key=lambda i: -ref[i])
+
+
+def test_qwen3_reranker_yes_no_logit_form(tmp_path):
+    hf = build_tiny_model("qwen3", seed=5)
+    path = make_tiny_model(str(tmp_path / "rr"), "qwen3", model=hf)
+    cfg = json.load(open(os.path.join(path, "config.json")))
+    _write_json(path, "config.json", {**cfg, "classifier_from_token": ["no", "yes"]})
+    llm = tiny_llm(path, convert="classify")
+    tok = llm.get_tokenizer()
+    no, yes = (tok.encode(t, add_special_tokens=False)[0] for t in ("no", "yes"))
+    outs = llm.classify(_ids(PROMPTS), use_tqdm=False)
+    for p, out in zip(PROMPTS, outs, strict=True):
+        with torch.no_grad():
+            last = hf(torch.tensor([p])).logits[0, -1].float()
+        ref = torch.softmax(last[[no, yes]], -1)[1].item()  # Qwen3-Reranker's reference scoring
+        assert abs(out.outputs.probs[0] - ref) < TOL

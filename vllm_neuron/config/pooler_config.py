@@ -166,6 +166,7 @@ class PoolingSetup:
     # classify from a causal LM's token logits (config.json classifier_from_token, e.g. Qwen3-Reranker's
     # ["no", "yes"]): those tokens' ids (engine/resolve.py looks them up in the tokenizer).
     classifier_token_ids: tuple[int, ...] = ()
+    labels: tuple[str, ...] = ()  # classify: each output's name (config.json id2label)
 
     def describe(self) -> str:
         what = f"{self.num_labels} label(s), activation {'on' if self.use_activation else 'off'}" \
@@ -191,7 +192,10 @@ def resolve_pooling(convert: str, given: PoolerConfig | None, st: SentenceTransf
     num_labels = int(getattr(hf_config, "num_labels", 1) or 1) if convert == "classify" else 0
     if convert == "classify" and getattr(hf_config, "classifier_from_token", None):
         num_labels = 1 if len(hf_config.classifier_from_token) == 2 else len(hf_config.classifier_from_token)
+    id2label = getattr(hf_config, "id2label", None) or {}
+    labels = tuple(str(id2label.get(i, id2label.get(str(i), i))) for i in range(num_labels))
     return PoolingSetup(convert, pooling_type, bool(normalize),
                         True if given.use_activation is None else given.use_activation, given.dimensions,
                         matryoshka, hidden, num_labels, dict(st.prompts),
-                        st.prompts.get(st.default_prompt_name, "") if st.default_prompt_name else "")
+                        st.prompts.get(st.default_prompt_name, "") if st.default_prompt_name else "",
+                        labels=labels)

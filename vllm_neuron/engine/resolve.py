@@ -14,7 +14,7 @@ from vllm_neuron.config.engine_args import EngineArgs
 from vllm_neuron.config.engine_config import EngineConfig, ModelFacts
 from vllm_neuron.config.pooler_config import (PoolingSetup, parse_pooler_config, read_sentence_transformers,
                                               resolve_pooling, resolve_runner)
-from vllm_neuron.model.loader import Checkpoint, load_checkpoint
+from vllm_neuron.model.loader import Checkpoint, load_checkpoint, load_tokenizer
 from vllm_neuron.model.loader.checkpoint import remote_code_note
 from vllm_neuron.model.loader.hub import fetch_model, parse_hub_id
 from vllm_neuron.model.registry import check_quantization, is_multimodal, resolve_model_class
@@ -63,7 +63,23 @@ def _pooling_setup(args: EngineArgs, ckpt: Checkpoint) -> PoolingSetup | None:
         return None
     resolve_model_class(ckpt.hf_config, convert)  # a family that cannot pool is refused here
     folder = ckpt.path if os.path.isdir(ckpt.path) else ""
-    return resolve_pooling(convert, given, read_sentence_transformers(folder), ckpt.hf_config)
+    setup = resolve_pooling(convert, given, read_sentence_transformers(folder), ckpt.hf_config)
+    tokens = getattr(ckpt.hf_config, "classifier_from_token", None) if convert == "classify" else None
+    if tokens:
+        setup = dataclasses.replace(setup, classifier_token_ids=_token_ids(args, ckpt, tokens))
+    return setup
+
+
+def _token_ids(args: EngineArgs, ckpt: Checkpoint, tokens: list[str]) -> tuple[int, ...]:
+    """classifier_from_token's tokens -> their ids; each must be one token of the vocabulary."""
+    tok = load_tokenizer(args.tokenizer or ckpt)
+    ids = []
+    for t in tokens:
+        enc = tok.encode(t, add_special_tokens=False)
+        if len(enc) != 1:
+            raise ValueError(f"classifier_from_token: {t!r} is {len(enc)} tokens, not one, in this tokenizer")
+        ids.append(enc[0])
+    return tuple(ids)
 
 
 def resolve_engine_config(args: EngineArgs, checkpoint: Checkpoint | None = None) -> tuple[EngineConfig, Checkpoint]:
