@@ -168,3 +168,19 @@ def test_qwen3_reranker_yes_no_logit_form(tmp_path):
             last = hf(torch.tensor([p])).logits[0, -1].float()
         ref = torch.softmax(last[[no, yes]], -1)[1].item()  # Qwen3-Reranker's reference scoring
         assert abs(out.outputs.probs[0] - ref) < TOL
+
+
+def test_compiled_prefill_graph_embeddings_match_eager(qwen3_embedder, tmp_path):
+    """The one compiled run: one prefill bucket (no decode graph is built), batched prompts in one step."""
+    from vllm_neuron.engine.core import EngineCore
+
+    _, ref_model = qwen3_embedder
+    path = make_tiny_model(str(tmp_path / "q3c"), "qwen3", model=ref_model)
+    llm = tiny_llm(path, enforce_eager=False, max_model_len=32, max_num_batched_tokens=32,
+                   additional_config={"neuron_config": {"num_batched_tokens_buckets": [32]}})
+    core: EngineCore = llm.llm_engine.core
+    assert [s.name for s in core.runner.graph_names()] == ["prefill_s32"]
+    prompts = [[5, 6, 7], list(range(100, 121)), [9] * 8]
+    for p, out in zip(prompts, llm.embed(_ids(prompts), use_tqdm=False), strict=True):
+        ref = F.normalize(_hidden(ref_model, p)[-1], dim=-1)
+        assert (torch.tensor(out.outputs.embedding) - ref).abs().max().item() < TOL

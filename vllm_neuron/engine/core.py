@@ -69,7 +69,8 @@ class EngineCore:
             self.runner = TPExecutor(config, self.ckpt, self.device, self.dtype, backend)
         else:
             self.runner = create_runner(config, self.ckpt, self.device, self.dtype, backend)
-        logger.info("%s", B.format_bucket_table(nc.num_batched_tokens_buckets, nc.num_seqs_buckets,
+        logger.info("%s", B.format_bucket_table(nc.num_batched_tokens_buckets,
+                                                () if config.pooling is not None else nc.num_seqs_buckets,
                                                 nc.context_buckets, self.runner.prefill_needs_context()))
         self.load_stats = self.runner.load_model()
         self.num_blocks = self.runner.num_blocks(self.load_stats.nbytes)
