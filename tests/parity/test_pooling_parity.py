@@ -184,3 +184,53 @@ def test_compiled_prefill_graph_embeddings_match_eager(qwen3_embedder, tmp_path)
     for p, out in zip(prompts, llm.embed(_ids(prompts), use_tqdm=False), strict=True):
         ref = F.normalize(_hidden(ref_model, p)[-1], dim=-1)
         assert (torch.tensor(out.outputs.embedding) - ref).abs().max().item() < TOL
+
+
+def _encoder(tmp_path, kind: str):
+    """(checkpoint dir, transformers BertModel / XLMRobertaModel) with seeded weights (norms perturbed from 1)."""
+    import transformers
+
+    common = dict(vocab_size=49152, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+                  architectures=["BertModel" if kind == "bert" else "XLMRobertaModel"])
+    cfg = transformers.BertConfig(max_position_embeddings=64, pad_token_id=0, **common) if kind == "bert" else \
+        transformers.XLMRobertaConfig(max_position_embeddings=66, pad_token_id=1, bos_token_id=0, eos_token_id=2,
+                                      **common)
+    torch.manual_seed(6)
+    model = (transformers.BertModel if kind == "bert" else transformers.XLMRobertaModel)(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn(p.shape) if p.ndim == 1 else 0.05 * torch.randn(p.shape))
+    return make_tiny_model(str(tmp_path / kind), "llama", model=model), model
+
+
+ENCODER_PROMPTS = [[5, 6, 7], list(range(100, 140)), list(range(300, 330)), [9] * 64]  # 40 + 30 > one 64-token step
+ENCODER_ENGINE = dict(max_model_len=64, max_num_batched_tokens=64)
+
+
+@pytest.mark.parametrize("kind", ["bert", "xlm-roberta"])
+def test_bidirectional_encoders_cls_and_mean_pooling(tmp_path, kind):
+    path, ref_model = _encoder(tmp_path, kind)
+    if kind == "bert":  # sentence-transformers files: CLS pooling, normalized (bge-small's modules)
+        _write_json(path, "modules.json", [
+            {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+            {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+            {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}])
+        _write_json(path, "1_Pooling/config.json", {"pooling_mode_cls_token": True, "pooling_mode_mean_tokens": False})
+        llm = tiny_llm(path, **ENCODER_ENGINE)
+    else:
+        llm = tiny_llm(path, **ENCODER_ENGINE, pooler_config={"pooling_type": "MEAN"})
+    batched = llm.embed(_ids(ENCODER_PROMPTS), use_tqdm=False)
+    for p, out in zip(ENCODER_PROMPTS, batched, strict=True):
+        h = _hidden(ref_model, p)
+        ref = F.normalize(h[0] if kind == "bert" else h.mean(0), dim=-1)
+        assert (torch.tensor(out.outputs.embedding) - ref).abs().max().item() < TOL, f"prompt of {len(p)} tokens"
+        alone = llm.embed(_ids([p]), use_tqdm=False)[0]
+        assert (torch.tensor(alone.outputs.embedding) - ref).abs().max().item() < TOL
+    with pytest.raises(ValueError, match="maximum context length"):
+        llm.embed(_ids([[7] * 65]), use_tqdm=False)
+
+
+def test_bidirectional_encoder_needs_whole_prompts_in_a_step(tmp_path):
+    path, _ = _encoder(tmp_path, "bert")
+    with pytest.raises(ValueError, match="max_num_batched_tokens=32 must be at least max_model_len=64"):
+        tiny_llm(path, max_model_len=64, max_num_batched_tokens=32)

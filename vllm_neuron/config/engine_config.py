@@ -124,6 +124,10 @@ def resolve(args: EngineArgs, facts: ModelFacts) -> EngineConfig:
     if facts.pooling is not None:
         args = _pooling_options(args)
     max_model_len, max_num_batched_tokens, max_num_seqs = _limits(args, facts)
+    if facts.pooling is not None and facts.pooling.bidirectional and max_num_batched_tokens < max_model_len:
+        raise ValueError(f"max_num_batched_tokens={max_num_batched_tokens} must be at least max_model_len="
+                         f"{max_model_len} for a bidirectional encoder: each prompt runs whole in one step (it "
+                         "has no KV cache to continue from); raise it or lower max_model_len")
     user_nc = args.additional_config.neuron_config
     on_cpu = device.type == "cpu"
     nc = user_nc.resolved(

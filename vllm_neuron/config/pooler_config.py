@@ -167,6 +167,8 @@ class PoolingSetup:
     # ["no", "yes"]): those tokens' ids (engine/resolve.py looks them up in the tokenizer).
     classifier_token_ids: tuple[int, ...] = ()
     labels: tuple[str, ...] = ()  # classify: each output's name (config.json id2label)
+    # A bidirectional encoder (BERT, XLM-RoBERTa): each prompt must run whole in one step (no K/V to segment by).
+    bidirectional: bool = False
 
     def describe(self) -> str:
         what = f"{self.num_labels} label(s), activation {'on' if self.use_activation else 'off'}" \

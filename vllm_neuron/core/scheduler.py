@@ -82,6 +82,8 @@ class SchedulerConfig:
     # KV cache groups (kv_cache_groups.py): None is one group of every layer.
     kv_cache_layout: KVCacheLayout | None = None
     policy: str = "fcfs"  # or "priority" (config/engine_args.py's SCHEDULING_POLICIES, checked there)
+    # A bidirectional encoder's prompts are never split over steps (they attend both ways, with no KV cache).
+    whole_prompts: bool = False
 
 
 def _priority_key(req: Request) -> tuple[int, float]:
@@ -203,6 +205,7 @@ class Scheduler:
         first that does not fit ends the batch (FCFS)."""
         cfg = self.config
         budget = cfg.max_num_batched_tokens if budget is None else budget
+        whole = whole or cfg.whole_prompts
         ctx_budget = cfg.max_prefill_context_tokens or cfg.max_model_len
         chunks: list[ScheduledChunk] = []
         new: list[NewRequestData] = []

@@ -89,7 +89,8 @@ class EngineCore:
             enable_prefix_caching=config.enable_prefix_caching,
             max_prefill_context_tokens=max(nc.context_buckets), num_speculative_tokens=config.num_speculative_tokens,
             spec_disable_by_batch_size=config.speculative.disable_by_batch_size if config.speculative else None,
-            kv_cache_layout=self.runner.kv_layout, policy=config.scheduling_policy),
+            kv_cache_layout=self.runner.kv_layout, policy=config.scheduling_policy,
+            whole_prompts=config.pooling is not None and config.pooling.bidirectional),
             kv_transfer=self.kv_transfer.scheduler_side if self.kv_transfer is not None else None)
         self.structured = None  # StructuredOutputManager, created with the first grammar request
         self._grammar_wait: dict[str, Request] = {}

@@ -61,9 +61,11 @@ def _pooling_setup(args: EngineArgs, ckpt: Checkpoint) -> PoolingSetup | None:
         if given is not None:
             raise ValueError("pooler_config applies to pooling models (--runner pooling); this one generates")
         return None
-    resolve_model_class(ckpt.hf_config, convert)  # a family that cannot pool is refused here
+    cls = resolve_model_class(ckpt.hf_config, convert)  # a family that cannot pool is refused here
     folder = ckpt.path if os.path.isdir(ckpt.path) else ""
     setup = resolve_pooling(convert, given, read_sentence_transformers(folder), ckpt.hf_config)
+    if getattr(cls, "bidirectional", False):
+        setup = dataclasses.replace(setup, bidirectional=True)
     tokens = getattr(ckpt.hf_config, "classifier_from_token", None) if convert == "classify" else None
     if tokens:
         setup = dataclasses.replace(setup, classifier_token_ids=_token_ids(args, ckpt, tokens))
@@ -94,7 +96,9 @@ def resolve_engine_config(args: EngineArgs, checkpoint: Checkpoint | None = None
         note = remote_code_note(ckpt.path) if os.path.isdir(ckpt.path) else None
         raise ValueError(f"{e}; {note}" if note else str(e)) from None
     spec = cls.spec(ckpt.hf_config)
-    facts = ModelFacts(max_model_len=ckpt.hf_config.get_text_config().max_position_embeddings,
+    max_positions = getattr(cls, "max_positions", None)  # an encoder whose positions start past 0
+    facts = ModelFacts(max_model_len=max_positions(ckpt.hf_config) if max_positions else
+                       ckpt.hf_config.get_text_config().max_position_embeddings,
                        moe=spec.is_moe, sliding_window=spec.has_sliding_window, multimodal=is_multimodal(ckpt.hf_config),
                        pooling=_pooling_setup(args, ckpt))
     config = engine_config.resolve(args, facts)

@@ -11,6 +11,9 @@ _MODELS = {
     "Qwen3MoeForCausalLM": ("vllm_neuron.model.qwen3_moe", "Qwen3MoeForCausalLM"),
     "GptOssForCausalLM": ("vllm_neuron.model.gpt_oss", "GptOssForCausalLM"),
     "Qwen3VLForConditionalGeneration": ("vllm_neuron.model.qwen3_vl", "Qwen3VLForConditionalGeneration"),
+    # Bidirectional encoders: pooling models of their own (embed), never converted.
+    "BertModel": ("vllm_neuron.model.bert", "BertEncoderModel"),
+    "XLMRobertaModel": ("vllm_neuron.model.bert", "BertEncoderModel"),
 }
 # Pooling checkpoints of a generative family (config/pooler_config.py says which task each one serves): the
 # family's class, converted by model/pooling_adapters.py.
@@ -37,7 +40,7 @@ def resolve_model_class(hf_config, convert: str = "none") -> type[CausalLM]:
         if arch in _MODELS:
             module, name = _MODELS[arch]
             cls = getattr(importlib.import_module(module), name)
-            if convert == "none":
+            if convert == "none" or getattr(cls, "pooling_task", None) == convert:
                 return cls
             if arch not in _POOLING_FAMILIES:
                 raise ValueError(f"{arch} cannot run as a pooling model (convert={convert!r}); pooling serves the "

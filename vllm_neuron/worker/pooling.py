@@ -27,8 +27,10 @@ class PoolingGraphs(GraphBase):
 
     def prefill(self, x: PrefillInputs) -> torch.Tensor:
         meta = self.prefill_meta(x)
+        kwargs = {**x.model_kwargs, "query_seq": x.query_seq} if getattr(self.model, "bidirectional", False) \
+            else x.model_kwargs
         hidden, _ = self.forward(x.input_ids, x.positions, x.kv_caches, meta, self._group_metas(meta, x.groups, True),
-                                 x.model_kwargs)
+                                 kwargs)
         return hidden
 
 
