@@ -2,7 +2,9 @@
 PyTorch device."""
 from vllm_neuron.version import __version__
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]
+_OUTPUTS = ("RequestOutput", "CompletionOutput", "PoolingRequestOutput", "EmbeddingRequestOutput",
+            "ClassificationRequestOutput", "ScoringRequestOutput")
+__all__ = ["LLM", "SamplingParams", "PoolingParams", *_OUTPUTS, "__version__"]
 
 
 def __getattr__(name: str):
@@ -15,7 +17,11 @@ def __getattr__(name: str):
         from vllm_neuron.sampling_params import SamplingParams
 
         return SamplingParams
-    if name in ("RequestOutput", "CompletionOutput"):
+    if name == "PoolingParams":
+        from vllm_neuron.pooling_params import PoolingParams
+
+        return PoolingParams
+    if name in _OUTPUTS:
         from vllm_neuron import outputs
 
         return getattr(outputs, name)

@@ -78,3 +78,76 @@ class RequestOutput:
                 f"prompt_logprobs={'None' if self.prompt_logprobs is None else '<...>'}, "
                 f"outputs={self.outputs}, finished={self.finished}, metrics={self.metrics}, "
                 f"num_cached_tokens={self.num_cached_tokens})")
+
+
+@dataclass
+class PoolingOutput:
+    """What a pooling model returns for one prompt: `data`, a 1-D float tensor (an embedding, the class
+    probabilities or logits, or one score)."""
+
+    data: "object"  # torch.Tensor [n] (float32, CPU); kept untyped so this module imports no torch
+
+
+@dataclass
+class PoolingRequestOutput:
+    """vLLM's `PoolingRequestOutput`: one prompt's pooled output (`LLM.encode`)."""
+
+    request_id: str
+    outputs: PoolingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+    prompt: str | None = None
+    metrics: RequestMetrics | None = None
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class ClassificationOutput:
+    probs: list[float]
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass
+class ScoringOutput:
+    score: float
+
+
+@dataclass
+class EmbeddingRequestOutput(PoolingRequestOutput):
+    """`LLM.embed`'s: outputs.embedding is a list of floats."""
+
+    @classmethod
+    def from_base(cls, out: PoolingRequestOutput) -> "EmbeddingRequestOutput":
+        return cls(out.request_id, EmbeddingOutput(out.outputs.data.tolist()), out.prompt_token_ids, out.finished,
+                   out.prompt, out.metrics)
+
+
+@dataclass
+class ClassificationRequestOutput(PoolingRequestOutput):
+    """`LLM.classify`'s: outputs.probs, one per label."""
+
+    @classmethod
+    def from_base(cls, out: PoolingRequestOutput) -> "ClassificationRequestOutput":
+        return cls(out.request_id, ClassificationOutput(out.outputs.data.tolist()), out.prompt_token_ids,
+                   out.finished, out.prompt, out.metrics)
+
+
+@dataclass
+class ScoringRequestOutput(PoolingRequestOutput):
+    """`LLM.score`'s: outputs.score, one float per (query, document) pair."""
+
+    @classmethod
+    def from_score(cls, out: PoolingRequestOutput, score: float) -> "ScoringRequestOutput":
+        return cls(out.request_id, ScoringOutput(score), out.prompt_token_ids, out.finished, out.prompt,
+                   out.metrics)

@@ -29,6 +29,7 @@ class NewRequestData:
     eos_token_id: int | None
     mm_items: list | None = None  # multimodal.inputs.MultiModalItem per media item
     prompt_embeds: object = None  # [len(prompt_token_ids), hidden] tensor: the prompt's input rows (ids unused)
+    pooling_params: object = None  # pooling_params.PoolingParams of a pooling request (its sampling_params unused)
 
 
 @dataclass
@@ -115,3 +116,6 @@ class ModelRunnerOutput:
     # Prompt logprobs (requests with prompt_logprobs): req_id -> (first prompt position of this step's share,
     # per position [(prompt token, logprob, rank), top-N...]); position p's entry is token p + 1's.
     prompt_logprobs: dict[str, tuple[int, list[list[tuple[int, float, int]]]]] = field(default_factory=dict)
+    # Pooling requests whose last prompt chunk ran this step: req_id -> the pooled output (a 1-D float32 CPU
+    # tensor); they finish with it and sample nothing.
+    pooled: dict[str, object] = field(default_factory=dict)

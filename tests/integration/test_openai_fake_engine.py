@@ -453,3 +453,12 @@ def test_non_streaming_disconnect_aborts(base_url, engine):
     call = last_call(engine)
     assert wait_for(lambda: call.request_id in engine.aborted), "abort was not called after disconnect"
     assert wait_for(lambda: call.cancelled) and not call.finished
+
+
+@pytest.mark.parametrize("path,body", [("/v1/embeddings", {"input": "hi"}), ("/pooling", {"input": "hi"}),
+                                       ("/classify", {"input": "hi"}), ("/score", {"text_1": "a", "text_2": "b"}),
+                                       ("/v1/rerank", {"query": "a", "documents": ["b"]})])
+def test_pooling_routes_refuse_a_generative_model(base_url, path, body):
+    r = httpx.post(base_url + path, json={"model": MODEL, **body}, timeout=10)
+    assert r.status_code == 400, r.text
+    assert "generative model" in r.json()["error"]["message"]

@@ -130,6 +130,16 @@ class FakeServer:
         async def chat_completions(request: Request):
             return await handle(request, chat=True)
 
+        @app.post("/v1/embeddings")
+        async def embeddings(request: Request):
+            body = await request.json()
+            with self._lock:
+                self.bodies.append(body)
+                self.paths.append(request.url.path)
+            await asyncio.sleep(FIRST_DELAY)
+            return {"object": "list", "data": [{"index": 0, "object": "embedding", "embedding": [0.5, 0.5]}],
+                    "usage": {"prompt_tokens": 24, "total_tokens": 24}}
+
         return app
 
 
@@ -324,6 +334,16 @@ def test_chat_backend(fake, tokenizer, capsys):
     assert min(result["ttfts"]) >= FIRST_DELAY
     assert all(len(itl) == 5 for itl in result["itls"])
     assert "Successful requests:" in capsys.readouterr().out
+
+
+def test_embeddings_endpoint(fake, tokenizer, capsys):
+    result = run(fake, tokenizer, "--endpoint", "/v1/embeddings", "--percentile-metrics", "e2el")
+    assert set(fake.paths) == {"/v1/embeddings"}
+    assert all(isinstance(b["input"], str) and "max_tokens" not in b and "stream" not in b for b in fake.bodies)
+    assert result["completed"] == 6 and result["total_output_tokens"] == 0
+    assert result["total_token_throughput"] == pytest.approx(6 * 24 / result["duration"])
+    assert min(result["ttfts"]) >= FIRST_DELAY
+    assert "Mean E2EL (ms):" in capsys.readouterr().out
 
 
 def test_server_errors_are_failed_requests(fake, tokenizer, capsys):

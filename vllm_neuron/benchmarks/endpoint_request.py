@@ -13,7 +13,7 @@ from typing import Any
 
 import httpx
 
-BACKENDS = ("openai", "openai-chat")
+BACKENDS = ("openai", "openai-chat", "openai-embeddings")
 # Kept short in results: a server may answer an error with a whole HTML page.
 _MAX_ERROR_CHARS = 2000
 
@@ -33,6 +33,7 @@ class RequestInput:
     extra_body: dict[str, Any] = field(default_factory=dict)
     headers: dict[str, str] = field(default_factory=dict)
     multi_modal_content: list[dict] | None = None  # chat content parts before the prompt text
+    embeddings: bool = False  # /v1/embeddings: one non-streamed request, its latency is its TTFT and E2EL
 
 
 @dataclass
@@ -101,6 +102,8 @@ async def send_request(client: httpx.AsyncClient, req: RequestInput) -> RequestO
     TTFT is the time to the first chunk that carries text, ITL the gaps between such chunks
     (role-only and usage chunks carry no token), latency the time until the stream ended.
     """
+    if req.embeddings:
+        return await send_embeddings_request(client, req)
     out = RequestOutput(prompt_len=req.prompt_len)
     headers = {"Content-Type": "application/json", **req.headers}
     start = time.perf_counter()
@@ -152,6 +155,33 @@ async def send_request(client: httpx.AsyncClient, req: RequestInput) -> RequestO
     except Exception as e:  # noqa: BLE001 - any failure of one request is data, not a crash
         out.error = f"{type(e).__name__}: {e}"[:_MAX_ERROR_CHARS]
         out.generated_text = "".join(text_parts)
+    return out
+
+
+async def send_embeddings_request(client: httpx.AsyncClient, req: RequestInput) -> RequestOutput:
+    """One /v1/embeddings request (vLLM's openai-embeddings backend): no stream and no output tokens; the
+    server's usage.prompt_tokens counts the input when it sends one."""
+    out = RequestOutput(prompt_len=req.prompt_len)
+    out.start_time = start = time.perf_counter()
+    try:
+        resp = await client.post(req.api_url, json={"model": req.model, "input": req.prompt, **req.extra_body},
+                                 headers={"Content-Type": "application/json", **req.headers})
+        out.latency = out.ttft = time.perf_counter() - start
+        try:
+            payload = resp.json()
+        except ValueError:
+            payload = resp.text
+        if resp.status_code != 200:
+            out.error = f"HTTP {resp.status_code}: {_error_text(payload)}"[:_MAX_ERROR_CHARS]
+        elif not isinstance(payload, dict) or not payload.get("data"):
+            out.error = f"no embeddings in the answer: {str(payload)[:200]}"
+        else:
+            usage = payload.get("usage") or {}
+            out.prompt_len = int(usage.get("prompt_tokens") or req.prompt_len)
+            out.output_tokens = 0
+            out.success = True
+    except Exception as e:  # noqa: BLE001 - any failure of one request is data, not a crash
+        out.error = f"{type(e).__name__}: {e}"[:_MAX_ERROR_CHARS]
     return out
 
 

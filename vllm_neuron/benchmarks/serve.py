@@ -36,7 +36,8 @@ from vllm_neuron.benchmarks.result_table import (PERCENTILE_METRICS, compute_met
 from vllm_neuron.benchmarks.spec_decode_metrics import (SpecDecodeCounters, fetch_spec_decode_counters,
                                                       format_spec_decode_section, spec_decode_result)
 
-_DEFAULT_ENDPOINTS = {"openai": "/v1/completions", "openai-chat": "/v1/chat/completions"}
+_DEFAULT_ENDPOINTS = {"openai": "/v1/completions", "openai-chat": "/v1/chat/completions",
+                      "openai-embeddings": "/v1/embeddings"}
 # A benchmark request may legitimately run for a long time (long outputs, deep queues).
 _REQUEST_TIMEOUT_S = 6 * 60 * 60
 
@@ -52,7 +53,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000, help="Server port, unless --base-url.")
     parser.add_argument("--endpoint", type=str, default=None,
                         help="API path (default: /v1/completions; /v1/chat/completions with "
-                        "--backend openai-chat).")
+                        "--backend openai-chat; /v1/embeddings with --backend openai-embeddings, which "
+                        "--endpoint /v1/embeddings selects by itself).")
     parser.add_argument("--model", type=str, default=None,
                         help="Model name sent in requests (default: the first id listed by "
                         "GET /v1/models).")
@@ -126,6 +128,8 @@ class BenchServeConfig:
         if args.backend not in BACKENDS:
             raise ValueError(f"--backend must be one of {', '.join(BACKENDS)}; got {args.backend!r}")
         endpoint = args.endpoint or _DEFAULT_ENDPOINTS[args.backend]
+        if args.backend == "openai" and endpoint.rstrip("/").endswith("/embeddings"):
+            args.backend = "openai-embeddings"  # --endpoint /v1/embeddings alone means the embeddings backend
         if args.backend == "openai-chat" and not endpoint.rstrip("/").endswith("chat/completions"):
             raise ValueError(f"--backend openai-chat needs a chat completions --endpoint "
                              f"(e.g. /v1/chat/completions); got {endpoint!r}")
@@ -222,7 +226,8 @@ def _request_input(cfg: BenchServeConfig, model: str, sample: SampleRequest) -> 
                         prompt_len=sample.prompt_len, output_len=sample.expected_output_len,
                         chat=cfg.backend == "openai-chat", ignore_eos=cfg.ignore_eos,
                         extra_body=cfg.extra_body, headers=cfg.headers,
-                        multi_modal_content=sample.multi_modal_content)
+                        multi_modal_content=sample.multi_modal_content,
+                        embeddings=cfg.backend == "openai-embeddings")
 
 
 async def _run_requests(client: httpx.AsyncClient, inputs: list[RequestInput],

@@ -15,6 +15,7 @@ import argparse
 import json
 
 from vllm_neuron.config.device import DEVICE_CHOICES, DTYPE_CHOICES
+from vllm_neuron.config.pooler_config import CONVERTS, RUNNERS, TASKS
 from vllm_neuron.config.engine_args import (BLOCK_SIZES, BUNDLED_MODEL_NAME, KV_CACHE_DTYPES, LOGPROBS_MODES,
                                             SCHEDULING_POLICIES, EngineArgs, option_names)
 from vllm_neuron.config.generation_config import GENERATION_CONFIG_HELP
@@ -121,6 +122,19 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool =
                    help="accepted for vLLM compatibility; no remote code is ever run")
     g.add_argument("--enable-prompt-embeds", action="store_true",
                    help="accept prompt_embeds ([seq_len, hidden] tensors) in place of token ids")
+    g.add_argument("--runner", default=d.runner, choices=RUNNERS,
+                   help="generate or pooling (embeddings, classification, scores); auto: from the checkpoint's "
+                   "architecture (*Model and *ForSequenceClassification pool, *ForCausalLM generates)")
+    g.add_argument("--convert", default=d.convert, choices=CONVERTS,
+                   help="run a causal LM as a pooling model: embed or classify (auto: the architecture's; "
+                   "implies --runner pooling)")
+    g.add_argument("--task", default=None, choices=tuple(TASKS),
+                   help="the older spelling of --runner / --convert (embed = --convert embed, score and classify "
+                   "= --convert classify) (default: unset)")
+    g.add_argument("--pooler-config", type=_json_arg, default=None,
+                   help='pooling models\' pooler, e.g. \'{"pooling_type": "MEAN", "normalize": true, "dimensions": '
+                   "256}' (default: the checkpoint's sentence-transformers files, else last-token pooling, "
+                   "normalized embeddings)")
 
     g = arg_group(parser, "cache")
     g.add_argument("--block-size", type=int, default=d.block_size, choices=BLOCK_SIZES,

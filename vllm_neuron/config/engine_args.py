@@ -26,6 +26,7 @@ from vllm_neuron.config.generation_config import check_generation_config_arg, pa
 from vllm_neuron.config.json_object import parse_json_object
 from vllm_neuron.config.kv_transfer import KVTransferConfig, parse_kv_transfer_config
 from vllm_neuron.config.neuron_config import AdditionalConfig, parse_additional_config
+from vllm_neuron.config.pooler_config import CONVERTS, RUNNERS, TASKS, PoolerConfig, parse_pooler_config
 from vllm_neuron.config.speculative import SpeculativeConfig, parse_speculative_config
 from vllm_neuron.logits_processor import load_logits_processor
 
@@ -128,6 +129,11 @@ class EngineOptions:
     # Custom logits processors: 'package.module:Class' strings or classes (vllm_neuron/logits_processor.py).
     logits_processors: list | None = None
     enable_prompt_embeds: bool = False
+    # Pooling models (config/pooler_config.py): vLLM's --runner / --convert, the older --task, --pooler-config.
+    runner: str = "auto"  # auto | generate | pooling
+    convert: str = "auto"  # auto | none | embed | classify
+    task: str | None = None  # the older spelling: generate | embed | embedding | classify | score
+    pooler_config: dict | str | PoolerConfig | None = None  # {"pooling_type", "normalize", "dimensions", ...}
     speculative_config: dict | str | SpeculativeConfig | None = None
     kv_transfer_config: dict | str | KVTransferConfig | None = None  # config/kv_transfer.py
     ec_transfer_config: dict | str | None = None
@@ -211,6 +217,10 @@ class EngineArgs(EngineOptions):
         V.choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         V.choice("scheduling_policy", self.scheduling_policy, SCHEDULING_POLICIES)
         V.choice("logprobs_mode", self.logprobs_mode, LOGPROBS_MODES)
+        V.choice("runner", self.runner, RUNNERS)
+        V.choice("convert", self.convert, CONVERTS)
+        if self.task is not None:
+            V.choice("task", self.task, tuple(TASKS))
         if self.logits_processors is not None:
             if isinstance(self.logits_processors, (str, type)) or not isinstance(self.logits_processors, (list, tuple)):
                 raise ValueError(f"logits_processors must be a list of 'package.module:Class' names or classes, got "
@@ -239,6 +249,7 @@ class EngineArgs(EngineOptions):
             limit_mm_per_prompt=parse_limit_mm_per_prompt(self.limit_mm_per_prompt),
             mm_processor_kwargs=_json_dict("mm_processor_kwargs", self.mm_processor_kwargs),
             override_generation_config=parse_override(self.override_generation_config),
+            pooler_config=parse_pooler_config(self.pooler_config),
             additional_config=parse_additional_config(self.additional_config))
         parsed._check_parallel()
         parsed._check_neuron_config(device)

@@ -28,6 +28,7 @@ from vllm_neuron.config.device import (BF16_WEIGHTS, async_scheduling_default, r
 from vllm_neuron.config.engine_args import EngineArgs, EngineOptions
 from vllm_neuron.config.kv_transfer import KVTransferConfig
 from vllm_neuron.config.neuron_config import AdditionalConfig, NeuronConfig
+from vllm_neuron.config.pooler_config import PoolingSetup
 from vllm_neuron.config.speculative import SpeculativeConfig
 
 DEFAULT_MAX_NUM_SEQS = 16
@@ -45,6 +46,9 @@ class ModelFacts:
     moe: bool = False
     sliding_window: bool = False
     multimodal: bool = False
+    # A pooling engine's pooler (config/pooler_config.py; engine/resolve.py reads the checkpoint's files); None
+    # for a generative one.
+    pooling: PoolingSetup | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -74,6 +78,8 @@ class EngineConfig(EngineOptions):
     # Engine processes sharing this engine's memory (DP replicas on one host or GPU); its KV budget is that
     # share (worker/memory.py's local_workers).
     kv_budget_shared_by: int
+    # A pooling engine (--runner pooling): prefill-only steps, pooled outputs; None: a generative engine.
+    pooling: PoolingSetup | None = None
 
     @property
     def torch_device(self) -> torch.device:
@@ -115,7 +121,13 @@ def resolve(args: EngineArgs, facts: ModelFacts) -> EngineConfig:
     runner_choice = select_runner(args.features(device, moe=facts.moe, sliding_window=facts.sliding_window,
                                                 multimodal=facts.multimodal), envs.VLLM_USE_V2_MODEL_RUNNER)
     _check_model_options(args, facts)
+    if facts.pooling is not None:
+        args = _pooling_options(args)
     max_model_len, max_num_batched_tokens, max_num_seqs = _limits(args, facts)
+    if facts.pooling is not None and facts.pooling.bidirectional and max_num_batched_tokens < max_model_len:
+        raise ValueError(f"max_num_batched_tokens={max_num_batched_tokens} must be at least max_model_len="
+                         f"{max_model_len} for a bidirectional encoder: each prompt runs whole in one step (it "
+                         "has no KV cache to continue from); raise it or lower max_model_len")
     user_nc = args.additional_config.neuron_config
     on_cpu = device.type == "cpu"
     nc = user_nc.resolved(
@@ -146,7 +158,20 @@ def resolve(args: EngineArgs, facts: ModelFacts) -> EngineConfig:
         "additional_config": dataclasses.replace(args.additional_config, neuron_config=nc),
         "model_facts": facts, "dtype_reason": dtype_reason,
         "backend": "eager" if args.enforce_eager else envs.VLLM_NEURON_BACKEND,
-        "runner_choice": runner_choice, "async_scheduling_reason": async_reason, "kv_budget_shared_by": shared_by})
+        "runner_choice": runner_choice, "async_scheduling_reason": async_reason, "kv_budget_shared_by": shared_by,
+        "pooling": facts.pooling})
+
+
+def _pooling_options(args: EngineArgs) -> EngineArgs:
+    """A pooling engine's refusals, and prefix caching off: a pooled request's output needs every prompt
+    position computed by its own step (a mean over cached blocks would read K/V, not hidden states)."""
+    refused = {"speculative_config": args.speculative_config, "kv_transfer_config": args.kv_transfer_config,
+               "enable_prompt_embeds": args.enable_prompt_embeds or None,
+               "tensor_parallel_size": args.tensor_parallel_size if args.tensor_parallel_size > 1 else None}
+    for option, value in refused.items():
+        if value is not None:
+            raise V.not_supported(option, value, "a pooling model (--runner pooling) runs without it")
+    return dataclasses.replace(args, enable_prefix_caching=False)
 
 
 def _limits(args: EngineArgs, facts: ModelFacts) -> tuple[int, int, int]:

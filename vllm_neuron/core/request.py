@@ -39,6 +39,7 @@ class Request:
     # --scheduling-policy priority: lower runs first (vLLM's convention); ties go by arrival.
     priority: int = 0
     prompt_embeds: object = None  # [num_prompt_tokens, hidden] tensor (opaque here; the runner's input rows)
+    pooling_params: object = None  # a pooling request's PoolingParams (opaque here): prefill only, then it finishes
 
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING

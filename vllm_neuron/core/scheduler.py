@@ -60,6 +60,12 @@ def _wants_prompt_logprobs(req: Request) -> bool:
     return req.sampling_params.prompt_logprobs is not None
 
 
+def _skips_prefix_cache(req: Request) -> bool:
+    """Prompt-logprobs requests (above) and pooling requests: a pooled output (a mean, a first token) needs the
+    hidden states of every prompt position, which a prefix hit would skip."""
+    return _wants_prompt_logprobs(req) or req.pooling_params is not None
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int
@@ -76,6 +82,8 @@ class SchedulerConfig:
     # KV cache groups (kv_cache_groups.py): None is one group of every layer.
     kv_cache_layout: KVCacheLayout | None = None
     policy: str = "fcfs"  # or "priority" (config/engine_args.py's SCHEDULING_POLICIES, checked there)
+    # A bidirectional encoder's prompts are never split over steps (they attend both ways, with no KV cache).
+    whole_prompts: bool = False
 
 
 def _priority_key(req: Request) -> tuple[int, float]:
@@ -171,7 +179,8 @@ class Scheduler:
 
     # -- one step --------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput | None:
-        decodable = [r for r in self.running if not r.is_prefilling]
+        # A pooling request never decodes: it finishes with its last prompt chunk's step.
+        decodable = [r for r in self.running if not r.is_prefilling and r.pooling_params is None]
         want_prefill = bool(self.waiting) or any(self._can_prefill(r) for r in self.running)
         out = None
         if want_prefill:
@@ -196,6 +205,7 @@ class Scheduler:
         first that does not fit ends the batch (FCFS)."""
         cfg = self.config
         budget = cfg.max_num_batched_tokens if budget is None else budget
+        whole = whole or cfg.whole_prompts
         ctx_budget = cfg.max_prefill_context_tokens or cfg.max_model_len
         chunks: list[ScheduledChunk] = []
         new: list[NewRequestData] = []
@@ -212,7 +222,7 @@ class Scheduler:
             if chunks and _wants_prompt_logprobs(req) != _wants_prompt_logprobs(self.requests[chunks[0].req_id]):
                 break  # prompt logprobs steps run their graph eagerly: other requests keep the compiled one
             cached = None if admitted else \
-                self.kv.empty_hit() if _wants_prompt_logprobs(req) else self.kv.find_cached_prefix(req)
+                self.kv.empty_hit() if _skips_prefix_cache(req) else self.kv.find_cached_prefix(req)
             start = req.num_computed_tokens if admitted else cached.num_blocks * cfg.block_size
             if start > ctx_budget - sum(c.start_pos for c in chunks):
                 break  # FCFS: later requests wait rather than overtake
@@ -233,7 +243,7 @@ class Scheduler:
                     self._isolated.discard(req.request_id)
                     alone = True
                 new.append(NewRequestData(req.request_id, req.prompt_token_ids, req.sampling_params,
-                                          req.eos_token_id, req.mm_items, req.prompt_embeds))
+                                          req.eos_token_id, req.mm_items, req.prompt_embeds, req.pooling_params))
             tokens = req.all_token_ids[start:start + n]
             sample = start + n == req.num_tokens
             chunks.append(ScheduledChunk(req.request_id, tokens, start, *self._tables(req.request_id),
@@ -316,7 +326,8 @@ class Scheduler:
         batch_drafts = self._batch_allows_drafts()
         # Blocks go to requests in policy order, so a victim (the last in it) is never one already scheduled.
         for req in self._in_policy_order(self.running):
-            if req.status != RequestStatus.RUNNING or req.is_prefilling or self._will_finish(req):
+            if req.status != RequestStatus.RUNNING or req.is_prefilling or req.pooling_params is not None or \
+                    self._will_finish(req):
                 continue
             drafts = self._drafts(req) if self.spec_policy.take_step(req.request_id) and batch_drafts else []
             if drafts and not self.kv.allocate(req, 1 + len(drafts)):
@@ -410,8 +421,14 @@ class Scheduler:
             sampled = result.sampled.get(chunk.req_id, ())
             if chunk.num_draft_tokens and sampled:
                 self._roll_back_rejected(req, chunk.num_draft_tokens, len(sampled) - 1)
-            if not _wants_prompt_logprobs(req):
+            if not _skips_prefix_cache(req):
                 self.kv.cache_computed_blocks(req)
+            if req.pooling_params is not None:
+                if chunk.sample:  # its last prompt chunk: the pooled output is its whole answer
+                    self.running.remove(req)
+                    self._free(req, RequestStatus.FINISHED_STOPPED)
+                    finished.append(FinishedRequest(req, "stop", 0))
+                continue
             for i, tok in enumerate(sampled):
                 req.output_token_ids.append(tok)
                 stop = check_stop(req.output_token_ids, req.sampling_params, req.eos_token_id,

@@ -29,7 +29,8 @@ from vllm_neuron.engine.protocol import (AdmissionTicket, EngineClient, EngineDe
 from vllm_neuron.logger import init_logger
 from vllm_neuron.engine.resolve import resolve_engine_config
 from vllm_neuron.model.loader import Checkpoint, load_checkpoint, load_tokenizer
-from vllm_neuron.outputs import RequestOutput
+from vllm_neuron.outputs import PoolingRequestOutput, RequestOutput
+from vllm_neuron.pooling_params import PoolingParams
 from vllm_neuron.sampling_params import SamplingParams
 from vllm_neuron.structured_output.checker import GrammarChecker, GrammarCompilerBusy
 from vllm_neuron.structured_output import GRAMMAR_BUSY, GRAMMAR_INVALID
@@ -78,11 +79,13 @@ class AsyncLLM(EngineClient):
                                               scheduling_policy=config.scheduling_policy,
                                               kv_transfer=config.kv_transfer is not None,
                                               prompt_embeds=prompt_embeds_spec(config, ckpt),
-                                              logits_processors=logits_processor_classes(config))
+                                              logits_processors=logits_processor_classes(config),
+                                              pooling=config.pooling)
         self.output_processor = OutputProcessor(self.tokenizer)
         embeds = self.input_processor.prompt_embeds
         self.model_info = ModelInfo(ckpt.path, config.max_model_len, self.input_processor.eos_token_id,
-                                    self.input_processor.generation_defaults, embeds[0] if embeds else None)
+                                    self.input_processor.generation_defaults, embeds[0] if embeds else None,
+                                    config.pooling)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, model_name: str | None = None) -> "AsyncLLM":
@@ -154,7 +157,13 @@ class AsyncLLM(EngineClient):
     def get_default_sampling_params(self) -> SamplingParams:
         return self.input_processor.default_sampling_params()
 
-    async def generate(self, prompt: PromptType, sampling_params: SamplingParams, request_id: str,
+    async def encode(self, prompt: PromptType, pooling_params: PoolingParams, request_id: str,
+                     priority: int = 0) -> AsyncGenerator[PoolingRequestOutput, None]:
+        """A pooling engine's request: one PoolingRequestOutput, when its prompt has been pooled."""
+        async for out in self.generate(prompt, pooling_params, request_id, priority):
+            yield out
+
+    async def generate(self, prompt: PromptType, sampling_params: SamplingParams | PoolingParams, request_id: str,
                        priority: int = 0) -> AsyncGenerator[RequestOutput, None]:
         self._ensure_handler()
         if self._dead is not None:

@@ -52,6 +52,8 @@ class EngineCore:
                     self.ckpt.path, self.device, self.dtype, config.max_model_len, config.max_num_seqs,
                     config.max_num_batched_tokens, config.block_size, config.enable_prefix_caching,
                     "on-device" if nc.on_device_sampling else "CPU")
+        if config.pooling is not None:
+            logger.info("%s; prefill graphs only, prefix caching off", config.pooling.describe())
         env = envs.describe()
         if env:
             logger.info("Environment: %s", env)
@@ -67,7 +69,8 @@ class EngineCore:
             self.runner = TPExecutor(config, self.ckpt, self.device, self.dtype, backend)
         else:
             self.runner = create_runner(config, self.ckpt, self.device, self.dtype, backend)
-        logger.info("%s", B.format_bucket_table(nc.num_batched_tokens_buckets, nc.num_seqs_buckets,
+        logger.info("%s", B.format_bucket_table(nc.num_batched_tokens_buckets,
+                                                () if config.pooling is not None else nc.num_seqs_buckets,
                                                 nc.context_buckets, self.runner.prefill_needs_context()))
         self.load_stats = self.runner.load_model()
         self.num_blocks = self.runner.num_blocks(self.load_stats.nbytes)
@@ -86,7 +89,8 @@ class EngineCore:
             enable_prefix_caching=config.enable_prefix_caching,
             max_prefill_context_tokens=max(nc.context_buckets), num_speculative_tokens=config.num_speculative_tokens,
             spec_disable_by_batch_size=config.speculative.disable_by_batch_size if config.speculative else None,
-            kv_cache_layout=self.runner.kv_layout, policy=config.scheduling_policy),
+            kv_cache_layout=self.runner.kv_layout, policy=config.scheduling_policy,
+            whole_prompts=config.pooling is not None and config.pooling.bidirectional),
             kv_transfer=self.kv_transfer.scheduler_side if self.kv_transfer is not None else None)
         self.structured = None  # StructuredOutputManager, created with the first grammar request
         self._grammar_wait: dict[str, Request] = {}
@@ -142,7 +146,7 @@ class EngineCore:
             salt += (embeds_digest(req.prompt_embeds),)
         request = Request(req.request_id, req.prompt_token_ids, req.sampling_params, req.eos_token_id,
                           arrival_time=req.arrival_time, cache_salt=salt, mm_items=req.mm_items,
-                          priority=req.priority, prompt_embeds=req.prompt_embeds)
+                          priority=req.priority, prompt_embeds=req.prompt_embeds, pooling_params=req.pooling_params)
         if req.sampling_params.structured_outputs is None:
             self.scheduler.add_request(request)
             return
@@ -349,6 +353,11 @@ class EngineCore:
                 stop_reason=req.stop_reason if fin else None, num_cached_tokens=max(req.num_cached_tokens, 0),
                 kv_transfer_params=self.kv_transfer.params_of(rid) if fin and self.kv_transfer else None,
                 prompt_logprobs=self._prompt_logprobs.pop(rid, None)))  # complete with the first sample
+        for rid, data in result.pooled.items():
+            req, fin = live.get(rid), finished.get(rid)
+            if req is not None and fin is not None:
+                outputs.append(EngineCoreOutput(rid, [], finish_reason=fin.finish_reason, pooled=data,
+                                                num_cached_tokens=max(req.num_cached_tokens, 0)))
         return EngineCoreOutputs(outputs, self._stats(sched, result))
 
     def idle_work(self) -> bool:

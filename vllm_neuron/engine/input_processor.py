@@ -12,6 +12,7 @@ from vllm_neuron.logger import init_logger
 from vllm_neuron.engine.messages import EngineCoreRequest
 from vllm_neuron.config.neuron_config import OnDeviceSamplingConfig
 from vllm_neuron.model.registry import is_multimodal
+from vllm_neuron.pooling_params import PoolingParams
 from vllm_neuron.sampling_params import SamplingParams
 from vllm_neuron.structured_output.params import StructuredOutputsParams
 
@@ -60,13 +61,16 @@ class InputProcessor:
                  mm_processor: "MultiModalProcessor | None" = None,
                  grammar_check: Callable[[StructuredOutputsParams, int | None], None] | None = None,
                  scheduling_policy: str = "fcfs", kv_transfer: bool = False,
-                 prompt_embeds: tuple[int, Any] | None = None, logits_processors: tuple[type, ...] = ()) -> None:
+                 prompt_embeds: tuple[int, Any] | None = None, logits_processors: tuple[type, ...] = (),
+                 pooling: Any = None) -> None:
         """grammar_check(params, max_tokens): a structured-output constraint's size limits and compilation
         (structured_output/checker.py; ValueError naming the problem); None: compiled here, unbounded.
         scheduling_policy: a request `priority` other than 0 is refused unless it is "priority" (vLLM's rule).
         kv_transfer: the engine is a disaggregated instance (requests may carry kv_transfer_params).
         prompt_embeds: (hidden size, torch dtype) of the model with --enable-prompt-embeds; None: refused.
-        logits_processors: the custom processors' classes, whose validate_params refuse a request here."""
+        logits_processors: the custom processors' classes, whose validate_params refuse a request here.
+        pooling: a pooling engine's PoolingSetup (config/pooler_config.py): requests bring PoolingParams."""
+        self.pooling = pooling
         self.prompt_embeds = prompt_embeds
         self.logits_processors = logits_processors
         self.tokenizer = tokenizer
@@ -130,9 +134,11 @@ class InputProcessor:
             return None, list(prompt)
         raise ValueError(f"prompt must be a string, a list of token ids or a prompt dict, got {type(prompt).__name__}")
 
-    def process(self, request_id: str, prompt: Any, params: SamplingParams,
+    def process(self, request_id: str, prompt: Any, params: SamplingParams | PoolingParams,
                 priority: int = 0) -> tuple[str | None, list[int], list[EngineCoreRequest]]:
         self.check_priority(priority)
+        if isinstance(params, PoolingParams) or self.pooling is not None:
+            return self._process_pooling(request_id, prompt, params, priority)
         embeds = None
         if isinstance(prompt, Mapping) and "prompt_embeds" in prompt and self.prompt_embeds is not None:
             text, ids, mm_items, embeds = self._embeds_prompt(prompt, params)
@@ -156,6 +162,40 @@ class InputProcessor:
             reqs.append(EngineCoreRequest(child_request_id(i, request_id), ids, child, self.eos_token_id, now,
                                           mm_items, priority=priority, prompt_embeds=embeds))
         return text, ids, reqs
+
+    def _process_pooling(self, request_id: str, prompt: Any, params: Any,
+                         priority: int) -> tuple[str | None, list[int], list[EngineCoreRequest]]:
+        """A pooling request: its prompt (truncated to its last `truncate_prompt_tokens` tokens when asked)
+        prefilled once, no sampling (the SamplingParams it carries only satisfies the scheduler's fields)."""
+        if self.pooling is None:
+            raise ValueError("This model does not support pooling (embeddings, classification, scores): it is a "
+                             "generative model. Start a pooling model (--runner pooling / --convert embed).")
+        if not isinstance(params, PoolingParams):
+            raise ValueError(f"This model is a pooling model ({self.pooling.task}): it does not generate text; "
+                             "use its embed / classify / score endpoints")
+        params = params.verify(self.pooling.task, self.pooling.hidden_size, self.pooling.matryoshka)
+        if isinstance(prompt, str) and self.pooling.default_prompt:
+            prompt = self.pooling.default_prompt + prompt  # sentence-transformers' default_prompt_name
+        text, ids = self._tokenize(prompt)
+        if not ids:
+            raise ValueError("The prompt cannot be empty")
+        keep = params.truncate_prompt_tokens
+        if keep is not None:
+            keep = self.max_model_len if keep == -1 else keep
+            if keep > self.max_model_len:
+                raise ValueError(f"truncate_prompt_tokens value ({keep}) is greater than max_model_len "
+                                 f"({self.max_model_len}). Please, select a smaller truncation size.")
+            ids = ids[-keep:]
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"Token id {bad[0]} is out of vocabulary (vocab size {self.vocab_size})")
+        if len(ids) > self.max_model_len:
+            raise ValueError(f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+                             f"requested {len(ids)} tokens in the input. Please reduce the length of the input, or "
+                             "set truncate_prompt_tokens.")
+        sp = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, detokenize=False)
+        return text, ids, [EngineCoreRequest(request_id, ids, sp, self.eos_token_id, time.monotonic(),
+                                             priority=priority, pooling_params=params)]
 
     def check_priority(self, priority: Any) -> None:
         if isinstance(priority, bool) or not isinstance(priority, int):

@@ -16,7 +16,8 @@ from vllm_neuron.engine.input_processor import (InputProcessor, logits_processor
 from vllm_neuron.engine.output_processor import OutputProcessor
 from vllm_neuron.engine.resolve import resolve_engine_config
 from vllm_neuron.model.loader import Checkpoint, load_checkpoint, load_tokenizer
-from vllm_neuron.outputs import RequestOutput
+from vllm_neuron.outputs import PoolingRequestOutput, RequestOutput
+from vllm_neuron.pooling_params import PoolingParams
 from vllm_neuron.sampling_params import SamplingParams
 from vllm_neuron.structured_output.checker import GrammarChecker
 
@@ -37,7 +38,8 @@ class LLMEngine:
             config.neuron_config.on_device_sampling_config, config.max_logprobs,
             vocab_size, multimodal_processor(config, ckpt, self.tokenizer), grammar_check=checker.check,
             scheduling_policy=config.scheduling_policy, kv_transfer=config.kv_transfer is not None,
-            prompt_embeds=prompt_embeds_spec(config, ckpt), logits_processors=logits_processor_classes(config))
+            prompt_embeds=prompt_embeds_spec(config, ckpt), logits_processors=logits_processor_classes(config),
+            pooling=config.pooling)
         self.output_processor = OutputProcessor(self.tokenizer)
 
     @classmethod
@@ -49,7 +51,9 @@ class LLMEngine:
     def from_kwargs(cls, **kwargs: Any) -> "LLMEngine":
         return cls.from_engine_args(EngineArgs.from_kwargs(**kwargs))
 
-    def add_request(self, request_id: str, prompt: Any, params: SamplingParams, priority: int = 0) -> None:
+    def add_request(self, request_id: str, prompt: Any, params: SamplingParams | PoolingParams,
+                    priority: int = 0) -> None:
+        """params: SamplingParams (a generative engine) or PoolingParams (a pooling engine)."""
         text, ids, reqs = self.input_processor.process(request_id, prompt, params, priority)
         self.output_processor.add_request(request_id, text, ids, params, reqs)
         for r in reqs:
@@ -66,7 +70,7 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished()
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[RequestOutput | PoolingRequestOutput]:
         outs = self.core.step()
         results, to_abort = self.output_processor.process(outs.outputs)
         if to_abort:

@@ -21,6 +21,7 @@ class EngineCoreRequest:
     priority: int = 0  # --scheduling-policy priority: lower first
     # --enable-prompt-embeds: [len(prompt_token_ids), hidden] in the model's dtype (the ids are placeholders).
     prompt_embeds: Any = None
+    pooling_params: Any = None  # pooling_params.PoolingParams: a pooling request (sampling_params unused)
 
 
 @dataclass
@@ -41,6 +42,7 @@ class EngineCoreOutput:
     # With the request's first token, when it asked for prompt_logprobs: per prompt position 1.. the
     # [(prompt token, logprob, rank), top-N...] entries.
     prompt_logprobs: list[list[tuple[int, float, int]]] | None = None
+    pooled: Any = None  # a pooling request's output: 1-D float32 CPU tensor, on its final output
 
     @property
     def finished(self) -> bool:

@@ -8,7 +8,9 @@ from typing import Any
 
 from vllm_neuron.engine.detokenizer import IncrementalDetokenizer
 from vllm_neuron.engine.messages import EngineCoreOutput, EngineCoreRequest
-from vllm_neuron.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from vllm_neuron.outputs import (CompletionOutput, Logprob, PoolingOutput, PoolingRequestOutput, RequestMetrics,
+                                 RequestOutput)
+from vllm_neuron.pooling_params import PoolingParams
 from vllm_neuron.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -47,14 +49,20 @@ class OutputProcessor:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         self.requests: dict[str, _RequestState] = {}
+        # Pooling requests (one engine request each, the same id): (prompt, prompt ids, metrics).
+        self.pooling: dict[str, tuple[str | None, list[int], RequestMetrics]] = {}
         self.parent_of: dict[str, str] = {}  # engine request id -> user request id
         # Timing observations for metrics, drained by the caller: (kind, seconds).
         self.latency_events: list[tuple[str, float]] = []
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                    params: SamplingParams, core_reqs: list[EngineCoreRequest]) -> None:
-        if request_id in self.requests:
+                    params: SamplingParams | PoolingParams, core_reqs: list[EngineCoreRequest]) -> None:
+        if request_id in self.requests or request_id in self.pooling:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if isinstance(params, PoolingParams):
+            self.pooling[request_id] = (prompt, prompt_token_ids, RequestMetrics(arrival_time=time.time()))
+            self.parent_of[core_reqs[0].request_id] = request_id
+            return
         comps = {}
         for i, r in enumerate(core_reqs):
             comps[r.request_id] = _Completion(i, IncrementalDetokenizer(self.tokenizer, prompt_token_ids,
@@ -66,11 +74,17 @@ class OutputProcessor:
                                                   RequestMetrics(arrival_time=time.time()))
 
     def engine_ids(self, request_id: str) -> list[str]:
+        if request_id in self.pooling:
+            return [cid for cid, parent in self.parent_of.items() if parent == request_id]
         st = self.requests.get(request_id)
         return [] if st is None else [cid for cid, c in st.completions.items() if c.finish_reason is None]
 
     def abort(self, request_id: str) -> RequestOutput | None:
-        """Marks a request aborted; returns its final output."""
+        """Marks a request aborted; returns its final output (None for a pooling request: it has none)."""
+        if self.pooling.pop(request_id, None) is not None:
+            for cid in [c for c, parent in self.parent_of.items() if parent == request_id]:
+                del self.parent_of[cid]
+            return None
         st = self.requests.get(request_id)
         if st is None:
             return None
@@ -82,10 +96,15 @@ class OutputProcessor:
     def process(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
         """Returns the RequestOutputs to emit and the engine request ids to abort (stop strings)."""
         touched: dict[str, _RequestState] = {}
+        results: list = []
         to_abort = []
         now = time.time()
         for out in outputs:
             parent = self.parent_of.get(out.request_id)
+            if parent in self.pooling:
+                if out.finished:
+                    results.append(self._finish_pooling(out.request_id, parent, out, now))
+                continue
             st = self.requests.get(parent) if parent else None
             if st is None:
                 continue
@@ -112,13 +131,21 @@ class OutputProcessor:
                 c.finish_reason, c.stop_reason = out.finish_reason, stop_str or out.stop_reason
             c.changed = True
             touched[st.request_id] = st
-        results = []
         for st in touched.values():
             if st.finished:
                 results.append(self._finish(st))
             elif st.params.output_kind != RequestOutputKind.FINAL_ONLY:
                 results.append(self._make_output(st, finished=False))
         return results, to_abort
+
+    def _finish_pooling(self, engine_id: str, request_id: str, out: EngineCoreOutput, now: float) -> PoolingRequestOutput:
+        prompt, ids, m = self.pooling.pop(request_id)
+        del self.parent_of[engine_id]
+        m.first_token_time = m.last_token_time = m.finished_time = now
+        self.latency_events.append(("e2e", now - m.arrival_time))
+        if out.pooled is None:
+            raise RuntimeError(f"pooling request {request_id} finished ({out.finish_reason}) without an output")
+        return PoolingRequestOutput(request_id, PoolingOutput(out.pooled), ids, True, prompt, m)
 
     def _record_timing(self, st: _RequestState, now: float, n: int) -> None:
         m = st.metrics

@@ -67,6 +67,8 @@ class ModelInfo:
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
     # --enable-prompt-embeds: the hidden size a prompt's embeddings must have; None: prompt_embeds refused.
     prompt_embeds_hidden_size: int | None = None
+    # A pooling engine's pooler (config/pooler_config.py's PoolingSetup); None: a generative engine.
+    pooling: Any = None
 
 
 class EngineClient(ABC):
@@ -85,6 +87,12 @@ class EngineClient(ABC):
         the first output; EngineRequestError if the engine fails this request; EngineDeadError if the
         engine dies. Cancelling the consumer aborts the request. priority: --scheduling-policy priority's
         order, lower first (a ValueError when not 0 under fcfs)."""
+
+    def encode(self, prompt: PromptType, pooling_params: Any, request_id: str,
+               priority: int = 0) -> AsyncGenerator[Any, None]:
+        """A pooling engine's request (pooling_params.PoolingParams): yields one PoolingRequestOutput; errors as
+        `generate`'s. An engine without pooling raises ValueError."""
+        raise ValueError("This engine does not serve pooling requests")
 
     def admit(self, weight: int) -> AdmissionTicket:
         """Reserves room for `weight` engine requests (n x prompts) before any work is done for them;

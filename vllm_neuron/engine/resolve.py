@@ -12,7 +12,9 @@ import os
 from vllm_neuron.config import engine_config
 from vllm_neuron.config.engine_args import EngineArgs
 from vllm_neuron.config.engine_config import EngineConfig, ModelFacts
-from vllm_neuron.model.loader import Checkpoint, load_checkpoint
+from vllm_neuron.config.pooler_config import (PoolingSetup, parse_pooler_config, read_sentence_transformers,
+                                              resolve_pooling, resolve_runner)
+from vllm_neuron.model.loader import Checkpoint, load_checkpoint, load_tokenizer
 from vllm_neuron.model.loader.checkpoint import remote_code_note
 from vllm_neuron.model.loader.hub import fetch_model, parse_hub_id
 from vllm_neuron.model.registry import check_quantization, is_multimodal, resolve_model_class
@@ -49,6 +51,39 @@ def fetch_hub_models(args: EngineArgs) -> EngineArgs:
     return dataclasses.replace(args, **changes) if changes else args
 
 
+def _pooling_setup(args: EngineArgs, ckpt: Checkpoint) -> PoolingSetup | None:
+    """The pooler when the checkpoint runs as a pooling model (--runner / --convert / --task, else its
+    architecture), from --pooler-config and its sentence-transformers files; None for a generative engine."""
+    archs = tuple(getattr(ckpt.hf_config, "architectures", None) or ())
+    runner, convert = resolve_runner(args.runner, args.convert, args.task, archs)
+    given = parse_pooler_config(args.pooler_config)
+    if runner != "pooling":
+        if given is not None:
+            raise ValueError("pooler_config applies to pooling models (--runner pooling); this one generates")
+        return None
+    cls = resolve_model_class(ckpt.hf_config, convert)  # a family that cannot pool is refused here
+    folder = ckpt.path if os.path.isdir(ckpt.path) else ""
+    setup = resolve_pooling(convert, given, read_sentence_transformers(folder), ckpt.hf_config)
+    if getattr(cls, "bidirectional", False):
+        setup = dataclasses.replace(setup, bidirectional=True)
+    tokens = getattr(ckpt.hf_config, "classifier_from_token", None) if convert == "classify" else None
+    if tokens:
+        setup = dataclasses.replace(setup, classifier_token_ids=_token_ids(args, ckpt, tokens))
+    return setup
+
+
+def _token_ids(args: EngineArgs, ckpt: Checkpoint, tokens: list[str]) -> tuple[int, ...]:
+    """classifier_from_token's tokens -> their ids; each must be one token of the vocabulary."""
+    tok = load_tokenizer(args.tokenizer or ckpt)
+    ids = []
+    for t in tokens:
+        enc = tok.encode(t, add_special_tokens=False)
+        if len(enc) != 1:
+            raise ValueError(f"classifier_from_token: {t!r} is {len(enc)} tokens, not one, in this tokenizer")
+        ids.append(enc[0])
+    return tuple(ids)
+
+
 def resolve_engine_config(args: EngineArgs, checkpoint: Checkpoint | None = None) -> tuple[EngineConfig, Checkpoint]:
     """(the resolved config, the checkpoint it was resolved for): every refusal happens here, before any
     engine process starts (an architecture we do not serve included)."""
@@ -61,8 +96,11 @@ def resolve_engine_config(args: EngineArgs, checkpoint: Checkpoint | None = None
         note = remote_code_note(ckpt.path) if os.path.isdir(ckpt.path) else None
         raise ValueError(f"{e}; {note}" if note else str(e)) from None
     spec = cls.spec(ckpt.hf_config)
-    facts = ModelFacts(max_model_len=ckpt.hf_config.get_text_config().max_position_embeddings,
-                       moe=spec.is_moe, sliding_window=spec.has_sliding_window, multimodal=is_multimodal(ckpt.hf_config))
+    max_positions = getattr(cls, "max_positions", None)  # an encoder whose positions start past 0
+    facts = ModelFacts(max_model_len=max_positions(ckpt.hf_config) if max_positions else
+                       ckpt.hf_config.get_text_config().max_position_embeddings,
+                       moe=spec.is_moe, sliding_window=spec.has_sliding_window, multimodal=is_multimodal(ckpt.hf_config),
+                       pooling=_pooling_setup(args, ckpt))
     config = engine_config.resolve(args, facts)
     # The architecture must honour the weight quantization asked for ('bf16' resolved to none).
     check_quantization(cls, spec, config.neuron_config.quantization)

@@ -3,6 +3,7 @@ the server's engine client (one process per replica, the same router) on a priva
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import weakref
 from collections.abc import Sequence
@@ -19,7 +20,10 @@ from vllm_neuron.engine.resolve import resolve_engine_config
 from vllm_neuron.model.loader import Checkpoint
 from vllm_neuron.entrypoints.openai.chat_template import normalize_messages
 from vllm_neuron.entrypoints.openai.errors import BadRequestError
-from vllm_neuron.outputs import RequestOutput
+from vllm_neuron.entrypoints.score_utils import broadcast_pairs, cosine_score, pair_token_ids
+from vllm_neuron.outputs import (ClassificationRequestOutput, EmbeddingRequestOutput, PoolingRequestOutput,
+                                 RequestOutput, ScoringRequestOutput)
+from vllm_neuron.pooling_params import PoolingParams
 from vllm_neuron.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -72,15 +76,20 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling_params")
-        ids = []
         requests = []
         for prompt, p, prio in zip(prompts, params, priorities):
             if p.output_kind != RequestOutputKind.FINAL_ONLY:
                 p = p.clone()
                 p.output_kind = RequestOutputKind.FINAL_ONLY
             requests.append((str(next(self._counter)), prompt, p, prio))
+        return self._submit_and_run(requests, use_tqdm)
+
+    def _submit_and_run(self, requests: list[tuple[str, Any, Any, int]], use_tqdm: bool) -> list:
+        """(request id, prompt, SamplingParams or PoolingParams, priority) each -> their final outputs, in order;
+        a failure aborts those already added."""
         if self._dp is not None:
             return self._dp.run(requests, use_tqdm)
+        ids = []
         try:
             for rid, prompt, p, prio in requests:
                 self.llm_engine.add_request(rid, prompt, p, prio)
@@ -90,6 +99,66 @@ class LLM:
             for rid in ids:
                 self.llm_engine.abort_request(rid)
             raise
+
+    # -- pooling models (--runner pooling): one pooled output per prompt -------------------------------------
+    def encode(self, prompts: Any, pooling_params: PoolingParams | Sequence[PoolingParams] | None = None, *,
+               truncate_prompt_tokens: int | None = None, use_tqdm: bool = True,
+               pooling_task: str | None = None) -> list[PoolingRequestOutput]:
+        """Each prompt's pooled output (`outputs.data`, a float tensor) from a pooling model; prompts as
+        `generate`'s. pooling_task: embed / classify / score / encode (default: the model's)."""
+        prompts = self._as_prompt_list(prompts)
+        if pooling_params is None or isinstance(pooling_params, PoolingParams):
+            params = [(pooling_params or PoolingParams()).clone() for _ in prompts]
+        else:
+            params = [p.clone() for p in pooling_params]
+            if len(params) != len(prompts):
+                raise ValueError(f"got {len(prompts)} prompts but {len(params)} pooling_params")
+        overrides = {k: v for k, v in (("task", pooling_task), ("truncate_prompt_tokens", truncate_prompt_tokens))
+                     if v is not None}
+        params = [dataclasses.replace(p, **overrides) for p in params]  # checked like the constructor's
+        return self._submit_and_run([(str(next(self._counter)), prompt, p, 0) for prompt, p in zip(prompts, params)],
+                                    use_tqdm)
+
+    def embed(self, prompts: Any, *, truncate_prompt_tokens: int | None = None, use_tqdm: bool = True,
+              pooling_params: PoolingParams | Sequence[PoolingParams] | None = None) -> list[EmbeddingRequestOutput]:
+        """Each prompt's embedding (`outputs.embedding`, a list of floats) from an embedding model."""
+        outs = self.encode(prompts, pooling_params, truncate_prompt_tokens=truncate_prompt_tokens, use_tqdm=use_tqdm,
+                           pooling_task="embed")
+        return [EmbeddingRequestOutput.from_base(o) for o in outs]
+
+    def classify(self, prompts: Any, *, use_tqdm: bool = True,
+                 pooling_params: PoolingParams | Sequence[PoolingParams] | None = None
+                 ) -> list[ClassificationRequestOutput]:
+        """Each prompt's class probabilities (`outputs.probs`) from a classification model."""
+        outs = self.encode(prompts, pooling_params, use_tqdm=use_tqdm, pooling_task="classify")
+        return [ClassificationRequestOutput.from_base(o) for o in outs]
+
+    def score(self, data_1: Any, data_2: Any, *, truncate_prompt_tokens: int | None = None, use_tqdm: bool = True,
+              pooling_params: PoolingParams | None = None) -> list[ScoringRequestOutput]:
+        """One score per (data_1, data_2) pair (one text against many, or pairs in order): a cross-encoder's
+        (a classification model with one label: the pair encoded together), else the cosine similarity of an
+        embedding model's two embeddings."""
+        pairs = broadcast_pairs(data_1, data_2)
+        pooling = (self._dp or self.llm_engine).input_processor.pooling
+        if pooling is None:
+            raise ValueError("LLM.score needs a pooling model (--runner pooling); this one generates")
+        params = pooling_params or PoolingParams()
+        if pooling.task == "classify":
+            if pooling.num_labels != 1:
+                raise ValueError(f"LLM.score needs a cross-encoder with one label; this model has "
+                                 f"{pooling.num_labels} (use LLM.classify)")
+            tok = self.get_tokenizer()
+            prompts = [{"prompt_token_ids": pair_token_ids(tok, q, d)} for q, d in pairs]
+            outs = self.encode(prompts, params, truncate_prompt_tokens=truncate_prompt_tokens, use_tqdm=use_tqdm,
+                               pooling_task="score")
+            return [ScoringRequestOutput.from_score(o, float(o.outputs.data[0])) for o in outs]
+        texts = list(dict.fromkeys(t for pair in pairs for t in pair))
+        embs = self.encode(texts, params, truncate_prompt_tokens=truncate_prompt_tokens, use_tqdm=use_tqdm,
+                           pooling_task="embed")
+        by_text = dict(zip(texts, embs))
+        return [ScoringRequestOutput.from_score(by_text[d], cosine_score(by_text[q].outputs.data,
+                                                                         by_text[d].outputs.data))
+                for q, d in pairs]
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
              use_tqdm: bool = True, chat_template: str | None = None, add_generation_prompt: bool = True,
@@ -156,7 +225,8 @@ class LLM:
             for out in engine.step():
                 if out.finished:
                     done[out.request_id] = out
-                    out_tokens += sum(len(c.token_ids) for c in out.outputs)
+                    if isinstance(out, RequestOutput):
+                        out_tokens += sum(len(c.token_ids) for c in out.outputs)
                     bar.update(1)
                     bar.set_postfix_str(f"output: {out_tokens / max(bar.format_dict['elapsed'], 1e-9):.1f} tok/s")
         bar.close()

@@ -11,24 +11,43 @@ _MODELS = {
     "Qwen3MoeForCausalLM": ("vllm_neuron.model.qwen3_moe", "Qwen3MoeForCausalLM"),
     "GptOssForCausalLM": ("vllm_neuron.model.gpt_oss", "GptOssForCausalLM"),
     "Qwen3VLForConditionalGeneration": ("vllm_neuron.model.qwen3_vl", "Qwen3VLForConditionalGeneration"),
+    # Bidirectional encoders: pooling models of their own (embed), never converted.
+    "BertModel": ("vllm_neuron.model.bert", "BertEncoderModel"),
+    "XLMRobertaModel": ("vllm_neuron.model.bert", "BertEncoderModel"),
 }
+# Pooling checkpoints of a generative family (config/pooler_config.py says which task each one serves): the
+# family's class, converted by model/pooling_adapters.py.
+_POOLING_ARCHS = {"Qwen3Model": "Qwen3ForCausalLM", "LlamaModel": "LlamaForCausalLM",
+                  "Qwen3ForSequenceClassification": "Qwen3ForCausalLM",
+                  "LlamaForSequenceClassification": "LlamaForCausalLM"}
+_POOLING_FAMILIES = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 # Configs without `architectures` (e.g. built by hand) name their family by model_type.
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
                 "gpt_oss": "GptOssForCausalLM", "qwen3_vl": "Qwen3VLForConditionalGeneration"}
 
 
 def supported_architectures() -> list[str]:
-    return sorted(_MODELS)
+    return sorted([*_MODELS, *_POOLING_ARCHS])
 
 
-def resolve_model_class(hf_config) -> type[CausalLM]:
+def resolve_model_class(hf_config, convert: str = "none") -> type[CausalLM]:
+    """The architecture's class; `convert` "embed" / "classify" (a pooling engine): that class converted."""
     archs = list(getattr(hf_config, "architectures", None) or [])
     if not archs and getattr(hf_config, "model_type", None) in _MODEL_TYPES:
         archs = [_MODEL_TYPES[hf_config.model_type]]
     for arch in archs:
+        arch = _POOLING_ARCHS.get(arch, arch)
         if arch in _MODELS:
             module, name = _MODELS[arch]
-            return getattr(importlib.import_module(module), name)
+            cls = getattr(importlib.import_module(module), name)
+            if convert == "none" or getattr(cls, "pooling_task", None) == convert:
+                return cls
+            if arch not in _POOLING_FAMILIES:
+                raise ValueError(f"{arch} cannot run as a pooling model (convert={convert!r}); pooling serves the "
+                                 f"families {list(_POOLING_FAMILIES)}")
+            from vllm_neuron.model.pooling_adapters import pooling_model_class
+
+            return pooling_model_class(cls, convert)
     raise ValueError(f"model architectures {archs} are not supported; supported: {supported_architectures()}")
 
 

@@ -164,6 +164,8 @@ class ModelRunnerV1(ModelRunnerBase):
         return self.speculator.propose(self.sampling.states, wanted, rows, graph_drafts)
 
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        if self.pooler is not None:
+            return self._execute_pooling(sched)
         self._back_kv_pages(sched)
         self._joins_and_leaves(sched)
         chunks = sched.chunks

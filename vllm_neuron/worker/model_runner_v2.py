@@ -96,6 +96,8 @@ class ModelRunnerV2(ModelRunnerBase):
             self.state.sync_block_tables([(c.req_id, c.group_block_ids[g - 1]) for c in sched.chunks], g)
 
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        if self.pooler is not None:
+            return self._execute_pooling(sched)
         self._back_kv_pages(sched)
         self._apply_joins_and_leaves(sched)
         chunks = sched.chunks

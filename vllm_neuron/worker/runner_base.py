@@ -43,6 +43,7 @@ from vllm_neuron.worker.kv_connector import KVConnectorWorker
 from vllm_neuron.worker.kv_prefault import KVPrefaulter
 from vllm_neuron.worker.model_kinds import GraphSpec, ModelKindState, make_model_kinds
 from vllm_neuron.worker.model_setup import LoadStats, build_model, checkpoint_scheme, zeros
+from vllm_neuron.worker.pooling import Pooler, PoolingGraphs
 from vllm_neuron.worker.logits_processors import LogitsProcessorBatch
 from vllm_neuron.worker.prompt_logprobs import plan_prompt_logprobs, prompt_logprob_entries
 from vllm_neuron.worker.sampling_state import SamplingStates
@@ -52,6 +53,8 @@ logger = init_logger(__name__)
 
 
 class ModelRunnerBase:
+    pooler: Pooler | None = None  # a pooling engine's (set in __init__)
+
     def __init__(self, config: EngineConfig, checkpoint: Checkpoint, device: torch.device, dtype: torch.dtype,
                  backend: str) -> None:
         self.config = config
@@ -81,7 +84,10 @@ class ModelRunnerBase:
         self._free_before_load: int | None = None
         self._prompt_logprobs: dict = {}  # the current step's (ModelRunnerOutput.prompt_logprobs)
         self._kv_sizing: dict | None = None
-        self.model_cls = resolve_model_class(checkpoint.hf_config)
+        # A pooling engine (worker/pooling.py): prefill graphs that return hidden states, pooled per request.
+        self.pooler = Pooler(config.pooling) if config.pooling is not None else None
+        self.model_cls = resolve_model_class(checkpoint.hf_config,
+                                             config.pooling.task if config.pooling is not None else "none")
         self.model_spec = model_spec(checkpoint.hf_config, config.neuron_config.quantization)
         self.kernels = resolve_kernel_config(device, dtype)  # sinks and sliding windows included
         logger.info("%s", describe_kernels(device, self.dtype, self.model_spec.head_dim))
@@ -129,6 +135,9 @@ class ModelRunnerBase:
                                       backend=self.backend,
                                       decode_cpp_wrapper=self.config.neuron_config.decode_cpp_wrapper)
         self.graphs = self._make_graphs(self._graph_static_options())
+        if self.pooler is not None:
+            self.graphs = PoolingGraphs(self.model, self._graph_static_options())
+            self.pooler.model = self.model
         self._log_kv_segment()
         stats = LoadStats(time.perf_counter() - t0, nbytes)
         logger.info("Loaded %s (%s) in %.1f s: %.1f MiB of weights on %s as %s", type(self.model).__name__,
@@ -260,6 +269,8 @@ class ModelRunnerBase:
             kind, size, ctx = B.parse_bucket_name(n)
             if kind == "decode" and not ctx:
                 ctx = self.context_buckets[-1]  # a single context keeps the plain decode_b{B} name
+            if kind == "decode" and self.pooler is not None:
+                continue  # a pooling engine never decodes: prefill graphs only
             out.append(GraphSpec(n, kind, size, ctx))
         return out + [s for k in self.kinds for s in k.graph_specs()]
 
@@ -294,6 +305,8 @@ class ModelRunnerBase:
                 "decode_cpp_wrapper": self.config.neuron_config.decode_cpp_wrapper,
                 "kinds": [k.graph_options() for k in self.kinds],
                 "prompt_embeds": self.config.enable_prompt_embeds}
+        if self.pooler is not None:
+            opts["pooling"] = self.config.pooling.task  # the prefill graphs return hidden states
         if self.speculator is not None:
             opts["speculator"] = self.speculator.graph_options()
         if self.kv_layout.num_groups > 1:
@@ -329,7 +342,9 @@ class ModelRunnerBase:
 
     def warm_graph(self, spec: GraphSpec) -> None:
         """Runs one graph of `graph_names()` once on padding only."""
-        if spec.kind == "prefill":
+        if spec.kind == "prefill" and self.pooler is not None:
+            self._run_pooling([], spec.size, spec.context)
+        elif spec.kind == "prefill":
             self._run_prefill([], spec.size, spec.context)
         elif spec.kind == "decode":
             self._run_decode([], spec.size, spec.context)
@@ -485,6 +500,27 @@ class ModelRunnerBase:
 
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         raise NotImplementedError
+
+    # -- a pooling engine's step (worker/pooling.py) ------------------------------------------------
+    def _run_pooling(self, chunks, num_tokens: int, num_context: int) -> torch.Tensor:
+        x, _ = self._prefill_inputs(chunks, num_tokens, num_context, None, lambda rows: None)
+        with torch.inference_mode():
+            return self._graph("prefill", num_tokens, num_context)(x)
+
+    def _execute_pooling(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        """A pooling engine's step (always a prefill): the hidden states of its chunks, pooled."""
+        self._back_kv_pages(sched)
+        for rid in sched.finished_req_ids:
+            self.pooler.remove(rid)
+        for rid in sched.preempted_req_ids:
+            self.pooler.restart(rid)
+        for data in sched.new_requests:
+            self.pooler.add(data)
+        if sched.kind != "prefill":
+            raise RuntimeError("a pooling engine got a decode step")
+        size, context, name, padding = self._step_bucket(sched)
+        hidden = self._run_pooling(sched.chunks, size, context)
+        return ModelRunnerOutput({}, bucket_name=name, num_padding=padding, pooled=self.pooler.pool(sched.chunks, hidden))
 
     def encoder_cache_stats(self) -> tuple[int, int] | None:
         """(hits, misses) of the encoder cache, cumulative; None for a model without one."""

@@ -44,6 +44,12 @@ from vllm_neuron.entrypoints.openai.request_policy import RequestLimits
 from vllm_neuron.entrypoints.openai.serving_chat import OpenAIServingChat
 from vllm_neuron.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from vllm_neuron.entrypoints.openai.serving_models import OpenAIServingModels
+from vllm_neuron.entrypoints.openai.protocol_pooling import (ClassificationRequest, ClassificationResponse,
+                                                             EmbeddingRequest, EmbeddingResponse, PoolingRequest,
+                                                             PoolingResponse, RerankRequest, RerankResponse,
+                                                             ScoreRequest, ScoreResponse)
+from vllm_neuron.entrypoints.openai.serving_pooling import OpenAIServingPooling
+from vllm_neuron.entrypoints.openai.serving_score import OpenAIServingScore
 from vllm_neuron.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from vllm_neuron.logger import init_logger
 from vllm_neuron.version import __version__
@@ -88,6 +94,8 @@ def build_app(engine: EngineClient, *, served_model_names: list[str], api_key: s
     chat = OpenAIServingChat(engine, models, enable_auto_tool_choice=enable_auto_tool_choice,
                              tool_call_parser=tool_call_parser, **kwargs)
     tokenization = OpenAIServingTokenization(engine, models, **kwargs)
+    pooling = OpenAIServingPooling(engine, models, **kwargs)
+    scoring = OpenAIServingScore(engine, models, **kwargs)
     version = __version__
 
     app = FastAPI(title="vllm-neuron OpenAI-compatible server", version=version)
@@ -146,6 +154,24 @@ def build_app(engine: EngineClient, *, served_model_names: list[str], api_key: s
               responses=spec.route_responses(ChatCompletionResponse, stream=True, auth=bool(api_key)))
     async def create_chat_completion(raw_request: Request) -> Response:
         return await chat.create_chat_completion(await body(raw_request), raw_request)
+
+    # Pooling models (--runner pooling); a generative model answers them with a 400.
+    pooling_routes = [("/v1/embeddings", EmbeddingRequest, EmbeddingResponse, pooling.create_embedding),
+                      ("/pooling", PoolingRequest, PoolingResponse, pooling.create_pooling),
+                      ("/classify", ClassificationRequest, ClassificationResponse, pooling.create_classify),
+                      ("/score", ScoreRequest, ScoreResponse, scoring.create_score),
+                      ("/v1/score", ScoreRequest, ScoreResponse, scoring.create_score),
+                      ("/rerank", RerankRequest, RerankResponse, scoring.create_rerank),
+                      ("/v1/rerank", RerankRequest, RerankResponse, scoring.create_rerank),
+                      ("/v2/rerank", RerankRequest, RerankResponse, scoring.create_rerank)]
+    def pooling_route(handler):  # one closure per route: FastAPI would read a default argument as a query field
+        async def route(raw_request: Request) -> Response:
+            return await handler(await body(raw_request), raw_request)
+        return route
+
+    for path, request_model, response_model, handler in pooling_routes:
+        app.add_api_route(path, pooling_route(handler), methods=["POST"], openapi_extra=spec.request_body(request_model),
+                          responses=spec.route_responses(response_model, auth=bool(api_key)))
 
     @app.post("/tokenize", openapi_extra=spec.request_body(TokenizeCompletionRequest, TokenizeChatRequest),
               responses=spec.route_responses(TokenizeResponse, auth=bool(api_key) and api_key_all_routes))

@@ -1,0 +1,3 @@
+from vllm_neuron.model.bert.model import BertEncoderModel
+
+__all__ = ["BertEncoderModel"]
