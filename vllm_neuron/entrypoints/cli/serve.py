@@ -90,6 +90,7 @@ async def _serve(engine_args, args: argparse.Namespace, api_key: str | None, lim
                         max_logprobs=config.max_logprobs,
                         enable_auto_tool_choice=getattr(args, "enable_auto_tool_choice", False),
                         tool_call_parser=getattr(args, "tool_call_parser", None),
+                        reasoning_parser=getattr(args, "reasoning_parser", None),
                         limits=limits, api_key_all_routes=args.api_key_all_routes, **http.app_kwargs())
         await engine.start()
 

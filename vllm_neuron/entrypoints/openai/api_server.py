@@ -61,6 +61,7 @@ def build_app(engine: EngineClient, *, served_model_names: list[str], api_key: s
               chat_template: str | None = None, max_logprobs: int = 20, return_tokens_as_token_ids: bool = False,
               record_request_metrics: bool = True, allowed_origins: list[str] | None = None,
               enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
+              reasoning_parser: str | None = None,
               limits: RequestLimits | None = None, api_key_all_routes: bool = False,
               allowed_methods: list[str] | None = None, allowed_headers: list[str] | None = None,
               allow_credentials: bool = False, root_path: str = "",
@@ -72,6 +73,7 @@ def build_app(engine: EngineClient, *, served_model_names: list[str], api_key: s
     max_logprobs: cap on logprobs/top_logprobs/prompt_logprobs (-1: the whole vocabulary).
     record_request_metrics: the HTTP layer records the per-request series (see vllm_neuron.metrics).
     enable_auto_tool_choice, tool_call_parser: tool_choice="auto" with that parser (vllm_neuron.tool_parsers).
+    reasoning_parser: --reasoning-parser (vllm_neuron.reasoning; openai_gptoss: harmony).
     limits: --max-n, --max-request-body-bytes, --trust-request-chat-template, --body-read-timeout.
     api_key_all_routes: the key guards every route but the liveness probes' (/metrics, /tokenize, the docs...).
     allowed_origins / allowed_methods / allowed_headers / allow_credentials: CORS, vLLM's defaults (any, any, any,
@@ -92,7 +94,7 @@ def build_app(engine: EngineClient, *, served_model_names: list[str], api_key: s
                                   request_logger=request_logger)
     completion = OpenAIServingCompletion(engine, models, **kwargs)
     chat = OpenAIServingChat(engine, models, enable_auto_tool_choice=enable_auto_tool_choice,
-                             tool_call_parser=tool_call_parser, **kwargs)
+                             tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser, **kwargs)
     tokenization = OpenAIServingTokenization(engine, models, **kwargs)
     pooling = OpenAIServingPooling(engine, models, **kwargs)
     scoring = OpenAIServingScore(engine, models, **kwargs)

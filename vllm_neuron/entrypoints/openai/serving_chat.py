@@ -1,6 +1,7 @@
 """/v1/chat/completions: chat template -> token ids -> engine, streamed or not, in vLLM's shape."""
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -10,6 +11,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from vllm_neuron.engine.protocol import AdmissionTicket, TokensPrompt
+from vllm_neuron.entrypoints.openai.chat_output import ChoiceDelta, ChoiceParser, TextChoiceParser, reasoning_fields
 from vllm_neuron.entrypoints.openai.errors import BadRequestError, from_exception
 from vllm_neuron.entrypoints.openai.protocol import (
     ChatCompletionLogProb,
@@ -31,11 +33,12 @@ from vllm_neuron.entrypoints.openai.request_policy import check_unsupported_fiel
 from vllm_neuron.entrypoints.openai.serving_engine import ChoiceAccumulator, OpenAIServing, RequestTracker
 from vllm_neuron.entrypoints.openai.streaming import SSE_DONE, run_until_disconnect, sse
 from vllm_neuron.entrypoints.openai.structured import structured_outputs_from_request
-from vllm_neuron.entrypoints.openai.tool_calls import ToolCallStream, ToolChoice, extract_final, resolve_tool_choice
+from vllm_neuron.entrypoints.openai.tool_calls import ToolChoice, resolve_tool_choice
 from vllm_neuron.outputs import Logprob
+from vllm_neuron.reasoning import ReasoningParser, ReasoningParserManager
 from vllm_neuron.sampling_params import SamplingParams
 from vllm_neuron.structured_output.params import StructuredOutputsParams
-from vllm_neuron.tool_parsers import StreamDelta, ToolParser, ToolParserManager
+from vllm_neuron.tool_parsers import ToolParser, ToolParserManager
 
 _ROLE = "assistant"
 
@@ -63,8 +66,10 @@ def check_generation_prompt_flags(data: dict[str, Any]) -> None:
 
 class OpenAIServingChat(OpenAIServing):
     def __init__(self, *args: Any, enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
-                 **kwargs: Any) -> None:
+                 reasoning_parser: str | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self.reasoning_parser: type[ReasoningParser] | None = \
+            ReasoningParserManager.get(reasoning_parser) if reasoning_parser else None
         if enable_auto_tool_choice and not tool_call_parser:
             raise ValueError("--enable-auto-tool-choice requires --tool-call-parser (one of "
                              f"{', '.join(ToolParserManager.names())})")
@@ -131,6 +136,7 @@ class OpenAIServingChat(OpenAIServing):
         max_tokens = self.resolve_max_tokens(len(prompt_ids), requested, param)
         if structured is not None:
             await self.check_structured_outputs(structured, structured_param, max_tokens)
+            structured = self._after_reasoning(structured, text)
         sp = self.build_sampling_params(req, max_tokens=max_tokens,
                                         logprobs=(req.top_logprobs or 0) if req.logprobs else None,
                                         structured_outputs=structured, prompt_logprobs=req.prompt_logprobs)
@@ -150,6 +156,22 @@ class OpenAIServingChat(OpenAIServing):
         if result is None:
             return Response(status_code=499)
         return JSONResponse(content=result.model_dump())
+
+    def _after_reasoning(self, structured: StructuredOutputsParams, prompt_text: str) -> StructuredOutputsParams:
+        """With a reasoning parser the constraint starts once the reasoning ends (vLLM's rule), unless the
+        prompt closed the reasoning already (thinking off)."""
+        if self.reasoning_parser is None:
+            return structured
+        parser = self.reasoning_parser(self.tokenizer)
+        parser.start(prompt_text)
+        end_id = parser.reasoning_end_token_id()
+        if end_id is None or parser.reasoning_done:
+            return structured
+        return dataclasses.replace(structured, _reasoning_end_token_id=end_id)
+
+    def choice_parser(self, ctx: _Ctx) -> ChoiceParser:
+        reasoning = self.reasoning_parser(self.tokenizer) if self.reasoning_parser is not None else None
+        return TextChoiceParser(ctx.prompt_text, reasoning, ctx.tool, self._parser(ctx))
 
     @staticmethod
     def _template_kwargs(req: ChatCompletionRequest) -> dict[str, Any]:
@@ -205,21 +227,20 @@ class OpenAIServingChat(OpenAIServing):
         out, completion_tokens = [], 0
         for j, c in sorted(choices.items()):
             completion_tokens += len(c.token_ids)
-            text = "".join(c.text)
-            if ctx.echo_text:
-                text = ctx.echo_text + text
             logprobs = None
             if req.logprobs:
                 logprobs = self._logprobs(c.token_ids, c.logprobs, req.top_logprobs or 0, as_ids)
-            message, finish_reason = ChatMessage(role=_ROLE, content=text), c.finish_reason
-            if ctx.tool.mode != "none":
-                found = extract_final(ctx.tool, "".join(c.text), self._parser(ctx))
-                if found.tools_called:
-                    calls = [ToolCall(id=tc.id, function=FunctionCall(name=tc.function.name,
-                                                                      arguments=tc.function.arguments))
-                             for tc in found.tool_calls]
-                    message = ChatMessage(role=_ROLE, content=found.content, tool_calls=calls)
-                    finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
+            finish_reason = c.finish_reason
+            found = self.choice_parser(ctx).final("".join(c.text), c.token_ids)
+            reasoning = found.reasoning if req.include_reasoning else None
+            content = found.content
+            if ctx.echo_text:
+                content = ctx.echo_text + (content or "")
+            calls = [ToolCall(id=tc.id, function=FunctionCall(name=tc.function.name, arguments=tc.function.arguments))
+                     for tc in found.tool_calls]
+            if calls and finish_reason == "stop":
+                finish_reason = "tool_calls"
+            message = ChatMessage(role=_ROLE, content=content, tool_calls=calls, **reasoning_fields(reasoning))
             out.append(ChatCompletionResponseChoice(
                 index=j, message=message, logprobs=logprobs,
                 finish_reason=finish_reason, stop_reason=c.stop_reason,
@@ -256,8 +277,7 @@ class OpenAIServingChat(OpenAIServing):
             done = sum(tokens) if j is None else tokens[j]
             return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=done, total_tokens=prompt_tokens + done)
 
-        tool_streams = [ToolCallStream(ctx.tool, self._parser(ctx)) for _ in range(sp.n)] \
-            if ctx.tool.mode != "none" else None
+        parsers = [self.choice_parser(ctx) for _ in range(sp.n)]
         tracker = RequestTracker(self, ctx.arrival, ctx.ticket)
         error: Exception | None = None
         try:
@@ -281,12 +301,11 @@ class OpenAIServingChat(OpenAIServing):
                     tokens[o.index] += len(ids)
                     logprobs = self._logprobs(ids, list(o.logprobs or []), req.top_logprobs or 0, as_ids) \
                         if req.logprobs else None
-                    delta, finish_reason = DeltaMessage(content=o.text), o.finish_reason
-                    if tool_streams is not None:
-                        delta, finish_reason = self._tool_delta(tool_streams[o.index], o.text, finish_reason)
-                        if delta is None and logprobs is None:
-                            continue  # text held back by the tool-call parser
-                        delta = delta or DeltaMessage()
+                    delta, finish_reason = self._delta(parsers[o.index], o.text, ids, o.finish_reason,
+                                                       req.include_reasoning)
+                    if delta is None and logprobs is None:
+                        continue  # text held back by a parser
+                    delta = delta or DeltaMessage()
                     choice = ChatCompletionResponseStreamChoice(
                         index=o.index, delta=delta, logprobs=logprobs,
                         finish_reason=finish_reason, stop_reason=o.stop_reason)
@@ -304,19 +323,22 @@ class OpenAIServingChat(OpenAIServing):
         yield SSE_DONE
 
     @staticmethod
-    def _tool_delta(stream: ToolCallStream, text: str,
-                    finish_reason: str | None) -> tuple[DeltaMessage | None, str | None]:
-        """One choice's delta in a tool-calling stream: content and/or tool_calls deltas (None when
-        there is nothing to send yet); "tool_calls" replaces "stop" once calls were made."""
-        parts = stream.feed(text)
+    def _delta(parser: ChoiceParser, text: str, token_ids: list[int], finish_reason: str | None,
+               include_reasoning: bool) -> tuple[DeltaMessage | None, str | None]:
+        """One choice's delta: reasoning, content and/or tool_calls deltas (None when there is nothing to
+        send yet); "tool_calls" replaces "stop" once calls were made."""
+        parts: ChoiceDelta = parser.feed(text, token_ids)
         if finish_reason is not None:
-            end = stream.finish()
-            parts = StreamDelta((parts.content or "") + (end.content or "") or None, parts.tool_calls + end.tool_calls)
-            if finish_reason == "stop" and stream.tools_called:
+            parts = parts + parser.finish()
+            if finish_reason == "stop" and parser.tools_called:
                 finish_reason = "tool_calls"
+        if not include_reasoning:
+            parts.reasoning = ""
         if not parts and finish_reason is None:
             return None, None
         delta = DeltaMessage()
+        if parts.reasoning:
+            delta.reasoning_content = delta.reasoning = parts.reasoning
         if parts.content:
             delta.content = parts.content
         if parts.tool_calls:
