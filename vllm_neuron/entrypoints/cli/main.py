@@ -79,7 +79,13 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    help="how tool calls are read from the model's answer when tool_choice is auto (default: none)")
     g.add_argument("--reasoning-parser", default=None, choices=ReasoningParserManager.names(),
                    help="split the model's reasoning from its answer: `reasoning_content` / `reasoning` in chat "
-                   "answers, structured outputs after the reasoning; openai_gptoss: harmony for gpt-oss")
+                   "answers, structured outputs after the reasoning; openai_gptoss: harmony for gpt-oss (default: "
+                   "none, the answer as the model wrote it)")
+    g.add_argument("--enable-store", action="store_true",
+                   help="/v1/responses keeps its answers in memory for previous_response_id and GET "
+                   "/v1/responses/{id} (or VLLM_ENABLE_RESPONSES_API_STORE=1); off: nothing is kept")
+    g.add_argument("--responses-store-size", type=int, default=1000,
+                   help="with --enable-store, the most responses kept (the oldest go first)")
     g = arg_group(parser, "parallel")
     g.add_argument("--headless", action="store_true",
                    help="no API server: run this node's data parallel replicas (--data-parallel-size-local of them, "

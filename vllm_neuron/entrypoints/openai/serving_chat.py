@@ -25,6 +25,7 @@ from vllm_neuron.entrypoints.openai.protocol import (
     ChatMessage,
     DeltaMessage,
     DeltaToolCall,
+    ErrorResponse,
     FunctionCall,
     ToolCall,
     UsageInfo,
@@ -82,6 +83,13 @@ class OpenAIServingChat(OpenAIServing):
         check_unsupported_fields(data, set(ChatCompletionRequest.model_fields), chat=True)
         check_generation_prompt_flags(data)
         req = parse_request(ChatCompletionRequest, data)
+        return await self.chat(req, raw_request, arrival)
+
+    async def chat(self, req: ChatCompletionRequest, raw_request: Request, arrival: float,
+                   http: bool = True) -> Any:
+        """A parsed chat request served: an HTTP response, or (`http` False, for the Responses API) the
+        ChatCompletionResponse, or for a stream the async iterator of its chunk objects (an ErrorResponse
+        last when it fails)."""
         model = self.models.resolve(req.model)
         self.check_engine()
         if req.stream_options is not None and not req.stream:
@@ -100,11 +108,11 @@ class OpenAIServingChat(OpenAIServing):
             structured, structured_param = tool.structured_outputs, "tools"
         # Room among the admitted requests before any work (rendering, tokenization, media, grammar).
         return await self.admitted(req.n or 1, lambda ticket: self._create(
-            req, model, tool, structured, structured_param, arrival, ticket, raw_request))
+            req, model, tool, structured, structured_param, arrival, ticket, raw_request, http))
 
     async def _create(self, req: ChatCompletionRequest, model: str, tool: ToolChoice,
                       structured: StructuredOutputsParams | None, structured_param: str | None, arrival: float,
-                      ticket: AdmissionTicket, raw_request: Request) -> Response:
+                      ticket: AdmissionTicket, raw_request: Request, http: bool) -> Any:
         media: dict[str, list] | None = {} if self.engine.is_multimodal else None
         text = await self.render_chat(req.messages, request_template=req.chat_template,
                                       add_generation_prompt=req.add_generation_prompt,
@@ -151,7 +159,11 @@ class OpenAIServingChat(OpenAIServing):
         ctx = _Ctx(req, model, request_id, prompt_ids, text, echo_text, int(time.time()), arrival, tool, mm_items,
                    ticket)
         if req.stream:
-            return StreamingResponse(self._stream(ctx, sp), media_type="text/event-stream")
+            if not http:
+                return self._stream(ctx, sp)
+            return StreamingResponse(self._sse(self._stream(ctx, sp)), media_type="text/event-stream")
+        if not http:
+            return await self._full(ctx, sp)
         result = await run_until_disconnect(self._full(ctx, sp), raw_request)
         if result is None:
             return Response(status_code=499)
@@ -257,14 +269,22 @@ class OpenAIServingChat(OpenAIServing):
         return self.tool_parser(self.tokenizer) if ctx.tool.mode == "auto" and self.tool_parser else None
 
     def _chunk(self, ctx: _Ctx, choices: list[ChatCompletionResponseStreamChoice],
-               usage: UsageInfo | None = None) -> str:
+               usage: UsageInfo | None = None) -> ChatCompletionStreamResponse:
         chunk = ChatCompletionStreamResponse(id=ctx.request_id, object="chat.completion.chunk",
                                              created=ctx.created, model=ctx.model, choices=choices)
         if usage is not None:
             chunk.usage = usage
-        return sse(chunk, exclude_unset=True)
+        return chunk
 
-    async def _stream(self, ctx: _Ctx, sp: SamplingParams) -> AsyncIterator[str]:
+    @staticmethod
+    async def _sse(stream: AsyncIterator[ChatCompletionStreamResponse | ErrorResponse]) -> AsyncIterator[str]:
+        async for item in stream:
+            # Chunks carry only the fields that were set (vLLM's shape); an error object whole.
+            yield sse(item) if isinstance(item, ErrorResponse) else sse(item, exclude_unset=True)
+        yield SSE_DONE
+
+    async def _stream(self, ctx: _Ctx, sp: SamplingParams) -> AsyncIterator[ChatCompletionStreamResponse |
+                                                                            ErrorResponse]:
         req = ctx.req
         opts = req.stream_options
         include_usage = bool(opts and opts.include_usage)
@@ -319,8 +339,7 @@ class OpenAIServingChat(OpenAIServing):
         finally:
             tracker.close(error)
         if error is not None:
-            yield sse(from_exception(error))
-        yield SSE_DONE
+            yield from_exception(error)
 
     @staticmethod
     def _delta(parser: ChoiceParser, text: str, token_ids: list[int], finish_reason: str | None,
