@@ -11,8 +11,10 @@ Qwen3's `enable_thinking` template switch.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -29,6 +31,15 @@ SCRIPTS: dict[str, str] = {
     "cut": "<think>\nI am still thinking about",
     # FREE at the end: forced up to there, then the model (and a grammar) choose
     "think_free": "<think>\nJSON with a city.\n</think>\n\n" + "<<free>>",
+    # harmony (gpt-oss)
+    "h_final": "<|channel|>analysis<|message|>Thinking about it.<|end|><|start|>assistant<|channel|>final"
+               "<|message|>Hello from gpt-oss!<|return|>",
+    "h_tool": "<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant<|channel|>commentary "
+              'to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}<|call|>',
+    "h_args": '{"city": "Lima"}<|call|>',  # after a named call's prefill
+    "h_pick": 'get_weather <|constrain|>json<|message|>{"city": "Oslo"}<|call|>',  # after "required"'s prefill
+    "h_stranger": '<|channel|>commentary to=browser.search <|constrain|>json<|message|>{"q": 1}<|call|>',
+    "h_free": "<|channel|>analysis<|message|>JSON now.<|end|><|start|>assistant<|channel|>final<|message|><<free>>",
 }
 FREE = "<<free>>"
 _MARKER = re.compile(r"force:([a-z_0-9]+)")
@@ -94,6 +105,46 @@ class ForceScript(LogitsProcessor):
 
     def is_argmax_invariant(self) -> bool:
         return False
+
+
+WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+@contextlib.contextmanager
+def forced_server(model_dir: str, args: list[str], tmp_dir: str) -> Iterator[tuple[Any, Any]]:
+    """`vllm-neuron serve` of `model_dir` with ForceScript, served as "m": (an openai client, the server)."""
+    import openai
+
+    from tests.integration.server_utils import serving
+
+    args = [*args, "--logits-processors", "tests.forced_output:ForceScript", "--served-model-name", "m"]
+    with serving(model_dir, args, tmp_dir) as srv:
+        yield openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0), srv
+
+
+def chat_forced(client: Any, script: str, **kw: Any) -> Any:
+    """A chat completion of the server's model (served as "m") answering with SCRIPTS[script]."""
+    kw.setdefault("max_tokens", 80)
+    return client.chat.completions.create(model="m", messages=[{"role": "user", "content": f"force:{script}"}],
+                                          **kw)
+
+
+def stream_forced(client: Any, script: str, **kw: Any) -> dict[str, Any]:
+    """chat_forced's stream, its deltas joined per field: reasoning_content, reasoning, content, calls
+    ([name, arguments] per call) and the last finish_reason."""
+    out: dict[str, Any] = {"reasoning_content": "", "reasoning": "", "content": "", "calls": [], "finish": None}
+    for chunk in chat_forced(client, script, stream=True, **kw):
+        for choice in chunk.choices:
+            d = choice.delta.model_dump()
+            for key in ("reasoning_content", "reasoning", "content"):
+                out[key] += d.get(key) or ""
+            for tc in d.get("tool_calls") or []:
+                if tc.get("id"):
+                    out["calls"].append([tc["function"]["name"], ""])
+                out["calls"][tc["index"]][1] += tc["function"].get("arguments") or ""
+            out["finish"] = choice.finish_reason or out["finish"]
+    return out
 
 
 def make_tiny_qwen3_thinking(path: str) -> str:

@@ -9,44 +9,23 @@ import json
 import openai
 import pytest
 
-from tests.forced_output import make_tiny_qwen3_thinking
-from tests.integration.server_utils import serving
+from tests.forced_output import WEATHER_TOOL as WEATHER
+from tests.forced_output import chat_forced as chat
+from tests.forced_output import stream_forced as streamed
+from tests.forced_output import forced_server, make_tiny_qwen3_thinking
 
 pytestmark = pytest.mark.engine
 
 ARGS = ["--enforce-eager", "--dtype", "float32", "--max-model-len", "256", "--num-gpu-blocks-override", "64",
         "--max-num-seqs", "4", "--reasoning-parser", "qwen3", "--enable-auto-tool-choice",
-        "--tool-call-parser", "hermes", "--logits-processors", "tests.forced_output:ForceScript"]
-WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
-    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+        "--tool-call-parser", "hermes"]
 
 
 @pytest.fixture(scope="module")
-def client(tmp_path_factory):
+def client(tmp_path_factory) -> openai.OpenAI:
     model = make_tiny_qwen3_thinking(str(tmp_path_factory.mktemp("qwen3_think")))
-    with serving(model, ARGS, str(tmp_path_factory.mktemp("srv"))) as srv:
-        yield openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
-
-
-def chat(client, script: str, **kw):
-    kw.setdefault("max_tokens", 60)
-    return client.chat.completions.create(model=client.models.list().data[0].id,
-                                          messages=[{"role": "user", "content": f"force:{script}"}], **kw)
-
-
-def streamed(client, script: str, **kw) -> dict:
-    """The stream's deltas joined per field, and its last finish_reason."""
-    out = {"reasoning_content": "", "reasoning": "", "content": "", "args": "", "names": [], "finish": None}
-    for chunk in chat(client, script, stream=True, **kw):
-        for choice in chunk.choices:
-            d = choice.delta.model_dump()
-            for key in ("reasoning_content", "reasoning", "content"):
-                out[key] += d.get(key) or ""
-            for tc in d.get("tool_calls") or []:
-                out["names"] += [tc["function"]["name"]] if tc["function"].get("name") else []
-                out["args"] += tc["function"].get("arguments") or ""
-            out["finish"] = choice.finish_reason or out["finish"]
-    return out
+    with forced_server(model, ARGS, str(tmp_path_factory.mktemp("srv"))) as (client, _srv):
+        yield client
 
 
 def test_thinking_split_streamed_and_not(client):
@@ -98,5 +77,6 @@ def test_tool_call_after_reasoning(client):
     (call,) = choice.message.tool_calls
     assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
     s = streamed(client, "think_tool", tools=[WEATHER])
-    assert s["reasoning_content"] == "\nI should call the weather tool.\n" and s["names"] == ["get_weather"]
-    assert json.loads(s["args"]) == {"city": "Paris"} and s["finish"] == "tool_calls"
+    assert s["reasoning_content"] == "\nI should call the weather tool.\n"
+    assert [(n, json.loads(a)) for n, a in s["calls"]] == [("get_weather", {"city": "Paris"})]
+    assert s["finish"] == "tool_calls"

@@ -11,15 +11,13 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from tests.forced_output import SCRIPTS, make_tiny_qwen3_thinking
-from tests.integration.server_utils import serving
+from tests.forced_output import SCRIPTS, forced_server, make_tiny_qwen3_thinking
 
 pytestmark = pytest.mark.engine
 
 ARGS = ["--enforce-eager", "--dtype", "float32", "--max-model-len", "384", "--num-gpu-blocks-override", "64",
         "--max-num-seqs", "4", "--reasoning-parser", "qwen3", "--enable-auto-tool-choice",
-        "--tool-call-parser", "hermes", "--logits-processors", "tests.forced_output:ForceScript",
-        "--enable-store", "--responses-store-size", "3", "--served-model-name", "m"]
+        "--tool-call-parser", "hermes", "--enable-store", "--responses-store-size", "3"]
 WEATHER = {"type": "function", "name": "get_weather", "description": "Weather",
            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
 
@@ -30,14 +28,19 @@ def model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(model_dir, tmp_path_factory):
-    with serving(model_dir, ARGS, str(tmp_path_factory.mktemp("srv"))) as srv:
-        yield srv
+def served(model_dir, tmp_path_factory):
+    with forced_server(model_dir, ARGS, str(tmp_path_factory.mktemp("srv"))) as pair:
+        yield pair
 
 
 @pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+def client(served):
+    return served[0]
+
+
+@pytest.fixture(scope="module")
+def server(served):
+    return served[1]
 
 
 def prompt_tokens(model_dir: str, messages: list[dict], **kw) -> int:

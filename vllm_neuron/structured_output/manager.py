@@ -69,8 +69,9 @@ class StructuredOutputManager:
         self._matchers: dict[str, xgr.GrammarMatcher] = {}
         self._buffers: dict[str, np.ndarray] = {}
         self._plans: dict[str, ClosingPlan] = {}
-        # request id -> the token that ends its reasoning: until it is sampled, every token is allowed
-        self._gates: dict[str, int] = {}
+        # request id -> (the tokens that end its reasoning, the last tokens seen): until they are sampled, every
+        # token is allowed
+        self._gates: dict[str, tuple[tuple[int, ...], list[int]]] = {}
         self._writer: TokenWriter | None = None
         self.compile_timeouts = 0
         # After the grammar has accepted its stop token only a stop token may follow (ignore_eos).
@@ -96,8 +97,8 @@ class StructuredOutputManager:
             failed.set_exception(e)
             self._pending[req_id] = _Compilation(failed)
             return
-        if params._reasoning_end_token_id is not None:
-            self._gates[req_id] = params._reasoning_end_token_id
+        if params._reasoning_end:
+            self._gates[req_id] = (tuple(params._reasoning_end), [])
         with self._lock:
             comp = self._compiling.get(key)
             if comp is None:
@@ -213,10 +214,14 @@ class StructuredOutputManager:
             return
         gate = self._gates.get(req_id)
         if gate is not None:
-            if gate not in token_ids:
+            end, seen = gate
+            seen = seen + list(token_ids)
+            at = next((i for i in range(len(seen) - len(end) + 1) if tuple(seen[i:i + len(end)]) == end), None)
+            if at is None:
+                self._gates[req_id] = (end, seen[-(len(end) - 1):] if len(end) > 1 else [])
                 return
             del self._gates[req_id]
-            token_ids = token_ids[token_ids.index(gate) + 1:]
+            token_ids = seen[at + len(end):]
         for t in token_ids:
             if matcher.is_terminated():
                 return  # tokens after the grammar's end (ignore_eos) change nothing

@@ -48,8 +48,9 @@ class StructuredOutputsParams:
     disable_fallback: bool = False  # there is one backend: nothing to fall back to
     whitespace_pattern: str | None = None
     # Set by the server, never by a request (from_value drops "_" keys): with a reasoning parser the
-    # constraint starts after the token that ends the reasoning (vLLM's rule); not part of the grammar's key.
-    _reasoning_end_token_id: int | None = None
+    # constraint starts after the tokens that end the reasoning (vLLM's rule: `</think>`, or harmony's
+    # `<|channel|>final<|message|>`); not part of the grammar's key.
+    _reasoning_end: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         given = [f for f in CONSTRAINT_FIELDS if getattr(self, f) not in (None, False)]

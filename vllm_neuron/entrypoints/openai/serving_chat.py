@@ -11,6 +11,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from vllm_neuron.engine.protocol import AdmissionTicket, TokensPrompt
+from vllm_neuron.entrypoints.openai.chat_harmony import HarmonyChat
 from vllm_neuron.entrypoints.openai.chat_output import ChoiceDelta, ChoiceParser, TextChoiceParser, reasoning_fields
 from vllm_neuron.entrypoints.openai.errors import BadRequestError, from_exception
 from vllm_neuron.entrypoints.openai.protocol import (
@@ -37,6 +38,7 @@ from vllm_neuron.entrypoints.openai.structured import structured_outputs_from_re
 from vllm_neuron.entrypoints.openai.tool_calls import ToolChoice, resolve_tool_choice
 from vllm_neuron.outputs import Logprob
 from vllm_neuron.reasoning import ReasoningParser, ReasoningParserManager
+from vllm_neuron.reasoning.base import HARMONY_PARSER
 from vllm_neuron.sampling_params import SamplingParams
 from vllm_neuron.structured_output.params import StructuredOutputsParams
 from vllm_neuron.tool_parsers import ToolParser, ToolParserManager
@@ -57,6 +59,7 @@ class _Ctx:
     tool: ToolChoice
     mm_items: list | None = None  # processed media (EngineClient.process_multimodal)
     ticket: AdmissionTicket | None = None  # released when the request ends (RequestTracker.close)
+    prefill: list[int] | None = None  # harmony: the answer's start the prompt ends with (a tool call's header)
 
 
 def check_generation_prompt_flags(data: dict[str, Any]) -> None:
@@ -69,8 +72,10 @@ class OpenAIServingChat(OpenAIServing):
     def __init__(self, *args: Any, enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
                  reasoning_parser: str | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        # openai_gptoss: harmony renders and parses (chat_harmony.py); the others split text.
+        self.harmony = HarmonyChat(self.tokenizer) if reasoning_parser == HARMONY_PARSER else None
         self.reasoning_parser: type[ReasoningParser] | None = \
-            ReasoningParserManager.get(reasoning_parser) if reasoning_parser else None
+            ReasoningParserManager.get(reasoning_parser) if reasoning_parser and self.harmony is None else None
         if enable_auto_tool_choice and not tool_call_parser:
             raise ValueError("--enable-auto-tool-choice requires --tool-call-parser (one of "
                              f"{', '.join(ToolParserManager.names())})")
@@ -99,7 +104,10 @@ class OpenAIServingChat(OpenAIServing):
         self.check_logprobs_cap(req.top_logprobs, "top_logprobs")
         self.check_logprobs_cap(req.prompt_logprobs, "prompt_logprobs")
         self.limits.check_n(req.n)
-        tool = resolve_tool_choice(req.tools, req.tool_choice, req.parallel_tool_calls, self.tool_parser)
+        tool = resolve_tool_choice(req.tools, req.tool_choice, req.parallel_tool_calls, self.tool_parser,
+                                   auto_served=self.harmony is not None)
+        if self.harmony is not None:
+            tool = self.harmony.tool_choice(tool)
         structured, structured_param = structured_outputs_from_request(req)
         if tool.structured_outputs is not None:
             if structured is not None:
@@ -113,6 +121,9 @@ class OpenAIServingChat(OpenAIServing):
     async def _create(self, req: ChatCompletionRequest, model: str, tool: ToolChoice,
                       structured: StructuredOutputsParams | None, structured_param: str | None, arrival: float,
                       ticket: AdmissionTicket, raw_request: Request, http: bool) -> Any:
+        if self.harmony is not None:
+            return await self._create_harmony(req, model, tool, structured, structured_param, arrival, ticket,
+                                              raw_request, http)
         media: dict[str, list] | None = {} if self.engine.is_multimodal else None
         text = await self.render_chat(req.messages, request_template=req.chat_template,
                                       add_generation_prompt=req.add_generation_prompt,
@@ -150,6 +161,33 @@ class OpenAIServingChat(OpenAIServing):
                                         structured_outputs=structured, prompt_logprobs=req.prompt_logprobs)
         if tool.mode == "auto":
             self.tool_parser(self.tokenizer).adjust_request(sp)
+        return await self._start(req, model, tool, sp, prompt_ids, text, mm_items, arrival, ticket, raw_request,
+                                 http)
+
+    async def _create_harmony(self, req: ChatCompletionRequest, model: str, tool: ToolChoice,
+                              structured: StructuredOutputsParams | None, structured_param: str | None,
+                              arrival: float, ticket: AdmissionTicket, raw_request: Request, http: bool) -> Any:
+        prompt_ids, prefill = await self.run_blocking(self.harmony.render, req, tool)
+        requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        max_tokens = self.resolve_max_tokens(len(prompt_ids), requested, "max_completion_tokens"
+                                             if req.max_completion_tokens is not None else "max_tokens")
+        if structured is not None:
+            await self.check_structured_outputs(structured, structured_param, max_tokens)
+            if tool.mode != "named":  # a named call's arguments start right after the prefill
+                structured = dataclasses.replace(structured, _reasoning_end=self.harmony.reasoning_end)
+        sp = self.build_sampling_params(req, max_tokens=max_tokens,
+                                        logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+                                        structured_outputs=structured, prompt_logprobs=req.prompt_logprobs)
+        sp.stop_token_ids = sorted(set(sp.stop_token_ids or []) | set(self.harmony.stop_token_ids))
+        sp.skip_special_tokens = False  # the answer's text is parsed from its tokens; keep it whole
+        text = self.harmony.encoding.decode(prompt_ids)
+        return await self._start(req, model, tool, sp, prompt_ids, text, None, arrival, ticket, raw_request, http,
+                                 prefill)
+
+    async def _start(self, req: ChatCompletionRequest, model: str, tool: ToolChoice, sp: SamplingParams,
+                     prompt_ids: list[int], text: str, mm_items: list | None, arrival: float,
+                     ticket: AdmissionTicket, raw_request: Request, http: bool,
+                     prefill: list[int] | None = None) -> Any:
         echo_text = None
         if req.echo:
             last = req.messages[-1] if req.messages else {}
@@ -157,7 +195,7 @@ class OpenAIServingChat(OpenAIServing):
                 echo_text = last["content"]
         request_id = f"chatcmpl-{self.base_request_id(raw_request, req.request_id)}"
         ctx = _Ctx(req, model, request_id, prompt_ids, text, echo_text, int(time.time()), arrival, tool, mm_items,
-                   ticket)
+                   ticket, prefill)
         if req.stream:
             if not http:
                 return self._stream(ctx, sp)
@@ -179,9 +217,11 @@ class OpenAIServingChat(OpenAIServing):
         end_id = parser.reasoning_end_token_id()
         if end_id is None or parser.reasoning_done:
             return structured
-        return dataclasses.replace(structured, _reasoning_end_token_id=end_id)
+        return dataclasses.replace(structured, _reasoning_end=(end_id,))
 
     def choice_parser(self, ctx: _Ctx) -> ChoiceParser:
+        if self.harmony is not None:
+            return self.harmony.choice_parser(ctx.req, ctx.tool, ctx.prefill or [])
         reasoning = self.reasoning_parser(self.tokenizer) if self.reasoning_parser is not None else None
         return TextChoiceParser(ctx.prompt_text, reasoning, ctx.tool, self._parser(ctx))
 
