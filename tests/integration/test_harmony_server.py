@@ -86,3 +86,10 @@ def test_responses_api_on_harmony(client):
     assert [i.type for i in res.output] == ["reasoning", "message"]
     assert res.output[0].content[0].text == "Thinking about it." and res.output_text == "Hello from gpt-oss!"
     assert SCRIPTS["h_final"].endswith(res.output_text + "<|return|>")
+
+
+def test_what_harmony_cannot_honour_is_a_400(client):
+    with pytest.raises(openai.BadRequestError, match="reasoning_effort"):
+        chat(client, "h_final", reasoning_effort="extreme")
+    with pytest.raises(openai.BadRequestError, match="chat_template"):
+        chat(client, "h_final", extra_body={"chat_template": "{{ messages }}"})

@@ -74,3 +74,10 @@ def test_store_is_bounded_and_off_at_zero():
     off = ResponseStore(0)
     off.put("r", StoredResponse({}, []))
     assert not off.enabled and off.get("r") is None
+
+
+def test_include_values_that_change_the_output_are_refused():
+    check_unsupported({"include": ["reasoning.encrypted_content"]})
+    with pytest.raises(BadRequestError) as e:
+        check_unsupported({"include": ["message.output_text.logprobs"]})
+    assert e.value.param == "include"

@@ -34,6 +34,18 @@ class HarmonyChat:
         # "required" is the prefilled call's, not the JSON-array grammar of the text models.
         return dataclasses.replace(tool, structured_outputs=None) if tool.mode == "required" else tool
 
+    @staticmethod
+    def check_request(req: Any) -> None:
+        """The chat-template fields harmony has no use for are refused, not ignored."""
+        for name in ("chat_template", "documents", "echo", "continue_final_message"):
+            if getattr(req, name):
+                raise BadRequestError(f"`{name}` is not supported with harmony (gpt-oss, --reasoning-parser "
+                                      "openai_gptoss): the prompt is rendered by openai-harmony, not a chat template.",
+                                      param=name)
+        if not req.add_generation_prompt:
+            raise BadRequestError("add_generation_prompt=false is not supported with harmony (gpt-oss): the prompt "
+                                  "always ends where the assistant's answer starts.", param="add_generation_prompt")
+
     def render(self, req: Any, tool: ToolChoice) -> tuple[list[int], list[int]]:
         """(prompt token ids ending with the prefill, the prefill's ids) of a chat request."""
         from openai_harmony import Role

@@ -57,6 +57,11 @@ def check_unsupported(data: dict[str, Any]) -> None:
                                   "templates): send the input itself, or previous_response_id.", param=key)
     if data.get("background"):
         raise BadRequestError("background mode is not supported by this server.", param="background")
+    unsupported = [v for v in data.get("include") or [] if v != "reasoning.encrypted_content"]
+    if unsupported:
+        # reasoning.encrypted_content is harmless: reasoning items carry their text in `content` instead.
+        raise BadRequestError(f"include {unsupported} is not supported by this server; reasoning items carry their "
+                              "text in `content`.", param="include")
     if data.get("top_logprobs"):
         raise BadRequestError("`top_logprobs` is not supported on /v1/responses by this server yet.",
                               param="top_logprobs")

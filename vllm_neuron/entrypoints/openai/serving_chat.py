@@ -107,6 +107,7 @@ class OpenAIServingChat(OpenAIServing):
         tool = resolve_tool_choice(req.tools, req.tool_choice, req.parallel_tool_calls, self.tool_parser,
                                    auto_served=self.harmony is not None)
         if self.harmony is not None:
+            self.harmony.check_request(req)
             tool = self.harmony.tool_choice(tool)
         structured, structured_param = structured_outputs_from_request(req)
         if tool.structured_outputs is not None:
