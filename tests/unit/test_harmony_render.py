@@ -109,9 +109,8 @@ def test_malformed_harmony_is_content(enc):
     assert out == ("", '{"q": 1}', [])
     # Cut short inside a header: the header's text is the content.
     assert parse(enc, "<|channel|>analysis") == ("", "<|channel|>analysis", [])
-    # Tokens the parser refuses: the rest is content.
-    _, content, _ = parse(enc, "<|channel|>final<|message|>ok<|end|><|message|>stray")
-    assert content.startswith("ok") and "stray" in content
+    # Tokens the parser refuses: the rest is content, characters split over tokens whole.
+    assert parse(enc, "<|channel|>final<|message|>ok<|end|><|message|>🦜 stray") == ("", "ok<|message|>🦜 stray", [])
 
 
 def test_vocabulary_from_a_gpt_oss_tokenizer():

@@ -34,6 +34,7 @@ class HarmonyStream:
         self._call_message: int | None = None  # index of the message the open call is written in
         self._quiet: list[int] = []  # tokens of the current message that gave no text yet (its header)
         self._broken = False
+        self._tail: list[int] = []  # after a parse error: tokens whose text is not whole UTF-8 yet
         self._warned: set[str] = set()
 
     def _warn(self, what: str) -> None:
@@ -50,7 +51,7 @@ class HarmonyStream:
         out = HarmonyDelta()
         for t in token_ids:
             if self._broken:
-                out.content += self._raw([t])
+                out.content += self._text_after_break([t])
                 continue
             done = len(self.parser.messages)
             try:
@@ -58,7 +59,7 @@ class HarmonyStream:
             except HarmonyError as e:
                 self._warn(str(e))
                 self._broken = True
-                out.content += self._raw(self._quiet + [t])
+                out.content += self._text_after_break(self._quiet + [t])
                 self._quiet = []
                 continue
             if len(self.parser.messages) > done:
@@ -71,6 +72,16 @@ class HarmonyStream:
             self._quiet = []
             self._route(delta, out)
         return out
+
+    def _text_after_break(self, tokens: list[int]) -> str:
+        """The text of the tokens so far, once it is whole UTF-8 (a character may span tokens)."""
+        self._tail += tokens
+        try:
+            text = self.encoding.decode_utf8(self._tail)
+        except Exception:  # noqa: BLE001 - a character cut between tokens: wait for the rest
+            return ""
+        self._tail = []
+        return text
 
     def _route(self, delta: str, out: HarmonyDelta) -> None:
         recipient, channel = self.parser.current_recipient, self.parser.current_channel
@@ -96,9 +107,10 @@ class HarmonyStream:
         """A message the model left in its header (cut short, or never a message) comes back as text."""
         from openai_harmony import StreamState
 
-        out = HarmonyDelta()
+        out = HarmonyDelta(content=self._raw(self._tail))
+        self._tail = []
         if self._quiet and self.parser.state == StreamState.HEADER:
             self._warn("a message header that never completed")
-            out.content = self._raw(self._quiet)
+            out.content += self._raw(self._quiet)
         self._quiet = []
         return out

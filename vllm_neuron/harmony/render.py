@@ -37,6 +37,19 @@ def _text(content: Any, where: str) -> str:
     raise BadRequestError(f"{where}.content must be a string or a list of text parts.", param=f"{where}.content")
 
 
+def _calls(calls: Any, where: str) -> list[dict[str, Any]]:
+    """An assistant message's tool_calls, each {"function": {"name": str, "arguments": ...}} (400 otherwise)."""
+    if calls is None:
+        return []
+    ok = isinstance(calls, list) and all(
+        isinstance(c, dict) and isinstance(c.get("function"), dict) and isinstance(c["function"].get("name"), str)
+        for c in calls)
+    if not ok:
+        raise BadRequestError(f"{where}.tool_calls must be a list of {{\"id\": ..., \"function\": {{\"name\": ..., "
+                              "\"arguments\": ...}}}} objects.", param=f"{where}.tool_calls")
+    return calls
+
+
 def tool_descriptions(tools: list[dict[str, Any]] | None) -> list[Any]:
     from openai_harmony import ToolDescription
 
@@ -80,20 +93,25 @@ def conversation(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | N
         elif role == "assistant":
             reasoning = msg.get("reasoning_content") or msg.get("reasoning")
             if reasoning:
+                if not isinstance(reasoning, str):
+                    raise BadRequestError(f"{where}.reasoning_content must be a string.",
+                                          param=f"{where}.reasoning_content")
                 out.append(Message.from_role_and_content(Role.ASSISTANT, reasoning).with_channel("analysis"))
-            for call in msg.get("tool_calls") or []:
-                fn = call.get("function") or {}
+            for j, call in enumerate(_calls(msg.get("tool_calls"), where)):
+                fn = call["function"]
                 args = fn.get("arguments")
                 args = args if isinstance(args, str) else json.dumps(args)
-                call_names[call.get("id")] = fn.get("name")
+                if isinstance(call.get("id"), str):
+                    call_names[call["id"]] = fn["name"]
                 out.append(Message.from_role_and_content(Role.ASSISTANT, args).with_channel("commentary")
                            .with_recipient(f"functions.{fn.get('name')}").with_content_type("<|constrain|>json"))
             content = _text(msg.get("content"), where)
             if content:
                 out.append(Message.from_role_and_content(Role.ASSISTANT, content).with_channel("final"))
         elif role == "tool":
-            name = msg.get("name") or call_names.get(msg.get("tool_call_id"))
-            if not name:
+            call_id = msg.get("tool_call_id")
+            name = msg.get("name") or (call_names.get(call_id) if isinstance(call_id, str) else None)
+            if not isinstance(name, str) or not name:
                 raise BadRequestError(f"{where}: a tool message needs the `tool_call_id` of an earlier call (or "
                                       "`name`).", param=f"{where}.tool_call_id")
             out.append(Message.from_author_and_content(Author.new(Role.TOOL, f"functions.{name}"),

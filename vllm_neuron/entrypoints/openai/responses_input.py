@@ -57,7 +57,10 @@ def check_unsupported(data: dict[str, Any]) -> None:
                                   "templates): send the input itself, or previous_response_id.", param=key)
     if data.get("background"):
         raise BadRequestError("background mode is not supported by this server.", param="background")
-    unsupported = [v for v in data.get("include") or [] if v != "reasoning.encrypted_content"]
+    include = data.get("include") or []
+    if not isinstance(include, list):
+        raise BadRequestError("include must be a list of strings.", param="include")
+    unsupported = [v for v in include if v != "reasoning.encrypted_content"]
     if unsupported:
         # reasoning.encrypted_content is harmless: reasoning items carry their text in `content` instead.
         raise BadRequestError(f"include {unsupported} is not supported by this server; reasoning items carry their "
@@ -95,6 +98,8 @@ def chat_tool_choice(choice: Any) -> Any:
 
 def response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
     fmt = (text or {}).get("format")
+    if fmt is not None and not isinstance(fmt, dict):
+        raise BadRequestError("text.format must be an object with a `type`.", param="text.format")
     if fmt is None or fmt.get("type") == "text":
         return None
     if fmt.get("type") == "json_object":
@@ -168,7 +173,11 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
                                       param=where)
             out.append({"role": "tool", "tool_call_id": item["call_id"], "content": output})
         elif kind == "reasoning":
-            texts = [c.get("text", "") for c in item.get("content") or [] if isinstance(c, dict)]
+            parts = item.get("content") or []
+            texts = [c.get("text") for c in parts if isinstance(c, dict)] if isinstance(parts, list) else [None]
+            if not all(isinstance(t, str) for t in texts):
+                raise BadRequestError(f"{where}.content must be a list of {{\"type\": \"reasoning_text\", \"text\": "
+                                      "...}} parts.", param=f"{where}.content")
             reasoning = "".join(texts)
         else:
             raise BadRequestError(f"{where}: input item type {kind!r} is not supported; supported: message, "
@@ -190,6 +199,8 @@ def chat_request(req: ResponsesRequest, data: dict[str, Any], history: list[dict
     elif req.tool_choice not in ("auto", "none"):
         raise BadRequestError("tool_choice needs `tools`.", param="tool_choice")
     effort = (req.reasoning or {}).get("effort")
+    if effort is not None and not isinstance(effort, str):
+        raise BadRequestError("reasoning.effort must be a string (low, medium or high).", param="reasoning.effort")
     if effort is not None:
         chat["reasoning_effort"] = effort
     fmt = response_format(req.text)
