@@ -107,7 +107,8 @@ class OpenAIServingResponses:
         conversation = history + messages
         if req.stream:
             stream = await self.chat.chat(chat_req, raw_request, arrival, http=False)
-            return StreamingResponse(self._events(req, head, stream, conversation), media_type="text/event-stream")
+            return StreamingResponse(self._closing(self._events(req, head, stream, conversation), stream),
+                                     media_type="text/event-stream")
         result = await run_until_disconnect(self.chat.chat(chat_req, raw_request, arrival, http=False), raw_request)
         if result is None:
             return Response(status_code=499)
@@ -161,6 +162,16 @@ class OpenAIServingResponses:
         return response
 
     # ---- streaming -------------------------------------------------------------------------------------
+
+    @staticmethod
+    async def _closing(events: AsyncIterator[str], stream: Any) -> AsyncIterator[str]:
+        """The events; the chat stream under them closed when they end early (client gone): its engine request
+        is aborted then, not when the generator is collected."""
+        try:
+            async for ev in events:
+                yield ev
+        finally:
+            await stream.aclose()
 
     async def _events(self, req: ResponsesRequest, head: dict[str, Any], stream: AsyncIterator[Any],
                       conversation: list[dict[str, Any]]) -> AsyncIterator[str]:
