@@ -93,3 +93,10 @@ def test_what_harmony_cannot_honour_is_a_400(client):
         chat(client, "h_final", reasoning_effort="extreme")
     with pytest.raises(openai.BadRequestError, match="chat_template"):
         chat(client, "h_final", extra_body={"chat_template": "{{ messages }}"})
+    with pytest.raises(openai.BadRequestError, match="enable_thinking"):
+        chat(client, "h_final", extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    # reasoning_effort reaches the system message, from either field.
+    def prompt(**kw):
+        return chat(client, "h_final", max_tokens=1, extra_body={"return_token_ids": True, **kw}).prompt_token_ids
+    low = prompt(reasoning_effort="low")
+    assert low == prompt(chat_template_kwargs={"reasoning_effort": "low"}) != prompt(reasoning_effort="high")

@@ -37,11 +37,18 @@ class HarmonyChat:
     @staticmethod
     def check_request(req: Any) -> None:
         """The chat-template fields harmony has no use for are refused, not ignored."""
-        for name in ("chat_template", "documents", "echo", "continue_final_message"):
+        for name in ("chat_template", "documents", "echo", "continue_final_message", "truncate_prompt_tokens"):
             if getattr(req, name):
                 raise BadRequestError(f"`{name}` is not supported with harmony (gpt-oss, --reasoning-parser "
                                       "openai_gptoss): the prompt is rendered by openai-harmony, not a chat template.",
                                       param=name)
+        kwargs = dict(req.chat_template_kwargs or {})
+        effort = kwargs.pop("reasoning_effort", None)  # gpt-oss's own template takes it there too
+        if kwargs:
+            raise BadRequestError(f"chat_template_kwargs {sorted(kwargs)} have no meaning with harmony (gpt-oss); "
+                                  "only reasoning_effort does.", param="chat_template_kwargs")
+        if effort is not None and req.reasoning_effort is None:
+            req.reasoning_effort = effort
         if not req.add_generation_prompt:
             raise BadRequestError("add_generation_prompt=false is not supported with harmony (gpt-oss): the prompt "
                                   "always ends where the assistant's answer starts.", param="add_generation_prompt")
