@@ -80,11 +80,9 @@ def test_structured_output_starts_after_the_reasoning(client):
     schema = {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}}, "required": ["city"],
               "additionalProperties": False}
     fmt = {"type": "json_schema", "json_schema": {"name": "c", "schema": schema}}
-    for seed in (1, 2):
-        msg = chat(client, "think_free", response_format=fmt, temperature=1.0, seed=seed,
-                   max_tokens=40).choices[0].message
-        assert msg.reasoning_content == "\nJSON with a city.\n"
-        assert json.loads(msg.content)["city"] in ("Paris", "Oslo")
+    msg = chat(client, "think_free", response_format=fmt, temperature=1.0, seed=1, max_tokens=40).choices[0].message
+    assert msg.reasoning_content == "\nJSON with a city.\n"
+    assert json.loads(msg.content)["city"] in ("Paris", "Oslo")
     # Unconstrained, the random model writes no such object after the forced reasoning.
     free = chat(client, "think_free", temperature=1.0, seed=1, max_tokens=20).choices[0].message.content
     with pytest.raises(ValueError):
