@@ -177,3 +177,5 @@ def test_unknown_ids_bad_tools_and_the_bounded_store(client, server):
     ids = [client.responses.create(model="m", input="force:nothink").id for _ in range(4)]
     codes = [httpx.get(f"{server.url}/v1/responses/{i}").status_code for i in ids]
     assert codes == [404, 200, 200, 200]  # --responses-store-size 3: the oldest went first
+    unstored = client.responses.create(model="m", input="force:nothink", store=False)
+    assert unstored.store is False and httpx.get(f"{server.url}/v1/responses/{unstored.id}").status_code == 404
