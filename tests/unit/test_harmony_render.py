@@ -118,3 +118,13 @@ def test_vocabulary_from_a_gpt_oss_tokenizer():
     from transformers import AutoTokenizer
 
     assert _valid(from_tokenizer(AutoTokenizer.from_pretrained(harmony_tokenizer_dir())))
+
+
+def test_harmony_refuses_a_tokenizer_of_another_family():
+    from transformers import AutoTokenizer
+
+    from tests.model_factory import smollm2_tokenizer_dir
+    from vllm_neuron.entrypoints.openai.chat_harmony import HarmonyChat
+
+    with pytest.raises(ValueError, match="gpt-oss models only"):
+        HarmonyChat(AutoTokenizer.from_pretrained(smollm2_tokenizer_dir()))

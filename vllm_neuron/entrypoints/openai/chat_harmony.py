@@ -23,6 +23,11 @@ FINAL_CHANNEL = "<|channel|>final<|message|>"
 class HarmonyChat:
     def __init__(self, tokenizer: Any) -> None:
         self.encoding = load_encoding(tokenizer)  # a ValueError at start-up when no vocabulary is found
+        # Harmony's token ids must be the model's: a tokenizer of another family would read garbage.
+        probe = "<|start|>assistant<|channel|>final<|message|>"
+        if list(tokenizer.encode(probe, add_special_tokens=False)) != self.encode(probe):
+            raise ValueError("--reasoning-parser openai_gptoss renders harmony, whose tokens are gpt-oss's "
+                             "(o200k_harmony): this model's tokenizer is not; use it with gpt-oss models only")
         self.stop_token_ids = list(self.encoding.stop_tokens_for_assistant_actions())
         self.reasoning_end = tuple(self.encode(FINAL_CHANNEL))
 
