@@ -370,6 +370,12 @@ _VARS: dict[str, EnvVar] = {
             "Seconds between the server's engine stats lines (vLLM's variable). Default 10; "
             "--disable-log-stats turns them off.",
         ),
+        EnvVar(
+            "VLLM_ENABLE_RESPONSES_API_STORE",
+            lambda: _bool("VLLM_ENABLE_RESPONSES_API_STORE"),
+            "1: /v1/responses stores its responses in memory (previous_response_id, GET /v1/responses/{id}), "
+            "as --enable-store does (vLLM's variable). Default off.",
+        ),
         # -- models by Hugging Face id (huggingface_hub's own variables; HF_TOKEN is read by huggingface_hub and
         # never logged) --
         EnvVar(

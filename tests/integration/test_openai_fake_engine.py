@@ -462,3 +462,13 @@ def test_pooling_routes_refuse_a_generative_model(base_url, path, body):
     r = httpx.post(base_url + path, json={"model": MODEL, **body}, timeout=10)
     assert r.status_code == 400, r.text
     assert "generative model" in r.json()["error"]["message"]
+
+
+def test_responses_without_a_store(client, engine, base_url):
+    """/v1/responses on any chat model; without --enable-store nothing is kept, and saying so."""
+    res = client.responses.create(model=MODEL, input="Hello", max_output_tokens=4)
+    assert res.store is False and [i.type for i in res.output] == ["message"] and res.output_text
+    assert res.usage.output_tokens == 4 and last_call(engine).params.max_tokens == 4
+    assert httpx.get(f"{base_url}/v1/responses/{res.id}").status_code == 404
+    with pytest.raises(openai.NotFoundError, match="--enable-store"):
+        client.responses.create(model=MODEL, input="Hi", previous_response_id=res.id)

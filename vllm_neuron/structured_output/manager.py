@@ -69,6 +69,9 @@ class StructuredOutputManager:
         self._matchers: dict[str, xgr.GrammarMatcher] = {}
         self._buffers: dict[str, np.ndarray] = {}
         self._plans: dict[str, ClosingPlan] = {}
+        # request id -> (the tokens that end its reasoning, the last tokens seen): until they are sampled, every
+        # token is allowed
+        self._gates: dict[str, tuple[tuple[int, ...], list[int]]] = {}
         self._writer: TokenWriter | None = None
         self.compile_timeouts = 0
         # After the grammar has accepted its stop token only a stop token may follow (ignore_eos).
@@ -94,6 +97,8 @@ class StructuredOutputManager:
             failed.set_exception(e)
             self._pending[req_id] = _Compilation(failed)
             return
+        if params._reasoning_end:
+            self._gates[req_id] = (tuple(params._reasoning_end), [])
         with self._lock:
             comp = self._compiling.get(key)
             if comp is None:
@@ -164,6 +169,8 @@ class StructuredOutputManager:
         `tokens_left` (this one included, before max_tokens or max_model_len): near the end only the
         grammar's shortest completion is allowed, so that the output closes (structured_output/closing.py)."""
         matcher = self._matchers[req_id]
+        if req_id in self._gates:
+            return np.full(self.num_words, -1, np.int32)  # still reasoning: not constrained yet
         if matcher.is_terminated():
             return self._stop_only.copy()
         buf = self._buffers[req_id]
@@ -185,6 +192,8 @@ class StructuredOutputManager:
         the first position."""
         matcher = self._matchers[req_id]
         out = np.full((1 + len(drafts), self.num_words), -1, np.int32)
+        if req_id in self._gates:
+            return out  # still reasoning (a draft that ends it is checked from the next step on)
         walked = 0
         for i in range(len(drafts) + 1):
             out[i] = self.bitmask(req_id, None if tokens_left is None else tokens_left - i)
@@ -203,6 +212,16 @@ class StructuredOutputManager:
         matcher = self._matchers.get(req_id)
         if matcher is None:
             return
+        gate = self._gates.get(req_id)
+        if gate is not None:
+            end, seen = gate
+            seen = seen + list(token_ids)
+            at = next((i for i in range(len(seen) - len(end) + 1) if tuple(seen[i:i + len(end)]) == end), None)
+            if at is None:
+                self._gates[req_id] = (end, seen[-(len(end) - 1):] if len(end) > 1 else [])
+                return
+            del self._gates[req_id]
+            token_ids = seen[at + len(end):]
         for t in token_ids:
             if matcher.is_terminated():
                 return  # tokens after the grammar's end (ignore_eos) change nothing
@@ -216,6 +235,7 @@ class StructuredOutputManager:
         self._matchers.pop(req_id, None)
         self._buffers.pop(req_id, None)
         self._plans.pop(req_id, None)
+        self._gates.pop(req_id, None)
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -47,6 +47,10 @@ class StructuredOutputsParams:
     disable_additional_properties: bool = False
     disable_fallback: bool = False  # there is one backend: nothing to fall back to
     whitespace_pattern: str | None = None
+    # Set by the server, never by a request (from_value drops "_" keys): with a reasoning parser the
+    # constraint starts after the tokens that end the reasoning (vLLM's rule: `</think>`, or harmony's
+    # `<|channel|>final<|message|>`); not part of the grammar's key.
+    _reasoning_end: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         given = [f for f in CONSTRAINT_FIELDS if getattr(self, f) not in (None, False)]
@@ -90,7 +94,7 @@ class StructuredOutputsParams:
         unknown = sorted(k for k in value if k not in known and not k.startswith("_"))
         if unknown:
             raise ValueError(f"structured_outputs: unknown field(s) {unknown}; valid fields: {sorted(known)}")
-        return cls(**{k: v for k, v in value.items() if k in known})
+        return cls(**{k: v for k, v in value.items() if k in known and not k.startswith("_")})
 
     @property
     def kind(self) -> str:

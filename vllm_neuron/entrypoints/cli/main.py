@@ -13,6 +13,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     """`serve`'s own flags (HTTP listener, served names, logging)."""
     from vllm_neuron.entrypoints.openai.request_policy import (DEFAULT_BODY_READ_TIMEOUT_S, DEFAULT_MAX_N,
                                                                DEFAULT_MAX_REQUEST_BODY_BYTES)
+    from vllm_neuron.reasoning import ReasoningParserManager
     from vllm_neuron.tool_parsers import ToolParserManager
 
     g = arg_group(parser, "server")
@@ -76,6 +77,15 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    help='serve tool_choice="auto" (needs --tool-call-parser)')
     g.add_argument("--tool-call-parser", default=None, choices=ToolParserManager.names(),
                    help="how tool calls are read from the model's answer when tool_choice is auto (default: none)")
+    g.add_argument("--reasoning-parser", default=None, choices=ReasoningParserManager.names(),
+                   help="split the model's reasoning from its answer: `reasoning_content` / `reasoning` in chat "
+                   "answers, structured outputs after the reasoning; openai_gptoss: harmony for gpt-oss (default: "
+                   "none, the answer as the model wrote it)")
+    g.add_argument("--enable-store", action="store_true",
+                   help="/v1/responses keeps its answers in memory for previous_response_id and GET "
+                   "/v1/responses/{id} (or VLLM_ENABLE_RESPONSES_API_STORE=1); off: nothing is kept")
+    g.add_argument("--responses-store-size", type=int, default=1000,
+                   help="with --enable-store, the most responses kept (the oldest go first)")
     g = arg_group(parser, "parallel")
     g.add_argument("--headless", action="store_true",
                    help="no API server: run this node's data parallel replicas (--data-parallel-size-local of them, "

@@ -41,10 +41,24 @@ def check_port_free(host: str, port: int) -> None:
                 raise ValueError(f"cannot listen on {host}:{port} ({e.strerror}): pass another --host or --port") from None
 
 
+def responses_store_size(args: argparse.Namespace) -> int:
+    """How many /v1/responses answers the server keeps: none unless --enable-store or
+    VLLM_ENABLE_RESPONSES_API_STORE=1 (vLLM's opt-in), then --responses-store-size."""
+    from vllm_neuron import envs
+
+    if not (getattr(args, "enable_store", False) or envs.VLLM_ENABLE_RESPONSES_API_STORE):
+        return 0
+    size = getattr(args, "responses_store_size", 1000)
+    if size < 1:
+        raise ValueError(f"--responses-store-size must be >= 1, got {size}")
+    return size
+
+
 def run_serve(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     if not getattr(args, "headless", False):  # a headless node serves no HTTP
         check_port_free(args.host, args.port)
+    responses_store_size(args)  # a bad size fails before the model loads
     if getattr(args, "enable_auto_tool_choice", False) and not getattr(args, "tool_call_parser", None):
         raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
     limits = RequestLimits(args.max_n, args.max_request_body_bytes, args.trust_request_chat_template,
@@ -90,6 +104,8 @@ async def _serve(engine_args, args: argparse.Namespace, api_key: str | None, lim
                         max_logprobs=config.max_logprobs,
                         enable_auto_tool_choice=getattr(args, "enable_auto_tool_choice", False),
                         tool_call_parser=getattr(args, "tool_call_parser", None),
+                        reasoning_parser=getattr(args, "reasoning_parser", None),
+                        responses_store_size=responses_store_size(args),
                         limits=limits, api_key_all_routes=args.api_key_all_routes, **http.app_kwargs())
         await engine.start()
 

@@ -43,6 +43,8 @@ from vllm_neuron.entrypoints.openai.protocol import (
 from vllm_neuron.entrypoints.openai.request_policy import RequestLimits
 from vllm_neuron.entrypoints.openai.serving_chat import OpenAIServingChat
 from vllm_neuron.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from vllm_neuron.entrypoints.openai.responses_input import ResponsesRequest
+from vllm_neuron.entrypoints.openai.responses_store import ResponseStore
 from vllm_neuron.entrypoints.openai.serving_models import OpenAIServingModels
 from vllm_neuron.entrypoints.openai.protocol_pooling import (ClassificationRequest, ClassificationResponse,
                                                              EmbeddingRequest, EmbeddingResponse, PoolingRequest,
@@ -50,6 +52,7 @@ from vllm_neuron.entrypoints.openai.protocol_pooling import (ClassificationReque
                                                              ScoreRequest, ScoreResponse)
 from vllm_neuron.entrypoints.openai.serving_pooling import OpenAIServingPooling
 from vllm_neuron.entrypoints.openai.serving_score import OpenAIServingScore
+from vllm_neuron.entrypoints.openai.serving_responses import OpenAIServingResponses
 from vllm_neuron.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from vllm_neuron.logger import init_logger
 from vllm_neuron.version import __version__
@@ -61,6 +64,7 @@ def build_app(engine: EngineClient, *, served_model_names: list[str], api_key: s
               chat_template: str | None = None, max_logprobs: int = 20, return_tokens_as_token_ids: bool = False,
               record_request_metrics: bool = True, allowed_origins: list[str] | None = None,
               enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
+              reasoning_parser: str | None = None, responses_store_size: int = 0,
               limits: RequestLimits | None = None, api_key_all_routes: bool = False,
               allowed_methods: list[str] | None = None, allowed_headers: list[str] | None = None,
               allow_credentials: bool = False, root_path: str = "",
@@ -72,6 +76,8 @@ def build_app(engine: EngineClient, *, served_model_names: list[str], api_key: s
     max_logprobs: cap on logprobs/top_logprobs/prompt_logprobs (-1: the whole vocabulary).
     record_request_metrics: the HTTP layer records the per-request series (see vllm_neuron.metrics).
     enable_auto_tool_choice, tool_call_parser: tool_choice="auto" with that parser (vllm_neuron.tool_parsers).
+    reasoning_parser: --reasoning-parser (vllm_neuron.reasoning; openai_gptoss: harmony).
+    responses_store_size: responses /v1/responses keeps for previous_response_id and GET (0: none, --enable-store).
     limits: --max-n, --max-request-body-bytes, --trust-request-chat-template, --body-read-timeout.
     api_key_all_routes: the key guards every route but the liveness probes' (/metrics, /tokenize, the docs...).
     allowed_origins / allowed_methods / allowed_headers / allow_credentials: CORS, vLLM's defaults (any, any, any,
@@ -92,10 +98,11 @@ def build_app(engine: EngineClient, *, served_model_names: list[str], api_key: s
                                   request_logger=request_logger)
     completion = OpenAIServingCompletion(engine, models, **kwargs)
     chat = OpenAIServingChat(engine, models, enable_auto_tool_choice=enable_auto_tool_choice,
-                             tool_call_parser=tool_call_parser, **kwargs)
+                             tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser, **kwargs)
     tokenization = OpenAIServingTokenization(engine, models, **kwargs)
     pooling = OpenAIServingPooling(engine, models, **kwargs)
     scoring = OpenAIServingScore(engine, models, **kwargs)
+    responses = OpenAIServingResponses(chat, ResponseStore(responses_store_size))
     version = __version__
 
     app = FastAPI(title="vllm-neuron OpenAI-compatible server", version=version)
@@ -172,6 +179,15 @@ def build_app(engine: EngineClient, *, served_model_names: list[str], api_key: s
     for path, request_model, response_model, handler in pooling_routes:
         app.add_api_route(path, pooling_route(handler), methods=["POST"], openapi_extra=spec.request_body(request_model),
                           responses=spec.route_responses(response_model, auth=bool(api_key)))
+
+    @app.post("/v1/responses", openapi_extra=spec.request_body(ResponsesRequest),
+              responses=spec.route_responses(None, stream=True, auth=bool(api_key)))
+    async def create_response(raw_request: Request) -> Response:
+        return await responses.create_response(await body(raw_request), raw_request)
+
+    @app.get("/v1/responses/{response_id}", responses=spec.route_responses(None, auth=bool(api_key)))
+    async def retrieve_response(response_id: str) -> JSONResponse:
+        return JSONResponse(responses.retrieve(response_id))
 
     @app.post("/tokenize", openapi_extra=spec.request_body(TokenizeCompletionRequest, TokenizeChatRequest),
               responses=spec.route_responses(TokenizeResponse, auth=bool(api_key) and api_key_all_routes))

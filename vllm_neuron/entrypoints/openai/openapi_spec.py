@@ -60,8 +60,14 @@ def request_body(*models: type[BaseModel]) -> dict[str, Any]:
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
 
 
-def route_responses(model: type[BaseModel], *, stream: bool = False, auth: bool = False) -> dict[int | str, Any]:
-    ok: dict[str, Any] = {"description": "Successful response", "model": model}
+def route_responses(model: type[BaseModel] | None, *, stream: bool = False,
+                    auth: bool = False) -> dict[int | str, Any]:
+    """model None: a JSON object the spec does not detail (the Responses API's)."""
+    ok: dict[str, Any] = {"description": "Successful response"}
+    if model is not None:
+        ok["model"] = model
+    else:
+        ok["content"] = {"application/json": {"schema": {"type": "object"}}}
     if stream:
         ok["description"] += " (server-sent events when `stream` is true)"
         # Each event's data is one chunk object as JSON, an error object, or [DONE].

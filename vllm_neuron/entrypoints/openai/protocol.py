@@ -291,6 +291,7 @@ class DeltaToolCall(OpenAIBaseModel):
 class ChatMessage(OpenAIBaseModel):
     role: str
     content: str | None = None
+    reasoning_content: str | None = None  # vLLM's name; `reasoning` is its newer one (both are sent)
     reasoning: str | None = None
     tool_calls: list[ToolCall] = Field(default_factory=list)
 
@@ -334,6 +335,8 @@ class ChatCompletionResponse(OpenAIBaseModel):
 class DeltaMessage(OpenAIBaseModel):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
     tool_calls: list[DeltaToolCall] = Field(default_factory=list)
 
 

@@ -1,6 +1,7 @@
 """/v1/chat/completions: chat template -> token ids -> engine, streamed or not, in vLLM's shape."""
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -10,6 +11,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from vllm_neuron.engine.protocol import AdmissionTicket, TokensPrompt
+from vllm_neuron.entrypoints.openai.chat_harmony import HarmonyChat
+from vllm_neuron.entrypoints.openai.chat_output import ChoiceDelta, ChoiceParser, TextChoiceParser, reasoning_fields
 from vllm_neuron.entrypoints.openai.errors import BadRequestError, from_exception
 from vllm_neuron.entrypoints.openai.protocol import (
     ChatCompletionLogProb,
@@ -23,6 +26,7 @@ from vllm_neuron.entrypoints.openai.protocol import (
     ChatMessage,
     DeltaMessage,
     DeltaToolCall,
+    ErrorResponse,
     FunctionCall,
     ToolCall,
     UsageInfo,
@@ -31,11 +35,13 @@ from vllm_neuron.entrypoints.openai.request_policy import check_unsupported_fiel
 from vllm_neuron.entrypoints.openai.serving_engine import ChoiceAccumulator, OpenAIServing, RequestTracker
 from vllm_neuron.entrypoints.openai.streaming import SSE_DONE, run_until_disconnect, sse
 from vllm_neuron.entrypoints.openai.structured import structured_outputs_from_request
-from vllm_neuron.entrypoints.openai.tool_calls import ToolCallStream, ToolChoice, extract_final, resolve_tool_choice
+from vllm_neuron.entrypoints.openai.tool_calls import ToolChoice, resolve_tool_choice
 from vllm_neuron.outputs import Logprob
+from vllm_neuron.reasoning import ReasoningParser, ReasoningParserManager
+from vllm_neuron.reasoning.base import HARMONY_PARSER
 from vllm_neuron.sampling_params import SamplingParams
 from vllm_neuron.structured_output.params import StructuredOutputsParams
-from vllm_neuron.tool_parsers import StreamDelta, ToolParser, ToolParserManager
+from vllm_neuron.tool_parsers import ToolParser, ToolParserManager
 
 _ROLE = "assistant"
 
@@ -53,6 +59,7 @@ class _Ctx:
     tool: ToolChoice
     mm_items: list | None = None  # processed media (EngineClient.process_multimodal)
     ticket: AdmissionTicket | None = None  # released when the request ends (RequestTracker.close)
+    prefill: list[int] | None = None  # harmony: the answer's start the prompt ends with (a tool call's header)
 
 
 def check_generation_prompt_flags(data: dict[str, Any]) -> None:
@@ -63,8 +70,12 @@ def check_generation_prompt_flags(data: dict[str, Any]) -> None:
 
 class OpenAIServingChat(OpenAIServing):
     def __init__(self, *args: Any, enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
-                 **kwargs: Any) -> None:
+                 reasoning_parser: str | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        # openai_gptoss: harmony renders and parses (chat_harmony.py); the others split text.
+        self.harmony = HarmonyChat(self.tokenizer) if reasoning_parser == HARMONY_PARSER else None
+        self.reasoning_parser: type[ReasoningParser] | None = \
+            ReasoningParserManager.get(reasoning_parser) if reasoning_parser and self.harmony is None else None
         if enable_auto_tool_choice and not tool_call_parser:
             raise ValueError("--enable-auto-tool-choice requires --tool-call-parser (one of "
                              f"{', '.join(ToolParserManager.names())})")
@@ -77,6 +88,13 @@ class OpenAIServingChat(OpenAIServing):
         check_unsupported_fields(data, set(ChatCompletionRequest.model_fields), chat=True)
         check_generation_prompt_flags(data)
         req = parse_request(ChatCompletionRequest, data)
+        return await self.chat(req, raw_request, arrival)
+
+    async def chat(self, req: ChatCompletionRequest, raw_request: Request, arrival: float,
+                   http: bool = True) -> Any:
+        """A parsed chat request served: an HTTP response, or (`http` False, for the Responses API) the
+        ChatCompletionResponse, or for a stream the async iterator of its chunk objects (an ErrorResponse
+        last when it fails)."""
         model = self.models.resolve(req.model)
         self.check_engine()
         if req.stream_options is not None and not req.stream:
@@ -86,7 +104,11 @@ class OpenAIServingChat(OpenAIServing):
         self.check_logprobs_cap(req.top_logprobs, "top_logprobs")
         self.check_logprobs_cap(req.prompt_logprobs, "prompt_logprobs")
         self.limits.check_n(req.n)
-        tool = resolve_tool_choice(req.tools, req.tool_choice, req.parallel_tool_calls, self.tool_parser)
+        tool = resolve_tool_choice(req.tools, req.tool_choice, req.parallel_tool_calls, self.tool_parser,
+                                   auto_served=self.harmony is not None)
+        if self.harmony is not None:
+            self.harmony.check_request(req)
+            tool = self.harmony.tool_choice(tool)
         structured, structured_param = structured_outputs_from_request(req)
         if tool.structured_outputs is not None:
             if structured is not None:
@@ -95,11 +117,14 @@ class OpenAIServingChat(OpenAIServing):
             structured, structured_param = tool.structured_outputs, "tools"
         # Room among the admitted requests before any work (rendering, tokenization, media, grammar).
         return await self.admitted(req.n or 1, lambda ticket: self._create(
-            req, model, tool, structured, structured_param, arrival, ticket, raw_request))
+            req, model, tool, structured, structured_param, arrival, ticket, raw_request, http))
 
     async def _create(self, req: ChatCompletionRequest, model: str, tool: ToolChoice,
                       structured: StructuredOutputsParams | None, structured_param: str | None, arrival: float,
-                      ticket: AdmissionTicket, raw_request: Request) -> Response:
+                      ticket: AdmissionTicket, raw_request: Request, http: bool) -> Any:
+        if self.harmony is not None:
+            return await self._create_harmony(req, model, tool, structured, structured_param, arrival, ticket,
+                                              raw_request, http)
         media: dict[str, list] | None = {} if self.engine.is_multimodal else None
         text = await self.render_chat(req.messages, request_template=req.chat_template,
                                       add_generation_prompt=req.add_generation_prompt,
@@ -131,11 +156,39 @@ class OpenAIServingChat(OpenAIServing):
         max_tokens = self.resolve_max_tokens(len(prompt_ids), requested, param)
         if structured is not None:
             await self.check_structured_outputs(structured, structured_param, max_tokens)
+            structured = self._after_reasoning(structured, text)
         sp = self.build_sampling_params(req, max_tokens=max_tokens,
                                         logprobs=(req.top_logprobs or 0) if req.logprobs else None,
                                         structured_outputs=structured, prompt_logprobs=req.prompt_logprobs)
         if tool.mode == "auto":
             self.tool_parser(self.tokenizer).adjust_request(sp)
+        return await self._start(req, model, tool, sp, prompt_ids, text, mm_items, arrival, ticket, raw_request,
+                                 http)
+
+    async def _create_harmony(self, req: ChatCompletionRequest, model: str, tool: ToolChoice,
+                              structured: StructuredOutputsParams | None, structured_param: str | None,
+                              arrival: float, ticket: AdmissionTicket, raw_request: Request, http: bool) -> Any:
+        prompt_ids, prefill = await self.run_blocking(self.harmony.render, req, tool)
+        requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        max_tokens = self.resolve_max_tokens(len(prompt_ids), requested, "max_completion_tokens"
+                                             if req.max_completion_tokens is not None else "max_tokens")
+        if structured is not None:
+            await self.check_structured_outputs(structured, structured_param, max_tokens)
+            if tool.mode != "named":  # a named call's arguments start right after the prefill
+                structured = dataclasses.replace(structured, _reasoning_end=self.harmony.reasoning_end)
+        sp = self.build_sampling_params(req, max_tokens=max_tokens,
+                                        logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+                                        structured_outputs=structured, prompt_logprobs=req.prompt_logprobs)
+        sp.stop_token_ids = sorted(set(sp.stop_token_ids or []) | set(self.harmony.stop_token_ids))
+        sp.skip_special_tokens = False  # the answer's text is parsed from its tokens; keep it whole
+        text = self.harmony.encoding.decode(prompt_ids)
+        return await self._start(req, model, tool, sp, prompt_ids, text, None, arrival, ticket, raw_request, http,
+                                 prefill)
+
+    async def _start(self, req: ChatCompletionRequest, model: str, tool: ToolChoice, sp: SamplingParams,
+                     prompt_ids: list[int], text: str, mm_items: list | None, arrival: float,
+                     ticket: AdmissionTicket, raw_request: Request, http: bool,
+                     prefill: list[int] | None = None) -> Any:
         echo_text = None
         if req.echo:
             last = req.messages[-1] if req.messages else {}
@@ -143,13 +196,35 @@ class OpenAIServingChat(OpenAIServing):
                 echo_text = last["content"]
         request_id = f"chatcmpl-{self.base_request_id(raw_request, req.request_id)}"
         ctx = _Ctx(req, model, request_id, prompt_ids, text, echo_text, int(time.time()), arrival, tool, mm_items,
-                   ticket)
+                   ticket, prefill)
         if req.stream:
-            return StreamingResponse(self._stream(ctx, sp), media_type="text/event-stream")
+            if not http:
+                return self._stream(ctx, sp)
+            return StreamingResponse(self._sse(self._stream(ctx, sp)), media_type="text/event-stream")
+        if not http:
+            return await self._full(ctx, sp)
         result = await run_until_disconnect(self._full(ctx, sp), raw_request)
         if result is None:
             return Response(status_code=499)
         return JSONResponse(content=result.model_dump())
+
+    def _after_reasoning(self, structured: StructuredOutputsParams, prompt_text: str) -> StructuredOutputsParams:
+        """With a reasoning parser the constraint starts once the reasoning ends (vLLM's rule), unless the
+        prompt closed the reasoning already (thinking off)."""
+        if self.reasoning_parser is None:
+            return structured
+        parser = self.reasoning_parser(self.tokenizer)
+        parser.start(prompt_text)
+        end_id = parser.reasoning_end_token_id()
+        if end_id is None or parser.reasoning_done:
+            return structured
+        return dataclasses.replace(structured, _reasoning_end=(end_id,))
+
+    def choice_parser(self, ctx: _Ctx) -> ChoiceParser:
+        if self.harmony is not None:
+            return self.harmony.choice_parser(ctx.req, ctx.tool, ctx.prefill or [])
+        reasoning = self.reasoning_parser(self.tokenizer) if self.reasoning_parser is not None else None
+        return TextChoiceParser(ctx.prompt_text, reasoning, ctx.tool, self._parser(ctx))
 
     @staticmethod
     def _template_kwargs(req: ChatCompletionRequest) -> dict[str, Any]:
@@ -205,21 +280,20 @@ class OpenAIServingChat(OpenAIServing):
         out, completion_tokens = [], 0
         for j, c in sorted(choices.items()):
             completion_tokens += len(c.token_ids)
-            text = "".join(c.text)
-            if ctx.echo_text:
-                text = ctx.echo_text + text
             logprobs = None
             if req.logprobs:
                 logprobs = self._logprobs(c.token_ids, c.logprobs, req.top_logprobs or 0, as_ids)
-            message, finish_reason = ChatMessage(role=_ROLE, content=text), c.finish_reason
-            if ctx.tool.mode != "none":
-                found = extract_final(ctx.tool, "".join(c.text), self._parser(ctx))
-                if found.tools_called:
-                    calls = [ToolCall(id=tc.id, function=FunctionCall(name=tc.function.name,
-                                                                      arguments=tc.function.arguments))
-                             for tc in found.tool_calls]
-                    message = ChatMessage(role=_ROLE, content=found.content, tool_calls=calls)
-                    finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
+            finish_reason = c.finish_reason
+            found = self.choice_parser(ctx).final("".join(c.text), c.token_ids)
+            reasoning = found.reasoning if req.include_reasoning else None
+            content = found.content
+            if ctx.echo_text:
+                content = ctx.echo_text + (content or "")
+            calls = [ToolCall(id=tc.id, function=FunctionCall(name=tc.function.name, arguments=tc.function.arguments))
+                     for tc in found.tool_calls]
+            if calls and finish_reason == "stop":
+                finish_reason = "tool_calls"
+            message = ChatMessage(role=_ROLE, content=content, tool_calls=calls, **reasoning_fields(reasoning))
             out.append(ChatCompletionResponseChoice(
                 index=j, message=message, logprobs=logprobs,
                 finish_reason=finish_reason, stop_reason=c.stop_reason,
@@ -236,14 +310,22 @@ class OpenAIServingChat(OpenAIServing):
         return self.tool_parser(self.tokenizer) if ctx.tool.mode == "auto" and self.tool_parser else None
 
     def _chunk(self, ctx: _Ctx, choices: list[ChatCompletionResponseStreamChoice],
-               usage: UsageInfo | None = None) -> str:
+               usage: UsageInfo | None = None) -> ChatCompletionStreamResponse:
         chunk = ChatCompletionStreamResponse(id=ctx.request_id, object="chat.completion.chunk",
                                              created=ctx.created, model=ctx.model, choices=choices)
         if usage is not None:
             chunk.usage = usage
-        return sse(chunk, exclude_unset=True)
+        return chunk
 
-    async def _stream(self, ctx: _Ctx, sp: SamplingParams) -> AsyncIterator[str]:
+    @staticmethod
+    async def _sse(stream: AsyncIterator[ChatCompletionStreamResponse | ErrorResponse]) -> AsyncIterator[str]:
+        async for item in stream:
+            # Chunks carry only the fields that were set (vLLM's shape); an error object whole.
+            yield sse(item) if isinstance(item, ErrorResponse) else sse(item, exclude_unset=True)
+        yield SSE_DONE
+
+    async def _stream(self, ctx: _Ctx, sp: SamplingParams) -> AsyncIterator[ChatCompletionStreamResponse |
+                                                                            ErrorResponse]:
         req = ctx.req
         opts = req.stream_options
         include_usage = bool(opts and opts.include_usage)
@@ -256,8 +338,7 @@ class OpenAIServingChat(OpenAIServing):
             done = sum(tokens) if j is None else tokens[j]
             return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=done, total_tokens=prompt_tokens + done)
 
-        tool_streams = [ToolCallStream(ctx.tool, self._parser(ctx)) for _ in range(sp.n)] \
-            if ctx.tool.mode != "none" else None
+        parsers = [self.choice_parser(ctx) for _ in range(sp.n)]
         tracker = RequestTracker(self, ctx.arrival, ctx.ticket)
         error: Exception | None = None
         try:
@@ -281,12 +362,11 @@ class OpenAIServingChat(OpenAIServing):
                     tokens[o.index] += len(ids)
                     logprobs = self._logprobs(ids, list(o.logprobs or []), req.top_logprobs or 0, as_ids) \
                         if req.logprobs else None
-                    delta, finish_reason = DeltaMessage(content=o.text), o.finish_reason
-                    if tool_streams is not None:
-                        delta, finish_reason = self._tool_delta(tool_streams[o.index], o.text, finish_reason)
-                        if delta is None and logprobs is None:
-                            continue  # text held back by the tool-call parser
-                        delta = delta or DeltaMessage()
+                    delta, finish_reason = self._delta(parsers[o.index], o.text, ids, o.finish_reason,
+                                                       req.include_reasoning)
+                    if delta is None and logprobs is None:
+                        continue  # text held back by a parser
+                    delta = delta or DeltaMessage()
                     choice = ChatCompletionResponseStreamChoice(
                         index=o.index, delta=delta, logprobs=logprobs,
                         finish_reason=finish_reason, stop_reason=o.stop_reason)
@@ -300,23 +380,25 @@ class OpenAIServingChat(OpenAIServing):
         finally:
             tracker.close(error)
         if error is not None:
-            yield sse(from_exception(error))
-        yield SSE_DONE
+            yield from_exception(error)
 
     @staticmethod
-    def _tool_delta(stream: ToolCallStream, text: str,
-                    finish_reason: str | None) -> tuple[DeltaMessage | None, str | None]:
-        """One choice's delta in a tool-calling stream: content and/or tool_calls deltas (None when
-        there is nothing to send yet); "tool_calls" replaces "stop" once calls were made."""
-        parts = stream.feed(text)
+    def _delta(parser: ChoiceParser, text: str, token_ids: list[int], finish_reason: str | None,
+               include_reasoning: bool) -> tuple[DeltaMessage | None, str | None]:
+        """One choice's delta: reasoning, content and/or tool_calls deltas (None when there is nothing to
+        send yet); "tool_calls" replaces "stop" once calls were made."""
+        parts: ChoiceDelta = parser.feed(text, token_ids)
         if finish_reason is not None:
-            end = stream.finish()
-            parts = StreamDelta((parts.content or "") + (end.content or "") or None, parts.tool_calls + end.tool_calls)
-            if finish_reason == "stop" and stream.tools_called:
+            parts = parts + parser.finish()
+            if finish_reason == "stop" and parser.tools_called:
                 finish_reason = "tool_calls"
+        if not include_reasoning:
+            parts.reasoning = ""
         if not parts and finish_reason is None:
             return None, None
         delta = DeltaMessage()
+        if parts.reasoning:
+            delta.reasoning_content = delta.reasoning = parts.reasoning
         if parts.content:
             delta.content = parts.content
         if parts.tool_calls:

@@ -56,9 +56,9 @@ def _tool_functions(tools: list[Any]) -> dict[str, dict]:
 
 
 def resolve_tool_choice(tools: list[Any] | None, tool_choice: Any, parallel_tool_calls: bool | None,
-                        auto_parser: type[ToolParser] | None) -> ToolChoice:
+                        auto_parser: type[ToolParser] | None, auto_served: bool = False) -> ToolChoice:
     """400 for what cannot be honoured; `auto_parser` is the server's --tool-call-parser (None when
-    --enable-auto-tool-choice is off)."""
+    --enable-auto-tool-choice is off); `auto_served`: the output format carries its calls itself (harmony)."""
     param = "tool_choice"
     if tool_choice is None:
         tool_choice, param = ("auto", "tools") if tools else ("none", "tool_choice")
@@ -70,7 +70,7 @@ def resolve_tool_choice(tools: list[Any] | None, tool_choice: Any, parallel_tool
     if tool_choice == "none":
         return ToolChoice("none")
     if tool_choice == "auto":
-        if auto_parser is None:
+        if auto_parser is None and not auto_served:
             raise BadRequestError(AUTO_NEEDS_FLAGS, param=param)
         return ToolChoice("auto")
     if tool_choice == "required":
