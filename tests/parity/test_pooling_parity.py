@@ -103,14 +103,26 @@ def test_llama_convert_embed_reads_sentence_transformers_mean_pooling(tmp_path):
         {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}])
     _write_json(path, "1_Pooling/config.json", {"word_embedding_dimension": 64, "pooling_mode_cls_token": False,
                                                 "pooling_mode_mean_tokens": True, "pooling_mode_lasttoken": False})
-    llm = tiny_llm(path, convert="embed")
+    # sentence_bert_config.json: its max_seq_length is the context (as vLLM: max_model_len derives from it), and
+    # do_lower_case lower-cases texts before tokenizing, as sentence-transformers does.
+    _write_json(path, "sentence_bert_config.json", {"max_seq_length": 96, "do_lower_case": True})
+    with pytest.raises(ValueError, match=r"max_model_len=256 is larger than the model's maximum context \(96"):
+        tiny_llm(path, convert="embed")
+    llm = tiny_llm(path, convert="embed", max_model_len=None)
+    assert llm.llm_engine.config.max_model_len == 96
     outs = llm.embed(_ids(PROMPTS), use_tqdm=False)
     for p, out in zip(PROMPTS, outs, strict=True):
         ref = F.normalize(_hidden(hf.model, p).mean(0), dim=-1)
         assert (torch.tensor(out.outputs.embedding) - ref).abs().max().item() < TOL, f"prompt of {len(p)} tokens"
+    upper, lower = llm.embed(["The Capital Of FRANCE", "the capital of france"], use_tqdm=False)
+    assert upper.prompt_token_ids == lower.prompt_token_ids
+    assert upper.outputs.embedding == lower.outputs.embedding
+    tok = llm.get_tokenizer()
+    assert tok.encode("The Capital Of FRANCE") != tok.encode("the capital of france")  # the lower-casing mattered
     del llm
     # --pooler-config overrides the checkpoint's files: CLS pooling, not normalized (the older --task spelling)
-    llm = tiny_llm(path, task="embed", pooler_config={"pooling_type": "CLS", "normalize": False})
+    llm = tiny_llm(path, task="embed", pooler_config={"pooling_type": "CLS", "normalize": False},
+                   max_model_len=None)
     out = llm.embed(_ids([PROMPTS[2]]), use_tqdm=False)[0]
     ref = _hidden(hf.model, PROMPTS[2])[0]
     assert (torch.tensor(out.outputs.embedding) - ref).abs().max().item() < TOL

@@ -63,8 +63,14 @@ def test_sentence_transformers_files(tmp_path):
                                                                     "pooling_mode_mean_tokens": False}))
     (tmp_path / "config_sentence_transformers.json").write_text(json.dumps(
         {"prompts": {"query": "Instruct: find\nQuery: ", "document": ""}, "default_prompt_name": "query"}))
+    (tmp_path / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 512, "do_lower_case": True}))
     info = read_sentence_transformers(str(tmp_path))
     assert (info.pooling_type, info.normalize, info.default_prompt_name) == ("CLS", False, "query")
+    assert (info.max_seq_length, info.do_lower_case) == (512, True)
+    (tmp_path / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": "long"}))
+    with pytest.raises(ValueError, match="sentence_bert_config.json: max_seq_length must be a positive integer"):
+        read_sentence_transformers(str(tmp_path))
+    (tmp_path / "sentence_bert_config.json").unlink()
     (tmp_path / "modules.json").write_text(json.dumps([{"idx": 2, "path": "2_Dense",
                                                         "type": "sentence_transformers.models.Dense"}]))
     with pytest.raises(ValueError, match="Dense"):

@@ -181,7 +181,8 @@ def _limits(args: EngineArgs, facts: ModelFacts) -> tuple[int, int, int]:
         max_model_len = facts.max_model_len
     elif max_model_len > facts.max_model_len:
         raise ValueError(f"max_model_len={max_model_len} is larger than the model's maximum context "
-                         f"({facts.max_model_len}, max_position_embeddings)")
+                         f"({facts.max_model_len}: max_position_embeddings, or a pooling model's "
+                         "sentence_bert_config.json max_seq_length)")
     nc = args.additional_config.neuron_config
     max_num_batched_tokens = args.max_num_batched_tokens
     if max_num_batched_tokens is None:

@@ -75,6 +75,8 @@ class SentenceTransformersInfo:
     normalize: bool | None = None
     prompts: dict[str, str] = field(default_factory=dict)
     default_prompt_name: str | None = None
+    max_seq_length: int | None = None  # sentence_bert_config.json: the context sentence-transformers truncates to
+    do_lower_case: bool = False  # sentence_bert_config.json: texts lower-cased before tokenizing
 
 
 def _read_json(path: str) -> Any:
@@ -88,8 +90,9 @@ def _read_json(path: str) -> Any:
 
 
 def read_sentence_transformers(folder: str) -> SentenceTransformersInfo:
-    """modules.json (its Pooling module's mode, a Normalize module) and config_sentence_transformers.json
-    (instruction prompts) of a checkpoint folder; modules we would not run (Dense, ...) are refused."""
+    """modules.json (its Pooling module's mode, a Normalize module), config_sentence_transformers.json
+    (instruction prompts) and sentence_bert_config.json (max_seq_length, do_lower_case) of a checkpoint folder;
+    modules we would not run (Dense, ...) are refused."""
     if not os.path.isdir(folder):
         return SentenceTransformersInfo()
     modules = _read_json(os.path.join(folder, "modules.json"))
@@ -118,7 +121,13 @@ def read_sentence_transformers(folder: str) -> SentenceTransformersInfo:
     if default is not None and default not in prompts:
         raise ValueError(f"config_sentence_transformers.json: default_prompt_name {default!r} is not among its "
                          f"prompts {sorted(prompts)}")
-    return SentenceTransformersInfo(pooling_type, normalize, prompts, default)
+    bert = _read_json(os.path.join(folder, "sentence_bert_config.json")) or {}
+    max_seq = bert.get("max_seq_length")
+    if max_seq is not None and (not isinstance(max_seq, int) or isinstance(max_seq, bool) or max_seq < 1):
+        raise ValueError(f"{folder}/sentence_bert_config.json: max_seq_length must be a positive integer, "
+                         f"got {max_seq!r}")
+    return SentenceTransformersInfo(pooling_type, normalize, prompts, default, max_seq,
+                                    bool(bert.get("do_lower_case", False)))
 
 
 def resolve_runner(runner: str, convert: str, task: str | None, architectures: tuple[str, ...]) -> tuple[str, str]:
@@ -169,6 +178,14 @@ class PoolingSetup:
     labels: tuple[str, ...] = ()  # classify: each output's name (config.json id2label)
     # A bidirectional encoder (BERT, XLM-RoBERTa): each prompt must run whole in one step (no K/V to segment by).
     bidirectional: bool = False
+    max_seq_length: int | None = None  # sentence_bert_config.json's: caps the context (engine/resolve.py)
+    do_lower_case: bool = False  # sentence_bert_config.json's
+
+    def text_prompt(self, text: str) -> str:
+        """A text input as sentence-transformers encodes it: the default prompt before it, lower-cased when the
+        checkpoint says so."""
+        text = self.default_prompt + text
+        return text.lower() if self.do_lower_case else text
 
     def describe(self) -> str:
         what = f"{self.num_labels} label(s), activation {'on' if self.use_activation else 'off'}" \
@@ -200,4 +217,4 @@ def resolve_pooling(convert: str, given: PoolerConfig | None, st: SentenceTransf
                         True if given.use_activation is None else given.use_activation, given.dimensions,
                         matryoshka, hidden, num_labels, dict(st.prompts),
                         st.prompts.get(st.default_prompt_name, "") if st.default_prompt_name else "",
-                        labels=labels)
+                        labels=labels, max_seq_length=st.max_seq_length, do_lower_case=st.do_lower_case)

@@ -174,8 +174,8 @@ class InputProcessor:
             raise ValueError(f"This model is a pooling model ({self.pooling.task}): it does not generate text; "
                              "use its embed / classify / score endpoints")
         params = params.verify(self.pooling.task, self.pooling.hidden_size, self.pooling.matryoshka)
-        if isinstance(prompt, str) and self.pooling.default_prompt:
-            prompt = self.pooling.default_prompt + prompt  # sentence-transformers' default_prompt_name
+        if isinstance(prompt, str):
+            prompt = self.pooling.text_prompt(prompt)  # sentence-transformers' default prompt and lower-casing
         text, ids = self._tokenize(prompt)
         if not ids:
             raise ValueError("The prompt cannot be empty")

@@ -97,10 +97,12 @@ def resolve_engine_config(args: EngineArgs, checkpoint: Checkpoint | None = None
         raise ValueError(f"{e}; {note}" if note else str(e)) from None
     spec = cls.spec(ckpt.hf_config)
     max_positions = getattr(cls, "max_positions", None)  # an encoder whose positions start past 0
-    facts = ModelFacts(max_model_len=max_positions(ckpt.hf_config) if max_positions else
-                       ckpt.hf_config.get_text_config().max_position_embeddings,
-                       moe=spec.is_moe, sliding_window=spec.has_sliding_window, multimodal=is_multimodal(ckpt.hf_config),
-                       pooling=_pooling_setup(args, ckpt))
+    pooling = _pooling_setup(args, ckpt)
+    max_len = max_positions(ckpt.hf_config) if max_positions else ckpt.hf_config.get_text_config().max_position_embeddings
+    if pooling is not None and pooling.max_seq_length:  # as vLLM: sentence-transformers' limit is the model's
+        max_len = min(max_len, pooling.max_seq_length)
+    facts = ModelFacts(max_model_len=max_len, moe=spec.is_moe, sliding_window=spec.has_sliding_window,
+                       multimodal=is_multimodal(ckpt.hf_config), pooling=pooling)
     config = engine_config.resolve(args, facts)
     # The architecture must honour the weight quantization asked for ('bf16' resolved to none).
     check_quantization(cls, spec, config.neuron_config.quantization)

@@ -57,7 +57,7 @@ class PoolingServingBase(OpenAIServing):
     async def text_prompt(self, text: str, add_special_tokens: bool, truncating: bool, param: str) -> dict:
         if not text:
             raise BadRequestError("Input cannot be empty: give a non-empty string or token ids.", param=param)
-        text = self.engine.model_info.pooling.default_prompt + text
+        text = self.engine.model_info.pooling.text_prompt(text)
         ids = await self.encode(text, add_special_tokens, bounded=not truncating, param=param)
         return {"prompt": text, "prompt_token_ids": ids}
 
