@@ -246,3 +246,16 @@ def test_bidirectional_encoder_needs_whole_prompts_in_a_step(tmp_path):
     path, _ = _encoder(tmp_path, "bert")
     with pytest.raises(ValueError, match="max_num_batched_tokens=32 must be at least max_model_len=64"):
         tiny_llm(path, max_model_len=64, max_num_batched_tokens=32)
+
+
+def test_compiled_encoder_matches_transformers(tmp_path):
+    """The bidirectional family compiled: one 64-token prefill bucket, several prompts in one step (their
+    attention kept apart by the per-row sequence mask inside the graph)."""
+    path, ref_model = _encoder(tmp_path, "bert")
+    llm = tiny_llm(path, enforce_eager=False, **ENCODER_ENGINE, pooler_config={"pooling_type": "MEAN"},
+                   additional_config={"neuron_config": {"num_batched_tokens_buckets": [64]}})
+    assert [s.name for s in llm.llm_engine.core.runner.graph_names()] == ["prefill_s64"]
+    prompts = ENCODER_PROMPTS[:3]
+    for p, out in zip(prompts, llm.embed(_ids(prompts), use_tqdm=False), strict=True):
+        ref = F.normalize(_hidden(ref_model, p).mean(0), dim=-1)
+        assert (torch.tensor(out.outputs.embedding) - ref).abs().max().item() < TOL, f"prompt of {len(p)} tokens"
