@@ -2,6 +2,7 @@
 `encode`, the same texts, in one run; sequences/s, tokens/s and how far apart the embeddings are.
 
     python benchmarks/embedding_throughput.py                          # Qwen3-Embedding-0.6B's shape, random weights
+    python benchmarks/embedding_throughput.py --bge-small                 # bge-small-en-v1.5's shape (BertModel)
     python benchmarks/embedding_throughput.py --model /path/to/Qwen3-Embedding-0.6B
     python benchmarks/embedding_throughput.py --num-prompts 32 --input-len 64 --quick-shape   # a smoke run
 
@@ -37,6 +38,9 @@ _SHARED_PACKAGES = ("torch", "transformers", "tokenizers", "safetensors", "numpy
 QWEN3_EMBEDDING_0_6B = dict(num_hidden_layers=28, hidden_size=1024, intermediate_size=3072, num_attention_heads=16,
                             num_key_value_heads=8, head_dim=128, max_position_embeddings=32768, rope_theta=1000000.0,
                             rms_norm_eps=1e-6, tie_word_embeddings=True)
+# bge-small-en-v1.5's shape (BertModel, CLS pooling, normalized); the vocabulary is the bundled tokenizer's.
+BGE_SMALL = dict(num_hidden_layers=12, hidden_size=384, intermediate_size=1536, num_attention_heads=12,
+                 max_position_embeddings=512)
 QUICK_SHAPE = dict(QWEN3_EMBEDDING_0_6B, num_hidden_layers=2, hidden_size=256, intermediate_size=512,
                    num_attention_heads=4, num_key_value_heads=2, head_dim=64)
 
@@ -96,8 +100,9 @@ def install_sentence_transformers(ctx: InstallContext) -> dict:
     return {"python": python, "version": f"sentence-transformers {ST_VERSION}"}
 
 
-def write_random_model(folder: str, shape: dict) -> str:
-    """A Qwen3Model of `shape` with seeded random weights, the bundled tokenizer and sentence-transformers files."""
+def write_random_model(folder: str, shape: dict, bert: bool = False) -> str:
+    """A Qwen3Model (or, with `bert`, a BertModel) of `shape` with seeded random weights, the bundled tokenizer
+    and sentence-transformers files."""
     import torch
     import transformers
 
@@ -106,17 +111,24 @@ def write_random_model(folder: str, shape: dict) -> str:
     tok = load_tokenizer(None)
     if tok.pad_token is None:  # sentence-transformers pads its batches
         tok.pad_token = tok.eos_token
-    cfg = transformers.Qwen3Config(vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                                   pad_token_id=tok.eos_token_id, architectures=["Qwen3Model"], **shape)
     torch.manual_seed(0)
-    transformers.Qwen3Model(cfg).save_pretrained(folder)
+    if bert:
+        cfg = transformers.BertConfig(vocab_size=len(tok), pad_token_id=tok.pad_token_id, architectures=["BertModel"],
+                                      **shape)
+        transformers.BertModel(cfg).save_pretrained(folder)
+    else:
+        cfg = transformers.Qwen3Config(vocab_size=len(tok), bos_token_id=tok.bos_token_id,
+                                       eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id,
+                                       architectures=["Qwen3Model"], **shape)
+        transformers.Qwen3Model(cfg).save_pretrained(folder)
     tok.save_pretrained(folder)
-    write_sentence_transformers_files(folder, shape["hidden_size"])
+    write_sentence_transformers_files(folder, shape["hidden_size"], "cls_token" if bert else "lasttoken")
     return folder
 
 
-def write_sentence_transformers_files(folder: str, hidden: int) -> None:
-    """Last-token pooling then Normalize (Qwen3-Embedding's modules), unless the folder has its own."""
+def write_sentence_transformers_files(folder: str, hidden: int, mode: str = "lasttoken") -> None:
+    """`mode` pooling then Normalize (Qwen3-Embedding's modules: last token; bge's: CLS), unless the folder has
+    its own."""
     if os.path.exists(os.path.join(folder, "modules.json")):
         return
     modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
@@ -127,8 +139,9 @@ def write_sentence_transformers_files(folder: str, hidden: int) -> None:
     with open(os.path.join(folder, "modules.json"), "w") as f:
         json.dump(modules, f)
     with open(os.path.join(folder, "1_Pooling", "config.json"), "w") as f:
-        json.dump({"word_embedding_dimension": hidden, "pooling_mode_lasttoken": True,
-                   "pooling_mode_mean_tokens": False, "pooling_mode_cls_token": False, "include_prompt": True}, f)
+        json.dump({"word_embedding_dimension": hidden, "pooling_mode_lasttoken": mode == "lasttoken",
+                   "pooling_mode_mean_tokens": False, "pooling_mode_cls_token": mode == "cls_token",
+                   "include_prompt": True}, f)
 
 
 def run_worker(python: str, source: str, cfg: dict) -> dict:
@@ -149,6 +162,8 @@ def main() -> None:
     p.add_argument("--model", default=None, help="an HF folder of a decoder embedder (default: a random "
                    "Qwen3-Embedding-0.6B-shaped Qwen3Model)")
     p.add_argument("--quick-shape", action="store_true", help="a 2-layer model instead of the 0.6B shape (smoke)")
+    p.add_argument("--bge-small", action="store_true", help="a random BertModel of bge-small-en-v1.5's shape (CLS "
+                   "pooling) instead of the Qwen3 one")
     p.add_argument("--num-prompts", type=int, default=512)
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--batch-size", type=int, default=32, help="sentence-transformers' encode batch size")
@@ -163,8 +178,11 @@ def main() -> None:
 
     st = ensure_installed("sentence-transformers", install_sentence_transformers, args.cache_dir)
     work = tempfile.mkdtemp(prefix="embed_bench_")
-    model = args.model or write_random_model(os.path.join(work, "model"),
-                                             QUICK_SHAPE if args.quick_shape else QWEN3_EMBEDDING_0_6B)
+    shape_name = "bge-small shape (BertModel)" if args.bge_small else \
+        "quick shape" if args.quick_shape else "Qwen3-Embedding-0.6B shape"
+    model = args.model or write_random_model(
+        os.path.join(work, "model"), BGE_SMALL if args.bge_small else QUICK_SHAPE if args.quick_shape
+        else QWEN3_EMBEDDING_0_6B, bert=args.bge_small)
     if args.model:
         write_sentence_transformers_files(model, json.load(open(os.path.join(model, "config.json")))["hidden_size"])
     from transformers import AutoTokenizer
@@ -176,7 +194,7 @@ def main() -> None:
     common = {"model": model, "texts": texts, "threads": args.threads, "dtype": args.dtype}
     rows = {}
     ours = run_worker(sys.executable, _OURS_WORKER, {
-        **common, "out": os.path.join(work, "ours.npy"), "max_model_len": max(512, args.input_len * 2),
+        **common, "out": os.path.join(work, "ours.npy"), "max_model_len": 512 if args.bge_small else max(512, args.input_len * 2),
         "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
         "eager": args.eager})
     rows["vllm-neuron LLM.embed"] = ours
@@ -187,7 +205,7 @@ def main() -> None:
 
     diff = float(np.abs(np.load(os.path.join(work, "ours.npy")) - np.load(os.path.join(work, "st.npy"))).max())
     print(f"\n{args.num_prompts} inputs x {args.input_len} tokens, {args.dtype}, {args.threads} threads, model "
-          f"{args.model or ('random ' + ('quick shape' if args.quick_shape else 'Qwen3-Embedding-0.6B shape'))}")
+          f"{args.model or ('random ' + shape_name)}")
     print(f"{'engine':<40} {'seconds':>9} {'seq/s':>9} {'tok/s':>10}")
     result = {"max_abs_diff": diff, "engines": {}}
     for name, r in rows.items():
