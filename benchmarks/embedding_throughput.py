@@ -26,7 +26,6 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
