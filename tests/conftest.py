@@ -69,6 +69,21 @@ def _engine_tests_are_marked(request: pytest.FixtureRequest, monkeypatch: pytest
     monkeypatch.setattr(EngineCore, "__init__", refused)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _no_engine_threads_outlive_their_module():
+    """An engine a module made must not leave its threads running for the rest of the suite: a leaked KV
+    connector kept a NIXL agent polling (a quarter of a core each) and slowed every later test."""
+    yield
+    import gc
+    import threading
+
+    gc.collect()  # an LLM nothing refers to any more shuts its engine down (weakref.finalize)
+    left = sorted(t.name for t in threading.enumerate() if t.name.startswith("vllm-neuron-kv"))
+    if left:
+        pytest.fail(f"threads still running after this module: {left}; shut its engines down "
+                    "(LLM.llm_engine.shutdown())", pytrace=False)
+
+
 @pytest.fixture(scope="session")
 def smollm2_tokenizer_dir() -> str:
     """Directory with the SmolLM2 tokenizer (save_pretrained of the bundled GGUF's tokenizer)."""

@@ -25,6 +25,21 @@ NIXL = pytest.param("NixlConnector", marks=pytest.mark.skipif(
 COMPILED = {"neuron_config": {"num_batched_tokens_buckets": [32], "num_seqs_buckets": [8]}}
 
 
+@pytest.fixture(autouse=True)
+def _shut_down_engines(monkeypatch):
+    """Each test's engines are shut down after it: their KV connectors' threads and NIXL agents would otherwise
+    live on in this process for the rest of the suite (a NIXL agent's UCX context is not free when idle)."""
+    made, make = [], tiny_llm
+
+    def tracked(*args, **kwargs):
+        made.append(make(*args, **kwargs))
+        return made[-1]
+    monkeypatch.setitem(globals(), "tiny_llm", tracked)
+    yield
+    for llm in made:
+        llm.llm_engine.shutdown()
+
+
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory) -> dict[str, str]:
     return {a: make_tiny_model(str(tmp_path_factory.mktemp(f"disagg_{a}")), a, max_position_embeddings=256)

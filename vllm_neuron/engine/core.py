@@ -133,9 +133,10 @@ class EngineCore:
         return self.kv_transfer.tick_ms() if self.kv_transfer is not None else None
 
     def shutdown(self) -> None:
-        """Lets the other tensor-parallel ranks go (nothing to do with one rank)."""
+        """Lets the other tensor-parallel ranks go and ends the runner's own threads (the KV connector's)."""
         if self._executor is not None:
             self._executor.shutdown(wait=True)
+        self.runner.close()  # a TPExecutor's: its rank 0's (the others end with their processes)
         if isinstance(self.runner, TPExecutor):
             self.runner.shutdown()
 

@@ -52,6 +52,8 @@ class LLM:
             self.llm_engine = None
         else:
             self.llm_engine = LLMEngine(config, ckpt)
+            # Its threads (a KV connector's) and tensor-parallel ranks end with this object, not the process.
+            weakref.finalize(self, self.llm_engine.shutdown)
 
     def get_tokenizer(self):
         return (self._dp or self.llm_engine).tokenizer

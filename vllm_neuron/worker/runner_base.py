@@ -225,6 +225,12 @@ class ModelRunnerBase:
             self.kv_connector = KVConnectorWorker(self.config.kv_transfer, self.kv_caches, self.block_size,
                                                   self.model_spec.num_kv_heads, info.rank, info.world)
 
+    def close(self) -> None:
+        """Ends what the runner started beside its graphs (the KV connector's threads, sockets, NIXL agent)."""
+        if self.kv_connector is not None:
+            self.kv_connector.close()
+            self.kv_connector = None
+
     # -- disaggregated prefill/decode (worker/kv_connector.py; engine/kv_transfer.py calls these) ---------
     def kv_hold(self, holds: list[tuple[str, str, list[list[int]]]]) -> None:
         """Serve these requests' blocks to their readers (a prefill instance): (key, secret, per-group ids)."""
