@@ -81,7 +81,7 @@ def test_multi_node_dp_on_loopback_serves_and_reports_a_lost_node_replica(tiny_l
         # The node sends its replicas' samples to the head every 2 s: /metrics shows both replicas.
         wait_for(lambda: _metric(httpx.get(head.url + "/metrics", timeout=10).text,
                                  "vllm_neuron:neff_execution_count_total", engine="1") > 0,
-                 timeout=15, what="the node's replica in the head's /metrics")
+                 timeout=45, what="the node's replica in the head's /metrics")
         # The headless node's replica executed graphs: its metrics live in the node's own folder.
         registry = CollectorRegistry()
         multiprocess.MultiProcessCollector(registry, path=node.env["PROMETHEUS_MULTIPROC_DIR"])
@@ -110,7 +110,7 @@ def test_multi_node_dp_on_loopback_serves_and_reports_a_lost_node_replica(tiny_l
         os.kill(_started(node)[1], signal.SIGKILL)
         failed = wait_for(lambda: [i for i in (0, 1) if not threads[i].is_alive()
                                    and any("data parallel replica 1 died" in line for line in streams[i])],
-                          timeout=15, what="the stream on the dead replica to end with its error")
+                          timeout=45, what="the stream on the dead replica to end with its error")
         victim = failed[0]
         assert streams[victim][-1] == "data: [DONE]" and "error" in streams[victim][-2], streams[victim][-3:]
         leave.set()
@@ -121,8 +121,8 @@ def test_multi_node_dp_on_loopback_serves_and_reports_a_lost_node_replica(tiny_l
         assert _complete(head.url, "Still there?", 4).status_code == 200
         assert head.proc.poll() is None and "Data parallel replica 1 is dead" in head.log()
         # The node exits once its replicas are gone, and a SIGTERM'd head ends cleanly.
-        wait_for(lambda: node.proc.poll() is not None, timeout=20, what="the headless node to exit")
-        code, _ = head.stop(timeout=30)
+        wait_for(lambda: node.proc.poll() is not None, timeout=45, what="the headless node to exit")
+        code, _ = head.stop(timeout=60)
         assert code == 0, head.log()[-4000:]
     finally:
         node.kill()
