@@ -86,7 +86,7 @@ function tokenSpans(logprobs) {
   return el("div", { class: "tokens" }, logprobs.map(({ token, logprob }) => {
     const p = Math.exp(logprob);
     const span = el("span", { class: "token", title: `p = ${p.toFixed(3)} (logprob ${logprob.toFixed(3)})`,
-                              dataset: { p: p.toFixed(4) } }, token);
+                              dataset: { logprob: String(logprob) } }, token);
     span.style.backgroundColor = probabilityColour(p);
     return span;
   }));
