@@ -7,16 +7,20 @@ before the end), survives a reload (localStorage), copies and regenerates; Stop 
 request (the `abort` finish is counted and the KV pool is back to empty); the logprobs toggle colours each token
 by its probability; JSON-schema mode constrains the answer, and an answer made of <script> and <img onerror>
 renders as text; an image goes out as an image_url part and the text model's 400 is shown; a stream cut short
-and an unreachable server leave the page usable. The dashboard's numbers move after requests.
+and an unreachable server leave the page usable, and a page opened while the server is down connects once it is
+back. The dashboard's numbers move after requests.
 
 VLLM_NEURON_UPDATE_SCREENSHOTS=1 writes the README's screenshots (docs/web_ui_*.png) from this run.
 Skips, saying why, only where Playwright or Chromium is missing."""
 from __future__ import annotations
 
 import base64
+import colorsys
 import io
 import json
+import math
 import os
+import re
 import shutil
 
 import httpx
@@ -27,6 +31,7 @@ from tests.integration.server_utils import serving, wait_for
 pytestmark = pytest.mark.engine
 
 KEY = "sk-web-ui"
+MODEL = "tiny-llama"
 ROOT = "/llm"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 DOCS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "docs")
@@ -59,7 +64,7 @@ def browser():
 
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir, tmp_path_factory, browser):  # the browser first: no server starts for a skip
-    args = ["--enforce-eager", "--dtype", "float32", "--max-model-len", "1024", "--num-gpu-blocks-override", "160",
+    args = ["--served-model-name", MODEL, "--enforce-eager", "--dtype", "float32", "--max-model-len", "1024", "--num-gpu-blocks-override", "160",
             "--max-num-seqs", "4", "--api-key", KEY, "--root-path", ROOT, "--disable-uvicorn-access-log"]
     with serving(tiny_llama_dir, args, str(tmp_path_factory.mktemp("web_ui"))) as srv:
         srv.page_url = f"{srv.url}{ROOT}/"
@@ -83,7 +88,7 @@ def page(context, server):
     errors: list[str] = []
     page.on("pageerror", lambda e: errors.append(str(e)))
     page.goto(server.page_url)
-    page.wait_for_function("document.querySelector('#model').options.length > 0")
+    until(page, "document.querySelector('#model').options.length > 0")
     page.click("#new-chat")
     yield page
     page.close()
@@ -96,6 +101,12 @@ def metric(server, name: str, **labels: str) -> float:
     text = httpx.get(f"{server.url}{ROOT}/metrics", timeout=10).text
     return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
                if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+
+
+def until(page, expression: str, timeout: float = 30.0) -> None:
+    """Polls a JS expression from here: Playwright's wait_for_function evaluates strings with eval, which the
+    pages' Content-Security-Policy forbids (as it should)."""
+    wait_for(lambda: page.evaluate(expression), timeout, interval=0.05, what=expression)
 
 
 def settings(page, *, max_tokens: int | None = None, temperature: float | None = 0.0, logprobs: bool = False,
@@ -119,7 +130,7 @@ def wait_answer(page, timeout_ms: int = 60000):
     return page.locator(".message.assistant").last
 
 
-def test_the_page_asks_for_the_key_then_lists_the_model(browser, server, tiny_llama_dir):
+def test_the_page_asks_for_the_key_then_lists_the_model(browser, server):
     # The page and its scripts are public; the API is not.
     assert httpx.get(server.page_url).status_code == 200
     assert httpx.get(f"{server.url}{ROOT}/ui/chat.js").status_code == 200
@@ -132,8 +143,8 @@ def test_the_page_asks_for_the_key_then_lists_the_model(browser, server, tiny_ll
         assert page.locator("#model option").count() == 0
         page.fill("#key-input", KEY)
         page.click("#key-save")
-        page.wait_for_function("document.querySelector('#model').options.length > 0")
-        assert page.input_value("#model") == tiny_llama_dir
+        until(page, "document.querySelector('#model').options.length > 0")
+        assert page.input_value("#model") == MODEL
         assert page.text_content("#server-status") == "connected"
     finally:
         ctx.close()
@@ -175,7 +186,7 @@ def test_stop_mid_stream_aborts_the_request_and_frees_its_kv(page, server):
     by_length = metric(server, "vllm:request_success_total", finished_reason="length")
     settings(page, max_tokens=900, temperature=1.0)
     send(page, "Tell me a long story")
-    page.wait_for_function("(document.querySelector('.message.assistant .body')?.textContent || '').length > 8")
+    until(page, "(document.querySelector('.message.assistant .body')?.textContent || '').length > 8")
     page.click("#stop")
     answer = wait_answer(page)
     assert answer.locator(".note").inner_text() == "Stopped."
@@ -194,10 +205,14 @@ def test_logprobs_colour_each_token_by_its_probability(page):
     tokens = answer.locator(".token")
     n = tokens.count()
     assert n >= 2
-    spans = tokens.evaluate_all("""spans => spans.map(s => ({text: s.textContent, p: Number(s.dataset.p),
+    spans = tokens.evaluate_all("""spans => spans.map(s => ({text: s.textContent, logprob: Number(s.dataset.logprob),
                                                             colour: s.style.backgroundColor, title: s.title}))""")
-    for s in spans:
-        assert 0 < s["p"] <= 1 and s["colour"].startswith("rgb") and s["title"].startswith("p = ")
+    for s in spans:  # red (p = 0) to green (p = 1): the hue is 120 p degrees
+        p = math.exp(s["logprob"])
+        r, g, b = (round(255 * c) for c in colorsys.hls_to_rgb(round(120 * p) / 360, 0.82, 0.75))
+        shown = [int(c) for c in re.findall(r"\d+", s["colour"])]
+        assert s["logprob"] <= 0 and max(abs(x - y) for x, y in zip(shown, (r, g, b))) <= 1, (s, (r, g, b))
+        assert s["title"].startswith(f"p = {p:.3f}")
     stored = json.loads(answer.page.evaluate("localStorage.getItem('vllm-neuron:chat')"))["messages"][-1]
     assert "".join(s["text"] for s in spans) == stored["content"]
     if os.environ.get("VLLM_NEURON_UPDATE_SCREENSHOTS") == "1":
@@ -262,19 +277,31 @@ def test_a_lost_stream_and_an_unreachable_server_leave_the_page_usable(page):
     page.unroute("**/v1/chat/completions")
     page.route("**/v1/chat/completions", lambda route: route.abort("connectionrefused"))
     send(page, "two")
-    page.wait_for_function("document.querySelectorAll('.message.assistant:not(.pending) .error').length == 2")
+    until(page, "document.querySelectorAll('.message.assistant:not(.pending) .error').length == 2")
     assert "cannot be reached" in page.locator(".message.assistant .error").last.inner_text()
     page.unroute("**/v1/chat/completions")
     send(page, "three")
-    page.wait_for_function("document.querySelectorAll('.message.assistant:not(.pending)').length == 3")
+    until(page, "document.querySelectorAll('.message.assistant:not(.pending)').length == 3")
     last = page.locator(".message.assistant").last
     assert last.locator(".error").count() == 0 and last.locator(".body").inner_text().strip()
 
 
-def test_the_dashboard_moves_after_requests(context, server, tiny_llama_dir):
+def test_the_page_waits_for_a_server_that_is_down_and_connects_when_it_is_back(context, server):
+    page = context.new_page()
+    page.route("**/v1/models", lambda route: route.abort("connectionrefused"))
+    page.goto(server.page_url)
+    page.wait_for_selector("#notice:not([hidden])")
+    assert "cannot be reached" in page.text_content("#notice") and page.text_content("#server-status") == "offline"
+    page.unroute("**/v1/models")  # the server is back: the page's next try lists the model
+    until(page, "document.querySelector('#model').options.length > 0", timeout=15)
+    assert page.is_hidden("#notice") and page.text_content("#server-status") == "connected"
+    page.close()
+
+
+def test_the_dashboard_moves_after_requests(context, server):
     page = context.new_page()
     page.goto(f"{server.url}{ROOT}/dashboard")
-    page.wait_for_function("document.querySelector('#m-finished').textContent !== '–'")
+    until(page, "document.querySelector('#m-finished').textContent !== '–'")
 
     def executions() -> int:
         return sum(int(x) for x in page.locator("#buckets td.executions").all_inner_texts())
@@ -282,10 +309,10 @@ def test_the_dashboard_moves_after_requests(context, server, tiny_llama_dir):
     generated = int(page.text_content("#m-generated"))
     for _ in range(2):
         r = httpx.post(f"{server.url}{ROOT}/v1/completions", headers=AUTH, timeout=60,
-                       json={"model": tiny_llama_dir, "prompt": "Count: one two", "max_tokens": 8, "ignore_eos": True})
+                       json={"model": MODEL, "prompt": "Count: one two", "max_tokens": 8, "ignore_eos": True})
         assert r.status_code == 200
-    page.wait_for_function(f"Number(document.querySelector('#m-finished').textContent) >= {finished + 2}")
-    page.wait_for_function(f"Number(document.querySelector('#m-generated').textContent) >= {generated + 16}")
+    until(page, f"Number(document.querySelector('#m-finished').textContent) >= {finished + 2}")
+    until(page, f"Number(document.querySelector('#m-generated').textContent) >= {generated + 16}")
     assert executions() > steps
     assert page.locator("#buckets tbody tr").count() >= 2  # a prefill and a decode bucket at least
     assert page.text_content("#m-ttft").endswith(")") and page.text_content("#server-status") == "connected"
