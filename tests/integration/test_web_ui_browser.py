@@ -135,6 +135,7 @@ def test_the_page_asks_for_the_key_then_lists_the_model(browser, server):
     assert httpx.get(server.page_url).status_code == 200
     assert httpx.get(f"{server.url}{ROOT}/ui/chat.js").status_code == 200
     assert httpx.get(f"{server.url}{ROOT}/v1/models").status_code == 401
+    wait_for(lambda: f"Web UI: {server.page_url} (chat)" in server.log(), 10, what="serve's line naming the page")
     ctx = browser.new_context()
     try:
         page = ctx.new_page()
