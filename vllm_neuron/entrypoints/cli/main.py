@@ -22,7 +22,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes "
                    "(default: $VLLM_API_KEY, else no key)")
     g.add_argument("--api-key-all-routes", action="store_true",
-                   help="require the API key on every route but the liveness probes (/health, /ping, /version): "
+                   help="require the API key on every route but the liveness probes (/health, /ping, /version) and "
+                   "the web UI's pages: "
                    "/metrics, /tokenize, /detokenize, /openapi.json and the docs too (without it, as in vLLM, only "
                    "/v1 routes need it)")
     g.add_argument("--ssl-keyfile", default=None,
@@ -57,6 +58,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    choices=["critical", "error", "warning", "info", "debug", "trace"], help="uvicorn's log level")
     g.add_argument("--disable-uvicorn-access-log", action="store_true",
                    help="turn off uvicorn's access log (one line per HTTP request; on by default, as in vLLM)")
+    g.add_argument("--disable-webui", action="store_true",
+                   help="leave out the web UI: the chat page at / and the metrics dashboard at /dashboard (on by "
+                   "default; llama-server's --no-webui)")
     g.add_argument("--disable-log-stats", action="store_true",
                    help="turn off the engine stats logged every 10 s (throughput, requests, KV usage, "
                    "prefix-cache hit rate)")

@@ -139,6 +139,8 @@ async def _serve(engine_args, args: argparse.Namespace, api_key: str | None, lim
             seconds = time.perf_counter() - t0
             metrics.record_startup_time(seconds)
             logger.info("Ready in %.1f s: %s/v1 serves %s (/health answers 200)", seconds, url, names[0])
+            if http.web_ui:
+                logger.info("Web UI: %s/ (chat) and %s/dashboard (--disable-webui turns them off)", url, url)
             while not engine.errored:
                 await asyncio.sleep(_ENGINE_WATCH_SECONDS)
             # vLLM's behaviour: a server without its engine exits, so that a supervisor restarts both.

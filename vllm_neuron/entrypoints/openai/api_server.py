@@ -54,6 +54,7 @@ from vllm_neuron.entrypoints.openai.serving_pooling import OpenAIServingPooling
 from vllm_neuron.entrypoints.openai.serving_score import OpenAIServingScore
 from vllm_neuron.entrypoints.openai.serving_responses import OpenAIServingResponses
 from vllm_neuron.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
+from vllm_neuron.entrypoints.web_ui import install_web_ui, is_public_path
 from vllm_neuron.logger import init_logger
 from vllm_neuron.version import __version__
 
@@ -68,7 +69,7 @@ def build_app(engine: EngineClient, *, served_model_names: list[str], api_key: s
               limits: RequestLimits | None = None, api_key_all_routes: bool = False,
               allowed_methods: list[str] | None = None, allowed_headers: list[str] | None = None,
               allow_credentials: bool = False, root_path: str = "",
-              request_logger: RequestLogger | None = None) -> FastAPI:
+              request_logger: RequestLogger | None = None, web_ui: bool = True) -> FastAPI:
     """The OpenAI-compatible app serving `engine` under `served_model_names` (the first one is the
     default and the metrics' model_name label).
 
@@ -84,6 +85,7 @@ def build_app(engine: EngineClient, *, served_model_names: list[str], api_key: s
     no credentials).
     root_path: the path prefix a proxy serves the app under (--root-path); routes answer with and without it.
     request_logger: --enable-log-requests' lines (entrypoints/openai/request_logger.py).
+    web_ui: the chat page at / and the dashboard at /dashboard (entrypoints/web_ui; --disable-webui: off).
     """
     if max_logprobs < -1:
         raise ValueError(f"max_logprobs must be -1 (no cap) or >= 0, got {max_logprobs}")
@@ -110,7 +112,8 @@ def build_app(engine: EngineClient, *, served_model_names: list[str], api_key: s
     if api_key_all_routes and not api_key:
         raise ValueError("--api-key-all-routes needs an API key (--api-key or $VLLM_API_KEY)")
     if api_key:
-        app.add_middleware(ApiKeyMiddleware, api_key=api_key, all_routes=api_key_all_routes)
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key, all_routes=api_key_all_routes,
+                           public=is_public_path if web_ui else None)
     # Added after the key check, so outside it: CORS preflights are answered before the key check.
     app.add_middleware(CORSMiddleware, allow_origins=allowed_origins or ["*"], allow_credentials=allow_credentials,
                        allow_methods=allowed_methods or ["*"], allow_headers=allowed_headers or ["*"])
@@ -201,6 +204,8 @@ def build_app(engine: EngineClient, *, served_model_names: list[str], api_key: s
         return JSONResponse(content=(await tokenization.detokenize(await body(raw_request))).model_dump())
 
     spec.install(app, limits, max_logprobs, len(engine.tokenizer))
+    if web_ui:
+        install_web_ui(app, root_path)
 
     app.state.engine = engine
     app.state.served_model_names = models.served_model_names

@@ -22,6 +22,7 @@ import hmac
 import json
 import time
 import uuid
+from collections.abc import Callable
 
 import h11
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -47,16 +48,19 @@ def _app_path(scope: Scope) -> str:
 class ApiKeyMiddleware:
     """Requires `Authorization: Bearer KEY` on every /v1 route (vLLM's rule: /health, /ping, /metrics,
     /version, /tokenize, /detokenize and the docs stay open), or, with `all_routes`, on every route but
-    the liveness probes' (`LIVENESS_PATHS`). Pure ASGI so streaming is untouched."""
+    the liveness probes' (`LIVENESS_PATHS`) and the paths `public` names (the web UI's pages, which hold no
+    data: the API calls they make carry the key). Pure ASGI so streaming is untouched."""
 
-    def __init__(self, app: ASGIApp, api_key: str, all_routes: bool = False) -> None:
+    def __init__(self, app: ASGIApp, api_key: str, all_routes: bool = False,
+                 public: Callable[[str], bool] | None = None) -> None:
         self.app = app
         self._expected = f"Bearer {api_key}".encode()
         self._all_routes = all_routes
+        self._public = public
 
     def _guarded(self, path: str) -> bool:
         if self._all_routes:
-            return path not in LIVENESS_PATHS
+            return path not in LIVENESS_PATHS and not (self._public is not None and self._public(path))
         return path == "/v1" or path.startswith("/v1/")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

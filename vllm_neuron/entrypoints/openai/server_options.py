@@ -1,7 +1,8 @@
 """`serve`'s options for the HTTP side, as vLLM names them, checked before anything loads: TLS (--ssl-keyfile,
 --ssl-certfile, --ssl-ca-certs, --ssl-cert-reqs), --root-path, CORS (--allowed-origins / -methods / -headers,
---allow-credentials), request logs (--enable-log-requests, --max-log-len, --enable-log-outputs) and uvicorn's log
-level and access log. `HttpOptions` turns them into build_app's and uvicorn's keyword arguments.
+--allow-credentials), request logs (--enable-log-requests, --max-log-len, --enable-log-outputs), uvicorn's log
+level and access log, and the web UI (--disable-webui). `HttpOptions` turns them into build_app's and uvicorn's
+keyword arguments.
 
 A wrong TLS file is a start-up error naming the flag and the file (uvicorn would find out only after the engine's
 warm-up, in a traceback); so is a flag that would have no effect (--ssl-ca-certs without HTTPS, --max-log-len
@@ -86,6 +87,7 @@ class HttpOptions:
     enable_log_outputs: bool = False
     uvicorn_log_level: str = "info"
     access_log: bool = True
+    web_ui: bool = True
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> HttpOptions:
@@ -99,7 +101,8 @@ class HttpOptions:
                    enable_log_requests=bool(get("enable_log_requests", False)), max_log_len=get("max_log_len"),
                    enable_log_outputs=bool(get("enable_log_outputs", False)),
                    uvicorn_log_level=get("uvicorn_log_level", "info"),
-                   access_log=not get("disable_uvicorn_access_log", False))
+                   access_log=not get("disable_uvicorn_access_log", False),
+                   web_ui=not get("disable_webui", False))
         opts.check()
         return opts
 
@@ -140,7 +143,7 @@ class HttpOptions:
         """build_app's keyword arguments."""
         return dict(allowed_origins=list(self.allowed_origins), allowed_methods=list(self.allowed_methods),
                     allowed_headers=list(self.allowed_headers), allow_credentials=self.allow_credentials,
-                    root_path=self.root_path, request_logger=self.request_logger())
+                    root_path=self.root_path, request_logger=self.request_logger(), web_ui=self.web_ui)
 
     def uvicorn_kwargs(self) -> dict[str, Any]:
         """create_server's keyword arguments (uvicorn.Config's names)."""
