@@ -101,12 +101,17 @@ def test_multi_node_dp_on_loopback_serves_and_reports_a_lost_node_replica(tiny_l
                     if leave.is_set():
                         return  # closing the stream aborts the request
 
+        def running() -> tuple[float, float]:
+            return (_metric(httpx.get(head.url + "/metrics", timeout=10).text, "vllm:num_requests_running"),
+                    _metric(generate_latest(registry).decode(), "vllm:num_requests_running"))
+
         threads = [threading.Thread(target=long_stream, args=(i,)) for i in range(2)]
-        for t in threads:  # one per replica (least outstanding work)
-            t.start()
-        wait_for(lambda: _metric(httpx.get(head.url + "/metrics", timeout=10).text, "vllm:num_requests_running") >= 1
-                 and _metric(generate_latest(registry).decode(), "vllm:num_requests_running") >= 1,
-                 timeout=60, interval=0.05, what="a request running on each replica")
+        # One per replica (least outstanding work): the second starts once the first runs somewhere, else two
+        # requests arriving together could both see two idle replicas and take the same one.
+        threads[0].start()
+        wait_for(lambda: sum(running()) >= 1, timeout=60, interval=0.05, what="the first request running")
+        threads[1].start()
+        wait_for(lambda: min(running()) >= 1, timeout=60, interval=0.05, what="a request running on each replica")
         os.kill(_started(node)[1], signal.SIGKILL)
         failed = wait_for(lambda: [i for i in (0, 1) if not threads[i].is_alive()
                                    and any("data parallel replica 1 died" in line for line in streams[i])],
