@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from tests.model_factory import make_tiny_model
-from vllm_neuron.logits_processor import BatchUpdate, LogitsProcessor
+from vllm_neuron.logits_processor import PerRequestLogitsProcessor
 
 SCRIPTS: dict[str, str] = {
     "think": "<think>\nLet me count: 1, 2, 3.\n</think>\n\nThe answer is 3.",
@@ -52,13 +52,13 @@ QWEN3_TEMPLATE = (
     "{% endif %}")
 
 
-class ForceScript(LogitsProcessor):
+class ForceScript(PerRequestLogitsProcessor):
     def __init__(self, vllm_config: Any, device: Any, is_pin_memory: bool) -> None:
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(vllm_config.tokenizer or vllm_config.model)
         self.eos = self.tokenizer.eos_token_id
-        self.rows: dict[int, tuple[list[int], list[int]]] = {}  # index -> (script ids, live output ids)
+        super().__init__()  # rows: index -> (script ids, live output ids)
         self._scripts: dict[str, tuple[list[int], bool]] = {}  # name -> (ids, free after them)
 
     def _script(self, prompt_ids: list[int]) -> tuple[list[int], bool] | None:
@@ -73,23 +73,9 @@ class ForceScript(LogitsProcessor):
             self._scripts[name] = (self.tokenizer.encode(text, add_special_tokens=False), free)
         return self._scripts[name]
 
-    def update_state(self, batch_update: BatchUpdate | None) -> None:
-        if batch_update is None:
-            return
-        for i in batch_update.removed:
-            self.rows.pop(i, None)
-        for i, _params, prompt_ids, output_ids in batch_update.added:
-            script = self._script(list(prompt_ids))
-            if script is None:
-                self.rows.pop(i, None)
-            else:
-                self.rows[i] = (script, output_ids)
-        for a, b, _kind in batch_update.moved:
-            row_a, row_b = self.rows.pop(a, None), self.rows.pop(b, None)
-            if row_a is not None:
-                self.rows[b] = row_a
-            if row_b is not None and _kind.name == "SWAP":
-                self.rows[a] = row_b
+    def row_state(self, params, prompt_token_ids: list[int], output_token_ids: list[int]):
+        script = self._script(list(prompt_token_ids))
+        return None if script is None else (script, output_token_ids)
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         for i, ((script, free), out) in self.rows.items():

@@ -87,3 +87,35 @@ def load_logits_processor(spec: Any) -> type:
                          f"__init__(config, device, is_pin_memory), apply, update_state, is_argmax_invariant"
                          f"{'; missing ' + ', '.join(missing) if missing and isinstance(cls, type) else ''})")
     return cls
+
+
+class PerRequestLogitsProcessor(LogitsProcessor):
+    """A processor whose state is one value per batch index (None: the row is left alone), kept through
+    `update_state` as the persistent batch tells it; subclasses give `row_state`, `apply` and
+    `is_argmax_invariant`. vLLM's built-in min_tokens, logit_bias and min_p are written on it
+    (vllm_neuron/worker/builtin_logits_processors.py)."""
+
+    def __init__(self, vllm_config: Any = None, device: Any = None, is_pin_memory: bool = False) -> None:
+        self.rows: dict[int, Any] = {}
+
+    @abstractmethod
+    def row_state(self, params: SamplingParams, prompt_token_ids: list[int], output_token_ids: list[int]) -> Any:
+        """The row's state for this processor, or None when the request does not use it."""
+
+    def update_state(self, batch_update: BatchUpdate | None) -> None:
+        if batch_update is None:
+            return
+        for i in batch_update.removed:
+            self.rows.pop(i, None)
+        for i, params, prompt, output in batch_update.added:
+            state = self.row_state(params, prompt, output)
+            if state is None:
+                self.rows.pop(i, None)
+            else:
+                self.rows[i] = state
+        for a, b, direction in batch_update.moved:
+            at_a, at_b = self.rows.pop(a, None), self.rows.pop(b, None)
+            if at_a is not None:
+                self.rows[b] = at_a
+            if direction is MoveDirectionality.SWAP and at_b is not None:
+                self.rows[a] = at_b

@@ -173,11 +173,12 @@ class _FromExtraArgs:
     """A built-in processor taking its option from extra_args[OPTION] instead of the field of that name."""
     OPTION = ""
 
-    def row_state(self, params, output_token_ids):
+    def row_state(self, params, prompt_token_ids, output_token_ids):
         value = (params.extra_args or {}).get(self.OPTION)
         if value is None:
             return None
-        return super().row_state(dataclasses.replace(params, **{self.OPTION: value}), output_token_ids)
+        return super().row_state(dataclasses.replace(params, **{self.OPTION: value}), prompt_token_ids,
+                                 output_token_ids)
 
 
 class MinTokensFromExtraArgs(_FromExtraArgs, MinTokensLogitsProcessor):

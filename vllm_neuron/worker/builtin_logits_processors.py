@@ -8,49 +8,19 @@ moved), and edits only the rows that set its option.
 """
 from __future__ import annotations
 
-from abc import abstractmethod
 from typing import Any
 
 import torch
 
-from vllm_neuron.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
+from vllm_neuron.logits_processor import BatchUpdate, PerRequestLogitsProcessor
 from vllm_neuron.sampling_params import SamplingParams
 
 
-class _PerRowProcessor(LogitsProcessor):
-    """A processor whose state is one value per batch index, None for rows it leaves alone."""
-
-    def __init__(self, vllm_config: Any = None, device: Any = None, is_pin_memory: bool = False) -> None:
-        self.rows: dict[int, Any] = {}
-
-    @abstractmethod
-    def row_state(self, params: SamplingParams, output_token_ids: list[int]) -> Any:
-        """The row's state for this processor, or None when the request does not use it."""
-
-    def update_state(self, batch_update: BatchUpdate | None) -> None:
-        if batch_update is None:
-            return
-        for i in batch_update.removed:
-            self.rows.pop(i, None)
-        for i, params, _prompt, output in batch_update.added:
-            state = self.row_state(params, output)
-            if state is None:
-                self.rows.pop(i, None)
-            else:
-                self.rows[i] = state
-        for a, b, direction in batch_update.moved:
-            at_a, at_b = self.rows.pop(a, None), self.rows.pop(b, None)
-            if at_a is not None:
-                self.rows[b] = at_a
-            if direction is MoveDirectionality.SWAP and at_b is not None:
-                self.rows[a] = at_b
-
-
-class MinTokensLogitsProcessor(_PerRowProcessor):
+class MinTokensLogitsProcessor(PerRequestLogitsProcessor):
     """Until a request has `min_tokens` output tokens, its stop tokens (EOS and stop_token_ids:
     `SamplingParams.all_stop_token_ids`) are -inf."""
 
-    def row_state(self, params: SamplingParams, output_token_ids: list[int]) -> Any:
+    def row_state(self, params: SamplingParams, prompt_token_ids: list[int], output_token_ids: list[int]) -> Any:
         stops = params.all_stop_token_ids
         if params.min_tokens <= 0 or not stops:
             return None
@@ -71,10 +41,10 @@ class MinTokensLogitsProcessor(_PerRowProcessor):
         return logits
 
 
-class LogitBiasLogitsProcessor(_PerRowProcessor):
+class LogitBiasLogitsProcessor(PerRequestLogitsProcessor):
     """Adds each request's `logit_bias` {token id: bias} to its row."""
 
-    def row_state(self, params: SamplingParams, output_token_ids: list[int]) -> Any:
+    def row_state(self, params: SamplingParams, prompt_token_ids: list[int], output_token_ids: list[int]) -> Any:
         return dict(params.logit_bias) if params.logit_bias else None
 
     def is_argmax_invariant(self) -> bool:
@@ -92,11 +62,11 @@ class LogitBiasLogitsProcessor(_PerRowProcessor):
         return logits
 
 
-class MinPLogitsProcessor(_PerRowProcessor):
+class MinPLogitsProcessor(PerRequestLogitsProcessor):
     """-inf for the tokens whose probability is below `min_p` times the row's largest; applied to
     temperature-scaled logits, as vLLM's sampler does. Greedy rows keep their argmax."""
 
-    def row_state(self, params: SamplingParams, output_token_ids: list[int]) -> Any:
+    def row_state(self, params: SamplingParams, prompt_token_ids: list[int], output_token_ids: list[int]) -> Any:
         return params.min_p if params.min_p > 0.0 else None
 
     def is_argmax_invariant(self) -> bool:
