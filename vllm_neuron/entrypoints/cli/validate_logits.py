@@ -42,7 +42,18 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-tokens", type=int, default=8, help="positions compared after each prompt")
     g.add_argument("--logprobs-k", type=int, default=5, help="top-k compared per position")
     g.add_argument("--fail-above", type=float, default=None,
-                   help="exit 1 when any difference from fp32 exceeds this (default: report only)")
+                   help="exit 1 when any difference from fp32 exceeds this (default: report only); with "
+                        "--per-module: exit 1 when a module diverges")
+    g.add_argument("--per-module", action="store_true",
+                   help="instead of the logits: each module's output against transformers' (captured inside the "
+                        "engine's graphs), accumulated and with every decoder layer fed transformers' input, and "
+                        "the first module that diverges (text prompts)")
+    g.add_argument("--modules", action="append", default=None, metavar="PATTERN",
+                   help="--per-module: module name patterns, repeatable (default: embed_tokens, every decoder "
+                        "layer and its self_attn and mlp, the final norm)")
+    g.add_argument("--module-tolerance", type=float, default=1e-4,
+                   help="--per-module: relative difference above which a module diverges (and above twice "
+                        "transformers bf16's own)")
 
 
 def _reference(path: str, gguf_file: str | None, multimodal: bool, dtype: torch.dtype):
@@ -117,6 +128,15 @@ def run_validate_logits(args: argparse.Namespace) -> int:
     if engine_args.data_parallel_size > 1:
         raise ValueError(f"validate-logits runs one in-process engine; --data-parallel-size must be 1, got "
                          f"{engine_args.data_parallel_size}")
+    if args.per_module:
+        from vllm_neuron.entrypoints.cli.validate_modules import run_per_module
+        from vllm_neuron.model.loader.checkpoint import load_checkpoint
+
+        ckpt = load_checkpoint(engine_args.model)
+        gguf = ckpt.gguf_file
+        path = ckpt.path if gguf is None else os.path.dirname(gguf)
+        return run_per_module(args, engine_args, lambda dt: _reference(path, gguf and os.path.basename(gguf), False,
+                                                                       dt))
     llm = LLM.from_engine_args(engine_args)
     texts = args.prompt or ["The capital of France is"]
     if args.image or args.video:
