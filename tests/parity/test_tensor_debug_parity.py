@@ -1,7 +1,8 @@
 """Tensor capture and replacement on a tiny random Llama against transformers (fp32): captured module outputs
 equal transformers' (eager on MRv1, compiled on MRv2, every position of prefill and decode); replacing layer
 0's output with transformers' layer-0 output of another prompt makes layer 1 and the next token that prompt's;
-bad options fail at start naming the problem; validate-logits --per-module finds a deliberately broken MLP."""
+bad options fail at start naming the problem; validate-logits --per-module finds a deliberately broken MLP and
+compares a vision-language model's vision tower too."""
 from __future__ import annotations
 
 import json
@@ -125,3 +126,21 @@ def test_per_module_validation_finds_a_broken_mlp(tiny_llama_512_dir, monkeypatc
     assert main(args) == 1
     out = capsys.readouterr().out
     assert "first divergence: model.layers.1.mlp" in out, out
+
+
+def test_per_module_validation_of_a_vision_language_model_with_an_image(tmp_path, capsys):
+    from tests.vlm_factory import make_tiny_qwen3_vl, png_bytes, random_image
+
+    path = make_tiny_qwen3_vl(str(tmp_path / "vl"))
+    (tmp_path / "img.png").write_bytes(png_bytes(random_image(56, 84, 1)))
+    assert main(["validate-logits", path, "--per-module", "--image", str(tmp_path / "img.png"), "--prompt", "Describe.",
+                 "--dtype", "float32", "--enforce-eager", "--max-model-len", "256", "--num-gpu-blocks-override", "64",
+                 "--fail-above", "1"]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split()[0]: line.split()[1:] for line in out.splitlines() if line.startswith("model.")}
+    # The vision tower (captured in the encoder graph, rows back in the image's order) and the text tower.
+    for name in ("model.visual.patch_embed", "model.visual.blocks.2", "model.visual.merger",
+                 "model.language_model.layers.2.mlp"):
+        assert float(rows[name][0]) < 1e-4, out
+    assert rows["model.visual.merger"][2] == "-" and float(rows["model.language_model.layers.2"][2]) < 1e-4
+    assert "no module differs beyond 0.0001" in out

@@ -144,10 +144,34 @@ def test_first_divergence_prefers_the_local_difference():
     assert first_divergence(diffs, 1e-4, True).name == "model.layers.2"
 
 
-def test_vision_tower_modules_are_refused():
+def test_vision_tower_outputs_are_captured_but_not_replaced(tmp_path):
     m = nn.Module()
     m.model = nn.Module()
     m.model.visual = Toy()
     m.model.language_model = Toy()
-    with pytest.raises(ValueError, match="'model.visual.layers.0' is in the vision tower"):
-        TensorDebug(m, TensorCaptureConfig(("model.*.layers.0",)), None, 8, torch.device("cpu"))
+    dbg = TensorDebug(m, TensorCaptureConfig(("model.*.layers.0",), output_dir=str(tmp_path)), None, 8,
+                      torch.device("cpu"))
+    assert dbg.taps.captured_names == ["model.visual.layers.0", "model.language_model.layers.0"]
+    f = str(tmp_path / "r.safetensors")
+    save_file({"model.visual.layers.0": torch.ones(4, 4)}, f)
+    with pytest.raises(ValueError, match="'model.visual.layers.0' is in the vision tower, whose outputs cannot be "
+                                         "replaced yet"):
+        TensorDebug(m, None, TensorReplacementConfig(f), 8, torch.device("cpu"))
+
+
+def test_media_captures_are_put_back_in_each_items_order(tmp_path):
+    dbg = TensorDebug(Toy(), TensorCaptureConfig(("layers.0",), output_dir=str(tmp_path)), None, 8,
+                      torch.device("cpu"))
+    # Two items of 4 and 8 patches (merge unit 4) packed in a bucket of 16 rows: the second item first.
+    items = [SimpleNamespace(grid_thw=(1, 2, 2), num_tokens=1, mm_hash="aa"),
+             SimpleNamespace(grid_thw=(1, 2, 4), num_tokens=2, mm_hash="bb")]
+    patch_rows = torch.tensor([8, 9, 10, 11, 0, 1, 2, 3, 4, 5, 6, 7])
+    token_rows = torch.tensor([2, 0, 1])
+    by_patch = torch.arange(16.0)[:, None]
+    by_token = torch.arange(4.0)[:, None] + 100
+    dbg.write_media("encoder_p16", 16, items, {"blocks": by_patch, "merger": by_token}, patch_rows, token_rows)
+    from safetensors.torch import load_file
+
+    a, b = load_file(str(tmp_path / "media" / "aa.safetensors")), load_file(str(tmp_path / "media" / "bb.safetensors"))
+    assert a["blocks"][:, 0].tolist() == [8, 9, 10, 11] and a["merger"][:, 0].tolist() == [102]
+    assert b["blocks"][:, 0].tolist() == list(range(8)) and b["merger"][:, 0].tolist() == [100, 101]

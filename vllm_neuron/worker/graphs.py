@@ -197,9 +197,14 @@ class GraphBase:
         out, hidden = self._prefill(x)
         return out, self.prompt_logprobs(hidden, p)
 
-    def encode(self, x: EncoderInputs) -> tuple[torch.Tensor, torch.Tensor]:
-        """A multimodal model's encoder over one bucket of block-packed media."""
-        return self.model.encode(x.pixels, x.interp_idx, x.interp_w, x.rot_pos, x.segment)
+    def encode(self, x: EncoderInputs) -> tuple:
+        """A multimodal model's encoder over one bucket of block-packed media: (embeds, deepstack), and the
+        tapped vision modules' tensors by name when tensor capture names some (rows in packed order)."""
+        if self.taps is None or not self.taps.captured_names:
+            return self.model.encode(x.pixels, x.interp_idx, x.interp_w, x.rot_pos, x.segment)
+        with self.taps.recording() as rec:
+            embeds, deepstack = self.model.encode(x.pixels, x.interp_idx, x.interp_w, x.rot_pos, x.segment)
+        return embeds, deepstack, rec
 
 
 class StepGraphs(GraphBase):

@@ -133,6 +133,8 @@ class ModelRunnerBase:
                                       self._graph)
         nbytes += self._load_speculator()
         self.tensor_debug = self._make_tensor_debug()
+        for k in self.kinds:
+            k.capture_sink = self.tensor_debug.write_media if self.tensor_debug is not None else None
         self.compiler = GraphCompiler(cache_key_parts(self.ckpt.hf_config.to_dict(), self.dtype, self.device,
                                                       self.config.tensor_parallel_size, self._graph_options()),
                                       backend=self.backend,

@@ -93,10 +93,10 @@ class TensorDebug:
         self.replace = replace
         self.replacements = load_replacements(replace) if replace is not None else {}
         self.taps = ModuleTaps(model, capture, list(self.replacements))
-        tower = [n for n in (*self.taps.captured_names, *self.taps.replaced_names) if n.startswith(_ENCODER_PREFIXES)]
+        tower = [n for n in self.taps.replaced_names if n.startswith(_ENCODER_PREFIXES)]
         if tower:
-            raise ValueError(f"neuron_config.tensor_capture / tensor_replacement: {tower[0]!r} is in the vision "
-                             f"tower, whose encoder graphs are not tapped yet; name modules of the text model")
+            raise ValueError(f"neuron_config.tensor_replacement: {tower[0]!r} is in the vision tower, whose outputs "
+                             f"cannot be replaced yet (capture works there); replace modules of the text model")
         self.max_rows = max_rows
         self.device = device
         self._spans: list[RowSpan] = []
@@ -184,6 +184,37 @@ class TensorDebug:
             return False
         return True
 
+    def write_media(self, bucket: str, size: int, items: Sequence, captured: dict[str, torch.Tensor],
+                    patch_rows: torch.Tensor, token_rows: torch.Tensor) -> None:
+        """An encoder graph's tapped tensors (`size` packed patch rows) per media item (`items`, in packing
+        order), rows back in the item's own order: by patch for a tensor with a row per packed patch, by merged
+        token for one with a row per packed token. Written to `media/<media hash>.safetensors` whatever
+        `requests` / `steps` say."""
+        from safetensors.torch import save_file
+
+        merged = size * token_rows.shape[0] // max(patch_rows.shape[0], 1)  # packed token rows
+        patch_start = token_start = 0
+        for item in items:
+            t, h, w = item.grid_thw
+            p_idx = patch_rows[patch_start:patch_start + t * h * w]
+            t_idx = token_rows[token_start:token_start + item.num_tokens]
+            patch_start, token_start = patch_start + t * h * w, token_start + item.num_tokens
+            if self._written >= self.capture.max_captures:
+                continue
+            tensors = {name: x.detach()[(p_idx if x.shape[0] == size else t_idx).to(x.device)].to("cpu").contiguous()
+                       for name, x in captured.items() if x.shape[0] in (size, merged)}
+            rel = os.path.join("media", f"{_safe(item.mm_hash)[:32]}.safetensors")
+            os.makedirs(os.path.join(self.output_dir, "media"), exist_ok=True)
+            save_file(tensors, os.path.join(self.output_dir, rel), metadata={"media": item.mm_hash, "bucket": bucket})
+            self._manifest({"media": item.mm_hash, "kind": "encoder", "bucket": bucket, "file": rel,
+                            "tensors": {n: [list(v.shape), str(v.dtype).removeprefix("torch.")]
+                                        for n, v in tensors.items()}})
+
+    def _manifest(self, entry: dict) -> None:
+        with open(os.path.join(self.output_dir, "manifest.jsonl"), "a") as f:
+            f.write(json.dumps(entry) + "\n")
+        self._written += 1
+
     def _write(self, s: RowSpan, step: int, kind: str, bucket: str, captured: dict[str, torch.Tensor]) -> None:
         from safetensors.torch import save_file
 
@@ -197,6 +228,4 @@ class TensorDebug:
         entry = {"request": s.req_id, "step": step, "kind": kind, "bucket": bucket,
                  "positions": [s.position, s.position + s.count], "file": rel,
                  "tensors": {n: [list(t.shape), str(t.dtype).removeprefix("torch.")] for n, t in tensors.items()}}
-        with open(os.path.join(self.output_dir, "manifest.jsonl"), "a") as f:
-            f.write(json.dumps(entry) + "\n")
-        self._written += 1
+        self._manifest(entry)

@@ -123,36 +123,25 @@ def validate(llm, prompts: list, max_tokens: int, k: int) -> list[dict]:
 def run_validate_logits(args: argparse.Namespace) -> int:
     from vllm_neuron.config.arg_utils import engine_args_from_cli
     from vllm_neuron.entrypoints.llm import LLM
+    from vllm_neuron.model.loader.checkpoint import load_checkpoint
+    from vllm_neuron.model.loader.tokenizer import load_tokenizer
 
     engine_args = engine_args_from_cli(args)
     if engine_args.data_parallel_size > 1:
         raise ValueError(f"validate-logits runs one in-process engine; --data-parallel-size must be 1, got "
                          f"{engine_args.data_parallel_size}")
+    ckpt = load_checkpoint(engine_args.model)
+    texts = args.prompt or ["The capital of France is"]
+    prompts = _prompts(load_tokenizer(engine_args.tokenizer or ckpt, engine_args.chat_template), texts, args)
     if args.per_module:
         from vllm_neuron.entrypoints.cli.validate_modules import run_per_module
-        from vllm_neuron.model.loader.checkpoint import load_checkpoint
 
-        ckpt = load_checkpoint(engine_args.model)
         gguf = ckpt.gguf_file
         path = ckpt.path if gguf is None else os.path.dirname(gguf)
-        return run_per_module(args, engine_args, lambda dt: _reference(path, gguf and os.path.basename(gguf), False,
-                                                                       dt))
+        multimodal = hasattr(ckpt.hf_config, "vision_config")
+        return run_per_module(args, engine_args, lambda dt: _reference(path, gguf and os.path.basename(gguf),
+                                                                       multimodal, dt), texts, prompts)
     llm = LLM.from_engine_args(engine_args)
-    texts = args.prompt or ["The capital of France is"]
-    if args.image or args.video:
-        from vllm_neuron.entrypoints.openai.chat_template import normalize_messages
-
-        parts = [{"type": "image", "image": _source(p)} for p in args.image] + \
-                [{"type": "video", "video": _source(p)} for p in args.video]
-        tok = llm.get_tokenizer()
-        prompts = []
-        for t in texts:
-            media: dict = {}
-            conv = normalize_messages([{"role": "user", "content": parts + [{"type": "text", "text": t}]}], media)
-            text = tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
-            prompts.append({"prompt": text, "multi_modal_data": media})
-    else:
-        prompts = list(texts)
     worst = 0.0
     for text, r in zip(texts, validate(llm, prompts, args.max_tokens, args.logprobs_k)):
         print(f"\n>>> {text!r}  reference tokens {r['tokens']}")
@@ -163,6 +152,23 @@ def run_validate_logits(args: argparse.Namespace) -> int:
             worst = max(worst, a.max_abs_diff)
     print(f"\nlargest difference from transformers fp32: {worst:.3e}")
     return 1 if args.fail_above is not None and worst > args.fail_above else 0
+
+
+def _prompts(tok, texts: list[str], args: argparse.Namespace) -> list:
+    """The texts as they are, or with --image / --video: a chat message each, the media first."""
+    if not (args.image or args.video):
+        return list(texts)
+    from vllm_neuron.entrypoints.openai.chat_template import normalize_messages
+
+    parts = [{"type": "image", "image": _source(p)} for p in args.image] + \
+            [{"type": "video", "video": _source(p)} for p in args.video]
+    prompts = []
+    for t in texts:
+        media: dict = {}
+        conv = normalize_messages([{"role": "user", "content": parts + [{"type": "text", "text": t}]}], media)
+        text = tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
+        prompts.append({"prompt": text, "multi_modal_data": media})
+    return prompts
 
 
 def _source(path: str) -> bytes | str:
