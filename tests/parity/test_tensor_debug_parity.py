@@ -32,7 +32,8 @@ def hf():
 
 def _captures(folder: str, req: str) -> dict[str, torch.Tensor]:
     """A request's captures over its steps, joined along the positions."""
-    entries = [json.loads(line) for line in open(os.path.join(folder, "manifest.jsonl"))]
+    with open(os.path.join(folder, "manifest.jsonl")) as f:
+        entries = [json.loads(line) for line in f]
     entries = sorted((e for e in entries if e["request"] == req), key=lambda e: e["step"])
     parts = [load_file(os.path.join(folder, e["file"])) for e in entries]
     return {n: torch.cat([p[n] for p in parts]) for n in parts[0]}

@@ -66,7 +66,8 @@ class DraftGraphs(Protocol):
 
 def recorded(fn):
     """A graph function whose StepOutput also carries the tensors the model's taps recorded during it
-    (neuron_config.tensor_capture): graph outputs like the tokens, so a compiled graph returns them too."""
+    (neuron_config.tensor_capture): graph outputs like the tokens, so a compiled graph returns them too.
+    Only for methods the bucket functions call: a compiled function saved ahead of time cannot be a closure."""
 
     @functools.wraps(fn)
     def run(self: "GraphBase", x):
@@ -219,8 +220,11 @@ class StepGraphs(GraphBase):
         drafts = None if self.drafter is None else self.drafter.after_prefill(self, x, tokens, taps, meta)
         return StepOutput(tokens, logits, drafts), hidden
 
-    @recorded
     def decode(self, x: DecodeInputs) -> StepOutput:
+        return self._decode(x)
+
+    @recorded
+    def _decode(self, x: DecodeInputs) -> StepOutput:
         meta = self.decode_meta(x.slot_mapping, x.block_tables, x.positions)
         hidden, taps = self.forward(x.input_ids, x.positions, x.kv_caches, meta,
                                     self._group_metas(meta, x.groups, False), x.row_extras)
@@ -228,8 +232,11 @@ class StepGraphs(GraphBase):
         drafts = None if self.drafter is None else self.drafter.after_decode(self, x, tokens, taps, meta)
         return StepOutput(tokens, logits, drafts)
 
-    @recorded
     def verify(self, x: VerifyInputs) -> StepOutput:
+        return self._verify(x)
+
+    @recorded
+    def _verify(self, x: VerifyInputs) -> StepOutput:
         """The target over 1 + K rows per sequence (K/V of the last token and the drafts written in place),
         logits at every row, the grammar mask at every verified position, and the rejection sampler."""
         b, k = x.draft_ids.shape
@@ -284,8 +291,11 @@ class SlotStepGraphs(GraphBase):
         self._write_token_state(slots, tokens, next_pos, state)
         return StepOutput(tokens, logits), hidden
 
-    @recorded
     def decode(self, x: SlotDecodeInputs) -> StepOutput:
+        return self._decode(x)
+
+    @recorded
+    def _decode(self, x: SlotDecodeInputs) -> StepOutput:
         state, rows, bs = x.state, x.row_slots, self.options.block_size
         ids = state.last_token[rows]
         pos = state.position[rows]

@@ -54,6 +54,8 @@ logger = init_logger(__name__)
 
 class ModelRunnerBase:
     pooler: Pooler | None = None  # a pooling engine's (set in __init__)
+    tensor_debug: TensorDebug | None = None  # neuron_config.tensor_capture / tensor_replacement (set at load)
+    _eager_graphs = False  # _graph() hands out the uncompiled graph functions (TensorDebug.prepare's probe)
 
     def __init__(self, config: EngineConfig, checkpoint: Checkpoint, device: torch.device, dtype: torch.dtype,
                  backend: str) -> None:
@@ -79,8 +81,6 @@ class ModelRunnerBase:
         self.model = None
         self.kinds: list[ModelKindState] = []  # set when the model is built
         self.compiler: GraphCompiler | None = None
-        self.tensor_debug: TensorDebug | None = None  # neuron_config.tensor_capture / tensor_replacement
-        self._eager_graphs = False  # _graph() hands out the uncompiled graph functions (TensorDebug.prepare)
         self.graphs = None  # the runner's StepGraphs / SlotStepGraphs
         self._bucket_graphs: dict[tuple[str, int, int], Callable] = {}
         self._free_before_load: int | None = None

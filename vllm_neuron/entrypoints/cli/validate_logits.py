@@ -13,8 +13,9 @@ import argparse
 import os
 from dataclasses import dataclass
 
-import numpy as np
 import torch
+
+from vllm_neuron.entrypoints.cli.validate_modules import hf_media_inputs
 
 
 @dataclass
@@ -64,25 +65,6 @@ def _reference(path: str, gguf_file: str | None, multimodal: bool, dtype: torch.
     return cls.from_pretrained(path, dtype=dtype, local_files_only=True, **kw).eval()
 
 
-def _hf_inputs(ids: list[int], items: list | None) -> dict:
-    """transformers' multimodal inputs for our processed items (the same pixels and expanded ids)."""
-    out: dict = {}
-    if not items:
-        return out
-    types = [0] * len(ids)
-    for kind, code in (("image", 1), ("video", 2)):
-        mine = [i for i in items if i.modality == kind]
-        for item in mine:
-            for p in item.token_positions():
-                types[p] = code
-        if mine:
-            px = "pixel_values" if kind == "image" else "pixel_values_videos"
-            out[px] = torch.from_numpy(np.concatenate([i.pixel_values for i in mine]))
-            out[f"{kind}_grid_thw"] = torch.tensor([i.grid_thw for i in mine])
-    out["mm_token_type_ids"] = torch.tensor([types])
-    return out
-
-
 def validate(llm, prompts: list, max_tokens: int, k: int) -> list[dict]:
     """Per prompt: {"tokens": reference tokens, "fp32": [PositionStats], "bf16": [PositionStats]}."""
     from vllm_neuron.sampling_params import SamplingParams
@@ -96,7 +78,7 @@ def validate(llm, prompts: list, max_tokens: int, k: int) -> list[dict]:
     results = []
     for prompt in prompts:
         _, ids, items = engine.input_processor.tokenize_multimodal(prompt)
-        extra = _hf_inputs(ids, items)
+        extra = hf_media_inputs(ids, items)
         with torch.no_grad():
             gen = refs[torch.float32].generate(torch.tensor([ids]), max_new_tokens=max_tokens,
                                                min_new_tokens=max_tokens, do_sample=False, **extra)

@@ -21,6 +21,7 @@ import re
 import tempfile
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from vllm_neuron.config.tensor_debug import module_matcher
@@ -44,6 +45,25 @@ class ModuleDiff:
 def relative_diff(a: torch.Tensor, ref: torch.Tensor) -> float:
     ref = ref.float()
     return float((a.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-12))
+
+
+def hf_media_inputs(ids: list[int], items: list | None) -> dict:
+    """transformers' multimodal inputs for our processed items (the same pixels and expanded ids)."""
+    out: dict = {}
+    if not items:
+        return out
+    types = [0] * len(ids)
+    for kind, code in (("image", 1), ("video", 2)):
+        mine = [i for i in items if i.modality == kind]
+        for item in mine:
+            for p in item.token_positions():
+                types[p] = code
+        if mine:
+            px = "pixel_values" if kind == "image" else "pixel_values_videos"
+            out[px] = torch.from_numpy(np.concatenate([i.pixel_values for i in mine]))
+            out[f"{kind}_grid_thw"] = torch.tensor([i.grid_thw for i in mine])
+    out["mm_token_type_ids"] = torch.tensor([types])
+    return out
 
 
 def reference_outputs(model: torch.nn.Module, ids: list[int], names: list[str],
@@ -134,10 +154,8 @@ def validate_modules(engine_args, reference_loader, prompts: list,
     layers = [n for n in names if _LAYER.match(n)]
     with tempfile.TemporaryDirectory(prefix="vllm-neuron-modules-") as tmp:
         acc_dir, iso_dir = os.path.join(tmp, "accumulated"), os.path.join(tmp, "local")
-        from vllm_neuron.entrypoints.cli.validate_logits import _hf_inputs
-
         tokens, dtype = _run(engine_args, prompts, acc_dir, names)
-        extras = [_hf_inputs(ids, items) for ids, items in tokens]
+        extras = [hf_media_inputs(ids, items) for ids, items in tokens]
 
         def media_inputs(extra: dict, dt: torch.dtype) -> dict:
             return {n: (v.to(dt) if v.is_floating_point() else v) for n, v in extra.items()}
