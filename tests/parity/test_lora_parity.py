@@ -1,8 +1,9 @@
 """LoRA adapters against transformers + PEFT on the tiny random Llama (fp32, greedy): one batch mixing three
 adapters (different ranks, rsLoRA, one on q/v only) and the base model, each request's tokens equal to
-transformers with its adapter merged (merge_and_unload) and unmerged (PeftModel); on MRv1 and MRv2 eager, one
-compiled engine; four adapters rotating through two slots (with n-gram speculative decoding); the prefix cache
-never sharing a prompt's blocks between adapters."""
+transformers with its adapter merged (merge_and_unload; PEFT's unmerged forward checked to agree); on MRv1
+eager, one compiled engine (MRv2, the default runner) and TP=2; four adapters rotating through two slots
+(with n-gram speculative decoding); the prefix cache never sharing a prompt's blocks between adapters; bad
+adapters refused while the engine keeps serving."""
 from __future__ import annotations
 
 import random
@@ -15,6 +16,7 @@ from tests.model_factory import (build_tiny_llama, cached_greedy_reference, make
 from vllm_neuron import SamplingParams
 from vllm_neuron.lora.request import LoRARequest
 from vllm_neuron.worker.lora.state import LoRAState
+from vllm_neuron.worker.model_runner_v2 import ModelRunnerV2
 
 pytestmark = pytest.mark.engine
 
@@ -68,19 +70,22 @@ def _check(llm, setup, names: list) -> None:
 MIXED = ["a", None, "b", "c", "a"]  # three adapters and the base model in one batch
 
 
-@pytest.mark.parametrize("runner", ["v1", "v2"])
-def test_mixed_batch_eager(setup, runner, monkeypatch):
-    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1" if runner == "v2" else "0")
+def test_mixed_batch_eager_mrv1(setup, monkeypatch):
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
     llm = tiny_llm(setup[0], **ENGINE, max_loras=3)
     _check(llm, setup, MIXED)
     _check(llm, setup, ["c", "b", None, "a", "b"])  # the same adapters in other slots' rows
 
 
-def test_mixed_batch_compiled(setup, monkeypatch):
-    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
+def test_mixed_batch_compiled_mrv2(setup, monkeypatch):
+    """The default runner for a compiled dense model (MRv2): the slots are read inside the compiled graphs, and
+    adapters written into slots after warm-up are seen without tracing again."""
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
     llm = tiny_llm(setup[0], **ENGINE, max_loras=3, enforce_eager=False, additional_config={"neuron_config": {
         "num_batched_tokens_buckets": [64], "num_seqs_buckets": [8]}})
+    assert isinstance(llm.llm_engine.core.runner, ModelRunnerV2)
     _check(llm, setup, MIXED)
+    _check(llm, setup, ["c", "b", None, "a", "b"])
 
 
 def test_rotation_through_two_slots_with_ngram(setup, monkeypatch):
