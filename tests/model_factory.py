@@ -603,8 +603,7 @@ def cached_greedy_reference(model, prompts: list[list[int]], max_new: int) -> li
             o = model(input_ids=torch.tensor([p]), use_cache=True, logits_to_keep=1)
             new = [int(o.logits[0, -1].argmax())]
             for _ in range(max_new - 1):
-                o = model(input_ids=torch.tensor([[new[-1]]]), past_key_values=o.past_key_values, use_cache=True,
-                          logits_to_keep=1)
+                o = model(input_ids=torch.tensor([[new[-1]]]), cache=o.cache, use_cache=True, logits_to_keep=1)
                 new.append(int(o.logits[0, -1].argmax()))
             out.append(new)
     return out

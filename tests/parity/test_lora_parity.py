@@ -20,8 +20,8 @@ from vllm_neuron.worker.model_runner_v2 import ModelRunnerV2
 
 pytestmark = pytest.mark.engine
 
-MAX_NEW = 8
-LENGTHS = [5, 21, 34, 12, 9]
+MAX_NEW = 6
+LENGTHS = [5, 21, 34, 12]
 # (name, rank, alpha, rsLoRA, targets)
 ADAPTERS = [("a", 8, 16.0, False, None), ("b", 16, 8.0, True, None), ("c", 4, 8.0, False, ("q_proj", "v_proj")),
             ("d", 2, 4.0, False, ("o_proj", "down_proj", "up_proj"))]
@@ -67,14 +67,14 @@ def _check(llm, setup, names: list) -> None:
         assert g == refs[n][i], f"prompt {i} under adapter {n} diverged from transformers"
 
 
-MIXED = ["a", None, "b", "c", "a"]  # three adapters and the base model in one batch
+MIXED = ["a", None, "b", "c"]  # three adapters and the base model in one batch
 
 
 def test_mixed_batch_eager_mrv1(setup, monkeypatch):
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
     llm = tiny_llm(setup[0], **ENGINE, max_loras=3)
     _check(llm, setup, MIXED)
-    _check(llm, setup, ["c", "b", None, "a", "b"])  # the same adapters in other slots' rows
+    _check(llm, setup, ["c", "b", None, "a"])  # the same adapters in other slots' rows
 
 
 def test_mixed_batch_compiled_mrv2(setup, monkeypatch):
@@ -85,7 +85,7 @@ def test_mixed_batch_compiled_mrv2(setup, monkeypatch):
         "num_batched_tokens_buckets": [64], "num_seqs_buckets": [8]}})
     assert isinstance(llm.llm_engine.core.runner, ModelRunnerV2)
     _check(llm, setup, MIXED)
-    _check(llm, setup, ["c", "b", None, "a", "b"])
+    _check(llm, setup, ["c", "b", None, "a"])
 
 
 def test_rotation_through_two_slots_with_ngram(setup, monkeypatch):
@@ -95,8 +95,8 @@ def test_rotation_through_two_slots_with_ngram(setup, monkeypatch):
     llm = tiny_llm(setup[0], **ENGINE, max_loras=2, max_cpu_loras=3, async_scheduling=False,
                    speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2})
     state = next(k for k in llm.llm_engine.core.runner.kinds if isinstance(k, LoRAState))
-    _check(llm, setup, ["a", "b", "c", "d", None])
-    _check(llm, setup, ["d", "c", "b", "a", "a"])
+    _check(llm, setup, ["a", "b", "c", "d"])
+    _check(llm, setup, ["d", "c", "b", "a"])
     assert state.slot_writes >= 6  # four adapters through two slots, twice over
     assert state.host.loads > 4  # three host copies for four adapters: one was read again
 
@@ -124,7 +124,7 @@ def test_prefix_cache_keyed_by_adapter_and_bad_requests(setup, tmp_path):
         llm.generate([prompt], params, use_tqdm=False, lora_request=LoRARequest("big", 9, str(big)))
     with pytest.raises(ValueError, match="not an existing folder"):
         llm.generate([prompt], params, use_tqdm=False, lora_request=LoRARequest("x", 10, str(tmp_path / "none")))
-    _check(llm, setup, ["a", None, "c", "a", None])  # the engine still serves
+    _check(llm, setup, ["a", None, "c", "a"])  # the engine still serves
 
 
 def test_tp2_mixed_batch(setup):
