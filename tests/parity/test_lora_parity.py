@@ -10,7 +10,6 @@ import random
 from pathlib import Path
 
 import pytest
-import torch
 
 from tests.model_factory import (build_tiny_llama, cached_greedy_reference, make_peft_adapter, merged_lora_model,
                                  tiny_llm)
@@ -137,24 +136,3 @@ def test_tp2_mixed_batch(setup):
     finally:
         llm.llm_engine.shutdown()
 
-
-def test_int8_base_with_adapters(setup):
-    """Weight-only int8 base: the delta is computed in the compute dtype beside the quantized matmul, so the
-    tokens equal transformers whose base weights were rounded alike, with the adapter merged on top."""
-    from vllm_neuron.model.layers import quant_int8
-
-    _, loras, _ = setup
-    hf = build_tiny_llama()
-    with torch.no_grad():
-        for module in hf.modules():
-            if isinstance(module, torch.nn.Linear):
-                module.weight = torch.nn.Parameter(quant_int8.dequantize(*quant_int8.quantize(module.weight),
-                                                                         torch.float32))
-    prompts = _prompts()[:2]
-    want = [cached_greedy_reference(merged_lora_model(hf, loras["b"].lora_path), prompts[:1], MAX_NEW)[0],
-            cached_greedy_reference(hf, prompts[1:], MAX_NEW)[0]]
-    llm = tiny_llm(setup[0], **ENGINE, additional_config={"neuron_config": {"quantization": "int8"}})
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True), use_tqdm=False,
-                        lora_request=[loras["b"], None])
-    assert [list(o.outputs[0].token_ids) for o in outs] == want
