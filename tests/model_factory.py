@@ -556,3 +556,54 @@ def generate_token_ids(llm, prompts: list[list[int]], params) -> list[list[int]]
     """The first completion's token ids of each token-id prompt."""
     return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
                                                           use_tqdm=False)]
+
+
+LORA_ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def make_peft_adapter(path: str, base, *, r: int = 8, lora_alpha: float = 16.0, seed: int = 1,
+                      targets: tuple[str, ...] = LORA_ALL_TARGETS, use_rslora: bool = False,
+                      scale: float = 1.0) -> str:
+    """Writes a PEFT LoRA adapter folder (adapter_config.json + adapter_model.safetensors) for the transformers
+    model `base` (not modified): seeded random A and B (PEFT's B starts at zero, which would change nothing),
+    at unit scale like build_tiny_model's weights times `scale`, so the adapter changes greedy tokens."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+
+    cfg = LoraConfig(r=r, lora_alpha=lora_alpha, target_modules=list(targets), lora_dropout=0.0, bias="none",
+                     use_rslora=use_rslora, task_type="CAUSAL_LM")
+    peft_model = get_peft_model(copy.deepcopy(base), cfg)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if ".lora_A." in name or ".lora_B." in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * scale / math.sqrt(p.shape[1]))
+    peft_model.save_pretrained(path)
+    return path
+
+
+def merged_lora_model(base, adapter_dir: str, merge: bool = True):
+    """transformers' `base` (a copy) with the adapter: merged into the weights (merge_and_unload), or kept
+    beside them as PEFT computes it (merge=False)."""
+    import copy
+
+    from peft import PeftModel
+
+    model = PeftModel.from_pretrained(copy.deepcopy(base), adapter_dir)
+    return (model.merge_and_unload() if merge else model).eval()
+
+
+def cached_greedy_reference(model, prompts: list[list[int]], max_new: int) -> list[list[int]]:
+    """Greedy tokens of a transformers (or PEFT) causal LM, one prompt at a time through its KV cache, logits of
+    the last position only: the same tokens as `greedy_reference` at a fraction of generate()'s overhead."""
+    out = []
+    with torch.no_grad():
+        for p in prompts:
+            o = model(input_ids=torch.tensor([p]), use_cache=True, logits_to_keep=1)
+            new = [int(o.logits[0, -1].argmax())]
+            for _ in range(max_new - 1):
+                o = model(input_ids=torch.tensor([[new[-1]]]), cache=o.cache, use_cache=True, logits_to_keep=1)
+                new.append(int(o.logits[0, -1].argmax()))
+            out.append(new)
+    return out

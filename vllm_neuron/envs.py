@@ -376,6 +376,12 @@ _VARS: dict[str, EnvVar] = {
             "1: /v1/responses stores its responses in memory (previous_response_id, GET /v1/responses/{id}), "
             "as --enable-store does (vLLM's variable). Default off.",
         ),
+        EnvVar(
+            "VLLM_ALLOW_RUNTIME_LORA_UPDATING",
+            lambda: _bool("VLLM_ALLOW_RUNTIME_LORA_UPDATING"),
+            "1: the server offers /v1/load_lora_adapter and /v1/unload_lora_adapter (LoRA adapters added and "
+            "removed while it runs, with --enable-lora); vLLM's variable. Default off (the routes answer 404).",
+        ),
         # -- models by Hugging Face id (huggingface_hub's own variables; HF_TOKEN is read by huggingface_hub and
         # never logged) --
         EnvVar(

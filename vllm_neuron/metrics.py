@@ -118,6 +118,11 @@ NUM_REQUESTS_RUNNING = Gauge("vllm:num_requests_running", "Number of requests in
                              _ME, registry=None, multiprocess_mode="livesum")
 NUM_REQUESTS_WAITING = Gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
                              _ME, registry=None, multiprocess_mode="livesum")
+# vLLM's LoRA info series: the label set names the adapters of running and waiting requests, the value is when
+# that was last true (a new label set per change, as vLLM exports it).
+LORA_REQUESTS_INFO = Gauge("vllm:lora_requests_info", "Running stats on lora requests.",
+                           ["max_lora", "waiting_lora_adapters", "running_lora_adapters"], registry=None,
+                           multiprocess_mode="livemostrecent")
 KV_CACHE_USAGE = Gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
                        _ME, registry=None, multiprocess_mode="livemax")
 PREFIX_CACHE_QUERIES = Counter("vllm:prefix_cache_queries",
@@ -298,6 +303,11 @@ def record_step(*, num_running: int, num_waiting: int, kv_cache_usage: float,
         PREFIX_CACHE_HITS.labels(*me).inc(prefix_cache_hits)
     if num_preemptions:
         NUM_PREEMPTIONS.labels(*me).inc(num_preemptions)
+
+
+def record_lora(max_loras: int, running: list[str], waiting: list[str]) -> None:
+    """The adapters of running and waiting requests (names), once per engine step with LoRA on."""
+    LORA_REQUESTS_INFO.labels(str(max_loras), ",".join(waiting), ",".join(running)).set_to_current_time()
 
 
 def record_spec_decode(num_drafts: int, num_draft_tokens: int, num_accepted_tokens: int,

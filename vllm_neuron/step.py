@@ -30,6 +30,7 @@ class NewRequestData:
     mm_items: list | None = None  # multimodal.inputs.MultiModalItem per media item
     prompt_embeds: object = None  # [len(prompt_token_ids), hidden] tensor: the prompt's input rows (ids unused)
     pooling_params: object = None  # pooling_params.PoolingParams of a pooling request (its sampling_params unused)
+    lora_request: object = None  # lora.request.LoRARequest: the adapter the request runs with (None: the base model)
 
 
 @dataclass

@@ -32,6 +32,7 @@ GROUPS = {
     "server": "Server: HTTP listener, authentication, logging",
     "frontend": "Frontend: OpenAI API behaviour (chat templates, tools, served names)",
     "multimodal": "Multimodal: images and video (limits, processor options, local media)",
+    "lora": "LoRA: adapters served beside the base model, chosen per request",
     "structured_outputs": "Structured outputs: how much grammar work one request may ask for",
 }
 
@@ -219,6 +220,19 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool =
                    help="the only hosts http(s) media URLs may name (redirects are checked too); loopback, "
                    "link-local and private addresses are refused unless their host is listed (default: any "
                    "public host)")
+
+    g = arg_group(parser, "lora")
+    g.add_argument("--enable-lora", action="store_true",
+                   help="serve LoRA adapters (PEFT folders); a request picks one by its name in `model`")
+    g.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                   help='adapters registered at start: name=path, or JSON {"name": ..., "path": ..., '
+                   '"base_model_name": ...} (default: none)')
+    g.add_argument("--max-loras", type=int, default=d.max_loras,
+                   help="adapters resident on the device at once: the most distinct adapters in one batch")
+    g.add_argument("--max-lora-rank", type=int, default=d.max_lora_rank,
+                   help="the largest adapter rank served (the device slots are this wide)")
+    g.add_argument("--max-cpu-loras", type=int, default=None,
+                   help="adapters kept in host memory, at least --max-loras (default: --max-loras)")
 
     g = arg_group(parser, "structured_outputs")
     g.add_argument("--grammar-max-properties", type=int, default=d.grammar_max_properties,

@@ -100,6 +100,16 @@ REFUSED: tuple[Refusal, ...] = (
             "does not have); remove --speculative-config"),
     _refuse("prompt_embeds", "tensor_parallel", message="enable_prompt_embeds=True is not supported yet by "
             "vllm-neuron with tensor_parallel_size={tensor_parallel_size}; use tensor_parallel_size=1"),
+    # LoRA adapters: applied inside the Llama family's dense decoder layers (model/layers/lora.py)
+    _refuse("lora", "moe", message="enable_lora=True is not supported yet by vllm-neuron for mixture-of-experts "
+            "models (adapters on stacked experts are not built); LoRA serves the dense Llama / Qwen3 families"),
+    _refuse("lora", "multimodal", message="enable_lora=True is not supported yet by vllm-neuron for multimodal "
+            "models; LoRA serves the dense Llama / Qwen3 text families"),
+    *(_refuse("lora", f"speculative:{method}", message="enable_lora=True is not supported yet by vllm-neuron with "
+              "speculative_config={speculative!r}: the draft model would propose for the base model, not the "
+              "request's adapter; use method 'ngram'") for method in ("eagle3", "dflash")),
+    _refuse("lora", "kv_transfer", message="enable_lora=True is not supported yet by vllm-neuron with "
+            "kv_transfer_config (the adapter a prefill instance used does not travel with the KV blocks)"),
     # Compilation
     _refuse("decode_cpp_wrapper", "eager_backend", message="neuron_config.decode_cpp_wrapper=true needs compiled "
             "graphs; it cannot be combined with enforce_eager or VLLM_NEURON_BACKEND=eager"),
@@ -131,6 +141,7 @@ class Features:
     compile_workers: int = 1  # NEURON_LIBTORCH_PARALLEL_COMPILE_WORKERS
     kv_transfer: bool = False  # --kv-transfer-config (disaggregated prefill/decode)
     prompt_embeds: bool = False  # enable_prompt_embeds
+    lora: bool = False  # enable_lora
 
     def names(self) -> frozenset[str]:
         flags = {
@@ -141,7 +152,7 @@ class Features:
             "data_parallel": self.data_parallel_size > 1, "multi_node_tp": self.nnodes > 1,
             "expert_parallel": self.expert_parallel, "decode_cpp_wrapper": self.decode_cpp_wrapper,
             "parallel_compile": self.compile_workers > 1, "kv_transfer": self.kv_transfer,
-            "prompt_embeds": self.prompt_embeds,
+            "prompt_embeds": self.prompt_embeds, "lora": self.lora,
         }
         out = {name for name, on in flags.items() if on}
         if self.speculative is not None:

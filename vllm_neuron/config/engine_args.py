@@ -25,6 +25,7 @@ from vllm_neuron.config import grammar_limits as GL
 from vllm_neuron.config.generation_config import check_generation_config_arg, parse_override
 from vllm_neuron.config.json_object import parse_json_object
 from vllm_neuron.config.kv_transfer import KVTransferConfig, parse_kv_transfer_config
+from vllm_neuron.config.lora import LoRAConfig, LoRAModulePath, check_lora_options
 from vllm_neuron.config.neuron_config import AdditionalConfig, parse_additional_config
 from vllm_neuron.config.pooler_config import CONVERTS, RUNNERS, TASKS, PoolerConfig, parse_pooler_config
 from vllm_neuron.config.speculative import SpeculativeConfig, parse_speculative_config
@@ -135,6 +136,13 @@ class EngineOptions:
     task: str | None = None  # the older spelling: generate | embed | embedding | classify | score
     pooler_config: dict | str | PoolerConfig | None = None  # {"pooling_type", "normalize", "dimensions", ...}
     speculative_config: dict | str | SpeculativeConfig | None = None
+    # LoRA adapters (config/lora.py): adapters resident on the device (slots in one batch), their largest rank,
+    # adapters kept in host memory (None: max_loras), and the server's adapters registered at start.
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+    lora_modules: list | tuple | None = None  # "name=path" strings, JSON objects or LoRAModulePath
     kv_transfer_config: dict | str | KVTransferConfig | None = None  # config/kv_transfer.py
     ec_transfer_config: dict | str | None = None
     mm_encoder_only: bool = False
@@ -164,6 +172,17 @@ class EngineOptions:
         return GL.GrammarLimits(self.grammar_max_properties, self.grammar_max_depth, self.grammar_max_pattern_length,
                                 self.grammar_max_repeat, self.grammar_max_bytes, self.grammar_compile_timeout,
                                 self.grammar_cache_bytes)
+
+    @property
+    def lora(self) -> LoRAConfig | None:
+        """The LoRA limits (None: LoRA off)."""
+        return check_lora_options(self.enable_lora, self.lora_modules, self.max_loras, self.max_lora_rank,
+                                  self.max_cpu_loras)[0]
+
+    @property
+    def lora_module_paths(self) -> tuple[LoRAModulePath, ...]:
+        return check_lora_options(self.enable_lora, self.lora_modules, self.max_loras, self.max_lora_rank,
+                                  self.max_cpu_loras)[1]
 
     @property
     def local_tp_ranks(self) -> int:
@@ -237,6 +256,8 @@ class EngineArgs(EngineOptions):
         if self.allowed_local_media_path is not None and not os.path.isdir(self.allowed_local_media_path):
             raise ValueError(f"allowed_local_media_path={self.allowed_local_media_path!r} is not an existing folder")
         check_allowed_media_domains(self.allowed_media_domains)
+        _, lora_modules = check_lora_options(self.enable_lora, self.lora_modules, self.max_loras,
+                                             self.max_lora_rank, self.max_cpu_loras)
         for name in ("revision", "tokenizer_revision", "download_dir", "hf_file"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value.strip()):
@@ -249,7 +270,7 @@ class EngineArgs(EngineOptions):
             limit_mm_per_prompt=parse_limit_mm_per_prompt(self.limit_mm_per_prompt),
             mm_processor_kwargs=_json_dict("mm_processor_kwargs", self.mm_processor_kwargs),
             override_generation_config=parse_override(self.override_generation_config),
-            pooler_config=parse_pooler_config(self.pooler_config),
+            pooler_config=parse_pooler_config(self.pooler_config), lora_modules=list(lora_modules) or None,
             additional_config=parse_additional_config(self.additional_config))
         parsed._check_parallel()
         parsed._check_neuron_config(device)
@@ -269,7 +290,7 @@ class EngineArgs(EngineOptions):
             expert_parallel=self.enable_expert_parallel, decode_cpp_wrapper=nc.decode_cpp_wrapper,
             kv_transfer=self.kv_transfer_config is not None,
             compile_workers=envs.NEURON_LIBTORCH_PARALLEL_COMPILE_WORKERS or 1,
-            prompt_embeds=self.enable_prompt_embeds)
+            prompt_embeds=self.enable_prompt_embeds, lora=self.enable_lora)
 
     def _check_numbers(self) -> None:
         V.choice("block_size", self.block_size, BLOCK_SIZES)

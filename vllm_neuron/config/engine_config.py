@@ -170,7 +170,7 @@ def _pooling_options(args: EngineArgs) -> EngineArgs:
     """A pooling engine's refusals, and prefix caching off: a pooled request's output needs every prompt
     position computed by its own step (a mean over cached blocks would read K/V, not hidden states)."""
     refused = {"speculative_config": args.speculative_config, "kv_transfer_config": args.kv_transfer_config,
-               "enable_prompt_embeds": args.enable_prompt_embeds or None,
+               "enable_prompt_embeds": args.enable_prompt_embeds or None, "enable_lora": args.enable_lora or None,
                "tensor_parallel_size": args.tensor_parallel_size if args.tensor_parallel_size > 1 else None}
     for option, value in refused.items():
         if value is not None:

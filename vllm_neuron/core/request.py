@@ -40,6 +40,7 @@ class Request:
     priority: int = 0
     prompt_embeds: object = None  # [num_prompt_tokens, hidden] tensor (opaque here; the runner's input rows)
     pooling_params: object = None  # a pooling request's PoolingParams (opaque here): prefill only, then it finishes
+    lora_request: object = None  # its LoRA adapter (lora/request.py's LoRARequest; None: the base model)
 
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING

@@ -32,6 +32,9 @@ Policy:
   request goes back to its place in it), decode steps hand out blocks in that order, and the victim of a
   preemption is the running request last in it (the largest priority value, the latest arrival among
   equals). As in vLLM, a running request is never preempted only to admit a waiting one.
+* LoRA (`max_loras` > 0): a request holds its adapter's device slot from its first step until it finishes
+  (worker/lora/slots.py), so at most `max_loras` distinct adapters are ever held at once: a waiting request
+  whose adapter would be one too many is passed over (later requests may start) until a holder finishes.
 """
 from __future__ import annotations
 
@@ -84,6 +87,12 @@ class SchedulerConfig:
     policy: str = "fcfs"  # or "priority" (config/engine_args.py's SCHEDULING_POLICIES, checked there)
     # A bidirectional encoder's prompts are never split over steps (they attend both ways, with no KV cache).
     whole_prompts: bool = False
+    max_loras: int = 0  # LoRA: distinct adapters the runner can hold at once (0: LoRA off)
+
+
+def _lora_id(req: Request | None) -> int | None:
+    lr = req.lora_request if req is not None else None
+    return lr.lora_int_id if lr is not None else None
 
 
 def _priority_key(req: Request) -> tuple[int, float]:
@@ -211,6 +220,7 @@ class Scheduler:
         new: list[NewRequestData] = []
         alone = False
         candidates = self._in_policy_order(r for r in self.running if self._can_prefill(r)) + list(self.waiting)
+        loras = self._held_loras()
         for req in candidates:
             if budget == 0:
                 break
@@ -219,6 +229,9 @@ class Scheduler:
                 break
             if new and (alone or req.request_id in self._isolated):
                 break  # a request set up again after a failed step is the only new one in its step
+            lora = _lora_id(req)
+            if lora is not None and lora not in loras and len(loras) >= cfg.max_loras:
+                continue  # its adapter would be one too many in the runner's slots: it waits for a holder to end
             if chunks and _wants_prompt_logprobs(req) != _wants_prompt_logprobs(self.requests[chunks[0].req_id]):
                 break  # prompt logprobs steps run their graph eagerly: other requests keep the compiled one
             cached = None if admitted else \
@@ -243,7 +256,10 @@ class Scheduler:
                     self._isolated.discard(req.request_id)
                     alone = True
                 new.append(NewRequestData(req.request_id, req.prompt_token_ids, req.sampling_params,
-                                          req.eos_token_id, req.mm_items, req.prompt_embeds, req.pooling_params))
+                                          req.eos_token_id, req.mm_items, req.prompt_embeds, req.pooling_params,
+                                          req.lora_request))
+                if lora is not None:
+                    loras.add(lora)
             tokens = req.all_token_ids[start:start + n]
             sample = start + n == req.num_tokens
             chunks.append(ScheduledChunk(req.request_id, tokens, start, *self._tables(req.request_id),
@@ -254,6 +270,17 @@ class Scheduler:
         if not chunks:
             return None
         return SchedulerOutput("prefill", chunks, new)
+
+    def _held_loras(self) -> set[int]:
+        """Adapter ids the runner holds slots for: those of requests it has been sent and not told to end."""
+        held = (self.requests.get(r) for r in self._sent_to_runner | self._isolated)
+        return {i for i in map(_lora_id, held) if i is not None}
+
+    def lora_names(self) -> tuple[list[str], list[str]]:
+        """(adapters of running requests, adapters of waiting ones), names sorted (vllm:lora_requests_info)."""
+        def names(reqs) -> list[str]:
+            return sorted({r.lora_request.lora_name for r in reqs if r.lora_request is not None})
+        return names(self.running), names(self.waiting)
 
     def _admit(self, req: Request, cached, start: int) -> None:
         self.kv.record_prefix_lookup(req, cached)

@@ -14,6 +14,7 @@ import time
 from collections.abc import AsyncGenerator
 from typing import Any
 
+from vllm_neuron.lora.request import LoRARequest
 from vllm_neuron import metrics
 from vllm_neuron.config.engine_args import EngineArgs
 from vllm_neuron.config.engine_config import EngineConfig
@@ -21,7 +22,7 @@ from vllm_neuron.config.generation_config import effective_generation_config
 from vllm_neuron.engine.core_client import CoreClient
 from vllm_neuron.engine.dp_router import DPRouter
 from vllm_neuron.engine.input_processor import (InputProcessor, logits_processor_classes, multimodal_processor,
-                                                prompt_embeds_spec)
+                                                lora_checker, prompt_embeds_spec)
 from vllm_neuron.engine.output_processor import OutputProcessor
 from vllm_neuron.engine.admission import AdmissionControl
 from vllm_neuron.engine.protocol import (AdmissionTicket, EngineClient, EngineDeadError, EngineOverloadedError,
@@ -80,7 +81,7 @@ class AsyncLLM(EngineClient):
                                               kv_transfer=config.kv_transfer is not None,
                                               prompt_embeds=prompt_embeds_spec(config, ckpt),
                                               logits_processors=logits_processor_classes(config),
-                                              pooling=config.pooling)
+                                              pooling=config.pooling, lora=lora_checker(config, ckpt))
         self.output_processor = OutputProcessor(self.tokenizer)
         embeds = self.input_processor.prompt_embeds
         self.model_info = ModelInfo(ckpt.path, config.max_model_len, self.input_processor.eos_token_id,
@@ -95,6 +96,10 @@ class AsyncLLM(EngineClient):
         return cls(config, ckpt, model_name)
 
     # -- EngineClient -----------------------------------------------------------------------------
+    @property
+    def lora_checker(self):
+        return self.input_processor.lora
+
     def admit(self, weight: int) -> AdmissionTicket:
         return self.admission.admit(weight)
 
@@ -164,13 +169,14 @@ class AsyncLLM(EngineClient):
             yield out
 
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams | PoolingParams, request_id: str,
-                       priority: int = 0) -> AsyncGenerator[RequestOutput, None]:
+                       priority: int = 0, lora_request: LoRARequest | None = None,
+                       ) -> AsyncGenerator[RequestOutput, None]:
         self._ensure_handler()
         if self._dead is not None:
             raise EngineDeadError(f"the engine process died: {self._dead}")
         if request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is already in use")
-        text, ids, reqs = self.input_processor.process(request_id, prompt, sampling_params, priority)
+        text, ids, reqs = self.input_processor.process(request_id, prompt, sampling_params, priority, lora_request)
         q: asyncio.Queue = asyncio.Queue()
         decision = self.router.route(ids, weight=len(reqs))
         if self.router.loads[decision.replica] == len(reqs):

@@ -90,7 +90,8 @@ class EngineCore:
             max_prefill_context_tokens=max(nc.context_buckets), num_speculative_tokens=config.num_speculative_tokens,
             spec_disable_by_batch_size=config.speculative.disable_by_batch_size if config.speculative else None,
             kv_cache_layout=self.runner.kv_layout, policy=config.scheduling_policy,
-            whole_prompts=config.pooling is not None and config.pooling.bidirectional),
+            whole_prompts=config.pooling is not None and config.pooling.bidirectional,
+            max_loras=config.lora.max_loras if config.lora is not None else 0),
             kv_transfer=self.kv_transfer.scheduler_side if self.kv_transfer is not None else None)
         self.structured = None  # StructuredOutputManager, created with the first grammar request
         self._grammar_wait: dict[str, Request] = {}
@@ -145,9 +146,14 @@ class EngineCore:
         salt = tuple(item.mm_hash for item in req.mm_items) if req.mm_items else ()
         if req.prompt_embeds is not None:  # placeholder ids: the embeddings' bytes key the prefix cache
             salt += (embeds_digest(req.prompt_embeds),)
+        if req.lora_request is not None:
+            if self.config.lora is None:
+                raise ValueError("a LoRA adapter was requested, but LoRA is not enabled (enable_lora=True)")
+            salt += req.lora_request.cache_key()  # the same prompt under two adapters shares no KV
         request = Request(req.request_id, req.prompt_token_ids, req.sampling_params, req.eos_token_id,
                           arrival_time=req.arrival_time, cache_salt=salt, mm_items=req.mm_items,
-                          priority=req.priority, prompt_embeds=req.prompt_embeds, pooling_params=req.pooling_params)
+                          priority=req.priority, prompt_embeds=req.prompt_embeds, pooling_params=req.pooling_params,
+                          lora_request=req.lora_request)
         if req.sampling_params.structured_outputs is None:
             self.scheduler.add_request(request)
             return
@@ -380,4 +386,5 @@ class EngineCore:
             encoder_cache=self.runner.encoder_cache_stats(),
             grammar_cache_bytes=self.structured.cache_bytes if self.structured is not None else 0,
             grammar_compile_timeouts=self.structured.compile_timeouts if self.structured is not None else 0,
-            kv_transfer=self.kv_transfer.stats() if self.kv_transfer is not None else None)
+            kv_transfer=self.kv_transfer.stats() if self.kv_transfer is not None else None,
+            lora=(s.config.max_loras, *s.lora_names()) if s.config.max_loras else None)

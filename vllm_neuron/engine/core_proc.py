@@ -225,6 +225,8 @@ class _StatsRecorder:
                                                        (c - p for c, p in zip(cur, self.prev_kv)))),
                                             seconds=[t for ok, _, t in results if ok])
             self.prev_kv = cur
+        if s.lora is not None:
+            self.metrics.record_lora(*s.lora)
         if s.bucket_name:
             self.metrics.record_execution(s.bucket_name)
             self.metrics.record_padding("tokens" if s.step_kind == "prefill" else "seqs", s.bucket_name,

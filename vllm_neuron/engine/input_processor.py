@@ -6,6 +6,8 @@ import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
+from vllm_neuron.lora.peft_adapter import AdapterChecker, BaseShapes
+from vllm_neuron.lora.request import LoRARequest
 from vllm_neuron.config.generation_config import sampling_defaults
 from vllm_neuron.config.kv_transfer import parse_kv_transfer_params
 from vllm_neuron.logger import init_logger
@@ -51,6 +53,13 @@ def prompt_embeds_spec(config, ckpt) -> tuple[int, Any] | None:
     return ckpt.hf_config.get_text_config().hidden_size, config.torch_dtype
 
 
+def lora_checker(config, ckpt) -> AdapterChecker | None:
+    """The adapter check of an engine with LoRA on (None: LoRA off, adapters refused)."""
+    if config.lora is None:
+        return None
+    return AdapterChecker(BaseShapes.from_hf_config(ckpt.hf_config), config.lora.max_lora_rank)
+
+
 def child_request_id(index: int, request_id: str) -> str:
     return f"{index}_{request_id}"
 
@@ -62,14 +71,16 @@ class InputProcessor:
                  grammar_check: Callable[[StructuredOutputsParams, int | None], None] | None = None,
                  scheduling_policy: str = "fcfs", kv_transfer: bool = False,
                  prompt_embeds: tuple[int, Any] | None = None, logits_processors: tuple[type, ...] = (),
-                 pooling: Any = None) -> None:
+                 pooling: Any = None, lora: AdapterChecker | None = None) -> None:
         """grammar_check(params, max_tokens): a structured-output constraint's size limits and compilation
         (structured_output/checker.py; ValueError naming the problem); None: compiled here, unbounded.
         scheduling_policy: a request `priority` other than 0 is refused unless it is "priority" (vLLM's rule).
         kv_transfer: the engine is a disaggregated instance (requests may carry kv_transfer_params).
         prompt_embeds: (hidden size, torch dtype) of the model with --enable-prompt-embeds; None: refused.
         logits_processors: the custom processors' classes, whose validate_params refuse a request here.
-        pooling: a pooling engine's PoolingSetup (config/pooler_config.py): requests bring PoolingParams."""
+        pooling: a pooling engine's PoolingSetup (config/pooler_config.py): requests bring PoolingParams.
+        lora: the adapter check with LoRA on (`lora_checker`); None: a request's adapter is refused."""
+        self.lora = lora
         self.pooling = pooling
         self.prompt_embeds = prompt_embeds
         self.logits_processors = logits_processors
@@ -135,9 +146,13 @@ class InputProcessor:
         raise ValueError(f"prompt must be a string, a list of token ids or a prompt dict, got {type(prompt).__name__}")
 
     def process(self, request_id: str, prompt: Any, params: SamplingParams | PoolingParams,
-                priority: int = 0) -> tuple[str | None, list[int], list[EngineCoreRequest]]:
+                priority: int = 0, lora_request: LoRARequest | None = None,
+                ) -> tuple[str | None, list[int], list[EngineCoreRequest]]:
         self.check_priority(priority)
+        self.check_lora(lora_request)
         if isinstance(params, PoolingParams) or self.pooling is not None:
+            if lora_request is not None:
+                raise ValueError("LoRA adapters are not supported by pooling models")
             return self._process_pooling(request_id, prompt, params, priority)
         embeds = None
         if isinstance(prompt, Mapping) and "prompt_embeds" in prompt and self.prompt_embeds is not None:
@@ -155,12 +170,13 @@ class InputProcessor:
         now = time.monotonic()
         if params.n == 1:
             return text, ids, [EngineCoreRequest(request_id, ids, params, self.eos_token_id, now, mm_items,
-                                                 priority=priority, prompt_embeds=embeds)]
+                                                 priority=priority, prompt_embeds=embeds, lora_request=lora_request)]
         reqs = []
         for i in range(params.n):
             child = dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + i)
             reqs.append(EngineCoreRequest(child_request_id(i, request_id), ids, child, self.eos_token_id, now,
-                                          mm_items, priority=priority, prompt_embeds=embeds))
+                                          mm_items, priority=priority, prompt_embeds=embeds,
+                                          lora_request=lora_request))
         return text, ids, reqs
 
     def _process_pooling(self, request_id: str, prompt: Any, params: Any,
@@ -196,6 +212,18 @@ class InputProcessor:
         sp = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, detokenize=False)
         return text, ids, [EngineCoreRequest(request_id, ids, sp, self.eos_token_id, time.monotonic(),
                                              priority=priority, pooling_params=params)]
+
+    def check_lora(self, lora_request: Any) -> None:
+        """A request's adapter: a LoRARequest whose folder fits the base model, with LoRA on."""
+        if lora_request is None:
+            return
+        if not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"lora_request must be a LoRARequest (vllm_neuron.lora.request), got "
+                             f"{type(lora_request).__name__}")
+        if self.lora is None:
+            raise ValueError(f"LoRA adapter {lora_request.lora_name!r} requested, but LoRA is not enabled: start "
+                             "the engine with enable_lora=True (--enable-lora)")
+        self.lora.check(lora_request)
 
     def check_priority(self, priority: Any) -> None:
         if isinstance(priority, bool) or not isinstance(priority, int):

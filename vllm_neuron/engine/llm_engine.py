@@ -7,12 +7,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from vllm_neuron.lora.request import LoRARequest
 from vllm_neuron.config.engine_args import EngineArgs
 from vllm_neuron.config.engine_config import EngineConfig
 from vllm_neuron.config.generation_config import effective_generation_config
 from vllm_neuron.engine.core import EngineCore
 from vllm_neuron.engine.input_processor import (InputProcessor, logits_processor_classes, multimodal_processor,
-                                                prompt_embeds_spec)
+                                                lora_checker, prompt_embeds_spec)
 from vllm_neuron.engine.output_processor import OutputProcessor
 from vllm_neuron.engine.resolve import resolve_engine_config
 from vllm_neuron.model.loader import Checkpoint, load_checkpoint, load_tokenizer
@@ -39,7 +40,7 @@ class LLMEngine:
             vocab_size, multimodal_processor(config, ckpt, self.tokenizer), grammar_check=checker.check,
             scheduling_policy=config.scheduling_policy, kv_transfer=config.kv_transfer is not None,
             prompt_embeds=prompt_embeds_spec(config, ckpt), logits_processors=logits_processor_classes(config),
-            pooling=config.pooling)
+            pooling=config.pooling, lora=lora_checker(config, ckpt))
         self.output_processor = OutputProcessor(self.tokenizer)
 
     @classmethod
@@ -52,9 +53,10 @@ class LLMEngine:
         return cls.from_engine_args(EngineArgs.from_kwargs(**kwargs))
 
     def add_request(self, request_id: str, prompt: Any, params: SamplingParams | PoolingParams,
-                    priority: int = 0) -> None:
-        """params: SamplingParams (a generative engine) or PoolingParams (a pooling engine)."""
-        text, ids, reqs = self.input_processor.process(request_id, prompt, params, priority)
+                    priority: int = 0, lora_request: LoRARequest | None = None) -> None:
+        """params: SamplingParams (a generative engine) or PoolingParams (a pooling engine); lora_request: the
+        adapter (None: the base model)."""
+        text, ids, reqs = self.input_processor.process(request_id, prompt, params, priority, lora_request)
         self.output_processor.add_request(request_id, text, ids, params, reqs)
         for r in reqs:
             self.core.add_request(r)

@@ -22,6 +22,7 @@ class EngineCoreRequest:
     # --enable-prompt-embeds: [len(prompt_token_ids), hidden] in the model's dtype (the ids are placeholders).
     prompt_embeds: Any = None
     pooling_params: Any = None  # pooling_params.PoolingParams: a pooling request (sampling_params unused)
+    lora_request: Any = None  # lora.request.LoRARequest: the adapter (None: the base model)
 
 
 @dataclass
@@ -67,6 +68,8 @@ class SchedulerStats:
     grammar_compile_timeouts: int = 0  # cumulative
     # Disaggregated prefill/decode (None without --kv-transfer-config): engine/kv_transfer.py's stats().
     kv_transfer: tuple | None = None
+    # LoRA (None when off): (max_loras, adapters of running requests, adapters of waiting ones).
+    lora: tuple | None = None
     step_kind: str = ""
     bucket_name: str = ""
     num_padding: int = 0

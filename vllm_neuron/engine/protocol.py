@@ -79,14 +79,21 @@ class EngineClient(ABC):
 
     @abstractmethod
     def generate(
-        self, prompt: PromptType, sampling_params: SamplingParams, request_id: str, priority: int = 0
+        self, prompt: PromptType, sampling_params: SamplingParams, request_id: str, priority: int = 0,
+        lora_request: Any = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Yields RequestOutputs as tokens arrive, per sampling_params.output_kind (CUMULATIVE: full text
         so far; DELTA: only the new text/tokens; FINAL_ONLY: one output at the end). The last one has
         finished=True. Raises ValueError for invalid input (prompt longer than max_model_len, ...) before
         the first output; EngineRequestError if the engine fails this request; EngineDeadError if the
         engine dies. Cancelling the consumer aborts the request. priority: --scheduling-policy priority's
-        order, lower first (a ValueError when not 0 under fcfs)."""
+        order, lower first (a ValueError when not 0 under fcfs). lora_request: the request's LoRA adapter
+        (lora/request.py; None: the base model; callers pass it only when set)."""
+
+    @property
+    def lora_checker(self) -> Any:
+        """The adapter check of an engine with LoRA on (lora/peft_adapter.py's AdapterChecker); None: off."""
+        return None
 
     def encode(self, prompt: PromptType, pooling_params: Any, request_id: str,
                priority: int = 0) -> AsyncGenerator[Any, None]:

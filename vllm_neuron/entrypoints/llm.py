@@ -17,6 +17,7 @@ from vllm_neuron.config.engine_args import EngineArgs
 from vllm_neuron.config.engine_config import EngineConfig
 from vllm_neuron.engine.llm_engine import LLMEngine
 from vllm_neuron.engine.resolve import resolve_engine_config
+from vllm_neuron.lora.request import LoRARequest
 from vllm_neuron.model.loader import Checkpoint
 from vllm_neuron.entrypoints.openai.chat_template import normalize_messages
 from vllm_neuron.entrypoints.openai.errors import BadRequestError
@@ -45,6 +46,9 @@ class LLM:
     def _init(self, args: EngineArgs) -> None:
         self._counter = itertools.count()
         self._dp: _DataParallelEngine | None = None
+        if args.lora_modules:
+            raise ValueError("lora_modules is the server's option (--lora-modules); offline, pass "
+                             "lora_request=LoRARequest(name, id, path) to generate")
         config, ckpt = resolve_engine_config(args)  # once, here: the engines get it resolved
         if config.data_parallel_size > 1:
             self._dp = _DataParallelEngine(config, ckpt)
@@ -62,14 +66,21 @@ class LLM:
         return (self._dp or self.llm_engine).input_processor.default_sampling_params()
 
     def generate(self, prompts: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """prompts: a string, a list of strings, a list of token ids, a list of such lists, or prompt
         dicts ({"prompt": ...} / {"prompt_token_ids": [...]}).
-        priority: one per prompt, lower first (needs scheduling_policy="priority"), as vLLM's."""
+        priority: one per prompt, lower first (needs scheduling_policy="priority"), as vLLM's.
+        lora_request: the LoRA adapter of every prompt, or one per prompt (None: the base model; needs
+        enable_lora=True)."""
         prompts = self._as_prompt_list(prompts)
         priorities = [0] * len(prompts) if priority is None else list(priority)
         if len(priorities) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(priorities)} priorities")
+        loras = [lora_request] * len(prompts) if lora_request is None or isinstance(lora_request, LoRARequest) \
+            else list(lora_request)
+        if len(loras) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(loras)} lora_requests")
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
@@ -79,22 +90,22 @@ class LLM:
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling_params")
         requests = []
-        for prompt, p, prio in zip(prompts, params, priorities):
+        for prompt, p, prio, lora in zip(prompts, params, priorities, loras):
             if p.output_kind != RequestOutputKind.FINAL_ONLY:
                 p = p.clone()
                 p.output_kind = RequestOutputKind.FINAL_ONLY
-            requests.append((str(next(self._counter)), prompt, p, prio))
+            requests.append((str(next(self._counter)), prompt, p, prio, lora))
         return self._submit_and_run(requests, use_tqdm)
 
-    def _submit_and_run(self, requests: list[tuple[str, Any, Any, int]], use_tqdm: bool) -> list:
-        """(request id, prompt, SamplingParams or PoolingParams, priority) each -> their final outputs, in order;
-        a failure aborts those already added."""
+    def _submit_and_run(self, requests: list[tuple], use_tqdm: bool) -> list:
+        """(request id, prompt, SamplingParams or PoolingParams, priority[, LoRARequest]) each -> their final
+        outputs, in order; a failure aborts those already added."""
         if self._dp is not None:
             return self._dp.run(requests, use_tqdm)
         ids = []
         try:
-            for rid, prompt, p, prio in requests:
-                self.llm_engine.add_request(rid, prompt, p, prio)
+            for rid, prompt, p, prio, *lora in requests:
+                self.llm_engine.add_request(rid, prompt, p, prio, *lora)
                 ids.append(rid)
             return self._run(ids, use_tqdm)
         except BaseException:
@@ -164,10 +175,12 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
              use_tqdm: bool = True, chat_template: str | None = None, add_generation_prompt: bool = True,
-             continue_final_message: bool = False, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+             continue_final_message: bool = False, chat_template_kwargs: dict | None = None,
+             lora_request: LoRARequest | None = None) -> list[RequestOutput]:
         """One conversation (a list of {"role", "content"} dicts) or a list of conversations. With a
         multimodal model, content parts may carry media: {"type": "image_url", "image_url": {"url": ...}}
-        (data:, file:// under allowed_local_media_path, http(s)), {"type": "image", "image": PIL image}."""
+        (data:, file:// under allowed_local_media_path, http(s)), {"type": "image", "image": PIL image}.
+        lora_request: the LoRA adapter of every conversation (as `generate`'s)."""
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tok = self.get_tokenizer()
         multimodal = (self._dp or self.llm_engine).input_processor.mm_processor is not None
@@ -184,7 +197,7 @@ class LLM:
             if isinstance(ids, dict) or hasattr(ids, "input_ids"):
                 ids = ids["input_ids"]
             prompts.append({"prompt_token_ids": list(ids), **({"multi_modal_data": media} if media else {})})
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def beam_search(self, prompts: Any, params: BeamSearchParams, use_tqdm: bool = False) -> list[BeamSearchOutput]:
         """vLLM's `LLM.beam_search`: each prompt's `params.beam_width` best sequences (vllm_neuron/beam_search.py
@@ -251,12 +264,12 @@ class _DataParallelEngine:
         self.tokenizer = self.client.tokenizer
         self.input_processor = self.client.input_processor
 
-    def run(self, requests: list[tuple[str, Any, SamplingParams, int]], use_tqdm: bool) -> list[RequestOutput]:
+    def run(self, requests: list[tuple], use_tqdm: bool) -> list[RequestOutput]:
         bar = tqdm(total=len(requests), desc="Processed prompts", disable=not use_tqdm or None, unit="req")
 
-        async def one(rid: str, prompt: Any, params: SamplingParams, priority: int) -> RequestOutput:
+        async def one(rid: str, prompt: Any, params: SamplingParams, priority: int, lora=None) -> RequestOutput:
             final = None
-            async for out in self.client.generate(prompt, params, rid, priority):
+            async for out in self.client.generate(prompt, params, rid, priority, lora):
                 final = out
             bar.update(1)
             return final

@@ -106,7 +106,8 @@ async def _serve(engine_args, args: argparse.Namespace, api_key: str | None, lim
                         tool_call_parser=getattr(args, "tool_call_parser", None),
                         reasoning_parser=getattr(args, "reasoning_parser", None),
                         responses_store_size=responses_store_size(args),
-                        limits=limits, api_key_all_routes=args.api_key_all_routes, **http.app_kwargs())
+                        limits=limits, api_key_all_routes=args.api_key_all_routes,
+                        lora_modules=config.lora_module_paths, **http.app_kwargs())
         await engine.start()
 
         server = create_server(app, args.host, args.port, **http.uvicorn_kwargs())

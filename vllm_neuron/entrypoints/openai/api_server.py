@@ -12,6 +12,7 @@ import signal
 import socket
 from concurrent.futures import ThreadPoolExecutor
 from types import FrameType
+from collections.abc import Sequence
 from typing import Any
 
 import uvicorn
@@ -19,7 +20,8 @@ from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 
-from vllm_neuron import metrics
+from vllm_neuron import envs, metrics
+from vllm_neuron.config.lora import LoRAModulePath
 from vllm_neuron.engine.protocol import EngineClient
 from vllm_neuron.entrypoints.openai import openapi_spec as spec
 from vllm_neuron.entrypoints.openai.chat_template import load_chat_template
@@ -69,7 +71,8 @@ def build_app(engine: EngineClient, *, served_model_names: list[str], api_key: s
               limits: RequestLimits | None = None, api_key_all_routes: bool = False,
               allowed_methods: list[str] | None = None, allowed_headers: list[str] | None = None,
               allow_credentials: bool = False, root_path: str = "",
-              request_logger: RequestLogger | None = None, web_ui: bool = True) -> FastAPI:
+              request_logger: RequestLogger | None = None, web_ui: bool = True,
+              lora_modules: Sequence[LoRAModulePath] = ()) -> FastAPI:
     """The OpenAI-compatible app serving `engine` under `served_model_names` (the first one is the
     default and the metrics' model_name label).
 
@@ -86,10 +89,13 @@ def build_app(engine: EngineClient, *, served_model_names: list[str], api_key: s
     root_path: the path prefix a proxy serves the app under (--root-path); routes answer with and without it.
     request_logger: --enable-log-requests' lines (entrypoints/openai/request_logger.py).
     web_ui: the chat page at / and the dashboard at /dashboard (entrypoints/web_ui; --disable-webui: off).
+    lora_modules: --lora-modules, the adapters served by name from the start (checked here: a bad one stops the
+    start); VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 adds /v1/load_lora_adapter and /v1/unload_lora_adapter.
     """
     if max_logprobs < -1:
         raise ValueError(f"max_logprobs must be -1 (no cap) or >= 0, got {max_logprobs}")
-    models = OpenAIServingModels(served_model_names, engine.model_info.model_path, engine.model_info.max_model_len)
+    models = OpenAIServingModels(served_model_names, engine.model_info.model_path, engine.model_info.max_model_len,
+                                 lora_modules, engine.lora_checker)
     metrics.configure(models.default_name, api_server=True)
     limits = limits or RequestLimits()
     # One pool for the blocking work (template rendering, tokenization) of every route.
@@ -154,6 +160,17 @@ def build_app(engine: EngineClient, *, served_model_names: list[str], api_key: s
     @app.get("/v1/models", responses=spec.route_responses(ModelList, auth=bool(api_key)))
     async def show_models() -> JSONResponse:
         return JSONResponse(content=models.list_models().model_dump())
+
+    if envs.VLLM_ALLOW_RUNTIME_LORA_UPDATING:
+        @app.post("/v1/load_lora_adapter", response_class=Response,
+                  responses=spec.route_responses(None, auth=bool(api_key)))
+        async def load_lora_adapter(raw_request: Request) -> Response:
+            return Response(models.load_lora_adapter(await body(raw_request)), media_type="text/plain")
+
+        @app.post("/v1/unload_lora_adapter", response_class=Response,
+                  responses=spec.route_responses(None, auth=bool(api_key)))
+        async def unload_lora_adapter(raw_request: Request) -> Response:
+            return Response(models.unload_lora_adapter(await body(raw_request)), media_type="text/plain")
 
     @app.post("/v1/completions", openapi_extra=spec.request_body(CompletionRequest),
               responses=spec.route_responses(CompletionResponse, stream=True, auth=bool(api_key)))

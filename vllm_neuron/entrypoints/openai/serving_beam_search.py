@@ -43,7 +43,8 @@ async def beam_search_completion(serving: Any, ctx: Any, params: BeamSearchParam
     async def one(tokens: list[int], i: int) -> dict:
         out = None
         async for res in serving.generate(tracker, TokensPrompt(prompt_token_ids=tokens), search.step_params,
-                                          f"{ctx.request_id}-beam{step}-{i}", len(tokens)):
+                                          f"{ctx.request_id}-beam{step}-{i}", len(tokens),
+                                          lora_request=serving.models.lora_request(ctx.model)):
             out = res
         return out.outputs[0].logprobs[0]
 

@@ -266,7 +266,7 @@ class OpenAIServingChat(OpenAIServing):
         kv_transfer_params = None
         try:
             async for res in self.generate(tracker, self._engine_prompt(ctx), sp, ctx.request_id,
-                                           len(ctx.prompt_ids), ctx.req.priority):
+                                           len(ctx.prompt_ids), ctx.req.priority, self.models.lora_request(ctx.model)):
                 kv_transfer_params = res.kv_transfer_params or kv_transfer_params
                 prompt_logprobs = res.prompt_logprobs or prompt_logprobs
                 for o in res.outputs:
@@ -352,7 +352,7 @@ class OpenAIServingChat(OpenAIServing):
                         usage(j) if continuous else None)
             finished: set[int] = set()
             async for res in self.generate(tracker, self._engine_prompt(ctx), sp, ctx.request_id, prompt_tokens,
-                                           ctx.req.priority):
+                                           ctx.req.priority, self.models.lora_request(ctx.model)):
                 for o in res.outputs:
                     ids = list(o.token_ids)
                     if o.index in finished or (not o.text and not ids and o.finish_reason is None):

@@ -228,8 +228,9 @@ class OpenAIServingCompletion(OpenAIServing):
         return list(plp) if plp is not None else [None] * len(p.token_ids)
 
     def _generators(self, ctx: _Ctx, sp, tracker: RequestTracker) -> list[AsyncIterator]:
+        lora = self.models.lora_request(ctx.model)
         return [self.generate(tracker, self._engine_prompt(p), sp, f"{ctx.request_id}-{i}", len(p.token_ids),
-                              ctx.req.priority) for i, p in enumerate(ctx.prompts)]
+                              ctx.req.priority, lora) for i, p in enumerate(ctx.prompts)]
 
     async def _full(self, ctx: _Ctx, sp) -> CompletionResponse:
         req, n = ctx.req, sp.n

@@ -297,13 +297,14 @@ class OpenAIServing:
         task.add_done_callback(self._background.discard)
 
     async def generate(self, tracker: RequestTracker, prompt: Any, sp: SamplingParams, request_id: str,
-                       prompt_tokens: int, priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       prompt_tokens: int, priority: int = 0, lora_request: Any = None) -> AsyncIterator[RequestOutput]:
         tracker.start(request_id, prompt_tokens)
         log = self.request_logger
         if log is not None:
             log.log_inputs(request_id, prompt, sp, priority)
         try:
-            async for res in self.engine.generate(prompt, sp, request_id, priority):
+            lora = {"lora_request": lora_request} if lora_request is not None else {}
+            async for res in self.engine.generate(prompt, sp, request_id, priority, **lora):
                 tracker.observe(res)
                 if log is not None:
                     log.observe(res)

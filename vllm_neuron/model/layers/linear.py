@@ -9,6 +9,8 @@ it as constants, so the choice is made when a bucket is traced. A layer can also
 weight-only int8 or int4 (quant_int8.py, quant_int4.py), whose few-row kernels the same config switches on.
 On AVX512-BF16 and AMX CPUs the rows above the kernel's take copies of the weights packed once at load
 (packed_weights.py).
+With LoRA on, the layer also holds its adapters' slot table (`lora`, model/layers/lora.py) and adds each
+token's adapter delta, computed in the compute dtype beside the (possibly quantized) base matmul.
 """
 from __future__ import annotations
 
@@ -46,7 +48,15 @@ class Linear(nn.Linear):
         self.weight_scale = nn.Parameter(torch.ones(shape[0], dtype=torch.float32, device=device), requires_grad=False)
         self.quantization = "fp8"
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora_index: torch.Tensor | None = None) -> torch.Tensor:
+        """`lora_index` [rows]: each row's adapter slot (0: none); given only to layers with LoRA attached
+        (`self.lora`, a LoRASlots: model/layers/lora.py)."""
+        y = self._base(x)
+        if lora_index is None:
+            return y
+        return y + self.lora(x, lora_index).to(y.dtype)
+
+    def _base(self, x: torch.Tensor) -> torch.Tensor:
         k = self.kernels
         if self.quantization == "fp8":
             return quant_fp8.linear(x, self.weight, self.weight_scale, self.bias)

@@ -49,9 +49,9 @@ class LlamaAttention(nn.Module):
         self.register_buffer("k_scale", torch.ones((), dtype=torch.float32))
         self.register_buffer("v_scale", torch.ones((), dtype=torch.float32))
 
-    def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata, lora_index=None) -> torch.Tensor:
         n = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
+        q, k, v = self.qkv_proj(x, lora_index).split(self.qkv_sizes, dim=-1)
         q = q.reshape(n, self.num_heads, self.head_dim)
         k = k.reshape(n, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
@@ -60,7 +60,7 @@ class LlamaAttention(nn.Module):
         v = v.reshape(n, self.num_kv_heads, self.head_dim)
         out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, getattr(self, "sinks", None),
                               self.sliding_window, self.k_scale, self.v_scale)
-        return all_reduce(self.o_proj(out))
+        return all_reduce(self.o_proj(out, lora_index))
 
 
 class LlamaMLP(nn.Module):
@@ -76,8 +76,9 @@ class LlamaMLP(nn.Module):
             mark_split(self.gate_up_proj.weight, self.gate_up_proj.bias, self.down_proj.weight)
             mark_added_once(self.down_proj.bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return all_reduce(self.down_proj(silu_and_mul(self.gate_up_proj(x), self.kernels.activation)))
+    def forward(self, x: torch.Tensor, lora_index: torch.Tensor | None = None) -> torch.Tensor:
+        h = silu_and_mul(self.gate_up_proj(x, lora_index), self.kernels.activation)
+        return all_reduce(self.down_proj(h, lora_index))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -94,14 +95,20 @@ class LlamaDecoderLayer(nn.Module):
     def make_mlp(self, cfg: LlamaArchConfig, layer_idx: int) -> nn.Module:
         return LlamaMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
 
-    def forward(self, x, cos, sin, kv_cache, meta) -> torch.Tensor:
+    def forward(self, x, cos, sin, kv_cache, meta, lora_index=None) -> torch.Tensor:
+        if lora_index is not None:
+            return _lora_decoder_layer(self, x, cos, sin, kv_cache[0], kv_cache[1], lora_index, *meta.fields())
         return _decoder_layer(self, x, cos, sin, kv_cache[0], kv_cache[1], *meta.fields())
 
 
-def decoder_layer_body(layer: LlamaDecoderLayer, x, cos, sin, k_cache, v_cache, *meta_fields) -> torch.Tensor:
+def decoder_layer_body(layer: LlamaDecoderLayer, x, cos, sin, k_cache, v_cache, *meta_fields,
+                       lora_index=None) -> torch.Tensor:
     meta = AttentionMetadata(*meta_fields)
-    x = x + layer.self_attn(layer.input_layernorm(x), cos, sin, (k_cache, v_cache), meta)
-    return x + layer.mlp(layer.post_attention_layernorm(x))
+    if lora_index is None:  # (layers whose attention / MLP take no adapters: gpt-oss, Qwen3-MoE)
+        x = x + layer.self_attn(layer.input_layernorm(x), cos, sin, (k_cache, v_cache), meta)
+        return x + layer.mlp(layer.post_attention_layernorm(x))
+    x = x + layer.self_attn(layer.input_layernorm(x), cos, sin, (k_cache, v_cache), meta, lora_index)
+    return x + layer.mlp(layer.post_attention_layernorm(x), lora_index)
 
 
 @layer_region
@@ -112,6 +119,13 @@ def _decoder_layer(layer: LlamaDecoderLayer, x, cos, sin, k_cache, v_cache, *met
     return decoder_layer_body(layer, x, cos, sin, k_cache, v_cache, *meta_fields)
 
 
+@layer_region
+def _lora_decoder_layer(layer: LlamaDecoderLayer, x, cos, sin, k_cache, v_cache, lora_index,
+                        *meta_fields) -> torch.Tensor:
+    # With LoRA every layer also takes each token's adapter slot (model/layers/lora.py).
+    return decoder_layer_body(layer, x, cos, sin, k_cache, v_cache, *meta_fields, lora_index=lora_index)
+
+
 class LlamaModel(nn.Module):
     def __init__(self, cfg: LlamaArchConfig, hf_config, layer_cls: type[LlamaDecoderLayer]) -> None:
         super().__init__()
@@ -120,7 +134,8 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(hf_config, cfg.max_position_embeddings)
 
-    def forward(self, input_ids, positions, kv_caches, meta, inputs_embeds=None, aux_layers: tuple[int, ...] = ()):
+    def forward(self, input_ids, positions, kv_caches, meta, inputs_embeds=None, aux_layers: tuple[int, ...] = (),
+                lora_index=None):
         x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         cos, sin = self.rotary(positions, x.dtype)
         metas = meta if isinstance(meta, (list, tuple)) else [meta] * len(self.layers)
@@ -128,7 +143,7 @@ class LlamaModel(nn.Module):
         for i, (layer, kv_cache, m) in enumerate(zip(self.layers, kv_caches, metas)):
             if i in aux_layers:
                 taps[i] = x
-            x = layer(x, cos, sin, kv_cache, m)
+            x = layer(x, cos, sin, kv_cache, m) if lora_index is None else layer(x, cos, sin, kv_cache, m, lora_index)
         taps[len(self.layers)] = x  # tap L: the last layer's output (DFlash's taps are layer outputs)
         if aux_layers:  # EAGLE3 / DFlash: the input hidden states of these layers, side by side
             return self.norm(x), torch.cat([taps[i] for i in aux_layers], dim=-1)
@@ -167,10 +182,11 @@ class LlamaForCausalLM(CausalLM):
             mark_split(self.lm_head.weight)
 
     def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata, inputs_embeds=None,
-                aux_layers: tuple[int, ...] = ()):
+                aux_layers: tuple[int, ...] = (), lora_index=None):
         """Hidden states [N, hidden] for N (padded) tokens; with `aux_layers` also the input hidden states
-        of those layers concatenated, [N, len(aux_layers) * hidden] (EAGLE3's draft features)."""
-        return self.model(input_ids, positions, kv_caches, meta, inputs_embeds, aux_layers)
+        of those layers concatenated, [N, len(aux_layers) * hidden] (EAGLE3's draft features); `lora_index`
+        [N]: each token's LoRA adapter slot (0: the base model), with LoRA attached."""
+        return self.model(input_ids, positions, kv_caches, meta, inputs_embeds, aux_layers, lora_index)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)
