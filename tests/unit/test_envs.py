@@ -33,7 +33,10 @@ def test_every_seed_variable_is_known_and_documented():
             "VLLM_MEDIA_MAX_BYTES", "VLLM_ENGINE_ITERATION_TIMEOUT_S", "VLLM_NEURON_DIST_TIMEOUT_S",
             "VLLM_NEURON_INDUCTOR_CACHE_DIR", "VLLM_NEURON_KV_PREFAULT_MB", "VLLM_NEURON_HUGE_PAGES",
             "VLLM_LOGGING_STREAM", "VLLM_MEDIA_URL_ALLOW_REDIRECTS",
-            "VLLM_ENABLE_RESPONSES_API_STORE", "HF_ENDPOINT", "HF_HUB_OFFLINE"]  # beyond the seeds
+            "VLLM_ENABLE_RESPONSES_API_STORE", "HF_ENDPOINT", "HF_HUB_OFFLINE", "VLLM_NEURON_STEP_TIMING",
+            "VLLM_TORCH_PROFILER_DIR", "VLLM_TORCH_PROFILER_RECORD_SHAPES",
+            "VLLM_TORCH_PROFILER_WITH_PROFILE_MEMORY", "VLLM_TORCH_PROFILER_WITH_STACK",
+            "VLLM_TORCH_PROFILER_WITH_FLOPS"]  # beyond the seeds
     assert sorted(seeds + ours) == sorted(ALL)
     for name in seeds + ours:
         assert len(envs.doc(name)) > 20, name

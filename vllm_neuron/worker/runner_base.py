@@ -48,6 +48,7 @@ from vllm_neuron.worker.logits_processors import LogitsProcessorBatch
 from vllm_neuron.worker.prompt_logprobs import plan_prompt_logprobs, prompt_logprob_entries
 from vllm_neuron.worker.sampling_state import SamplingStates
 from vllm_neuron.worker.step_inputs import GroupTables, PrefillInputs, RowSampling, SlotRows, StepOutput
+from vllm_neuron.worker.step_timing import StepClock
 
 logger = init_logger(__name__)
 
@@ -81,6 +82,7 @@ class ModelRunnerBase:
         self.compiler: GraphCompiler | None = None
         self.graphs = None  # the runner's StepGraphs / SlotStepGraphs
         self._bucket_graphs: dict[tuple[str, int, int], Callable] = {}
+        self.step_clock = StepClock()  # step and graph times, profiler ranges (worker/step_timing.py)
         self._free_before_load: int | None = None
         self._prompt_logprobs: dict = {}  # the current step's (ModelRunnerOutput.prompt_logprobs)
         self._kv_sizing: dict | None = None
@@ -224,6 +226,20 @@ class ModelRunnerBase:
             info = ps.info()
             self.kv_connector = KVConnectorWorker(self.config.kv_transfer, self.kv_caches, self.block_size,
                                                   self.model_spec.num_kv_heads, info.rank, info.world)
+
+    # -- profiling (vllm_neuron/profiler.py; a TP executor runs these on every rank) ------------------------------
+    def start_profile(self, role: str, tag: str) -> None:
+        self.step_clock.trace.start(f"{role}_rank{ps.info().rank}", tag)
+
+    def stop_profile(self) -> int:
+        """1 once this rank's trace is written, 0 if it could not be (a TP executor takes the minimum over the
+        ranks, so it returns once every rank is done); never raises, as the other ranks wait on the result."""
+        try:
+            self.step_clock.trace.stop()
+            return 1
+        except Exception as e:  # noqa: BLE001
+            logger.warning("rank %d: the profile could not be written: %s", ps.info().rank, e)
+            return 0
 
     def close(self) -> None:
         """Ends what the runner started beside its graphs (the KV connector's threads, sockets, NIXL agent)."""
@@ -371,7 +387,7 @@ class ModelRunnerBase:
             if self._capturer is not None and wants_capture(self.graph_capture, kind):
                 g = ReplayedGraph(g, self._capturer, name)  # captured on its first call (warm-up)
             self._bucket_graphs[key] = g
-        return g
+        return self.step_clock.timed(g)
 
     def _graph_name(self, kind: str, size: int, context: int) -> str:
         if kind == "prefill":
