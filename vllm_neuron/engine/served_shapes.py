@@ -96,20 +96,20 @@ class ServedShapes:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             with open(self.path.with_suffix(".lock"), "a") as lock:
                 fcntl.flock(lock, fcntl.LOCK_EX)
-                merged = pending
+                merged, compile_seconds = pending, dict(self.compile_seconds)
                 if self.path.exists():
                     try:
-                        old_limits, old = read_summary(self.path)
+                        old_limits, old, _, old_compile = parse_summary(self.path)
                     except ValueError as e:
                         logger.info("Replacing the served-shape summary %s (%s)", self.path, e)
                     else:
                         if old_limits == self.limits:
-                            merged = merge(old, pending)
+                            merged, compile_seconds = merge(old, pending), {**old_compile, **compile_seconds}
                         else:
                             logger.info("Replacing the served-shape summary %s: it was recorded with other limits",
                                         self.path)
                 tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
-                tmp.write_text(json.dumps(summary_json(merged, self.limits, self.current, self.compile_seconds)))
+                tmp.write_text(json.dumps(summary_json(merged, self.limits, self.current, compile_seconds)))
                 os.replace(tmp, self.path)
             if not self._written:
                 self._written = True
@@ -150,12 +150,6 @@ def summary_json(t: Traffic, limits: Limits, current: Lists, compile_seconds: di
             "prefill": {str(k): n for k, n in sorted(t.prefill.items())},
             "decode": [[b, c, n] for (b, c), n in sorted(t.decode.items())],
             "decode_work": t.decode_work, "seconds": t.seconds}
-
-
-def read_summary(path: Path | str) -> tuple[Limits, Traffic]:
-    """(limits, traffic) of a summary file; ValueError naming the file and what is wrong."""
-    limits, traffic, _, _ = parse_summary(path)
-    return limits, traffic
 
 
 def parse_summary(path: Path | str) -> tuple[Limits, Traffic, Lists, dict[str, float]]:
