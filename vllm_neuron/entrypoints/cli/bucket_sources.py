@@ -26,6 +26,7 @@ class Source:
     limits: Limits | None
     current: Lists | None
     compile_seconds: dict[str, float]  # mean compile seconds per graph, by kind ("prefill", "decode")
+    upper_bounds: bool = False  # values are histogram bounds: clipped to the limits once these are known
 
 
 def from_summary(path: str) -> Source:
@@ -121,17 +122,25 @@ def from_metrics(url: str, timeout_s: float = 10.0) -> Source:
                                                            "vllm_neuron:compilation_time_seconds")
               for s in getattr(families.get(name), "samples", [])}
     current, limits = _lists_from_graphs(graphs, base, timeout_s)
-    big = float("inf")
-    cap = {"prefill": limits.max_num_batched_tokens if limits else big,
-           "seqs": limits.max_num_seqs if limits else big, "ctx": limits.max_model_len if limits else big}
-    traffic = Traffic({int(min(le, cap["prefill"])): n for le, n in prefill})
+    traffic = Traffic(dict(prefill))
     total = sum(n for _, n in seqs)
     for b, nb in seqs:
         for c, nc in ctxs:
-            key = (int(min(b, cap["seqs"])), int(min(c, cap["ctx"])))
-            traffic.decode[key] = traffic.decode.get(key, 0.0) + nb * nc / total
+            traffic.decode[(b, c)] = traffic.decode.get((b, c), 0.0) + nb * nc / total
     # No compile-time estimate: /metrics' compilation times are cache-load times on a warm start.
-    return Source(f"metrics {base}/metrics", traffic, limits, current, {})
+    return Source(f"metrics {base}/metrics", traffic, limits, current, {}, upper_bounds=True)
+
+
+def _clipped(t: Traffic, limits: Limits) -> Traffic:
+    """Histogram bounds (+Inf included) as values: each clipped to the largest the limits allow."""
+    out = Traffic(seconds=dict(t.seconds))
+    for v, n in t.prefill.items():
+        k = int(min(v, limits.max_num_batched_tokens))
+        out.prefill[k] = out.prefill.get(k, 0.0) + n
+    for (b, c), n in t.decode.items():
+        k = (int(min(b, limits.max_num_seqs)), int(min(c, limits.max_model_len)))
+        out.decode[k] = out.decode.get(k, 0.0) + n
+    return out
 
 
 def _lists_from_graphs(graphs: set[str], base: str, timeout_s: float) -> tuple[Lists | None, Limits | None]:
@@ -171,4 +180,4 @@ def with_overrides(src: Source, *, max_num_batched_tokens: int | None, max_num_s
                         given.get("block_size", 16))
     elif given:
         limits = replace(limits, **given)
-    return replace(src, limits=limits)
+    return replace(src, limits=limits, traffic=_clipped(src.traffic, limits) if src.upper_bounds else src.traffic)
