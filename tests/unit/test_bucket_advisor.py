@@ -191,3 +191,20 @@ def test_log_source_reads_the_step_lines_and_the_start_up_table(tmp_path):
         bucket_sources.with_overrides(bucket_sources.Source("log x", src.traffic, None, None, {}),
                                       max_num_batched_tokens=None, max_num_seqs=None, max_model_len=None,
                                       block_size=None)
+
+
+def test_the_engine_hints_once_when_its_padding_is_far_above_the_advice(caplog):
+    limits = Limits(512, 4, 1024, 16)
+    served = ServedShapes(None, limits, Lists((256, 512), (1, 4), (1024,)))
+    for _ in range(300):
+        served.record("decode", 4, 900, 0.001)  # fits its buckets: no padding to speak of
+    caplog.set_level("INFO", logger="vllm_neuron.engine.served_shapes")
+    served._maybe_hint()
+    assert "Bucket padding" not in caplog.text  # too few steps yet
+    for _ in range(300):
+        served.record("prefill", 10, 10, 0.01)  # 10 tokens in a 256 bucket
+    served._maybe_hint()
+    served._maybe_hint()
+    lines = [r.getMessage() for r in caplog.records if "Bucket padding" in r.getMessage()]
+    assert len(lines) == 1 and "prefill 96% of its compute (advised lists with as many buckets: 0%)" in lines[0]
+    assert "decode" not in lines[0].split("Bucket padding:")[1].split(".")[0]
