@@ -85,7 +85,10 @@ class ServedShapes:
             self.flush()
         if now >= self._next_hint:
             self._next_hint = now + HINT_EVERY_S
-            self._maybe_hint()
+            try:
+                self._maybe_hint()
+            except Exception as e:  # noqa: BLE001 - advice must never fail a step
+                logger.debug("bucket padding check failed: %s", e)
 
     def flush(self) -> None:
         """Adds the counts since the last write to the summary file (never raises: the summary is advice)."""
