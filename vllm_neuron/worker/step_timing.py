@@ -92,6 +92,7 @@ def timed_step(execute: Callable) -> Callable:
         elif clock.enabled:
             t0 = time.perf_counter()
             out = execute(self, sched)
+            clock.close_phase()  # a profiler started during this step opened one
         else:
             return execute(self, sched)
         if clock.enabled:
