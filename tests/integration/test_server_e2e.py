@@ -660,12 +660,24 @@ def test_api_key(keyed_server):
     assert "Avg prompt throughput:" not in keyed_server.log()
 
 
-def test_profiling_off_is_a_400(keyed_server):
+def test_profiling_off_is_a_400(keyed_server, tiny_llama_dir):
     r = httpx.post(keyed_server.url + "/start_profile", timeout=30)
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["code"] == 400 and "VLLM_TORCH_PROFILER_DIR" in err["message"]
     wait_for(lambda: "/start_profile refused" in keyed_server.log(), timeout=5, what="the refusal's log line")
+    # bench serve --profile stops before its run, with the server's reason.
+    import argparse
+
+    from vllm_neuron.benchmarks import serve as bench
+
+    parser = argparse.ArgumentParser()
+    bench.add_cli_args(parser)
+    args = parser.parse_args(["--base-url", keyed_server.url, "--api-key", API_KEY, "--tokenizer", tiny_llama_dir,
+                              "--num-prompts", "1", "--random-input-len", "4", "--random-output-len", "2",
+                              "--disable-tqdm", "--profile"])
+    with pytest.raises(ValueError, match="POST /start_profile answered 400: .*VLLM_TORCH_PROFILER_DIR"):
+        bench.main(args)
 
 
 def test_engine_death(keyed_server):
