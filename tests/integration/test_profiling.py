@@ -123,5 +123,5 @@ def test_profile_command_prints_a_table_per_bucket(tiny_llama_dir, tmp_path):
     out = res.stdout + res.stderr
     assert res.returncode == 0, out
     assert re.search(r"^\s+prefill_s32\s+\d+\s+[\d.]+\s+[\d.]+", res.stdout, re.M), out
-    assert re.search(r"^\s+decode_b2\s+\d+", res.stdout, re.M), out
+    assert re.search(r"^\s+decode_b\d+\s+\d+", res.stdout, re.M), out  # CPU decode buckets: 1, 4, 8
     assert "host phases (total ms): schedule" in res.stdout and ".engine0_rank0.pt.trace.json" in res.stdout
