@@ -65,22 +65,36 @@ def record_bucket_graphs(names: list[str]) -> None:
         BUCKET_GRAPHS.labels(*metrics.engine_labels(), name).set(1)
 
 
+# Labelled children by (model_name, engine[, bucket_name]): .labels() costs more than the observation itself,
+# once per step per series otherwise.
+_children: dict[tuple[str, ...], tuple] = {}
+
+
+def _labelled(labels: tuple[str, ...], *series: Histogram) -> tuple:
+    key = (*labels, *(str(id(h)) for h in series))
+    out = _children.get(key)
+    if out is None:
+        out = _children[key] = tuple(h.labels(*labels) for h in series)
+    return out
+
+
 def record_step_timing(bucket_name: str, execute_s: float, graph_s: float, fill_ratio: float) -> None:
     """One step of bucket `bucket_name`: the runner's time, its graphs', real / bucket size. Driver rank only."""
-    labels = (*metrics.engine_labels(), bucket_name)
-    STEP_EXECUTION_TIME.labels(*labels).observe(execute_s)
-    GRAPH_EXECUTION_TIME.labels(*labels).observe(graph_s)
-    BUCKET_FILL_RATIO.labels(*labels).observe(fill_ratio)
+    step, graph, fill = _labelled((*metrics.engine_labels(), bucket_name), STEP_EXECUTION_TIME,
+                                  GRAPH_EXECUTION_TIME, BUCKET_FILL_RATIO)
+    step.observe(execute_s)
+    graph.observe(graph_s)
+    fill.observe(fill_ratio)
 
 
 def record_served_shape(kind: str, size: int, context: int = 0) -> None:
     """One step's shape before padding: "prefill" (size = tokens) or "decode" (size = sequences, context = the
     longest sequence)."""
-    me = metrics.engine_labels()
     if kind == "prefill":
-        PREFILL_STEP_TOKENS.labels(*me).observe(size)
+        _labelled(metrics.engine_labels(), PREFILL_STEP_TOKENS)[0].observe(size)
     elif kind == "decode":
-        DECODE_STEP_SEQS.labels(*me).observe(size)
-        DECODE_STEP_CONTEXT.labels(*me).observe(context)
+        seqs, ctx = _labelled(metrics.engine_labels(), DECODE_STEP_SEQS, DECODE_STEP_CONTEXT)
+        seqs.observe(size)
+        ctx.observe(context)
     else:
         raise ValueError(f"kind must be one of 'prefill', 'decode'; got {kind!r}")
