@@ -208,3 +208,17 @@ def test_the_engine_hints_once_when_its_padding_is_far_above_the_advice(caplog):
     lines = [r.getMessage() for r in caplog.records if "Bucket padding" in r.getMessage()]
     assert len(lines) == 1 and "prefill 96% of its compute (advised lists with as many buckets: 0%)" in lines[0]
     assert "decode" not in lines[0].split("Bucket padding:")[1].split(".")[0]
+
+
+def test_an_idle_engine_writes_what_it_served_at_most_every_few_seconds(tmp_path):
+    path = tmp_path / "served_shapes.json"
+    served = ServedShapes(path, Limits(64, 4, 512, 16), Lists((64,), (4,), (512,)))
+    served.flush_when_idle(1000.0)
+    assert not path.exists()  # nothing served yet
+    served.record("prefill", 9, 9, 0.01)
+    served.flush_when_idle(1000.0)
+    served.record("prefill", 9, 9, 0.01)
+    served.flush_when_idle(1001.0)  # too soon: kept for later
+    assert parse_summary(path)[1].prefill == {9: 1}
+    served.flush_when_idle(1006.0)
+    assert parse_summary(path)[1].prefill == {9: 2}

@@ -415,7 +415,10 @@ class EngineCore:
 
     def idle_work(self) -> bool:
         """Runner work that fills idle time (KV pages backed ahead of use); True while some is left. Not with
-        tensor parallelism, whose ranks act on broadcast calls only (they back pages before steps)."""
+        tensor parallelism, whose ranks act on broadcast calls only (they back pages before steps). The served
+        shapes are written first: an engine stopped by a signal keeps what it served up to its last idle time."""
+        if self.served is not None:
+            self.served.flush_when_idle(time.monotonic())
         return False if isinstance(self.runner, TPExecutor) else self.runner.idle_work()
 
     def idle_stats(self) -> SchedulerStats:

@@ -3,9 +3,9 @@
 Every step adds one count: a prefill step by its token count, a decode step by (sequences, longest context,
 rounded up to the context lists' grid), with the step's time by kind. The counts persist as a small JSON
 summary in the compile cache folder (`served_shapes.json`: one per model and configuration, as the folder is),
-written every FLUSH_EVERY_S while steps run and at shutdown; each write adds this process' counts since the
-last one to the file's under a lock, so data-parallel replicas sharing the folder and restarts accumulate.
-`vllm-neuron buckets advise --from-summary` reads it.
+written every FLUSH_EVERY_S while steps run, when the engine turns idle and at shutdown; each write adds this
+process' counts since the last one to the file's under a lock, so data-parallel replicas sharing the folder
+and restarts accumulate. `vllm-neuron buckets advise --from-summary` reads it.
 
 Now and then (HINT_EVERY_S) the engine compares the padding of its buckets with the advisor's at the same
 bucket counts and logs one line when the gap is large.
@@ -27,6 +27,7 @@ logger = init_logger(__name__)
 SUMMARY_NAME = "served_shapes.json"
 SUMMARY_VERSION = 1
 FLUSH_EVERY_S = 60.0
+IDLE_FLUSH_EVERY_S = 5.0
 HINT_EVERY_S = 600.0
 HINT_MIN_STEPS = 500
 # A kind whose padding is this much (absolute) above the advisor's, and at least twice it, earns the hint.
@@ -64,6 +65,7 @@ class ServedShapes:
         self._next_hint = time.monotonic() + HINT_EVERY_S
         self._hinted = False
         self._written = False
+        self._last_idle_flush = -IDLE_FLUSH_EVERY_S
 
     def record(self, kind: str, size: int, context: int, seconds: float) -> None:
         """One step: kind "prefill" (size = tokens) or "decode" / "verify" (size = sequences, context = the
@@ -89,6 +91,12 @@ class ServedShapes:
                 self._maybe_hint()
             except Exception as e:  # noqa: BLE001 - advice must never fail a step
                 logger.debug("bucket padding check failed: %s", e)
+
+    def flush_when_idle(self, now: float) -> None:
+        """The engine turned idle: write what is pending, at most every IDLE_FLUSH_EVERY_S."""
+        if self._pending.steps and now - self._last_idle_flush >= IDLE_FLUSH_EVERY_S:
+            self._last_idle_flush = now
+            self.flush()
 
     def flush(self) -> None:
         """Adds the counts since the last write to the summary file (never raises: the summary is advice)."""
