@@ -10,8 +10,8 @@ overhead: P1 (64 requests x 256 random prompt tokens -> 128 output tokens, 16 at
 advisor: a ShareGPT-like length mix (synthetic: the prompt and answer words drawn from log-normal laws shaped like
   ShareGPT's, written as a ShareGPT json and sent through bench serve's sharegpt dataset) against the default
   buckets, then `vllm-neuron buckets advise --from-summary` on what that server served, then the same requests
-  against a server with the advised lists: padding (from /metrics' fill ratios, compute-weighted) and
-  throughput of each, the graph counts, and the advised JSON.
+  against a server with the advised lists: throughput of each, the advisor's table (compute-weighted padding of
+  both lists on the served shapes, contexts included), and the fill-ratio padding /metrics shows for each run.
 """
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ import shlex
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -149,13 +150,14 @@ def run_advisor(args: argparse.Namespace, workdir: Path) -> dict:
         try:
             r = _bench(srv.base_url, load)
             pad = _padding(srv.base_url)
+            time.sleep(2.0)  # the engine writes served_shapes.json once idle; stop() signals its whole group
         finally:
             srv.stop()
         out[arm] = {"output_tok_s": r["output_throughput"], "mean_ttft_ms": r["mean_ttft_ms"],
                     "median_tpot_ms": r["median_tpot_ms"], "padding": pad}
         print(f"{arm} buckets: {r['output_throughput']:.1f} output tok/s, mean TTFT {r['mean_ttft_ms']:.0f} ms, "
-              f"median TPOT {r['median_tpot_ms']:.1f} ms; padding prefill {pad['prefill']:.1%}, decode "
-              f"{pad['decode']:.1%}", flush=True)
+              f"median TPOT {r['median_tpot_ms']:.1f} ms; fill-ratio padding (/metrics: tokens, sequences; "
+              f"contexts not counted) prefill {pad['prefill']:.1%}, decode {pad['decode']:.1%}", flush=True)
     return out
 
 
