@@ -44,7 +44,16 @@ def pytest_configure(config: pytest.Config) -> None:
     torch.set_num_threads(2)
 
 
+# The longest files (minutes each on a 2-core machine) run first: `make test`'s two workers take whole files
+# in collection order, so one of these left for the end would run alone while the other worker idles.
+_LONGEST_FIRST = ("integration/test_compile_cache.py", "parity/test_model_parity.py", "unit/test_kernels.py",
+                  "integration/test_structured_outputs.py", "soak/test_soak.py", "integration/test_openai_limits.py",
+                  "integration/test_setup_install.py", "parity/test_tensor_parallel.py")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(_LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0].removeprefix("tests/"), len(rank)))
     import torch
 
     if torch.cuda.is_available():

@@ -30,6 +30,9 @@ from vllm_neuron.config.kv_transfer import KVTransferConfig
 from vllm_neuron.config.neuron_config import AdditionalConfig, NeuronConfig
 from vllm_neuron.config.pooler_config import PoolingSetup
 from vllm_neuron.config.speculative import SpeculativeConfig
+from vllm_neuron.logger import init_logger
+
+logger = init_logger(__name__)
 
 DEFAULT_MAX_NUM_SEQS = 16
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 512
@@ -123,6 +126,7 @@ def resolve(args: EngineArgs, facts: ModelFacts) -> EngineConfig:
     _check_model_options(args, facts)
     if facts.pooling is not None:
         args = _pooling_options(args)
+    args = _tensor_debug_options(args, facts)
     max_model_len, max_num_batched_tokens, max_num_seqs = _limits(args, facts)
     if facts.pooling is not None and facts.pooling.bidirectional and max_num_batched_tokens < max_model_len:
         raise ValueError(f"max_num_batched_tokens={max_num_batched_tokens} must be at least max_model_len="
@@ -172,6 +176,23 @@ def _pooling_options(args: EngineArgs) -> EngineArgs:
         if value is not None:
             raise V.not_supported(option, value, "a pooling model (--runner pooling) runs without it")
     return dataclasses.replace(args, enable_prefix_caching=False)
+
+
+def _tensor_debug_options(args: EngineArgs, facts: ModelFacts) -> EngineArgs:
+    """Tensor capture / replacement (config/tensor_debug.py): refused for pooling models; replacement turns
+    prefix caching off, since a replaced module's output changes what the KV cache holds and those blocks must
+    never serve another request."""
+    nc = args.additional_config.neuron_config
+    if nc.tensor_capture is None and nc.tensor_replacement is None:
+        return args
+    if facts.pooling is not None:
+        raise V.not_supported("neuron_config.tensor_capture / tensor_replacement", "set",
+                              "pooling models' graphs return hidden states only")
+    if nc.tensor_replacement is not None and args.enable_prefix_caching:
+        logger.info("neuron_config.tensor_replacement: prefix caching off (replaced outputs change what the KV "
+                    "cache holds)")
+        return dataclasses.replace(args, enable_prefix_caching=False)
+    return args
 
 
 def _limits(args: EngineArgs, facts: ModelFacts) -> tuple[int, int, int]:

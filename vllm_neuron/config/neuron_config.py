@@ -31,6 +31,7 @@ from typing import Any, Mapping, Sequence
 from vllm_neuron.config import buckets as B
 from vllm_neuron.config import validate as V
 from vllm_neuron.config.json_object import parse_json_object
+from vllm_neuron.config.tensor_debug import TensorCaptureConfig, TensorReplacementConfig
 from vllm_neuron.logger import init_logger, warning_once
 
 logger = init_logger(__name__)
@@ -222,6 +223,9 @@ class NeuronConfig:
     gk_decode: bool = False
     # Decode graphs through inductor's C++ wrapper: a faster step for several times the compile time.
     decode_cpp_wrapper: bool = False
+    # Accuracy debugging (config/tensor_debug.py): module outputs written out, or fed from a file.
+    tensor_capture: TensorCaptureConfig | None = None
+    tensor_replacement: TensorReplacementConfig | None = None
     # Filled by resolved(): decode context lengths to compile (max_model_len always last).
     # Not a user option.
     context_buckets: list[int] | None = None
@@ -230,6 +234,7 @@ class NeuronConfig:
         "num_batched_tokens_buckets", "num_seqs_buckets", "kv_segment_size_buckets",
         "decode_context_length_buckets", "on_device_sampling_config", "quantization",
         "ep_degree", *COMPONENT_DP_OPTIONS, "fp8_packed_kv", "gk_decode", "decode_cpp_wrapper",
+        "tensor_capture", "tensor_replacement",
     )
 
     def __post_init__(self) -> None:
@@ -239,6 +244,8 @@ class NeuronConfig:
         _set_fields(self, **lists,
                     on_device_sampling_config=OnDeviceSamplingConfig.from_value(self.on_device_sampling_config),
                     quantization=check_quantization(self.quantization),
+                    tensor_capture=TensorCaptureConfig.from_value(self.tensor_capture),
+                    tensor_replacement=TensorReplacementConfig.from_value(self.tensor_replacement),
                     ep_degree=None if self.ep_degree is None else _integer("ep_degree", self.ep_degree),
                     **{name: _integer(name, getattr(self, name)) for name in COMPONENT_DP_OPTIONS},
                     **{name: V.boolean(name, getattr(self, name))

@@ -48,6 +48,16 @@ class Replica:
     info: dict = field(default_factory=dict)
 
 
+def _ipc_dir() -> str:
+    """A private folder for the engines' IPC socket. A socket's path holds at most 107 bytes (sun_path), so
+    under a long TMPDIR it goes to /tmp instead."""
+    folder = tempfile.mkdtemp(prefix="vllm_neuron_ipc_")
+    if len(os.path.join(folder, "engines").encode()) > 100:
+        os.rmdir(folder)
+        folder = tempfile.mkdtemp(prefix="vllm_neuron_ipc_", dir="/tmp")
+    return folder
+
+
 class CoreClient:
     """Spawns this host's replicas and carries messages to and from all of them (one event loop)."""
 
@@ -57,7 +67,7 @@ class CoreClient:
         self.replicas = [Replica(r) for r in range(config.data_parallel_size)]
         self.iteration_timeout: float = envs.VLLM_ENGINE_ITERATION_TIMEOUT_S
         self._nodes: dict[bytes, float] = {}  # supervisor identity -> last heartbeat (monotonic)
-        self._ipc_dir = tempfile.mkdtemp(prefix="vllm_neuron_ipc_")
+        self._ipc_dir = _ipc_dir()
         self.ctx = zmq.asyncio.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a message to a vanished peer raises, never vanishes

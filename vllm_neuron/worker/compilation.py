@@ -194,6 +194,9 @@ class GraphCompiler:
     records: list[BucketCompileRecord] = field(default_factory=list)
     # Decode graphs (config/buckets.py's decode_b*) get inductor's C++ wrapper (neuron_config.decode_cpp_wrapper).
     decode_cpp_wrapper: bool = False
+    # Every graph traces its layers inlined (tensor capture / replacement hooks inside a layer cannot run in a
+    # nested compile region, which must be free of side effects).
+    inline_layers: bool = False
 
     def __post_init__(self) -> None:
         blob = json.dumps(self.key_parts, sort_keys=True, default=str).encode()
@@ -520,7 +523,7 @@ class BucketGraph:
         self.name = name
         self.fn = fn
         self._call: Callable | None = None
-        self.inline = compiler.uses_cpp_wrapper(name)
+        self.inline = compiler.inline_layers or compiler.uses_cpp_wrapper(name)
 
     def __call__(self, *args: Any) -> Any:
         # A C++-wrapper graph is traced with its layers inlined; the torch.compile fallback guards on that

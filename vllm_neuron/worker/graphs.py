@@ -14,6 +14,7 @@ forward taps the layers it names, and after sampling the draft proposes the next
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -63,11 +64,29 @@ class DraftGraphs(Protocol):
     def after_verify(self, g: "GraphBase", x: VerifyInputs, tokens, num_emitted, taps, meta) -> torch.Tensor: ...
 
 
+def recorded(fn):
+    """A graph function whose StepOutput also carries the tensors the model's taps recorded during it
+    (neuron_config.tensor_capture): graph outputs like the tokens, so a compiled graph returns them too."""
+
+    @functools.wraps(fn)
+    def run(self: "GraphBase", x):
+        if self.taps is None or not self.taps.captured_names:
+            return fn(self, x)
+        with self.taps.recording() as rec:
+            result = fn(self, x)
+        if isinstance(result, tuple):
+            return (dataclasses.replace(result[0], captured=rec), *result[1:])
+        return dataclasses.replace(result, captured=rec)
+
+    return run
+
+
 class GraphBase:
     def __init__(self, model: torch.nn.Module, options: GraphOptions, drafter: DraftGraphs | None = None) -> None:
         self.model = model
         self.options = options
         self.drafter = drafter
+        self.taps = None  # worker/module_taps.ModuleTaps under tensor capture / replacement (set by the runner)
 
     # -- attention metadata ------------------------------------------------------------------------
     def prefill_meta(self, x: PrefillInputs) -> AttentionMetadata:
@@ -178,14 +197,20 @@ class GraphBase:
         out, hidden = self._prefill(x)
         return out, self.prompt_logprobs(hidden, p)
 
-    def encode(self, x: EncoderInputs) -> tuple[torch.Tensor, torch.Tensor]:
-        """A multimodal model's encoder over one bucket of block-packed media."""
-        return self.model.encode(x.pixels, x.interp_idx, x.interp_w, x.rot_pos, x.segment)
+    def encode(self, x: EncoderInputs) -> tuple:
+        """A multimodal model's encoder over one bucket of block-packed media: (embeds, deepstack), and the
+        tapped vision modules' tensors by name when tensor capture names some (rows in packed order)."""
+        if self.taps is None or not self.taps.captured_names:
+            return self.model.encode(x.pixels, x.interp_idx, x.interp_w, x.rot_pos, x.segment)
+        with self.taps.recording() as rec:
+            embeds, deepstack = self.model.encode(x.pixels, x.interp_idx, x.interp_w, x.rot_pos, x.segment)
+        return embeds, deepstack, rec
 
 
 class StepGraphs(GraphBase):
     """Model Runner V1's graphs: host-built inputs; forward, logits of the sampled rows, in-graph sampling."""
 
+    @recorded
     def _prefill(self, x: PrefillInputs) -> tuple[StepOutput, torch.Tensor]:
         meta = self.prefill_meta(x)
         hidden, taps = self.forward(x.input_ids, x.positions, x.kv_caches, meta,
@@ -194,6 +219,7 @@ class StepGraphs(GraphBase):
         drafts = None if self.drafter is None else self.drafter.after_prefill(self, x, tokens, taps, meta)
         return StepOutput(tokens, logits, drafts), hidden
 
+    @recorded
     def decode(self, x: DecodeInputs) -> StepOutput:
         meta = self.decode_meta(x.slot_mapping, x.block_tables, x.positions)
         hidden, taps = self.forward(x.input_ids, x.positions, x.kv_caches, meta,
@@ -202,6 +228,7 @@ class StepGraphs(GraphBase):
         drafts = None if self.drafter is None else self.drafter.after_decode(self, x, tokens, taps, meta)
         return StepOutput(tokens, logits, drafts)
 
+    @recorded
     def verify(self, x: VerifyInputs) -> StepOutput:
         """The target over 1 + K rows per sequence (K/V of the last token and the drafts written in place),
         logits at every row, the grammar mask at every verified position, and the rejection sampler."""
@@ -245,6 +272,7 @@ class SlotStepGraphs(GraphBase):
         state.last_token.index_copy_(0, slots, torch.where(dummy, torch.zeros_like(tokens), tokens))
         state.position.index_copy_(0, slots, torch.where(dummy, torch.zeros_like(next_pos), next_pos))
 
+    @recorded
     def _prefill(self, x: PrefillInputs) -> tuple[StepOutput, torch.Tensor]:
         meta = self.prefill_meta(x)
         hidden, _ = self.forward(x.input_ids, x.positions, x.kv_caches, meta, self._group_metas(meta, x.groups, True),
@@ -256,6 +284,7 @@ class SlotStepGraphs(GraphBase):
         self._write_token_state(slots, tokens, next_pos, state)
         return StepOutput(tokens, logits), hidden
 
+    @recorded
     def decode(self, x: SlotDecodeInputs) -> StepOutput:
         state, rows, bs = x.state, x.row_slots, self.options.block_size
         ids = state.last_token[rows]

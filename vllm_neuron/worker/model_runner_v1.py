@@ -109,7 +109,7 @@ class ModelRunnerV1(ModelRunnerBase):
                                             "block_tables"),
                          self._row_extras(req_ids, batch), self.draft_kv)
         with torch.inference_mode():
-            return self._graph("decode", batch, context)(x)
+            return self._run_graph("decode", batch, context, x, chunks)
 
     def _run_verify(self, chunks, batch: int, context: int, masks: dict | None = None) -> StepOutput:
         k = self.speculator.k
@@ -124,7 +124,7 @@ class ModelRunnerV1(ModelRunnerBase):
                              c, batch, k, context // self.block_size, self.block_size), "block_tables"),
                          self._row_extras(req_ids, batch, k + 1), self.draft_kv)
         with torch.inference_mode():
-            return self._graph("verify", batch, context)(x)
+            return self._run_graph("verify", batch, context, x, chunks, k + 1)
 
     def _verify_bitmask(self, chunks, batch: int, masks: dict | None) -> np.ndarray | None:
         """[B * (1 + K), words]: a grammar request's masks at its verified positions, all-allowed elsewhere."""

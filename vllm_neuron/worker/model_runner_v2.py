@@ -71,7 +71,7 @@ class ModelRunnerV2(ModelRunnerBase):
         x = SlotDecodeInputs(self.state.row_slots([c.req_id for c in chunks], batch), cols, self.state.state,
                              self.kv_caches, self._t(self._bitmask(chunks, batch, masks or {})))
         with torch.inference_mode():
-            return self._graph("decode", batch, context)(x)
+            return self._run_graph("decode", batch, context, x, chunks)
 
     # -- one step --------------------------------------------------------------------------------
     def _slot_params(self, req_id: str) -> SlotParams:

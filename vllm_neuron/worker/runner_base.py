@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -49,6 +48,7 @@ from vllm_neuron.worker.prompt_logprobs import plan_prompt_logprobs, prompt_logp
 from vllm_neuron.worker.sampling_state import SamplingStates
 from vllm_neuron.worker.step_inputs import GroupTables, PrefillInputs, RowSampling, SlotRows, StepOutput
 from vllm_neuron.worker.step_timing import StepClock
+from vllm_neuron.worker.tensor_debug import TensorDebug
 
 logger = init_logger(__name__)
 
@@ -80,6 +80,8 @@ class ModelRunnerBase:
         self.model = None
         self.kinds: list[ModelKindState] = []  # set when the model is built
         self.compiler: GraphCompiler | None = None
+        self.tensor_debug: TensorDebug | None = None  # neuron_config.tensor_capture / tensor_replacement
+        self._eager_graphs = False  # _graph() hands out the uncompiled graph functions (TensorDebug.prepare)
         self.graphs = None  # the runner's StepGraphs / SlotStepGraphs
         self._bucket_graphs: dict[tuple[str, int, int], Callable] = {}
         self.step_clock = StepClock()  # step and graph times, profiler ranges (worker/step_timing.py)
@@ -132,11 +134,16 @@ class ModelRunnerBase:
         self.kinds = make_model_kinds(self.config, self.ckpt.hf_config, self.model, self.dtype, self.device,
                                       self._graph)
         nbytes += self._load_speculator()
+        self.tensor_debug = self._make_tensor_debug()
+        for k in self.kinds:
+            k.capture_sink = self.tensor_debug.write_media if self.tensor_debug is not None else None
         self.compiler = GraphCompiler(cache_key_parts(self.ckpt.hf_config.to_dict(), self.dtype, self.device,
                                                       self.config.tensor_parallel_size, self._graph_options()),
                                       backend=self.backend,
-                                      decode_cpp_wrapper=self.config.neuron_config.decode_cpp_wrapper)
+                                      decode_cpp_wrapper=self.config.neuron_config.decode_cpp_wrapper,
+                                      inline_layers=self.tensor_debug is not None)
         self.graphs = self._make_graphs(self._graph_static_options())
+        self.graphs.taps = self.tensor_debug.taps if self.tensor_debug is not None else None
         if self.pooler is not None:
             self.graphs = PoolingGraphs(self.model, self._graph_static_options())
             self.pooler.model = self.model
@@ -149,6 +156,16 @@ class ModelRunnerBase:
     def _load_speculator(self) -> int:
         """Loads the speculator's draft model, if any (bytes loaded)."""
         return 0
+
+    def _make_tensor_debug(self) -> TensorDebug | None:
+        nc = self.config.neuron_config
+        if nc.tensor_capture is None and nc.tensor_replacement is None:
+            return None
+        k = self.speculator.k if self.speculator is not None else 0
+        rows = max(self.prefill_buckets[-1], self.decode_buckets[-1] * (1 + k))
+        info = ps.info()
+        return TensorDebug(self.model, nc.tensor_capture, nc.tensor_replacement, rows, self.device, info.rank,
+                           info.world)
 
     def _log_kv_segment(self) -> None:
         if self.kv_segment and not self.prefill_needs_context():
@@ -327,6 +344,8 @@ class ModelRunnerBase:
                 "decode_cpp_wrapper": self.config.neuron_config.decode_cpp_wrapper,
                 "kinds": [k.graph_options() for k in self.kinds],
                 "prompt_embeds": self.config.enable_prompt_embeds}
+        if self.tensor_debug is not None:  # the tapped modules' tensors are graph outputs / inputs
+            opts["tensor_debug"] = self.tensor_debug.graph_options()
         if self.pooler is not None:
             opts["pooling"] = self.config.pooling.task  # the prefill graphs return hidden states
         if self.speculator is not None:
@@ -343,6 +362,8 @@ class ModelRunnerBase:
         """Compiles (or loads) every graph of `graph_names()`; progress(done, total, "compiled" / "loaded") after
         each one, for whoever waits on the engine (the API server's /health says how far it got)."""
         graphs = self.graph_names()
+        if self.tensor_debug is not None:
+            self.tensor_debug.prepare(self._run_first_prefill_eagerly)
         if self.backend == "eager":
             logger.info("Eager execution (enforce_eager or VLLM_NEURON_BACKEND=eager): %d bucket graphs run "
                         "uncompiled; nothing to warm up", len(graphs))
@@ -375,8 +396,26 @@ class ModelRunnerBase:
         else:
             next(k for k in self.kinds if spec in k.graph_specs()).warm(spec)
 
+    def _run_first_prefill_eagerly(self) -> None:
+        self._eager_graphs = True
+        try:
+            self.warm_graph(next(g for g in self.graph_names() if g.kind == "prefill"))
+        finally:
+            self._eager_graphs = False
+
+    def _run_graph(self, kind: str, size: int, context: int, x, chunks, rows_per_seq: int | None = 1):
+        """One step's graph on x, with tensor capture / replacement around it when they are on."""
+        if self.tensor_debug is None:
+            return self._graph(kind, size, context)(x)
+        self.tensor_debug.begin(chunks, rows_per_seq)
+        out = self._graph(kind, size, context)(x)
+        self.tensor_debug.end(kind, self._graph_name(kind, size, context), out.captured)
+        return out
+
     def _graph(self, kind: str, size: int, context: int) -> Callable:
         """The compiled graph of one bucket (created on first use outside warm-up, e.g. eager)."""
+        if self._eager_graphs:
+            return getattr(self.graphs, kind)
         context = context or 0
         key = (kind, size, context)
         g = self._bucket_graphs.get(key)
@@ -502,8 +541,12 @@ class ModelRunnerBase:
         plan = plan_prompt_logprobs(chunks, self.sampling.states, self.ckpt.hf_config.get_text_config().vocab_size,
                                     self.device)
         if plan is None:
-            return self._graph("prefill", num_tokens, num_context)(x)
+            return self._run_graph("prefill", num_tokens, num_context, x, chunks, None)
+        if self.tensor_debug is not None:
+            self.tensor_debug.begin(chunks, None)
         out, lp = self.graphs.prefill_with_prompt_logprobs(x, plan.rows)
+        if self.tensor_debug is not None:
+            self.tensor_debug.end("prefill", self._graph_name("prefill", num_tokens, num_context), out.captured)
         self._prompt_logprobs = prompt_logprob_entries(plan, lp)
         return out
 

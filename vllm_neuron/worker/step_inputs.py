@@ -194,3 +194,5 @@ class StepOutput:
     logits: torch.Tensor
     drafts: torch.Tensor | None = None  # [rows, K'] the next step's drafts (a draft model's)
     num_emitted: torch.Tensor | None = None  # [B] verification: accepted drafts + 1
+    # neuron_config.tensor_capture: the tapped modules' tensors of every row, by name (worker/module_taps.py).
+    captured: dict[str, torch.Tensor] | None = None

@@ -42,7 +42,18 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-tokens", type=int, default=8, help="positions compared after each prompt")
     g.add_argument("--logprobs-k", type=int, default=5, help="top-k compared per position")
     g.add_argument("--fail-above", type=float, default=None,
-                   help="exit 1 when any difference from fp32 exceeds this (default: report only)")
+                   help="exit 1 when any difference from fp32 exceeds this (default: report only); with "
+                        "--per-module: exit 1 when a module diverges")
+    g.add_argument("--per-module", action="store_true",
+                   help="instead of the logits: each module's output against transformers' (captured inside the "
+                        "engine's graphs), accumulated and with every decoder layer fed transformers' input, and "
+                        "the first module that diverges (text prompts)")
+    g.add_argument("--modules", action="append", default=None, metavar="PATTERN",
+                   help="--per-module: module name patterns, repeatable (default: embed_tokens, every decoder "
+                        "layer and its self_attn and mlp, the final norm)")
+    g.add_argument("--module-tolerance", type=float, default=1e-4,
+                   help="--per-module: relative difference above which a module diverges (and above twice "
+                        "transformers bf16's own)")
 
 
 def _reference(path: str, gguf_file: str | None, multimodal: bool, dtype: torch.dtype):
@@ -112,27 +123,25 @@ def validate(llm, prompts: list, max_tokens: int, k: int) -> list[dict]:
 def run_validate_logits(args: argparse.Namespace) -> int:
     from vllm_neuron.config.arg_utils import engine_args_from_cli
     from vllm_neuron.entrypoints.llm import LLM
+    from vllm_neuron.model.loader.checkpoint import load_checkpoint
+    from vllm_neuron.model.loader.tokenizer import load_tokenizer
 
     engine_args = engine_args_from_cli(args)
     if engine_args.data_parallel_size > 1:
         raise ValueError(f"validate-logits runs one in-process engine; --data-parallel-size must be 1, got "
                          f"{engine_args.data_parallel_size}")
-    llm = LLM.from_engine_args(engine_args)
+    ckpt = load_checkpoint(engine_args.model)
     texts = args.prompt or ["The capital of France is"]
-    if args.image or args.video:
-        from vllm_neuron.entrypoints.openai.chat_template import normalize_messages
+    prompts = _prompts(load_tokenizer(engine_args.tokenizer or ckpt, engine_args.chat_template), texts, args)
+    if args.per_module:
+        from vllm_neuron.entrypoints.cli.validate_modules import run_per_module
 
-        parts = [{"type": "image", "image": _source(p)} for p in args.image] + \
-                [{"type": "video", "video": _source(p)} for p in args.video]
-        tok = llm.get_tokenizer()
-        prompts = []
-        for t in texts:
-            media: dict = {}
-            conv = normalize_messages([{"role": "user", "content": parts + [{"type": "text", "text": t}]}], media)
-            text = tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
-            prompts.append({"prompt": text, "multi_modal_data": media})
-    else:
-        prompts = list(texts)
+        gguf = ckpt.gguf_file
+        path = ckpt.path if gguf is None else os.path.dirname(gguf)
+        multimodal = hasattr(ckpt.hf_config, "vision_config")
+        return run_per_module(args, engine_args, lambda dt: _reference(path, gguf and os.path.basename(gguf),
+                                                                       multimodal, dt), texts, prompts)
+    llm = LLM.from_engine_args(engine_args)
     worst = 0.0
     for text, r in zip(texts, validate(llm, prompts, args.max_tokens, args.logprobs_k)):
         print(f"\n>>> {text!r}  reference tokens {r['tokens']}")
@@ -143,6 +152,23 @@ def run_validate_logits(args: argparse.Namespace) -> int:
             worst = max(worst, a.max_abs_diff)
     print(f"\nlargest difference from transformers fp32: {worst:.3e}")
     return 1 if args.fail_above is not None and worst > args.fail_above else 0
+
+
+def _prompts(tok, texts: list[str], args: argparse.Namespace) -> list:
+    """The texts as they are, or with --image / --video: a chat message each, the media first."""
+    if not (args.image or args.video):
+        return list(texts)
+    from vllm_neuron.entrypoints.openai.chat_template import normalize_messages
+
+    parts = [{"type": "image", "image": _source(p)} for p in args.image] + \
+            [{"type": "video", "video": _source(p)} for p in args.video]
+    prompts = []
+    for t in texts:
+        media: dict = {}
+        conv = normalize_messages([{"role": "user", "content": parts + [{"type": "text", "text": t}]}], media)
+        text = tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
+        prompts.append({"prompt": text, "multi_modal_data": media})
+    return prompts
 
 
 def _source(path: str) -> bytes | str:

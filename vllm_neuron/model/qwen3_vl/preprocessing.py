@@ -24,6 +24,7 @@ class VisionInputs:
     rot_pos: torch.Tensor  # [P, 2] long
     segment: torch.Tensor  # [blocks, block_size] long: one id per image or video frame, -1 for padding
     token_rows: torch.Tensor  # [real patches / merge_unit]: the output row of each merged token, in item order
+    patch_rows: torch.Tensor  # [real patches]: the packed row of each patch, in item order
     num_patches: int  # real patches (the rest is padding)
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
@@ -69,4 +70,4 @@ def vision_inputs(cfg: VisionArchConfig, pixels: list[torch.Tensor], grids: list
 
     return VisionInputs(pixels=packed(px), interp_idx=packed(idx), interp_w=packed(w.float()), rot_pos=packed(rot),
                         segment=seg.reshape(-1, block), token_rows=dest[::cfg.merge_unit] // cfg.merge_unit,
-                        num_patches=real)
+                        patch_rows=dest, num_patches=real)

@@ -34,6 +34,10 @@ class GraphSpec(NamedTuple):
 
 
 class ModelKindState:
+    # Where a kind with its own encoder graphs hands the tensors tensor capture tapped in them
+    # (worker/tensor_debug.py's write_media); set by the runner, None without capture.
+    capture_sink = None
+
     def add_request(self, data: NewRequestData) -> None:
         pass
 

@@ -157,10 +157,12 @@ class MultimodalState(ModelKindState):
                 out.append((item, tp, sel))
         return out
 
-    def _run_encoder(self, size: int, x: EncoderInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    def _run_encoder(self, size: int, x: EncoderInputs) -> tuple:
+        """(embeds, deepstack, the tapped tensors or None) of one encoder bucket."""
         x = EncoderInputs(*(t.to(self.device) for t in (x.pixels, x.interp_idx, x.interp_w, x.rot_pos, x.segment)))
         with torch.inference_mode():
-            return self.graph("encode", size, 0)(x)
+            out = self.graph("encode", size, 0)(x)
+        return out if len(out) == 3 else (*out, None)
 
     def _encode(self, items: list) -> dict:
         """mm_hash -> (embeds, deepstack) for `items`: from the encoder cache, else from vision-tower calls
@@ -179,7 +181,9 @@ class MultimodalState(ModelKindState):
             size = B.select_bucket(self.encoder_buckets, n_blocks * self.encoder_block)
             vi = vision_inputs(self.model.mm_arch.vision, [torch.from_numpy(i.pixel_values) for i in group],
                                [i.grid_thw for i in group], num_patches=size, block_size=self.encoder_block)
-            embeds, deepstack = self._run_encoder(size, EncoderInputs(*vi.tensors()))
+            embeds, deepstack, captured = self._run_encoder(size, EncoderInputs(*vi.tensors()))
+            if captured and self.capture_sink is not None:
+                self.capture_sink(f"encoder_p{size}", size, group, captured, vi.patch_rows, vi.token_rows)
             rows = vi.token_rows.to(embeds.device)
             embeds, deepstack = embeds[rows], deepstack[:, rows]  # back to item order
             self.num_encoder_runs += 1

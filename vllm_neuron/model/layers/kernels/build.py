@@ -7,6 +7,7 @@ waits for the slowest source, not the sum) and logs each source as it finishes.
 """
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import os
@@ -109,7 +110,13 @@ def load(variant: str) -> bool:
     try:
         so = _build_dir(digest(variant)) / "vllm_neuron_kernels.so"
         if not so.exists():
-            _compile(so, variant)
+            so.parent.mkdir(parents=True, exist_ok=True)
+            # Processes starting together on a fresh machine (DP replicas, TP ranks) build once: the others
+            # wait for the first one's library instead of compiling the same sources beside it.
+            with open(so.parent / ".build.lock", "w") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                if not so.exists():
+                    _compile(so, variant)
         torch.ops.load_library(str(so))
     except Exception as e:  # noqa: BLE001 - the torch paths are always there
         logger.warning("Custom CPU kernels unavailable, using the torch paths: %s", e)
