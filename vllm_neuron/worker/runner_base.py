@@ -47,13 +47,13 @@ from vllm_neuron.worker.logits_processors import LogitsProcessorBatch
 from vllm_neuron.worker.prompt_logprobs import plan_prompt_logprobs, prompt_logprob_entries
 from vllm_neuron.worker.sampling_state import SamplingStates
 from vllm_neuron.worker.step_inputs import GroupTables, PrefillInputs, RowSampling, SlotRows, StepOutput
-from vllm_neuron.worker.step_timing import StepClock
+from vllm_neuron.worker.step_timing import ProfiledRunner, StepClock
 from vllm_neuron.worker.tensor_debug import TensorDebug
 
 logger = init_logger(__name__)
 
 
-class ModelRunnerBase:
+class ModelRunnerBase(ProfiledRunner):
     pooler: Pooler | None = None  # a pooling engine's (set in __init__)
 
     def __init__(self, config: EngineConfig, checkpoint: Checkpoint, device: torch.device, dtype: torch.dtype,
@@ -243,20 +243,6 @@ class ModelRunnerBase:
             info = ps.info()
             self.kv_connector = KVConnectorWorker(self.config.kv_transfer, self.kv_caches, self.block_size,
                                                   self.model_spec.num_kv_heads, info.rank, info.world)
-
-    # -- profiling (vllm_neuron/profiler.py; a TP executor runs these on every rank) ------------------------------
-    def start_profile(self, role: str, tag: str) -> None:
-        self.step_clock.trace.start(f"{role}_rank{ps.info().rank}", tag)
-
-    def stop_profile(self) -> int:
-        """1 once this rank's trace is written, 0 if it could not be (a TP executor takes the minimum over the
-        ranks, so it returns once every rank is done); never raises, as the other ranks wait on the result."""
-        try:
-            self.step_clock.trace.stop()
-            return 1
-        except Exception as e:  # noqa: BLE001
-            logger.warning("rank %d: the profile could not be written: %s", ps.info().rank, e)
-            return 0
 
     def close(self) -> None:
         """Ends what the runner started beside its graphs (the KV connector's threads, sockets, NIXL agent)."""

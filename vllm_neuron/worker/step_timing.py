@@ -2,7 +2,7 @@
 profiler runs) the host phases around the graphs as trace ranges.
 
 `@timed_step` wraps a runner's `execute`; `StepClock.timed(graph)` wraps each bucket graph (runner_base's
-`_graph`). While a profiler runs the step is one "execute" range cut into "build_inputs" (up to the first
+`_graph`); `ProfiledRunner` gives the runners start_profile / stop_profile. While a profiler runs the step is one "execute" range cut into "build_inputs" (up to the first
 graph), one "graph" range per graph call around its "bucket:<name>" range, and "sample" (after the graph:
 host sampling, the state update, drafts) - consecutive ranges, so their durations add up to the step's.
 All of it sits outside the compiled graphs. Without a profiler the cost is two perf_counter reads per graph
@@ -18,6 +18,10 @@ from typing import Any
 from torch.profiler import record_function
 
 from vllm_neuron import envs, profiler
+from vllm_neuron.distributed import parallel_state as ps
+from vllm_neuron.logger import init_logger
+
+logger = init_logger(__name__)
 
 
 class StepClock:
@@ -100,3 +104,22 @@ def timed_step(execute: Callable) -> Callable:
             out.graph_seconds = clock.graph_s
         return out
     return run
+
+
+class ProfiledRunner:
+    """The runner's profiling calls; a TP executor runs them on every rank, each writing its own process' trace."""
+
+    step_clock: StepClock
+
+    def start_profile(self, role: str, tag: str) -> None:
+        self.step_clock.trace.start(f"{role}_rank{ps.info().rank}", tag)
+
+    def stop_profile(self) -> int:
+        """1 once this rank's trace is written, 0 if it could not be (a TP executor takes the minimum over the
+        ranks, so it returns once every rank is done); never raises, as the other ranks wait on the result."""
+        try:
+            self.step_clock.trace.stop()
+            return 1
+        except Exception as e:  # noqa: BLE001
+            logger.warning("rank %d: the profile could not be written: %s", ps.info().rank, e)
+            return 0
