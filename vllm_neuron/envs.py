@@ -371,6 +371,41 @@ _VARS: dict[str, EnvVar] = {
             "--disable-log-stats turns them off.",
         ),
         EnvVar(
+            "VLLM_NEURON_STEP_TIMING",
+            lambda: _bool("VLLM_NEURON_STEP_TIMING", True),
+            "Per-step observation: each bucket's execution-time and fill-ratio histograms and the served step "
+            "shapes in /metrics, the per-step DEBUG line, the bucket advisor's summary in the compile cache "
+            "folder and its hint. Default 1; 0 turns them all off (to measure what they cost).",
+        ),
+        # -- profiling (vLLM's variables) --
+        EnvVar(
+            "VLLM_TORCH_PROFILER_DIR",
+            lambda: _str("VLLM_TORCH_PROFILER_DIR"),
+            "Folder for torch.profiler traces (Chrome trace JSON, one file per process: API server, engine "
+            "cores, tensor-parallel ranks). Set: /start_profile and /stop_profile on the server and "
+            "LLM.start_profile() / stop_profile() offline record between the two calls. Unset: they are refused.",
+        ),
+        EnvVar(
+            "VLLM_TORCH_PROFILER_RECORD_SHAPES",
+            lambda: _bool("VLLM_TORCH_PROFILER_RECORD_SHAPES"),
+            "Traces record each op's input shapes. Default 0.",
+        ),
+        EnvVar(
+            "VLLM_TORCH_PROFILER_WITH_PROFILE_MEMORY",
+            lambda: _bool("VLLM_TORCH_PROFILER_WITH_PROFILE_MEMORY"),
+            "Traces record tensor allocations. Default 0.",
+        ),
+        EnvVar(
+            "VLLM_TORCH_PROFILER_WITH_STACK",
+            lambda: _bool("VLLM_TORCH_PROFILER_WITH_STACK", True),
+            "Traces record each op's Python stack (vLLM's default, 1; costly on CPU: 0 for timings).",
+        ),
+        EnvVar(
+            "VLLM_TORCH_PROFILER_WITH_FLOPS",
+            lambda: _bool("VLLM_TORCH_PROFILER_WITH_FLOPS"),
+            "Traces estimate the FLOPs of matrix multiplications and convolutions. Default 0.",
+        ),
+        EnvVar(
             "VLLM_ENABLE_RESPONSES_API_STORE",
             lambda: _bool("VLLM_ENABLE_RESPONSES_API_STORE"),
             "1: /v1/responses stores its responses in memory (previous_response_id, GET /v1/responses/{id}), "

@@ -20,7 +20,7 @@ Who records what (exactly one owner per series, or counts double):
         vllm:spec_decode_num_drafts / num_draft_tokens / num_accepted_tokens /
         num_accepted_tokens_per_pos{position} (counters)
     engine (model runner, driver rank, per step) record_padding(...), record_execution(...),
-                                                 record_async_sync_fallback()
+                                                 record_async_sync_fallback(); step_metrics.py's record_*
     workers (each rank, at start-up)            record_compilation_time(...), record_model_load(...)
     server launcher (once, when ready)          record_startup_time(...)
     API server and engines (their own process)  record_grammar_cache(...), record_grammar_timeout(...)
@@ -389,6 +389,11 @@ def record_grammar_cache(process: str, nbytes: int) -> None:
 def record_grammar_timeout(process: str, count: int = 1) -> None:
     """`count` grammars refused in `process` for compiling past --grammar-compile-timeout."""
     GRAMMAR_COMPILE_TIMEOUTS.labels(_name(), process).inc(count)
+
+
+def engine_labels() -> tuple[str, str]:
+    """(model_name, engine): the labels every engine-side series starts with."""
+    return _name(), _engine
 
 
 def engine_process() -> str:

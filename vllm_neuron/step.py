@@ -120,3 +120,7 @@ class ModelRunnerOutput:
     # Pooling requests whose last prompt chunk ran this step: req_id -> the pooled output (a 1-D float32 CPU
     # tensor); they finish with it and sample nothing.
     pooled: dict[str, object] = field(default_factory=dict)
+    # Step timing (worker/step_timing.py; 0 with VLLM_NEURON_STEP_TIMING=0): the runner's execute, and the part
+    # of it in bucket graph calls.
+    execute_seconds: float = 0.0
+    graph_seconds: float = 0.0

@@ -72,7 +72,9 @@ def _dump_server_logs():
 
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir, tmp_path_factory):
-    srv = _start(tiny_llama_dir, str(tmp_path_factory.mktemp("server")), *FP32, "--enable-prompt-embeds")
+    # Profiling on (idle until test_profile_endpoints starts it); keyed_server has it off.
+    srv = _start(tiny_llama_dir, str(tmp_path_factory.mktemp("server")), *FP32, "--enable-prompt-embeds",
+                 VLLM_TORCH_PROFILER_DIR=str(tmp_path_factory.mktemp("traces")), VLLM_TORCH_PROFILER_WITH_STACK="0")
     yield srv
     _stop(srv)
 
@@ -593,6 +595,48 @@ def test_bench_serve(server, tiny_llama_dir, tmp_path):
     assert re.search(r"Successful requests:\s+6\b", res.stdout), out
 
 
+def test_profile_endpoints(server, model):
+    """/start_profile ... /stop_profile: one trace per process (API server, engine core), each with its ranges;
+    calls out of order are 400s with the error object."""
+    r = httpx.post(server.url + "/stop_profile", timeout=30)
+    assert r.status_code == 400 and "no profile is running" in r.json()["error"]["message"]
+    assert httpx.post(server.url + "/start_profile", timeout=30).status_code == 200
+    r = httpx.post(server.url + "/start_profile", timeout=30)
+    assert r.status_code == 400 and "already running" in r.json()["error"]["message"]
+    _assert_still_serves(server.url, model)
+    r = httpx.post(server.url + "/stop_profile", timeout=120)
+    assert r.status_code == 200, r.text
+    traces = sorted(r.json()["traces"])
+    assert [t.rsplit("/", 1)[1].split(".", 2)[1] for t in traces] == ["api_server", "engine0_rank0"], traces
+    names = [{e["name"] for e in json.load(open(t))["traceEvents"] if e.get("ph") == "X"} for t in traces]
+    assert "detokenize" in names[0]
+    assert {"schedule", "execute", "build_inputs", "graph", "sample", "output"} <= names[1]
+    assert any(n.startswith("bucket:prefill_s") for n in names[1]) and any(n.startswith("bucket:decode_b")
+                                                                           for n in names[1])
+
+
+def test_step_metrics_and_bucket_advice(server, model, capsys):
+    from vllm_neuron import step_metrics
+    from vllm_neuron.config.neuron_config import parse_additional_config
+    from vllm_neuron.entrypoints.cli.main import main
+
+    _assert_still_serves(server.url, model)
+    samples = scrape(server.url)
+    names = {n for n, _, _ in samples}
+    for series in step_metrics.SERIES_NAMES:
+        assert any(n.startswith(series) for n in names), f"{series} missing from /metrics"
+    assert metric(server.url, "vllm_neuron:decode_step_seqs_count") >= 1
+    fills = [v for n, lab, v in samples if n == "vllm_neuron:bucket_fill_ratio_sum" and "decode_b" in lab]
+    counts = [v for n, lab, v in samples if n == "vllm_neuron:bucket_fill_ratio_count" and "decode_b" in lab]
+    assert 0 < sum(fills) <= sum(counts)
+    assert main(["buckets", "advise", "--from", server.url]) == 0
+    out = capsys.readouterr().out
+    config = json.loads(out.split("--additional-config '")[1].strip().rstrip("'"))
+    nc = parse_additional_config(config).neuron_config
+    nc.validate(max_num_batched_tokens=nc.num_batched_tokens_buckets[-1], max_num_seqs=4, max_model_len=512,
+                block_size=16)
+
+
 # ---- API key, then the engine's death (second server) ------------------------------------------
 
 def test_api_key(keyed_server):
@@ -614,6 +658,26 @@ def test_api_key(keyed_server):
     assert c.completions.create(model=model, prompt="hello", max_tokens=2).usage.completion_tokens >= 1
     time.sleep(3)
     assert "Avg prompt throughput:" not in keyed_server.log()
+
+
+def test_profiling_off_is_a_400(keyed_server, tiny_llama_dir):
+    r = httpx.post(keyed_server.url + "/start_profile", timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["code"] == 400 and "VLLM_TORCH_PROFILER_DIR" in err["message"]
+    wait_for(lambda: "/start_profile refused" in keyed_server.log(), timeout=5, what="the refusal's log line")
+    # bench serve --profile stops before its run, with the server's reason.
+    import argparse
+
+    from vllm_neuron.benchmarks import serve as bench
+
+    parser = argparse.ArgumentParser()
+    bench.add_cli_args(parser)
+    args = parser.parse_args(["--base-url", keyed_server.url, "--api-key", API_KEY, "--tokenizer", tiny_llama_dir,
+                              "--num-prompts", "1", "--random-input-len", "4", "--random-output-len", "2",
+                              "--disable-tqdm", "--profile"])
+    with pytest.raises(ValueError, match="POST /start_profile answered 400: .*VLLM_TORCH_PROFILER_DIR"):
+        bench.main(args)
 
 
 def test_engine_death(keyed_server):

@@ -84,6 +84,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-warmups", type=int, default=0,
                         help="Requests sent (with the first prompt) before timing starts.")
     parser.add_argument("--disable-tqdm", action="store_true", help="No progress bar.")
+    parser.add_argument("--profile", action="store_true",
+                        help="POST /start_profile before the main run and /stop_profile after it (vLLM's flag; the "
+                        "server needs VLLM_TORCH_PROFILER_DIR) and print the trace files.")
     parser.add_argument("--save-result", action="store_true",
                         help="Write the result json to --result-dir/--result-filename.")
     parser.add_argument("--result-dir", type=str, default=None,
@@ -263,6 +266,18 @@ async def _run_requests(client: httpx.AsyncClient, inputs: list[RequestInput],
             t.cancel()
 
 
+async def _profile(client: httpx.AsyncClient, cfg: BenchServeConfig, action: str) -> list[str]:
+    """POST /start_profile or /stop_profile; the trace files (stop); ValueError with the server's refusal."""
+    r = await client.post(f"{cfg.base_url}/{action}_profile", headers=cfg.headers)
+    if r.status_code != 200:
+        try:
+            why = r.json()["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            why = r.text[:300]
+        raise ValueError(f"--profile: POST /{action}_profile answered {r.status_code}: {why}")
+    return r.json().get("traces", []) if action == "stop" else []
+
+
 async def _until_interrupted(coro: Any) -> tuple[Any, bool]:
     """(result, False), or (None, True) when Ctrl-C (SIGINT) arrives first: the run is cancelled and the
     caller reports what finished before it."""
@@ -313,6 +328,8 @@ async def run_benchmark(cfg: BenchServeConfig, args: argparse.Namespace,
         print(f"Burstiness factor: {cfg.burstiness} ({distribution})")
         print(f"Maximum request concurrency: {cfg.max_concurrency}")
         spec_before = await fetch_spec_decode_counters(client, cfg.base_url, cfg.headers)
+        if args.profile:
+            await _profile(client, cfg, "start")
         offsets = arrival_offsets(len(inputs), cfg.request_rate, cfg.burstiness, cfg.seed)
         pbar = None if cfg.disable_tqdm else tqdm(total=len(inputs), desc="Requests", unit="req")
         t0 = time.perf_counter()
@@ -327,6 +344,9 @@ async def run_benchmark(cfg: BenchServeConfig, args: argparse.Namespace,
             print(f"Interrupted after {duration:.1f} s: {len(outputs)} of {len(inputs)} requests finished; "
                   "the results below cover those only.")
         spec_after = await fetch_spec_decode_counters(client, cfg.base_url, cfg.headers)
+        if args.profile:
+            traces = await _profile(client, cfg, "stop")
+            print("Profile traces (Perfetto: https://ui.perfetto.dev):", *traces, sep="\n  ")
     spec = spec_after.minus(spec_before or SpecDecodeCounters()) if spec_after is not None else None
 
     metrics = compute_metrics(outputs, duration, tokenizer, cfg.percentiles)

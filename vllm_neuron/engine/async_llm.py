@@ -10,12 +10,12 @@ reports the dead one, and the server exits once none is left.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncGenerator
 from typing import Any
 
-from vllm_neuron.lora.request import LoRARequest
-from vllm_neuron import metrics
+from vllm_neuron import metrics, profiler
 from vllm_neuron.config.engine_args import EngineArgs
 from vllm_neuron.config.engine_config import EngineConfig
 from vllm_neuron.config.generation_config import effective_generation_config
@@ -30,6 +30,7 @@ from vllm_neuron.engine.protocol import (AdmissionTicket, EngineClient, EngineDe
 from vllm_neuron.logger import init_logger
 from vllm_neuron.engine.resolve import resolve_engine_config
 from vllm_neuron.model.loader import Checkpoint, load_checkpoint, load_tokenizer
+from vllm_neuron.lora.request import LoRARequest
 from vllm_neuron.outputs import PoolingRequestOutput, RequestOutput
 from vllm_neuron.pooling_params import PoolingParams
 from vllm_neuron.sampling_params import SamplingParams
@@ -58,6 +59,10 @@ class AsyncLLM(EngineClient):
         self._dead: str | None = None
         self._handler: asyncio.Task | None = None
         self.startup_info: dict[str, Any] = {}
+        # Profiling: this process' trace, the tag of the profile in progress, the replicas' pending answers.
+        self._trace = profiler.TraceSession()
+        self._trace_tag: str | None = None
+        self._profile_waiters: dict[int, asyncio.Future] = {}
         # A replica with a full batch more in flight than the least loaded one gives up its prefix affinity.
         self.router = DPRouter(config.data_parallel_size, config.block_size, imbalance=config.max_num_seqs)
         self.cores = CoreClient(config, self.model_name)
@@ -226,6 +231,53 @@ class AsyncLLM(EngineClient):
         if q is not None:
             q.put_nowait(asyncio.CancelledError(f"request {request_id} aborted"))
 
+    # -- profiling (vllm_neuron/profiler.py) -----------------------------------------------------------------
+    async def start_profile(self) -> None:
+        profiler.trace_dir()  # ProfilerError when profiling is off
+        if self._trace_tag is not None:
+            raise profiler.ProfilerError("a profile is already running: stop it first (/stop_profile)")
+        tag = profiler.new_tag()
+        self._trace.start("api_server", tag)
+        self._trace_tag = tag
+        try:
+            await self._profile_replicas("start", tag)
+        except BaseException:
+            self._trace_tag = None
+            self._trace.stop()
+            with contextlib.suppress(Exception):  # the replicas that did start
+                await self._profile_replicas("stop", tag)
+            raise
+
+    async def stop_profile(self) -> list[str]:
+        if self._trace_tag is None:
+            raise profiler.ProfilerError("no profile is running: start one first (/start_profile)")
+        tag, self._trace_tag = self._trace_tag, None
+        try:
+            await self._profile_replicas("stop", tag)
+        finally:
+            self._trace.stop()
+        return profiler.trace_files(tag)
+
+    async def _profile_replicas(self, action: str, tag: str) -> None:
+        """Asks every live replica to start / stop its profile and waits for their answers (the first error
+        raised as a ProfilerError)."""
+        loop = asyncio.get_running_loop()
+        self._ensure_handler()
+        waiters = {}
+        for rank, alive in enumerate(self.cores.alive()):
+            if alive and self.cores.send(rank, ("profile", action, tag, rank)):
+                waiters[rank] = self._profile_waiters[rank] = loop.create_future()
+        errors = []
+        for rank, fut in waiters.items():
+            try:
+                error = await fut
+            finally:
+                self._profile_waiters.pop(rank, None)
+            if error is not None:
+                errors.append(f"engine {rank}: {error}")
+        if errors:
+            raise profiler.ProfilerError("; ".join(errors))
+
     def _send(self, msg: Any, rank: int) -> None:
         self.cores.send(rank, msg)  # a dead replica gets nothing: its requests have failed already
 
@@ -276,6 +328,10 @@ class AsyncLLM(EngineClient):
             self._warmup[rank] = (payload["done"], payload["total"])
         elif kind == "ready":
             self._on_ready(rank, payload)
+        elif kind == "profiled":
+            fut = self._profile_waiters.get(rank)
+            if fut is not None and not fut.done():
+                fut.set_result(payload)
         elif kind == "dead":
             self._replica_died(rank, payload)
         elif kind == "node_dead":
@@ -354,6 +410,9 @@ class AsyncLLM(EngineClient):
                          "reports it; %d replica(s) still serve", rank, reason, len(mine),
                          sum(self.cores.alive()))
         err = self._replica_error(rank, reason)
+        fut = self._profile_waiters.get(rank)
+        if fut is not None and not fut.done():
+            fut.set_exception(err)
         for rid in mine:
             self.output_processor.abort(rid)
             q = self._queues.pop(rid, None)

@@ -1,12 +1,13 @@
 """EngineCore: builds the model runner and the scheduler, then runs schedule -> execute -> update."""
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from vllm_neuron import envs
+from vllm_neuron import envs, profiler
 from vllm_neuron.config import buckets as B
 from vllm_neuron.config.compatibility import V2_LOG_LINE
 from vllm_neuron.config.engine_config import EngineConfig
@@ -14,6 +15,7 @@ from vllm_neuron.core.request import Request, RequestStatus
 from vllm_neuron.core.scheduler import Scheduler, SchedulerConfig
 from vllm_neuron.engine.kv_transfer import KVTransferEngine
 from vllm_neuron.engine.prompt_embeds import embeds_digest
+from vllm_neuron.engine.served_shapes import SUMMARY_NAME, ServedShapes, engine_limits, engine_lists
 from vllm_neuron.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from vllm_neuron.logger import init_logger
 from vllm_neuron.step import ModelRunnerOutput, SchedulerOutput
@@ -108,6 +110,9 @@ class EngineCore:
             if self.async_scheduling else None
         logger.info("Async scheduling: %s (%s)", f"on, batch queue depth {BATCH_QUEUE_DEPTH}"
                     if self.async_scheduling else "off", config.async_scheduling_reason)
+        # The shapes served, for the bucket advisor (engine/served_shapes.py); the profile in progress (its tag).
+        self.served = self._served_shapes() if envs.VLLM_NEURON_STEP_TIMING else None
+        self._trace_tag: str | None = None
         self.startup_seconds = time.perf_counter() - t0
         if backend == "eager":
             logger.info("Engine ready in %.1f s (eager)", self.startup_seconds)
@@ -133,8 +138,39 @@ class EngineCore:
         """How soon an idle engine has timed work (None: none)."""
         return self.kv_transfer.tick_ms() if self.kv_transfer is not None else None
 
+    def _served_shapes(self) -> ServedShapes:
+        compile_seconds: dict[str, list[float]] = {}
+        for name, entry in self.compiler.manifest.items():
+            if isinstance(entry, dict) and entry.get("compile_seconds"):
+                compile_seconds.setdefault(name.split("_", 1)[0], []).append(float(entry["compile_seconds"]))
+        return ServedShapes(None if self.compiler.disabled else self.compiler.dir / SUMMARY_NAME,
+                            engine_limits(self.config, self.runner.prefill_needs_context()), engine_lists(self.config),
+                            {k: sum(v) / len(v) for k, v in compile_seconds.items()})
+
+    # -- profiling (vllm_neuron/profiler.py) ---------------------------------------------------------------
+    def start_profile(self, engine: int = 0, tag: str | None = None) -> None:
+        """Starts torch.profiler in this process and on every tensor-parallel rank; ProfilerError when profiling
+        is off (VLLM_TORCH_PROFILER_DIR unset) or a profile runs already."""
+        profiler.trace_dir()
+        if self._trace_tag is not None:
+            raise profiler.ProfilerError("a profile is already running: stop it first")
+        tag = tag or profiler.new_tag()
+        self._runner_call("start_profile", f"engine{engine}", tag)
+        self._trace_tag = tag
+
+    def stop_profile(self) -> list[str]:
+        """Stops the profile on every rank once each has written its trace; the trace files of every process that
+        shares the profile's tag."""
+        if self._trace_tag is None:
+            raise profiler.ProfilerError("no profile is running: start one first")
+        tag, self._trace_tag = self._trace_tag, None
+        self._runner_call("stop_profile")
+        return profiler.trace_files(tag)
+
     def shutdown(self) -> None:
         """Lets the other tensor-parallel ranks go and ends the runner's own threads (the KV connector's)."""
+        if self.served is not None:
+            self.served.flush()
         if self._executor is not None:
             self._executor.shutdown(wait=True)
         self.runner.close()  # a TPExecutor's: its rank 0's (the others end with their processes)
@@ -237,6 +273,7 @@ class EngineCore:
             return self._recover_from_failed_steps([(sched, e)] + self._drain_queue(), failed)
         return self._finish(sched, result, failed)
 
+    @profiler.ranged("schedule")
     def _schedule(self) -> SchedulerOutput | None:
         if self.kv_transfer is not None:
             self.kv_transfer.before_schedule(self.scheduler)
@@ -315,10 +352,13 @@ class EngineCore:
                 self.scheduler.preempt(rid, resend_alone=rid in new)
         return EngineCoreOutputs(outputs, stats=self._stats(None, None))
 
+    @profiler.ranged("output")
     def _finish(self, sched: SchedulerOutput, result: ModelRunnerOutput,
                 failed: list[EngineCoreOutput]) -> EngineCoreOutputs:
         """Hands one executed step to the scheduler and turns its tokens into outputs."""
         self._consecutive_step_failures = 0
+        if self.served is not None and result.bucket_name:
+            self._observe(sched, result)
         self.num_async_sync_fallbacks += result.async_fallback
         self.num_async_passed += result.tokens_passed_on_device
         # Requests aborted or preempted while the step ran are not running any more: drop their tokens.
@@ -367,9 +407,24 @@ class EngineCore:
                                                 num_cached_tokens=max(req.num_cached_tokens, 0)))
         return EngineCoreOutputs(outputs, self._stats(sched, result))
 
+    def _observe(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> None:
+        """One executed step for the bucket advisor's counts, and its DEBUG line (`buckets advise --from-log`
+        reads it)."""
+        prefill = sched.kind == "prefill"
+        size = sched.num_tokens if prefill else len(sched.chunks)
+        self.served.record(sched.kind, size, sched.max_seq_len, result.execute_seconds)
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("step %s %s=%d/%d context=%d execute_ms=%.3f graph_ms=%.3f", result.bucket_name,
+                         "tokens" if prefill else "seqs", size, size + result.num_padding, sched.max_seq_len,
+                         result.execute_seconds * 1e3, result.graph_seconds * 1e3)
+        self.served.tick(time.monotonic())
+
     def idle_work(self) -> bool:
         """Runner work that fills idle time (KV pages backed ahead of use); True while some is left. Not with
-        tensor parallelism, whose ranks act on broadcast calls only (they back pages before steps)."""
+        tensor parallelism, whose ranks act on broadcast calls only (they back pages before steps). The served
+        shapes are written first: an engine stopped by a signal keeps what it served up to its last idle time."""
+        if self.served is not None:
+            self.served.flush_when_idle(time.monotonic())
         return False if isinstance(self.runner, TPExecutor) else self.runner.idle_work()
 
     def idle_stats(self) -> SchedulerStats:
@@ -382,6 +437,9 @@ class EngineCore:
             prefix_queries=s.kv.prefix_queries, prefix_hits=s.kv.prefix_hits, num_preemptions=s.num_preemptions,
             step_kind=sched.kind if sched else "", bucket_name=result.bucket_name if result else "",
             num_padding=result.num_padding if result else 0, num_tokens=sched.num_tokens if sched else 0,
+            num_seqs=len(sched.chunks) if sched else 0, context_len=sched.max_seq_len if sched else 0,
+            execute_seconds=result.execute_seconds if result else 0.0,
+            graph_seconds=result.graph_seconds if result else 0.0,
             num_async_sync_fallbacks=self.num_async_sync_fallbacks, spec_decode=s.spec_stats.cumulative(),
             encoder_cache=self.runner.encoder_cache_stats(),
             grammar_cache_bytes=self.structured.cache_bytes if self.structured is not None else 0,

@@ -2,8 +2,9 @@
 
 One DEALER socket, identity `engine-<dp rank>`, connected to the API server's ROUTER (ipc on one
 host, tcp for data-parallel replicas on other hosts). Messages are pickled tuples ("add",
-EngineCoreRequest) / ("abort", [ids]) / ("shutdown",) in, and ("hello", info) / ("progress", {done, total,
-last}) per warm-up graph / ("ready", info) / ("outputs", EngineCoreOutputs) / ("alive", None) / ("dead", message) out. The loop blocks on the socket only when no
+EngineCoreRequest) / ("abort", [ids]) / ("profile", "start" | "stop", tag, engine) / ("shutdown",) in, and ("hello",
+info) / ("progress", {done, total, last}) per warm-up graph / ("ready", info) / ("outputs", EngineCoreOutputs) /
+("alive", None) / ("profiled", error or None) / ("dead", message) out. The loop blocks on the socket only when no
 request is unfinished, so an idle engine costs nothing.
 """
 from __future__ import annotations
@@ -73,6 +74,10 @@ def run_engine_core(config: EngineConfig, address: str, placement: ReplicaPlacem
         for rec in core.compiler.records:
             metrics.record_compilation_time(rec.name, rec.seconds)
         metrics.record_model_load(core.load_stats.seconds, core.load_stats.nbytes)
+        if core.served is not None:
+            from vllm_neuron import step_metrics
+
+            step_metrics.record_bucket_graphs([g.name for g in core.runner.graph_names()])
         import torch
 
         _send(out, ("ready", {"pid": os.getpid(), "startup_seconds": core.startup_seconds,
@@ -178,6 +183,18 @@ def _handle(core, out: zmq.Socket, msg: tuple) -> None:
                 msg[1].request_id, [], finish_reason="error", error=f"{type(e).__name__}: {e}")])))
     elif msg[0] == "abort":
         core.abort_requests(msg[1], msg[2] if len(msg) > 2 else "abort")
+    elif msg[0] == "profile":  # ("profile", "start" | "stop", tag, engine index): answered ("profiled", error)
+        _, action, tag, engine = msg
+        try:
+            if action == "start":
+                core.start_profile(engine, tag)
+            else:
+                core.stop_profile()
+            error = None
+        except Exception as e:  # noqa: BLE001 - the client reports it; the engine goes on
+            logger.warning("profile %s: %s", action, e)
+            error = f"{type(e).__name__}: {e}"
+        _send(out, ("profiled", error))
 
 
 class _StatsRecorder:
@@ -190,6 +207,9 @@ class _StatsRecorder:
         self.prev_encoder = (0, 0)
         self.prev_grammar = (-1, 0)  # (cache bytes, compile timeouts) last recorded
         self.prev_kv = (0, 0, 0, 0)  # (expired, blocks read, recomputed, bytes read) last recorded
+        from vllm_neuron import envs, step_metrics
+
+        self.steps = step_metrics if envs.VLLM_NEURON_STEP_TIMING else None  # the per-step series
 
     def record(self, s) -> None:
         if s is None:
@@ -231,3 +251,9 @@ class _StatsRecorder:
             self.metrics.record_execution(s.bucket_name)
             self.metrics.record_padding("tokens" if s.step_kind == "prefill" else "seqs", s.bucket_name,
                                         s.num_padding)
+            if self.steps is not None:
+                real = s.num_tokens if s.step_kind == "prefill" else s.num_seqs
+                self.steps.record_step_timing(s.bucket_name, s.execute_seconds, s.graph_seconds,
+                                              real / max(real + s.num_padding, 1))
+                self.steps.record_served_shape("prefill" if s.step_kind == "prefill" else "decode", real,
+                                               s.context_len)

@@ -69,6 +69,15 @@ class LLMEngine:
         """Ends the engine's other tensor-parallel ranks (nothing to do with one rank)."""
         self.core.shutdown()
 
+    def start_profile(self) -> None:
+        """torch.profiler in this process (and the engine's tensor-parallel ranks) until stop_profile();
+        profiler.ProfilerError when VLLM_TORCH_PROFILER_DIR is unset or a profile runs already."""
+        self.core.start_profile()
+
+    def stop_profile(self) -> list[str]:
+        """The trace files written (one per process)."""
+        return self.core.stop_profile()
+
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished()
 

@@ -74,6 +74,10 @@ class SchedulerStats:
     bucket_name: str = ""
     num_padding: int = 0
     num_tokens: int = 0
+    num_seqs: int = 0  # the step's sequences (chunks)
+    context_len: int = 0  # the step's longest sequence, its new tokens included
+    execute_seconds: float = 0.0  # the runner's step (0: VLLM_NEURON_STEP_TIMING=0)
+    graph_seconds: float = 0.0  # of which in bucket graph calls
 
 
 @dataclass

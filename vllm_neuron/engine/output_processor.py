@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from vllm_neuron import profiler
 from vllm_neuron.engine.detokenizer import IncrementalDetokenizer
 from vllm_neuron.engine.messages import EngineCoreOutput, EngineCoreRequest
 from vllm_neuron.outputs import (CompletionOutput, Logprob, PoolingOutput, PoolingRequestOutput, RequestMetrics,
@@ -93,6 +94,7 @@ class OutputProcessor:
                 c.finish_reason, c.changed = "abort", True
         return self._finish(st)
 
+    @profiler.ranged("detokenize")
     def process(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
         """Returns the RequestOutputs to emit and the engine request ids to abort (stop strings)."""
         touched: dict[str, _RequestState] = {}

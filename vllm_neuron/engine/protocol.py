@@ -126,6 +126,19 @@ class EngineClient(ABC):
         ValueError naming the problem for bad media."""
         raise ValueError("media content parts are not supported by this model (it takes text only)")
 
+    async def start_profile(self) -> None:
+        """Starts torch.profiler in every process of the engine (vllm_neuron/profiler.py); ProfilerError when
+        profiling is off (VLLM_TORCH_PROFILER_DIR unset) or a profile runs already."""
+        from vllm_neuron.profiler import ProfilerError
+
+        raise ProfilerError(f"{type(self).__name__} does not profile")
+
+    async def stop_profile(self) -> list[str]:
+        """Stops the profile once every process wrote its trace; their files. ProfilerError when none runs."""
+        from vllm_neuron.profiler import ProfilerError
+
+        raise ProfilerError(f"{type(self).__name__} does not profile")
+
     @abstractmethod
     async def abort(self, request_id: str) -> None:
         """Aborts a request; its KV blocks are freed. Unknown ids are ignored."""

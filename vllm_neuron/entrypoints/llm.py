@@ -59,6 +59,20 @@ class LLM:
             # Its threads (a KV connector's) and tensor-parallel ranks end with this object, not the process.
             weakref.finalize(self, self.llm_engine.shutdown)
 
+    def start_profile(self) -> None:
+        """Starts torch.profiler in every process of the engine (vLLM's API). VLLM_TORCH_PROFILER_DIR must name the
+        folder for the traces: without it, or with a profile running, a ProfilerError (a RuntimeError) says so."""
+        if self._dp is not None:
+            self._dp.loop.run_until_complete(self._dp.client.start_profile())
+        else:
+            self.llm_engine.start_profile()
+
+    def stop_profile(self) -> list[str]:
+        """Stops the profile; the trace files written, one per process (Chrome trace JSON, for Perfetto)."""
+        if self._dp is not None:
+            return self._dp.loop.run_until_complete(self._dp.client.stop_profile())
+        return self.llm_engine.stop_profile()
+
     def get_tokenizer(self):
         return (self._dp or self.llm_engine).tokenizer
 

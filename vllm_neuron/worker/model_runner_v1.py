@@ -23,6 +23,7 @@ from vllm_neuron.worker.runner_base import ModelRunnerBase
 from vllm_neuron.worker.spec_decode import Speculator, Target, make_speculator
 from vllm_neuron.worker.spec_decode.verify_inputs import build_verify_inputs, verify_bucket_name
 from vllm_neuron.worker.step_inputs import DecodeInputs, RowSampling, StepOutput, VerifyInputs
+from vllm_neuron.worker.step_timing import timed_step
 from vllm_neuron.worker.token_passing import TokenPassing
 
 logger = init_logger(__name__)
@@ -163,6 +164,7 @@ class ModelRunnerV1(ModelRunnerBase):
         rows = {c.req_id: i for i, c in enumerate(chunks) if c.sample}
         return self.speculator.propose(self.sampling.states, wanted, rows, graph_drafts)
 
+    @timed_step
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         if self.pooler is not None:
             return self._execute_pooling(sched)

@@ -28,6 +28,7 @@ from vllm_neuron.worker.graphs import GraphOptions, SlotStepGraphs
 from vllm_neuron.worker.model_setup import LoadStats
 from vllm_neuron.worker.runner_base import ModelRunnerBase
 from vllm_neuron.worker.step_inputs import SlotDecodeInputs, SlotRows, StepOutput
+from vllm_neuron.worker.step_timing import timed_step
 
 
 class ModelRunnerV2(ModelRunnerBase):
@@ -95,6 +96,7 @@ class ModelRunnerV2(ModelRunnerBase):
         for g in range(1, self.kv_layout.num_groups):
             self.state.sync_block_tables([(c.req_id, c.group_block_ids[g - 1]) for c in sched.chunks], g)
 
+    @timed_step
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         if self.pooler is not None:
             return self._execute_pooling(sched)

@@ -47,12 +47,13 @@ from vllm_neuron.worker.logits_processors import LogitsProcessorBatch
 from vllm_neuron.worker.prompt_logprobs import plan_prompt_logprobs, prompt_logprob_entries
 from vllm_neuron.worker.sampling_state import SamplingStates
 from vllm_neuron.worker.step_inputs import GroupTables, PrefillInputs, RowSampling, SlotRows, StepOutput
+from vllm_neuron.worker.step_timing import ProfiledRunner, StepClock
 from vllm_neuron.worker.tensor_debug import TensorDebug
 
 logger = init_logger(__name__)
 
 
-class ModelRunnerBase:
+class ModelRunnerBase(ProfiledRunner):
     pooler: Pooler | None = None  # a pooling engine's (set in __init__)
     tensor_debug: TensorDebug | None = None  # neuron_config.tensor_capture / tensor_replacement (set at load)
     _eager_graphs = False  # _graph() hands out the uncompiled graph functions (TensorDebug.prepare's probe)
@@ -83,6 +84,7 @@ class ModelRunnerBase:
         self.compiler: GraphCompiler | None = None
         self.graphs = None  # the runner's StepGraphs / SlotStepGraphs
         self._bucket_graphs: dict[tuple[str, int, int], Callable] = {}
+        self.step_clock = StepClock()  # step and graph times, profiler ranges (worker/step_timing.py)
         self._free_before_load: int | None = None
         self._prompt_logprobs: dict = {}  # the current step's (ModelRunnerOutput.prompt_logprobs)
         self._kv_sizing: dict | None = None
@@ -410,7 +412,7 @@ class ModelRunnerBase:
             if self._capturer is not None and wants_capture(self.graph_capture, kind):
                 g = ReplayedGraph(g, self._capturer, name)  # captured on its first call (warm-up)
             self._bucket_graphs[key] = g
-        return g
+        return self.step_clock.timed(g)
 
     def _graph_name(self, kind: str, size: int, context: int) -> str:
         if kind == "prefill":

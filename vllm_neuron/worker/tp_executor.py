@@ -39,8 +39,9 @@ logger = init_logger(__name__)
 
 # Runner calls whose result is reduced over the ranks (min): the KV pool every rank can hold.
 # Calls whose result is the minimum over the ranks (an int, or a list of ints element by element: kv_poll_loads'
-# per-request state, so a load counts as read only when every rank read its heads).
-_MIN_REDUCED = ("num_blocks", "kv_poll_loads")
+# per-request state, so a load counts as read only when every rank read its heads; stop_profile: 1 once a rank's
+# trace is written, so rank 0 returns when every rank's is).
+_MIN_REDUCED = ("num_blocks", "kv_poll_loads", "stop_profile")
 
 
 class WorkerRankError(RuntimeError):

@@ -1,4 +1,4 @@
-"""`vllm-neuron`: serve | generate | compile | validate-logits | disagg-proxy | bench serve."""
+"""`vllm-neuron`: serve | generate | compile | validate-logits | profile | buckets advise | disagg-proxy | bench serve."""
 from __future__ import annotations
 
 import argparse
@@ -143,6 +143,23 @@ def _parser() -> argparse.ArgumentParser:
     add_validate_args(val)
     add_engine_args(val)
 
+    prof = sub.add_parser("profile", help="profile a workload offline: per bucket graph time vs host time, top ops, "
+                          "bubbles between steps", description="Run a short workload on the model in this process "
+                          "under torch.profiler (VLLM_TORCH_PROFILER_DIR) and print, per bucket, the graph time "
+                          "against the host time of its steps, the ops inside its graph, and the gaps between graph "
+                          "executions; the traces stay for Perfetto.",
+                          usage="vllm-neuron profile [MODEL] [options]", formatter_class=HelpFormatter)
+    from vllm_neuron.entrypoints.cli.profile import add_args as add_profile_args
+
+    add_profile_args(prof)
+    add_engine_args(prof)
+
+    bk = sub.add_parser("buckets", help="bucket lists for the traffic an engine served (buckets advise)",
+                        usage="vllm-neuron buckets advise [options]")
+    from vllm_neuron.entrypoints.cli.buckets import add_args as add_buckets_args
+
+    add_buckets_args(bk)
+
     proxy = sub.add_parser("disagg-proxy", help="one OpenAI endpoint in front of prefill and decode instances "
                            "(disaggregated prefill/decode; instances started with --kv-transfer-config)",
                            usage="vllm-neuron disagg-proxy --prefill URL [URL ...] --decode URL [URL ...] [--port N]",
@@ -168,10 +185,12 @@ def _parser() -> argparse.ArgumentParser:
 
 def _command_parser(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
     """The (sub)command parser that parsed `args` (`vllm-neuron bench serve`'s for bench serve)."""
-    for dest in ("command", "bench_command"):
+    for dest in ("command", "bench_command", "buckets_command"):
         action = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
-        if action is None or getattr(args, dest, None) is None:
+        if action is None:
             break
+        if getattr(args, dest, None) is None:
+            continue
         parser = action.choices[getattr(args, dest)]
     return parser
 
@@ -212,6 +231,14 @@ def main(argv: list[str] | None = None) -> int:
             from vllm_neuron.entrypoints.cli.validate_logits import run_validate_logits
 
             return run_validate_logits(args)
+        if args.command == "profile":
+            from vllm_neuron.entrypoints.cli.profile import run_profile
+
+            return run_profile(args)
+        if args.command == "buckets":
+            from vllm_neuron.entrypoints.cli.buckets import run_buckets
+
+            return run_buckets(args)
         if args.command == "disagg-proxy":
             from vllm_neuron.entrypoints.disagg.proxy import run_proxy
 

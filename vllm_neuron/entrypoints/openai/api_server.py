@@ -53,6 +53,7 @@ from vllm_neuron.entrypoints.openai.protocol_pooling import (ClassificationReque
                                                              PoolingResponse, RerankRequest, RerankResponse,
                                                              ScoreRequest, ScoreResponse)
 from vllm_neuron.entrypoints.openai.serving_pooling import OpenAIServingPooling
+from vllm_neuron.entrypoints.openai.serving_profile import install_profile_routes
 from vllm_neuron.entrypoints.openai.serving_score import OpenAIServingScore
 from vllm_neuron.entrypoints.openai.serving_responses import OpenAIServingResponses
 from vllm_neuron.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
@@ -220,6 +221,7 @@ def build_app(engine: EngineClient, *, served_model_names: list[str], api_key: s
     async def detokenize(raw_request: Request) -> JSONResponse:
         return JSONResponse(content=(await tokenization.detokenize(await body(raw_request))).model_dump())
 
+    install_profile_routes(app, engine)
     spec.install(app, limits, max_logprobs, len(engine.tokenizer))
     if web_ui:
         install_web_ui(app, root_path)
