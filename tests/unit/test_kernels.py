@@ -351,6 +351,28 @@ def test_silu_and_mul_is_rounded_once_from_fp32(rows, inter):
     assert (out != torch_bf16).float().mean() < 0.01
 
 
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2 ** -7)])
+@pytest.mark.parametrize("rows", [1, 5, 16, 64])
+@pytest.mark.parametrize("in_f,out_f,width", [(64, 192, 48), (1536, 576, 16), (576, 3072, 32)])
+def test_lora_delta_matches_the_torch_form(dtype, tol, rows, in_f, out_f, width):
+    """kernels/lora.cpp: each row shrunk and expanded by its own slot (slot 0 none) = model/layers/lora.py's
+    torch form, in fp32 within rounding and in bf16 within one bf16 step of the output's scale."""
+    from vllm_neuron.model.layers.lora import lora_delta
+
+    g = torch.Generator().manual_seed(rows * 7 + in_f)
+    a = (torch.randn(5, width, in_f, generator=g) * 0.1).to(dtype)
+    b = (torch.randn(5, width, out_f, generator=g) * 0.1).to(dtype)
+    a[0], b[0] = 0, 0
+    x = torch.randn(rows, in_f, generator=g).to(dtype)
+    slot = torch.randint(0, 5, (rows,), generator=g)
+    slot[0] = 0
+    out = torch.ops.vllm_neuron.lora_delta(x, slot, a, b)
+    ref = lora_delta(x.float(), slot, a.float(), b.float())
+    assert out.dtype == dtype and out.shape == (rows, out_f)
+    assert torch.equal(out[0], torch.zeros(out_f, dtype=dtype))
+    torch.testing.assert_close(out.float(), ref, rtol=tol, atol=tol * ref.abs().max().item())
+
+
 def test_silu_and_mul_keeps_leading_dims_and_special_values():
     h = torch.tensor([[0.0, -0.0, 3.0, -3.0, 100.0, float("nan"), 1.0, 1.0, 2.0, 2.0, 1.0, 1.0]]).bfloat16()
     out = torch.ops.vllm_neuron.silu_and_mul(h.view(1, 1, 12))

@@ -28,6 +28,7 @@ class KernelConfig:
     tile_rows: int = 0  # ...through the C++ tile-copy lookup up to this many rows (0: the Python lookup only)
     sampler: bool = False  # the grammar mask and greedy argmax kernels on CPU logits
     activation: bool = False  # bf16 silu(gate) * up in one pass
+    lora: bool = False  # LoRA's per-token shrink and expand in one op (decode-sized steps)
 
     def graph_options(self) -> dict:
         """What of this shapes the traced graphs (part of the compile-cache key)."""
@@ -45,7 +46,8 @@ def resolve_kernel_config(device: torch.device, dtype: torch.dtype) -> KernelCon
     tile_rows = tile[1] if tile is not None and has_op("linear_tiles") else 0
     return KernelConfig(attention=True, linear_dtypes=cpu_caps.linear_kernel_dtypes(device), linear_rows=rows,
                         quant=cpu_caps.quant_kernels_available(device),
-                        prepacked=prepacked, tile_rows=tile_rows, sampler=True, activation=True)
+                        prepacked=prepacked, tile_rows=tile_rows, sampler=True, activation=True,
+                        lora=has_op("lora_delta"))
 
 
 def apply_kernel_config(model: nn.Module, kernels: KernelConfig) -> int:

@@ -12,6 +12,10 @@ own output columns of B^T, so one shrink and one expand serve the three (two) of
 gathers its slot's A and B and runs two small bmm's; with more tokens than slots every slot's shrink runs
 as one matmul over all tokens, masked to each token's slot, then one expand (the gather would copy more
 weight than the slots hold). Both are exact; `benchmarks/lora_overhead.py --kernels` times them.
+Where the engine's kernels take the dtype (`kernels.linear_dtypes`), decode-sized steps (up to KERNEL_ROWS
+rows) take the custom op instead (kernels/lora.cpp): each row's shrink and expand by its own slot in one
+call. torch's form is two matmuls of 15-25 us each on these small shapes plus the masking between them,
+per adapted projection and step (measured on AVX512-BF16, 2 threads).
 """
 from __future__ import annotations
 
@@ -19,7 +23,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vllm_neuron.model.layers.kernel_config import KernelConfig
+from vllm_neuron.model.layers.kernels import ops
 from vllm_neuron.model.layers.linear import Linear
+
+# Steps up to this many rows take the weight-streaming kernel (decode and verification steps).
+KERNEL_ROWS = 64
 
 
 def lora_delta(x: torch.Tensor, index: torch.Tensor, a: torch.Tensor, b_t: torch.Tensor) -> torch.Tensor:
@@ -50,6 +59,8 @@ class LoRASlots(nn.Module):
     """One Linear's adapters (see the module docstring). `sizes`: the output columns of each sub-projection
     (one entry for a plain projection); `rank`: the largest rank one sub-projection may have."""
 
+    kernels = KernelConfig()  # its Linear's (attach_lora)
+
     def __init__(self, num_slots: int, rank: int, in_features: int, sizes: tuple[int, ...], dtype: torch.dtype,
                  device: torch.device) -> None:
         super().__init__()
@@ -60,6 +71,9 @@ class LoRASlots(nn.Module):
         self.register_buffer("lora_b", torch.zeros(num_slots, width, sum(self.sizes), dtype=dtype, device=device))
 
     def forward(self, x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        if (self.kernels.lora and x.dim() == 2 and x.shape[0] <= KERNEL_ROWS and x.dtype in self.kernels.linear_dtypes
+                and x.dtype == self.lora_a.dtype):
+            return ops.lora_delta(x, index, self.lora_a, self.lora_b)
         return lora_delta(x, index, self.lora_a, self.lora_b)
 
     @torch.no_grad()
@@ -112,5 +126,6 @@ def attach_lora(model: nn.Module, num_slots: int, rank: int, dtype: torch.dtype,
                 raise ValueError(f"LoRA is not supported for {type(model).__name__}: layer {i} has no {name} Linear")
             sizes = getattr(owner, sizes_attr) if sizes_attr else (linear.out_features,)
             linear.lora = LoRASlots(num_slots, rank, linear.in_features, sizes, dtype, device)
+            linear.lora.kernels = linear.kernels
             out[(i, name)] = linear.lora
     return out

@@ -45,6 +45,9 @@ def register_fakes() -> None:
         torch.library.register_fake("vllm_neuron::apply_token_bitmask_")(lambda logits, bitmask: None)
         torch.library.register_fake("vllm_neuron::greedy_argmax")(
             lambda logits: logits.new_empty((logits.shape[0],), dtype=torch.long))
+    if has_op("lora_delta"):
+        torch.library.register_fake("vllm_neuron::lora_delta")(
+            lambda x, slot, a, b_t: x.new_empty((x.shape[0], b_t.shape[2])))
     if has_op("silu_and_mul"):
         torch.library.register_fake("vllm_neuron::silu_and_mul")(
             lambda h: h.new_empty((*h.shape[:-1], h.shape[-1] // 2)))
@@ -104,6 +107,12 @@ def linear_small_batch(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     if x.dtype == torch.bfloat16:
         return torch.ops.vllm_neuron.linear_bf16(x, w)
     return torch.ops.vllm_neuron.linear_f32(x, w)
+
+
+def lora_delta(x: torch.Tensor, slot: torch.Tensor, a: torch.Tensor, b_t: torch.Tensor) -> torch.Tensor:
+    """x [n, in] -> [n, out]: each row shrunk by a[slot[row]] [W, in] and expanded by b_t[slot[row]] [W, out]
+    (slot 0: zeros) in one op (kernels/lora.cpp), bf16 or fp32."""
+    return torch.ops.vllm_neuron.lora_delta(x, slot, a, b_t)
 
 
 def pack_tiles(w: torch.Tensor) -> torch.Tensor:
