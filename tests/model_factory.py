@@ -166,11 +166,12 @@ ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
                       norm_topk_prob=True),
     "gpt_oss": dict(head_dim=16, intermediate_size=32, num_local_experts=8, num_experts_per_tok=2,
                     sliding_window=24, swiglu_limit=1.5, attention_bias=True),
+    "mistral": dict(head_dim=16, sliding_window=24),  # v0.1's window over every layer, shrunk
 }
 _CONFIG_CLASSES = {"llama": "LlamaConfig", "qwen3": "Qwen3Config", "qwen3_moe": "Qwen3MoeConfig",
-                   "gpt_oss": "GptOssConfig"}
+                   "gpt_oss": "GptOssConfig", "mistral": "MistralConfig"}
 _MODEL_CLASSES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-                  "gpt_oss": "GptOssForCausalLM"}
+                  "gpt_oss": "GptOssForCausalLM", "mistral": "MistralForCausalLM"}
 
 
 def tiny_config(arch: str = "llama", **kw: Any):

@@ -24,8 +24,9 @@ from vllm_neuron.worker.model_runner_v2 import ModelRunnerV2
 
 pytestmark = pytest.mark.engine
 
-ARCHS = ["qwen3", "qwen3_moe", "gpt_oss"]
+ARCHS = ["qwen3", "qwen3_moe", "gpt_oss", "mistral"]
 MOE_ARCHS = ["qwen3_moe", "gpt_oss"]
+MRV1_ARCHS = [*MOE_ARCHS, "mistral"]  # MoE and sliding-window models (the tiny Mistral has v0.1's window)
 MAX_NEW = 8
 # Around block (16) and bucket (8/32) edges; beyond max_num_batched_tokens (32): segmented prefill.
 LENGTHS = [3, 17, 40, 70, 100]
@@ -123,8 +124,8 @@ def test_compiled_matches_transformers(arch, model_dir, reference, tmp_path, mon
     core = llm.llm_engine.core
     assert core.compiler.backend == "native"
     # Dense models default to MRv2; MoE and sliding-window models to MRv1, without a log line (seeds).
-    assert isinstance(core.runner, ModelRunnerV2) == (arch not in MOE_ARCHS)
-    assert (V2_LOG_LINE in caplog.text) == (arch not in MOE_ARCHS)
+    assert isinstance(core.runner, ModelRunnerV2) == (arch not in MRV1_ARCHS)
+    assert (V2_LOG_LINE in caplog.text) == (arch not in MRV1_ARCHS)
     assert "does not yet support" not in caplog.text
     assert ("Model Runner V1: MoE" in caplog.text) == (arch in MOE_ARCHS)  # why, in a line of its own
     _assert_tokens(_run(llm), reference[0])

@@ -8,6 +8,7 @@ from vllm_neuron.model.base import CausalLM, ModelSpec
 _MODELS = {
     "LlamaForCausalLM": ("vllm_neuron.model.llama", "LlamaForCausalLM"),
     "Qwen3ForCausalLM": ("vllm_neuron.model.qwen3", "Qwen3ForCausalLM"),
+    "MistralForCausalLM": ("vllm_neuron.model.mistral", "MistralForCausalLM"),
     "Qwen3MoeForCausalLM": ("vllm_neuron.model.qwen3_moe", "Qwen3MoeForCausalLM"),
     "GptOssForCausalLM": ("vllm_neuron.model.gpt_oss", "GptOssForCausalLM"),
     "Qwen3VLForConditionalGeneration": ("vllm_neuron.model.qwen3_vl", "Qwen3VLForConditionalGeneration"),
@@ -22,7 +23,7 @@ _POOLING_ARCHS = {"Qwen3Model": "Qwen3ForCausalLM", "LlamaModel": "LlamaForCausa
                   "LlamaForSequenceClassification": "LlamaForCausalLM"}
 _POOLING_FAMILIES = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 # Configs without `architectures` (e.g. built by hand) name their family by model_type.
-_MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
                 "gpt_oss": "GptOssForCausalLM", "qwen3_vl": "Qwen3VLForConditionalGeneration"}
 
 

@@ -42,3 +42,18 @@ class LlamaArchConfig:
             hidden_act=hf.hidden_act,
             **extra,
         )
+
+
+def layer_windows(hf, family: str, default_type: str = "full_attention") -> tuple[int | None, ...]:
+    """Each layer's sliding window (None: full attention) from `layer_types` (default: every layer
+    `default_type`) and `sliding_window`; a ValueError for types that are neither."""
+    n = hf.num_hidden_layers
+    window = getattr(hf, "sliding_window", None)
+    types = list(getattr(hf, "layer_types", None) or [default_type] * n)
+    unknown = sorted(set(types) - {"sliding_attention", "full_attention"})
+    if unknown or len(types) != n:
+        raise ValueError(f"{family} layer_types {types} are not supported; each of the {n} layers must be "
+                         f"'sliding_attention' or 'full_attention'")
+    if "sliding_attention" in types and not window:
+        raise ValueError(f"{family} layer_types has sliding_attention layers but sliding_window is not set")
+    return tuple(int(window) if t == "sliding_attention" else None for t in types)

@@ -1,0 +1,3 @@
+from vllm_neuron.model.mistral.model import MistralForCausalLM
+
+__all__ = ["MistralForCausalLM"]
