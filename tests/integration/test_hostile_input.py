@@ -219,10 +219,12 @@ def test_a_client_that_gives_up_frees_its_place(server):
     results: list = []
     # Two run (max_num_seqs 2) for seconds, two wait behind them; the waiting ones' clients give up at once.
     # The runners take the whole context: on a fast machine 200 tokens end before the poll below sees them.
+    # The second starts once the first is admitted, so the two overlap even when a loaded machine starts a
+    # thread late (a runner alone can finish before a late second one arrives).
     runners = [threading.Thread(target=_long, args=(server, results, 600, 500)) for _ in range(2)]
-    for t in runners:
+    for i, t in enumerate(runners, 1):
         t.start()
-    wait_for(lambda: _metric(server.url, "vllm_neuron:num_requests_admitted") == 2, 30, what="2 admitted")
+        wait_for(lambda: _metric(server.url, "vllm_neuron:num_requests_admitted") == i, 60, what=f"{i} admitted")
     quitters = [threading.Thread(target=_long, args=(server, results, 0.3)) for _ in range(2)]
     for t in quitters:
         t.start()
