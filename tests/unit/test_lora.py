@@ -20,7 +20,7 @@ from vllm_neuron.entrypoints.openai.serving_models import OpenAIServingModels
 from vllm_neuron.lora.peft_adapter import AdapterChecker, BaseShapes, inspect_adapter, load_adapter
 from vllm_neuron.lora.request import LoRARequest
 from vllm_neuron.model.layers.linear import Linear
-from vllm_neuron.model.layers.lora import LoRASlots, lora_delta
+from vllm_neuron.model.layers.lora import LoRASlots
 from vllm_neuron.sampling_params import SamplingParams
 from vllm_neuron.worker.lora.host_cache import HostLRU
 from vllm_neuron.worker.lora.slots import SlotTable
