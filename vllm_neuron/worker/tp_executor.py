@@ -214,6 +214,12 @@ class TPExecutor:
 
         return on_every_rank
 
+    def close(self) -> None:
+        """The runner's close on every rank; once the group is shut down (atexit may come first), rank 0's only."""
+        if not self._closed and self._failure is None:
+            self._call(_send, ("close", ()), self.setup.timeout_s)
+        self.runner.close()
+
     def shutdown(self) -> None:
         if self._closed:
             return
