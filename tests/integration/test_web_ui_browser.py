@@ -153,6 +153,12 @@ def test_the_page_asks_for_the_key_then_lists_the_model(browser, server):
 
 def test_a_message_streams_its_answer_which_persists_copies_and_regenerates(page):
     settings(page, max_tokens=48)
+    # The answer's bytes trickle in (Chromium's network emulation, ~4 KB/s: a couple of seconds for the answer):
+    # on a loaded machine the tiny model's whole answer could otherwise reach the page in one read and render once.
+    cdp = page.context.new_cdp_session(page)
+    cdp.send("Network.enable")
+    cdp.send("Network.emulateNetworkConditions", {"offline": False, "latency": 0, "downloadThroughput": 4096,
+                                                  "uploadThroughput": -1})
     # Every text the answer shows on its way: more than a couple means it arrived in pieces.
     page.evaluate("""() => {
         window.__seen = new Set();
@@ -167,6 +173,8 @@ def test_a_message_streams_its_answer_which_persists_copies_and_regenerates(page
     assert text.strip() and page.evaluate("window.__seen.size") >= 3, page.evaluate("[...window.__seen]")
     assert page.locator(".message.user .body").inner_text() == "Hello there"
     assert answer.locator(".error").count() == 0
+    cdp.send("Network.emulateNetworkConditions", {"offline": False, "latency": 0, "downloadThroughput": -1,
+                                                  "uploadThroughput": -1})
 
     answer.locator("button.copy").click()
     stored = json.loads(page.evaluate("localStorage.getItem('vllm-neuron:chat')"))
