@@ -27,8 +27,8 @@ setup: $(STAMP)
 run: setup  ## serve the bundled model (OpenAI API on http://$(HOST):$(PORT)/v1; PORT=, HOST= change them)
 	$(BIN)/vllm-neuron serve $(if $(filter --host --host=%,$(ARGS)),,--host $(HOST)) $(if $(filter --port --port=%,$(ARGS)),,--port $(PORT)) $(SERVE_ARGS) $(ARGS)
 
-test: setup  ## the whole test suite (CPU); ARGS='-n 2 --dist loadfile' runs two workers (~20 min, some timing tests flaky)
-	$(BIN)/python -m pytest -q --durations=30 $(ARGS)
+test: setup  ## the whole test suite (CPU), two workers (each file whole on one): server tests spend much of their time waiting
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=30 $(ARGS)
 
 test-fast: setup  ## the fast tier: every test that builds no engine (pure units, the kernels, the HTTP layer on a fake engine)
 	$(BIN)/python -m pytest -q -m "not engine and not slow and not network and not soak and not gpu" $(ARGS)
