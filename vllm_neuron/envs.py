@@ -201,6 +201,13 @@ _VARS: dict[str, EnvVar] = {
             "place to share what they have in common (the test suite does).",
         ),
         EnvVar(
+            "VLLM_NEURON_KV_OFFLOAD_DIR",
+            lambda: os.path.expanduser(_str("VLLM_NEURON_KV_OFFLOAD_DIR") or os.path.join(_cache_root(), "kv_tier")),
+            "Folder of the second KV tier (--kv-offloading-size): blocks by prefix-cache hash, in a sub-folder per "
+            "model and KV layout; kept across restarts and shared by the replicas that point at it. Default "
+            "$VLLM_CACHE_ROOT/kv_tier.",
+        ),
+        EnvVar(
             "VLLM_NEURON_CPU_COMPILE",
             lambda: _bool("VLLM_NEURON_CPU_COMPILE"),
             "Compile-only mode for a device that is not present. Not supported yet: 1 is refused at "

@@ -206,6 +206,17 @@ KV_HELD_REQUESTS = Gauge("vllm_neuron:kv_transfer_held_requests", "Finished pref
                          "a decode instance.", _ME, registry=None, multiprocess_mode="livesum")
 KV_HOLD_EXPIRED = Counter("vllm_neuron:kv_transfer_hold_expired", "Held KV blocks freed because no decode "
                           "instance read them within hold_timeout_s, in requests.", _ME, registry=None)
+KV_OFFLOAD_LOADED = Counter("vllm_neuron:kv_offload_loaded_blocks", "KV blocks read back from the second tier "
+                            "instead of prefilled (--kv-offloading-size).", _ME, registry=None)
+KV_OFFLOAD_STORED = Counter("vllm_neuron:kv_offload_stored_blocks", "KV blocks written to the second tier.", _ME,
+                            registry=None)
+KV_OFFLOAD_READ_BYTES = Counter("vllm_neuron:kv_offload_read_bytes", "Bytes read back from the second tier (the "
+                                "first tensor-parallel rank's files).", _ME, registry=None)
+KV_OFFLOAD_FAILED = Counter("vllm_neuron:kv_offload_failed_loads", "Reads from the second tier that failed (a torn, "
+                            "foreign or unreadable file): those blocks were prefilled instead.", _ME, registry=None)
+KV_OFFLOAD_TIME = Histogram("vllm_neuron:kv_offload_load_time_seconds", "Time to read one request's blocks back "
+                            "from the second tier.", _ME, registry=None,
+                            buckets=[0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0])
 KV_TRANSFER_SERIES: tuple[str, ...] = (
     "vllm_neuron:kv_transfer_blocks_total", "vllm_neuron:kv_transfer_bytes_total",
     "vllm_neuron:kv_transfer_time_seconds", "vllm_neuron:kv_transfer_recomputed_total",
@@ -342,6 +353,17 @@ def record_kv_transfer(*, held_requests: int, held_blocks: int, expired: int, bl
     KV_TRANSFER_RECOMPUTED.labels(*me).inc(recomputed)
     for t in seconds:
         KV_TRANSFER_TIME.labels(*me).observe(t)
+
+
+def record_kv_offload(*, loaded: int, stored: int, failed: int, nbytes: int, seconds: list[float]) -> None:
+    """One step's second-tier increments."""
+    me = _name(), _engine
+    KV_OFFLOAD_LOADED.labels(*me).inc(loaded)
+    KV_OFFLOAD_STORED.labels(*me).inc(stored)
+    KV_OFFLOAD_FAILED.labels(*me).inc(failed)
+    KV_OFFLOAD_READ_BYTES.labels(*me).inc(nbytes)
+    for t in seconds:
+        KV_OFFLOAD_TIME.labels(*me).observe(t)
 
 
 def record_padding(kind: Literal["seqs", "tokens"], bucket_name: str, padding: int) -> None:

@@ -64,6 +64,15 @@ class KVLoadJob:
 
 
 @dataclass
+class TierLoadJob:
+    """KV offloading: blocks of one request to read back from the second tier (config/kv_offload.py)."""
+
+    req_id: str
+    hashes: list[bytes]  # the blocks' prefix-cache hashes, in order
+    blocks: list[int]  # the local blocks they go to
+
+
+@dataclass
 class SchedulerOutput:
     kind: Literal["prefill", "decode"]
     chunks: list[ScheduledChunk]

@@ -202,7 +202,13 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool =
     g.add_argument("--master-addr", default="127.0.0.1", help="address of node 0, where the ranks meet")
     g.add_argument("--master-port", type=int, default=29501, help="port of node 0 for the tensor parallel group")
     g.add_argument("--kv-transfer-config", type=_json_arg, default=None,
-                   help="refused: disaggregated prefill/decode is not supported yet (default: none)")
+                   help='disaggregated prefill/decode: vLLM\'s JSON, e.g. {"kv_connector": "TcpConnector", '
+                   '"kv_role": "kv_producer"} (default: none)')
+    g.add_argument("--kv-offloading-size", type=float, default=None, metavar="GIB",
+                   help="a second KV tier of this many GiB in the folder VLLM_NEURON_KV_OFFLOAD_DIR: prefix-cache "
+                   "blocks written there are read back instead of prefilled, also after a restart (default: none)")
+    g.add_argument("--kv-offloading-backend", default=None, metavar="NAME",
+                   help="the second tier's backend: native, a folder (default: native with --kv-offloading-size)")
     g.add_argument("--ec-transfer-config", type=_json_arg, default=None,
                    help="refused: encoder-disaggregated (EPD) inference is not supported yet (default: none)")
     g.add_argument("--mm-encoder-only", action="store_true",

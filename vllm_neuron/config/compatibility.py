@@ -92,6 +92,17 @@ REFUSED: tuple[Refusal, ...] = (
             "sliding-window models (their KV cache groups give blocks back as the window moves)"),
     _refuse("kv_transfer", "prompt_embeds", message="kv_transfer_config is not supported yet by vllm-neuron with "
             "enable_prompt_embeds=True (the embeddings do not travel with the KV blocks)"),
+    # KV offloading: the tier is keyed by prefix-cache hashes of one full-attention group
+    _refuse("kv_offload", "no_prefix_caching", message="kv_offloading_size needs prefix caching (the second tier "
+            "keeps blocks under their prefix-cache hashes); remove --no-enable-prefix-caching"),
+    _refuse("kv_offload", "sliding_window", message="kv_offloading_size is not supported yet by vllm-neuron for "
+            "sliding-window models (their KV cache groups give blocks back as the window moves)"),
+    _refuse("kv_offload", "kv_transfer", message="kv_offloading_size is not supported yet by vllm-neuron together "
+            "with kv_transfer_config (one KV connector per instance)"),
+    _refuse("kv_offload", "speculative", message="kv_offloading_size is not supported yet by vllm-neuron with "
+            "speculative_config={speculative!r} (a draft model's KV is not offloaded)"),
+    _refuse("kv_offload", "multimodal", message="kv_offloading_size is not supported yet by vllm-neuron for "
+            "multimodal models"),
     # Prompt embeddings
     _refuse("prompt_embeds", "multimodal", message="enable_prompt_embeds=True is not supported yet by vllm-neuron "
             "for multimodal models (their prefill builds its own input embeddings from the media)"),
@@ -142,6 +153,8 @@ class Features:
     kv_transfer: bool = False  # --kv-transfer-config (disaggregated prefill/decode)
     prompt_embeds: bool = False  # enable_prompt_embeds
     lora: bool = False  # enable_lora
+    kv_offload: bool = False  # --kv-offloading-size
+    prefix_caching: bool = True  # enable_prefix_caching
 
     def names(self) -> frozenset[str]:
         flags = {
@@ -152,7 +165,8 @@ class Features:
             "data_parallel": self.data_parallel_size > 1, "multi_node_tp": self.nnodes > 1,
             "expert_parallel": self.expert_parallel, "decode_cpp_wrapper": self.decode_cpp_wrapper,
             "parallel_compile": self.compile_workers > 1, "kv_transfer": self.kv_transfer,
-            "prompt_embeds": self.prompt_embeds, "lora": self.lora,
+            "prompt_embeds": self.prompt_embeds, "lora": self.lora, "kv_offload": self.kv_offload,
+            "no_prefix_caching": not self.prefix_caching,
         }
         out = {name for name, on in flags.items() if on}
         if self.speculative is not None:

@@ -24,6 +24,7 @@ from vllm_neuron.config.device import (DEVICE_CHOICES, DTYPE_CHOICES, check_weig
 from vllm_neuron.config import grammar_limits as GL
 from vllm_neuron.config.generation_config import check_generation_config_arg, parse_override
 from vllm_neuron.config.json_object import parse_json_object
+from vllm_neuron.config.kv_offload import KVOffloadConfig, parse_kv_offloading
 from vllm_neuron.config.kv_transfer import KVTransferConfig, parse_kv_transfer_config
 from vllm_neuron.config.lora import LoRAConfig, LoRAModulePath, check_lora_options
 from vllm_neuron.config.neuron_config import AdditionalConfig, parse_additional_config
@@ -144,6 +145,11 @@ class EngineOptions:
     max_cpu_loras: int | None = None
     lora_modules: list | tuple | None = None  # "name=path" strings, JSON objects or LoRAModulePath
     kv_transfer_config: dict | str | KVTransferConfig | None = None  # config/kv_transfer.py
+    # A second KV tier (config/kv_offload.py): its size in GiB and vLLM's backend name; `kv_offload` is what
+    # check() resolves them to, with the folder of VLLM_NEURON_KV_OFFLOAD_DIR.
+    kv_offloading_size: float | None = None
+    kv_offloading_backend: str | None = None
+    kv_offload: KVOffloadConfig | None = None
     ec_transfer_config: dict | str | None = None
     mm_encoder_only: bool = False
     limit_mm_per_prompt: dict | str | None = None  # {"image": N, "video": M}
@@ -267,6 +273,8 @@ class EngineArgs(EngineOptions):
         parsed = dataclasses.replace(
             self, speculative_config=parse_speculative_config(self.speculative_config),
             kv_transfer_config=parse_kv_transfer_config(self.kv_transfer_config),
+            kv_offload=parse_kv_offloading(self.kv_offloading_size, self.kv_offloading_backend,
+                                           envs.VLLM_NEURON_KV_OFFLOAD_DIR),
             limit_mm_per_prompt=parse_limit_mm_per_prompt(self.limit_mm_per_prompt),
             mm_processor_kwargs=_json_dict("mm_processor_kwargs", self.mm_processor_kwargs),
             override_generation_config=parse_override(self.override_generation_config),
@@ -288,9 +296,10 @@ class EngineArgs(EngineOptions):
             async_scheduling=self.async_scheduling, tensor_parallel_size=self.tensor_parallel_size,
             data_parallel_size=self.data_parallel_size, nnodes=self.nnodes,
             expert_parallel=self.enable_expert_parallel, decode_cpp_wrapper=nc.decode_cpp_wrapper,
-            kv_transfer=self.kv_transfer_config is not None,
+            kv_transfer=self.kv_transfer_config is not None, kv_offload=self.kv_offloading_size is not None,
             compile_workers=envs.NEURON_LIBTORCH_PARALLEL_COMPILE_WORKERS or 1,
-            prompt_embeds=self.enable_prompt_embeds, lora=self.enable_lora)
+            prompt_embeds=self.enable_prompt_embeds, lora=self.enable_lora,
+            prefix_caching=bool(self.enable_prefix_caching))
 
     def _check_numbers(self) -> None:
         V.choice("block_size", self.block_size, BLOCK_SIZES)

@@ -170,6 +170,7 @@ def _pooling_options(args: EngineArgs) -> EngineArgs:
     """A pooling engine's refusals, and prefix caching off: a pooled request's output needs every prompt
     position computed by its own step (a mean over cached blocks would read K/V, not hidden states)."""
     refused = {"speculative_config": args.speculative_config, "kv_transfer_config": args.kv_transfer_config,
+               "kv_offloading_size": args.kv_offloading_size,
                "enable_prompt_embeds": args.enable_prompt_embeds or None, "enable_lora": args.enable_lora or None,
                "tensor_parallel_size": args.tensor_parallel_size if args.tensor_parallel_size > 1 else None}
     for option, value in refused.items():
@@ -188,6 +189,9 @@ def _tensor_debug_options(args: EngineArgs, facts: ModelFacts) -> EngineArgs:
     if facts.pooling is not None:
         raise V.not_supported("neuron_config.tensor_capture / tensor_replacement", "set",
                               "pooling models' graphs return hidden states only")
+    if nc.tensor_replacement is not None and args.kv_offload is not None:
+        raise V.not_supported("kv_offloading_size", args.kv_offloading_size, "with neuron_config.tensor_replacement "
+                              "(replaced outputs change what the KV cache holds; the tier would keep them)")
     if nc.tensor_replacement is not None and args.enable_prefix_caching:
         logger.info("neuron_config.tensor_replacement: prefix caching off (replaced outputs change what the KV "
                     "cache holds)")

@@ -67,13 +67,15 @@ class BlockPool:
             if self.ref_cnt[b] == 0:
                 self.free[b] = None
 
-    def cache(self, block: int, block_hash: Hashable) -> None:
+    def cache(self, block: int, block_hash: Hashable) -> bool:
+        """Makes `block` findable under `block_hash`; False when it already was, or an identical one is."""
         if not self.enable_caching or self.block_hash[block] is not None:
-            return
+            return False
         if block_hash in self.cached:
-            return  # an identical block is already cached; this copy stays private
+            return False  # an identical block is already cached; this copy stays private
         self.block_hash[block] = block_hash
         self.cached[block_hash] = block
+        return True
 
     def _evict(self, b: int) -> None:
         h = self.block_hash[b]

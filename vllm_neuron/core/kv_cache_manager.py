@@ -50,6 +50,9 @@ class KVCacheManager:
         self._released: dict[str, list[int]] = {}  # request -> per group: table entries [0, n) given back
         self.prefix_queries = 0
         self.prefix_hits = 0
+        # (block, hash) of the blocks newly registered in group 0, for a second tier to keep (core/kv_tier.py);
+        # None: nobody takes them.
+        self.newly_cached: list[tuple[int, bytes]] | None = None
 
     @property
     def num_groups(self) -> int:
@@ -73,13 +76,17 @@ class KVCacheManager:
     def empty_hit(self) -> PrefixHit:
         return PrefixHit(tuple([] for _ in self.windows))
 
+    def prompt_hashes(self, request: Request) -> list[bytes]:
+        """The hashes of the full blocks among the request's tokens but the last (whose logits are needed)."""
+        tokens = request.all_token_ids
+        return prompt_block_hashes(tokens[: len(tokens) - 1], self.block_size, request.cache_salt)
+
     def find_cached_prefix(self, request: Request) -> PrefixHit:
         """The longest cached prefix of the request's tokens every group can serve. At least one token is
         always left to compute, since the last one's logits are needed."""
         if not self.enable_caching:
             return self.empty_hit()
-        tokens = request.all_token_ids
-        hashes = prompt_block_hashes(tokens[: len(tokens) - 1], self.block_size, request.cache_salt)
+        hashes = self.prompt_hashes(request)
         k = len(hashes)
         found: list[list[int | None]] = []
         for g, w in enumerate(self.windows):
@@ -176,7 +183,9 @@ class KVCacheManager:
         for g, table in enumerate(tables):
             for i in range(start, len(request.block_hashes)):
                 if table[i] != NULL_BLOCK:  # already given back (left the window before it was hashed)
-                    self.pool.cache(table[i], self._key(g, request.block_hashes[i]))
+                    if self.pool.cache(table[i], self._key(g, request.block_hashes[i])) and g == 0 and \
+                            self.newly_cached is not None:
+                        self.newly_cached.append((table[i], request.block_hashes[i]))
 
     def trim(self, request: Request, num_tokens: int) -> None:
         """Returns the blocks past the first `num_tokens` tokens to the pool (rejected speculative

@@ -43,6 +43,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from vllm_neuron.core.kv_cache_manager import KVCacheManager
+from vllm_neuron.core.kv_tier import KVTierScheduler
 from vllm_neuron.core.kv_transfer import KVTransferScheduler
 from vllm_neuron.core.request import Request, RequestStatus
 from vllm_neuron.core.spec_decode_stats import SpecDecodeStats
@@ -108,13 +109,18 @@ class FinishedRequest:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_transfer: KVTransferScheduler | None = None) -> None:
-        """kv_transfer: a disaggregated instance's side of its transfers (core/kv_transfer.py)."""
+    def __init__(self, config: SchedulerConfig, kv_transfer: KVTransferScheduler | None = None,
+                 kv_tier: KVTierScheduler | None = None) -> None:
+        """kv_transfer: a disaggregated instance's side of its transfers (core/kv_transfer.py); kv_tier: the
+        second KV tier's (core/kv_tier.py)."""
         self.config = config
         self._by_priority = config.policy == "priority"
         self.kv_transfer = kv_transfer
+        self.kv_tier = kv_tier
         self.kv = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching,
                                  config.kv_cache_layout)
+        if kv_tier is not None:
+            self.kv.newly_cached = []
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order; the last in policy order is preempted first
@@ -237,6 +243,12 @@ class Scheduler:
             cached = None if admitted else \
                 self.kv.empty_hit() if _skips_prefix_cache(req) else self.kv.find_cached_prefix(req)
             start = req.num_computed_tokens if admitted else cached.num_blocks * cfg.block_size
+            if not admitted and self.kv_tier is not None and not _skips_prefix_cache(req):
+                reading = self._admit_to_read_tier(req, cached, start)
+                if reading is False:
+                    break  # no blocks for it: FCFS
+                if reading:
+                    continue  # it prefills once its blocks are read
             if start > ctx_budget - sum(c.start_pos for c in chunks):
                 break  # FCFS: later requests wait rather than overtake
             n = min(req.num_tokens - start, budget)
@@ -293,11 +305,51 @@ class Scheduler:
     def _victim(self) -> Request:
         """The running request last in policy order (fcfs: the newest) whose blocks no transfer is writing (the
         decoding one always qualifies)."""
-        loading = self.kv_transfer.is_loading if self.kv_transfer is not None else (lambda _: False)
-        return next(r for r in reversed(self._in_policy_order(self.running)) if not loading(r.request_id))
+        return next(r for r in reversed(self._in_policy_order(self.running)) if not self._loading(r.request_id))
+
+    def _loading(self, req_id: str) -> bool:
+        """Blocks of this request are being written by a read (from a remote instance or the second tier)."""
+        return bool(self.kv_transfer and self.kv_transfer.is_loading(req_id)) or \
+            bool(self.kv_tier and self.kv_tier.is_loading(req_id))
 
     def _can_prefill(self, req: Request) -> bool:
-        return req.is_prefilling and not (self.kv_transfer and self.kv_transfer.is_loading(req.request_id))
+        return req.is_prefilling and not self._loading(req.request_id)
+
+    # -- KV offloading: prefixes read back from the second tier (core/kv_tier.py) ----------------------
+    def _admit_to_read_tier(self, req: Request, cached, start: int) -> bool | None:
+        """Admits `req` to read the tier's blocks that continue its local hit (None: the tier has none for it;
+        False: no blocks to read them into)."""
+        found = self.kv_tier.extension(self.kv.prompt_hashes(req), cached.num_blocks)
+        if not found:
+            return None
+        req.num_computed_tokens = start
+        if not self.kv.allocate(req, len(found) * self.config.block_size, cached):
+            req.num_computed_tokens = 0
+            return False
+        self._admit(req, cached, start)
+        table = self.kv.block_table(req.request_id)
+        self.kv_tier.start_load(req.request_id, found, table[cached.num_blocks:cached.num_blocks + len(found)])
+        req.num_cached_tokens = start + len(found) * self.config.block_size
+        return True
+
+    def finish_tier_load(self, req_id: str, read: int) -> None:
+        """A read from the second tier ended with `read` blocks from the first on: the request prefills from
+        after them."""
+        n, orphaned = self.kv_tier.finish_load(req_id, read)
+        if orphaned is not None:
+            self.kv.release_tables(orphaned)
+        req = self.requests.get(req_id)
+        if req is None or req.status != RequestStatus.RUNNING:
+            return  # aborted meanwhile (its blocks are already free)
+        req.num_computed_tokens += n * self.config.block_size
+        req.num_cached_tokens = req.num_computed_tokens
+        self.kv.cache_computed_blocks(req)
+
+    def take_tier_work(self) -> tuple[list, list[tuple[int, bytes]]]:
+        """(reads to start, (block, hash) to write) since the last call."""
+        self.kv_tier.cached(self.kv.newly_cached)
+        self.kv.newly_cached.clear()
+        return self.kv_tier.take()
 
     # -- disaggregated prefill/decode: a decode instance reads prompts' KV (core/kv_transfer.py) --------
     def take_kv_loads(self) -> list[KVLoadJob]:
@@ -490,6 +542,8 @@ class Scheduler:
             xfer.hold(req, self.kv.detach(req))  # freed when read (release_held)
         elif xfer is not None and xfer.is_loading(req.request_id):
             xfer.orphan(req.request_id, self.kv.detach(req))  # a transfer still writes them: freed when it ends
+        elif self.kv_tier is not None and self.kv_tier.is_loading(req.request_id):
+            self.kv_tier.orphan(req.request_id, self.kv.detach(req))
         else:
             self.kv.free(req)
         if xfer is not None:

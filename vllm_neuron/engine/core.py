@@ -13,6 +13,8 @@ from vllm_neuron.config.compatibility import V2_LOG_LINE
 from vllm_neuron.config.engine_config import EngineConfig
 from vllm_neuron.core.request import Request, RequestStatus
 from vllm_neuron.core.scheduler import Scheduler, SchedulerConfig
+from vllm_neuron.core.kv_tier import KVTierScheduler
+from vllm_neuron.engine.kv_tier import KVTierEngine, model_key
 from vllm_neuron.engine.kv_transfer import KVTransferEngine
 from vllm_neuron.engine.prompt_embeds import embeds_digest
 from vllm_neuron.engine.served_shapes import SUMMARY_NAME, ServedShapes, engine_limits, engine_lists
@@ -85,6 +87,10 @@ class EngineCore:
         self.kv_transfer = KVTransferEngine(config.kv_transfer, tp_size=config.tensor_parallel_size,
                                             block_size=config.block_size, call=self._runner_call) \
             if config.kv_transfer is not None else None
+        self.kv_tier = None
+        if config.kv_offload is not None:
+            folder = self.runner.kv_tier_open(config.kv_offload, model_key(config, self.ckpt))
+            self.kv_tier = KVTierEngine(config.kv_offload, folder, call=self._runner_call)
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=config.max_model_len, block_size=config.block_size, num_blocks=self.num_blocks,
@@ -94,7 +100,8 @@ class EngineCore:
             kv_cache_layout=self.runner.kv_layout, policy=config.scheduling_policy,
             whole_prompts=config.pooling is not None and config.pooling.bidirectional,
             max_loras=config.lora.max_loras if config.lora is not None else 0),
-            kv_transfer=self.kv_transfer.scheduler_side if self.kv_transfer is not None else None)
+            kv_transfer=self.kv_transfer.scheduler_side if self.kv_transfer is not None else None,
+            kv_tier=KVTierScheduler(self.kv_tier.folder, config.tensor_parallel_size) if self.kv_tier else None)
         self.structured = None  # StructuredOutputManager, created with the first grammar request
         self._grammar_wait: dict[str, Request] = {}
         self.async_scheduling = bool(config.async_scheduling)
@@ -277,9 +284,14 @@ class EngineCore:
     def _schedule(self) -> SchedulerOutput | None:
         if self.kv_transfer is not None:
             self.kv_transfer.before_schedule(self.scheduler)
+        if self.kv_tier is not None:
+            self.kv_tier.before_schedule(self.scheduler)
         sched = self.scheduler.schedule()
-        if sched is None and self.kv_transfer is not None and self.kv_transfer.busy:
-            time.sleep(0.001)  # only remote reads are in flight: poll them without spinning a core
+        if self.kv_tier is not None:
+            self.kv_tier.after_schedule(self.scheduler)
+        if sched is None and (self.kv_transfer is not None and self.kv_transfer.busy or
+                              self.kv_tier is not None and self.kv_tier.busy(self.scheduler)):
+            time.sleep(0.001)  # only reads are in flight: poll them without spinning a core
         if sched is not None and self.structured is not None:
             # A chunk with drafts gets one mask per verified position (the matcher walks its drafts).
             sched.grammar_bitmask = {
@@ -382,6 +394,8 @@ class EngineCore:
         finished = {f.request.request_id: f for f in self.scheduler.update(sched, result)}
         if self.kv_transfer is not None:
             self.kv_transfer.after_update()  # prompts held for remote readers are served before their outputs go
+        if self.kv_tier is not None:
+            self.kv_tier.after_update(self.scheduler)  # new full blocks leave for the tier before reuse
         for rid in finished:
             self._step_failures.pop(rid, None)
             if self.structured is not None:
@@ -445,4 +459,5 @@ class EngineCore:
             grammar_cache_bytes=self.structured.cache_bytes if self.structured is not None else 0,
             grammar_compile_timeouts=self.structured.compile_timeouts if self.structured is not None else 0,
             kv_transfer=self.kv_transfer.stats() if self.kv_transfer is not None else None,
+            kv_offload=self.kv_tier.stats(s) if self.kv_tier is not None else None,
             lora=(s.config.max_loras, *s.lora_names()) if s.config.max_loras else None)

@@ -207,6 +207,7 @@ class _StatsRecorder:
         self.prev_encoder = (0, 0)
         self.prev_grammar = (-1, 0)  # (cache bytes, compile timeouts) last recorded
         self.prev_kv = (0, 0, 0, 0)  # (expired, blocks read, recomputed, bytes read) last recorded
+        self.prev_offload = (0, 0, 0, 0)  # second tier: (blocks read, written, failed reads, bytes read)
         from vllm_neuron import envs, step_metrics
 
         self.steps = step_metrics if envs.VLLM_NEURON_STEP_TIMING else None  # the per-step series
@@ -245,6 +246,13 @@ class _StatsRecorder:
                                                        (c - p for c, p in zip(cur, self.prev_kv)))),
                                             seconds=[t for ok, _, t in results if ok])
             self.prev_kv = cur
+        if s.kv_offload is not None:
+            _, loaded, failed, stored, nbytes, seconds = s.kv_offload
+            cur = (loaded, stored, failed, nbytes)
+            self.metrics.record_kv_offload(**dict(zip(("loaded", "stored", "failed", "nbytes"),
+                                                      (c - p for c, p in zip(cur, self.prev_offload)))),
+                                           seconds=seconds)
+            self.prev_offload = cur
         if s.lora is not None:
             self.metrics.record_lora(*s.lora)
         if s.bucket_name:

@@ -68,6 +68,8 @@ class SchedulerStats:
     grammar_compile_timeouts: int = 0  # cumulative
     # Disaggregated prefill/decode (None without --kv-transfer-config): engine/kv_transfer.py's stats().
     kv_transfer: tuple | None = None
+    # KV offloading (None without --kv-offloading-size): engine/kv_tier.py's stats().
+    kv_offload: tuple | None = None
     # LoRA (None when off): (max_loras, adapters of running requests, adapters of waiting ones).
     lora: tuple | None = None
     step_kind: str = ""

@@ -32,13 +32,13 @@ from vllm_neuron.model.layers.kernels.cpu_caps import describe_kernels
 from vllm_neuron.model.layers.paged_decode import paged_decode_available
 from vllm_neuron.model.loader import Checkpoint
 from vllm_neuron.model.registry import model_spec, resolve_model_class
-from vllm_neuron.step import KVLoadJob, ModelRunnerOutput, NewRequestData, SchedulerOutput
+from vllm_neuron.step import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from vllm_neuron.worker import memory
 from vllm_neuron.worker.compilation import GraphCompiler, cache_key_parts
 from vllm_neuron.worker.cuda_graphs import ReplayedGraph, cuda_graph_capturer, wants_capture
 from vllm_neuron.worker.graphs import GraphOptions
 from vllm_neuron.worker.input_builder import PrefillArrays, build_prefill_inputs
-from vllm_neuron.worker.kv_connector import KVConnectorWorker
+from vllm_neuron.worker.kv_calls import KVConnectorCalls
 from vllm_neuron.worker.kv_prefault import KVPrefaulter
 from vllm_neuron.worker.model_kinds import GraphSpec, ModelKindState, make_model_kinds
 from vllm_neuron.worker.model_setup import LoadStats, build_model, checkpoint_scheme, zeros
@@ -53,7 +53,7 @@ from vllm_neuron.worker.tensor_debug import TensorDebug
 logger = init_logger(__name__)
 
 
-class ModelRunnerBase(ProfiledRunner):
+class ModelRunnerBase(ProfiledRunner, KVConnectorCalls):
     pooler: Pooler | None = None  # a pooling engine's (set in __init__)
     tensor_debug: TensorDebug | None = None  # neuron_config.tensor_capture / tensor_replacement (set at load)
     _eager_graphs = False  # _graph() hands out the uncompiled graph functions (TensorDebug.prepare's probe)
@@ -78,7 +78,8 @@ class ModelRunnerBase(ProfiledRunner):
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.draft_kv: list[tuple[torch.Tensor, torch.Tensor]] = []  # the speculator's KV layers
         self.kv_prefaulter: KVPrefaulter | None = None
-        self.kv_connector: KVConnectorWorker | None = None  # with --kv-transfer-config
+        self.kv_connector = None  # with --kv-transfer-config
+        self.kv_tier = None  # with --kv-offloading-size
         self.model = None
         self.kinds: list[ModelKindState] = []  # set when the model is built
         self.compiler: GraphCompiler | None = None
@@ -240,40 +241,7 @@ class ModelRunnerBase(ProfiledRunner):
                         "(VLLM_NEURON_KV_PREFAULT_MB)", chunk_mib)
         self.compiler.set_num_blocks(num_blocks, self._kv_sizing)
         if self.config.kv_transfer is not None:
-            info = ps.info()
-            self.kv_connector = KVConnectorWorker(self.config.kv_transfer, self.kv_caches, self.block_size,
-                                                  self.model_spec.num_kv_heads, info.rank, info.world)
-
-    def close(self) -> None:
-        """Ends what the runner started beside its graphs (the KV connector's threads, sockets, NIXL agent)."""
-        if self.kv_connector is not None:
-            self.kv_connector.close()
-            self.kv_connector = None
-
-    # -- disaggregated prefill/decode (worker/kv_connector.py; engine/kv_transfer.py calls these) ---------
-    def kv_hold(self, holds: list[tuple[str, str, list[list[int]]]]) -> None:
-        """Serve these requests' blocks to their readers (a prefill instance): (key, secret, per-group ids)."""
-        self.kv_connector.hold(holds)
-
-    def kv_forget(self, keys: list[str]) -> None:
-        self.kv_connector.forget(keys)
-
-    def kv_drain_released(self) -> list[str]:
-        return self.kv_connector.drain_released()
-
-    def kv_start_loads(self, jobs: list[KVLoadJob]) -> None:
-        """Start reading remote requests' blocks (a decode instance); poll with kv_poll_loads."""
-        self.kv_connector.start_loads(jobs)
-
-    def kv_poll_loads(self, req_ids: list[str]) -> list[int]:
-        return self.kv_connector.poll_loads(req_ids)
-
-    def kv_loads_done(self, jobs: list[KVLoadJob]) -> None:
-        self.kv_connector.loads_done(jobs)
-
-    def kv_take_results(self) -> list[tuple[bool, int, float]]:
-        """(read, bytes, seconds) of this rank's loads since the last call."""
-        return [(r.ok, r.nbytes, r.seconds) for r in self.kv_connector.take_results()]
+            self.open_kv_connector(self.config.kv_transfer, self.model_spec.num_kv_heads)
 
     def idle_work(self) -> bool:
         """Work an idle engine may do between polls (backing KV pages ahead); True while some is left."""

@@ -41,7 +41,7 @@ logger = init_logger(__name__)
 # Calls whose result is the minimum over the ranks (an int, or a list of ints element by element: kv_poll_loads'
 # per-request state, so a load counts as read only when every rank read its heads; stop_profile: 1 once a rank's
 # trace is written, so rank 0 returns when every rank's is).
-_MIN_REDUCED = ("num_blocks", "kv_poll_loads", "stop_profile")
+_MIN_REDUCED = ("num_blocks", "kv_poll_loads", "kv_tier_poll", "stop_profile")
 
 
 class WorkerRankError(RuntimeError):
