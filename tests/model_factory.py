@@ -167,11 +167,14 @@ ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
     "gpt_oss": dict(head_dim=16, intermediate_size=32, num_local_experts=8, num_experts_per_tok=2,
                     sliding_window=24, swiglu_limit=1.5, attention_bias=True),
     "mistral": dict(head_dim=16, sliding_window=24),  # v0.1's window over every layer, shrunk
+    # A local (window 24, rope theta 1e4) and a global layer (1e6); scalar and softcap away from the defaults.
+    "gemma3": dict(head_dim=16, sliding_window=24, layer_types=["sliding_attention", "full_attention"],
+                   query_pre_attn_scalar=24, final_logit_softcapping=10.0, tie_word_embeddings=True),
 }
 _CONFIG_CLASSES = {"llama": "LlamaConfig", "qwen3": "Qwen3Config", "qwen3_moe": "Qwen3MoeConfig",
-                   "gpt_oss": "GptOssConfig", "mistral": "MistralConfig"}
+                   "gpt_oss": "GptOssConfig", "mistral": "MistralConfig", "gemma3": "Gemma3TextConfig"}
 _MODEL_CLASSES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-                  "gpt_oss": "GptOssForCausalLM", "mistral": "MistralForCausalLM"}
+                  "gpt_oss": "GptOssForCausalLM", "mistral": "MistralForCausalLM", "gemma3": "Gemma3ForCausalLM"}
 
 
 def tiny_config(arch: str = "llama", **kw: Any):

@@ -24,9 +24,10 @@ from vllm_neuron.worker.model_runner_v2 import ModelRunnerV2
 
 pytestmark = pytest.mark.engine
 
-ARCHS = ["qwen3", "qwen3_moe", "gpt_oss", "mistral"]
+ARCHS = ["qwen3", "qwen3_moe", "gpt_oss", "mistral", "gemma3"]
 MOE_ARCHS = ["qwen3_moe", "gpt_oss"]
-MRV1_ARCHS = [*MOE_ARCHS, "mistral"]  # MoE and sliding-window models (the tiny Mistral has v0.1's window)
+# MoE and sliding-window models (the tiny Mistral has v0.1's window, the tiny Gemma 3 a local layer)
+MRV1_ARCHS = [*MOE_ARCHS, "mistral", "gemma3"]
 MAX_NEW = 8
 # Around block (16) and bucket (8/32) edges; beyond max_num_batched_tokens (32): segmented prefill.
 LENGTHS = [3, 17, 40, 70, 100]

@@ -9,6 +9,7 @@ _MODELS = {
     "LlamaForCausalLM": ("vllm_neuron.model.llama", "LlamaForCausalLM"),
     "Qwen3ForCausalLM": ("vllm_neuron.model.qwen3", "Qwen3ForCausalLM"),
     "MistralForCausalLM": ("vllm_neuron.model.mistral", "MistralForCausalLM"),
+    "Gemma3ForCausalLM": ("vllm_neuron.model.gemma3", "Gemma3ForCausalLM"),
     "Qwen3MoeForCausalLM": ("vllm_neuron.model.qwen3_moe", "Qwen3MoeForCausalLM"),
     "GptOssForCausalLM": ("vllm_neuron.model.gpt_oss", "GptOssForCausalLM"),
     "Qwen3VLForConditionalGeneration": ("vllm_neuron.model.qwen3_vl", "Qwen3VLForConditionalGeneration"),
@@ -23,8 +24,9 @@ _POOLING_ARCHS = {"Qwen3Model": "Qwen3ForCausalLM", "LlamaModel": "LlamaForCausa
                   "LlamaForSequenceClassification": "LlamaForCausalLM"}
 _POOLING_FAMILIES = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 # Configs without `architectures` (e.g. built by hand) name their family by model_type.
-_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-                "gpt_oss": "GptOssForCausalLM", "qwen3_vl": "Qwen3VLForConditionalGeneration"}
+_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                "qwen3_moe": "Qwen3MoeForCausalLM", "gpt_oss": "GptOssForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
+                "qwen3_vl": "Qwen3VLForConditionalGeneration"}
 
 
 def supported_architectures() -> list[str]:

@@ -152,6 +152,7 @@ class LlamaModel(nn.Module):
 
 class LlamaForCausalLM(CausalLM):
     layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer
+    model_cls: type[nn.Module] = LlamaModel  # built as model_cls(arch config, hf_config, layer_cls)
     # What subclasses declare in their ModelSpec.
     is_moe = False
     attention_sinks = False
@@ -173,7 +174,7 @@ class LlamaForCausalLM(CausalLM):
         super().__init__()
         self.arch = self.arch_config(hf_config)
         self.model_spec = self.spec(hf_config)
-        self.model = LlamaModel(self.arch, hf_config, self.layer_cls)
+        self.model = self.model_cls(self.arch, hf_config, self.layer_cls)
         # Split over the vocabulary like the embedding (parallel.py); logits are gathered in compute_logits.
         self.lm_head = Linear(self.arch.hidden_size, self.model.embed_tokens.local_vocab, bias=False)
         if self.arch.tie_word_embeddings:
