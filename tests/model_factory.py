@@ -11,6 +11,7 @@ $VLLM_NEURON_TEST_CACHE (default ~/.cache/vllm_neuron_test): the conversion take
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import math
@@ -170,11 +171,19 @@ ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
     # A local (window 24, rope theta 1e4) and a global layer (1e6); scalar and softcap away from the defaults.
     "gemma3": dict(head_dim=16, sliding_window=24, layer_types=["sliding_attention", "full_attention"],
                    query_pre_attn_scalar=24, final_logit_softcapping=10.0, tie_word_embeddings=True),
+    # Phi-4-mini's shape: partial rotary (12 of 16 dims) and LongRoPE; original_max_position_embeddings is
+    # what the tests' max_model_len (256) reaches, so the short factors serve (phi3_long_rope: the long ones).
+    "phi3": dict(rope_parameters=dict(rope_type="longrope", rope_theta=10000.0, partial_rotary_factor=0.75,
+                                      short_factor=[1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
+                                      long_factor=[1.0, 1.5, 2.5, 4.0, 6.0, 9.0]),
+                 original_max_position_embeddings=256),
 }
 _CONFIG_CLASSES = {"llama": "LlamaConfig", "qwen3": "Qwen3Config", "qwen3_moe": "Qwen3MoeConfig",
-                   "gpt_oss": "GptOssConfig", "mistral": "MistralConfig", "gemma3": "Gemma3TextConfig"}
+                   "gpt_oss": "GptOssConfig", "mistral": "MistralConfig", "gemma3": "Gemma3TextConfig",
+                   "phi3": "Phi3Config"}
 _MODEL_CLASSES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-                  "gpt_oss": "GptOssForCausalLM", "mistral": "MistralForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+                  "gpt_oss": "GptOssForCausalLM", "mistral": "MistralForCausalLM", "gemma3": "Gemma3ForCausalLM",
+                  "phi3": "Phi3ForCausalLM"}
 
 
 def tiny_config(arch: str = "llama", **kw: Any):
@@ -188,7 +197,7 @@ def tiny_config(arch: str = "llama", **kw: Any):
                                 num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=False,
                                 vocab_size=SMOLLM2_VOCAB_SIZE, bos_token_id=BOS_ID, eos_token_id=EOS_ID,
                                 pad_token_id=EOS_ID)
-    args.update(ARCH_DEFAULTS[arch])
+    args.update(copy.deepcopy(ARCH_DEFAULTS[arch]))  # transformers edits nested rope dicts in place
     args.update(kw)
     rope_theta = args.pop("rope_theta", None)
     cfg = getattr(transformers, _CONFIG_CLASSES[arch])(architectures=[_MODEL_CLASSES[arch]], **args)

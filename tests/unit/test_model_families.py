@@ -8,6 +8,7 @@ from tests.model_factory import make_tiny_model, tiny_config
 from vllm_neuron.entrypoints.openai.chat_template import render_chat
 from vllm_neuron.entrypoints.openai.errors import BadRequestError
 from vllm_neuron.model.loader import load_tokenizer
+from vllm_neuron.model.phi3.model import uses_long_factors
 from vllm_neuron.model.registry import model_spec
 
 # Gemma 3's chat template as its instruction-tuned tokenizers ship it (system folded into the first user
@@ -66,3 +67,15 @@ def test_gemma3_chat_template_from_the_tokenizer_renders(tmp_path):
                     "Hello.<end_of_turn>\n<start_of_turn>user\nBye<end_of_turn>\n<start_of_turn>model\n")
     with pytest.raises(BadRequestError, match="roles must alternate"):
         render_chat(tok, msgs[1:2] * 2, template=None, add_generation_prompt=True, continue_final_message=False)
+
+
+def test_phi3_window_applies_to_every_layer_only_below_the_context():
+    # Phi-3-mini-4k sets sliding_window 2047 of 4096 positions; Phi-3.5 / Phi-4 set one beyond their context.
+    assert model_spec(tiny_config("phi3", sliding_window=48)).sliding_windows == (48, 48)
+    assert model_spec(tiny_config("phi3", sliding_window=262144)).sliding_windows == (None, None)
+
+
+def test_phi3_long_rope_factor_set_follows_max_model_len():
+    cfg = tiny_config("phi3", max_position_embeddings=512, original_max_position_embeddings=64)
+    assert [uses_long_factors(cfg, n) for n in (64, 65, None)] == [False, True, True]
+    assert not uses_long_factors(tiny_config("qwen3"), 10**6)
