@@ -177,13 +177,16 @@ ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
                                       short_factor=[1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
                                       long_factor=[1.0, 1.5, 2.5, 4.0, 6.0, 9.0]),
                  original_max_position_embeddings=256),
+    # Granite 3's kind of multipliers (attention scale 1/head_dim instead of 1/sqrt(head_dim)).
+    "granite": dict(embedding_multiplier=12.0, attention_multiplier=1 / 16, residual_multiplier=0.22,
+                    logits_scaling=8.0),
 }
 _CONFIG_CLASSES = {"llama": "LlamaConfig", "qwen3": "Qwen3Config", "qwen3_moe": "Qwen3MoeConfig",
                    "gpt_oss": "GptOssConfig", "mistral": "MistralConfig", "gemma3": "Gemma3TextConfig",
-                   "phi3": "Phi3Config"}
+                   "phi3": "Phi3Config", "granite": "GraniteConfig"}
 _MODEL_CLASSES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
                   "gpt_oss": "GptOssForCausalLM", "mistral": "MistralForCausalLM", "gemma3": "Gemma3ForCausalLM",
-                  "phi3": "Phi3ForCausalLM"}
+                  "phi3": "Phi3ForCausalLM", "granite": "GraniteForCausalLM"}
 
 
 def tiny_config(arch: str = "llama", **kw: Any):

@@ -24,9 +24,10 @@ from vllm_neuron.worker.model_runner_v2 import ModelRunnerV2
 
 pytestmark = pytest.mark.engine
 
-ARCHS = ["qwen3", "qwen3_moe", "gpt_oss", "mistral", "gemma3", "phi3"]
+ARCHS = ["qwen3", "qwen3_moe", "gpt_oss", "mistral", "gemma3", "phi3", "granite"]
 # Compiled parity (about 35 s each here): issue 52's families keep it for Gemma 3 only (CI time), whose local and
-# global layers are two nested compile regions; Phi-3 runs Llama's graph with its own weights and rotary table.
+# global layers are two nested compile regions; Phi-3 runs Llama's graph with its own weights and rotary table,
+# Granite Llama's with constant multipliers.
 COMPILED_ARCHS = ["qwen3", "qwen3_moe", "gpt_oss", "mistral", "gemma3"]
 MOE_ARCHS = ["qwen3_moe", "gpt_oss"]
 # MoE and sliding-window models (the tiny Mistral has v0.1's window, the tiny Gemma 3 a local layer)

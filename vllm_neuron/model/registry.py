@@ -11,6 +11,7 @@ _MODELS = {
     "MistralForCausalLM": ("vllm_neuron.model.mistral", "MistralForCausalLM"),
     "Gemma3ForCausalLM": ("vllm_neuron.model.gemma3", "Gemma3ForCausalLM"),
     "Phi3ForCausalLM": ("vllm_neuron.model.phi3", "Phi3ForCausalLM"),
+    "GraniteForCausalLM": ("vllm_neuron.model.granite", "GraniteForCausalLM"),
     "Qwen3MoeForCausalLM": ("vllm_neuron.model.qwen3_moe", "Qwen3MoeForCausalLM"),
     "GptOssForCausalLM": ("vllm_neuron.model.gpt_oss", "GptOssForCausalLM"),
     "Qwen3VLForConditionalGeneration": ("vllm_neuron.model.qwen3_vl", "Qwen3VLForConditionalGeneration"),
@@ -27,7 +28,7 @@ _POOLING_FAMILIES = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalL
 # Configs without `architectures` (e.g. built by hand) name their family by model_type.
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen3": "Qwen3ForCausalLM",
                 "qwen3_moe": "Qwen3MoeForCausalLM", "gpt_oss": "GptOssForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
-                "phi3": "Phi3ForCausalLM", "qwen3_vl": "Qwen3VLForConditionalGeneration"}
+                "phi3": "Phi3ForCausalLM", "granite": "GraniteForCausalLM", "qwen3_vl": "Qwen3VLForConditionalGeneration"}
 
 
 def supported_architectures() -> list[str]:
