@@ -136,11 +136,8 @@ class Gemma3Model(nn.Module):
 
 class Gemma3ForCausalLM(LlamaForCausalLM):
     layer_cls = Gemma3DecoderLayer
+    arch_cls = Gemma3ArchConfig
     model_cls = Gemma3Model
-
-    @classmethod
-    def arch_config(cls, hf_config) -> Gemma3ArchConfig:
-        return Gemma3ArchConfig.from_hf(hf_config)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed(input_ids)

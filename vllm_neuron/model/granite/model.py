@@ -71,11 +71,8 @@ class GraniteModel(LlamaModel):
 
 class GraniteForCausalLM(LlamaForCausalLM):
     layer_cls = GraniteDecoderLayer
+    arch_cls = GraniteArchConfig
     model_cls = GraniteModel
-
-    @classmethod
-    def arch_config(cls, hf_config) -> GraniteArchConfig:
-        return GraniteArchConfig.from_hf(hf_config)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return super().compute_logits(hidden) / self.arch.logits_scaling

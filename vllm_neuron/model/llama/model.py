@@ -153,6 +153,7 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(CausalLM):
     layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer
     model_cls: type[nn.Module] = LlamaModel  # built as model_cls(arch config, hf_config, layer_cls)
+    arch_cls: type[LlamaArchConfig] = LlamaArchConfig  # its from_hf(hf_config) is the arch config
     # What subclasses declare in their ModelSpec.
     is_moe = False
     attention_sinks = False
@@ -160,7 +161,7 @@ class LlamaForCausalLM(CausalLM):
 
     @classmethod
     def arch_config(cls, hf_config) -> LlamaArchConfig:
-        return LlamaArchConfig.from_hf(hf_config)
+        return cls.arch_cls.from_hf(hf_config)
 
     @classmethod
     def spec(cls, hf_config) -> ModelSpec:
