@@ -349,6 +349,28 @@ def _add_weight(writer, name: str, w: np.ndarray, dtype: torch.dtype, quant: str
         raise ValueError(f"make_tiny_gguf: dtype must be float32, float16 or bfloat16, got {dtype}")
 
 
+def gguf_writer_with_sizes(file: str, arch: str, cfg):
+    """A GGUFWriter for `file` holding the sizes every architecture writes (layers, context, widths, heads)."""
+    import gguf
+
+    w = gguf.GGUFWriter(file, arch)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    return w
+
+
+def write_gguf(w) -> None:
+    """Header, metadata and tensors to the writer's file, then closed."""
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
 def make_tiny_gguf(
     path: str,
     *,
@@ -375,14 +397,8 @@ def make_tiny_gguf(
     rope = dict(cfg.rope_parameters)
     head_dim = cfg.head_dim
 
-    w = gguf.GGUFWriter(file, arch)
+    w = gguf_writer_with_sizes(file, arch, cfg)
     w.add_name("tiny-llama")
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
     if head_dim != cfg.hidden_size // cfg.num_attention_heads:
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
@@ -433,10 +449,7 @@ def make_tiny_gguf(
             arr = _llamacpp_permute(arr, cfg.num_key_value_heads)
         _add_weight(w, _gguf_name(name), np.ascontiguousarray(arr), dtype, quant)
 
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    write_gguf(w)
     return file
 
 

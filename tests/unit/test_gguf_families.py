@@ -1,0 +1,59 @@
+"""GGUF files of Gemma 3, Phi-3 and Granite (as llama.cpp's converter writes them) load into the same model
+as the transformers checkpoint they came from: the same arch config, parameters and rotary tables. (That
+model's tokens equal transformers': tests/parity/test_model_parity.py.)"""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from tests.gguf_family_factory import make_family_gguf
+from vllm_neuron.model.loader.gguf_loader import gguf_config, iter_gguf_weights
+from vllm_neuron.model.registry import resolve_model_class
+
+CASES = {
+    # Real Gemma 3 files leave query_pre_attn_scalar implicit (the head size below 27B), so the twin uses it.
+    "gemma3": dict(query_pre_attn_scalar=16),
+    "phi3": dict(max_position_embeddings=512),  # LongRoPE factors as tensors, partial rotary
+    "granite": {},
+}
+
+
+def _ours(cfg, weights):
+    model = resolve_model_class(cfg)(cfg)
+    model.load_weights(weights)
+    return model
+
+
+@pytest.mark.parametrize("arch", list(CASES))
+def test_gguf_loads_the_model_its_checkpoint_does(arch, tmp_path):
+    path, hf = make_family_gguf(str(tmp_path / f"{arch}.gguf"), arch, **CASES[arch])
+    cfg = gguf_config(path)
+    assert cfg.architectures == hf.config.architectures
+    from_gguf = _ours(cfg, iter_gguf_weights(path, cfg))
+    from_hf = _ours(hf.config, hf.state_dict().items())
+    ours, theirs = dataclasses.asdict(from_gguf.arch), dataclasses.asdict(from_hf.arch)
+    for key, value in theirs.items():  # GGUF keeps float metadata in float32
+        assert ours[key] == (pytest.approx(value, rel=1e-6) if isinstance(value, float) else value), key
+    params = dict(from_hf.named_parameters())
+    for name, p in from_gguf.named_parameters():
+        # Gemma's norms went through the file as 1 + w: equal to float32 rounding, the rest bit for bit.
+        assert torch.allclose(p, params[name], rtol=0, atol=1e-6 if name.endswith("norm.weight") else 0), name
+    buffers = dict(from_hf.named_buffers())
+    for name, b in from_gguf.named_buffers():
+        assert torch.equal(b, buffers[name]), name  # rotary tables (per layer type, LongRoPE), KV scales
+
+
+def test_gguf_gemma3_default_pattern_and_quantized_weights(tmp_path):
+    # Six layers in Gemma 3's own every-6th pattern (not written to the file) and Q8_0 matrices.
+    types = ["sliding_attention"] * 5 + ["full_attention"]
+    path, hf = make_family_gguf(str(tmp_path / "g.gguf"), "gemma3", quant="Q8_0", num_hidden_layers=6,
+                                layer_types=types, query_pre_attn_scalar=16)
+    cfg = gguf_config(path)
+    assert cfg.layer_types == types and cfg.sliding_window == 24
+    model = _ours(cfg, iter_gguf_weights(path, cfg))
+    ref = _ours(hf.config, hf.state_dict().items())
+    q = model.model.layers[5].self_attn.qkv_proj.weight
+    assert torch.allclose(q, ref.model.layers[5].self_attn.qkv_proj.weight, atol=0.05) and not torch.equal(
+        q, ref.model.layers[5].self_attn.qkv_proj.weight)  # Q8_0's rounding, dequantized
