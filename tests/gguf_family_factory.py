@@ -1,4 +1,4 @@
-"""Tiny GGUF files of the families issue 52 added (gemma3, phi3, granite), written the way llama.cpp's
+"""Tiny GGUF files of the families issue 52 added (gemma3, phi3, granite, qwen3moe), written the way llama.cpp's
 convert_hf_to_gguf.py writes each one (names, fused tensors, norm shift, metadata keys), from the very
 transformers model build_tiny_model(arch, ...) returns. Written independently of the loader's maps
 (model/loader/gguf_arches.py) so that tests check them. No tokenizer metadata (the file opens in milliseconds)."""
@@ -20,7 +20,9 @@ _LAYER_NAMES = {
                "post_feedforward_layernorm.weight": "post_ffw_norm.weight"},
     "phi3": {"self_attn.qkv_proj.weight": "attn_qkv.weight", "mlp.gate_up_proj.weight": "ffn_up.weight"},
     "granite": {},
+    "qwen3_moe": {"mlp.gate.weight": "ffn_gate_inp.weight"},
 }
+_GGUF_ARCH = {"qwen3_moe": "qwen3moe"}  # the factory's arch (transformers' model_type) -> llama.cpp's name
 
 
 def _gguf_tensor_name(hf_name: str, arch: str) -> str:
@@ -65,7 +67,26 @@ def _granite_metadata(w, cfg) -> None:
     w.add_logit_scale(cfg.logits_scaling)
 
 
-_METADATA = {"gemma3": _gemma3_metadata, "phi3": _phi3_metadata, "granite": _granite_metadata}
+def _qwen3_moe_metadata(w, cfg) -> None:
+    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    w.add_expert_count(cfg.num_experts)
+    w.add_expert_used_count(cfg.num_experts_per_tok)
+    w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+
+
+def _qwen3_moe_experts(name: str, arr: np.ndarray) -> list[tuple[str, np.ndarray]]:
+    """transformers' stacked experts as the converter stacks the checkpoint's per-expert tensors."""
+    layer = name.split(".")[2]
+    if name.endswith("experts.gate_up_proj"):  # [E, 2I, H]: gate rows, then up rows
+        gate, up = np.split(arr, 2, axis=1)
+        return [(f"blk.{layer}.ffn_gate_exps.weight", gate), (f"blk.{layer}.ffn_up_exps.weight", up)]
+    return [(f"blk.{layer}.ffn_down_exps.weight", arr)]  # [E, H, I]
+
+
+_METADATA = {"gemma3": _gemma3_metadata, "phi3": _phi3_metadata, "granite": _granite_metadata,
+             "qwen3_moe": _qwen3_moe_metadata}
 
 
 def make_family_gguf(path: str, arch: str, *, seed: int = 0, quant: str | None = None, **config_kwargs: Any):
@@ -75,7 +96,7 @@ def make_family_gguf(path: str, arch: str, *, seed: int = 0, quant: str | None =
 
     model = build_tiny_model(arch, seed=seed, **config_kwargs)
     cfg = model.config
-    w = gguf_writer_with_sizes(path, arch, cfg)
+    w = gguf_writer_with_sizes(path, _GGUF_ARCH.get(arch, arch), cfg)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_vocab_size(cfg.vocab_size)
     w.add_bos_token_id(cfg.bos_token_id)
@@ -91,11 +112,13 @@ def make_family_gguf(path: str, arch: str, *, seed: int = 0, quant: str | None =
             arr = _llamacpp_permute(arr, cfg.num_attention_heads)
         elif arch == "granite" and name.endswith("k_proj.weight"):
             arr = _llamacpp_permute(arr, cfg.num_key_value_heads)
-        arr = np.ascontiguousarray(arr, dtype=np.float32)
-        if quant is not None and arr.ndim == 2:
-            qtype = gguf.GGMLQuantizationType[quant]
-            w.add_tensor(_gguf_tensor_name(name, arch), gguf.quants.quantize(arr, qtype), raw_dtype=qtype)
-        else:
-            w.add_tensor(_gguf_tensor_name(name, arch), arr)
+        named = _qwen3_moe_experts(name, arr) if ".mlp.experts." in name else [(_gguf_tensor_name(name, arch), arr)]
+        for gguf_name, a in named:
+            a = np.ascontiguousarray(a, dtype=np.float32)
+            if quant is not None and a.ndim >= 2:
+                qtype = gguf.GGMLQuantizationType[quant]
+                w.add_tensor(gguf_name, gguf.quants.quantize(a, qtype), raw_dtype=qtype)
+            else:
+                w.add_tensor(gguf_name, a)
     write_gguf(w)
     return path, model

@@ -1,14 +1,16 @@
-"""GGUF files of Gemma 3, Phi-3 and Granite (as llama.cpp's converter writes them) load into the same model
+"""GGUF files of Gemma 3, Phi-3, Granite and Qwen3-MoE (as llama.cpp's converter writes them) load into the same model
 as the transformers checkpoint they came from: the same arch config, parameters and rotary tables. (That
 model's tokens equal transformers': tests/parity/test_model_parity.py.)"""
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import pytest
 import torch
 
 from tests.gguf_family_factory import make_family_gguf
+from vllm_neuron.model.loader import gguf_cache
 from vllm_neuron.model.loader.gguf_loader import gguf_config, iter_gguf_weights
 from vllm_neuron.model.registry import resolve_model_class
 
@@ -17,6 +19,7 @@ CASES = {
     "gemma3": dict(query_pre_attn_scalar=16),
     "phi3": dict(max_position_embeddings=512),  # LongRoPE factors as tensors, partial rotary
     "granite": {},
+    "qwen3_moe": {},  # stacked expert tensors, yielded per expert
 }
 
 
@@ -57,3 +60,21 @@ def test_gguf_gemma3_default_pattern_and_quantized_weights(tmp_path):
     q = model.model.layers[5].self_attn.qkv_proj.weight
     assert torch.allclose(q, ref.model.layers[5].self_attn.qkv_proj.weight, atol=0.05) and not torch.equal(
         q, ref.model.layers[5].self_attn.qkv_proj.weight)  # Q8_0's rounding, dequantized
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "qwen3_moe"])
+def test_gguf_conversion_cache_keeps_the_new_configs_and_expert_tensors(arch, tmp_path, monkeypatch):
+    # The conversion cache stores the config as JSON and the weights as safetensors: Gemma 3's nested rope and
+    # layer types must read back the same, and the per-expert pieces of a stacked tensor must be writable.
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "cache"))
+    path, _ = make_family_gguf(str(tmp_path / f"{arch}.gguf"), arch, **CASES[arch])
+    cfg, _ = gguf_cache.load_configs(path)
+    first = list(gguf_cache.iter_weights(path, cfg))
+    entry = gguf_cache.cache_dir(path)
+    assert os.path.isfile(os.path.join(entry, "config.json"))
+    assert os.path.isfile(os.path.join(entry, gguf_cache.weights_file_name(None)))
+    cached_cfg, _ = gguf_cache.load_configs(path)
+    assert cached_cfg.to_dict() == cfg.to_dict()
+    again = list(gguf_cache.iter_weights(path, cached_cfg))
+    assert [n for n, _ in again] == [n for n, _ in first]
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(first, again))

@@ -4,7 +4,8 @@ only configure (rope factors), a shift stored into norm weights, and config fiel
 
 gguf_loader.py builds the common config fields (sizes, heads, rope) and reads the tensors; `config_extra`
 gets a metadata reader for the architecture's keys (`meta("attention.scale")` reads `<arch>.attention.scale`),
-the tensors that only configure, and those common fields, and returns the fields to add or replace.
+the tensors that only configure, those common fields and every tensor name, and returns the fields to add
+or replace. A layer tensor name with `{e}` is a stack of experts: the loader yields one tensor per expert.
 """
 from __future__ import annotations
 
@@ -15,10 +16,10 @@ from typing import Any
 import numpy as np
 
 Meta = Callable[..., Any]  # meta(key without the "<arch>." prefix, default=None)
-ConfigExtra = Callable[[Meta, dict[str, np.ndarray], dict[str, Any]], dict[str, Any]]
+ConfigExtra = Callable[[Meta, dict[str, np.ndarray], dict[str, Any], set[str]], dict[str, Any]]
 
 
-def _no_extra(meta: Meta, tensors: dict[str, np.ndarray], base: dict[str, Any]) -> dict[str, Any]:
+def _no_extra(meta: Meta, tensors: dict[str, np.ndarray], base: dict[str, Any], names: set[str]) -> dict[str, Any]:
     return {}
 
 
@@ -34,7 +35,7 @@ class GgufArch:
     config_extra: ConfigExtra = _no_extra
 
 
-def _gemma3(meta: Meta, tensors: dict[str, np.ndarray], base: dict[str, Any]) -> dict[str, Any]:
+def _gemma3(meta: Meta, tensors: dict[str, np.ndarray], base: dict[str, Any], names: set[str]) -> dict[str, Any]:
     n, window = base["num_hidden_layers"], meta("attention.sliding_window")
     # llama.cpp's Gemma 3: every 6th layer global unless the file says otherwise (an int, or one bool per
     # layer, True for a sliding layer); local layers rotate with base 10000 unless rope.freq_base_swa is set.
@@ -58,7 +59,7 @@ def _gemma3(meta: Meta, tensors: dict[str, np.ndarray], base: dict[str, Any]) ->
                 attn_logit_softcapping=meta("attn_logit_softcapping"), tie_word_embeddings=True)
 
 
-def _phi3(meta: Meta, tensors: dict[str, np.ndarray], base: dict[str, Any]) -> dict[str, Any]:
+def _phi3(meta: Meta, tensors: dict[str, np.ndarray], base: dict[str, Any], names: set[str]) -> dict[str, Any]:
     window = meta("attention.sliding_window")
     out: dict[str, Any] = {"sliding_window": int(window) if window else None}  # 0: none (Phi-4)
     if "rope_factors_long.weight" in tensors:
@@ -70,7 +71,7 @@ def _phi3(meta: Meta, tensors: dict[str, np.ndarray], base: dict[str, Any]) -> d
     return out
 
 
-def _granite(meta: Meta, tensors: dict[str, np.ndarray], base: dict[str, Any]) -> dict[str, Any]:
+def _granite(meta: Meta, tensors: dict[str, np.ndarray], base: dict[str, Any], names: set[str]) -> dict[str, Any]:
     # The converter writes each *_multiplier as a *_scale when non-zero; an absent attention.scale is llama.cpp's
     # 1/sqrt(head_dim).
     return dict(attention_multiplier=float(meta("attention.scale") or base["head_dim"] ** -0.5),
@@ -79,9 +80,17 @@ def _granite(meta: Meta, tensors: dict[str, np.ndarray], base: dict[str, Any]) -
                 logits_scaling=float(meta("logit_scale") or 1.0))
 
 
+def _qwen3moe(meta: Meta, tensors: dict[str, np.ndarray], base: dict[str, Any], names: set[str]) -> dict[str, Any]:
+    # llama.cpp always renormalises the top-k weights for qwen3moe (every release sets norm_topk_prob).
+    dense = [i for i in range(base["num_hidden_layers"]) if f"blk.{i}.ffn_gate_inp.weight" not in names]
+    return dict(num_experts=int(meta("expert_count")), num_experts_per_tok=int(meta("expert_used_count")),
+                moe_intermediate_size=int(meta("expert_feed_forward_length")),
+                norm_topk_prob=bool(meta("expert_weights_norm", True)), mlp_only_layers=dense, decoder_sparse_step=1)
+
+
 GGUF_ARCHES: dict[str, GgufArch] = {
     "llama": GgufArch("LlamaConfig", "LlamaForCausalLM", True,
-                      config_extra=lambda meta, tensors, base: {"mlp_bias": False}),
+                      config_extra=lambda meta, tensors, base, names: {"mlp_bias": False}),
     "qwen3": GgufArch("Qwen3Config", "Qwen3ForCausalLM", False),
     "gemma3": GgufArch("Gemma3TextConfig", "Gemma3ForCausalLM", False, norm_shift=1.0, config_extra=_gemma3,
                        layer_tensors={"post_attention_norm.weight": "post_attention_layernorm.weight",
@@ -92,4 +101,9 @@ GGUF_ARCHES: dict[str, GgufArch] = {
                      layer_tensors={"attn_qkv.weight": "self_attn.qkv_proj.weight",
                                     "ffn_up.weight": "mlp.gate_up_proj.weight"}),  # gate and up, fused
     "granite": GgufArch("GraniteConfig", "GraniteForCausalLM", True, config_extra=_granite),
+    "qwen3moe": GgufArch("Qwen3MoeConfig", "Qwen3MoeForCausalLM", False, config_extra=_qwen3moe,
+                         layer_tensors={"ffn_gate_inp.weight": "mlp.gate.weight",
+                                        "ffn_gate_exps.weight": "mlp.experts.{e}.gate_proj.weight",
+                                        "ffn_up_exps.weight": "mlp.experts.{e}.up_proj.weight",
+                                        "ffn_down_exps.weight": "mlp.experts.{e}.down_proj.weight"}),
 }

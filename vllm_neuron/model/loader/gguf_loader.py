@@ -1,7 +1,7 @@
 """GGUF files (llama.cpp format): metadata -> transformers config, tensors -> HF names and layouts.
 
-The `llama` (SmolLM2, Llama 2/3.x, Mistral-style files), `qwen3`, `gemma3`, `phi3` and `granite`
-architectures are mapped (what each adds: gguf_arches.py). Quantized tensors are dequantized to float32 with
+The `llama` (SmolLM2, Llama 2/3.x, Mistral-style files), `qwen3`, `qwen3moe`, `gemma3`, `phi3` and
+`granite` architectures are mapped (what each adds: gguf_arches.py). Quantized tensors are dequantized to float32 with
 `gguf.quants`; Q/K projections of the Llama-lineage files (llama, granite) are un-permuted back from
 llama.cpp's rotary layout and Gemma's norm shift is taken back out, so that every tensor equals what
 transformers would hold.
@@ -246,7 +246,7 @@ def gguf_config(path: str) -> PretrainedConfig:
     )
     config_tensors = {t.name: _to_torch(t).float().numpy() for t in reader.tensors if t.name in spec.config_tensors}
     fields.update(spec.config_extra(lambda key, default=None: _meta(reader, f"{arch}.{key}", default),
-                                    config_tensors, fields))
+                                    config_tensors, fields, names))
     return getattr(transformers, spec.config_class)(**fields)
 
 
@@ -343,6 +343,10 @@ def iter_gguf_weights(
             # Subtracted in float64, rounded once: the model's 1 + w gives back the file's value (to the bit
             # where it is 1 or more).
             w = (w.double() - spec.norm_shift).to(w.dtype)
+        if "{e}" in name:  # a stack of experts [E, ...]: one tensor per expert, as HF checkpoints hold them
+            for e, piece in enumerate(w.unbind(0)):  # copies: the cache's safetensors refuses shared storage
+                yield name.format(e=e), piece.to(dtype or piece.dtype, copy=True)
+            continue
         if dtype is not None and w.dtype != dtype:
             w = w.to(dtype)
         yield name, w
