@@ -60,11 +60,11 @@ def _phi3_metadata(w, cfg) -> None:
 
 
 def _granite_metadata(w, cfg) -> None:
-    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
-    w.add_attention_scale(cfg.attention_multiplier)
-    w.add_embedding_scale(cfg.embedding_multiplier)
-    w.add_residual_scale(cfg.residual_multiplier)
-    w.add_logit_scale(cfg.logits_scaling)
+    # The converter's names: each *_multiplier (and logits_scaling) as a *_scale.
+    for key, value in (("attention_scale", cfg.attention_multiplier), ("embedding_scale", cfg.embedding_multiplier),
+                       ("residual_scale", cfg.residual_multiplier), ("logit_scale", cfg.logits_scaling),
+                       ("rope_freq_base", cfg.rope_parameters["rope_theta"])):
+        getattr(w, f"add_{key}")(value)
 
 
 def _qwen3_moe_metadata(w, cfg) -> None:
