@@ -53,6 +53,11 @@ def test_gemma3_refuses_what_it_cannot_honour():
     cfg.vision_config = {"model_type": "siglip_vision_model"}  # a Gemma3ForConditionalGeneration's text side
     with pytest.raises(ValueError, match=r"vision tower \(vision_config"):
         model_spec(cfg)
+    cfg = tiny_config("gemma3")
+    cfg.architectures = ["Gemma3ForConditionalGeneration"]  # gemma-3-4b-it and up
+    with pytest.raises(ValueError, match=r"Gemma 3 with its vision tower .* is not supported.*; supported: \[.*"
+                                         r"'Gemma3ForCausalLM'"):
+        model_spec(cfg)
 
 
 def test_gemma3_chat_template_from_the_tokenizer_renders(tmp_path):
