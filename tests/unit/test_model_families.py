@@ -3,13 +3,15 @@ Token parity with transformers lives in tests/parity/test_model_parity.py."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.model_factory import make_tiny_model, tiny_config
 from vllm_neuron.entrypoints.openai.chat_template import render_chat
 from vllm_neuron.entrypoints.openai.errors import BadRequestError
 from vllm_neuron.model.loader import load_tokenizer
 from vllm_neuron.model.phi3.model import uses_long_factors
-from vllm_neuron.model.registry import model_spec
+from vllm_neuron.model.layers.lora import attach_lora
+from vllm_neuron.model.registry import model_spec, resolve_model_class
 
 # Gemma 3's chat template as its instruction-tuned tokenizers ship it (system folded into the first user
 # turn, the assistant's role called "model", strict user/model alternation).
@@ -84,3 +86,11 @@ def test_phi3_long_rope_factor_set_follows_max_model_len():
     cfg = tiny_config("phi3", max_position_embeddings=512, original_max_position_embeddings=64)
     assert [uses_long_factors(cfg, n) for n in (64, 65, None)] == [False, True, True]
     assert not uses_long_factors(tiny_config("qwen3"), 10**6)
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "phi3", "granite"])
+def test_lora_is_refused_at_attach_for_families_without_adapter_paths(arch):
+    cfg = tiny_config(arch, vocab_size=256)
+    model = resolve_model_class(cfg)(cfg)
+    with pytest.raises(ValueError, match=rf"enable_lora=True is not supported yet for {cfg.architectures[0]}"):
+        attach_lora(model, 2, 8, torch.float32, torch.device("cpu"))

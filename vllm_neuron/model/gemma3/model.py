@@ -137,6 +137,7 @@ class Gemma3Model(nn.Module):
 class Gemma3ForCausalLM(LlamaForCausalLM):
     layer_cls = Gemma3DecoderLayer
     arch_cls = Gemma3ArchConfig
+    takes_lora = False  # model/layers/lora.py refuses enable_lora
     model_cls = Gemma3Model
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:

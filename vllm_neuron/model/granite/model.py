@@ -72,6 +72,7 @@ class GraniteModel(LlamaModel):
 class GraniteForCausalLM(LlamaForCausalLM):
     layer_cls = GraniteDecoderLayer
     arch_cls = GraniteArchConfig
+    takes_lora = False  # model/layers/lora.py refuses enable_lora
     model_cls = GraniteModel
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

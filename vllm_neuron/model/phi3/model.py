@@ -52,6 +52,7 @@ def unfused_tensors(weights: Iterable[tuple[str, torch.Tensor]], cfg: LlamaArchC
 class Phi3ForCausalLM(LlamaForCausalLM):
     layer_cls = MistralDecoderLayer  # Llama's layer with an optional window per layer
     takes_max_model_len = True  # the engine passes max_model_len (LongRoPE's factor set)
+    takes_lora = False  # model/layers/lora.py refuses enable_lora
 
     @classmethod
     def arch_config(cls, hf_config) -> MistralArchConfig:
