@@ -1,7 +1,7 @@
 """Tiny GGUF files of the families issue 52 added (gemma3, phi3, granite, qwen3moe), written the way llama.cpp's
 convert_hf_to_gguf.py writes each one (names, fused tensors, norm shift, metadata keys), from the very
 transformers model build_tiny_model(arch, ...) returns. Written independently of the loader's maps
-(model/loader/gguf_arches.py) so that tests check them. No tokenizer metadata (the file opens in milliseconds)."""
+(model/loader/gguf_arches.py) so that tests check them. By default no tokenizer (the file opens in milliseconds)."""
 from __future__ import annotations
 
 import math
@@ -10,8 +10,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from tests.model_factory import (_HF_TO_GGUF_GLOBAL, _HF_TO_GGUF_LAYER, _llamacpp_permute, build_tiny_model,
-                                 gguf_writer_with_sizes, write_gguf)
+from tests.model_factory import (_HF_TO_GGUF_GLOBAL, _HF_TO_GGUF_LAYER, _llamacpp_permute, add_smollm2_tokenizer,
+                                 build_tiny_model, gguf_writer_with_sizes, write_gguf)
 
 # Per architecture: HF layer suffix -> llama.cpp's, where it differs from Llama's.
 _LAYER_NAMES = {
@@ -89,9 +89,11 @@ _METADATA = {"gemma3": _gemma3_metadata, "phi3": _phi3_metadata, "granite": _gra
              "qwen3_moe": _qwen3_moe_metadata}
 
 
-def make_family_gguf(path: str, arch: str, *, seed: int = 0, quant: str | None = None, **config_kwargs: Any):
+def make_family_gguf(path: str, arch: str, *, seed: int = 0, quant: str | None = None, tokenizer: bool = False,
+                     **config_kwargs: Any):
     """(file, the transformers model it holds): build_tiny_model(arch, seed=seed, **config_kwargs) written as
-    llama.cpp's converter writes `arch`; matrices F32 or, with `quant` (e.g. "Q8_0"), quantized."""
+    llama.cpp's converter writes `arch`; matrices F32 or, with `quant` (e.g. "Q8_0"), quantized; `tokenizer`
+    adds the SmolLM2 tokenizer (an engine can then serve the file; parsing it takes seconds)."""
     import gguf
 
     model = build_tiny_model(arch, seed=seed, **config_kwargs)
@@ -102,6 +104,8 @@ def make_family_gguf(path: str, arch: str, *, seed: int = 0, quant: str | None =
     w.add_bos_token_id(cfg.bos_token_id)
     w.add_eos_token_id(cfg.eos_token_id)
     _METADATA[arch](w, cfg)
+    if tokenizer:
+        add_smollm2_tokenizer(w)
     for name, t in model.state_dict().items():
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue

@@ -371,6 +371,21 @@ def write_gguf(w) -> None:
     w.close()
 
 
+def add_smollm2_tokenizer(w) -> None:
+    """The SmolLM2 tokenizer and chat template as GGUF metadata (llama.cpp's keys)."""
+    with open(os.path.join(smollm2_tokenizer_dir(), _GGUF_TOKENIZER_JSON), encoding="utf-8") as f:
+        tok = json.load(f)
+    w.add_tokenizer_model(tok["tokenizer.ggml.model"])
+    w.add_tokenizer_pre(tok["tokenizer.ggml.pre"])
+    w.add_token_list(tok["tokenizer.ggml.tokens"])
+    w.add_token_types(tok["tokenizer.ggml.token_type"])
+    w.add_token_merges(tok["tokenizer.ggml.merges"])
+    w.add_unk_token_id(tok["tokenizer.ggml.unknown_token_id"])
+    w.add_add_bos_token(tok["tokenizer.ggml.add_bos_token"])
+    w.add_add_space_prefix(tok["tokenizer.ggml.add_space_prefix"])
+    w.add_chat_template(tok["tokenizer.chat_template"])
+
+
 def make_tiny_gguf(
     path: str,
     *,
@@ -425,17 +440,7 @@ def make_tiny_gguf(
     w.add_eos_token_id(cfg.eos_token_id)
     w.add_pad_token_id(cfg.pad_token_id)
     if tokenizer:
-        with open(os.path.join(smollm2_tokenizer_dir(), _GGUF_TOKENIZER_JSON), encoding="utf-8") as f:
-            tok = json.load(f)
-        w.add_tokenizer_model(tok["tokenizer.ggml.model"])
-        w.add_tokenizer_pre(tok["tokenizer.ggml.pre"])
-        w.add_token_list(tok["tokenizer.ggml.tokens"])
-        w.add_token_types(tok["tokenizer.ggml.token_type"])
-        w.add_token_merges(tok["tokenizer.ggml.merges"])
-        w.add_unk_token_id(tok["tokenizer.ggml.unknown_token_id"])
-        w.add_add_bos_token(tok["tokenizer.ggml.add_bos_token"])
-        w.add_add_space_prefix(tok["tokenizer.ggml.add_space_prefix"])
-        w.add_chat_template(tok["tokenizer.chat_template"])
+        add_smollm2_tokenizer(w)
 
     for name, t in model.state_dict().items():
         if name == "lm_head.weight" and cfg.tie_word_embeddings:

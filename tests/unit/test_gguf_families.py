@@ -8,8 +8,11 @@ import os
 
 import pytest
 import torch
+from transformers import AutoTokenizer
 
 from tests.gguf_family_factory import make_family_gguf
+from tests.model_factory import smollm2_tokenizer_dir
+from vllm_neuron.model.loader import load_tokenizer
 from vllm_neuron.model.loader import gguf_cache
 from vllm_neuron.model.loader.gguf_loader import gguf_config, iter_gguf_weights
 from vllm_neuron.model.registry import resolve_model_class
@@ -78,3 +81,15 @@ def test_gguf_conversion_cache_keeps_the_new_configs_and_expert_tensors(arch, tm
     again = list(gguf_cache.iter_weights(path, cached_cfg))
     assert [n for n, _ in again] == [n for n, _ in first]
     assert all(torch.equal(a, b) for (_, a), (_, b) in zip(first, again))
+
+
+def test_gguf_tokenizer_of_an_architecture_transformers_does_not_map(tmp_path, monkeypatch):
+    # transformers' GGUF reader refuses `granite` before it reaches the tokenizer metadata (llama.cpp's common
+    # keys): the same conversion then builds the tokenizer; it encodes and renders chats like the original.
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "cache"))
+    path, _ = make_family_gguf(str(tmp_path / "granite.gguf"), "granite", tokenizer=True)
+    tok, ref = load_tokenizer(path), AutoTokenizer.from_pretrained(smollm2_tokenizer_dir())
+    text = "Hello there, <|im_start|>user\n how are you? 123"
+    assert tok(text).input_ids == ref(text).input_ids
+    chat = [{"role": "user", "content": "hi"}]
+    assert tok.apply_chat_template(chat, tokenize=False) == ref.apply_chat_template(chat, tokenize=False)
