@@ -1,9 +1,9 @@
 """Greedy tokens and logits of every architecture vs transformers, on tiny random-weight configs built
 with transformers' own classes (fp32).
 
-Per architecture (Qwen3, Qwen3-MoE, gpt-oss): segmented prefill forced by tiny buckets, padded decode
-batches, a second pass served from the prefix cache, logprobs within 1e-4 of transformers' logits,
-and one compiled run. Llama, the reference architecture, runs a wider set (its section below): more
+Per architecture (Qwen3, Qwen3-MoE, gpt-oss, Mistral, Gemma 3, Phi-3, Granite): segmented prefill forced by
+tiny buckets, padded decode batches, a second pass served from the prefix cache, logprobs within 1e-4 of
+transformers' logits, and one compiled run (COMPILED_ARCHS: not Phi-3 and Granite, for CI time). Llama, the reference architecture, runs a wider set (its section below): more
 prompt lengths around block and bucket edges, prefix caching on and off, the custom kernels and the
 torch path, eager and compiled.
 """
