@@ -11,6 +11,7 @@ $VLLM_NEURON_TEST_CACHE (default ~/.cache/vllm_neuron_test): the conversion take
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import math
@@ -167,11 +168,25 @@ ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
     "gpt_oss": dict(head_dim=16, intermediate_size=32, num_local_experts=8, num_experts_per_tok=2,
                     sliding_window=24, swiglu_limit=1.5, attention_bias=True),
     "mistral": dict(head_dim=16, sliding_window=24),  # v0.1's window over every layer, shrunk
+    # A local (window 24, rope theta 1e4) and a global layer (1e6); scalar and softcap away from the defaults.
+    "gemma3": dict(head_dim=16, sliding_window=24, layer_types=["sliding_attention", "full_attention"],
+                   query_pre_attn_scalar=24, final_logit_softcapping=10.0, tie_word_embeddings=True),
+    # Phi-4-mini's shape: partial rotary (12 of 16 dims) and LongRoPE; original_max_position_embeddings is
+    # what the tests' max_model_len (256) reaches, so the short factors serve (phi3_long_rope: the long ones).
+    "phi3": dict(rope_parameters=dict(rope_type="longrope", rope_theta=10000.0, partial_rotary_factor=0.75,
+                                      short_factor=[1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
+                                      long_factor=[1.0, 1.5, 2.5, 4.0, 6.0, 9.0]),
+                 original_max_position_embeddings=256),
+    # Granite 3's kind of multipliers (attention scale 1/head_dim instead of 1/sqrt(head_dim)).
+    "granite": dict(embedding_multiplier=12.0, attention_multiplier=1 / 16, residual_multiplier=0.22,
+                    logits_scaling=8.0),
 }
 _CONFIG_CLASSES = {"llama": "LlamaConfig", "qwen3": "Qwen3Config", "qwen3_moe": "Qwen3MoeConfig",
-                   "gpt_oss": "GptOssConfig", "mistral": "MistralConfig"}
+                   "gpt_oss": "GptOssConfig", "mistral": "MistralConfig", "gemma3": "Gemma3TextConfig",
+                   "phi3": "Phi3Config", "granite": "GraniteConfig"}
 _MODEL_CLASSES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-                  "gpt_oss": "GptOssForCausalLM", "mistral": "MistralForCausalLM"}
+                  "gpt_oss": "GptOssForCausalLM", "mistral": "MistralForCausalLM", "gemma3": "Gemma3ForCausalLM",
+                  "phi3": "Phi3ForCausalLM", "granite": "GraniteForCausalLM"}
 
 
 def tiny_config(arch: str = "llama", **kw: Any):
@@ -185,7 +200,7 @@ def tiny_config(arch: str = "llama", **kw: Any):
                                 num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=False,
                                 vocab_size=SMOLLM2_VOCAB_SIZE, bos_token_id=BOS_ID, eos_token_id=EOS_ID,
                                 pad_token_id=EOS_ID)
-    args.update(ARCH_DEFAULTS[arch])
+    args.update(copy.deepcopy(ARCH_DEFAULTS[arch]))  # transformers edits nested rope dicts in place
     args.update(kw)
     rope_theta = args.pop("rope_theta", None)
     cfg = getattr(transformers, _CONFIG_CLASSES[arch])(architectures=[_MODEL_CLASSES[arch]], **args)
@@ -334,6 +349,43 @@ def _add_weight(writer, name: str, w: np.ndarray, dtype: torch.dtype, quant: str
         raise ValueError(f"make_tiny_gguf: dtype must be float32, float16 or bfloat16, got {dtype}")
 
 
+def gguf_writer_with_sizes(file: str, arch: str, cfg):
+    """A GGUFWriter for `file` holding the sizes every architecture writes (layers, context, widths, heads)."""
+    import gguf
+
+    w = gguf.GGUFWriter(file, arch)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    return w
+
+
+def write_gguf(w) -> None:
+    """Header, metadata and tensors to the writer's file, then closed."""
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def add_smollm2_tokenizer(w) -> None:
+    """The SmolLM2 tokenizer and chat template as GGUF metadata (llama.cpp's keys)."""
+    with open(os.path.join(smollm2_tokenizer_dir(), _GGUF_TOKENIZER_JSON), encoding="utf-8") as f:
+        tok = json.load(f)
+    w.add_tokenizer_model(tok["tokenizer.ggml.model"])
+    w.add_tokenizer_pre(tok["tokenizer.ggml.pre"])
+    w.add_token_list(tok["tokenizer.ggml.tokens"])
+    w.add_token_types(tok["tokenizer.ggml.token_type"])
+    w.add_token_merges(tok["tokenizer.ggml.merges"])
+    w.add_unk_token_id(tok["tokenizer.ggml.unknown_token_id"])
+    w.add_add_bos_token(tok["tokenizer.ggml.add_bos_token"])
+    w.add_add_space_prefix(tok["tokenizer.ggml.add_space_prefix"])
+    w.add_chat_template(tok["tokenizer.chat_template"])
+
+
 def make_tiny_gguf(
     path: str,
     *,
@@ -360,14 +412,8 @@ def make_tiny_gguf(
     rope = dict(cfg.rope_parameters)
     head_dim = cfg.head_dim
 
-    w = gguf.GGUFWriter(file, arch)
+    w = gguf_writer_with_sizes(file, arch, cfg)
     w.add_name("tiny-llama")
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
     if head_dim != cfg.hidden_size // cfg.num_attention_heads:
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
@@ -394,17 +440,7 @@ def make_tiny_gguf(
     w.add_eos_token_id(cfg.eos_token_id)
     w.add_pad_token_id(cfg.pad_token_id)
     if tokenizer:
-        with open(os.path.join(smollm2_tokenizer_dir(), _GGUF_TOKENIZER_JSON), encoding="utf-8") as f:
-            tok = json.load(f)
-        w.add_tokenizer_model(tok["tokenizer.ggml.model"])
-        w.add_tokenizer_pre(tok["tokenizer.ggml.pre"])
-        w.add_token_list(tok["tokenizer.ggml.tokens"])
-        w.add_token_types(tok["tokenizer.ggml.token_type"])
-        w.add_token_merges(tok["tokenizer.ggml.merges"])
-        w.add_unk_token_id(tok["tokenizer.ggml.unknown_token_id"])
-        w.add_add_bos_token(tok["tokenizer.ggml.add_bos_token"])
-        w.add_add_space_prefix(tok["tokenizer.ggml.add_space_prefix"])
-        w.add_chat_template(tok["tokenizer.chat_template"])
+        add_smollm2_tokenizer(w)
 
     for name, t in model.state_dict().items():
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
@@ -418,10 +454,7 @@ def make_tiny_gguf(
             arr = _llamacpp_permute(arr, cfg.num_key_value_heads)
         _add_weight(w, _gguf_name(name), np.ascontiguousarray(arr), dtype, quant)
 
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    write_gguf(w)
     return file
 
 

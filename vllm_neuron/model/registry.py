@@ -9,6 +9,9 @@ _MODELS = {
     "LlamaForCausalLM": ("vllm_neuron.model.llama", "LlamaForCausalLM"),
     "Qwen3ForCausalLM": ("vllm_neuron.model.qwen3", "Qwen3ForCausalLM"),
     "MistralForCausalLM": ("vllm_neuron.model.mistral", "MistralForCausalLM"),
+    "Gemma3ForCausalLM": ("vllm_neuron.model.gemma3", "Gemma3ForCausalLM"),
+    "Phi3ForCausalLM": ("vllm_neuron.model.phi3", "Phi3ForCausalLM"),
+    "GraniteForCausalLM": ("vllm_neuron.model.granite", "GraniteForCausalLM"),
     "Qwen3MoeForCausalLM": ("vllm_neuron.model.qwen3_moe", "Qwen3MoeForCausalLM"),
     "GptOssForCausalLM": ("vllm_neuron.model.gpt_oss", "GptOssForCausalLM"),
     "Qwen3VLForConditionalGeneration": ("vllm_neuron.model.qwen3_vl", "Qwen3VLForConditionalGeneration"),
@@ -22,9 +25,13 @@ _POOLING_ARCHS = {"Qwen3Model": "Qwen3ForCausalLM", "LlamaModel": "LlamaForCausa
                   "Qwen3ForSequenceClassification": "Qwen3ForCausalLM",
                   "LlamaForSequenceClassification": "LlamaForCausalLM"}
 _POOLING_FAMILIES = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+# Known architectures we do not serve, and why (said before the supported list).
+_REFUSED = {"Gemma3ForConditionalGeneration": "Gemma 3 with its vision tower (gemma-3-4b and up) is not supported; "
+                                              "its text-only form Gemma3ForCausalLM (gemma-3-1b, or a gemma3 GGUF) is"}
 # Configs without `architectures` (e.g. built by hand) name their family by model_type.
-_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-                "gpt_oss": "GptOssForCausalLM", "qwen3_vl": "Qwen3VLForConditionalGeneration"}
+_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                "qwen3_moe": "Qwen3MoeForCausalLM", "gpt_oss": "GptOssForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
+                "phi3": "Phi3ForCausalLM", "granite": "GraniteForCausalLM", "qwen3_vl": "Qwen3VLForConditionalGeneration"}
 
 
 def supported_architectures() -> list[str]:
@@ -49,7 +56,8 @@ def resolve_model_class(hf_config, convert: str = "none") -> type[CausalLM]:
             from vllm_neuron.model.pooling_adapters import pooling_model_class
 
             return pooling_model_class(cls, convert)
-    raise ValueError(f"model architectures {archs} are not supported; supported: {supported_architectures()}")
+    why = "".join(f" ({_REFUSED[a]})" for a in archs if a in _REFUSED)
+    raise ValueError(f"model architectures {archs} are not supported{why}; supported: {supported_architectures()}")
 
 
 def is_multimodal(hf_config) -> bool:

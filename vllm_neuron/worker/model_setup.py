@@ -61,6 +61,8 @@ def build_model(cls: type, ckpt: Checkpoint, config: EngineConfig, spec: ModelSp
         with torch.device(device):
             extra = {"language_model_only": config.additional_config.mm_language_model_only} \
                 if getattr(cls, "multimodal", False) else {}
+            if getattr(cls, "takes_max_model_len", False):  # e.g. Phi-3's LongRoPE picks its factors by it
+                extra["max_model_len"] = config.max_model_len
             model = cls(ckpt.hf_config, quantization=config.neuron_config.quantization, **extra)
     finally:
         torch.set_default_dtype(prev)

@@ -112,6 +112,9 @@ def attach_lora(model: nn.Module, num_slots: int, rank: int, dtype: torch.dtype,
                 device: torch.device) -> dict[tuple[int, str], LoRASlots]:
     """Gives every decoder layer's q/k/v, o, gate/up and down Linear a `LoRASlots` (`linear.lora`); returns
     them by (layer, fused name). Raises when the model is not built of the Llama family's layers."""
+    if not getattr(model, "takes_lora", True):  # a family whose layers do not pass adapters through (yet)
+        raise ValueError(f"enable_lora=True is not supported yet for {type(model).__name__}; LoRA serves the dense "
+                         f"Llama / Qwen3 families")
     layers = getattr(getattr(model, "model", None), "layers", None)
     if layers is None:
         raise ValueError(f"LoRA is not supported for {type(model).__name__}: no decoder layers to adapt")

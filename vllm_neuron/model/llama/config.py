@@ -22,10 +22,13 @@ class LlamaArchConfig:
     qk_norm: bool = False  # Qwen3: RMSNorm over each q and k head before RoPE
 
     @classmethod
-    def from_hf(cls, hf, family: str = "Llama", **extra) -> "LlamaArchConfig":
+    def from_hf(cls, hf, family: str = "Llama", activations: tuple[str, ...] = ("silu", "swish"),
+                **extra) -> "LlamaArchConfig":
+        """`activations`: the MLP activations the family's modules compute (the first one named in errors)."""
         heads = hf.num_attention_heads
-        if hf.hidden_act not in ("silu", "swish"):
-            raise ValueError(f"hidden_act={hf.hidden_act!r} is not supported for {family}; supported: ['silu']")
+        act = getattr(hf, "hidden_act", None) or getattr(hf, "hidden_activation", None)  # Gemma: the latter
+        if act not in activations:
+            raise ValueError(f"hidden_act={act!r} is not supported for {family}; supported: ['{activations[0]}']")
         return cls(
             vocab_size=hf.vocab_size,
             hidden_size=hf.hidden_size,
@@ -39,7 +42,7 @@ class LlamaArchConfig:
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
             attention_bias=bool(getattr(hf, "attention_bias", False)),
             mlp_bias=bool(getattr(hf, "mlp_bias", False)),
-            hidden_act=hf.hidden_act,
+            hidden_act=act,
             **extra,
         )
 

@@ -152,6 +152,8 @@ class LlamaModel(nn.Module):
 
 class LlamaForCausalLM(CausalLM):
     layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer
+    model_cls: type[nn.Module] = LlamaModel  # built as model_cls(arch config, hf_config, layer_cls)
+    arch_cls: type[LlamaArchConfig] = LlamaArchConfig  # its from_hf(hf_config) is the arch config
     # What subclasses declare in their ModelSpec.
     is_moe = False
     attention_sinks = False
@@ -159,7 +161,7 @@ class LlamaForCausalLM(CausalLM):
 
     @classmethod
     def arch_config(cls, hf_config) -> LlamaArchConfig:
-        return LlamaArchConfig.from_hf(hf_config)
+        return cls.arch_cls.from_hf(hf_config)
 
     @classmethod
     def spec(cls, hf_config) -> ModelSpec:
@@ -173,7 +175,7 @@ class LlamaForCausalLM(CausalLM):
         super().__init__()
         self.arch = self.arch_config(hf_config)
         self.model_spec = self.spec(hf_config)
-        self.model = LlamaModel(self.arch, hf_config, self.layer_cls)
+        self.model = self.model_cls(self.arch, hf_config, self.layer_cls)
         # Split over the vocabulary like the embedding (parallel.py); logits are gathered in compute_logits.
         self.lm_head = Linear(self.arch.hidden_size, self.model.embed_tokens.local_vocab, bias=False)
         if self.arch.tie_word_embeddings:

@@ -34,7 +34,7 @@ import torch
 
 from vllm_neuron import envs
 from vllm_neuron.logger import init_logger
-from vllm_neuron.model.loader import gguf_loader
+from vllm_neuron.model.loader import gguf_arches, gguf_loader
 
 if TYPE_CHECKING:
     from transformers import LlamaConfig, PreTrainedTokenizerFast
@@ -62,7 +62,7 @@ _unusable_logged: set[str] = set()
 @functools.lru_cache(maxsize=1)
 def _code_fingerprint() -> str:
     h = hashlib.sha256()
-    for module_file in (gguf_loader.__file__, __file__):
+    for module_file in (gguf_loader.__file__, gguf_arches.__file__, __file__):
         with open(module_file, "rb") as f:
             h.update(f.read())
     for dist in ("transformers", "gguf", "tokenizers"):

@@ -1,9 +1,10 @@
 """GGUF files (llama.cpp format): metadata -> transformers config, tensors -> HF names and layouts.
 
-The `llama` (SmolLM2, Llama 2/3.x, Mistral-style files) and `qwen3` architectures are mapped. Quantized
-tensors are dequantized to float32 with `gguf.quants`; llama's Q/K projections are un-permuted back from
-llama.cpp's rotary layout (qwen3's are stored unpermuted) so that every tensor equals what transformers
-would hold.
+The `llama` (SmolLM2, Llama 2/3.x, Mistral-style files), `qwen3`, `qwen3moe`, `gemma3`, `phi3` and
+`granite` architectures are mapped (what each adds: gguf_arches.py). Quantized tensors are dequantized to float32 with
+`gguf.quants`; Q/K projections of the Llama-lineage files (llama, granite) are un-permuted back from
+llama.cpp's rotary layout and Gemma's norm shift is taken back out, so that every tensor equals what
+transformers would hold.
 """
 
 from __future__ import annotations
@@ -16,14 +17,14 @@ from typing import Any, Iterator
 
 import numpy as np
 import torch
+import transformers
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
-from transformers import LlamaConfig, PretrainedConfig, Qwen3Config
+from transformers import PretrainedConfig
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen3")
-# GGUF architecture -> (transformers config class, `architectures` entry, whether Q/K rows are permuted)
-_ARCH_CONFIGS = {"llama": (LlamaConfig, "LlamaForCausalLM", True),
-                 "qwen3": (Qwen3Config, "Qwen3ForCausalLM", False)}
+from vllm_neuron.model.loader.gguf_arches import GGUF_ARCHES
+
+SUPPORTED_ARCHITECTURES = tuple(GGUF_ARCHES)
 
 _GLOBAL_TENSORS = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -170,10 +171,12 @@ def _rope_parameters(reader: GGUFReader, arch: str, head_dim: int, path: str) ->
     theta = float(_meta(reader, f"{arch}.rope.freq_base", 10000.0))
     rope_dim = _meta(reader, f"{arch}.rope.dimension_count")
     if rope_dim is not None and int(rope_dim) != head_dim:
-        raise ValueError(
-            f"GGUF file {path}: partial rotary embeddings ({arch}.rope.dimension_count={rope_dim}, "
-            f"head_dim={head_dim}) are not supported"
-        )
+        if not GGUF_ARCHES[arch].partial_rotary:
+            raise ValueError(
+                f"GGUF file {path}: partial rotary embeddings ({arch}.rope.dimension_count={rope_dim}, "
+                f"head_dim={head_dim}) are not supported"
+            )
+        return {"rope_type": "default", "rope_theta": theta, "partial_rotary_factor": int(rope_dim) / head_dim}
     scaling = _meta(reader, f"{arch}.rope.scaling.type")
     factor = _meta(reader, f"{arch}.rope.scaling.factor")
     orig_ctx = _meta(reader, f"{arch}.rope.scaling.original_context_length")
@@ -224,9 +227,9 @@ def gguf_config(path: str) -> PretrainedConfig:
         for k, g in (("bos_token_id", "bos"), ("eos_token_id", "eos"), ("pad_token_id", "padding"))
         if _meta(reader, f"tokenizer.ggml.{g}_token_id") is not None
     }
-    config_cls, arch_name, _ = _ARCH_CONFIGS[arch]
-    return config_cls(
-        architectures=[arch_name],
+    spec = GGUF_ARCHES[arch]
+    fields = dict(
+        architectures=[spec.architecture],
         vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=int(_require(reader, f"{arch}.feed_forward_length", path)),
@@ -239,9 +242,12 @@ def gguf_config(path: str) -> PretrainedConfig:
         rope_parameters=_rope_parameters(reader, arch, head_dim, path),
         tie_word_embeddings="output.weight" not in names,
         attention_bias="blk.0.attn_q.bias" in names,
-        **({"mlp_bias": False} if arch == "llama" else {}),
         **ids,
     )
+    config_tensors = {t.name: _to_torch(t).float().numpy() for t in reader.tensors if t.name in spec.config_tensors}
+    fields.update(spec.config_extra(lambda key, default=None: _meta(reader, f"{arch}.{key}", default),
+                                    config_tensors, fields, names))
+    return getattr(transformers, spec.config_class)(**fields)
 
 
 _SAMPLING_KEYS = {
@@ -268,11 +274,14 @@ def gguf_generation_config(path: str) -> dict[str, Any]:
     return out
 
 
-def hf_tensor_name(gguf_name: str) -> tuple[str, str | None]:
-    """(HF parameter name, un-permute kind 'q'/'kv'/None) for a GGUF tensor name."""
+def hf_tensor_name(gguf_name: str, arch: str = "llama") -> tuple[str, str | None]:
+    """(HF parameter name, un-permute kind 'q'/'kv'/None) for a GGUF tensor name of architecture `arch`."""
     if gguf_name in _GLOBAL_TENSORS:
         return _GLOBAL_TENSORS[gguf_name], None
     m = _LAYER_RE.match(gguf_name)
+    own = GGUF_ARCHES[arch].layer_tensors
+    if m and m.group(2) in own:
+        return f"model.layers.{m.group(1)}.{own[m.group(2)]}", None
     if m and m.group(2) in _LAYER_TENSORS:
         suffix, kind = _LAYER_TENSORS[m.group(2)]
         return f"model.layers.{m.group(1)}.{suffix}", kind
@@ -320,15 +329,24 @@ def iter_gguf_weights(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, tensor) for every parameter tensor of the file, dequantized and un-permuted."""
     reader = open_gguf(path)
-    permuted = _ARCH_CONFIGS[_architecture(reader, path)][2]
+    arch = _architecture(reader, path)
+    spec = GGUF_ARCHES[arch]
     heads = {"q": config.num_attention_heads, "kv": config.num_key_value_heads}
     for t in reader.tensors:
-        if t.name in _CONFIG_ONLY_TENSORS:
+        if t.name in _CONFIG_ONLY_TENSORS or t.name in spec.config_tensors:
             continue
-        name, kind = hf_tensor_name(t.name)
+        name, kind = hf_tensor_name(t.name, arch)
         w = _to_torch(t)
-        if kind is not None and permuted:
+        if kind is not None and spec.permuted_qk:
             w = unpermute_rotary(w, heads[kind])
+        if spec.norm_shift and t.name.endswith("norm.weight"):
+            # Subtracted in float64, rounded once: the model's 1 + w gives back the file's value (to the bit
+            # where it is 1 or more).
+            w = (w.double() - spec.norm_shift).to(w.dtype)
+        if "{e}" in name:  # a stack of experts [E, ...]: one tensor per expert, as HF checkpoints hold them
+            for e, piece in enumerate(w.unbind(0)):  # copies: the cache's safetensors refuses shared storage
+                yield name.format(e=e), piece.to(dtype or piece.dtype, copy=True)
+            continue
         if dtype is not None and w.dtype != dtype:
             w = w.to(dtype)
         yield name, w
@@ -337,9 +355,10 @@ def iter_gguf_weights(
 def gguf_weight_bytes(path: str, dtype: torch.dtype | None = None) -> int:
     """Bytes of the tensors iter_gguf_weights(path, ..., dtype) yields, computed from the header."""
     reader = open_gguf(path)
+    config_tensors = GGUF_ARCHES[_architecture(reader, path)].config_tensors
     total = 0
     for t in reader.tensors:
-        if t.name in _CONFIG_ONLY_TENSORS:
+        if t.name in _CONFIG_ONLY_TENSORS or t.name in config_tensors:
             continue
         itemsize = dtype.itemsize if dtype is not None else _yield_dtype(t.tensor_type).itemsize
         total += int(t.n_elements) * itemsize

@@ -44,9 +44,7 @@ def _load_cached(path: str, mtime_ns: int) -> "PreTrainedTokenizerFast":
             return tok
     try:
         if path.endswith(".gguf"):
-            tok = AutoTokenizer.from_pretrained(
-                os.path.dirname(path), gguf_file=os.path.basename(path), local_files_only=True
-            )
+            tok = _gguf_tokenizer(path)
         else:
             tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError) as e:
@@ -56,6 +54,25 @@ def _load_cached(path: str, mtime_ns: int) -> "PreTrainedTokenizerFast":
     if path.endswith(".gguf"):
         gguf_cache.write_tokenizer(path, tok)
     return tok
+
+
+def _gguf_tokenizer(path: str) -> "PreTrainedTokenizerFast":
+    """transformers' tokenizer of a GGUF file. AutoTokenizer first reads the file's model config and refuses
+    architectures transformers does not map (e.g. granite), although the tokenizer metadata is llama.cpp's
+    common one: for those, the same conversion builds a generic fast tokenizer."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    try:
+        return AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                             local_files_only=True)
+    except ValueError as e:
+        if "is not supported yet" not in str(e):
+            raise
+    from transformers.integrations.gguf import convert_gguf_tokenizer, get_gguf_tokenizer
+
+    architecture, tokenizer_dict, tokenizer_config = get_gguf_tokenizer(path)
+    backend, extra = convert_gguf_tokenizer(architecture, tokenizer_dict)
+    return PreTrainedTokenizerFast(tokenizer_object=backend, **tokenizer_config, **extra)
 
 
 def read_chat_template(chat_template: str) -> str:

@@ -1,0 +1,95 @@
+"""GGUF files of Gemma 3, Phi-3, Granite and Qwen3-MoE (as llama.cpp's converter writes them) load into the same model
+as the transformers checkpoint they came from: the same arch config, parameters and rotary tables. (That
+model's tokens equal transformers': tests/parity/test_model_parity.py.)"""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from tests.gguf_family_factory import make_family_gguf
+from tests.model_factory import smollm2_tokenizer_dir
+from vllm_neuron.model.loader import load_tokenizer
+from vllm_neuron.model.loader import gguf_cache
+from vllm_neuron.model.loader.gguf_loader import gguf_config, iter_gguf_weights
+from vllm_neuron.model.registry import resolve_model_class
+
+CASES = {
+    # Real Gemma 3 files leave query_pre_attn_scalar implicit (the head size below 27B), so the twin uses it.
+    "gemma3": dict(query_pre_attn_scalar=16),
+    "phi3": dict(max_position_embeddings=512),  # LongRoPE factors as tensors, partial rotary
+    "granite": {},
+    "qwen3_moe": {},  # stacked expert tensors, yielded per expert
+}
+
+
+def _ours(cfg, weights):
+    model = resolve_model_class(cfg)(cfg)
+    model.load_weights(weights)
+    return model
+
+
+@pytest.mark.parametrize("arch", list(CASES))
+def test_gguf_loads_the_model_its_checkpoint_does(arch, tmp_path):
+    path, hf = make_family_gguf(str(tmp_path / f"{arch}.gguf"), arch, **CASES[arch])
+    cfg = gguf_config(path)
+    assert cfg.architectures == hf.config.architectures
+    from_gguf = _ours(cfg, iter_gguf_weights(path, cfg))
+    from_hf = _ours(hf.config, hf.state_dict().items())
+    ours, theirs = dataclasses.asdict(from_gguf.arch), dataclasses.asdict(from_hf.arch)
+    for key, value in theirs.items():  # GGUF keeps float metadata in float32
+        assert ours[key] == (pytest.approx(value, rel=1e-6) if isinstance(value, float) else value), key
+    params = dict(from_hf.named_parameters())
+    for name, p in from_gguf.named_parameters():
+        # Gemma's norms went through the file as 1 + w: equal to float32 rounding, the rest bit for bit.
+        assert torch.allclose(p, params[name], rtol=0, atol=1e-6 if name.endswith("norm.weight") else 0), name
+    buffers = dict(from_hf.named_buffers())
+    for name, b in from_gguf.named_buffers():
+        assert torch.equal(b, buffers[name]), name  # rotary tables (per layer type, LongRoPE), KV scales
+
+
+def test_gguf_gemma3_default_pattern_and_quantized_weights(tmp_path):
+    # Six layers in Gemma 3's own every-6th pattern (not written to the file) and Q8_0 matrices.
+    types = ["sliding_attention"] * 5 + ["full_attention"]
+    path, hf = make_family_gguf(str(tmp_path / "g.gguf"), "gemma3", quant="Q8_0", num_hidden_layers=6,
+                                layer_types=types, query_pre_attn_scalar=16)
+    cfg = gguf_config(path)
+    assert cfg.layer_types == types and cfg.sliding_window == 24
+    model = _ours(cfg, iter_gguf_weights(path, cfg))
+    ref = _ours(hf.config, hf.state_dict().items())
+    q = model.model.layers[5].self_attn.qkv_proj.weight
+    assert torch.allclose(q, ref.model.layers[5].self_attn.qkv_proj.weight, atol=0.05) and not torch.equal(
+        q, ref.model.layers[5].self_attn.qkv_proj.weight)  # Q8_0's rounding, dequantized
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "qwen3_moe"])
+def test_gguf_conversion_cache_keeps_the_new_configs_and_expert_tensors(arch, tmp_path, monkeypatch):
+    # The conversion cache stores the config as JSON and the weights as safetensors: Gemma 3's nested rope and
+    # layer types must read back the same, and the per-expert pieces of a stacked tensor must be writable.
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "cache"))
+    path, _ = make_family_gguf(str(tmp_path / f"{arch}.gguf"), arch, **CASES[arch])
+    cfg, _ = gguf_cache.load_configs(path)
+    first = list(gguf_cache.iter_weights(path, cfg))
+    entry = gguf_cache.cache_dir(path)
+    assert os.path.isfile(os.path.join(entry, "config.json"))
+    assert os.path.isfile(os.path.join(entry, gguf_cache.weights_file_name(None)))
+    cached_cfg, _ = gguf_cache.load_configs(path)
+    assert cached_cfg.to_dict() == cfg.to_dict()
+    again = list(gguf_cache.iter_weights(path, cached_cfg))
+    assert [n for n, _ in again] == [n for n, _ in first]
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(first, again))
+
+
+def test_gguf_tokenizer_of_an_architecture_transformers_does_not_map(tmp_path, monkeypatch):
+    # transformers' GGUF reader refuses `granite` before it reaches the tokenizer metadata (llama.cpp's common
+    # keys): the same conversion then builds the tokenizer; it encodes and renders chats like the original.
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "cache"))
+    path, _ = make_family_gguf(str(tmp_path / "granite.gguf"), "granite", tokenizer=True)
+    tok, ref = load_tokenizer(path), AutoTokenizer.from_pretrained(smollm2_tokenizer_dir())
+    text = "Hello there, <|im_start|>user\n how are you? 123"
+    assert tok(text).input_ids == ref(text).input_ids
+    chat = [{"role": "user", "content": "hi"}]
+    assert tok.apply_chat_template(chat, tokenize=False) == ref.apply_chat_template(chat, tokenize=False)

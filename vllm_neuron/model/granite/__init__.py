@@ -1,0 +1,3 @@
+from vllm_neuron.model.granite.model import GraniteForCausalLM
+
+__all__ = ["GraniteForCausalLM"]

@@ -1,0 +1,109 @@
+"""What each GGUF architecture llama.cpp's converter writes differs in: the transformers config and
+`architectures` entry it maps to, whether Q/K rows are permuted, tensor names beyond Llama's, tensors that
+only configure (rope factors), a shift stored into norm weights, and config fields from its own metadata.
+
+gguf_loader.py builds the common config fields (sizes, heads, rope) and reads the tensors; `config_extra`
+gets a metadata reader for the architecture's keys (`meta("attention.scale")` reads `<arch>.attention.scale`),
+the tensors that only configure, those common fields and every tensor name, and returns the fields to add
+or replace. A layer tensor name with `{e}` is a stack of experts: the loader yields one tensor per expert.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+Meta = Callable[..., Any]  # meta(key without the "<arch>." prefix, default=None)
+ConfigExtra = Callable[[Meta, dict[str, np.ndarray], dict[str, Any], set[str]], dict[str, Any]]
+
+
+def _no_extra(meta: Meta, tensors: dict[str, np.ndarray], base: dict[str, Any], names: set[str]) -> dict[str, Any]:
+    return {}
+
+
+@dataclass(frozen=True)
+class GgufArch:
+    config_class: str  # a transformers config class
+    architecture: str  # the `architectures` entry (model/registry.py)
+    permuted_qk: bool  # llama.cpp's Llama-lineage converters interleave each head's rotary halves
+    layer_tensors: dict[str, str] = field(default_factory=dict)  # blk.N.<name> -> model.layers.N.<name>
+    config_tensors: frozenset[str] = frozenset()  # read into the config, not parameters
+    norm_shift: float = 0.0  # added by the converter to every *norm.weight (Gemma's 1 + w)
+    partial_rotary: bool = False  # rope.dimension_count below the head size is a partial_rotary_factor
+    config_extra: ConfigExtra = _no_extra
+
+
+def _gemma3(meta: Meta, tensors: dict[str, np.ndarray], base: dict[str, Any], names: set[str]) -> dict[str, Any]:
+    n, window = base["num_hidden_layers"], meta("attention.sliding_window")
+    # llama.cpp's Gemma 3: every 6th layer global unless the file says otherwise (an int, or one bool per
+    # layer, True for a sliding layer); local layers rotate with base 10000 unless rope.freq_base_swa is set.
+    pattern = meta("attention.sliding_window_pattern", 6)
+    if isinstance(pattern, list):
+        sliding = [bool(p) for p in pattern]
+    else:
+        sliding = [bool((i + 1) % int(pattern)) for i in range(n)]
+    types = ["sliding_attention" if s and window else "full_attention" for s in sliding]
+    # The attention scale is 1/sqrt(query_pre_attn_scalar): attention.scale when written, else llama.cpp's
+    # rule (the 27B's 62 layers scale by hidden / heads, every other size by the head size).
+    scale = meta("attention.scale")
+    if scale:
+        scalar = float(scale) ** -2
+    else:
+        scalar = base["hidden_size"] / base["num_attention_heads"] if n == 62 else base["head_dim"]
+    local = {"rope_type": "default", "rope_theta": float(meta("rope.freq_base_swa", 10000.0))}
+    return dict(layer_types=types, sliding_window=int(window) if window else None, query_pre_attn_scalar=scalar,
+                rope_parameters={"full_attention": base["rope_parameters"], "sliding_attention": local},
+                final_logit_softcapping=meta("final_logit_softcapping"),
+                attn_logit_softcapping=meta("attn_logit_softcapping"), tie_word_embeddings=True)
+
+
+def _phi3(meta: Meta, tensors: dict[str, np.ndarray], base: dict[str, Any], names: set[str]) -> dict[str, Any]:
+    window = meta("attention.sliding_window")
+    out: dict[str, Any] = {"sliding_window": int(window) if window else None}  # 0: none (Phi-4)
+    if "rope_factors_long.weight" in tensors:
+        orig = int(meta("rope.scaling.original_context_length"))
+        rope = dict(base["rope_parameters"], rope_type="longrope", original_max_position_embeddings=orig,
+                    long_factor=tensors["rope_factors_long.weight"].reshape(-1).tolist(),
+                    short_factor=tensors["rope_factors_short.weight"].reshape(-1).tolist())
+        out.update(rope_parameters=rope, original_max_position_embeddings=orig)
+    return out
+
+
+def _granite(meta: Meta, tensors: dict[str, np.ndarray], base: dict[str, Any], names: set[str]) -> dict[str, Any]:
+    # The converter writes each *_multiplier as a *_scale when non-zero; an absent attention.scale is llama.cpp's
+    # 1/sqrt(head_dim).
+    return dict(attention_multiplier=float(meta("attention.scale") or base["head_dim"] ** -0.5),
+                embedding_multiplier=float(meta("embedding_scale") or 1.0),
+                residual_multiplier=float(meta("residual_scale") or 1.0),
+                logits_scaling=float(meta("logit_scale") or 1.0))
+
+
+def _qwen3moe(meta: Meta, tensors: dict[str, np.ndarray], base: dict[str, Any], names: set[str]) -> dict[str, Any]:
+    # llama.cpp always renormalises the top-k weights for qwen3moe (every release sets norm_topk_prob).
+    dense = [i for i in range(base["num_hidden_layers"]) if f"blk.{i}.ffn_gate_inp.weight" not in names]
+    return dict(num_experts=int(meta("expert_count")), num_experts_per_tok=int(meta("expert_used_count")),
+                moe_intermediate_size=int(meta("expert_feed_forward_length")),
+                norm_topk_prob=bool(meta("expert_weights_norm", True)), mlp_only_layers=dense, decoder_sparse_step=1)
+
+
+GGUF_ARCHES: dict[str, GgufArch] = {
+    "llama": GgufArch("LlamaConfig", "LlamaForCausalLM", True,
+                      config_extra=lambda meta, tensors, base, names: {"mlp_bias": False}),
+    "qwen3": GgufArch("Qwen3Config", "Qwen3ForCausalLM", False),
+    "gemma3": GgufArch("Gemma3TextConfig", "Gemma3ForCausalLM", False, norm_shift=1.0, config_extra=_gemma3,
+                       layer_tensors={"post_attention_norm.weight": "post_attention_layernorm.weight",
+                                      "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+                                      "post_ffw_norm.weight": "post_feedforward_layernorm.weight"}),
+    "phi3": GgufArch("Phi3Config", "Phi3ForCausalLM", False, partial_rotary=True, config_extra=_phi3,
+                     config_tensors=frozenset({"rope_factors_long.weight", "rope_factors_short.weight"}),
+                     layer_tensors={"attn_qkv.weight": "self_attn.qkv_proj.weight",
+                                    "ffn_up.weight": "mlp.gate_up_proj.weight"}),  # gate and up, fused
+    "granite": GgufArch("GraniteConfig", "GraniteForCausalLM", True, config_extra=_granite),
+    "qwen3moe": GgufArch("Qwen3MoeConfig", "Qwen3MoeForCausalLM", False, config_extra=_qwen3moe,
+                         layer_tensors={"ffn_gate_inp.weight": "mlp.gate.weight",
+                                        "ffn_gate_exps.weight": "mlp.experts.{e}.gate_proj.weight",
+                                        "ffn_up_exps.weight": "mlp.experts.{e}.up_proj.weight",
+                                        "ffn_down_exps.weight": "mlp.experts.{e}.down_proj.weight"}),
+}
