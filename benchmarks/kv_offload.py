@@ -30,7 +30,8 @@ if a["tier"]:
     kw["kv_offloading_size"] = 4.0
 llm = LLM(a["model"], **kw)
 sp = SamplingParams(max_tokens=1, temperature=0)
-llm.generate({"prompt_token_ids": a["warm"]}, sp)  # a first request outside the figures (lazy set-up)
+for w in a["warm"]:  # requests outside the figures: a prompt of the same length, then one with its prefix cached
+    llm.generate({"prompt_token_ids": w}, sp, use_tqdm=False)
 out = []
 for r in range(a["rounds"]):
     for p in a["prompts"]:
@@ -67,7 +68,8 @@ def main() -> None:
     for _ in range(args.prefixes):
         prefix = [rng.randrange(100, 49000) for _ in range(args.prefix_len)]
         prompts.append(prefix + [rng.randrange(100, 49000) for _ in range(32)])
-    warm = [rng.randrange(100, 49000) for _ in range(64)]
+    w = [rng.randrange(100, 49000) for _ in range(args.prefix_len + 32)]
+    warm = [w, w[:args.prefix_len] + [rng.randrange(100, 49000) for _ in range(32)]]
     with tempfile.TemporaryDirectory(prefix="kv-tier-bench-") as tier:
         arms = {"off": run_arm(args, prompts, warm, None, args.rounds),
                 "tier (cold folder)": run_arm(args, prompts, warm, tier, args.rounds),

@@ -31,6 +31,9 @@ def test_unknown_kwarg_names_the_valid_ones():
 
 @pytest.mark.parametrize("kwargs, match", [
     ({"tensor_parallel_size": 3, "nnodes": 2}, "nnodes must be a positive integer that divides"),
+    ({"pipeline_parallel_size": 2}, "pipeline_parallel_size=2 is not supported yet.*not split into stages"),
+    ({"decode_context_parallel_size": 2}, "decode_context_parallel_size=2 is not supported yet.*log-sum-exp merge"),
+    ({"pipeline_parallel_size": 0}, "pipeline_parallel_size must be a positive integer"),
     ({"kv_cache_dtype": "fp8_inc"}, r"kv_cache_dtype='fp8_inc' is not valid; valid values: \['auto', 'fp8', "),
     ({"kv_cache_dtype": "fp8", "additional_config": {"neuron_config": {"fp8_packed_kv": True}}},
      "fp8_packed_kv=True is not supported yet.*Model Runner V1.*kv_cache_dtype='fp8'"),

@@ -175,6 +175,11 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool =
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="tensor parallel ranks (processes, CPU only for now; not with a multimodal model); each "
                    "node's cores are split between its ranks")
+    g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
+                   help="pipeline stages: only 1 is supported (layers are not split into stages yet)")
+    g.add_argument("--decode-context-parallel-size", "-dcp", type=int, default=1,
+                   help="ranks a sequence's KV is split over in decode: only 1 (on CPU ranks the per-layer merge "
+                   "costs more than it saves; docs/features.md says why)")
     g.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                    help="engine replicas behind one API server; each request goes to the least loaded one, or "
                    "to the one that cached its prompt's prefix")

@@ -108,6 +108,8 @@ class EngineOptions:
     device: str = "auto"
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
+    pipeline_parallel_size: int = 1  # vLLM's; only 1 is built (_check_parallel says why)
+    decode_context_parallel_size: int = 1  # vLLM's; only 1 is built (_check_parallel says why)
     # Multi-node data parallelism (vLLM's names): replicas on this node, the first one's rank (a
     # --headless node), and the head's address / port that remote replicas connect to.
     data_parallel_size_local: int | None = None  # None: every replica on this node
@@ -340,6 +342,18 @@ class EngineArgs(EngineOptions):
     def _check_parallel(self) -> None:
         """Tensor / expert parallelism and the multi-node flags (the seeds' EP rules: neuron_config.py)."""
         tp = self.tensor_parallel_size
+        if V.integer("pipeline_parallel_size", self.pipeline_parallel_size, minimum=1) > 1:
+            raise V.not_supported("pipeline_parallel_size", self.pipeline_parallel_size,
+                                  "layers are not split into stages; use --tensor-parallel-size (with --nnodes across "
+                                  "machines) or --data-parallel-size")
+        if V.integer("decode_context_parallel_size", self.decode_context_parallel_size, minimum=1) > 1:
+            raise V.not_supported(
+                "decode_context_parallel_size", self.decode_context_parallel_size,
+                "splitting a sequence's KV over the tensor-parallel ranks adds a log-sum-exp merge (one collective) "
+                "per layer to every decode step, and a gloo collective between CPU ranks costs about 1 ms "
+                "(docs/benchmarks.md, tensor parallelism: 61 of them were 62% of a 98.5 ms decode step), more than "
+                "the attention it would halve (a SmolLM2-135M step reads ~6 MB of KV per layer at 8k tokens, "
+                "~0.3 ms); use one rank per sequence (--data-parallel-size) for long contexts")
         self.additional_config.neuron_config.validate_parallel(self.enable_expert_parallel, tp,
                                                                self.data_parallel_size)
         if not isinstance(self.nnodes, int) or isinstance(self.nnodes, bool) or self.nnodes < 1 or tp % self.nnodes:
