@@ -22,7 +22,9 @@ pytestmark = pytest.mark.engine
 COMMON = ["--enforce-eager", "--tensor-parallel-size", "2", "--max-model-len", "256", "--dtype", "float32",
           "--device", "cpu", "--num-gpu-blocks-override", "64", "--disable-log-stats"]
 PROMPT = {"prompt": "The capital of France is", "max_tokens": 12, "temperature": 0.0, "ignore_eos": True}
-DEATH_BOUND_S = 30  # the rank's death must end the request and the server well within this
+# The rank's death must end the request and the server within this: a hang is detected after
+# VLLM_NEURON_DIST_TIMEOUT_S (10 s here); the rest is slack for a loaded CI machine (30 s was once exceeded there).
+DEATH_BOUND_S = 60
 
 
 def _complete(srv: ServerProcess) -> str:

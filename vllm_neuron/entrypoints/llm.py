@@ -300,5 +300,9 @@ class _DataParallelEngine:
         if self.loop.is_closed():
             return
         self.client.shutdown()
-        self.loop.run_until_complete(asyncio.sleep(0))  # the cancelled output task ends in its loop
-        self.loop.close()
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:  # no loop runs in this thread: let the cancelled output task end in its own
+            self.loop.run_until_complete(asyncio.sleep(0))
+            self.loop.close()
+        # else: a finalizer called from inside another loop (garbage collection): the loop is left to be collected
