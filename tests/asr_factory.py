@@ -22,11 +22,11 @@ MEL_BINS = 32
 RATE = 16000
 # Qwen3-ASR's prompt: an optional system turn (context), the user turn holding the audio, the assistant turn.
 CHAT_TEMPLATE = (
-    "{%- for message in messages -%}<|im_start|>{{ message.role }}\n"
+    "{%- for message in messages -%}<|im_start|>{{ message.role + '\\n' }}"
     "{%- if message.content is string -%}{{ message.content }}{%- else -%}{%- for part in message.content -%}"
     "{%- if part.type in ('audio', 'audio_url', 'input_audio') -%}<|audio_start|><|audio_pad|><|audio_end|>"
-    "{%- elif part.type == 'text' -%}{{ part.text }}{%- endif -%}{%- endfor -%}{%- endif -%}<|im_end|>\n"
-    "{%- endfor -%}{%- if add_generation_prompt -%}<|im_start|>assistant\n{%- endif -%}")
+    "{%- elif part.type == 'text' -%}{{ part.text }}{%- endif -%}{%- endfor -%}{%- endif -%}{{ '<|im_end|>\\n' }}"
+    "{%- endfor -%}{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}")
 AUDIO = "<|audio_start|><|audio_pad|><|audio_end|>"
 
 

@@ -88,8 +88,10 @@ def decode_audio(data: bytes, rate: int, what: str = "the audio file") -> np.nda
             if not streams:
                 raise ValueError(f"{what} has no audio stream")
             stream = streams[0]
-            if stream.duration is not None and stream.time_base is not None and \
-                    float(stream.duration * stream.time_base) > max_seconds():
+            # What the container says, checked before decoding anything; the decoded length is checked as it grows.
+            declared = [float(stream.duration * stream.time_base)] if stream.duration and stream.time_base else []
+            declared += [container.duration / 1e6] if container.duration else []
+            if any(d > max_seconds() for d in declared):
                 raise ValueError(f"{what} is longer than the {max_seconds():g} s limit (VLLM_NEURON_MAX_AUDIO_SECONDS)")
             resampler = av.AudioResampler(format="flt", layout="mono", rate=rate)
             for frame in container.decode(stream):

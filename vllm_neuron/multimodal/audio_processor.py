@@ -24,6 +24,7 @@ MODALITIES = ("audio",)
 
 
 class AudioProcessor:
+    modalities = MODALITIES
     def __init__(self, hf_config, model_path: str, *, limits: Mapping[str, int] | None = None,
                  allowed_local_media_path: str | None = None, allowed_media_domains: list[str] | None = None,
                  language_model_only: bool = False, max_blocks: int | None = None,
