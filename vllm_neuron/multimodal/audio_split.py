@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 FRAME_SECONDS = 0.02  # loudness is measured over 20 ms frames
-SEARCH_SECONDS = 5.0  # the quietest frame is looked for in the window's last seconds
+SEARCH_SECONDS = 10.0  # the quietest frame is looked for in the window's last seconds
 
 
 def split_on_silence(samples: np.ndarray, rate: int, max_seconds: float,
