@@ -11,7 +11,6 @@ import base64
 import io
 import json
 import struct
-import wave
 
 import httpx
 import numpy as np
@@ -20,6 +19,7 @@ import pytest
 
 from tests.asr_factory import EOS_ID, RATE, asr_prompt, hf_asr_greedy, make_tiny_qwen3_asr, tone
 from tests.integration.server_utils import ServerProcess
+from vllm_neuron.benchmarks.random_audio import wav_bytes
 from vllm_neuron.multimodal.audio import decode_audio
 from vllm_neuron.multimodal.audio_split import split_on_silence
 
@@ -28,16 +28,6 @@ pytestmark = pytest.mark.engine
 MAX_NEW = 6
 # Encoder buckets of 2 blocks: clips of at most 16 s, so the endpoint cuts audio longer than that (30 s otherwise).
 ENCODER = {"encoder_attention_block_size": 128, "num_encoder_input_buckets": [2]}
-
-
-def wav_bytes(samples: np.ndarray, rate: int = RATE) -> bytes:
-    buf = io.BytesIO()
-    with wave.open(buf, "wb") as w:
-        w.setnchannels(1)
-        w.setsampwidth(2)
-        w.setframerate(rate)
-        w.writeframes((np.clip(samples, -1, 1) * 32767).astype("<i2").tobytes())
-    return buf.getvalue()
 
 
 def flac_bytes(seconds: float, rate: int = 8000, silent: bool = True) -> bytes:

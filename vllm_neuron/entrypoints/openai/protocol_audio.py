@@ -29,6 +29,7 @@ class TranscriptionRequest(BaseModel):
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = None
     to_language: str | None = None  # vLLM's translation target
+    ignore_eos: bool = False  # vLLM's sampling field: fixed-length outputs for benchmarks
 
 
 class TranscriptionUsage(OpenAIBaseModel):

@@ -199,6 +199,7 @@ class OpenAIServingTranscription(OpenAIServing):
         try:
             sp = SamplingParams(temperature=req.temperature, top_p=req.top_p if req.top_p is not None else 1.0,
                                 top_k=req.top_k if req.top_k is not None else 0, seed=req.seed, max_tokens=max_tokens,
+                                ignore_eos=req.ignore_eos,
                                 logprobs=0 if verbose else None, output_kind=RequestOutputKind.DELTA)
             sp.verify(self.vocab_size, None if self.max_logprobs == -1 else self.max_logprobs)
         except ValueError as e:
@@ -225,9 +226,10 @@ class OpenAIServingTranscription(OpenAIServing):
         if queue is not None:
             queue.put_nowait(True)
 
-    def _split(self, token_ids: list[int], language: str | None) -> tuple[str | None, str]:
+    def _split(self, token_ids: list[int], language: str | None, final: bool = True) -> tuple[str | None, str]:
         """(language, transcript) of a window's output: the model writes `language X<asr_text>` first unless the
-        prompt fixed the language."""
+        prompt fixed the language; an output that never writes the marker is all transcript (transformers'
+        parsing), known once it is `final`."""
         tok = self.tokenizer
         marker = tok.convert_tokens_to_ids("<asr_text>")
         if language is None and isinstance(marker, int) and marker in token_ids:
@@ -236,8 +238,8 @@ class OpenAIServingTranscription(OpenAIServing):
             found = head[len("language "):].strip() if head.lower().startswith("language ") else head
             return (None if found.lower() in ("", "none") else found), tok.decode(token_ids[i + 1:],
                                                                                 skip_special_tokens=True)
-        if language is None and isinstance(marker, int):
-            return None, ""  # still inside the language prefix (or the model never closed it)
+        if language is None and isinstance(marker, int) and not final:
+            return None, ""  # maybe still inside the language prefix
         return language, tok.decode(token_ids, skip_special_tokens=True)
 
     @staticmethod
@@ -315,7 +317,7 @@ class OpenAIServingTranscription(OpenAIServing):
                         done = True
                     else:
                         done = getter.result()
-                    _, text = self._split(w.token_ids, language)
+                    _, text = self._split(w.token_ids, language, final=done)
                     if sent_any and not sent and text.strip():
                         text = (" " if language not in _NO_SPACE_LANGUAGES else "") + text.lstrip()
                     elif not sent:
