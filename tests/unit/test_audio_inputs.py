@@ -105,3 +105,25 @@ def test_subtitles_and_multipart_refusals():
     for ct, body in [("multipart/form-data", b"x"), ("multipart/form-data; boundary=b", b"--b\r\nno headers\r\n--b--")]:
         with pytest.raises(BadRequestError):
             parse_form(ct, body)
+
+
+def test_transcript_is_split_at_the_language_marker():
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    from tests.asr_factory import SPECIAL
+    from tests.model_factory import smollm2_tokenizer_dir
+    from vllm_neuron.entrypoints.openai.serving_transcription import OpenAIServingTranscription
+
+    tok = AutoTokenizer.from_pretrained(smollm2_tokenizer_dir())
+    tok.add_special_tokens({"additional_special_tokens": SPECIAL})
+    serving = OpenAIServingTranscription(SimpleNamespace(tokenizer=tok), None)
+    ids = tok.encode("language German<asr_text>Guten Tag", add_special_tokens=False)
+    assert serving._split(ids, None) == ("German", "Guten Tag")
+    head = ids[:ids.index(tok.convert_tokens_to_ids("<asr_text>"))]
+    assert serving._split(head, None, final=False) == (None, "")  # the prefix is held back while streaming
+    assert serving._split(head, None, final=True) == (None, "language German")  # never closed: all text
+    assert serving._split(tok.encode("Hello", add_special_tokens=False), "English") == ("English", "Hello")
+    assert serving._split(tok.encode("language None<asr_text>", add_special_tokens=False), None) == (None, "")
+    assert serving._join([" a ", "", "b"], "English") == "a b" and serving._join(["你", "好"], "Chinese") == "你好"

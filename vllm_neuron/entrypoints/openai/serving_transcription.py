@@ -231,16 +231,22 @@ class OpenAIServingTranscription(OpenAIServing):
         prompt fixed the language; an output that never writes the marker is all transcript (transformers'
         parsing), known once it is `final`."""
         tok = self.tokenizer
-        marker = tok.convert_tokens_to_ids("<asr_text>")
-        if language is None and isinstance(marker, int) and marker in token_ids:
+        marker = self._marker_id()
+        if language is None and marker is not None and marker in token_ids:
             i = token_ids.index(marker)
             head = tok.decode(token_ids[:i], skip_special_tokens=True).strip()
             found = head[len("language "):].strip() if head.lower().startswith("language ") else head
             return (None if found.lower() in ("", "none") else found), tok.decode(token_ids[i + 1:],
                                                                                 skip_special_tokens=True)
-        if language is None and isinstance(marker, int) and not final:
+        if language is None and marker is not None and not final:
             return None, ""  # maybe still inside the language prefix
         return language, tok.decode(token_ids, skip_special_tokens=True)
+
+    def _marker_id(self) -> int | None:
+        """The `<asr_text>` token that ends the language prefix (None when the vocabulary has no such token)."""
+        marker = self.tokenizer.convert_tokens_to_ids("<asr_text>")
+        return marker if isinstance(marker, int) and self.tokenizer.convert_ids_to_tokens(marker) == "<asr_text>" \
+            else None
 
     @staticmethod
     def _join(texts: list[str], language: str | None) -> str:
