@@ -95,15 +95,17 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--eager", action="store_true", help="our engine without compiled graphs")
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--skip-ours", action="store_true")
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
     clips = {b: [tone(args.seconds, 200.0 + 60 * i, seed=i) for i in range(b)] for b in args.batches}
     with tempfile.TemporaryDirectory() as path:
         model, tok = build(path, dtype)
         rows = []
-        t = ours(path, clips, args.max_new, args.dtype, args.eager)
-        for b in args.batches:
-            rows.append(("vllm-neuron" + (" (eager)" if args.eager else ""), b, t[b]))
+        if not args.skip_ours:
+            t = ours(path, clips, args.max_new, args.dtype, args.eager)
+            for b in args.batches:
+                rows.append(("vllm-neuron" + (" (eager)" if args.eager else ""), b, t[b]))
         if not args.skip_hf:
             for b in args.batches:
                 rows.append(("transformers generate", b, hf_generate(model, tok, clips[b], args.max_new)))
