@@ -46,12 +46,9 @@ def tiny_qwen3_vl_config(num_hidden_layers: int = 3, deepstack=(0, 1), **text_kw
                          vision_end_token_id=VISION_END, tie_word_embeddings=False)
 
 
-@functools.lru_cache(maxsize=4)
-def build_tiny_qwen3_vl(seed: int = 0, **kw):
-    """transformers' Qwen3VLForConditionalGeneration with seeded unit-scale weights, fp32, eval mode."""
-    from transformers import GenerationConfig, Qwen3VLForConditionalGeneration
-
-    model = Qwen3VLForConditionalGeneration(tiny_qwen3_vl_config(**kw))
+def seed_weights_(model, seed: int):
+    """Seeded unit-scale weights in place: norms around 1, biases around 0, embeddings N(0, 1), matrices
+    scaled by their fan-in (so a deep random stack keeps its activations in range)."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -62,6 +59,15 @@ def build_tiny_qwen3_vl(seed: int = 0, **kw):
                 p.copy_(noise)
             else:
                 p.copy_(noise / math.sqrt(p[0].numel()))
+    return model
+
+
+@functools.lru_cache(maxsize=4)
+def build_tiny_qwen3_vl(seed: int = 0, **kw):
+    """transformers' Qwen3VLForConditionalGeneration with seeded unit-scale weights, fp32, eval mode."""
+    from transformers import GenerationConfig, Qwen3VLForConditionalGeneration
+
+    model = seed_weights_(Qwen3VLForConditionalGeneration(tiny_qwen3_vl_config(**kw)), seed)
     model.generation_config = GenerationConfig(bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=EOS_ID)
     return model.eval()
 

@@ -362,6 +362,18 @@ _VARS: dict[str, EnvVar] = {
             lambda: _int("VLLM_MEDIA_MAX_BYTES", 20 * 2**20, minimum=1),
             "Largest media item, in bytes, read from an http(s) URL or a local file. Default 20 MiB.",
         ),
+        EnvVar(
+            "VLLM_MAX_AUDIO_CLIP_FILESIZE_MB",
+            lambda: _int("VLLM_MAX_AUDIO_CLIP_FILESIZE_MB", 25, minimum=1),
+            "Largest audio file, in MB, /v1/audio/transcriptions and /translations accept (vLLM's variable); "
+            "larger uploads get a 413 before any decoding. Default 25.",
+        ),
+        EnvVar(
+            "VLLM_NEURON_MAX_AUDIO_SECONDS",
+            lambda: _float("VLLM_NEURON_MAX_AUDIO_SECONDS", 3600.0, minimum=1.0),
+            "Longest audio, in seconds, one request may carry (decoding stops past it and the request gets a "
+            "400). Default 3600.",
+        ),
         # -- parallelism --
         EnvVar(
             "VLLM_NEURON_DIST_TIMEOUT_S",

@@ -182,7 +182,7 @@ def test_chat_with_image_content_parts(eager, tokenizer):
     assert text.count(IMAGE) == 2
     ref = hf_greedy(tokenizer.encode(text, add_special_tokens=False), [img, solid_image(56, 56, (0, 0, 0))], MAX_NEW)
     assert out[0].outputs[0].token_ids == ref
-    with pytest.raises(ValueError, match="Content part type 'audio_url' is not supported"):
+    with pytest.raises(ValueError, match="unknown modality 'audio'; valid modalities for this model: \\['image', 'video'\\]"):
         eager.chat([{"role": "user", "content": [{"type": "audio_url", "audio_url": {"url": url}}]}], params)
 
 

@@ -151,8 +151,8 @@ def test_multimodal_options_are_validated_and_refused_for_text_models():
     assert cfg.limit_mm_per_prompt == {"image": 4} and cfg.mm_processor_kwargs == {"max_pixels": 50176}
     with pytest.raises(ValueError, match="limit_mm_per_prompt applies to multimodal models only"):
         resolve(cfg, ModelFacts(2048))
-    with pytest.raises(ValueError, match="modality='audio' is not valid; valid values: \\['image', 'video'\\]"):
-        EngineArgs.from_kwargs(limit_mm_per_prompt={"audio": 1})
+    with pytest.raises(ValueError, match="modality='speech' is not valid; valid values: \\['image', 'video', 'audio'\\]"):
+        EngineArgs.from_kwargs(limit_mm_per_prompt={"speech": 1})
     with pytest.raises(ValueError, match="must be a non-negative integer"):
         EngineArgs.from_kwargs(limit_mm_per_prompt='{"image": -1}')
     with pytest.raises(ValueError, match="not an existing folder"):

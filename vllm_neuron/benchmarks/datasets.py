@@ -10,13 +10,13 @@ import os
 import random
 from typing import Any
 
-from vllm_neuron.benchmarks import random_mm
+from vllm_neuron.benchmarks import random_audio, random_mm
 from vllm_neuron.benchmarks.prompts import (SampleRequest, encode_text, num_special_tokens,
                                             sample_prefix_repetition_requests, sample_random_requests)
 
 logger = logging.getLogger(__name__)
 
-DATASET_NAMES = ("random", "sharegpt", "prefix_repetition", "random-mm")
+DATASET_NAMES = ("random", "sharegpt", "prefix_repetition", "random-mm", "random-audio")
 
 
 def add_dataset_args(parser: argparse.ArgumentParser) -> None:
@@ -27,7 +27,8 @@ def add_dataset_args(parser: argparse.ArgumentParser) -> None:
         help="Prompt source. 'random': random token prompts (optionally after a shared random "
         "prefix, --random-prefix-len). 'prefix_repetition': a few random prefixes each shared "
         "by many prompts. 'sharegpt': a local ShareGPT json (--dataset-path). 'random-mm': random prompts "
-        "with random images / videos (--random-mm-*; needs --backend openai-chat).")
+        "with random images / videos (--random-mm-*; needs --backend openai-chat). 'random-audio': synthetic clips "
+        "(--random-audio-*; needs --backend openai-audio), real-time factor reported.")
     group.add_argument("--dataset-path", type=str, default=None,
                        help="Path to a local ShareGPT json file, sharegpt only (default: none).")
     group.add_argument("--num-prompts", type=int, default=1000, help="Number of prompts.")
@@ -59,6 +60,7 @@ def add_dataset_args(parser: argparse.ArgumentParser) -> None:
     prefix_group.add_argument("--prefix-repetition-output-len", type=int, default=128,
                               help="Output tokens per request.")
     random_mm.add_random_mm_args(parser)
+    random_audio.add_random_audio_args(parser)
     sharegpt_group = parser.add_argument_group("sharegpt dataset options")
     sharegpt_group.add_argument(
         "--sharegpt-output-len", type=int, default=None,
@@ -122,7 +124,7 @@ def get_samples(args: argparse.Namespace, tokenizer: Any) -> list[SampleRequest]
     name = args.dataset_name
     input_len = getattr(args, "input_len", None)
     output_len = getattr(args, "output_len", None)
-    if name in ("random", "prefix_repetition", "random-mm") and args.dataset_path is not None:
+    if name in ("random", "prefix_repetition", "random-mm", "random-audio") and args.dataset_path is not None:
         raise ValueError(f"--dataset-path cannot be used with --dataset-name {name}; "
                          "use --dataset-name sharegpt for a dataset file")
     if name == "random":
@@ -141,6 +143,10 @@ def get_samples(args: argparse.Namespace, tokenizer: Any) -> list[SampleRequest]
             items_range_ratio=args.random_mm_num_mm_items_range_ratio,
             limits=random_mm.parse_limits(args.random_mm_limit_mm_per_prompt),
             buckets=random_mm.parse_buckets(args.random_mm_bucket_config), seed=args.seed)
+    if name == "random-audio":
+        return random_audio.sample_random_audio_requests(
+            args.num_prompts, random_audio.parse_seconds(args.random_audio_seconds),
+            output_len=output_len if output_len is not None else args.random_output_len, seed=args.seed)
     if name == "prefix_repetition":
         return sample_prefix_repetition_requests(
             tokenizer, args.num_prompts, prefix_len=args.prefix_repetition_prefix_len,

@@ -13,7 +13,7 @@ from typing import Any
 
 import httpx
 
-BACKENDS = ("openai", "openai-chat", "openai-embeddings")
+BACKENDS = ("openai", "openai-chat", "openai-embeddings", "openai-audio")
 # Kept short in results: a server may answer an error with a whole HTML page.
 _MAX_ERROR_CHARS = 2000
 
@@ -34,6 +34,8 @@ class RequestInput:
     headers: dict[str, str] = field(default_factory=dict)
     multi_modal_content: list[dict] | None = None  # chat content parts before the prompt text
     embeddings: bool = False  # /v1/embeddings: one non-streamed request, its latency is its TTFT and E2EL
+    audio: bytes | None = None  # /v1/audio/transcriptions: the uploaded clip (random_audio.py)
+    audio_seconds: float = 0.0
 
 
 @dataclass
@@ -105,56 +107,61 @@ async def send_request(client: httpx.AsyncClient, req: RequestInput) -> RequestO
     if req.embeddings:
         return await send_embeddings_request(client, req)
     out = RequestOutput(prompt_len=req.prompt_len)
-    headers = {"Content-Type": "application/json", **req.headers}
-    start = time.perf_counter()
-    out.start_time = start
-    last = start
-    text_parts: list[str] = []
     try:
+        if req.audio is not None:  # a transcription upload (random_audio.py)
+            from vllm_neuron.benchmarks.random_audio import send_audio_request
+
+            return await send_audio_request(client, req, out, lambda r, o, t: read_stream(r, o, t, chat=True))
+        out.start_time = start = time.perf_counter()
         async with client.stream("POST", req.api_url, json=build_payload(req),
-                                 headers=headers) as resp:
-            if resp.status_code != 200:
-                body = (await resp.aread()).decode("utf-8", errors="replace")
-                try:
-                    detail = _error_text(json.loads(body))
-                except ValueError:
-                    detail = body
-                out.error = f"HTTP {resp.status_code}: {detail}"[:_MAX_ERROR_CHARS]
-                return out
-            async for line in resp.aiter_lines():
-                line = line.strip()
-                # SSE comments (":"), event names and blank separators carry no data.
-                if not line.startswith("data:"):
-                    continue
-                data = line[len("data:"):].strip()
-                if data == "[DONE]":
-                    break
-                now = time.perf_counter()
-                chunk = json.loads(data)
-                if "error" in chunk:
-                    out.error = ("error in stream: " + _error_text(chunk))[:_MAX_ERROR_CHARS]
-                    return out
-                text = _chunk_text(chunk, req.chat)
-                if text:
-                    if not out.chunk_times:
-                        out.ttft = now - start
-                    else:
-                        out.itl.append(now - last)
-                    last = now
-                    out.chunk_times.append(now)
-                    text_parts.append(text)
-                usage = chunk.get("usage")
-                if isinstance(usage, dict) and usage.get("completion_tokens") is not None:
-                    out.output_tokens = int(usage["completion_tokens"])
-        out.latency = time.perf_counter() - start
-        out.generated_text = "".join(text_parts)
-        if not out.chunk_times:
-            out.error = "the stream carried no generated text, so no TTFT could be measured"
-            return out
-        out.success = True
+                                 headers={"Content-Type": "application/json", **req.headers}) as resp:
+            return await read_stream(resp, out, start, req.chat)
     except Exception as e:  # noqa: BLE001 - any failure of one request is data, not a crash
         out.error = f"{type(e).__name__}: {e}"[:_MAX_ERROR_CHARS]
-        out.generated_text = "".join(text_parts)
+    return out
+
+
+async def read_stream(resp: httpx.Response, out: RequestOutput, start: float, chat: bool) -> RequestOutput:
+    """The SSE answer of a streamed request, timed into `out` (the request was sent at `start`)."""
+    last = start
+    if resp.status_code != 200:
+        body = (await resp.aread()).decode("utf-8", errors="replace")
+        try:
+            detail = _error_text(json.loads(body))
+        except ValueError:
+            detail = body
+        out.error = f"HTTP {resp.status_code}: {detail}"[:_MAX_ERROR_CHARS]
+        return out
+    async for line in resp.aiter_lines():
+        line = line.strip()
+        # SSE comments (":"), event names and blank separators carry no data.
+        if not line.startswith("data:"):
+            continue
+        data = line[len("data:"):].strip()
+        if data == "[DONE]":
+            break
+        now = time.perf_counter()
+        chunk = json.loads(data)
+        if "error" in chunk:
+            out.error = ("error in stream: " + _error_text(chunk))[:_MAX_ERROR_CHARS]
+            return out
+        text = _chunk_text(chunk, chat)
+        if text:
+            if not out.chunk_times:
+                out.ttft = now - start
+            else:
+                out.itl.append(now - last)
+            last = now
+            out.chunk_times.append(now)
+            out.generated_text += text
+        usage = chunk.get("usage")
+        if isinstance(usage, dict) and usage.get("completion_tokens") is not None:
+            out.output_tokens = int(usage["completion_tokens"])
+    out.latency = time.perf_counter() - start
+    if not out.chunk_times:
+        out.error = "the stream carried no generated text, so no TTFT could be measured"
+        return out
+    out.success = True
     return out
 
 

@@ -31,6 +31,8 @@ class SampleRequest:
     request_id: str = ""
     # Chat content parts sent before the prompt text (random-mm: image_url / video_url data: URLs).
     multi_modal_content: list[dict] | None = None
+    audio: bytes | None = None  # random-audio: the clip uploaded to /v1/audio/transcriptions
+    audio_seconds: float = 0.0
 
 
 def _allowed_token_ids(tokenizer: Any) -> np.ndarray:

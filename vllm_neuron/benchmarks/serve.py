@@ -27,6 +27,7 @@ import numpy as np
 from tqdm import tqdm
 
 from vllm_neuron.benchmarks.datasets import add_dataset_args, get_samples
+from vllm_neuron.benchmarks.random_audio import rtf_section
 from vllm_neuron.benchmarks.endpoint_request import (BACKENDS, RequestInput, RequestOutput,
                                                      fetch_first_model, send_request)
 from vllm_neuron.benchmarks.prompts import SampleRequest
@@ -37,7 +38,7 @@ from vllm_neuron.benchmarks.spec_decode_metrics import (SpecDecodeCounters, fetc
                                                       format_spec_decode_section, spec_decode_result)
 
 _DEFAULT_ENDPOINTS = {"openai": "/v1/completions", "openai-chat": "/v1/chat/completions",
-                      "openai-embeddings": "/v1/embeddings"}
+                      "openai-embeddings": "/v1/embeddings", "openai-audio": "/v1/audio/transcriptions"}
 # A benchmark request may legitimately run for a long time (long outputs, deep queues).
 _REQUEST_TIMEOUT_S = 6 * 60 * 60
 
@@ -46,7 +47,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     """Every `bench serve` option, added to the given parser."""
     add_dataset_args(parser)
     parser.add_argument("--backend", type=str, default="openai", choices=list(BACKENDS),
-                        help="openai: /v1/completions; openai-chat: /v1/chat/completions.")
+                        help="openai: /v1/completions; openai-chat: /v1/chat/completions; openai-audio: "
+                        "/v1/audio/transcriptions (with --dataset-name random-audio).")
     parser.add_argument("--base-url", type=str, default=None,
                         help="Server base URL, e.g. http://127.0.0.1:8000 (default: from --host and --port).")
     parser.add_argument("--host", type=str, default="127.0.0.1", help="Server host, unless --base-url.")
@@ -138,6 +140,9 @@ class BenchServeConfig:
                              f"(e.g. /v1/chat/completions); got {endpoint!r}")
         if getattr(args, "dataset_name", None) == "random-mm" and args.backend != "openai-chat":
             raise ValueError("--dataset-name random-mm sends images in chat content parts: use --backend openai-chat")
+        if (getattr(args, "dataset_name", None) == "random-audio") != (args.backend == "openai-audio"):
+            raise ValueError("--dataset-name random-audio and --backend openai-audio go together (clips uploaded to "
+                             "/v1/audio/transcriptions)")
         if args.base_url:
             base_url = args.base_url.rstrip("/")
         else:
@@ -230,7 +235,8 @@ def _request_input(cfg: BenchServeConfig, model: str, sample: SampleRequest) -> 
                         chat=cfg.backend == "openai-chat", ignore_eos=cfg.ignore_eos,
                         extra_body=cfg.extra_body, headers=cfg.headers,
                         multi_modal_content=sample.multi_modal_content,
-                        embeddings=cfg.backend == "openai-embeddings")
+                        embeddings=cfg.backend == "openai-embeddings", audio=sample.audio,
+                        audio_seconds=sample.audio_seconds)
 
 
 async def _run_requests(client: httpx.AsyncClient, inputs: list[RequestInput],
@@ -357,6 +363,10 @@ async def run_benchmark(cfg: BenchServeConfig, args: argparse.Namespace,
     if spec is not None:  # vLLM's place for it: before the closing rule
         head, _, rule = table.rpartition("\n")
         table = f"{head}\n{format_spec_decode_section(spec)}\n{rule}"
+    audio = [(i.audio_seconds, o) for i, o in zip(inputs, outputs) if i.audio is not None and o.success]
+    if audio:
+        head, _, rule = table.rpartition("\n")
+        table = f"{head}\n{rtf_section(sum(a for a, _ in audio), duration, [a / o.latency for a, o in audio])}\n{rule}"
     print(table)
     result: dict[str, Any] = {
         "date": datetime.now().strftime("%Y%m%d-%H%M%S"),
@@ -372,6 +382,9 @@ async def run_benchmark(cfg: BenchServeConfig, args: argparse.Namespace,
         "max_concurrency": cfg.max_concurrency,
     }
     result.update(result_dict(metrics, outputs, cfg.selected_metrics))
+    if audio:
+        result["audio_seconds"] = sum(a for a, _ in audio)
+        result["real_time_factor"] = result["audio_seconds"] / duration if duration else 0.0
     if spec is not None:
         result.update(spec_decode_result(spec))
     if args.save_result:

@@ -31,7 +31,7 @@ GROUPS = {
     "compilation": "Compilation: bucket graphs and neuron_config",
     "server": "Server: HTTP listener, authentication, logging",
     "frontend": "Frontend: OpenAI API behaviour (chat templates, tools, served names)",
-    "multimodal": "Multimodal: images and video (limits, processor options, local media)",
+    "multimodal": "Multimodal: images, video and audio (limits, processor options, local media)",
     "lora": "LoRA: adapters served beside the base model, chosen per request",
     "structured_outputs": "Structured outputs: how much grammar work one request may ask for",
 }

@@ -35,7 +35,7 @@ from vllm_neuron.logits_processor import load_logits_processor
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")  # fp8 = fp8_e4m3
 BLOCK_SIZES = (8, 16, 32, 64, 128)
 BUNDLED_MODEL_NAME = "SmolLM2-135M-Instruct"  # served name of the bundled model (no MODEL given)
-MM_MODALITIES = ("image", "video")
+MM_MODALITIES = ("image", "video", "audio")
 SCHEDULING_POLICIES = ("fcfs", "priority")  # vLLM's --scheduling-policy values
 _HOST_NAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]*[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]*[A-Za-z0-9])?)*\.?")
 

@@ -126,6 +126,11 @@ class AsyncLLM(EngineClient):
     def is_multimodal(self) -> bool:
         return self.input_processor.mm_processor is not None
 
+    @property
+    def audio_processor(self):
+        proc = self.input_processor.mm_processor
+        return proc if "audio" in getattr(proc, "modalities", ()) else None
+
     def process_multimodal(self, token_ids, media, mm_processor_kwargs=None):
         if self.input_processor.mm_processor is None:
             return super().process_multimodal(token_ids, media, mm_processor_kwargs)

@@ -13,7 +13,7 @@ from vllm_neuron.config.kv_transfer import parse_kv_transfer_params
 from vllm_neuron.logger import init_logger
 from vllm_neuron.engine.messages import EngineCoreRequest
 from vllm_neuron.config.neuron_config import OnDeviceSamplingConfig
-from vllm_neuron.model.registry import is_multimodal
+from vllm_neuron.model.registry import is_multimodal, resolve_model_class
 from vllm_neuron.pooling_params import PoolingParams
 from vllm_neuron.sampling_params import SamplingParams
 from vllm_neuron.structured_output.params import StructuredOutputsParams
@@ -31,6 +31,8 @@ def multimodal_processor(config, ckpt, tokenizer) -> "MultiModalProcessor | None
     from vllm_neuron.config.neuron_config import EncoderNeuronConfig
     from vllm_neuron.multimodal.processor import MultiModalProcessor
 
+    if "audio" in getattr(resolve_model_class(ckpt.hf_config), "modalities", ()):
+        return audio_processor(config, ckpt)
     enc = config.additional_config.encoder_neuron_config or EncoderNeuronConfig()
     return MultiModalProcessor(ckpt.hf_config, ckpt.path, mm_processor_kwargs=config.mm_processor_kwargs,
                                limits=config.limit_mm_per_prompt,
@@ -38,6 +40,19 @@ def multimodal_processor(config, ckpt, tokenizer) -> "MultiModalProcessor | None
                                allowed_media_domains=config.allowed_media_domains,
                                language_model_only=config.additional_config.mm_language_model_only,
                                max_frame_patches=enc.encoder_attention_block_size, tokenizer=tokenizer)
+
+
+def audio_processor(config, ckpt):
+    """An audio model's processor; its clips must fit the largest audio encoder bucket."""
+    from vllm_neuron.model.qwen3_asr.config import AudioArchConfig, audio_encoder_buckets
+    from vllm_neuron.multimodal.audio_processor import AudioProcessor
+
+    buckets = audio_encoder_buckets(config.additional_config, AudioArchConfig.from_hf(ckpt.hf_config.audio_config))
+    return AudioProcessor(ckpt.hf_config, ckpt.path, limits=config.limit_mm_per_prompt,
+                          allowed_local_media_path=config.allowed_local_media_path,
+                          allowed_media_domains=config.allowed_media_domains,
+                          language_model_only=config.additional_config.mm_language_model_only,
+                          max_blocks=buckets[-1], mm_processor_kwargs=config.mm_processor_kwargs)
 
 
 def logits_processor_classes(config) -> tuple[type, ...]:

@@ -119,6 +119,12 @@ class EngineClient(ABC):
         """Whether the model takes media (image / video content parts)."""
         return False
 
+    @property
+    def audio_processor(self) -> Any:
+        """An audio model's processor (multimodal/audio_processor.py: sampling rate, longest clip); None when
+        the model does not transcribe (the /v1/audio routes answer 400)."""
+        return None
+
     def process_multimodal(self, token_ids: list[int], media: dict[str, list],
                            mm_processor_kwargs: dict[str, Any] | None = None) -> tuple[list[int], list[Any]]:
         """Blocking (fetches and decodes media; call it off the event loop): token ids with one placeholder

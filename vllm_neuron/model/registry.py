@@ -15,6 +15,7 @@ _MODELS = {
     "Qwen3MoeForCausalLM": ("vllm_neuron.model.qwen3_moe", "Qwen3MoeForCausalLM"),
     "GptOssForCausalLM": ("vllm_neuron.model.gpt_oss", "GptOssForCausalLM"),
     "Qwen3VLForConditionalGeneration": ("vllm_neuron.model.qwen3_vl", "Qwen3VLForConditionalGeneration"),
+    "Qwen3ASRForConditionalGeneration": ("vllm_neuron.model.qwen3_asr", "Qwen3ASRForConditionalGeneration"),
     # Bidirectional encoders: pooling models of their own (embed), never converted.
     "BertModel": ("vllm_neuron.model.bert", "BertEncoderModel"),
     "XLMRobertaModel": ("vllm_neuron.model.bert", "BertEncoderModel"),

@@ -36,3 +36,24 @@ def media_hash(modality: str, pixel_values: np.ndarray, grid_thw: tuple[int, int
     h.update(np.asarray(grid_thw, dtype=np.int64).tobytes())
     h.update(np.ascontiguousarray(pixel_values, dtype=np.float32).tobytes())
     return h.hexdigest()
+
+
+@dataclass
+class AudioItem:
+    """One audio clip of a prompt: its log-mel frames and the run of placeholder tokens its embeddings fill."""
+
+    modality: str  # "audio"
+    mm_hash: str  # of the mel frames: equal clips give equal hashes
+    mel: np.ndarray  # [mel bins, frames] float32
+    offset: int  # prompt index of the first placeholder token
+    num_tokens: int
+
+    def token_positions(self) -> np.ndarray:
+        return np.arange(self.offset, self.offset + self.num_tokens)
+
+
+def audio_hash(mel: np.ndarray) -> str:
+    h = hashlib.sha256(b"audio")
+    h.update(np.asarray(mel.shape, dtype=np.int64).tobytes())
+    h.update(np.ascontiguousarray(mel, dtype=np.float32).tobytes())
+    return h.hexdigest()

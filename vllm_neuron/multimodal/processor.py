@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -28,6 +28,27 @@ def _processor_keys() -> set[str]:
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorKwargs
 
     return set(Qwen2VLImageProcessorKwargs.__annotations__) | {"min_pixels", "max_pixels", "fps"}
+
+
+def count_media(mm_data: Mapping[str, Any], modalities: tuple[str, ...], limits: Mapping[str, int],
+                language_model_only: bool, is_one: Callable[[str, Any], bool]) -> dict[str, list]:
+    """{modality: [items]} of `mm_data` after checking its modalities, the per-prompt limits
+    (--limit-mm-per-prompt) and the text-only switch; is_one(modality, value): a single item, not a list."""
+    out = {}
+    for modality, value in mm_data.items():
+        if modality not in modalities:
+            raise ValueError(f"multi_modal_data has unknown modality {modality!r}; valid modalities for this model: "
+                             f"{list(modalities)}")
+        items = [value] if is_one(modality, value) else list(value)
+        limit = limits.get(modality)
+        if limit is not None and len(items) > limit:
+            raise ValueError(f"At most {limit} {modality}(s) may be provided in one prompt, got {len(items)} "
+                             "(--limit-mm-per-prompt)")
+        if items:
+            out[modality] = items
+    if out and language_model_only:
+        raise ValueError("this engine serves the text tower only (mm_language_model_only); media inputs are refused")
+    return out
 
 
 class MultiModalProcessor:
@@ -71,22 +92,9 @@ class MultiModalProcessor:
 
     def count_items(self, mm_data: Mapping[str, Any]) -> dict[str, list]:
         """{modality: [items]} after validating modalities and the per-prompt limits."""
-        out = {}
-        for modality, value in mm_data.items():
-            if modality not in MODALITIES:
-                raise ValueError(f"multi_modal_data has unknown modality {modality!r}; valid modalities: "
-                                 f"{list(MODALITIES)}")
-            one = not isinstance(value, (list, tuple)) or (modality == "video" and has_metadata(value))
-            items = [value] if one else list(value)
-            limit = self.limits.get(modality)
-            if limit is not None and len(items) > limit:
-                raise ValueError(f"At most {limit} {modality}(s) may be provided in one prompt, got {len(items)} "
-                                 "(--limit-mm-per-prompt)")
-            if items:
-                out[modality] = items
-        if out and self.language_model_only:
-            raise ValueError("this engine serves the text tower only (mm_language_model_only); media inputs are refused")
-        return out
+        return count_media(mm_data, MODALITIES, self.limits, self.language_model_only,
+                           lambda modality, value: not isinstance(value, (list, tuple)) or
+                           (modality == "video" and has_metadata(value)))
 
     def process(self, token_ids: list[int], mm_data: Mapping[str, Any],
                 mm_processor_kwargs: Mapping[str, Any] | None = None) -> tuple[list[int], list[MultiModalItem]]:

@@ -27,9 +27,9 @@ from vllm_neuron.model.layers.in_graph_sampler import (apply_token_bitmask, coun
                                                        sample_in_graph)
 from vllm_neuron.model.layers.kernel_config import KernelConfig
 from vllm_neuron.model.layers.rejection_sampler import rejection_sample
-from vllm_neuron.worker.step_inputs import (DecodeInputs, EncoderInputs, PrefillInputs, PromptLogprobsOut,
-                                            PromptRows, RowSampling, SlotDecodeInputs, SlotState, StepOutput,
-                                            VerifyInputs)
+from vllm_neuron.worker.step_inputs import (AudioEncoderInputs, DecodeInputs, EncoderInputs, PrefillInputs,
+                                            PromptLogprobsOut, PromptRows, RowSampling, SlotDecodeInputs, SlotState,
+                                            StepOutput, VerifyInputs)
 
 # Prompt logprobs are computed this many positions at a time: [rows, vocab] fp32 logits stay ~25 MB on a
 # 49k vocabulary instead of growing with the prompt.
@@ -206,6 +206,10 @@ class GraphBase:
         with self.taps.recording() as rec:
             embeds, deepstack = self.model.encode(x.pixels, x.interp_idx, x.interp_w, x.rot_pos, x.segment)
         return embeds, deepstack, rec
+
+    def encode_audio(self, x: AudioEncoderInputs) -> torch.Tensor:
+        """An audio model's encoder over one bucket of blocks (one attention window each): [rows, hidden]."""
+        return self.model.encode_audio(x.mel, x.chunk_len)
 
 
 class StepGraphs(GraphBase):

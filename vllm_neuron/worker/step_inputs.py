@@ -163,6 +163,15 @@ class EncoderInputs:
     segment: torch.Tensor  # [blocks, block_size]
 
 
+@_pytree
+@dataclass
+class AudioEncoderInputs:
+    """One audio encoder bucket: mel chunks laid out one attention window per block (model/qwen3_asr/features.py)."""
+
+    mel: torch.Tensor  # [blocks * chunks_per_window, mel bins, chunk frames]
+    chunk_len: torch.Tensor  # [blocks * chunks_per_window] valid frames per chunk
+
+
 @dataclass
 class PromptRows:
     """The prompt positions of a prefill step whose logprobs its requests asked for (`prompt_logprobs`).

@@ -43,7 +43,9 @@ from vllm_neuron.entrypoints.openai.protocol import (
     TokenizeResponse,
 )
 from vllm_neuron.entrypoints.openai.request_policy import RequestLimits
+from vllm_neuron.entrypoints.openai.protocol_audio import TranscriptionResponse
 from vllm_neuron.entrypoints.openai.serving_chat import OpenAIServingChat
+from vllm_neuron.entrypoints.openai.serving_transcription import OpenAIServingTranscription
 from vllm_neuron.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from vllm_neuron.entrypoints.openai.responses_input import ResponsesRequest
 from vllm_neuron.entrypoints.openai.responses_store import ResponseStore
@@ -112,6 +114,7 @@ def build_app(engine: EngineClient, *, served_model_names: list[str], api_key: s
     pooling = OpenAIServingPooling(engine, models, **kwargs)
     scoring = OpenAIServingScore(engine, models, **kwargs)
     responses = OpenAIServingResponses(chat, ResponseStore(responses_store_size))
+    transcription = OpenAIServingTranscription(engine, models, **kwargs)
     version = __version__
 
     app = FastAPI(title="vllm-neuron OpenAI-compatible server", version=version)
@@ -177,6 +180,16 @@ def build_app(engine: EngineClient, *, served_model_names: list[str], api_key: s
               responses=spec.route_responses(CompletionResponse, stream=True, auth=bool(api_key)))
     async def create_completion(raw_request: Request) -> Response:
         return await completion.create_completion(await body(raw_request), raw_request)
+
+    @app.post("/v1/audio/transcriptions", responses=spec.route_responses(TranscriptionResponse, stream=True,
+                                                                          auth=bool(api_key)))
+    async def create_transcription(raw_request: Request) -> Response:
+        return await transcription.create(raw_request, "transcribe")
+
+    @app.post("/v1/audio/translations", responses=spec.route_responses(TranscriptionResponse, stream=True,
+                                                                        auth=bool(api_key)))
+    async def create_translation(raw_request: Request) -> Response:
+        return await transcription.create(raw_request, "translate")
 
     @app.post("/v1/chat/completions", openapi_extra=spec.request_body(ChatCompletionRequest),
               responses=spec.route_responses(ChatCompletionResponse, stream=True, auth=bool(api_key)))

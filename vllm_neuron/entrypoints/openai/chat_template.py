@@ -4,6 +4,8 @@ serving classes run it in their worker threads, never on the event loop.
 """
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import os
 from typing import Any
@@ -23,9 +25,10 @@ def load_chat_template(template: str | None) -> str | None:
     raise ValueError(f"--chat-template {template!r} is neither an existing file nor a Jinja template")
 
 
-# Media content parts: OpenAI's image_url / video_url (a URL), vLLM's offline image / image_pil / video (an
-# object or a URL); the template sees {"type": "image"} or {"type": "video"} in their place.
-MEDIA_PARTS = {"image_url": "image", "image": "image", "image_pil": "image", "video_url": "video", "video": "video"}
+# Media content parts: OpenAI's image_url / video_url / input_audio, vLLM's audio_url (a URL) and offline image /
+# image_pil / video / audio (an object or a URL); the template sees {"type": "image" / "video" / "audio"}.
+MEDIA_PARTS = {"image_url": "image", "image": "image", "image_pil": "image", "video_url": "video", "video": "video",
+               "audio_url": "audio", "input_audio": "audio", "audio": "audio"}
 
 
 def normalize_messages(messages: list[Any], media: dict[str, list] | None = None) -> list[dict[str, Any]]:
@@ -69,7 +72,9 @@ def _content_part(part: Any, media: dict[str, list] | None, where: str) -> dict[
         raise BadRequestError(f"Content part type {kind!r} is not supported: this model takes text only.",
                               param=f"{where}.type")
     source = part.get(kind)
-    if kind.endswith("_url"):
+    if kind == "input_audio":
+        source = _input_audio(source, where)
+    elif kind.endswith("_url"):
         source = source.get("url") if isinstance(source, dict) else source
         if not isinstance(source, str):
             raise BadRequestError(f"{where}.{kind}.url must be a string.", param=f"{where}.{kind}")
@@ -77,6 +82,24 @@ def _content_part(part: Any, media: dict[str, list] | None, where: str) -> dict[
         raise BadRequestError(f"{where} of type {kind!r} has no {kind!r} field.", param=f"{where}.{kind}")
     media.setdefault(MEDIA_PARTS[kind], []).append(source)
     return {"type": MEDIA_PARTS[kind]}
+
+
+def _input_audio(value: Any, where: str) -> bytes:
+    """OpenAI's {"data": base64, "format": "wav" | "mp3" | ...} -> the encoded audio bytes."""
+    from vllm_neuron.multimodal.audio import AUDIO_FORMATS
+
+    if not isinstance(value, dict) or not isinstance(value.get("data"), str):
+        raise BadRequestError(f"{where}.input_audio must be an object with base64 `data` and a `format`.",
+                              param=f"{where}.input_audio")
+    fmt = value.get("format")
+    if fmt not in AUDIO_FORMATS:
+        raise BadRequestError(f"{where}.input_audio.format {fmt!r} is not supported; supported: {list(AUDIO_FORMATS)}.",
+                              param=f"{where}.input_audio.format")
+    try:
+        return base64.b64decode(value["data"], validate=True)
+    except (binascii.Error, ValueError):
+        raise BadRequestError(f"{where}.input_audio.data is not valid base64.",
+                              param=f"{where}.input_audio.data") from None
 
 
 def _template_tool_call(tool_call: Any) -> Any:

@@ -1,5 +1,5 @@
 """What is special about a kind of model, as state the runners call at fixed points (base.py says which);
-multimodal.py: images and video (Qwen3-VL); LoRA adapters (worker/lora/state.py) are such a component too.
+multimodal.py: images and video (Qwen3-VL); audio.py: audio clips (Qwen3-ASR); LoRA adapters (worker/lora/state.py) are such a component too.
 `make_model_kinds` picks a model's, once, when it is built."""
 from __future__ import annotations
 
@@ -16,7 +16,12 @@ def make_model_kinds(config, hf_config, model: torch.nn.Module, dtype: torch.dty
     """The state of what is special about `model` (none for a plain text model). graph(kind, size, context):
     the runner's compiled graph of a bucket, for kinds that run graphs of their own."""
     kinds: list[ModelKindState] = []
-    if getattr(model, "multimodal", False):
+    modalities = getattr(model, "modalities", ("image", "video"))
+    if getattr(model, "multimodal", False) and "audio" in modalities:
+        from vllm_neuron.worker.model_kinds.audio import AudioState
+
+        kinds.append(AudioState(config, hf_config, model, dtype, device, graph))
+    elif getattr(model, "multimodal", False):
         kinds.append(MultimodalState(config, hf_config, model, dtype, device, graph))
     lora = getattr(config, "lora", None)
     if lora is not None:

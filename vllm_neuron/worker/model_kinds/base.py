@@ -19,8 +19,12 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from vllm_neuron.logger import init_logger
 from vllm_neuron.step import NewRequestData, ScheduledChunk
+from vllm_neuron.worker.encoder_cache import EncoderCache
 from vllm_neuron.worker.input_builder import PrefillArrays
+
+logger = init_logger(__name__)
 
 
 class GraphSpec(NamedTuple):
@@ -75,3 +79,37 @@ class ModelKindState:
 
     def encoder_cache_stats(self) -> tuple[int, int] | None:
         return None
+
+
+class EncoderKindState(ModelKindState):
+    """What a kind with an encoder of its own (vision, audio) shares: the encoder cache keyed by media hash
+    (reserved in the memory budget, its hits and misses on /metrics), the count of encoder calls, and the
+    text-tower-only switch that leaves the encoder graphs out."""
+
+    what = "media"  # what the cache holds, for the start-up line
+
+    def __init__(self, cache_bytes: int, language_model_only: bool) -> None:
+        self.encoder_cache = EncoderCache(cache_bytes)
+        self.num_encoder_runs = 0
+        self.language_model_only = language_model_only
+
+    def reserved_bytes(self) -> int:
+        logger.info("Encoder cache: up to %.1f MiB of %s embeddings (reserved in the memory budget)",
+                    self.encoder_cache.max_bytes / 2**20, self.what)
+        return self.encoder_cache.max_bytes
+
+    def encoder_cache_stats(self) -> tuple[int, int]:
+        return self.encoder_cache.hits, self.encoder_cache.misses
+
+    def cached(self, items: list) -> tuple[dict, dict]:
+        """({mm_hash: cached value}, {mm_hash: item the cache lacks}) for `items` (each hash once)."""
+        out, missing = {}, {}
+        for item in items:
+            if item.mm_hash in out or item.mm_hash in missing:
+                continue
+            hit = self.encoder_cache.get(item.mm_hash)
+            if hit is not None:
+                out[item.mm_hash] = hit
+            else:
+                missing[item.mm_hash] = item
+        return out, missing

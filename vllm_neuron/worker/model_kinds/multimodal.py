@@ -18,18 +18,15 @@ import torch
 
 from vllm_neuron.config import buckets as B
 from vllm_neuron.config.neuron_config import EncoderNeuronConfig
-from vllm_neuron.logger import init_logger
 from vllm_neuron.model.qwen3_vl.block_packing import check_buckets, pack_ffd
 from vllm_neuron.model.qwen3_vl.model import MultimodalEmbeds
 from vllm_neuron.model.qwen3_vl.mrope import VisionRun, mrope_positions, rope_positions_for
 from vllm_neuron.model.qwen3_vl.preprocessing import vision_inputs
 from vllm_neuron.step import NewRequestData, ScheduledChunk
-from vllm_neuron.worker.encoder_cache import EncoderCache
 from vllm_neuron.worker.input_builder import PrefillArrays
-from vllm_neuron.worker.model_kinds.base import GraphSpec, ModelKindState
+from vllm_neuron.worker.model_kinds.base import EncoderKindState, GraphSpec
 from vllm_neuron.worker.step_inputs import EncoderInputs
 
-logger = init_logger(__name__)
 DEFAULT_ENCODER_CACHE_BYTES = 256 * 2**20
 
 
@@ -49,7 +46,9 @@ def encoder_settings(config, hf_config) -> tuple[int, list[int]]:
     return block, check_buckets(enc.input_buckets(config.max_model_len * merge_unit), block)
 
 
-class MultimodalState(ModelKindState):
+class MultimodalState(EncoderKindState):
+    what = "vision"
+
     def __init__(self, config, hf_config, model: torch.nn.Module, dtype: torch.dtype, device: torch.device,
                  graph: Callable[[str, int, int], Callable]) -> None:
         """graph(kind, size, context): the runner's compiled graph of a bucket."""
@@ -62,9 +61,7 @@ class MultimodalState(ModelKindState):
             text, vision = hf_config.get_text_config(), hf_config.vision_config
             per_token = text.hidden_size * (1 + len(vision.deepstack_visual_indexes)) * dtype.itemsize
             nbytes = enc.encoder_cache_num_blocks * self.encoder_block // vision.spatial_merge_size ** 2 * per_token
-        self.encoder_cache = EncoderCache(nbytes)
-        self.num_encoder_runs = 0
-        self.language_model_only = config.additional_config.mm_language_model_only
+        super().__init__(nbytes, config.additional_config.mm_language_model_only)
 
     # -- set-up ---------------------------------------------------------------------------------------
     def graph_specs(self) -> list[GraphSpec]:
@@ -79,16 +76,8 @@ class MultimodalState(ModelKindState):
                                               torch.zeros(size, 4, dtype=torch.long), torch.zeros(size, 4),
                                               torch.zeros(size, 2, dtype=torch.long), seg))
 
-    def reserved_bytes(self) -> int:
-        logger.info("Encoder cache: up to %.1f MiB of vision embeddings (reserved in the memory budget)",
-                    self.encoder_cache.max_bytes / 2**20)
-        return self.encoder_cache.max_bytes
-
     def graph_options(self) -> dict:
         return {"language_model_only": self.language_model_only}
-
-    def encoder_cache_stats(self) -> tuple[int, int]:
-        return self.encoder_cache.hits, self.encoder_cache.misses
 
     # -- requests -------------------------------------------------------------------------------------
     def add_request(self, data: NewRequestData) -> None:
@@ -167,15 +156,7 @@ class MultimodalState(ModelKindState):
     def _encode(self, items: list) -> dict:
         """mm_hash -> (embeds, deepstack) for `items`: from the encoder cache, else from vision-tower calls
         on block-packed groups of the missing ones (one call per group that fits the largest bucket)."""
-        out, missing = {}, {}
-        for item in items:
-            if item.mm_hash in out or item.mm_hash in missing:
-                continue
-            hit = self.encoder_cache.get(item.mm_hash)
-            if hit is not None:
-                out[item.mm_hash] = hit
-            else:
-                missing[item.mm_hash] = item
+        out, missing = self.cached(items)
         for group in self._encoder_groups(list(missing.values())):
             n_blocks = len(pack_ffd(_frame_sizes(group), self.encoder_block))
             size = B.select_bucket(self.encoder_buckets, n_blocks * self.encoder_block)
