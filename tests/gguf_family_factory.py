@@ -8,7 +8,6 @@ import math
 from typing import Any
 
 import numpy as np
-import torch
 
 from tests.model_factory import (_HF_TO_GGUF_GLOBAL, _HF_TO_GGUF_LAYER, _llamacpp_permute, add_smollm2_tokenizer,
                                  build_tiny_model, gguf_writer_with_sizes, write_gguf)

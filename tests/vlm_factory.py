@@ -119,7 +119,6 @@ def expand(ids: list[int], grids) -> tuple[list[int], list[int]]:
 
 def hf_greedy(ids: list[int], images: list, max_new: int, **kw) -> list[int]:
     """transformers greedy tokens after `ids` (one IMAGE_PAD per image, expanded here)."""
-    model = build_tiny_qwen3_vl(**kw)
     extra = {}
     grids = []
     if images:
