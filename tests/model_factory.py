@@ -19,6 +19,7 @@ import os
 import random
 import shutil
 import tempfile
+import zlib
 from typing import Any
 
 import numpy as np
@@ -332,11 +333,38 @@ def _llama3_rope_freqs(rope: dict, head_dim: int) -> np.ndarray:
     return np.array(out, dtype=np.float32)
 
 
-def _add_weight(writer, name: str, w: np.ndarray, dtype: torch.dtype, quant: str | None) -> None:
+# Byte offsets of the float16 scale fields (d, dmin) in one block of the types the gguf package can only
+# dequantize (llama.cpp's ggml-common.h block layouts); every other byte of a block is quant bits or packed
+# 6-bit scales, for which any value is valid.
+_F16_FIELDS = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,),
+               "IQ4_XS": (0,), "IQ4_NL": (0,)}
+
+
+def random_gguf_blocks(shape: tuple[int, ...], quant: str, seed: int = 0) -> np.ndarray:
+    """Valid raw blocks of GGUF type `quant` for a tensor of `shape` (uint8, [..., row bytes]): random quant
+    bits and packed scales, the float16 super-block scales drawn small and finite so that `gguf.quants.
+    dequantize` (the reference) gives O(0.1-1) weights. For the types `gguf.quants.quantize` cannot write."""
+    import gguf
+
+    block, nbytes = gguf.constants.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[quant]]
+    if shape[-1] % block:
+        raise ValueError(f"random_gguf_blocks: rows of {shape[-1]} are not whole {quant} blocks of {block}")
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(*shape[:-1], shape[-1] // block, nbytes), dtype=np.uint8)
+    for off in _F16_FIELDS[quant]:
+        scale = (rng.uniform(0.002, 0.02, size=raw.shape[:-1]) * rng.choice([-1, 1], size=raw.shape[:-1]))
+        raw[..., off:off + 2] = scale.astype(np.float16)[..., None].view(np.uint8)
+    return raw.reshape(*shape[:-1], -1)
+
+
+def _add_weight(writer, name: str, w: np.ndarray, dtype: torch.dtype, quant: str | None, seed: int = 0) -> None:
     import gguf
 
     if w.ndim == 1 or (dtype == torch.float32 and quant is None):
         writer.add_tensor(name, w.astype(np.float32))  # llama.cpp keeps norms in F32
+    elif quant in _F16_FIELDS:
+        raw = random_gguf_blocks(w.shape, quant, seed=seed + zlib.crc32(name.encode()))
+        writer.add_tensor(name, raw, raw_dtype=gguf.GGMLQuantizationType[quant])
     elif quant is not None:
         qtype = gguf.GGMLQuantizationType[quant]
         writer.add_tensor(name, gguf.quants.quantize(w.astype(np.float32), qtype), raw_dtype=qtype)
@@ -399,7 +427,9 @@ def make_tiny_gguf(
     """Writes build_tiny_llama(seed=seed, **config_kwargs) as a llama.cpp-style GGUF file (Q/K
     permuted, SmolLM2 tokenizer metadata, llama3 rope scaling as a rope_freqs tensor) and returns
     its path. `path` is the .gguf file, or a directory to hold tiny-llama.gguf. Matrices are stored
-    as `dtype` (float32/float16/bfloat16) or, with `quant` (e.g. "Q8_0"), quantized.
+    as `dtype` (float32/float16/bfloat16) or, with `quant` (e.g. "Q8_0"), quantized; for the types the gguf
+    package cannot quantize (K-quants, IQ4_XS, IQ4_NL) the matrices are random valid blocks of the type
+    (random_gguf_blocks), so the file is no longer the source model: its reference is gguf's dequantize.
     `tokenizer=False` leaves out the tokenizer metadata: GGUFReader then opens the file in
     milliseconds instead of the seconds it spends parsing 49k tokens and merges. `arch` "qwen3" writes
     build_tiny_model("qwen3", ...) as llama.cpp's `qwen3` architecture (no Q/K permutation, q/k norms)."""
@@ -452,7 +482,7 @@ def make_tiny_gguf(
             arr = _llamacpp_permute(arr, cfg.num_attention_heads)
         elif name.endswith("k_proj.weight"):
             arr = _llamacpp_permute(arr, cfg.num_key_value_heads)
-        _add_weight(w, _gguf_name(name), np.ascontiguousarray(arr), dtype, quant)
+        _add_weight(w, _gguf_name(name), np.ascontiguousarray(arr), dtype, quant, seed)
 
     write_gguf(w)
     return file
