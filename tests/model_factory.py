@@ -20,6 +20,7 @@ import random
 import shutil
 import tempfile
 import zlib
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -377,11 +378,12 @@ def _add_weight(writer, name: str, w: np.ndarray, dtype: torch.dtype, quant: str
         raise ValueError(f"make_tiny_gguf: dtype must be float32, float16 or bfloat16, got {dtype}")
 
 
-def gguf_writer_with_sizes(file: str, arch: str, cfg):
-    """A GGUFWriter for `file` holding the sizes every architecture writes (layers, context, widths, heads)."""
+def gguf_writer_with_sizes(file: str, arch: str, cfg, split_max_tensors: int = 0):
+    """A GGUFWriter for `file` holding the sizes every architecture writes (layers, context, widths, heads);
+    with `split_max_tensors` it writes llama.cpp's split parts `<stem>-0000i-of-0000N.gguf` instead."""
     import gguf
 
-    w = gguf.GGUFWriter(file, arch)
+    w = gguf.GGUFWriter(file, arch, split_max_tensors=split_max_tensors)
     w.add_block_count(cfg.num_hidden_layers)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
@@ -399,8 +401,8 @@ def write_gguf(w) -> None:
     w.close()
 
 
-def add_smollm2_tokenizer(w) -> None:
-    """The SmolLM2 tokenizer and chat template as GGUF metadata (llama.cpp's keys)."""
+def add_smollm2_tokenizer(w, chat_template: str | None = None) -> None:
+    """The SmolLM2 tokenizer and chat template (or `chat_template`) as GGUF metadata (llama.cpp's keys)."""
     with open(os.path.join(smollm2_tokenizer_dir(), _GGUF_TOKENIZER_JSON), encoding="utf-8") as f:
         tok = json.load(f)
     w.add_tokenizer_model(tok["tokenizer.ggml.model"])
@@ -411,7 +413,7 @@ def add_smollm2_tokenizer(w) -> None:
     w.add_unk_token_id(tok["tokenizer.ggml.unknown_token_id"])
     w.add_add_bos_token(tok["tokenizer.ggml.add_bos_token"])
     w.add_add_space_prefix(tok["tokenizer.ggml.add_space_prefix"])
-    w.add_chat_template(tok["tokenizer.chat_template"])
+    w.add_chat_template(chat_template or tok["tokenizer.chat_template"])
 
 
 def make_tiny_gguf(
@@ -422,6 +424,8 @@ def make_tiny_gguf(
     quant: str | None = None,
     tokenizer: bool = True,
     arch: str = "llama",
+    split_max_tensors: int = 0,
+    chat_template: str | None = None,
     **config_kwargs: Any,
 ) -> str:
     """Writes build_tiny_llama(seed=seed, **config_kwargs) as a llama.cpp-style GGUF file (Q/K
@@ -432,7 +436,10 @@ def make_tiny_gguf(
     (random_gguf_blocks), so the file is no longer the source model: its reference is gguf's dequantize.
     `tokenizer=False` leaves out the tokenizer metadata: GGUFReader then opens the file in
     milliseconds instead of the seconds it spends parsing 49k tokens and merges. `arch` "qwen3" writes
-    build_tiny_model("qwen3", ...) as llama.cpp's `qwen3` architecture (no Q/K permutation, q/k norms)."""
+    build_tiny_model("qwen3", ...) as llama.cpp's `qwen3` architecture (no Q/K permutation, q/k norms).
+    `split_max_tensors` > 0 splits the file into parts of at most that many tensors, named and keyed as
+    llama.cpp's gguf-split writes them; the first part's path is returned. `chat_template` replaces
+    SmolLM2's in the tokenizer metadata."""
     import gguf
 
     file = path if path.endswith(".gguf") else os.path.join(path, "tiny-llama.gguf")
@@ -442,7 +449,7 @@ def make_tiny_gguf(
     rope = dict(cfg.rope_parameters)
     head_dim = cfg.head_dim
 
-    w = gguf_writer_with_sizes(file, arch, cfg)
+    w = gguf_writer_with_sizes(file, arch, cfg, split_max_tensors)
     w.add_name("tiny-llama")
     if head_dim != cfg.hidden_size // cfg.num_attention_heads:
         w.add_key_length(head_dim)
@@ -470,7 +477,7 @@ def make_tiny_gguf(
     w.add_eos_token_id(cfg.eos_token_id)
     w.add_pad_token_id(cfg.pad_token_id)
     if tokenizer:
-        add_smollm2_tokenizer(w)
+        add_smollm2_tokenizer(w, chat_template)
 
     for name, t in model.state_dict().items():
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
@@ -485,7 +492,7 @@ def make_tiny_gguf(
         _add_weight(w, _gguf_name(name), np.ascontiguousarray(arr), dtype, quant, seed)
 
     write_gguf(w)
-    return file
+    return str(w.format_shard_names(Path(file))[0])
 
 
 def build_tiny_gpt_oss_mxfp4(**config_kwargs: Any):

@@ -4,7 +4,7 @@ The `llama` (SmolLM2, Llama 2/3.x, Mistral-style files), `qwen3`, `qwen3moe`, `g
 `granite` architectures are mapped (what each adds: gguf_arches.py). Quantized tensors are dequantized to float32 with
 `gguf.quants`; Q/K projections of the Llama-lineage files (llama, granite) are un-permuted back from
 llama.cpp's rotary layout and Gemma's norm shift is taken back out, so that every tensor equals what
-transformers would hold.
+transformers would hold. A GGUF split into `-0000i-of-0000N` parts reads as one file (gguf_split.py).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from gguf.quants import dequantize
 from transformers import PretrainedConfig
 
 from vllm_neuron.model.loader.gguf_arches import GGUF_ARCHES
+from vllm_neuron.model.loader.gguf_split import SplitGGUF, open_split
 
 SUPPORTED_ARCHITECTURES = tuple(GGUF_ARCHES)
 
@@ -54,18 +55,24 @@ _LAYER_TENSORS = {
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 
 
-@functools.lru_cache(maxsize=4)
+@functools.lru_cache(maxsize=8)
 def _cached_reader(path: str, mtime_ns: int, size: int) -> GGUFReader:
     return GGUFReader(path)
 
 
-def open_gguf(path: str) -> GGUFReader:
+def _open_one(path: str) -> GGUFReader:
     """A GGUFReader for `path`, shared per file version: parsing a 49k-token vocabulary takes seconds."""
-    st = os.stat(path)
     try:
+        st = os.stat(path)
         return _cached_reader(os.path.abspath(path), st.st_mtime_ns, st.st_size)
     except (ValueError, OSError) as e:
         raise ValueError(f"Cannot read GGUF file {path}: {e}") from e
+
+
+def open_gguf(path: str) -> GGUFReader | SplitGGUF:
+    """The file's reader: its metadata (`fields`) and tensors; for the first part of a split GGUF, the
+    first part's metadata and every part's tensors (gguf_split.py)."""
+    return open_split(path, _open_one(path), _open_one)
 
 
 def _meta(reader: GGUFReader, key: str, default: Any = None) -> Any:
