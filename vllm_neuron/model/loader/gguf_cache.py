@@ -7,7 +7,7 @@ absolute path, size and mtime (every part's, for a split GGUF) and a fingerprint
 code (our loader's source, the transformers/gguf/tokenizers versions), so a changed file or
 converter never reads a stale entry:
 
-    config.json, generation_config.json, tensors.json   the configs and the weights' total sizes
+    config.json, generation_config.json, tensors.json   the configs, the weights' total sizes and types
     tokenizer/                                          the converted tokenizer (save_pretrained)
     weights-<dtype>.safetensors                         iter_gguf_weights(path, config, dtype)
     source.json                                         which file the entry belongs to (pruning)
@@ -284,6 +284,7 @@ def _write_configs(d: str, gguf_path: str, config: LlamaConfig, generation: dict
     sizes = {
         "float32_bytes": gguf_loader.gguf_weight_bytes(gguf_path, torch.float32),
         "native_bytes": gguf_loader.gguf_weight_bytes(gguf_path, None),
+        "types": gguf_loader.gguf_tensor_types(gguf_path),
     }
     # config.json last: _read_configs treats its presence as the entry being usable.
     if (_open_entry(d, gguf_path)
@@ -306,6 +307,19 @@ def weight_bytes(gguf_path: str, dtype: torch.dtype | None = None) -> int:
         except (OSError, ValueError, KeyError, TypeError):
             pass
     return gguf_loader.gguf_weight_bytes(gguf_path, dtype)
+
+
+def tensor_types(gguf_path: str) -> dict[str, int]:
+    """gguf_loader.gguf_tensor_types(gguf_path), from the cached sizes when there (no GGUF parse)."""
+    d = cache_dir(gguf_path)
+    if d is not None:
+        try:
+            types = _read_json(os.path.join(d, TENSORS_NAME))["types"]
+            if isinstance(types, dict):  # stored with sorted keys: most first again
+                return dict(sorted(((str(k), int(v)) for k, v in types.items()), key=lambda kv: (-kv[1], kv[0])))
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+    return gguf_loader.gguf_tensor_types(gguf_path)
 
 
 # ---------------------------------------------------------------------------------------------
