@@ -43,6 +43,7 @@ def test_split_gguf_loads_like_the_whole_file(files):
     for given in (first, folder, os.path.join(folder, PARTS[2])):
         ck = load_checkpoint(given)
         assert ck.gguf_file == first and ck.hf_config.to_dict() == ref.hf_config.to_dict()
+        assert ck.gguf_files == [os.path.join(folder, n) for n in PARTS]  # e.g. the KV tier's key stats them all
         got = dict(ck.iter_weights(torch.float32))
         assert set(got) == set(want) and all(torch.equal(got[n], want[n]) for n in want)
         assert ck.weight_bytes(torch.float32) == ref.weight_bytes(torch.float32)

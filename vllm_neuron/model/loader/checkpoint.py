@@ -33,6 +33,11 @@ class Checkpoint:
     def is_gguf(self) -> bool:
         return self.gguf_file is not None
 
+    @property
+    def gguf_files(self) -> list[str]:
+        """Every file of a GGUF checkpoint: gguf_file, and the later parts of a split one; [] for HF folders."""
+        return gguf_split.sibling_parts(self.gguf_file) if self.gguf_file is not None else []
+
     def iter_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """Yields (hf_parameter_name, tensor) with transformers' names and layouts
         (e.g. 'model.layers.0.self_attn.q_proj.weight'; 'lm_head.weight' only if stored, i.e. not
