@@ -15,7 +15,7 @@ import torch
 
 from tests.model_factory import build_tiny_llama, greedy_reference, make_tiny_gguf, smollm2_tokenizer_dir, tiny_llm
 from vllm_neuron import SamplingParams
-from vllm_neuron.model.layers import quant_int4, quant_int8
+from vllm_neuron.model.layers import quant_error, quant_int4, quant_int8
 from vllm_neuron.model.layers.linear import Linear, quantize_linears_
 from vllm_neuron.model.loader import load_checkpoint
 from vllm_neuron.model.loader.gguf_loader import suggested_quantization
@@ -38,7 +38,9 @@ def _linears(weights: dict[str, torch.Tensor]) -> torch.nn.Module:
 
 @pytest.mark.parametrize("qtype, scheme", [("Q8_0", "int8"), ("Q6_K", "int8"), ("Q5_K", "int8"), ("Q4_0", "int4"),
                                            ("Q4_1", "int4"), ("Q4_K", "int4"), ("IQ4_XS", "int4")])
-def test_requantized_error_against_the_dequantized_weights_is_measured_and_bounded(tmp_path, qtype, scheme):
+def test_requantized_error_against_the_dequantized_weights_is_measured_and_bounded(tmp_path, monkeypatch, qtype,
+                                                                                   scheme):
+    monkeypatch.setattr(quant_error, "ROWS", 8)  # measured in row blocks: several per tensor here
     ck = load_checkpoint(make_tiny_gguf(str(tmp_path / f"{qtype}.gguf"), quant=qtype, **SHAPE))
     weights = {n: t for n, t in ck.iter_weights(torch.float32) if t.ndim == 2 and "embed" not in n}
     model = _linears(weights)

@@ -14,6 +14,8 @@ token's adapter delta, computed in the compute dtype beside the (possibly quanti
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -95,10 +97,14 @@ def quantize_linears_(model: nn.Module, scheme: str,
             after += sum(t.numel() * t.element_size() for t in (module.qweight, module.qscale))
             layers += 1
             if errors is not None:
-                back = _scheme(scheme).dequantize(module.qweight, module.qscale, torch.float32)
-                errors[name] = quant_error.measure(weight, back)
+                errors[name] = quant_error.measure(weight, functools.partial(_dequantize_rows, module))
     return layers, before, after
 
+
+
+def _dequantize_rows(module: Linear, a: int, b: int) -> torch.Tensor:
+    """Rows a..b of a quantized layer's weight in float32 (whole bands: a and b multiples of 4, or b the end)."""
+    return _scheme(module.quantization).dequantize(module.qweight[a:b], module.qscale[a:b], torch.float32)
 
 
 def _packable(model: nn.Module) -> list[torch.Tensor]:

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+from vllm_neuron.model.layers.quant_bands import BAND
 
 
 @dataclass(frozen=True)
@@ -14,11 +17,20 @@ class QuantError:
     rel: float  # max_abs / the tensor's largest |original|
 
 
-def measure(original: torch.Tensor, requantized: torch.Tensor) -> QuantError:
-    """The error of `requantized` (the quantized weight put back in float) against `original`, in float32."""
-    w = original.detach().float()
-    max_abs = float((requantized.float() - w).abs().max())
-    return QuantError(max_abs, max_abs / max(float(w.abs().max()), torch.finfo(torch.float32).tiny))
+# Rows compared at a time: whole bands of the quantized layouts, few enough that a large lm_head is never
+# copied whole in float32 on top of the model.
+ROWS = 256 * BAND
+
+
+def measure(original: torch.Tensor, dequantize_rows: Callable[[int, int], torch.Tensor]) -> QuantError:
+    """The error against `original` [N, K] of the quantized weight, whose rows a..b `dequantize_rows(a, b)` puts
+    back in float32."""
+    max_abs = largest = 0.0
+    for a in range(0, original.shape[0], ROWS):
+        w = original[a:a + ROWS].detach().float()
+        max_abs = max(max_abs, float((dequantize_rows(a, a + w.shape[0]) - w).abs().max()))
+        largest = max(largest, float(w.abs().max()))
+    return QuantError(max_abs, max_abs / max(largest, torch.finfo(torch.float32).tiny))
 
 
 def summarize(errors: dict[str, QuantError]) -> str:
