@@ -67,9 +67,11 @@ def test_the_default_dequantization_is_said_with_the_scheme_that_would_keep_the_
     assert suggested_quantization({"F32": 10, "BF16": 7}) is None
     ck = load_checkpoint(make_tiny_gguf(str(tmp_path / "q.gguf"), quant="Q4_0", tokenizer=False, vocab_size=512))
     with caplog.at_level(logging.INFO):
-        log_gguf_weights(ck, torch.bfloat16, None, {})
+        log_gguf_weights(ck, torch.bfloat16, None, {}, ("int8", "int4"))
+        log_gguf_weights(ck, torch.float32, None, {}, ("int8",))  # e.g. Qwen3-MoE refuses int4: no hint
     assert ("GGUF tensors (Q4_0 x16, F32 x5) dequantized to bfloat16; neuron_config.quantization 'int4' would "
             "re-quantize") in caplog.text
+    assert caplog.records[-1].getMessage() == "GGUF tensors (Q4_0 x16, F32 x5) dequantized to float32"
 
 
 @pytest.mark.engine

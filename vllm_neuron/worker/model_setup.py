@@ -87,7 +87,8 @@ def build_model(cls: type, ckpt: Checkpoint, config: EngineConfig, spec: ModelSp
         logger.info("Weight-only %s: %d linear layers, %.1f MiB -> %.1f MiB (%s kernel for decode)", quantization,
                     layers, before / 2**20, after / 2**20, "custom" if kernels.quant else "no")
     if ckpt.is_gguf:
-        log_gguf_weights(ckpt, dtype, quantization if quantization in ("int8", "int4") else None, errors or {})
+        log_gguf_weights(ckpt, dtype, quantization if quantization in ("int8", "int4") else None, errors or {},
+                         spec.quantizations)
     if device.type == "cpu" and huge_pages.available():
         moved, moved_bytes = huge_pages.move_parameters_(model)
         logger.info("Weights in 2 MiB pages: %d tensors, %.1f MiB (VLLM_NEURON_HUGE_PAGES=0 keeps 4 KiB ones)",
@@ -98,9 +99,10 @@ def build_model(cls: type, ckpt: Checkpoint, config: EngineConfig, spec: ModelSp
 
 
 def log_gguf_weights(ckpt: Checkpoint, dtype: torch.dtype, scheme: str | None,
-                     errors: dict[str, quant_error.QuantError]) -> None:
+                     errors: dict[str, quant_error.QuantError], honoured: tuple[str, ...]) -> None:
     """The GGUF rule, said at every load: the file's tensors are dequantized to the model dtype, and with
-    neuron_config.quantization int8 / int4 the linear weights are re-quantized from those (error logged)."""
+    neuron_config.quantization int8 / int4 the linear weights are re-quantized from those (error logged);
+    without, the scheme that would keep the file quantized is named when the model honours it."""
     types = gguf_cache.tensor_types(ckpt.gguf_file)
     listed = ", ".join(f"{t} x{n}" for t, n in types.items())
     to = str(dtype).removeprefix("torch.")
@@ -109,6 +111,7 @@ def log_gguf_weights(ckpt: Checkpoint, dtype: torch.dtype, scheme: str | None,
                     "the dequantized weights: %s", listed, to, scheme, quant_error.summarize(errors))
         return
     hint = gguf_loader.suggested_quantization(types)
+    hint = hint if hint in honoured else None
     logger.info("GGUF tensors (%s) dequantized to %s%s", listed, to,
                 f"; neuron_config.quantization '{hint}' would re-quantize the linear weights onto the weight-only "
                 "kernels (fewer bytes per decode step; the error is logged)" if hint else "")
