@@ -426,6 +426,7 @@ def make_tiny_gguf(
     arch: str = "llama",
     split_max_tensors: int = 0,
     chat_template: str | None = None,
+    quant_by_name: dict[str, str] | None = None,
     **config_kwargs: Any,
 ) -> str:
     """Writes build_tiny_llama(seed=seed, **config_kwargs) as a llama.cpp-style GGUF file (Q/K
@@ -439,7 +440,8 @@ def make_tiny_gguf(
     build_tiny_model("qwen3", ...) as llama.cpp's `qwen3` architecture (no Q/K permutation, q/k norms).
     `split_max_tensors` > 0 splits the file into parts of at most that many tensors, named and keyed as
     llama.cpp's gguf-split writes them; the first part's path is returned. `chat_template` replaces
-    SmolLM2's in the tokenizer metadata."""
+    SmolLM2's in the tokenizer metadata. `quant_by_name` ({"ffn_down": "Q8_0", ...}: a part of the GGUF tensor
+    name -> its type) overrides `quant` for the matrices it names, as llama.cpp's mixed files (Q4_K_M) do."""
     import gguf
 
     file = path if path.endswith(".gguf") else os.path.join(path, "tiny-llama.gguf")
@@ -489,7 +491,9 @@ def make_tiny_gguf(
             arr = _llamacpp_permute(arr, cfg.num_attention_heads)
         elif name.endswith("k_proj.weight"):
             arr = _llamacpp_permute(arr, cfg.num_key_value_heads)
-        _add_weight(w, _gguf_name(name), np.ascontiguousarray(arr), dtype, quant, seed)
+        gguf_name = _gguf_name(name)
+        own = next((q for part, q in (quant_by_name or {}).items() if part in gguf_name), quant)
+        _add_weight(w, gguf_name, np.ascontiguousarray(arr), dtype, own, seed)
 
     write_gguf(w)
     return str(w.format_shard_names(Path(file))[0])

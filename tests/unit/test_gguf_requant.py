@@ -1,6 +1,9 @@
 """A quantized GGUF with neuron_config.quantization int8 / int4: the file's dequantized linear weights are
 re-quantized onto our weight-only kernels, and the error against them is measured and logged.
 
+With "int4", a layer holding a tensor the file keeps finer than 4 bits (a Q4_K_M file's Q6_K / Q8_0 ones, a tied
+lm_head's Q8_0 embedding) is re-quantized to int8 instead (worker/gguf_weights.py).
+
 Bounds (from the formats): int8 moves a weight by at most half a step of its row (largest |w| / 254), int4 by half
 a step of its 32-wide group ((max - min) / 30, so at most 1/15 of the tensor's largest |w|). A Q4_1 file uses
 int4's own block (32 weights, w = d * q + m with q 0..15 over the block's full range) and comes back exact to
@@ -19,7 +22,9 @@ from vllm_neuron.model.layers import quant_error, quant_int4, quant_int8
 from vllm_neuron.model.layers.linear import Linear, quantize_linears_
 from vllm_neuron.model.loader import load_checkpoint
 from vllm_neuron.model.loader.gguf_loader import suggested_quantization
-from vllm_neuron.worker.model_setup import log_gguf_weights
+from vllm_neuron.model.loader.gguf_cache import hf_types
+from vllm_neuron.model.registry import resolve_model_class
+from vllm_neuron.worker.gguf_weights import layer_schemes, log_gguf_weights
 
 SHAPE = dict(arch="qwen3", num_hidden_layers=1, hidden_size=256, intermediate_size=256, num_attention_heads=4,
              num_key_value_heads=2, head_dim=64, vocab_size=512, tokenizer=False, seed=5)
@@ -67,11 +72,34 @@ def test_the_default_dequantization_is_said_with_the_scheme_that_would_keep_the_
     assert suggested_quantization({"F32": 10, "BF16": 7}) is None
     ck = load_checkpoint(make_tiny_gguf(str(tmp_path / "q.gguf"), quant="Q4_0", tokenizer=False, vocab_size=512))
     with caplog.at_level(logging.INFO):
-        log_gguf_weights(ck, torch.bfloat16, None, {}, ("int8", "int4"))
-        log_gguf_weights(ck, torch.float32, None, {}, ("int8",))  # e.g. Qwen3-MoE refuses int4: no hint
+        log_gguf_weights(ck, torch.bfloat16, None, {}, {}, ("int8", "int4"))
+        log_gguf_weights(ck, torch.float32, None, {}, {}, ("int8",))  # e.g. Qwen3-MoE refuses int4: no hint
     assert ("GGUF tensors (Q4_0 x16, F32 x5) dequantized to bfloat16; neuron_config.quantization 'int4' would "
             "re-quantize") in caplog.text
     assert caplog.records[-1].getMessage() == "GGUF tensors (Q4_0 x16, F32 x5) dequantized to float32"
+
+
+def test_int4_keeps_the_layers_a_mixed_file_holds_finer_at_int8(tmp_path):
+    # A Q4_K_M-like mix: most matrices 4-bit, attn_v / ffn_down and the (tied) embedding at 8 bits.
+    path = make_tiny_gguf(str(tmp_path / "mix.gguf"), quant="Q4_0", tokenizer=False, vocab_size=512,
+                          tie_word_embeddings=True,
+                          quant_by_name={"attn_v": "Q8_0", "ffn_down": "Q8_0", "token_embd": "Q8_0"})
+    ck = load_checkpoint(path)
+    model = resolve_model_class(ck.hf_config)(ck.hf_config)
+    model.load_weights(ck.iter_weights(torch.float32))
+    assert layer_schemes(model, hf_types(path), "int8") == {}
+    schemes = layer_schemes(model, hf_types(path), "int4")
+    layers = range(ck.hf_config.num_hidden_layers)
+    # q/k/v run as one fused layer: its Q8_0 v rows make all of it int8; the tied lm_head holds the Q8_0 embedding.
+    assert schemes == {"lm_head": "int8", **{f"model.layers.{i}.{m}": "int8" for i in layers
+                                             for m in ("self_attn.qkv_proj", "mlp.down_proj")}}
+    errors: dict = {}
+    quantize_linears_(model, "int4", errors, schemes)
+    for name, module in model.named_modules():
+        if isinstance(module, Linear):
+            assert module.quantization == schemes.get(name, "int4"), name
+            assert errors[name].rel <= BOUND[module.quantization] + 1e-6, name
+    assert {m.quantization for n, m in model.named_modules() if n.endswith(("o_proj", "gate_up_proj"))} == {"int4"}
 
 
 @pytest.mark.engine

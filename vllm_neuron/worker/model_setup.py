@@ -1,7 +1,7 @@
 """Building a model for an engine: construct it on the device in the compute dtype, hand it the engine's
-kernel choice, load its weights (FP8 checkpoints, FP8 KV scales), quantize it (int8 / int4; a GGUF's error against
-its dequantized weights logged), move its weights into huge pages and pack them once for the tile kernels; and
-zeroed KV memory that costs nothing until used."""
+kernel choice, load its weights (FP8 checkpoints, FP8 KV scales), quantize it (int8 / int4; a GGUF's layers by
+gguf_weights.py's rule), move its weights into huge pages and pack them once for the tile kernels; and zeroed KV
+memory that costs nothing until used."""
 from __future__ import annotations
 
 import time
@@ -20,8 +20,8 @@ from vllm_neuron.model.layers import kv_quant, quant_error, quant_fp8
 from vllm_neuron.model.layers.kernel_config import KernelConfig, apply_kernel_config
 from vllm_neuron.model.layers.kernels.cpu_caps import describe_copies
 from vllm_neuron.model.layers.linear import make_linears_fp8_, pack_linears_, packed_bytes, quantize_linears_
-from vllm_neuron.model.loader import Checkpoint, gguf_cache, gguf_loader
-from vllm_neuron.worker import memory
+from vllm_neuron.model.loader import Checkpoint, gguf_cache
+from vllm_neuron.worker import gguf_weights, memory
 
 logger = init_logger(__name__)
 
@@ -80,15 +80,17 @@ def build_model(cls: type, ckpt: Checkpoint, config: EngineConfig, spec: ModelSp
         kv_quant.log_scales(config.kv_cache_dtype, kv_scales, model.kv_cache_spec()[0])
     model = model.eval().requires_grad_(False)
     quantization = config.neuron_config.quantization
-    errors: dict[str, quant_error.QuantError] | None = {} if ckpt.is_gguf else None
-    if quantization in ("int8", "int4"):  # mxfp4 belongs to the gpt-oss experts' own loading
-        check_weight_quantization(quantization, dtype, device)
-        layers, before, after = quantize_linears_(model, quantization, errors)
-        logger.info("Weight-only %s: %d linear layers, %.1f MiB -> %.1f MiB (%s kernel for decode)", quantization,
+    scheme = quantization if quantization in ("int8", "int4") else None  # mxfp4: the gpt-oss experts' own loading
+    errors: dict[str, quant_error.QuantError] = {}
+    schemes = gguf_weights.layer_schemes(model, gguf_cache.hf_types(ckpt.gguf_file), scheme) \
+        if ckpt.is_gguf and scheme else {}
+    if scheme is not None:
+        check_weight_quantization(scheme, dtype, device)
+        layers, before, after = quantize_linears_(model, scheme, errors if ckpt.is_gguf else None, schemes)
+        logger.info("Weight-only %s: %d linear layers, %.1f MiB -> %.1f MiB (%s kernel for decode)", scheme,
                     layers, before / 2**20, after / 2**20, "custom" if kernels.quant else "no")
     if ckpt.is_gguf:
-        log_gguf_weights(ckpt, dtype, quantization if quantization in ("int8", "int4") else None, errors or {},
-                         spec.quantizations)
+        gguf_weights.log_gguf_weights(ckpt, dtype, scheme, errors, schemes, spec.quantizations)
     if device.type == "cpu" and huge_pages.available():
         moved, moved_bytes = huge_pages.move_parameters_(model)
         logger.info("Weights in 2 MiB pages: %d tensors, %.1f MiB (VLLM_NEURON_HUGE_PAGES=0 keeps 4 KiB ones)",
@@ -96,25 +98,6 @@ def build_model(cls: type, ckpt: Checkpoint, config: EngineConfig, spec: ModelSp
     if kernels.prepacked:
         pack_weights(model, kernels)
     return model, nbytes
-
-
-def log_gguf_weights(ckpt: Checkpoint, dtype: torch.dtype, scheme: str | None,
-                     errors: dict[str, quant_error.QuantError], honoured: tuple[str, ...]) -> None:
-    """The GGUF rule, said at every load: the file's tensors are dequantized to the model dtype, and with
-    neuron_config.quantization int8 / int4 the linear weights are re-quantized from those (error logged);
-    without, the scheme that would keep the file quantized is named when the model honours it."""
-    types = gguf_cache.tensor_types(ckpt.gguf_file)
-    listed = ", ".join(f"{t} x{n}" for t, n in types.items())
-    to = str(dtype).removeprefix("torch.")
-    if scheme is not None:
-        logger.info("GGUF tensors (%s) dequantized to %s, then the linear weights re-quantized to %s; error against "
-                    "the dequantized weights: %s", listed, to, scheme, quant_error.summarize(errors))
-        return
-    hint = gguf_loader.suggested_quantization(types)
-    hint = hint if hint in honoured else None
-    logger.info("GGUF tensors (%s) dequantized to %s%s", listed, to,
-                f"; neuron_config.quantization '{hint}' would re-quantize the linear weights onto the weight-only "
-                "kernels (fewer bytes per decode step; the error is logged)" if hint else "")
 
 
 def pack_weights(model: torch.nn.Module, kernels: KernelConfig) -> None:

@@ -84,16 +84,17 @@ def make_linears_fp8_(model: nn.Module, exclude: list[str]) -> int:
     return count
 
 
-def quantize_linears_(model: nn.Module, scheme: str,
-                      errors: dict[str, quant_error.QuantError] | None = None) -> tuple[int, int, int]:
-    """Quantizes every `Linear` of `model` in place to `scheme`; (layers, bytes before, bytes after). With
-    `errors`, each layer's error against its weight before quantization is recorded there by module name."""
+def quantize_linears_(model: nn.Module, scheme: str, errors: dict[str, quant_error.QuantError] | None = None,
+                      schemes: dict[str, str] | None = None) -> tuple[int, int, int]:
+    """Quantizes every `Linear` of `model` in place to `scheme` (or `schemes[module name]`); (layers, bytes before,
+    bytes after). With `errors`, each layer's error against its weight before quantization is recorded there by
+    module name."""
     layers = before = after = 0
     for name, module in model.named_modules():
         if isinstance(module, Linear) and module.quantization is None:
             weight = module.weight
             before += weight.numel() * weight.element_size()
-            module.quantize_(scheme)
+            module.quantize_((schemes or {}).get(name, scheme))
             after += sum(t.numel() * t.element_size() for t in (module.qweight, module.qscale))
             layers += 1
             if errors is not None:

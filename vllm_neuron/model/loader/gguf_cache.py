@@ -284,7 +284,7 @@ def _write_configs(d: str, gguf_path: str, config: LlamaConfig, generation: dict
     sizes = {
         "float32_bytes": gguf_loader.gguf_weight_bytes(gguf_path, torch.float32),
         "native_bytes": gguf_loader.gguf_weight_bytes(gguf_path, None),
-        "types": gguf_loader.gguf_tensor_types(gguf_path),
+        "hf_types": gguf_loader.gguf_hf_types(gguf_path),
     }
     # config.json last: _read_configs treats its presence as the entry being usable.
     if (_open_entry(d, gguf_path)
@@ -309,17 +309,17 @@ def weight_bytes(gguf_path: str, dtype: torch.dtype | None = None) -> int:
     return gguf_loader.gguf_weight_bytes(gguf_path, dtype)
 
 
-def tensor_types(gguf_path: str) -> dict[str, int]:
-    """gguf_loader.gguf_tensor_types(gguf_path), from the cached sizes when there (no GGUF parse)."""
+def hf_types(gguf_path: str) -> dict[str, str]:
+    """gguf_loader.gguf_hf_types(gguf_path), from the cached sizes when there (no GGUF parse)."""
     d = cache_dir(gguf_path)
     if d is not None:
         try:
-            types = _read_json(os.path.join(d, TENSORS_NAME))["types"]
-            if isinstance(types, dict):  # stored with sorted keys: most first again
-                return dict(sorted(((str(k), int(v)) for k, v in types.items()), key=lambda kv: (-kv[1], kv[0])))
+            types = _read_json(os.path.join(d, TENSORS_NAME))["hf_types"]
+            if isinstance(types, dict):
+                return {str(k): str(v) for k, v in types.items()}
         except (OSError, ValueError, KeyError, TypeError):
             pass
-    return gguf_loader.gguf_tensor_types(gguf_path)
+    return gguf_loader.gguf_hf_types(gguf_path)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -359,21 +359,28 @@ def iter_gguf_weights(
         yield name, w
 
 
-def gguf_tensor_types(path: str) -> dict[str, int]:
-    """How many parameter tensors of each GGUF type (`Q4_K`, `F32`, ...) the file holds, most first."""
+def gguf_hf_types(path: str) -> dict[str, str]:
+    """HF parameter name -> the GGUF type (`Q4_K`, `F32`, ...) of the file's tensor behind it, for every parameter
+    tensor; a stack of experts under its `{e}` name."""
     reader = open_gguf(path)
-    config_tensors = GGUF_ARCHES[_architecture(reader, path)].config_tensors
+    arch = _architecture(reader, path)
+    config_tensors = GGUF_ARCHES[arch].config_tensors
+    return {hf_tensor_name(t.name, arch)[0]: t.tensor_type.name for t in reader.tensors
+            if t.name not in _CONFIG_ONLY_TENSORS and t.name not in config_tensors}
+
+
+def count_types(hf_types: dict[str, str]) -> dict[str, int]:
+    """How many tensors of each GGUF type, most first."""
     counts: dict[str, int] = {}
-    for t in reader.tensors:
-        if t.name not in _CONFIG_ONLY_TENSORS and t.name not in config_tensors:
-            counts[t.tensor_type.name] = counts.get(t.tensor_type.name, 0) + 1
+    for t in hf_types.values():
+        counts[t] = counts.get(t, 0) + 1
     return dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
 
 
 FLOAT_TYPES = ("F32", "F16", "BF16")
 # Quantized GGUF types of at most ~4.5 bits per weight: our int4 (0.75 bytes per weight) holds them at no more
 # bytes; the 5-8 bit ones (Q5_x, Q6_K, Q8_0) lose less on int8.
-_FOUR_BITS_OR_FEWER = ("Q2_K", "Q3_K", "Q4_0", "Q4_1", "Q4_K", "IQ4_XS", "IQ4_NL", "IQ1_S", "IQ1_M", "IQ2_XXS",
+FOUR_BITS_OR_FEWER = ("Q2_K", "Q3_K", "Q4_0", "Q4_1", "Q4_K", "IQ4_XS", "IQ4_NL", "IQ1_S", "IQ1_M", "IQ2_XXS",
                        "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "TQ1_0", "TQ2_0", "MXFP4")
 
 
@@ -382,7 +389,7 @@ def suggested_quantization(types: dict[str, int]) -> str | None:
     quantized = [t for t in types if t not in FLOAT_TYPES]
     if not quantized:
         return None
-    return "int4" if max(quantized, key=lambda t: types[t]) in _FOUR_BITS_OR_FEWER else "int8"
+    return "int4" if max(quantized, key=lambda t: types[t]) in FOUR_BITS_OR_FEWER else "int8"
 
 
 def gguf_weight_bytes(path: str, dtype: torch.dtype | None = None) -> int:
