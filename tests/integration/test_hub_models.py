@@ -130,7 +130,7 @@ def test_a_split_gguf_is_fetched_whole(online, tmp_path):
     d = str(tmp_path)
     path = fetch_model("acme/split-GGUF:Q8_0", download_dir=d)
     assert path.endswith("Q8_0/tiny-Q8_0-00001-of-00002.gguf")
-    assert sorted(os.listdir(os.path.dirname(path))) == ["tiny-Q8_0-00001-of-00002.gguf", "tiny-Q8_0-00002-of-00002.gguf"]
+    assert sorted(os.listdir(os.path.dirname(path))) == [f"tiny-Q8_0-0000{i}-of-00002.gguf" for i in (1, 2)]
     ck = load_checkpoint(path)
     assert len(dict(ck.iter_weights())) == 2 * 9 + 3  # both parts' tensors
     with pytest.raises(ValueError, match="one part of a split GGUF of 2 files, and the repository lacks "

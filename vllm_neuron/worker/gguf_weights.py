@@ -41,8 +41,9 @@ def layer_schemes(model: nn.Module, hf_types: dict[str, str], scheme: str) -> di
     return out
 
 
-def log_gguf_weights(ckpt: Checkpoint, dtype: torch.dtype, scheme: str | None, errors: dict[str, quant_error.QuantError],
-                     schemes: dict[str, str], honoured: tuple[str, ...]) -> None:
+def log_gguf_weights(ckpt: Checkpoint, dtype: torch.dtype, scheme: str | None,
+                     errors: dict[str, quant_error.QuantError], schemes: dict[str, str],
+                     honoured: tuple[str, ...]) -> None:
     """The rule as it applied to this load; without a scheme, the one that would keep the file quantized is named
     when the model honours it."""
     types = gguf_loader.count_types(gguf_cache.hf_types(ckpt.gguf_file))

@@ -6,12 +6,12 @@ Only what the loader reads is fetched: the top-level JSON files (config, generat
 the safetensors weights (the shards an index names, not a `consolidated` copy beside them), the tokenizer's own
 files and chat templates; never `.bin` / `.pt` weights. A GGUF repository gives one file (every part of a split
 one): llama.cpp's rule (the `:TAG` quantization in the file name, case-insensitive, Q4_K_M when none is given, else
-the first GGUF), never an `mmproj` file. Nothing truncated is ever loaded: files reach the snapshot only once whole. The weight files
-(safetensors, GGUF: nearly all the bytes) are fetched by `_fetch_weight_blob` into `<blob>.partial`, which a
-run stopped by Ctrl-C or killed leaves behind, and the next run continues it with a Range request (huggingface_hub
-2 deletes its own partial files when a download stops); each finished weight is checked against its sha256
-(the hub's ETag of an LFS file) before huggingface_hub links it into the snapshot. The other files are
-huggingface_hub's own downloads; a dropped connection is resumed within the run.
+the first GGUF), never an `mmproj` file. Nothing truncated is ever loaded: files reach the snapshot only once whole.
+The weight files (safetensors, GGUF: nearly all the bytes) are fetched by `_fetch_weight_blob` into
+`<blob>.partial`, which a run stopped by Ctrl-C or killed leaves behind, and the next run continues it with a Range
+request (huggingface_hub 2 deletes its own partial files when a download stops); each finished weight is checked
+against its sha256 (the hub's ETag of an LFS file) before huggingface_hub links it into the snapshot. The other
+files are huggingface_hub's own downloads; a dropped connection is resumed within the run.
 Offline (HF_HUB_OFFLINE=1, or the hub unreachable) the cache alone is used; what is missing is named.
 
 Every failure is a ValueError of one line that says what went wrong and what to do.
