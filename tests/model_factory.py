@@ -19,6 +19,8 @@ import os
 import random
 import shutil
 import tempfile
+import zlib
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -332,11 +334,38 @@ def _llama3_rope_freqs(rope: dict, head_dim: int) -> np.ndarray:
     return np.array(out, dtype=np.float32)
 
 
-def _add_weight(writer, name: str, w: np.ndarray, dtype: torch.dtype, quant: str | None) -> None:
+# Byte offsets of the float16 scale fields (d, dmin) in one block of the types the gguf package can only
+# dequantize (llama.cpp's ggml-common.h block layouts); every other byte of a block is quant bits or packed
+# 6-bit scales, for which any value is valid.
+_F16_FIELDS = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,),
+               "IQ4_XS": (0,), "IQ4_NL": (0,)}
+
+
+def random_gguf_blocks(shape: tuple[int, ...], quant: str, seed: int = 0) -> np.ndarray:
+    """Valid raw blocks of GGUF type `quant` for a tensor of `shape` (uint8, [..., row bytes]): random quant
+    bits and packed scales, the float16 super-block scales drawn small and finite so that `gguf.quants.
+    dequantize` (the reference) gives O(0.1-1) weights. For the types `gguf.quants.quantize` cannot write."""
+    import gguf
+
+    block, nbytes = gguf.constants.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[quant]]
+    if shape[-1] % block:
+        raise ValueError(f"random_gguf_blocks: rows of {shape[-1]} are not whole {quant} blocks of {block}")
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(*shape[:-1], shape[-1] // block, nbytes), dtype=np.uint8)
+    for off in _F16_FIELDS[quant]:
+        scale = (rng.uniform(0.002, 0.02, size=raw.shape[:-1]) * rng.choice([-1, 1], size=raw.shape[:-1]))
+        raw[..., off:off + 2] = scale.astype(np.float16)[..., None].view(np.uint8)
+    return raw.reshape(*shape[:-1], -1)
+
+
+def _add_weight(writer, name: str, w: np.ndarray, dtype: torch.dtype, quant: str | None, seed: int = 0) -> None:
     import gguf
 
     if w.ndim == 1 or (dtype == torch.float32 and quant is None):
         writer.add_tensor(name, w.astype(np.float32))  # llama.cpp keeps norms in F32
+    elif quant in _F16_FIELDS:
+        raw = random_gguf_blocks(w.shape, quant, seed=seed + zlib.crc32(name.encode()))
+        writer.add_tensor(name, raw, raw_dtype=gguf.GGMLQuantizationType[quant])
     elif quant is not None:
         qtype = gguf.GGMLQuantizationType[quant]
         writer.add_tensor(name, gguf.quants.quantize(w.astype(np.float32), qtype), raw_dtype=qtype)
@@ -349,11 +378,12 @@ def _add_weight(writer, name: str, w: np.ndarray, dtype: torch.dtype, quant: str
         raise ValueError(f"make_tiny_gguf: dtype must be float32, float16 or bfloat16, got {dtype}")
 
 
-def gguf_writer_with_sizes(file: str, arch: str, cfg):
-    """A GGUFWriter for `file` holding the sizes every architecture writes (layers, context, widths, heads)."""
+def gguf_writer_with_sizes(file: str, arch: str, cfg, split_max_tensors: int = 0):
+    """A GGUFWriter for `file` holding the sizes every architecture writes (layers, context, widths, heads);
+    with `split_max_tensors` it writes llama.cpp's split parts `<stem>-0000i-of-0000N.gguf` instead."""
     import gguf
 
-    w = gguf.GGUFWriter(file, arch)
+    w = gguf.GGUFWriter(file, arch, split_max_tensors=split_max_tensors)
     w.add_block_count(cfg.num_hidden_layers)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
@@ -371,8 +401,8 @@ def write_gguf(w) -> None:
     w.close()
 
 
-def add_smollm2_tokenizer(w) -> None:
-    """The SmolLM2 tokenizer and chat template as GGUF metadata (llama.cpp's keys)."""
+def add_smollm2_tokenizer(w, chat_template: str | None = None) -> None:
+    """The SmolLM2 tokenizer and chat template (or `chat_template`) as GGUF metadata (llama.cpp's keys)."""
     with open(os.path.join(smollm2_tokenizer_dir(), _GGUF_TOKENIZER_JSON), encoding="utf-8") as f:
         tok = json.load(f)
     w.add_tokenizer_model(tok["tokenizer.ggml.model"])
@@ -383,7 +413,7 @@ def add_smollm2_tokenizer(w) -> None:
     w.add_unk_token_id(tok["tokenizer.ggml.unknown_token_id"])
     w.add_add_bos_token(tok["tokenizer.ggml.add_bos_token"])
     w.add_add_space_prefix(tok["tokenizer.ggml.add_space_prefix"])
-    w.add_chat_template(tok["tokenizer.chat_template"])
+    w.add_chat_template(chat_template or tok["tokenizer.chat_template"])
 
 
 def make_tiny_gguf(
@@ -394,15 +424,24 @@ def make_tiny_gguf(
     quant: str | None = None,
     tokenizer: bool = True,
     arch: str = "llama",
+    split_max_tensors: int = 0,
+    chat_template: str | None = None,
+    quant_by_name: dict[str, str] | None = None,
     **config_kwargs: Any,
 ) -> str:
     """Writes build_tiny_llama(seed=seed, **config_kwargs) as a llama.cpp-style GGUF file (Q/K
     permuted, SmolLM2 tokenizer metadata, llama3 rope scaling as a rope_freqs tensor) and returns
     its path. `path` is the .gguf file, or a directory to hold tiny-llama.gguf. Matrices are stored
-    as `dtype` (float32/float16/bfloat16) or, with `quant` (e.g. "Q8_0"), quantized.
+    as `dtype` (float32/float16/bfloat16) or, with `quant` (e.g. "Q8_0"), quantized; for the types the gguf
+    package cannot quantize (K-quants, IQ4_XS, IQ4_NL) the matrices are random valid blocks of the type
+    (random_gguf_blocks), so the file is no longer the source model: its reference is gguf's dequantize.
     `tokenizer=False` leaves out the tokenizer metadata: GGUFReader then opens the file in
     milliseconds instead of the seconds it spends parsing 49k tokens and merges. `arch` "qwen3" writes
-    build_tiny_model("qwen3", ...) as llama.cpp's `qwen3` architecture (no Q/K permutation, q/k norms)."""
+    build_tiny_model("qwen3", ...) as llama.cpp's `qwen3` architecture (no Q/K permutation, q/k norms).
+    `split_max_tensors` > 0 splits the file into parts of at most that many tensors, named and keyed as
+    llama.cpp's gguf-split writes them; the first part's path is returned. `chat_template` replaces
+    SmolLM2's in the tokenizer metadata. `quant_by_name` ({"ffn_down": "Q8_0", ...}: a part of the GGUF tensor
+    name -> its type) overrides `quant` for the matrices it names, as llama.cpp's mixed files (Q4_K_M) do."""
     import gguf
 
     file = path if path.endswith(".gguf") else os.path.join(path, "tiny-llama.gguf")
@@ -412,7 +451,7 @@ def make_tiny_gguf(
     rope = dict(cfg.rope_parameters)
     head_dim = cfg.head_dim
 
-    w = gguf_writer_with_sizes(file, arch, cfg)
+    w = gguf_writer_with_sizes(file, arch, cfg, split_max_tensors)
     w.add_name("tiny-llama")
     if head_dim != cfg.hidden_size // cfg.num_attention_heads:
         w.add_key_length(head_dim)
@@ -440,7 +479,7 @@ def make_tiny_gguf(
     w.add_eos_token_id(cfg.eos_token_id)
     w.add_pad_token_id(cfg.pad_token_id)
     if tokenizer:
-        add_smollm2_tokenizer(w)
+        add_smollm2_tokenizer(w, chat_template)
 
     for name, t in model.state_dict().items():
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
@@ -452,10 +491,12 @@ def make_tiny_gguf(
             arr = _llamacpp_permute(arr, cfg.num_attention_heads)
         elif name.endswith("k_proj.weight"):
             arr = _llamacpp_permute(arr, cfg.num_key_value_heads)
-        _add_weight(w, _gguf_name(name), np.ascontiguousarray(arr), dtype, quant)
+        gguf_name = _gguf_name(name)
+        own = next((q for part, q in (quant_by_name or {}).items() if part in gguf_name), quant)
+        _add_weight(w, gguf_name, np.ascontiguousarray(arr), dtype, own, seed)
 
     write_gguf(w)
-    return file
+    return str(w.format_shard_names(Path(file))[0])
 
 
 def build_tiny_gpt_oss_mxfp4(**config_kwargs: Any):

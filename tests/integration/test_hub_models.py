@@ -16,7 +16,7 @@ import pytest
 
 from tests.hub_server import TOKEN, LocalHub, folder_files
 from tests.integration.server_utils import child_env, cli, free_port
-from tests.model_factory import tiny_llm
+from tests.model_factory import make_tiny_gguf, tiny_llm
 from vllm_neuron.config.engine_args import EngineArgs
 from vllm_neuron.engine.resolve import fetch_hub_models, resolve_engine_config
 from vllm_neuron.model.loader import load_checkpoint
@@ -27,7 +27,7 @@ _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__f
 
 
 @pytest.fixture(scope="module")
-def hub(tiny_llama_dir, tiny_llama_gguf):
+def hub(tiny_llama_dir, tiny_llama_gguf, tmp_path_factory):
     files = folder_files(tiny_llama_dir)
     gguf = open(tiny_llama_gguf, "rb").read()
     h = LocalHub()
@@ -37,6 +37,12 @@ def hub(tiny_llama_dir, tiny_llama_gguf):
     h.add("acme/secret", {"main": files}, private=True)
     h.add("acme/tiny-GGUF", {"main": {"tiny-Q8_0.gguf": gguf, "tiny-Q4_K_M.gguf": gguf,
                                       "mmproj-tiny-Q8_0.gguf": b"vision tower", "README.md": b"# tiny"}})
+    first = make_tiny_gguf(str(tmp_path_factory.mktemp("split") / "tiny-Q8_0.gguf"), quant="Q8_0", tokenizer=False,
+                           vocab_size=512, split_max_tensors=12)
+    parts = {f"Q8_0/{n}": open(os.path.join(os.path.dirname(first), n), "rb").read()
+             for n in sorted(os.listdir(os.path.dirname(first)))}
+    h.add("acme/split-GGUF", {"main": {**parts, "README.md": b"# split"},
+                              "broken": {n: b for n, b in parts.items() if "00002-of" not in n}})
     h.add("acme/pickled", {"main": {"config.json": files["config.json"], "pytorch_model.bin": b"pickle"}})
     config = {**json.loads(files["config.json"]), "architectures": ["AcmeForCausalLM"],
               "auto_map": {"AutoModelForCausalLM": "modeling_acme.AcmeForCausalLM"}}
@@ -118,6 +124,18 @@ def test_gguf_quantization_selection(online, tiny_llama_gguf, tmp_path):
         fetch_model("acme/tiny-GGUF:Q5_K_M", download_dir=d)
     with pytest.raises(ValueError, match="--hf-file 'nope.gguf' is not in 'acme/tiny-GGUF'"):
         fetch_model("acme/tiny-GGUF", download_dir=d, hf_file="nope.gguf")
+
+
+def test_a_split_gguf_is_fetched_whole(online, tmp_path):
+    d = str(tmp_path)
+    path = fetch_model("acme/split-GGUF:Q8_0", download_dir=d)
+    assert path.endswith("Q8_0/tiny-Q8_0-00001-of-00002.gguf")
+    assert sorted(os.listdir(os.path.dirname(path))) == [f"tiny-Q8_0-0000{i}-of-00002.gguf" for i in (1, 2)]
+    ck = load_checkpoint(path)
+    assert len(dict(ck.iter_weights())) == 2 * 9 + 3  # both parts' tensors
+    with pytest.raises(ValueError, match="one part of a split GGUF of 2 files, and the repository lacks "
+                                         "Q8_0/tiny-Q8_0-00002-of-00002.gguf"):
+        fetch_model("acme/split-GGUF:Q8_0", download_dir=d, revision="broken")
 
 
 def test_engine_options_by_id(online, tiny_llama_dir, tmp_path):

@@ -30,7 +30,7 @@ def model_key(config, ckpt) -> str:
     """What the tier's blocks depend on besides the layout the runner adds: the weights (files by name, size and
     modification time), the model's config, the dtype, quantization and KV cache dtype, and this version (our
     kernels compute the values). Any change gives a new folder: a block is never served to another model."""
-    files = [ckpt.gguf_file] if ckpt.is_gguf else sorted(glob.glob(os.path.join(ckpt.path, "*.safetensors")))
+    files = ckpt.gguf_files if ckpt.is_gguf else sorted(glob.glob(os.path.join(ckpt.path, "*.safetensors")))
     stats = [(os.path.basename(f), os.stat(f).st_size, os.stat(f).st_mtime_ns) for f in files]
     nc = config.additional_config.neuron_config
     parts = {"files": stats, "config": ckpt.hf_config.to_json_string(), "dtype": config.dtype,

@@ -1,6 +1,7 @@
 """Building a model for an engine: construct it on the device in the compute dtype, hand it the engine's
-kernel choice, load its weights (FP8 checkpoints, FP8 KV scales), quantize it (int8 / int4), move its weights
-into huge pages and pack them once for the tile kernels; and zeroed KV memory that costs nothing until used."""
+kernel choice, load its weights (FP8 checkpoints, FP8 KV scales), quantize it (int8 / int4; a GGUF's layers by
+gguf_weights.py's rule), move its weights into huge pages and pack them once for the tile kernels; and zeroed KV
+memory that costs nothing until used."""
 from __future__ import annotations
 
 import time
@@ -15,12 +16,12 @@ from vllm_neuron.config.device import check_weight_quantization
 from vllm_neuron.config.engine_config import EngineConfig
 from vllm_neuron.logger import init_logger
 from vllm_neuron.model.base import ModelSpec
-from vllm_neuron.model.layers import kv_quant, quant_fp8
+from vllm_neuron.model.layers import kv_quant, quant_error, quant_fp8
 from vllm_neuron.model.layers.kernel_config import KernelConfig, apply_kernel_config
 from vllm_neuron.model.layers.kernels.cpu_caps import describe_copies
 from vllm_neuron.model.layers.linear import make_linears_fp8_, pack_linears_, packed_bytes, quantize_linears_
-from vllm_neuron.model.loader import Checkpoint
-from vllm_neuron.worker import memory
+from vllm_neuron.model.loader import Checkpoint, gguf_cache
+from vllm_neuron.worker import gguf_weights, memory
 
 logger = init_logger(__name__)
 
@@ -79,11 +80,17 @@ def build_model(cls: type, ckpt: Checkpoint, config: EngineConfig, spec: ModelSp
         kv_quant.log_scales(config.kv_cache_dtype, kv_scales, model.kv_cache_spec()[0])
     model = model.eval().requires_grad_(False)
     quantization = config.neuron_config.quantization
-    if quantization in ("int8", "int4"):  # mxfp4 belongs to the gpt-oss experts' own loading
-        check_weight_quantization(quantization, dtype, device)
-        layers, before, after = quantize_linears_(model, quantization)
-        logger.info("Weight-only %s: %d linear layers, %.1f MiB -> %.1f MiB (%s kernel for decode)", quantization,
+    scheme = quantization if quantization in ("int8", "int4") else None  # mxfp4: the gpt-oss experts' own loading
+    errors: dict[str, quant_error.QuantError] = {}
+    schemes = gguf_weights.layer_schemes(model, gguf_cache.hf_types(ckpt.gguf_file), scheme) \
+        if ckpt.is_gguf and scheme else {}
+    if scheme is not None:
+        check_weight_quantization(scheme, dtype, device)
+        layers, before, after = quantize_linears_(model, scheme, errors if ckpt.is_gguf else None, schemes)
+        logger.info("Weight-only %s: %d linear layers, %.1f MiB -> %.1f MiB (%s kernel for decode)", scheme,
                     layers, before / 2**20, after / 2**20, "custom" if kernels.quant else "no")
+    if ckpt.is_gguf:
+        gguf_weights.log_gguf_weights(ckpt, dtype, scheme, errors, schemes, spec.quantizations)
     if device.type == "cpu" and huge_pages.available():
         moved, moved_bytes = huge_pages.move_parameters_(model)
         logger.info("Weights in 2 MiB pages: %d tensors, %.1f MiB (VLLM_NEURON_HUGE_PAGES=0 keeps 4 KiB ones)",

@@ -14,11 +14,13 @@ token's adapter delta, computed in the compute dtype beside the (possibly quanti
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vllm_neuron.model.layers import packed_weights, quant_fp8, quant_int4, quant_int8
+from vllm_neuron.model.layers import packed_weights, quant_error, quant_fp8, quant_int4, quant_int8
 from vllm_neuron.model.layers.kernel_config import KernelConfig
 from vllm_neuron.model.layers.kernels.ops import linear_small_batch
 
@@ -82,17 +84,28 @@ def make_linears_fp8_(model: nn.Module, exclude: list[str]) -> int:
     return count
 
 
-def quantize_linears_(model: nn.Module, scheme: str) -> tuple[int, int, int]:
-    """Quantizes every `Linear` of `model` in place to `scheme`; (layers, bytes before, bytes after)."""
+def quantize_linears_(model: nn.Module, scheme: str, errors: dict[str, quant_error.QuantError] | None = None,
+                      schemes: dict[str, str] | None = None) -> tuple[int, int, int]:
+    """Quantizes every `Linear` of `model` in place to `scheme` (or `schemes[module name]`); (layers, bytes before,
+    bytes after). With `errors`, each layer's error against its weight before quantization is recorded there by
+    module name."""
     layers = before = after = 0
-    for module in model.modules():
+    for name, module in model.named_modules():
         if isinstance(module, Linear) and module.quantization is None:
-            before += module.weight.numel() * module.weight.element_size()
-            module.quantize_(scheme)
+            weight = module.weight
+            before += weight.numel() * weight.element_size()
+            module.quantize_((schemes or {}).get(name, scheme))
             after += sum(t.numel() * t.element_size() for t in (module.qweight, module.qscale))
             layers += 1
+            if errors is not None:
+                errors[name] = quant_error.measure(weight, functools.partial(_dequantize_rows, module))
     return layers, before, after
 
+
+
+def _dequantize_rows(module: Linear, a: int, b: int) -> torch.Tensor:
+    """Rows a..b of a quantized layer's weight in float32 (whole bands: a and b multiples of 4, or b the end)."""
+    return _scheme(module.quantization).dequantize(module.qweight[a:b], module.qscale[a:b], torch.float32)
 
 
 def _packable(model: nn.Module) -> list[torch.Tensor]:

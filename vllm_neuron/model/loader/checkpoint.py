@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 
-from vllm_neuron.model.loader import gguf_cache, safetensors_loader
+from vllm_neuron.model.loader import gguf_cache, gguf_split, safetensors_loader
 from vllm_neuron.model.loader.bundled import bundled_model_path
 
 if TYPE_CHECKING:
@@ -32,6 +32,11 @@ class Checkpoint:
     @property
     def is_gguf(self) -> bool:
         return self.gguf_file is not None
+
+    @property
+    def gguf_files(self) -> list[str]:
+        """Every file of a GGUF checkpoint: gguf_file, and the later parts of a split one; [] for HF folders."""
+        return gguf_split.sibling_parts(self.gguf_file) if self.gguf_file is not None else []
 
     def iter_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """Yields (hf_parameter_name, tensor) with transformers' names and layouts
@@ -108,6 +113,7 @@ def _read_generation_config(model_dir: str) -> dict[str, Any]:
 
 
 def _load_gguf(path: str) -> Checkpoint:
+    path = gguf_split.first_part(path)  # any part of a split GGUF: the first holds the metadata
     config, generation_config = gguf_cache.load_configs(path)
     return Checkpoint(
         path=path,
@@ -150,12 +156,12 @@ def load_checkpoint(model: str | None) -> Checkpoint:
     if os.path.isfile(os.path.join(path, "config.json")):
         return _load_hf_dir(path)
     ggufs = sorted(glob.glob(os.path.join(path, "*.gguf")))
-    if len(ggufs) == 1:
+    if len(ggufs) == 1 or gguf_split.one_split_set(ggufs):
         return _load_gguf(ggufs[0])
     if ggufs:
         raise ValueError(
             f"model directory {path} has no config.json and several .gguf files "
-            f"({', '.join(os.path.basename(g) for g in ggufs)}); pass one .gguf file"
+            f"({', '.join(os.path.basename(g) for g in ggufs)}); pass one .gguf file (the first part of a split one)"
         )
     raise ValueError(
         f"model directory {path} has neither config.json (Hugging Face layout) nor a .gguf file"

@@ -3,10 +3,11 @@
 Parsing a GGUF file's vocabulary takes seconds and dequantizing its weights takes more, and both the
 API-server process and the EngineCore process paid that on every start. The first load of a file
 writes the conversion to $VLLM_CACHE_ROOT/gguf/<stem>-<key>/, where the key hashes the file's
-absolute path, size and mtime and a fingerprint of the converting code (our loader's source, the
-transformers/gguf/tokenizers versions), so a changed file or converter never reads a stale entry:
+absolute path, size and mtime (every part's, for a split GGUF) and a fingerprint of the converting
+code (our loader's source, the transformers/gguf/tokenizers versions), so a changed file or
+converter never reads a stale entry:
 
-    config.json, generation_config.json, tensors.json   the configs and the weights' total sizes
+    config.json, generation_config.json, tensors.json   the configs, the weights' total sizes and types
     tokenizer/                                          the converted tokenizer (save_pretrained)
     weights-<dtype>.safetensors                         iter_gguf_weights(path, config, dtype)
     source.json                                         which file the entry belongs to (pruning)
@@ -34,7 +35,7 @@ import torch
 
 from vllm_neuron import envs
 from vllm_neuron.logger import init_logger
-from vllm_neuron.model.loader import gguf_arches, gguf_loader
+from vllm_neuron.model.loader import gguf_arches, gguf_loader, gguf_split
 
 if TYPE_CHECKING:
     from transformers import LlamaConfig, PreTrainedTokenizerFast
@@ -62,7 +63,7 @@ _unusable_logged: set[str] = set()
 @functools.lru_cache(maxsize=1)
 def _code_fingerprint() -> str:
     h = hashlib.sha256()
-    for module_file in (gguf_loader.__file__, gguf_arches.__file__, __file__):
+    for module_file in (gguf_loader.__file__, gguf_arches.__file__, gguf_split.__file__, __file__):
         with open(module_file, "rb") as f:
             h.update(f.read())
     for dist in ("transformers", "gguf", "tokenizers"):
@@ -74,11 +75,16 @@ def _code_fingerprint() -> str:
 
 
 def _source_id(path: str) -> dict[str, Any] | None:
+    """The file's identity; for the first part of a split GGUF (by its name), every part's too."""
+    parts = gguf_split.sibling_parts(path)
     try:
-        st = os.stat(path)
+        stats = [os.stat(p) for p in parts]
     except OSError:
-        return None
-    return {"path": os.path.abspath(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+        return None  # a missing part: the loader names it
+    source = {"path": os.path.abspath(path), "size": stats[0].st_size, "mtime_ns": stats[0].st_mtime_ns}
+    if len(parts) > 1:
+        source["parts"] = [[st.st_size, st.st_mtime_ns] for st in stats[1:]]
+    return source
 
 
 def cache_dir(gguf_path: str) -> str | None:
@@ -91,7 +97,8 @@ def cache_dir(gguf_path: str) -> str | None:
         fingerprint = _code_fingerprint()
     except OSError:  # e.g. an install without .py files: no safe key
         return None
-    blob = json.dumps([source["path"], source["size"], source["mtime_ns"], fingerprint])
+    blob = json.dumps([source["path"], source["size"], source["mtime_ns"], fingerprint]
+                      + ([source["parts"]] if "parts" in source else []))
     key = hashlib.sha256(blob.encode()).hexdigest()[:20]
     stem = os.path.splitext(os.path.basename(source["path"]))[0][:48]
     return os.path.join(envs.VLLM_CACHE_ROOT, CACHE_SUBDIR, f"{stem}-{key}")
@@ -277,6 +284,7 @@ def _write_configs(d: str, gguf_path: str, config: LlamaConfig, generation: dict
     sizes = {
         "float32_bytes": gguf_loader.gguf_weight_bytes(gguf_path, torch.float32),
         "native_bytes": gguf_loader.gguf_weight_bytes(gguf_path, None),
+        "hf_types": gguf_loader.gguf_hf_types(gguf_path),
     }
     # config.json last: _read_configs treats its presence as the entry being usable.
     if (_open_entry(d, gguf_path)
@@ -299,6 +307,19 @@ def weight_bytes(gguf_path: str, dtype: torch.dtype | None = None) -> int:
         except (OSError, ValueError, KeyError, TypeError):
             pass
     return gguf_loader.gguf_weight_bytes(gguf_path, dtype)
+
+
+def hf_types(gguf_path: str) -> dict[str, str]:
+    """gguf_loader.gguf_hf_types(gguf_path), from the cached sizes when there (no GGUF parse)."""
+    d = cache_dir(gguf_path)
+    if d is not None:
+        try:
+            types = _read_json(os.path.join(d, TENSORS_NAME))["hf_types"]
+            if isinstance(types, dict):
+                return {str(k): str(v) for k, v in types.items()}
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+    return gguf_loader.gguf_hf_types(gguf_path)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -4,7 +4,7 @@ The `llama` (SmolLM2, Llama 2/3.x, Mistral-style files), `qwen3`, `qwen3moe`, `g
 `granite` architectures are mapped (what each adds: gguf_arches.py). Quantized tensors are dequantized to float32 with
 `gguf.quants`; Q/K projections of the Llama-lineage files (llama, granite) are un-permuted back from
 llama.cpp's rotary layout and Gemma's norm shift is taken back out, so that every tensor equals what
-transformers would hold.
+transformers would hold. A GGUF split into `-0000i-of-0000N` parts reads as one file (gguf_split.py).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from gguf.quants import dequantize
 from transformers import PretrainedConfig
 
 from vllm_neuron.model.loader.gguf_arches import GGUF_ARCHES
+from vllm_neuron.model.loader.gguf_split import SplitGGUF, open_split
 
 SUPPORTED_ARCHITECTURES = tuple(GGUF_ARCHES)
 
@@ -54,18 +55,24 @@ _LAYER_TENSORS = {
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 
 
-@functools.lru_cache(maxsize=4)
+@functools.lru_cache(maxsize=8)
 def _cached_reader(path: str, mtime_ns: int, size: int) -> GGUFReader:
     return GGUFReader(path)
 
 
-def open_gguf(path: str) -> GGUFReader:
+def _open_one(path: str) -> GGUFReader:
     """A GGUFReader for `path`, shared per file version: parsing a 49k-token vocabulary takes seconds."""
-    st = os.stat(path)
     try:
+        st = os.stat(path)
         return _cached_reader(os.path.abspath(path), st.st_mtime_ns, st.st_size)
     except (ValueError, OSError) as e:
         raise ValueError(f"Cannot read GGUF file {path}: {e}") from e
+
+
+def open_gguf(path: str) -> GGUFReader | SplitGGUF:
+    """The file's reader: its metadata (`fields`) and tensors; for the first part of a split GGUF, the
+    first part's metadata and every part's tensors (gguf_split.py)."""
+    return open_split(path, _open_one(path), _open_one)
 
 
 def _meta(reader: GGUFReader, key: str, default: Any = None) -> Any:
@@ -350,6 +357,39 @@ def iter_gguf_weights(
         if dtype is not None and w.dtype != dtype:
             w = w.to(dtype)
         yield name, w
+
+
+def gguf_hf_types(path: str) -> dict[str, str]:
+    """HF parameter name -> the GGUF type (`Q4_K`, `F32`, ...) of the file's tensor behind it, for every parameter
+    tensor; a stack of experts under its `{e}` name."""
+    reader = open_gguf(path)
+    arch = _architecture(reader, path)
+    config_tensors = GGUF_ARCHES[arch].config_tensors
+    return {hf_tensor_name(t.name, arch)[0]: t.tensor_type.name for t in reader.tensors
+            if t.name not in _CONFIG_ONLY_TENSORS and t.name not in config_tensors}
+
+
+def count_types(hf_types: dict[str, str]) -> dict[str, int]:
+    """How many tensors of each GGUF type, most first."""
+    counts: dict[str, int] = {}
+    for t in hf_types.values():
+        counts[t] = counts.get(t, 0) + 1
+    return dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
+
+
+FLOAT_TYPES = ("F32", "F16", "BF16")
+# Quantized GGUF types of at most ~4.5 bits per weight: our int4 (0.75 bytes per weight) holds them at no more
+# bytes; the 5-8 bit ones (Q5_x, Q6_K, Q8_0) lose less on int8.
+FOUR_BITS_OR_FEWER = ("Q2_K", "Q3_K", "Q4_0", "Q4_1", "Q4_K", "IQ4_XS", "IQ4_NL", "IQ1_S", "IQ1_M", "IQ2_XXS",
+                       "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "TQ1_0", "TQ2_0", "MXFP4")
+
+
+def suggested_quantization(types: dict[str, int]) -> str | None:
+    """The weight-only scheme closest to the file's most common quantized type (None: no quantized tensor)."""
+    quantized = [t for t in types if t not in FLOAT_TYPES]
+    if not quantized:
+        return None
+    return "int4" if max(quantized, key=lambda t: types[t]) in FOUR_BITS_OR_FEWER else "int8"
 
 
 def gguf_weight_bytes(path: str, dtype: torch.dtype | None = None) -> int:

@@ -4,14 +4,14 @@ HF_HUB_OFFLINE honoured. Returns a local path the loader takes as it takes any f
 
 Only what the loader reads is fetched: the top-level JSON files (config, generation config, tokenizer, index),
 the safetensors weights (the shards an index names, not a `consolidated` copy beside them), the tokenizer's own
-files and chat templates; never `.bin` / `.pt` weights. A GGUF repository gives one file: llama.cpp's rule (the
-`:TAG` quantization in the file name, case-insensitive, Q4_K_M when none is given, else the first GGUF), never an
-`mmproj` file. Nothing truncated is ever loaded: files reach the snapshot only once whole. The weight files
-(safetensors, GGUF: nearly all the bytes) are fetched by `_fetch_weight_blob` into `<blob>.partial`, which a
-run stopped by Ctrl-C or killed leaves behind, and the next run continues it with a Range request (huggingface_hub
-2 deletes its own partial files when a download stops); each finished weight is checked against its sha256
-(the hub's ETag of an LFS file) before huggingface_hub links it into the snapshot. The other files are
-huggingface_hub's own downloads; a dropped connection is resumed within the run.
+files and chat templates; never `.bin` / `.pt` weights. A GGUF repository gives one file (every part of a split
+one): llama.cpp's rule (the `:TAG` quantization in the file name, case-insensitive, Q4_K_M when none is given, else
+the first GGUF), never an `mmproj` file. Nothing truncated is ever loaded: files reach the snapshot only once whole.
+The weight files (safetensors, GGUF: nearly all the bytes) are fetched by `_fetch_weight_blob` into
+`<blob>.partial`, which a run stopped by Ctrl-C or killed leaves behind, and the next run continues it with a Range
+request (huggingface_hub 2 deletes its own partial files when a download stops); each finished weight is checked
+against its sha256 (the hub's ETag of an LFS file) before huggingface_hub links it into the snapshot. The other
+files are huggingface_hub's own downloads; a dropped connection is resumed within the run.
 Offline (HF_HUB_OFFLINE=1, or the hub unreachable) the cache alone is used; what is missing is named.
 
 Every failure is a ValueError of one line that says what went wrong and what to do.
@@ -25,13 +25,13 @@ from dataclasses import dataclass
 
 from vllm_neuron import envs
 from vllm_neuron.logger import init_logger
+from vllm_neuron.model.loader import gguf_split
 
 logger = init_logger(__name__)
 
 GGUF_DEFAULT_TAG = "Q4_K_M"  # llama.cpp's `-hf org/name` default
 _REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 _QUANT_TAG = re.compile(r"[A-Za-z0-9_]+")
-_SPLIT_GGUF = re.compile(r"-\d{5}-of-\d{5}\.gguf$")
 # Top-level files besides the weights that the loader, the tokenizer and the chat template may read.
 _SIDE_FILES = ("*.json", "*.jinja", "tokenizer.model", "*.tiktoken", "merges.txt", "vocab.txt")
 _PICKLE_WEIGHTS = (".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack")
@@ -84,7 +84,8 @@ def weight_patterns(files: list[str], repo_id: str) -> list[str]:
 
 
 def select_gguf(files: list[str], repo_id: str, tag: str | None, hf_file: str | None) -> str:
-    """The one GGUF file to fetch: --hf-file, else the file whose name carries `tag` (llama.cpp's rule)."""
+    """The GGUF file to load: --hf-file, else the file whose name carries `tag` (llama.cpp's rule); for a split
+    GGUF, its first part (all parts are fetched: `_plan`)."""
     ggufs = sorted(f for f in files if f.endswith(".gguf") and "mmproj" not in os.path.basename(f).lower())
     if hf_file is not None:
         if hf_file not in files:
@@ -101,9 +102,14 @@ def select_gguf(files: list[str], repo_id: str, tag: str | None, hf_file: str | 
             raise ValueError(f"{repo_id!r} has no GGUF file for the quantization {tag!r}; its GGUF files: "
                              f"{', '.join(ggufs)} (pick one with org/name:QUANT or --hf-file)")
         chosen = (matches or ggufs)[0]
-    if _SPLIT_GGUF.search(chosen):
-        raise ValueError(f"{chosen!r} in {repo_id!r} is one part of a split GGUF, which is not supported: merge the "
-                         "parts (llama-gguf-split --merge) and pass the file, or pick another quantization")
+    parsed = gguf_split.parse_part(chosen)
+    if parsed is not None:  # fetch every part; the loader is given the first
+        parts = gguf_split.sibling_parts(gguf_split.part_name(parsed[0], 1, parsed[2]))
+        missing = [p for p in parts if p not in files]
+        if missing:
+            raise ValueError(f"{chosen!r} in {repo_id!r} is one part of a split GGUF of {parsed[2]} files, and the "
+                             f"repository lacks {', '.join(missing)}")
+        return parts[0]
     return chosen
 
 
@@ -114,7 +120,7 @@ def _plan(files: list[str], ref: HubModel, hf_file: str | None, only_tokenizer: 
         "config.json" not in top and any(f.endswith(".gguf") for f in files))
     if gguf_repo:  # a GGUF carries its tokenizer too
         chosen = select_gguf(files, ref.repo_id, ref.tag, hf_file)
-        return [chosen], chosen
+        return gguf_split.sibling_parts(chosen), chosen
     if only_tokenizer:
         side = sorted(f for f in top if any(fnmatch.fnmatchcase(f, p) for p in _SIDE_FILES)
                       and f != "model.safetensors.index.json")
