@@ -179,16 +179,24 @@ ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
                                       short_factor=[1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
                                       long_factor=[1.0, 1.5, 2.5, 4.0, 6.0, 9.0]),
                  original_max_position_embeddings=256),
+    # V2-Lite's shape, shrunk: no q LoRA, latent 32 + rope 8 (the cache's 40 per token), 4 routed experts (top 2)
+    # and a shared one; layer 0 dense; YaRN with mscale_all_dim as V2-Lite sets it.
+    "deepseek_v2": dict(num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                        head_dim=8, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                        n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=1.5,
+                        rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
+                                             original_max_position_embeddings=256, beta_fast=32, beta_slow=1,
+                                             mscale=0.707, mscale_all_dim=0.707)),
     # Granite 3's kind of multipliers (attention scale 1/head_dim instead of 1/sqrt(head_dim)).
     "granite": dict(embedding_multiplier=12.0, attention_multiplier=1 / 16, residual_multiplier=0.22,
                     logits_scaling=8.0),
 }
 _CONFIG_CLASSES = {"llama": "LlamaConfig", "qwen3": "Qwen3Config", "qwen3_moe": "Qwen3MoeConfig",
                    "gpt_oss": "GptOssConfig", "mistral": "MistralConfig", "gemma3": "Gemma3TextConfig",
-                   "phi3": "Phi3Config", "granite": "GraniteConfig"}
+                   "phi3": "Phi3Config", "granite": "GraniteConfig", "deepseek_v2": "DeepseekV2Config"}
 _MODEL_CLASSES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
                   "gpt_oss": "GptOssForCausalLM", "mistral": "MistralForCausalLM", "gemma3": "Gemma3ForCausalLM",
-                  "phi3": "Phi3ForCausalLM", "granite": "GraniteForCausalLM"}
+                  "phi3": "Phi3ForCausalLM", "granite": "GraniteForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM"}
 
 
 def tiny_config(arch: str = "llama", **kw: Any):

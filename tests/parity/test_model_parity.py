@@ -1,7 +1,7 @@
 """Greedy tokens and logits of every architecture vs transformers, on tiny random-weight configs built
 with transformers' own classes (fp32).
 
-Per architecture (Qwen3, Qwen3-MoE, gpt-oss, Mistral, Gemma 3, Phi-3, Granite): segmented prefill forced by
+Per architecture (Qwen3, Qwen3-MoE, gpt-oss, Mistral, Gemma 3, Phi-3, Granite, DeepSeek-V2): segmented prefill by
 tiny buckets, padded decode batches, a second pass served from the prefix cache, logprobs within 1e-4 of
 transformers' logits, and one compiled run (COMPILED_ARCHS: not Phi-3 and Granite, for CI time). Llama, the reference architecture, runs a wider set (its section below): more
 prompt lengths around block and bucket edges, prefix caching on and off, the custom kernels and the
@@ -24,12 +24,12 @@ from vllm_neuron.worker.model_runner_v2 import ModelRunnerV2
 
 pytestmark = pytest.mark.engine
 
-ARCHS = ["qwen3", "qwen3_moe", "gpt_oss", "mistral", "gemma3", "phi3", "granite"]
+ARCHS = ["qwen3", "qwen3_moe", "gpt_oss", "mistral", "gemma3", "phi3", "granite", "deepseek_v2"]
 # Compiled parity (about 35 s each here): issue 52's families keep it for Gemma 3 only (CI time), whose local and
 # global layers are two nested compile regions; Phi-3 runs Llama's graph with its own weights and rotary table,
 # Granite Llama's with constant multipliers.
-COMPILED_ARCHS = ["qwen3", "qwen3_moe", "gpt_oss", "mistral", "gemma3"]
-MOE_ARCHS = ["qwen3_moe", "gpt_oss"]
+COMPILED_ARCHS = ["qwen3", "qwen3_moe", "gpt_oss", "mistral", "gemma3", "deepseek_v2"]
+MOE_ARCHS = ["qwen3_moe", "gpt_oss", "deepseek_v2"]
 # MoE and sliding-window models (the tiny Mistral has v0.1's window, the tiny Gemma 3 a local layer)
 MRV1_ARCHS = [*MOE_ARCHS, "mistral", "gemma3"]
 MAX_NEW = 8
@@ -106,6 +106,11 @@ def test_eager_segmented_prefill_prefix_cache_and_logits(arch, model_dir, refere
         assert kv.windows == (None, 24)
         assert llm.llm_engine.core.runner.kernels.attention  # sinks and windows in the CPU kernel
         held = _spy_sliding_blocks(kv)
+    if arch == "deepseek_v2":  # MLA: one cached vector per token and layer, the latent (32) and k_pe (8)
+        runner = llm.llm_engine.core.runner
+        assert all(k is v and k.shape[1:] == (1, 40) for k, v in runner.kv_caches)
+        pool = {id(t): t.nbytes for pair in runner.kv_caches for t in pair}
+        assert sum(pool.values()) == llm.llm_engine.core.num_blocks * 16 * 2 * 40 * 4  # blocks x 16 x 2 layers x fp32
     outs = _run(llm, logprobs=5)
     _assert_tokens(outs, reference[0])
     worst = _max_logprob_error(outs, reference[1])

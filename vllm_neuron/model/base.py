@@ -45,6 +45,8 @@ class ModelSpec:
     attention_sinks: bool = False
     # neuron_config.quantization values the model honours (int8 and int4 apply to every `Linear`).
     quantizations: tuple[str, ...] = ("int8", "int4")
+    # The attention's values are its keys (MLA's latent): the pool holds one tensor per layer, passed as both.
+    values_are_keys: bool = False
 
     def __post_init__(self) -> None:
         if len(self.sliding_windows) != self.num_layers:

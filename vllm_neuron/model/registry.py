@@ -13,6 +13,7 @@ _MODELS = {
     "Phi3ForCausalLM": ("vllm_neuron.model.phi3", "Phi3ForCausalLM"),
     "GraniteForCausalLM": ("vllm_neuron.model.granite", "GraniteForCausalLM"),
     "Qwen3MoeForCausalLM": ("vllm_neuron.model.qwen3_moe", "Qwen3MoeForCausalLM"),
+    "DeepseekV2ForCausalLM": ("vllm_neuron.model.deepseek_v2", "DeepseekV2ForCausalLM"),
     "GptOssForCausalLM": ("vllm_neuron.model.gpt_oss", "GptOssForCausalLM"),
     "Qwen3VLForConditionalGeneration": ("vllm_neuron.model.qwen3_vl", "Qwen3VLForConditionalGeneration"),
     "Qwen3ASRForConditionalGeneration": ("vllm_neuron.model.qwen3_asr", "Qwen3ASRForConditionalGeneration"),
@@ -32,7 +33,8 @@ _REFUSED = {"Gemma3ForConditionalGeneration": "Gemma 3 with its vision tower (ge
 # Configs without `architectures` (e.g. built by hand) name their family by model_type.
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen3": "Qwen3ForCausalLM",
                 "qwen3_moe": "Qwen3MoeForCausalLM", "gpt_oss": "GptOssForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
-                "phi3": "Phi3ForCausalLM", "granite": "GraniteForCausalLM", "qwen3_vl": "Qwen3VLForConditionalGeneration"}
+                "phi3": "Phi3ForCausalLM", "granite": "GraniteForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM",
+                "qwen3_vl": "Qwen3VLForConditionalGeneration"}
 
 
 def supported_architectures() -> list[str]:

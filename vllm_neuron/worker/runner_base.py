@@ -94,6 +94,9 @@ class ModelRunnerBase(ProfiledRunner, KVConnectorCalls):
         self.model_cls = resolve_model_class(checkpoint.hf_config,
                                              config.pooling.task if config.pooling is not None else "none")
         self.model_spec = model_spec(checkpoint.hf_config, config.neuron_config.quantization)
+        if self.model_spec.values_are_keys and kv_quant.is_fp8(self.kv_dtype):
+            raise ValueError(f"kv_cache_dtype={config.kv_cache_dtype!r} is not supported yet for this model: its "
+                             f"attention caches one latent vector per token (MLA); use kv_cache_dtype='auto'")
         self.kernels = resolve_kernel_config(device, dtype)  # sinks and sliding windows included
         logger.info("%s", describe_kernels(device, self.dtype, self.model_spec.head_dim))
         # CUDA: decode attention reads each sequence's real context (Triton), and bucket graphs replay.
@@ -186,6 +189,8 @@ class ModelRunnerBase(ProfiledRunner, KVConnectorCalls):
         # One block holds the K/V of one group's layers (KV cache groups share the pool), and the draft's.
         per_block = memory.kv_cache_bytes_per_block(self.kv_layout.group_size, kv_heads, head_dim, self.block_size,
                                                     elem)
+        if self.model_spec.values_are_keys:
+            per_block //= 2  # one tensor per layer (MLA's latent)
         for h, d in self._draft_kv_layers():
             per_block += memory.kv_cache_bytes_per_block(1, h, d, self.block_size, elem)
 
@@ -221,18 +226,22 @@ class ModelRunnerBase(ProfiledRunner, KVConnectorCalls):
         _, kv_heads, head_dim = self.model.kv_cache_spec()
         slots = num_blocks * self.block_size
 
-        def pair(heads: int, dim: int, extra: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        def pair(heads: int, dim: int, extra: int = 0, shared: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+            if shared:  # the values are the keys (MLA): one tensor stands for both
+                t = zeros((slots + extra, heads, dim), self.kv_dtype, self.device)
+                return t, t
             return tuple(zeros((slots + extra, heads, dim), self.kv_dtype, self.device) for _ in range(2))
 
         # One K/V pair per layer of a group: with several groups, layer i uses pair layer_slot[i].
-        self.kv_caches = [pair(kv_heads, head_dim) for _ in range(self.kv_layout.group_size)]
+        shared = self.model_spec.values_are_keys
+        self.kv_caches = [pair(kv_heads, head_dim, shared=shared) for _ in range(self.kv_layout.group_size)]
         extra = self.speculator.kv_extra_slots() if self.speculator is not None else 0
         self.draft_kv = [pair(h, d, extra) for h, d in self._draft_kv_layers()]
         every = self.kv_caches + self.draft_kv
         logger.info("KV cache dtype: %s (kv_cache_dtype=%s, %d byte(s) per element, %.3f MiB per block)",
                     str(self.kv_dtype).removeprefix("torch."), self.config.kv_cache_dtype,
                     torch.finfo(self.kv_dtype).bits // 8,
-                    2 * self.kv_caches[0][0][:self.block_size].nbytes * len(every) / 2**20)
+                    (1 if shared else 2) * self.kv_caches[0][0][:self.block_size].nbytes * len(every) / 2**20)
         chunk_mib = envs.VLLM_NEURON_KV_PREFAULT_MB
         if self.device.type == "cpu" and chunk_mib > 0:
             self.kv_prefaulter = KVPrefaulter([t for p in every for t in p], self.block_size, num_blocks,
