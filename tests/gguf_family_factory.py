@@ -20,8 +20,16 @@ _LAYER_NAMES = {
     "phi3": {"self_attn.qkv_proj.weight": "attn_qkv.weight", "mlp.gate_up_proj.weight": "ffn_up.weight"},
     "granite": {},
     "qwen3_moe": {"mlp.gate.weight": "ffn_gate_inp.weight"},
+    "deepseek_v2": {"mlp.gate.weight": "ffn_gate_inp.weight",
+                    "self_attn.q_a_proj.weight": "attn_q_a.weight",
+                    "self_attn.q_a_layernorm.weight": "attn_q_a_norm.weight",
+                    "self_attn.q_b_proj.weight": "attn_q_b.weight",
+                    "self_attn.kv_a_proj_with_mqa.weight": "attn_kv_a_mqa.weight",
+                    "self_attn.kv_a_layernorm.weight": "attn_kv_a_norm.weight",
+                    "self_attn.kv_b_proj.weight": "attn_kv_b.weight",  # the converters before the k_b / v_b split
+                    **{f"mlp.shared_experts.{p}_proj.weight": f"ffn_{p}_shexp.weight" for p in ("gate", "up", "down")}},
 }
-_GGUF_ARCH = {"qwen3_moe": "qwen3moe"}  # the factory's arch (transformers' model_type) -> llama.cpp's name
+_GGUF_ARCH = {"qwen3_moe": "qwen3moe", "deepseek_v2": "deepseek2"}  # the factory's arch (transformers' model_type) -> llama.cpp's name
 
 
 def _gguf_tensor_name(hf_name: str, arch: str) -> str:
@@ -75,6 +83,45 @@ def _qwen3_moe_metadata(w, cfg) -> None:
     w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
 
 
+def _deepseek_v2_metadata(w, cfg) -> None:
+    import gguf
+
+    rope = cfg.rope_parameters
+    w.add_rope_freq_base(rope["rope_theta"])
+    # MLA as the converter writes it: one KV head of latent + rope dims, the per-head sizes as the *_mla keys.
+    for key, value in (("kv_lora_rank", cfg.kv_lora_rank), ("q_lora_rank", cfg.q_lora_rank),
+                       ("key_length", cfg.kv_lora_rank + cfg.qk_rope_head_dim), ("value_length", cfg.kv_lora_rank),
+                       ("key_length_mla", cfg.qk_nope_head_dim + cfg.qk_rope_head_dim),
+                       ("value_length_mla", cfg.v_head_dim), ("rope_dimension_count", cfg.qk_rope_head_dim),
+                       ("leading_dense_block_count", cfg.first_k_dense_replace),
+                       ("expert_count", cfg.n_routed_experts), ("expert_used_count", cfg.num_experts_per_tok),
+                       ("expert_feed_forward_length", cfg.moe_intermediate_size),
+                       ("expert_shared_count", cfg.n_shared_experts),
+                       ("expert_weights_scale", cfg.routed_scaling_factor)):
+        if value is not None:  # q_lora_rank: None for V2-Lite
+            getattr(w, f"add_{key}")(value)
+    if getattr(cfg, "scoring_func", None):  # the checkpoints' router function (transformers' config drops it)
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType[cfg.scoring_func.upper()])
+    if cfg.n_group:
+        w.add_expert_group_count(cfg.n_group)
+        w.add_expert_group_used_count(cfg.topk_group)
+    if rope.get("rope_type") == "yarn":
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        w.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
+        w.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
+        w.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
+
+
+def _deepseek_v2_kv_b(name: str, arr: np.ndarray, cfg) -> list[tuple[str, np.ndarray]]:
+    """kv_b_proj as today's converter splits it: k_b [heads, latent, nope] (transposed) and v_b [heads, v, latent]."""
+    layer = name.split(".")[2]
+    kv_b = arr.reshape(cfg.num_attention_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
+    k_b, v_b = kv_b[:, :cfg.qk_nope_head_dim], kv_b[:, cfg.qk_nope_head_dim:]
+    return [(f"blk.{layer}.attn_k_b.weight", k_b.transpose(0, 2, 1)), (f"blk.{layer}.attn_v_b.weight", v_b)]
+
+
 def _qwen3_moe_experts(name: str, arr: np.ndarray) -> list[tuple[str, np.ndarray]]:
     """transformers' stacked experts as the converter stacks the checkpoint's per-expert tensors."""
     layer = name.split(".")[2]
@@ -85,19 +132,25 @@ def _qwen3_moe_experts(name: str, arr: np.ndarray) -> list[tuple[str, np.ndarray
 
 
 _METADATA = {"gemma3": _gemma3_metadata, "phi3": _phi3_metadata, "granite": _granite_metadata,
-             "qwen3_moe": _qwen3_moe_metadata}
+             "qwen3_moe": _qwen3_moe_metadata, "deepseek_v2": _deepseek_v2_metadata}
 
 
 def make_family_gguf(path: str, arch: str, *, seed: int = 0, quant: str | None = None, tokenizer: bool = False,
-                     **config_kwargs: Any):
+                     split_kv_b: bool = True, **config_kwargs: Any):
     """(file, the transformers model it holds): build_tiny_model(arch, seed=seed, **config_kwargs) written as
     llama.cpp's converter writes `arch`; matrices F32 or, with `quant` (e.g. "Q8_0"), quantized; `tokenizer`
-    adds the SmolLM2 tokenizer (an engine can then serve the file; parsing it takes seconds)."""
+    adds the SmolLM2 tokenizer (an engine can then serve the file; parsing it takes seconds). `split_kv_b=False`
+    writes DeepSeek-V2's kv_b_proj whole (attn_kv_b), as the converters before its k_b / v_b split did."""
+    import copy
+
     import gguf
 
     model = build_tiny_model(arch, seed=seed, **config_kwargs)
     cfg = model.config
-    w = gguf_writer_with_sizes(path, _GGUF_ARCH.get(arch, arch), cfg)
+    sizes = copy.copy(cfg)
+    if arch == "deepseek_v2":
+        sizes.num_key_value_heads = 1  # the converter writes MLA as multi-query attention over the latent
+    w = gguf_writer_with_sizes(path, _GGUF_ARCH.get(arch, arch), sizes)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_vocab_size(cfg.vocab_size)
     w.add_bos_token_id(cfg.bos_token_id)
@@ -115,7 +168,12 @@ def make_family_gguf(path: str, arch: str, *, seed: int = 0, quant: str | None =
             arr = _llamacpp_permute(arr, cfg.num_attention_heads)
         elif arch == "granite" and name.endswith("k_proj.weight"):
             arr = _llamacpp_permute(arr, cfg.num_key_value_heads)
-        named = _qwen3_moe_experts(name, arr) if ".mlp.experts." in name else [(_gguf_tensor_name(name, arch), arr)]
+        if ".mlp.experts." in name:
+            named = _qwen3_moe_experts(name, arr)  # DeepSeek-V2's experts are stacked the same way
+        elif name.endswith("kv_b_proj.weight") and split_kv_b:
+            named = _deepseek_v2_kv_b(name, arr, cfg)
+        else:
+            named = [(_gguf_tensor_name(name, arch), arr)]
         for gguf_name, a in named:
             a = np.ascontiguousarray(a, dtype=np.float32)
             if quant is not None and a.ndim >= 2:

@@ -1,4 +1,4 @@
-"""GGUF files of Gemma 3, Phi-3, Granite and Qwen3-MoE (as llama.cpp's converter writes them) load into the same model
+"""GGUF files of Gemma 3, Phi-3, Granite, Qwen3-MoE and DeepSeek-V2 (as llama.cpp's converter writes them) load into the same model
 as the transformers checkpoint they came from: the same arch config, parameters and rotary tables. (That
 model's tokens equal transformers': tests/parity/test_model_parity.py.)"""
 from __future__ import annotations
@@ -23,6 +23,9 @@ CASES = {
     "phi3": dict(max_position_embeddings=512),  # LongRoPE factors as tensors, partial rotary
     "granite": {},
     "qwen3_moe": {},  # stacked expert tensors, yielded per expert
+    # MLA as one latent KV head in the metadata, kv_b_proj split into k_b / v_b, yarn's mscale as a log multiplier,
+    # shared experts and a dense first layer; rope rows as the checkpoint holds them (the model permutes at load).
+    "deepseek_v2": {},
 }
 
 
@@ -65,7 +68,22 @@ def test_gguf_gemma3_default_pattern_and_quantized_weights(tmp_path):
         q, ref.model.layers[5].self_attn.qkv_proj.weight)  # Q8_0's rounding, dequantized
 
 
-@pytest.mark.parametrize("arch", ["gemma3", "qwen3_moe"])
+def test_gguf_deepseek2_older_layout_q_lora_and_grouped_routing(tmp_path):
+    # kv_b_proj whole (attn_kv_b, the converters before the k_b / v_b split), V2's q LoRA (attn_q_a / _norm / _b)
+    # and its group-limited routing (expert_group_count / _used_count); a V3-style sigmoid router is refused.
+    kw = dict(q_lora_rank=16, n_group=2, topk_group=1, topk_method="group_limited_greedy")
+    path, hf = make_family_gguf(str(tmp_path / "ds.gguf"), "deepseek_v2", split_kv_b=False, **kw)
+    cfg = gguf_config(path)
+    assert (cfg.q_lora_rank, cfg.n_group, cfg.topk_group, cfg.topk_method) == (16, 2, 1, "group_limited_greedy")
+    model, ref = _ours(cfg, iter_gguf_weights(path, cfg)), _ours(hf.config, hf.state_dict().items())
+    params = dict(ref.named_parameters())
+    assert all(torch.equal(p, params[n]) for n, p in model.named_parameters())
+    v3, _ = make_family_gguf(str(tmp_path / "v3.gguf"), "deepseek_v2", scoring_func="sigmoid", num_hidden_layers=1)
+    with pytest.raises(ValueError, match="expert_gating_func=2"):
+        gguf_config(v3)
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "qwen3_moe", "deepseek_v2"])
 def test_gguf_conversion_cache_keeps_the_new_configs_and_expert_tensors(arch, tmp_path, monkeypatch):
     # The conversion cache stores the config as JSON and the weights as safetensors: Gemma 3's nested rope and
     # layer types must read back the same, and the per-expert pieces of a stacked tensor must be writable.

@@ -1,7 +1,7 @@
 """GGUF files (llama.cpp format): metadata -> transformers config, tensors -> HF names and layouts.
 
-The `llama` (SmolLM2, Llama 2/3.x, Mistral-style files), `qwen3`, `qwen3moe`, `gemma3`, `phi3` and
-`granite` architectures are mapped (what each adds: gguf_arches.py). Quantized tensors are dequantized to float32 with
+The `llama` (SmolLM2, Llama 2/3.x, Mistral-style files), `qwen3`, `qwen3moe`, `gemma3`, `phi3`, `granite` and
+`deepseek2` architectures are mapped (what each adds: gguf_arches.py). Quantized tensors are dequantized to float32 with
 `gguf.quants`; Q/K projections of the Llama-lineage files (llama, granite) are un-permuted back from
 llama.cpp's rotary layout and Gemma's norm shift is taken back out, so that every tensor equals what
 transformers would hold. A GGUF split into `-0000i-of-0000N` parts reads as one file (gguf_split.py).
@@ -177,7 +177,7 @@ def _llama3_factors(params: dict[str, Any], inv_freq: np.ndarray) -> np.ndarray:
 def _rope_parameters(reader: GGUFReader, arch: str, head_dim: int, path: str) -> dict[str, Any]:
     theta = float(_meta(reader, f"{arch}.rope.freq_base", 10000.0))
     rope_dim = _meta(reader, f"{arch}.rope.dimension_count")
-    if rope_dim is not None and int(rope_dim) != head_dim:
+    if rope_dim is not None and int(rope_dim) != head_dim and not GGUF_ARCHES[arch].latent_heads:
         if not GGUF_ARCHES[arch].partial_rotary:
             raise ValueError(
                 f"GGUF file {path}: partial rotary embeddings ({arch}.rope.dimension_count={rope_dim}, "
@@ -339,11 +339,22 @@ def iter_gguf_weights(
     arch = _architecture(reader, path)
     spec = GGUF_ARCHES[arch]
     heads = {"q": config.num_attention_heads, "kv": config.num_key_value_heads}
+    part_of = {part: joined for joined, (parts, _) in spec.joined_tensors.items() for part in parts}
+    pending: dict[str, dict[str, torch.Tensor]] = {}  # a joined tensor's HF name -> its parts read so far
     for t in reader.tensors:
         if t.name in _CONFIG_ONLY_TENSORS or t.name in spec.config_tensors:
             continue
         name, kind = hf_tensor_name(t.name, arch)
         w = _to_torch(t)
+        suffix = t.name.split(".", 2)[-1]
+        if suffix in part_of:
+            parts, join = spec.joined_tensors[part_of[suffix]]
+            got = pending.setdefault(name, {})
+            got[suffix] = w
+            if len(got) < len(parts):
+                continue
+            del pending[name]
+            w = join([got[p] for p in parts])
         if kind is not None and spec.permuted_qk:
             w = unpermute_rotary(w, heads[kind])
         if spec.norm_shift and t.name.endswith("norm.weight"):
