@@ -29,7 +29,8 @@ _LAYER_NAMES = {
                     "self_attn.kv_b_proj.weight": "attn_kv_b.weight",  # the converters before the k_b / v_b split
                     **{f"mlp.shared_experts.{p}_proj.weight": f"ffn_{p}_shexp.weight" for p in ("gate", "up", "down")}},
 }
-_GGUF_ARCH = {"qwen3_moe": "qwen3moe", "deepseek_v2": "deepseek2"}  # the factory's arch (transformers' model_type) -> llama.cpp's name
+# The factory's arch (transformers' model_type) -> llama.cpp's name
+_GGUF_ARCH = {"qwen3_moe": "qwen3moe", "deepseek_v2": "deepseek2", "gpt_oss": "gpt-oss"}
 
 
 def _gguf_tensor_name(hf_name: str, arch: str) -> str:
@@ -183,3 +184,73 @@ def make_family_gguf(path: str, arch: str, *, seed: int = 0, quant: str | None =
                 w.add_tensor(gguf_name, a)
     write_gguf(w)
     return path, model
+
+
+def _ggml_mxfp4(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """HF's packed MXFP4 ([..., G, 16] with elements 2j, 2j + 1 in byte j) as GGML's blocks of 17 bytes (the scale
+    byte, then element j in byte j's low nibble and j + 16 in its high one), [..., G * 17]."""
+    codes = np.stack([blocks & 0x0F, blocks >> 4], axis=-1).reshape(*blocks.shape[:-1], 32)
+    qs = codes[..., :16] | (codes[..., 16:] << 4)
+    return np.concatenate([scales[..., None], qs], axis=-1).reshape(*scales.shape[:-1], -1).astype(np.uint8)
+
+
+def make_gpt_oss_gguf(path: str, *, seed: int = 0, tokenizer: bool = False, mxfp4: bool = True,
+                      **config_kwargs: Any):
+    """(file, the transformers gpt-oss it holds, its experts' packed MXFP4 {param name: (blocks, scales)}):
+    build_tiny_gpt_oss_mxfp4(seed=seed, **config_kwargs) as llama.cpp's
+    converter writes `gpt-oss`: the MXFP4 experts repacked to GGML's MXFP4 blocks and split into gate / up halves
+    (the checkpoint interleaves their rows), biases likewise, attention sinks as `attn_sinks`, the rest F32;
+    `tokenizer`: make_family_gguf's; `mxfp4=False` writes the experts F32, as the converter does a bf16 checkpoint's."""
+    import gguf
+
+    from tests.model_factory import build_tiny_gpt_oss_mxfp4
+
+    model, packed = build_tiny_gpt_oss_mxfp4(seed=seed, **config_kwargs)
+    cfg, rope = model.config, model.config.rope_parameters
+    w = gguf_writer_with_sizes(path, "gpt-oss", cfg)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_vocab_size(cfg.vocab_size)
+    w.add_bos_token_id(cfg.bos_token_id)
+    w.add_eos_token_id(cfg.eos_token_id)
+    for key, value in (("key_length", cfg.head_dim), ("value_length", cfg.head_dim),
+                       ("rope_freq_base", rope["rope_theta"]), ("expert_count", cfg.num_local_experts),
+                       ("expert_used_count", cfg.num_experts_per_tok), ("sliding_window", cfg.sliding_window),
+                       ("expert_feed_forward_length", cfg.intermediate_size),
+                       ("rope_scaling_type", gguf.RopeScalingType.YARN), ("rope_scaling_factor", rope["factor"]),
+                       ("rope_scaling_orig_ctx_len", rope["original_max_position_embeddings"]),
+                       ("rope_scaling_yarn_beta_fast", rope["beta_fast"]),
+                       ("rope_scaling_yarn_beta_slow", rope["beta_slow"])):
+        getattr(w, f"add_{key}")(value)
+    if tokenizer:
+        add_smollm2_tokenizer(w)
+    names = {"post_attention_layernorm.weight": "post_attention_norm.weight", "self_attn.sinks": "attn_sinks.weight",
+             "mlp.router.weight": "ffn_gate_inp.weight", "mlp.router.bias": "ffn_gate_inp.bias",
+             **{f"self_attn.{p}_proj.bias": f"attn_{g}.bias"
+                for p, g in (("q", "q"), ("k", "k"), ("v", "v"), ("o", "output"))}}
+    for name, t in model.state_dict().items():
+        arr = t.detach().float().numpy()
+        if ".mlp.experts." not in name:
+            gguf_name = _HF_TO_GGUF_GLOBAL.get(name) or f"blk.{name.split('.')[2]}." + (
+                names.get(name.split(".", 3)[3]) or _HF_TO_GGUF_LAYER[name.split(".", 3)[3]])
+            w.add_tensor(gguf_name, np.ascontiguousarray(arr, dtype=np.float32))
+            continue
+        layer, proj = name.split(".")[2], name.split(".")[-1]
+        if proj == "down_proj_bias":
+            w.add_tensor(f"blk.{layer}.ffn_down_exps.bias", arr)
+        elif proj == "gate_up_proj_bias":  # rows interleaved gate, up, gate, ...
+            w.add_tensor(f"blk.{layer}.ffn_gate_exps.bias", np.ascontiguousarray(arr[:, 0::2]))
+            w.add_tensor(f"blk.{layer}.ffn_up_exps.bias", np.ascontiguousarray(arr[:, 1::2]))
+        elif not mxfp4:  # transformers' [E, in, out] transposed to [E, out, in]
+            out = np.ascontiguousarray(arr.transpose(0, 2, 1))
+            halves = [("down", out)] if proj == "down_proj" else [("gate", out[:, 0::2]), ("up", out[:, 1::2])]
+            for half, a in halves:
+                w.add_tensor(f"blk.{layer}.ffn_{half}_exps.weight", np.ascontiguousarray(a))
+        else:
+            blocks, scales = (x.numpy() for x in packed[name])  # [E, out, G, 16], [E, out, G]
+            halves = [("down", blocks, scales)] if proj == "down_proj" else \
+                [("gate", blocks[:, 0::2], scales[:, 0::2]), ("up", blocks[:, 1::2], scales[:, 1::2])]
+            for half, b, s in halves:
+                w.add_tensor(f"blk.{layer}.ffn_{half}_exps.weight", _ggml_mxfp4(b, s),
+                             raw_dtype=gguf.GGMLQuantizationType.MXFP4)
+    write_gguf(w)
+    return path, model, packed

@@ -10,7 +10,8 @@ checkpoint tensor the converter splits in several (`joined_tensors`) is joined b
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+import re
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +21,7 @@ import torch
 Meta = Callable[..., Any]  # meta(key without the "<arch>." prefix, default=None)
 ConfigExtra = Callable[[Meta, dict[str, np.ndarray], dict[str, Any], set[str]], dict[str, Any]]
 Join = Callable[[list[torch.Tensor]], torch.Tensor]  # the parts, in the listed order -> the checkpoint's tensor
+Weights = Iterator[tuple[str, torch.Tensor]]
 
 
 def _no_extra(meta: Meta, tensors: dict[str, np.ndarray], base: dict[str, Any], names: set[str]) -> dict[str, Any]:
@@ -38,6 +40,8 @@ class GgufArch:
     latent_heads: bool = False  # key_length / rope.dimension_count describe MLA's heads (config_extra reads them)
     # HF layer suffix -> (the GGUF layer suffixes it was split into, how to join them back)
     joined_tensors: dict[str, tuple[tuple[str, ...], Join]] = field(default_factory=dict)
+    packed_mxfp4: bool = False  # MXFP4 tensors come as HF's packed <name>_blocks / <name>_scales, not dequantized
+    regroup: Callable[[Weights], Weights] | None = None  # the HF-named stream -> the checkpoint's tensors
     config_extra: ConfigExtra = _no_extra
 
 
@@ -129,6 +133,47 @@ def _join_kv_b(parts: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat([k_b.transpose(1, 2), v_b], dim=1).flatten(0, 1).contiguous()
 
 
+def _gpt_oss(meta: Meta, tensors: dict[str, np.ndarray], base: dict[str, Any], names: set[str]) -> dict[str, Any]:
+    # llama.cpp's gpt-oss: sliding and full layers alternate from a sliding first one (a fixed pattern of 2, not in
+    # the file), and the clamped SwiGLU takes the checkpoints' constants (alpha 1.702, limit 7).
+    n, window = base["num_hidden_layers"], meta("attention.sliding_window")
+    rope = dict(base["rope_parameters"])
+    if rope["rope_type"] == "yarn":
+        rope["truncate"] = False  # every gpt-oss checkpoint's; the converter does not write it
+    return dict(num_local_experts=int(meta("expert_count")), num_experts_per_tok=int(meta("expert_used_count")),
+                intermediate_size=int(meta("expert_feed_forward_length")), rope_parameters=rope,
+                sliding_window=int(window) if window else None, swiglu_limit=7.0,
+                layer_types=["sliding_attention" if window and i % 2 == 0 else "full_attention" for i in range(n)])
+
+
+_GPT_OSS_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(gate|up|down)_proj(_bias|_blocks|_scales|)$")
+
+
+def _gpt_oss_experts(weights: Weights) -> Weights:
+    """The converter's separate gate / up experts (ffn_gate_exps, ffn_up_exps: [E, I, ...] each, and their biases)
+    interleaved back into the checkpoint's gate_up_proj rows (gate, up, gate, ...); unquantized experts in
+    transformers' [E, in, out] layout, MXFP4 blocks / scales as gpt-oss ships them ([E, out, in / 32, ...])."""
+    pending: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
+    for name, t in weights:
+        m = _GPT_OSS_EXPERT.match(name)
+        if m is None:
+            yield name, t
+            continue
+        prefix, proj, suffix = m.groups()
+        if proj == "down":
+            yield name, t.transpose(1, 2).contiguous() if suffix == "" else t
+            continue
+        got = pending.setdefault((prefix, suffix), {})
+        got[proj] = t
+        if len(got) < 2:
+            continue
+        del pending[(prefix, suffix)]
+        both = torch.stack([got["gate"], got["up"]], dim=2).flatten(1, 2)
+        yield f"{prefix}.gate_up_proj{suffix}", both.transpose(1, 2).contiguous() if suffix == "" else both
+    if pending:
+        raise ValueError(f"GGUF gpt-oss experts without their gate or up half: {sorted(pending)}")
+
+
 _EXPERTS = {"ffn_gate_inp.weight": "mlp.gate.weight",
             "ffn_gate_exps.weight": "mlp.experts.{e}.gate_proj.weight",
             "ffn_up_exps.weight": "mlp.experts.{e}.up_proj.weight",
@@ -166,4 +211,14 @@ GGUF_ARCHES: dict[str, GgufArch] = {
                                          "ffn_down_shexp.weight": "mlp.shared_experts.down_proj.weight"},
                           joined_tensors={"self_attn.kv_b_proj.weight": (("attn_k_b.weight", "attn_v_b.weight"),
                                                                          _join_kv_b)}),
+    # No rows permuted (llama.cpp rotates gpt-oss in halves, as transformers does); MXFP4 experts stay packed.
+    "gpt-oss": GgufArch("GptOssConfig", "GptOssForCausalLM", False, config_extra=_gpt_oss, packed_mxfp4=True,
+                        regroup=_gpt_oss_experts,
+                        layer_tensors={"post_attention_norm.weight": "post_attention_layernorm.weight",
+                                       "attn_sinks.weight": "self_attn.sinks",
+                                       "ffn_gate_inp.weight": "mlp.router.weight",
+                                       "ffn_gate_inp.bias": "mlp.router.bias",
+                                       **{f"ffn_{p}_exps.{kind}": f"mlp.experts.{p}_proj{suffix}"
+                                          for p in ("gate", "up", "down")
+                                          for kind, suffix in (("weight", ""), ("bias", "_bias"))}}),
 }
