@@ -43,9 +43,9 @@ def layer_schemes(model: nn.Module, hf_types: dict[str, str], scheme: str) -> di
 
 def log_gguf_weights(ckpt: Checkpoint, dtype: torch.dtype, scheme: str | None,
                      errors: dict[str, quant_error.QuantError], schemes: dict[str, str],
-                     honoured: tuple[str, ...]) -> None:
+                     honoured: tuple[str, ...], packed_mxfp4: bool = False) -> None:
     """The rule as it applied to this load; without a scheme, the one that would keep the file quantized is named
-    when the model honours it."""
+    when the model honours it. `packed_mxfp4`: the model keeps its experts MXFP4 (gpt-oss under "mxfp4")."""
     types = gguf_loader.count_types(gguf_cache.hf_types(ckpt.gguf_file))
     listed = ", ".join(f"{t} x{n}" for t, n in types.items())
     to = str(dtype).removeprefix("torch.")
@@ -54,6 +54,15 @@ def log_gguf_weights(ckpt: Checkpoint, dtype: torch.dtype, scheme: str | None,
         kept = f" ({finer} of the layers to int8: the file holds them finer than 4 bits)" if finer else ""
         logger.info("GGUF tensors (%s) dequantized to %s, then the linear weights re-quantized to %s%s; error against "
                     "the dequantized weights: %s", listed, to, scheme, kept, quant_error.summarize(errors))
+        return
+    if packed_mxfp4:
+        logger.info("GGUF tensors (%s): the experts held in MXFP4 (the file's MXFP4 blocks as they are, other expert "
+                    "types quantized to it), the rest dequantized to %s", listed, to)
+        return
+    quantized = [t for t in types if t not in gguf_loader.FLOAT_TYPES]
+    if quantized and max(quantized, key=lambda t: types[t]) == "MXFP4" and "mxfp4" in honoured:
+        logger.info("GGUF tensors (%s) dequantized to %s; neuron_config.quantization 'mxfp4' would keep the MXFP4 "
+                    "experts packed (fewer bytes per decode step, exact)", listed, to)
         return
     hint = gguf_loader.suggested_quantization(types)
     hint = hint if hint in honoured else None

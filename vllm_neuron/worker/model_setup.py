@@ -90,7 +90,8 @@ def build_model(cls: type, ckpt: Checkpoint, config: EngineConfig, spec: ModelSp
         logger.info("Weight-only %s: %d linear layers, %.1f MiB -> %.1f MiB (%s kernel for decode)", scheme,
                     layers, before / 2**20, after / 2**20, "custom" if kernels.quant else "no")
     if ckpt.is_gguf:
-        gguf_weights.log_gguf_weights(ckpt, dtype, scheme, errors, schemes, spec.quantizations)
+        gguf_weights.log_gguf_weights(ckpt, dtype, scheme, errors, schemes, spec.quantizations,
+                                      packed_mxfp4=quantization == "mxfp4")
     if device.type == "cpu" and huge_pages.available():
         moved, moved_bytes = huge_pages.move_parameters_(model)
         logger.info("Weights in 2 MiB pages: %d tensors, %.1f MiB (VLLM_NEURON_HUGE_PAGES=0 keeps 4 KiB ones)",

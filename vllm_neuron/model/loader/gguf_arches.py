@@ -5,18 +5,23 @@ only configure (rope factors), a shift stored into norm weights, and config fiel
 gguf_loader.py builds the common config fields (sizes, heads, rope) and reads the tensors; `config_extra`
 gets a metadata reader for the architecture's keys (`meta("attention.scale")` reads `<arch>.attention.scale`),
 the tensors that only configure, those common fields and every tensor name, and returns the fields to add
-or replace. A layer tensor name with `{e}` is a stack of experts: the loader yields one tensor per expert.
+or replace. A layer tensor name with `{e}` is a stack of experts: the loader yields one tensor per expert. A
+checkpoint tensor the converter splits in several (`joined_tensors`) is joined back once all its parts are read.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+import re
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import torch
 
 Meta = Callable[..., Any]  # meta(key without the "<arch>." prefix, default=None)
 ConfigExtra = Callable[[Meta, dict[str, np.ndarray], dict[str, Any], set[str]], dict[str, Any]]
+Join = Callable[[list[torch.Tensor]], torch.Tensor]  # the parts, in the listed order -> the checkpoint's tensor
+Weights = Iterator[tuple[str, torch.Tensor]]
 
 
 def _no_extra(meta: Meta, tensors: dict[str, np.ndarray], base: dict[str, Any], names: set[str]) -> dict[str, Any]:
@@ -32,6 +37,11 @@ class GgufArch:
     config_tensors: frozenset[str] = frozenset()  # read into the config, not parameters
     norm_shift: float = 0.0  # added by the converter to every *norm.weight (Gemma's 1 + w)
     partial_rotary: bool = False  # rope.dimension_count below the head size is a partial_rotary_factor
+    latent_heads: bool = False  # key_length / rope.dimension_count describe MLA's heads (config_extra reads them)
+    # HF layer suffix -> (the GGUF layer suffixes it was split into, how to join them back)
+    joined_tensors: dict[str, tuple[tuple[str, ...], Join]] = field(default_factory=dict)
+    packed_mxfp4: bool = False  # MXFP4 tensors come as HF's packed <name>_blocks / <name>_scales, not dequantized
+    regroup: Callable[[Weights], Weights] | None = None  # the HF-named stream -> the checkpoint's tensors
     config_extra: ConfigExtra = _no_extra
 
 
@@ -88,6 +98,87 @@ def _qwen3moe(meta: Meta, tensors: dict[str, np.ndarray], base: dict[str, Any], 
                 norm_topk_prob=bool(meta("expert_weights_norm", True)), mlp_only_layers=dense, decoder_sparse_step=1)
 
 
+def _deepseek2(meta: Meta, tensors: dict[str, np.ndarray], base: dict[str, Any], names: set[str]) -> dict[str, Any]:
+    # The converter writes MLA as one KV head of the latent: head_count_kv 1, key_length latent + rope (value_length
+    # the latent); the per-head sizes are the *_mla keys (files before them: key_length / value_length themselves).
+    rope = int(meta("rope.dimension_count"))
+    qk = int(meta("attention.key_length_mla") or base["head_dim"])
+    v = int(meta("attention.value_length_mla") or meta("attention.value_length"))
+    gating = int(meta("expert_gating_func", 1))
+    if gating != 1:  # 2: sigmoid (DeepSeek-V3's router, with its score-correction bias)
+        raise ValueError(f"deepseek2 GGUF with expert_gating_func={gating} (sigmoid routing, DeepSeek-V3) is not "
+                         "supported; supported: 1 (softmax, DeepSeek-V2 / V2-Lite)")
+    params = dict(base["rope_parameters"])
+    log_mul = meta("rope.scaling.yarn_log_multiplier")
+    if params["rope_type"] == "yarn" and log_mul:  # 0.1 * mscale_all_dim; llama.cpp takes mscale as equal
+        params["mscale"] = params["mscale_all_dim"] = float(log_mul) / 0.1
+    groups = int(meta("expert_group_count") or 1)
+    return dict(num_key_value_heads=base["num_attention_heads"], head_dim=rope, rope_parameters=params,
+                q_lora_rank=meta("attention.q_lora_rank"), kv_lora_rank=int(meta("attention.kv_lora_rank")),
+                qk_nope_head_dim=qk - rope, qk_rope_head_dim=rope, v_head_dim=v,
+                n_routed_experts=meta("expert_count"), num_experts_per_tok=meta("expert_used_count"),
+                moe_intermediate_size=meta("expert_feed_forward_length"),
+                n_shared_experts=int(meta("expert_shared_count", 0)),
+                first_k_dense_replace=int(meta("leading_dense_block_count", 0)),
+                routed_scaling_factor=float(meta("expert_weights_scale", 1.0)),
+                norm_topk_prob=bool(meta("expert_weights_norm", False)),
+                topk_method="group_limited_greedy" if groups > 1 else "greedy",
+                n_group=groups, topk_group=int(meta("expert_group_used_count") or 1))
+
+
+def _join_kv_b(parts: list[torch.Tensor]) -> torch.Tensor:
+    # The converter stores kv_b_proj [heads * (nope + v), latent] as k_b [heads, latent, nope] (W_UK transposed)
+    # and v_b [heads, v, latent].
+    k_b, v_b = parts
+    return torch.cat([k_b.transpose(1, 2), v_b], dim=1).flatten(0, 1).contiguous()
+
+
+def _gpt_oss(meta: Meta, tensors: dict[str, np.ndarray], base: dict[str, Any], names: set[str]) -> dict[str, Any]:
+    # llama.cpp's gpt-oss: sliding and full layers alternate from a sliding first one (a fixed pattern of 2, not in
+    # the file), and the clamped SwiGLU takes the checkpoints' constants (alpha 1.702, limit 7).
+    n, window = base["num_hidden_layers"], meta("attention.sliding_window")
+    rope = dict(base["rope_parameters"])
+    if rope["rope_type"] == "yarn":
+        rope["truncate"] = False  # every gpt-oss checkpoint's; the converter does not write it
+    return dict(num_local_experts=int(meta("expert_count")), num_experts_per_tok=int(meta("expert_used_count")),
+                intermediate_size=int(meta("expert_feed_forward_length")), rope_parameters=rope,
+                sliding_window=int(window) if window else None, swiglu_limit=7.0,
+                layer_types=["sliding_attention" if window and i % 2 == 0 else "full_attention" for i in range(n)])
+
+
+_GPT_OSS_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(gate|up|down)_proj(_bias|_blocks|_scales|)$")
+
+
+def _gpt_oss_experts(weights: Weights) -> Weights:
+    """The converter's separate gate / up experts (ffn_gate_exps, ffn_up_exps: [E, I, ...] each, and their biases)
+    interleaved back into the checkpoint's gate_up_proj rows (gate, up, gate, ...); unquantized experts in
+    transformers' [E, in, out] layout, MXFP4 blocks / scales as gpt-oss ships them ([E, out, in / 32, ...])."""
+    pending: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
+    for name, t in weights:
+        m = _GPT_OSS_EXPERT.match(name)
+        if m is None:
+            yield name, t
+            continue
+        prefix, proj, suffix = m.groups()
+        if proj == "down":
+            yield name, t.transpose(1, 2).contiguous() if suffix == "" else t
+            continue
+        got = pending.setdefault((prefix, suffix), {})
+        got[proj] = t
+        if len(got) < 2:
+            continue
+        del pending[(prefix, suffix)]
+        both = torch.stack([got["gate"], got["up"]], dim=2).flatten(1, 2)
+        yield f"{prefix}.gate_up_proj{suffix}", both.transpose(1, 2).contiguous() if suffix == "" else both
+    if pending:
+        raise ValueError(f"GGUF gpt-oss experts without their gate or up half: {sorted(pending)}")
+
+
+_EXPERTS = {"ffn_gate_inp.weight": "mlp.gate.weight",
+            "ffn_gate_exps.weight": "mlp.experts.{e}.gate_proj.weight",
+            "ffn_up_exps.weight": "mlp.experts.{e}.up_proj.weight",
+            "ffn_down_exps.weight": "mlp.experts.{e}.down_proj.weight"}
+
 GGUF_ARCHES: dict[str, GgufArch] = {
     "llama": GgufArch("LlamaConfig", "LlamaForCausalLM", True,
                       config_extra=lambda meta, tensors, base, names: {"mlp_bias": False}),
@@ -102,8 +193,32 @@ GGUF_ARCHES: dict[str, GgufArch] = {
                                     "ffn_up.weight": "mlp.gate_up_proj.weight"}),  # gate and up, fused
     "granite": GgufArch("GraniteConfig", "GraniteForCausalLM", True, config_extra=_granite),
     "qwen3moe": GgufArch("Qwen3MoeConfig", "Qwen3MoeForCausalLM", False, config_extra=_qwen3moe,
-                         layer_tensors={"ffn_gate_inp.weight": "mlp.gate.weight",
-                                        "ffn_gate_exps.weight": "mlp.experts.{e}.gate_proj.weight",
-                                        "ffn_up_exps.weight": "mlp.experts.{e}.up_proj.weight",
-                                        "ffn_down_exps.weight": "mlp.experts.{e}.down_proj.weight"}),
+                         layer_tensors=_EXPERTS),
+    # llama.cpp rotates deepseek2's rope dims in adjacent pairs, as the checkpoint does: no rows permuted.
+    "deepseek2": GgufArch("DeepseekV2Config", "DeepseekV2ForCausalLM", False, latent_heads=True,
+                          config_extra=_deepseek2,
+                          layer_tensors={**_EXPERTS,
+                                         "attn_q_a.weight": "self_attn.q_a_proj.weight",
+                                         "attn_q_a_norm.weight": "self_attn.q_a_layernorm.weight",
+                                         "attn_q_b.weight": "self_attn.q_b_proj.weight",
+                                         "attn_kv_a_mqa.weight": "self_attn.kv_a_proj_with_mqa.weight",
+                                         "attn_kv_a_norm.weight": "self_attn.kv_a_layernorm.weight",
+                                         "attn_kv_b.weight": "self_attn.kv_b_proj.weight",  # converters before 2025
+                                         "attn_k_b.weight": "self_attn.kv_b_proj.weight",
+                                         "attn_v_b.weight": "self_attn.kv_b_proj.weight",
+                                         "ffn_gate_shexp.weight": "mlp.shared_experts.gate_proj.weight",
+                                         "ffn_up_shexp.weight": "mlp.shared_experts.up_proj.weight",
+                                         "ffn_down_shexp.weight": "mlp.shared_experts.down_proj.weight"},
+                          joined_tensors={"self_attn.kv_b_proj.weight": (("attn_k_b.weight", "attn_v_b.weight"),
+                                                                         _join_kv_b)}),
+    # No rows permuted (llama.cpp rotates gpt-oss in halves, as transformers does); MXFP4 experts stay packed.
+    "gpt-oss": GgufArch("GptOssConfig", "GptOssForCausalLM", False, config_extra=_gpt_oss, packed_mxfp4=True,
+                        regroup=_gpt_oss_experts,
+                        layer_tensors={"post_attention_norm.weight": "post_attention_layernorm.weight",
+                                       "attn_sinks.weight": "self_attn.sinks",
+                                       "ffn_gate_inp.weight": "mlp.router.weight",
+                                       "ffn_gate_inp.bias": "mlp.router.bias",
+                                       **{f"ffn_{p}_exps.{kind}": f"mlp.experts.{p}_proj{suffix}"
+                                          for p in ("gate", "up", "down")
+                                          for kind, suffix in (("weight", ""), ("bias", "_bias"))}}),
 }

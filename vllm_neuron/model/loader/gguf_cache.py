@@ -339,7 +339,7 @@ def _iter_cached_weights(
             raise ValueError("the stored tensor order does not list the stored tensors")
         for name in order:
             t = f.get_tensor(name)
-            if dtype is not None and t.dtype != dtype:
+            if dtype is not None and t.is_floating_point() and t.dtype != dtype:  # packed blocks: any dtype
                 raise ValueError(f"tensor {name} is {t.dtype}, expected {dtype}")
             yield name, t
 

@@ -1,10 +1,12 @@
 """GGUF files (llama.cpp format): metadata -> transformers config, tensors -> HF names and layouts.
 
-The `llama` (SmolLM2, Llama 2/3.x, Mistral-style files), `qwen3`, `qwen3moe`, `gemma3`, `phi3` and
-`granite` architectures are mapped (what each adds: gguf_arches.py). Quantized tensors are dequantized to float32 with
-`gguf.quants`; Q/K projections of the Llama-lineage files (llama, granite) are un-permuted back from
-llama.cpp's rotary layout and Gemma's norm shift is taken back out, so that every tensor equals what
-transformers would hold. A GGUF split into `-0000i-of-0000N` parts reads as one file (gguf_split.py).
+The `llama` (SmolLM2, Llama 2/3.x, Mistral-style files), `qwen3`, `qwen3moe`, `gemma3`, `phi3`, `granite`,
+`deepseek2` and `gpt-oss` architectures are mapped (what each adds: gguf_arches.py). Quantized tensors are
+dequantized to float32 with `gguf.quants`; Q/K projections of the Llama-lineage files (llama, granite) are
+un-permuted back from llama.cpp's rotary layout and Gemma's norm shift is taken back out, so that every tensor
+equals what transformers would hold; gpt-oss's MXFP4 experts are repacked (not dequantized) into the `_blocks` /
+`_scales` its checkpoints hold, for the model to keep packed or dequantize. A GGUF split into `-0000i-of-0000N`
+parts reads as one file (gguf_split.py).
 """
 
 from __future__ import annotations
@@ -177,7 +179,7 @@ def _llama3_factors(params: dict[str, Any], inv_freq: np.ndarray) -> np.ndarray:
 def _rope_parameters(reader: GGUFReader, arch: str, head_dim: int, path: str) -> dict[str, Any]:
     theta = float(_meta(reader, f"{arch}.rope.freq_base", 10000.0))
     rope_dim = _meta(reader, f"{arch}.rope.dimension_count")
-    if rope_dim is not None and int(rope_dim) != head_dim:
+    if rope_dim is not None and int(rope_dim) != head_dim and not GGUF_ARCHES[arch].latent_heads:
         if not GGUF_ARCHES[arch].partial_rotary:
             raise ValueError(
                 f"GGUF file {path}: partial rotary embeddings ({arch}.rope.dimension_count={rope_dim}, "
@@ -331,19 +333,57 @@ def _to_torch(t: Any) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32)).reshape(shape)
 
 
+def mxfp4_blocks(t: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """A GGML MXFP4 tensor [..., K] as HF's packed pair (model/layers/mxfp4.py): blocks [..., K/32, 16], scales
+    [..., K/32]. A GGML block is its E8M0 scale byte and 16 bytes holding element j in byte j's low nibble and
+    j + 16 in its high one; HF packs elements 2j, 2j + 1 into byte j. The 4-bit codes and the scale byte mean the
+    same in both (GGML stores the E2M1 values doubled and halves the scale)."""
+    shape = tuple(int(d) for d in reversed(t.shape))
+    raw = np.ascontiguousarray(t.data).view(np.uint8).reshape(-1, 17)
+    q = raw[:, 1:]
+    codes = np.concatenate([q & 0x0F, q >> 4], axis=1)  # element order 0..31
+    blocks = codes[:, 0::2] | (codes[:, 1::2] << 4)
+    groups = (*shape[:-1], shape[-1] // 32)
+    return (torch.from_numpy(np.ascontiguousarray(blocks)).reshape(*groups, 16),
+            torch.from_numpy(raw[:, 0].copy()).reshape(groups))
+
+
 def iter_gguf_weights(
     path: str, config: PretrainedConfig, dtype: torch.dtype | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, tensor) for every parameter tensor of the file, dequantized and un-permuted."""
+    """(HF name, tensor) for every parameter tensor of the file, dequantized and un-permuted (an architecture's
+    MXFP4 tensors packed as its checkpoints hold them, where it takes them so)."""
+    spec = GGUF_ARCHES[_architecture(open_gguf(path), path)]
+    weights = _iter_tensors(path, config, dtype)
+    return spec.regroup(weights) if spec.regroup is not None else weights
+
+
+def _iter_tensors(path: str, config: PretrainedConfig, dtype: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor]]:
     reader = open_gguf(path)
     arch = _architecture(reader, path)
     spec = GGUF_ARCHES[arch]
     heads = {"q": config.num_attention_heads, "kv": config.num_key_value_heads}
+    part_of = {part: joined for joined, (parts, _) in spec.joined_tensors.items() for part in parts}
+    pending: dict[str, dict[str, torch.Tensor]] = {}  # a joined tensor's HF name -> its parts read so far
     for t in reader.tensors:
         if t.name in _CONFIG_ONLY_TENSORS or t.name in spec.config_tensors:
             continue
         name, kind = hf_tensor_name(t.name, arch)
+        if spec.packed_mxfp4 and t.tensor_type == GGMLQuantizationType.MXFP4:
+            blocks, scales = mxfp4_blocks(t)
+            yield name + "_blocks", blocks
+            yield name + "_scales", scales
+            continue
         w = _to_torch(t)
+        suffix = t.name.split(".", 2)[-1]
+        if suffix in part_of:
+            parts, join = spec.joined_tensors[part_of[suffix]]
+            got = pending.setdefault(name, {})
+            got[suffix] = w
+            if len(got) < len(parts):
+                continue
+            del pending[name]
+            w = join([got[p] for p in parts])
         if kind is not None and spec.permuted_qk:
             w = unpermute_rotary(w, heads[kind])
         if spec.norm_shift and t.name.endswith("norm.weight"):
@@ -395,10 +435,13 @@ def suggested_quantization(types: dict[str, int]) -> str | None:
 def gguf_weight_bytes(path: str, dtype: torch.dtype | None = None) -> int:
     """Bytes of the tensors iter_gguf_weights(path, ..., dtype) yields, computed from the header."""
     reader = open_gguf(path)
-    config_tensors = GGUF_ARCHES[_architecture(reader, path)].config_tensors
+    spec = GGUF_ARCHES[_architecture(reader, path)]
     total = 0
     for t in reader.tensors:
-        if t.name in _CONFIG_ONLY_TENSORS or t.name in config_tensors:
+        if t.name in _CONFIG_ONLY_TENSORS or t.name in spec.config_tensors:
+            continue
+        if spec.packed_mxfp4 and t.tensor_type == GGMLQuantizationType.MXFP4:
+            total += int(t.n_bytes)  # kept packed: the file's bytes
             continue
         itemsize = dtype.itemsize if dtype is not None else _yield_dtype(t.tensor_type).itemsize
         total += int(t.n_elements) * itemsize

@@ -59,7 +59,8 @@ def _load_cached(path: str, mtime_ns: int) -> "PreTrainedTokenizerFast":
 def _gguf_tokenizer(path: str) -> "PreTrainedTokenizerFast":
     """transformers' tokenizer of a GGUF file. AutoTokenizer first reads the file's model config and refuses
     architectures transformers does not map (e.g. granite), although the tokenizer metadata is llama.cpp's
-    common one: for those, the same conversion builds a generic fast tokenizer."""
+    common one: for those, the same conversion builds a generic fast tokenizer. So it does for gpt-oss, whose config
+    reader in transformers (5.x) fails on llama.cpp's rope.scaling keys with a TypeError."""
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     try:
@@ -68,6 +69,8 @@ def _gguf_tokenizer(path: str) -> "PreTrainedTokenizerFast":
     except ValueError as e:
         if "is not supported yet" not in str(e):
             raise
+    except TypeError:
+        pass
     from transformers.integrations.gguf import convert_gguf_tokenizer, get_gguf_tokenizer
 
     architecture, tokenizer_dict, tokenizer_config = get_gguf_tokenizer(path)
