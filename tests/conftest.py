@@ -39,6 +39,10 @@ def pytest_configure(config: pytest.Config) -> None:
     # Every test compiles into its own temporary compile cache; inductor's kernels and headers are shared by all
     # of them and by the servers and workers they start, so each process's first graph skips inductor's set-up.
     os.environ.setdefault("VLLM_NEURON_INDUCTOR_CACHE_DIR", os.path.join(_cache_root(), "inductor"))
+    # Likewise the custom kernels: a test with a cache root of its own (a GGUF conversion cache to itself) does not
+    # build them again (30 s on 2 cores); the tests of the build itself unset it.
+    os.environ.setdefault("VLLM_NEURON_KERNEL_CACHE_DIR",
+                          os.path.join(_cache_root(), "vllm_cache_root", "kernels"))
     import torch
 
     torch.set_num_threads(2)

@@ -201,6 +201,13 @@ _VARS: dict[str, EnvVar] = {
             "place to share what they have in common (the test suite does).",
         ),
         EnvVar(
+            "VLLM_NEURON_KERNEL_CACHE_DIR",
+            lambda: _str("VLLM_NEURON_KERNEL_CACHE_DIR"),
+            "Folder of the custom CPU kernels' builds (one sub-folder per source digest and instruction set), "
+            "default $VLLM_CACHE_ROOT/kernels. Point cache roots that differ at one place to build the kernels "
+            "once (the test suite does).",
+        ),
+        EnvVar(
             "VLLM_NEURON_KV_OFFLOAD_DIR",
             lambda: os.path.expanduser(_str("VLLM_NEURON_KV_OFFLOAD_DIR") or os.path.join(_cache_root(), "kv_tier")),
             "Folder of the second KV tier (--kv-offloading-size): blocks by prefix-cache hash, in a sub-folder per "

@@ -36,6 +36,7 @@ def test_fresh_cache_stats_line_and_no_litter(tiny_llama_dir, tmp_path):
     tmp = tmp_path / "tmp"
     tmp.mkdir()
     srv = ServerProcess(tiny_llama_dir, ARGS, str(tmp_path), VLLM_CACHE_ROOT=cache_root,
+                        VLLM_NEURON_KERNEL_CACHE_DIR="",  # the root's own kernels folder: built here
                         TMPDIR=str(tmp), PROMETHEUS_MULTIPROC_DIR="")
     try:
         srv.wait_healthy(timeout=FRESH_START_TIMEOUT)

@@ -3,7 +3,7 @@
 engine idle with its KV cache empty, and the API server's, the engine's and the grammar compile process'
 RSS within RSS_BOUND_MB of their level after warm-up.
 
-Length: VLLM_NEURON_SOAK_MINUTES (default 1.5: CI's `make test` runs it so; `make soak` runs 30).
+Length: VLLM_NEURON_SOAK_MINUTES (default 1.25: CI's `make test` runs it so; `make soak` runs 30).
 VLLM_NEURON_SOAK_CSV=path writes the RSS samples (seconds, MB of each process, requests sent) for a plot.
 The grammar caches are bounded small (--grammar-cache-bytes) so that they fill within the short run:
 memory that only grew would show there too.
@@ -26,7 +26,7 @@ from tests.integration.server_utils import serving, wait_for
 
 pytestmark = pytest.mark.soak
 
-MINUTES = float(os.environ.get("VLLM_NEURON_SOAK_MINUTES", "1.5"))
+MINUTES = float(os.environ.get("VLLM_NEURON_SOAK_MINUTES", "1.25"))
 CSV_PATH = os.environ.get("VLLM_NEURON_SOAK_CSV")
 WORKERS = 6  # under --max-num-queued-reqs: a 503 would be a fault here
 WARMUP_FRACTION = 0.4  # the first 40% of the run (at least 30 s) settles caches, arenas and KV pages

@@ -10,6 +10,7 @@ from vllm_neuron.model.layers.kernels import build
 
 def test_concurrent_loads_build_once(tmp_path, monkeypatch):
     monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path))
+    monkeypatch.delenv("VLLM_NEURON_KERNEL_CACHE_DIR", raising=False)
     builds = []
 
     def fake_compile(out, variant):

@@ -45,7 +45,7 @@ _HERE = Path(__file__).resolve().parent
 
 
 def _build_dir(digest: str) -> Path:
-    return Path(envs.VLLM_CACHE_ROOT) / "kernels" / digest
+    return Path(envs.VLLM_NEURON_KERNEL_CACHE_DIR or Path(envs.VLLM_CACHE_ROOT) / "kernels") / digest
 
 
 def cxx() -> str:
