@@ -47,8 +47,10 @@ def test_ours_p2_end_to_end(tiny_llama_dir, tmp_path):
     ours = next(r for r in rows if r[0] == "vllm-neuron (ours)")
     assert ours[-1] == "ok", proc.stdout
     assert ours[1] == "-"  # P1 was not run
+    # The table rounds to 0.1 ms: the tiny model's TPOT can show 0.0 there when a loaded machine delays the stream
+    # (the figures' own check is below, on the saved result).
     p2_ttft, p2_tpot = (float(x) for x in ours[3].split(" / "))
-    assert p2_ttft > 0 and p2_tpot > 0
+    assert p2_ttft > 0 and p2_tpot >= 0
     assert not any(r[0] == "ours / best peer" for r in rows)  # no peer ran: nothing to compare to
 
     saved = sorted(p for p in os.listdir(results) if p.startswith("compare_peers-"))
@@ -64,6 +66,7 @@ def test_ours_p2_end_to_end(tiny_llama_dir, tmp_path):
     assert bench["completed"] == 1 and bench["max_concurrency"] == 1
     assert bench["output_lens"] == [128]
     assert engine["figures"]["p2_median_tpot_ms"] == pytest.approx(bench["median_tpot_ms"])
+    assert bench["median_tpot_ms"] > 0
     assert engine["figures"]["p2_mean_ttft_ms"] == pytest.approx(bench["mean_ttft_ms"])
 
     roof = report["roofline"]

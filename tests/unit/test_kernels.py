@@ -453,8 +453,9 @@ _FORCED_SKIPS = "not compiled_graph and not (long_prefill_in_row_blocks and dtyp
 
 
 def _forced_run(variant: str, select: str, tmp_path, *more_files: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, VLLM_NEURON_CPU_ISA=variant, VLLM_CACHE_ROOT=str(tmp_path))
-    env.pop("VLLM_NEURON_KERNEL_CACHE_DIR", None)  # a build of its own, in tmp_path
+    # A build of its own, in tmp_path (the kernel folder named: the subprocess' conftest would share the suite's).
+    env = dict(os.environ, VLLM_NEURON_CPU_ISA=variant, VLLM_CACHE_ROOT=str(tmp_path),
+               VLLM_NEURON_KERNEL_CACHE_DIR=str(tmp_path / "kernels"))
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", select, __file__,
                            *more_files],
                           env=env, capture_output=True, text=True, timeout=900, cwd=_REPO)
