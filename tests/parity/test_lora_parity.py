@@ -3,7 +3,7 @@ adapters (different ranks, rsLoRA, one on q/v only) and the base model, each req
 transformers with its adapter merged (merge_and_unload; PEFT's unmerged forward checked to agree); on MRv1
 eager, one compiled engine (MRv2, the default runner) and TP=2; four adapters rotating through two slots
 (with n-gram speculative decoding); the prefix cache never sharing a prompt's blocks between adapters; bad
-adapters refused while the engine keeps serving."""
+adapters refused while the engine keeps serving; Mistral's sliding-window layers taking adapters too."""
 from __future__ import annotations
 
 import random
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.model_factory import (build_tiny_llama, cached_greedy_reference, make_peft_adapter, merged_lora_model,
-                                 tiny_llm)
+from tests.model_factory import (build_tiny_llama, build_tiny_model, cached_greedy_reference, make_peft_adapter,
+                                 make_tiny_model, merged_lora_model, tiny_llm)
 from vllm_neuron import SamplingParams
 from vllm_neuron.lora.request import LoRARequest
 from vllm_neuron.worker.lora.state import LoRAState
@@ -136,3 +136,22 @@ def test_tp2_mixed_batch(setup):
     finally:
         llm.llm_engine.shutdown()
 
+
+
+def test_mistral_sliding_window_layers_take_adapters(tmp_path):
+    """Mistral v0.1's sliding-window layers run in a compile region of their own: an adapter reaches them too
+    (prompts longer than the tiny config's window of 24)."""
+    hf = build_tiny_model("mistral")
+    model_dir = make_tiny_model(str(tmp_path / "mistral"), "mistral")
+    path = make_peft_adapter(str(tmp_path / "lora"), hf, r=8, lora_alpha=16.0, seed=5)
+    prompts = _prompts()
+    want = cached_greedy_reference(merged_lora_model(hf, path), prompts, MAX_NEW)
+    base = cached_greedy_reference(hf, prompts, MAX_NEW)
+    assert want != base
+    llm = tiny_llm(model_dir, **ENGINE, max_loras=1)
+    lora = LoRARequest("m", 1, path)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True), use_tqdm=False,
+                        lora_request=[lora, None, lora, None])
+    got = [list(o.outputs[0].token_ids) for o in outs]
+    assert got == [want[0], base[1], want[2], base[3]]

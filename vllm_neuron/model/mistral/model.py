@@ -37,9 +37,12 @@ class MistralDecoderLayer(LlamaDecoderLayer):
     def make_attention(self, cfg: MistralArchConfig, layer_idx: int) -> nn.Module:
         return MistralAttention(cfg, layer_idx)
 
-    def forward(self, x, cos, sin, kv_cache, meta) -> torch.Tensor:
+    def forward(self, x, cos, sin, kv_cache, meta, lora_index=None) -> torch.Tensor:
         if self.self_attn.sliding_window is None:
-            return super().forward(x, cos, sin, kv_cache, meta)
+            return super().forward(x, cos, sin, kv_cache, meta, lora_index)
+        if lora_index is not None:
+            return _lora_sliding_decoder_layer(self, x, cos, sin, kv_cache[0], kv_cache[1], lora_index,
+                                               *meta.fields())
         return _sliding_decoder_layer(self, x, cos, sin, kv_cache[0], kv_cache[1], *meta.fields())
 
 
@@ -47,6 +50,12 @@ class MistralDecoderLayer(LlamaDecoderLayer):
 def _sliding_decoder_layer(layer: MistralDecoderLayer, x, cos, sin, k_cache, v_cache, *meta_fields) -> torch.Tensor:
     # The window is a constant of the traced layer: sliding layers get a region of their own.
     return decoder_layer_body(layer, x, cos, sin, k_cache, v_cache, *meta_fields)
+
+
+@layer_region
+def _lora_sliding_decoder_layer(layer: MistralDecoderLayer, x, cos, sin, k_cache, v_cache, lora_index,
+                                *meta_fields) -> torch.Tensor:
+    return decoder_layer_body(layer, x, cos, sin, k_cache, v_cache, *meta_fields, lora_index=lora_index)
 
 
 class MistralForCausalLM(LlamaForCausalLM):
