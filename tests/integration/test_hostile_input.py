@@ -200,7 +200,9 @@ def _long(server, results: list, timeout: float = 600, max_tokens: int = 200) ->
 def test_past_the_queue_bound_a_503_with_retry_after(server):
     rejected = _metric(server.url, "vllm_neuron:num_requests_rejected_total", 'reason="queue_full"')
     results: list = []
-    threads = [threading.Thread(target=_long, args=(server, results)) for _ in range(4)]
+    # Each takes the whole context (500 tokens): with 200, on a quiet machine the two running ones could end before
+    # the poll saw all four admitted (a CI run timed out so).
+    threads = [threading.Thread(target=_long, args=(server, results, 600, 500)) for _ in range(4)]
     for t in threads:
         t.start()
     wait_for(lambda: _metric(server.url, "vllm_neuron:num_requests_admitted") == 4, 30, what="4 admitted")
