@@ -32,6 +32,7 @@ class PrefixHit:
     """A cached prefix: per group, one block per hit block index (NULL where a sliding group needs none)."""
 
     blocks: tuple[list[int], ...]
+    hashes: tuple[bytes, ...] = ()  # the prompt's full-block hashes the lookup computed (a second tier reads on)
 
     @property
     def num_blocks(self) -> int:
@@ -110,7 +111,7 @@ class KVCacheManager:
         for g, w in enumerate(self.windows):
             lo = 0 if w is None else first_needed_block(k * self.block_size, w, self.block_size)
             out.append([NULL_BLOCK] * lo + found[g][lo:k])
-        return PrefixHit(tuple(out))
+        return PrefixHit(tuple(out), tuple(hashes))
 
     def record_prefix_lookup(self, request: Request, hit: PrefixHit | None) -> None:
         """Counts one admitted request's lookup (not every retry while it waited for blocks)."""

@@ -319,7 +319,7 @@ class Scheduler:
     def _admit_to_read_tier(self, req: Request, cached, start: int) -> bool | None:
         """Admits `req` to read the tier's blocks that continue its local hit (None: the tier has none for it;
         False: no blocks to read them into)."""
-        found = self.kv_tier.extension(self.kv.prompt_hashes(req), cached.num_blocks)
+        found = self.kv_tier.extension(list(cached.hashes) or self.kv.prompt_hashes(req), cached.num_blocks)
         if not found:
             return None
         req.num_computed_tokens = start
