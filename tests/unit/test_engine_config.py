@@ -169,8 +169,7 @@ def test_encoder_neuron_config_needs_a_multimodal_model_and_one_device():
     with pytest.raises(ValueError, match="tp_size \\* dp_size must equal world_size"):
         resolve(tp, vlm)
     hold = EngineArgs.from_kwargs(additional_config={"encoder_neuron_config": {"encoder_cache_min_hold_time_ms": 5}})
-    with pytest.raises(ValueError, match="encoder_cache_min_hold_time_ms=5.* is not supported yet"):
-        resolve(hold, vlm)
+    assert resolve(hold, vlm).additional_config.encoder_neuron_config.min_hold_time_ms(epd=False) == 5.0
     resolve(EngineArgs.from_kwargs(additional_config={"encoder_neuron_config": {"encoder_attention_block_size": 256}}),
             vlm)
 

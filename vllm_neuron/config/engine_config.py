@@ -245,9 +245,6 @@ def _check_model_options(args: EngineArgs, facts: ModelFacts) -> None:
         if enc.parallel_sizes(args.tensor_parallel_size) != (1, 1):
             raise V.not_supported("encoder_neuron_config tp_size/dp_size", (enc.tp_size, enc.dp_size),
                                   "the encoder runs on one device")
-        if enc.encoder_cache_min_hold_time_ms:
-            raise V.not_supported("encoder_neuron_config.encoder_cache_min_hold_time_ms",
-                                  enc.encoder_cache_min_hold_time_ms, "it guards EPD transfers, which are not built")
 
 
 def _async_scheduling(args: EngineArgs, nc: NeuronConfig, device: torch.device) -> tuple[bool, str]:

@@ -25,6 +25,7 @@ from vllm_neuron.model.qwen3_vl.preprocessing import vision_inputs
 from vllm_neuron.step import NewRequestData, ScheduledChunk
 from vllm_neuron.worker.input_builder import PrefillArrays
 from vllm_neuron.worker.model_kinds.base import EncoderKindState, GraphSpec
+from vllm_neuron.worker.encoder_cache import EncoderCacheLayout
 from vllm_neuron.worker.step_inputs import EncoderInputs
 
 DEFAULT_ENCODER_CACHE_BYTES = 256 * 2**20
@@ -55,13 +56,14 @@ class MultimodalState(EncoderKindState):
         self.model, self.dtype, self.device, self.graph = model, dtype, device, graph
         self.media: dict[str, _Media] = {}
         self.encoder_block, self.encoder_buckets = encoder_settings(config, hf_config)
-        enc = config.additional_config.encoder_neuron_config
-        nbytes = DEFAULT_ENCODER_CACHE_BYTES
-        if enc is not None and enc.encoder_cache_num_blocks:  # a block: one attention block's merged tokens
-            text, vision = hf_config.get_text_config(), hf_config.vision_config
-            per_token = text.hidden_size * (1 + len(vision.deepstack_visual_indexes)) * dtype.itemsize
-            nbytes = enc.encoder_cache_num_blocks * self.encoder_block // vision.spatial_merge_size ** 2 * per_token
-        super().__init__(nbytes, config.additional_config.mm_language_model_only)
+        text, vision = hf_config.get_text_config(), hf_config.vision_config
+        merge_unit = vision.spatial_merge_size ** 2
+        # A block: one encoder attention block's merged tokens; the budget: a prefill step's tokens, or the
+        # largest encoder bucket's output when that is more.
+        layout = EncoderCacheLayout(self.encoder_block // merge_unit, text.hidden_size,
+                                    len(vision.deepstack_visual_indexes), dtype)
+        budget = max(config.max_num_batched_tokens, self.encoder_buckets[-1] // merge_unit)
+        super().__init__(config, layout, budget, DEFAULT_ENCODER_CACHE_BYTES, device)
 
     # -- set-up ---------------------------------------------------------------------------------------
     def graph_specs(self) -> list[GraphSpec]:
