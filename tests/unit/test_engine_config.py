@@ -215,6 +215,17 @@ def test_resolved_device_dtype_and_backend_with_the_reason(monkeypatch):
     assert _resolve(device="cpu").backend == "eager"
 
 
+def test_forcing_the_avx2_class_takes_its_dtype(monkeypatch):
+    """VLLM_NEURON_CPU_ISA=avx2 on an AVX512-BF16 CPU runs it as the AVX2 class: float32 by default, saying why."""
+    from vllm_neuron.config import device as D
+
+    monkeypatch.setattr(D, "_cpuinfo_has_fast_bf16", lambda: True)
+    assert _resolve(device="cpu").dtype == "bfloat16"
+    monkeypatch.setenv("VLLM_NEURON_CPU_ISA", "avx2")
+    c = _resolve(device="cpu")
+    assert c.dtype == "float32" and c.dtype_reason.startswith("auto: VLLM_NEURON_CPU_ISA=avx2 runs this CPU as that")
+
+
 def test_bf16_quantization_is_the_seeds_unquantized_bfloat16(monkeypatch):
     """Seed 000's Qwen3-VL example sets neuron_config.quantization "bf16": unquantized bfloat16 weights."""
     from vllm_neuron.config import device as D
