@@ -148,3 +148,13 @@ def test_vllm_metadata_stub_is_a_distribution_named_vllm(cp, tmp_path):
     write_vllm_metadata_stub(str(tmp_path), "0.32.0+cpu")
     (dist,) = list(importlib.metadata.distributions(path=[str(tmp_path)]))
     assert dist.metadata["Name"] == "vllm" and dist.version == "0.32.0+cpu"
+
+
+def test_openvino_peer_export_options(cp, tmp_path):
+    """OpenVINO's int4 export needs a group size dividing the hidden size (576 for the bundled model: 64), and
+    only the formats optimum-intel offers for our precisions are accepted."""
+    from peers.openvino_peer import exported_model, group_size
+
+    assert (group_size(4096), group_size(576), group_size(48)) == (128, 64, 32)
+    with pytest.raises(ValueError, match="weight format 'bf16': valid fp16, int8, int4"):
+        exported_model({"models_dir": str(tmp_path)}, str(tmp_path), "bf16", str(tmp_path / "log"))
