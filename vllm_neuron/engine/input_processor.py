@@ -38,8 +38,14 @@ def multimodal_processor(config, ckpt, tokenizer) -> "MultiModalProcessor | None
                                limits=config.limit_mm_per_prompt,
                                allowed_local_media_path=config.allowed_local_media_path,
                                allowed_media_domains=config.allowed_media_domains,
-                               language_model_only=config.additional_config.mm_language_model_only,
+                               language_model_only=_media_refused(config),
                                max_frame_patches=enc.encoder_attention_block_size, tokenizer=tokenizer)
+
+
+def _media_refused(config) -> bool:
+    """A text-tower-only engine refuses media, unless an EC connector brings their embeddings (EPD)."""
+    ec = config.ec_transfer_config
+    return config.additional_config.mm_language_model_only and (ec is None or not ec.is_consumer)
 
 
 def audio_processor(config, ckpt):
