@@ -241,3 +241,9 @@ def test_epd_role_options(tmp_path):
                    additional_config={"mm_language_model_only": True}).checked(torch.device("cpu"))
     args = EngineArgs(mm_encoder_only=True, ec_transfer_config=producer).checked(torch.device("cpu"))
     assert args.ec_transfer_config.is_producer
+    with pytest.raises(ValueError, match="no embeddings to produce; use 'ec_consumer'"):
+        EngineArgs(ec_transfer_config=producer, additional_config={"mm_language_model_only": True}).checked(
+            torch.device("cpu"))
+    pd = EngineArgs(ec_transfer_config=ec, additional_config={"mm_language_model_only": True}).checked(
+        torch.device("cpu"))
+    assert pd.ec_transfer_config.is_consumer and pd.additional_config.mm_language_model_only

@@ -283,6 +283,9 @@ class EngineArgs(EngineOptions):
             pooler_config=parse_pooler_config(self.pooler_config), lora_modules=list(lora_modules) or None,
             additional_config=parse_additional_config(self.additional_config,
                                                         mm_encoder_only=self.mm_encoder_only))
+        if parsed.additional_config.mm_language_model_only and ec is not None and ec.is_producer:
+            raise ValueError(f"ec_transfer_config.ec_role {ec.ec_role!r}: mm_language_model_only builds no vision "
+                             "tower, so this instance has no embeddings to produce; use 'ec_consumer'")
         parsed._check_parallel()
         parsed._check_neuron_config(device)
         compatibility.check(parsed.features(device))

@@ -39,13 +39,26 @@ def multimodal_processor(config, ckpt, tokenizer) -> "MultiModalProcessor | None
                                allowed_local_media_path=config.allowed_local_media_path,
                                allowed_media_domains=config.allowed_media_domains,
                                language_model_only=_media_refused(config),
-                               max_frame_patches=enc.encoder_attention_block_size, tokenizer=tokenizer)
+                               max_frame_patches=enc.encoder_attention_block_size, tokenizer=tokenizer,
+                               embeddings_available=_encoded_elsewhere(config, ckpt))
 
 
 def _media_refused(config) -> bool:
     """A text-tower-only engine refuses media, unless an EC connector brings their embeddings (EPD)."""
     ec = config.ec_transfer_config
     return config.additional_config.mm_language_model_only and (ec is None or not ec.is_consumer)
+
+
+def _encoded_elsewhere(config, ckpt):
+    """has(mm_hash) of the EC connector of an EPD prefill+decode instance without the vision tower (an existence
+    check only: the runner reads an item when its encoder cache lacks it); None for any other engine."""
+    ec = config.ec_transfer_config
+    if not config.additional_config.mm_language_model_only or ec is None or not ec.is_consumer:
+        return None
+    from vllm_neuron.distributed.ec_transfer.connectors import make_ec_connector
+    from vllm_neuron.distributed.ec_transfer.record import model_identity
+
+    return make_ec_connector(ec, model_identity(ckpt.hf_config.to_dict(), config.model)).has
 
 
 def audio_processor(config, ckpt):
