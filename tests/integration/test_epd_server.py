@@ -25,6 +25,7 @@ pytestmark = pytest.mark.engine
 MAX_NEW = 6
 ARGS = ["--enforce-eager", "--dtype", "float32", "--max-model-len", "256", "--num-gpu-blocks-override", "64",
         "--max-num-seqs", "4"]
+ENCODER = {"encoder_neuron_config": {"encoder_attention_block_size": 256}}  # small buckets: a fast eager tower
 
 
 def _ec(role: str, folder: str) -> list[str]:
@@ -84,11 +85,11 @@ def fleet(tmp_path_factory):
     tmp, folder = str(root), str(root / "ec")
     os.mkdir(folder)
     model = make_tiny_qwen3_vl(str(root / "model"))
-    pd_config = json.dumps({"mm_language_model_only": True})
-    servers = {"e1": ServerProcess(model, ARGS + ["--mm-encoder-only"] + _ec("ec_producer", folder), tmp),
-               "e2": ServerProcess(model, ARGS + ["--mm-encoder-only"] + _ec("ec_producer", folder), tmp),
+    enc, pd_config = ["--additional-config", json.dumps(ENCODER)], json.dumps({**ENCODER, "mm_language_model_only": True})
+    servers = {"e1": ServerProcess(model, ARGS + enc + ["--mm-encoder-only"] + _ec("ec_producer", folder), tmp),
+               "e2": ServerProcess(model, ARGS + enc + ["--mm-encoder-only"] + _ec("ec_producer", folder), tmp),
                "pd": ServerProcess(model, ARGS + ["--additional-config", pd_config] + _ec("ec_consumer", folder), tmp),
-               "mono": ServerProcess(model, ARGS + _ec("ec_consumer", folder), tmp)}
+               "mono": ServerProcess(model, ARGS + enc + _ec("ec_consumer", folder), tmp)}
     proxies = {}
     dying = _DyingEncoder()
     try:
@@ -104,8 +105,7 @@ def fleet(tmp_path_factory):
             p.stop()
         dying.sock.close()
         for s in servers.values():
-            s.stop()
-            s.kill()
+            s.kill()  # nothing here tests a graceful stop: the process groups go at once
 
 
 def _messages(parts: list[dict], text: str = "Describe.") -> list[dict]:
