@@ -162,24 +162,30 @@ class _Item:
         self.mm_hash, self.num_tokens = h, n
 
 
-class _Source:
-    def __init__(self, values: dict) -> None:
-        self.values, self.asked = values, []
-
-    def load(self, h):
-        self.asked.append(h)
-        return self.values.get(h)
-
-
-def test_consumer_takes_what_was_written_and_a_miss_without_a_tower_names_it():
+def test_consumer_takes_what_was_written_and_a_miss_without_a_tower_names_it(tmp_path):
+    writer = ECSharedStorageConnector(_shared(tmp_path, "ec_producer"), "m")
     e, d = _tensors(6)
-    remote = RemoteEmbeddings(_Source({"a": (e, d), "short": _tensors(3)}))
+    writer.save("a", e, d)
+    writer.save("short", *_tensors(3))
+    remote = RemoteEmbeddings(ECSharedStorageConnector(_shared(tmp_path, "ec_consumer"), "m"))
     found, left = remote.fetch({"a": _Item("a", 6), "b": _Item("b", 4)}, can_encode=True)
-    assert list(found) == ["a"] and list(left) == ["b"] and remote.computed_here == 1
+    assert list(found) == ["a"] and torch.equal(found["a"][0], e) and list(left) == ["b"]
+    assert remote.loaded == 1 and remote.computed_here == 1
     found, left = remote.fetch({"short": _Item("short", 6)}, can_encode=True)  # a row count that does not fit
     assert not found and list(left) == ["short"]
     with pytest.raises(ECTransferError, match="no encoder instance provided the embeddings of 1 media item"):
         remote.fetch({"b": _Item("b", 4)}, can_encode=False)
+    remote.computed("b", *_tensors(4))  # a consumer only: writes nothing
+    assert not writer.has("b")
+
+
+def test_a_producing_engine_writes_what_its_tower_computed_and_reads_nothing(tmp_path):
+    both = RemoteEmbeddings(ECSharedStorageConnector(_shared(tmp_path, "ec_both"), "m"))
+    both.computed("x", *_tensors(4))
+    assert both.fetch({"x": _Item("x", 4)}, can_encode=False)[0]["x"][0].shape == (4, 8)
+    producer = RemoteEmbeddings(ECSharedStorageConnector(_shared(tmp_path, "ec_producer"), "m"))
+    found, left = producer.fetch({"x": _Item("x", 4)}, can_encode=True)
+    assert found == {} and list(left) == ["x"]
 
 
 def test_encoder_server_answers_a_failed_write_with_a_500_and_keeps_serving():

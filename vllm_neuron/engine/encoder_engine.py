@@ -108,6 +108,7 @@ class EncoderEngine:
         ids = [p.image_token_id] * len(media.get("image", [])) + [p.video_token_id] * len(media.get("video", []))
         _, items = p.process(ids, media, mm_processor_kwargs)
         with self._lock:
+            fresh = {i.mm_hash for i in items if i.mm_hash not in self.state.encoder_cache}
             hits0 = self.state.encoder_cache.hits
             runs0 = self.state.num_encoder_runs
             out = self.state._encode(items)
@@ -117,6 +118,8 @@ class EncoderEngine:
                 if item.mm_hash in seen:
                     continue
                 seen.add(item.mm_hash)
+                if item.mm_hash not in fresh and self.connector.has(item.mm_hash):
+                    continue  # written when it was encoded, and still there
                 embeds, deepstack = out[item.mm_hash]
                 written += self.connector.save(item.mm_hash, embeds, deepstack)
             encoded = len(seen) - cached if self.state.num_encoder_runs > runs0 else 0

@@ -1,7 +1,9 @@
-"""A prefill+decode instance's side of encoder-disaggregated serving (--ec-transfer-config, ec_consumer): media
-items the encoder cache lacks are read from the EC connector before the vision tower is asked; an item no
-encoder instance wrote is computed here when this engine has the tower, and otherwise fails its request
-with an error that says so (the engine core isolates a failed step to the request that caused it)."""
+"""A serving engine's side of encoder-disaggregated serving (--ec-transfer-config). As a consumer (a
+prefill+decode instance) it reads the media items its encoder cache lacks from the EC connector before the
+vision tower is asked; an item no encoder instance wrote is computed here when this engine has the tower, and
+otherwise fails its request with an error that says so (the engine core isolates a failed step to the request
+that caused it; the API server refuses such requests before, see multimodal/processor.py). As a producer
+(ec_producer / ec_both) it writes what its tower computed for other instances."""
 from __future__ import annotations
 
 from vllm_neuron.distributed.ec_transfer.connectors import ECConnector, make_ec_connector
@@ -18,7 +20,10 @@ class RemoteEmbeddings:
         self.computed_here = 0  # items no encoder instance had, computed by this engine's tower
 
     def fetch(self, missing: dict, can_encode: bool) -> tuple[dict, dict]:
-        """({mm_hash: (embeds, deepstack)} read from the connector, {mm_hash: item} still missing)."""
+        """({mm_hash: (embeds, deepstack)} read from the connector, {mm_hash: item} still missing); an engine
+        that only produces (ec_producer) reads nothing."""
+        if not self.connector.config.is_consumer:
+            return {}, missing
         found, left = {}, {}
         for h, item in missing.items():
             try:
@@ -44,9 +49,20 @@ class RemoteEmbeddings:
         return found, left
 
 
+    def computed(self, mm_hash: str, embeds, deepstack) -> None:
+        """An item this engine's tower encoded: written for others when it produces (ec_producer / ec_both); a
+        failed write is logged, the request it was computed for goes on."""
+        if not self.connector.config.is_producer:
+            return
+        try:
+            self.connector.save(mm_hash, embeds, deepstack)
+        except ECTransferError as e:
+            logger.warning("%s", e)
+
+
 def remote_embeddings(config, hf_config) -> RemoteEmbeddings | None:
-    """The consumer side of an engine with an EC connector that reads (None otherwise)."""
+    """The EC connector side of an engine with --ec-transfer-config (None without)."""
     ec = config.ec_transfer_config
-    if ec is None or not ec.is_consumer:
+    if ec is None:
         return None
     return RemoteEmbeddings(make_ec_connector(ec, model_identity(hf_config.to_dict(), config.model)))

@@ -180,6 +180,8 @@ class MultimodalState(EncoderKindState):
                 n = item.num_tokens
                 value = (embeds[start:start + n].clone(), deepstack[:, start:start + n].clone())
                 self.encoder_cache.put(item.mm_hash, *value)
+                if self.remote is not None:
+                    self.remote.computed(item.mm_hash, *value)
                 out[item.mm_hash] = value
                 start += n
         return out
