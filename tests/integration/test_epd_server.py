@@ -4,8 +4,9 @@
 so it also shows a PD instance computing an item no encoder wrote), behind `vllm-neuron epd-proxy` as 1E+1PD
 and 2E+1PD. Greedy fp32 tokens through the proxy equal the monolithic server's and transformers' for images of
 two sizes, two images in one prompt and a short video (streamed too); encode jobs spread over both encoders;
-an encoder that dies mid-job or is unreachable is skipped; with no encoder left the tower-less instance fails
-the request with an error naming the missing item, and keeps serving."""
+an encoder that dies mid-job or is unreachable is skipped; with no encoder left the tower-less instance refuses
+the request with a 400 naming the missing item (five in a row: refused before its engine, which keeps serving);
+an item the tower-less instance holds is served from its encoder cache after the connector lost it."""
 from __future__ import annotations
 
 import json
@@ -203,3 +204,14 @@ def test_encoder_refuses_bad_media_with_a_400(fleet):
     assert r.status_code == 400, r.text
     assert "cannot decode" in r.json()["error"]["message"]
     assert httpx.get(servers["e1"].url + "/health", timeout=5).status_code == 200
+
+
+def test_an_item_the_pd_instance_holds_is_not_asked_for_again(fleet):
+    servers, proxies, model, folder, _ = fleet
+    messages = _messages([_image(random_image(56, 70, 50))], text="Hi.")  # shorter than a KV block: no prefix hit
+    hits = _metric(servers["pd"].url, "vllm_neuron:encoder_cache_hits_total")
+    first = _text(_chat(proxies["1e"].url, model, messages))
+    for name in os.listdir(folder):  # every embedding gone from the connector
+        os.unlink(os.path.join(folder, name))
+    assert _text(_chat(servers["pd"].url, model, messages)) == first  # straight to the PD: its encoder cache
+    assert _metric(servers["pd"].url, "vllm_neuron:encoder_cache_hits_total") == hits + 1

@@ -253,3 +253,27 @@ def test_epd_role_options(tmp_path):
     pd = EngineArgs(ec_transfer_config=ec, additional_config={"mm_language_model_only": True}).checked(
         torch.device("cpu"))
     assert pd.ec_transfer_config.is_consumer and pd.additional_config.mm_language_model_only
+
+
+def test_encoder_instance_refuses_options_it_cannot_honour(tmp_path):
+    ec = json.dumps({"ec_connector": "ECSharedStorageConnector", "ec_role": "ec_producer",
+                     "ec_connector_extra_config": {"shared_storage_path": str(tmp_path)}})
+    for kwargs, needle in [({"tensor_parallel_size": 2}, "tensor_parallel_size=2 does not apply to an EPD encoder"),
+                           ({"enable_lora": True}, "enable_lora=True does not apply"),
+                           ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2,
+                                                    "prompt_lookup_max": 2}}, "speculative_config=")]:
+        with pytest.raises(ValueError, match=needle):
+            EngineArgs(mm_encoder_only=True, ec_transfer_config=ec, **kwargs).checked(torch.device("cpu"))
+
+
+def test_a_tower_less_instance_asks_the_connector_once_per_item():
+    from vllm_neuron.engine.input_processor import _Admitted
+
+    asked = []
+    written = {"a"}
+    check = _Admitted(lambda h: asked.append(h) or h in written, size=2)
+    assert check("a") and check("a") and asked == ["a"]  # taken once: not asked again
+    assert not check("b") and not check("b") and asked == ["a", "b", "b"]  # a miss is asked each time
+    written |= {"c", "d"}
+    assert check("c") and check("d") and check("a")  # "a" fell out of the two remembered: asked again
+    assert asked[-1] == "a"

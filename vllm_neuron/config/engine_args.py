@@ -261,6 +261,8 @@ class EngineArgs(EngineOptions):
         if self.mm_encoder_only and (ec is None or not ec.is_producer):
             raise ValueError("mm_encoder_only (an EPD encoder instance) needs --ec-transfer-config with ec_role "
                              "'ec_producer' or 'ec_both': its embeddings must go somewhere")
+        if self.mm_encoder_only:
+            self._check_encoder_only()
         if self.allowed_local_media_path is not None and not os.path.isdir(self.allowed_local_media_path):
             raise ValueError(f"allowed_local_media_path={self.allowed_local_media_path!r} is not an existing folder")
         check_allowed_media_domains(self.allowed_media_domains)
@@ -290,6 +292,23 @@ class EngineArgs(EngineOptions):
         parsed._check_neuron_config(device)
         compatibility.check(parsed.features(device))
         return parsed
+
+    def _check_encoder_only(self) -> None:
+        """An EPD encoder instance runs the vision tower in one process: options for the language model or for
+        several processes are refused, not ignored."""
+        scale = "run more encoder instances behind `vllm-neuron epd-proxy` instead"
+        refused = {"tensor_parallel_size": (self.tensor_parallel_size if self.tensor_parallel_size != 1 else None,
+                                            scale),
+                   "data_parallel_size": (self.data_parallel_size if self.data_parallel_size != 1 else None, scale),
+                   "speculative_config": (self.speculative_config, "an encoder instance generates no text"),
+                   "kv_transfer_config": (self.kv_transfer_config, "an encoder instance holds no KV cache"),
+                   "enable_lora": (self.enable_lora or None, "an encoder instance has no language model"),
+                   "enable_prompt_embeds": (self.enable_prompt_embeds or None, "an encoder instance has no language "
+                                                                               "model")}
+        for option, (value, why) in refused.items():
+            if value:
+                raise ValueError(f"{option}={value!r} does not apply to an EPD encoder instance (mm_encoder_only): "
+                                 f"{why}")
 
     def features(self, device: torch.device, **model: bool) -> compatibility.Features:
         """What this (checked) configuration uses, for config/compatibility.py; `model`: the model's facts."""

@@ -58,7 +58,27 @@ def _encoded_elsewhere(config, ckpt):
     from vllm_neuron.distributed.ec_transfer.connectors import make_ec_connector
     from vllm_neuron.distributed.ec_transfer.record import model_identity
 
-    return make_ec_connector(ec, model_identity(ckpt.hf_config.to_dict(), config.model)).has
+    return _Admitted(make_ec_connector(ec, model_identity(ckpt.hf_config.to_dict(), config.model)).has)
+
+
+class _Admitted:
+    """has(mm_hash) remembered once true (the most recent `size` items): an item this instance already took is
+    not asked for again; the runner's encoder cache holds it, or reads it when it evicted it."""
+
+    def __init__(self, has: Callable[[str], bool], size: int = 4096) -> None:
+        self.has, self.size = has, size
+        self.seen: dict[str, None] = {}
+
+    def __call__(self, mm_hash: str) -> bool:
+        if mm_hash in self.seen:
+            self.seen[mm_hash] = self.seen.pop(mm_hash)  # most recent last
+            return True
+        if not self.has(mm_hash):
+            return False
+        self.seen[mm_hash] = None
+        if len(self.seen) > self.size:
+            del self.seen[next(iter(self.seen))]
+        return True
 
 
 def audio_processor(config, ckpt):
