@@ -125,13 +125,19 @@ def test_ratio_row_compares_ours_with_the_best_peer(cp):
     assert ratio[1] == "1.50x"           # throughput: against the fastest peer (200)
     assert ratio[3] == "- / 0.80x"       # TPOT: against the lowest peer TPOT (10 ms); TTFT unmeasured
     assert rows["peer c"][-1] == "install failed: x"
+    assert not any(h.startswith("P4") for h in _table_rows(format_table(results))[0])  # not measured: not shown
+    results[0].figures.update(p4_output_tok_s=60.0, p4_8k_median_tpot_ms=9.0)
+    results[1].figures.update(p4_output_tok_s=40.0, p4_8k_median_tpot_ms=12.0)
+    rows = {r[0]: r for r in _table_rows(format_table(results))}
+    assert rows["engine"][-3:-1] == ["P4 tok/s / TTFT / TPOT (ms)", "P4-8k TTFT / TPOT (ms)"]
+    assert rows["ours / best peer"][-3:-1] == ["1.50x / - / -", "- / 0.75x"]
 
 
 def test_bad_options_name_the_valid_values(cp):
     with pytest.raises(ValueError, match="--peers.*ours, vllm, llamacpp"):
         cp.parse_options(["--peers", "ours,tgi"])
-    with pytest.raises(ValueError, match="--workloads.*P1, P2, P3"):
-        cp.parse_options(["--workloads", "P4"])
+    with pytest.raises(ValueError, match="--workloads.*P1, P2, P3, P4, P4-8k"):
+        cp.parse_options(["--workloads", "P5"])
     with pytest.raises(ValueError, match="--num-prompts-scale"):
         cp.parse_options(["--num-prompts-scale", "0"])
 

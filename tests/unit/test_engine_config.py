@@ -181,8 +181,7 @@ def test_encoder_neuron_config_needs_a_multimodal_model_and_one_device():
     with pytest.raises(ValueError, match="tp_size \\* dp_size must equal world_size"):
         resolve(tp, vlm)
     hold = EngineArgs.from_kwargs(additional_config={"encoder_neuron_config": {"encoder_cache_min_hold_time_ms": 5}})
-    with pytest.raises(ValueError, match="encoder_cache_min_hold_time_ms=5.* is not supported yet"):
-        resolve(hold, vlm)
+    assert resolve(hold, vlm).additional_config.encoder_neuron_config.min_hold_time_ms(epd=False) == 5.0
     resolve(EngineArgs.from_kwargs(additional_config={"encoder_neuron_config": {"encoder_attention_block_size": 256}}),
             vlm)
 
@@ -226,6 +225,17 @@ def test_resolved_device_dtype_and_backend_with_the_reason(monkeypatch):
     assert _resolve(device="cpu", dtype=torch.bfloat16).torch_dtype == torch.bfloat16
     monkeypatch.setenv("VLLM_NEURON_BACKEND", "eager")
     assert _resolve(device="cpu").backend == "eager"
+
+
+def test_forcing_the_avx2_class_takes_its_dtype(monkeypatch):
+    """VLLM_NEURON_CPU_ISA=avx2 on an AVX512-BF16 CPU runs it as the AVX2 class: float32 by default, saying why."""
+    from vllm_neuron.config import device as D
+
+    monkeypatch.setattr(D, "_cpuinfo_has_fast_bf16", lambda: True)
+    assert _resolve(device="cpu").dtype == "bfloat16"
+    monkeypatch.setenv("VLLM_NEURON_CPU_ISA", "avx2")
+    c = _resolve(device="cpu")
+    assert c.dtype == "float32" and c.dtype_reason.startswith("auto: VLLM_NEURON_CPU_ISA=avx2 runs this CPU as that")
 
 
 def test_bf16_quantization_is_the_seeds_unquantized_bfloat16(monkeypatch):

@@ -173,8 +173,9 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool =
 
     g = arg_group(parser, "parallel")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
-                   help="tensor parallel ranks (processes, CPU only for now; not with a multimodal model); each "
-                   "node's cores are split between its ranks")
+                   help="tensor parallel ranks (processes, CPU only for now; not with an audio model; a vision "
+                   "model's encoder splits them by encoder_neuron_config tp_size / dp_size); each node's cores are "
+                   "split between its ranks")
     g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
                    help="pipeline stages: only 1 is supported (layers are not split into stages yet)")
     g.add_argument("--decode-context-parallel-size", "-dcp", type=int, default=1,

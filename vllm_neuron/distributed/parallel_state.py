@@ -45,6 +45,7 @@ class ParallelInfo:
 _info = ParallelInfo()
 _control = None
 _model = None
+_model_timeout = None
 
 
 def info() -> ParallelInfo:
@@ -62,19 +63,36 @@ def init(rank: int, world: int, master_addr: str, master_port: int, *, device_ty
     """Joins the process group (rank 0 hosts the TCP store) and records this rank's place."""
     import torch.distributed as dist
 
-    global _control, _model
+    global _control, _model, _model_timeout
     if device_type != "cpu":
         raise ValueError(f"tensor parallelism runs on CPU (gloo) only, not on {device_type} (NCCL with one GPU "
                          "per rank is not built)")
     dist.init_process_group("gloo", init_method=f"tcp://{master_addr}:{master_port}", rank=rank,
                             world_size=world, timeout=JOIN_TIMEOUT)
     _control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
-    _model = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+    _model_timeout = timedelta(seconds=timeout_s)
+    _model = dist.new_group(backend="gloo", timeout=_model_timeout)
     set_info(ParallelInfo(rank, world, ep_degree))
 
 
 def control_group():
     return _control
+
+
+def new_subgroups(rank_lists: list[list[int]]):
+    """The group of this rank among `rank_lists` (a partition of the world), with the model group's
+    timeout, or None with one process. Every rank must call this with the same lists in the same order
+    (torch.distributed.new_group's rule): the runner's set-up is replayed on every rank, so it is."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return None
+    mine = None
+    for ranks in rank_lists:
+        group = dist.new_group(ranks, backend="gloo", timeout=_model_timeout)
+        if _info.rank in ranks:
+            mine = group
+    return mine
 
 
 def model_group():

@@ -8,10 +8,12 @@ from vllm_neuron.model.base import CausalLM, Target
 from vllm_neuron.model.qwen3_vl.config import Qwen3VLArchConfig
 from vllm_neuron.model.qwen3_vl.model import Qwen3VLForConditionalGeneration
 from vllm_neuron.model.qwen3_vl.vision import Qwen3VLVisionModel
+from vllm_neuron.model.qwen3_vl.vision_parallel import VisionParallel
 
 
 class Qwen3VLVisionTower(CausalLM):
     language_model_only = False
+    encoder_parallel = VisionParallel()  # one process: an encoder instance scales by more instances
 
     def __init__(self, hf_config) -> None:
         super().__init__()
