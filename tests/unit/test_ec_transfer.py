@@ -277,3 +277,38 @@ def test_a_tower_less_instance_asks_the_connector_once_per_item():
     written |= {"c", "d"}
     assert check("c") and check("d") and check("a")  # "a" fell out of the two remembered: asked again
     assert asked[-1] == "a"
+
+
+@pytest.mark.engine
+def test_encoder_engine_over_the_tcp_connector(tmp_path):
+    """The encoder instance's engine (vision tower only, eager) writes what a consumer reads over TCP: equal to
+    the tower's output, once per item (a repeated image is a cache hit), in the request's item order."""
+    from tests.vlm_factory import data_url, make_tiny_qwen3_vl, png_bytes, random_image
+    from vllm_neuron.engine.encoder_engine import EncoderEngine
+    from vllm_neuron.engine.resolve import resolve_engine_config
+
+    model, port = make_tiny_qwen3_vl(str(tmp_path / "model")), free_port()
+    ec = {"ec_connector": "ECTcpConnector", "ec_role": "ec_producer", "ec_connector_extra_config": {"ec_port": port}}
+    config, ckpt = resolve_engine_config(EngineArgs(model=model, enforce_eager=True, dtype="float32",
+                                                    max_model_len=256, mm_encoder_only=True, ec_transfer_config=ec))
+    engine = EncoderEngine(config, ckpt)
+    assert sum(p.numel() for p in engine.model.parameters()) == sum(
+        p.numel() for p in engine.model.model.visual.parameters())  # the vision tower only
+    consumer = ECTcpConnector(parse_ec_transfer_config({
+        "ec_connector": "ECTcpConnector", "ec_role": "ec_consumer",
+        "ec_connector_extra_config": {"producers": [f"127.0.0.1:{port}"]}}), engine.connector.model_id)
+    try:
+        a, b = (data_url(png_bytes(random_image(56, 84, s))) for s in (1, 2))
+        first = engine.encode({"image": [a, b]})
+        assert (first.encoded, first.cached) == (2, 0) and first.bytes_written > 0
+        again = engine.encode({"image": [b]})
+        assert (again.encoded, again.cached) == (0, 1) and again.mm_hashes == first.mm_hashes[1:]
+        assert again.bytes_written == 0  # the producer still serves it: not written twice
+        for h in first.mm_hashes:
+            held = engine.state.encoder_cache.get(h)
+            got = consumer.load(h)
+            assert torch.equal(got[0], held[0].cpu()) and torch.equal(got[1], held[1].cpu())
+            assert got[0].shape == (6, 64)  # 4 x 6 patches merged 2 x 2, the text tower's width
+    finally:
+        consumer.close()
+        engine.close()

@@ -110,6 +110,10 @@ class _RecordServer(FrameServer):
                 _, old = self._records.popitem(last=False)
                 self._nbytes -= len(old)
 
+    def holds(self, key: str) -> bool:
+        with self._lock:
+            return key in self._records
+
     def _answer(self, req: dict) -> list:
         op, key = req.get("op"), req.get("key")
         if op not in ("has", "get") or not isinstance(key, str):
@@ -145,7 +149,10 @@ class ECTcpConnector(ECConnector):
         return None
 
     def has(self, mm_hash: str) -> bool:
-        return self._ask("has", mm_hash) is not None
+        """A producer: whether it still serves the item; a consumer: whether a producer does."""
+        if self.server is not None and self.server.holds(ec_key(mm_hash, self.model_id)):
+            return True
+        return self.client is not None and self._ask("has", mm_hash) is not None
 
     def load(self, mm_hash: str) -> tuple[torch.Tensor, torch.Tensor] | None:
         found = self._ask("get", mm_hash)
