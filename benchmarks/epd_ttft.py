@@ -4,11 +4,12 @@
 
 1E+1PD: an encoder instance (--mm-encoder-only) pinned to core 0 and a prefill+decode instance without the
 vision tower pinned to core 1, sharing an ECSharedStorageConnector folder, behind `vllm-neuron epd-proxy`;
-against one monolithic server on both cores. Each gets the same kind of chat requests with one image (a fresh
-image per request, so no encoder cache hit), streamed, one at a time and 4 concurrent; TTFT is the time to the
-first streamed content. From the encoder's /metrics: embedding bytes written per request and the encode job's
-time (processing, tower, file write) as a share of the EPD TTFT. Without --model it builds the tests' tiny
-random Qwen3-VL (then HTTP and scheduling dominate: read the ratios, not the milliseconds).
+against one monolithic server on both cores. Each gets the same chat requests with one image (a fresh image
+per request, so no encoder cache hit), streamed, one at a time and 4 concurrent; TTFT is the time to the first
+streamed chunk that carries text (as `vllm-neuron bench serve`). From the encoder's /metrics: embedding bytes
+written per request and the encode job's time (processing, tower, file write) as a share of the EPD TTFT.
+Without --model it builds the tests' tiny random Qwen3-VL (then HTTP and scheduling dominate: read the ratios,
+not the milliseconds).
 """
 from __future__ import annotations
 
@@ -97,9 +98,13 @@ async def _ttft(client: httpx.AsyncClient, url: str, model: str, image: str) -> 
         if r.status_code != 200:
             raise SystemExit(f"{url}: {r.status_code} {await r.aread()}")
         first = None
-        async for line in r.aiter_lines():
-            if first is None and line.startswith("data: {") and json.loads(line[6:])["choices"]:
-                first = time.perf_counter() - t0
+        async for line in r.aiter_lines():  # as `vllm-neuron bench serve`: the first chunk that carries text
+            if first is None and line.startswith("data: {"):
+                choices = json.loads(line[6:])["choices"]
+                if choices and choices[0]["delta"].get("content"):
+                    first = time.perf_counter() - t0
+        if first is None:
+            raise SystemExit(f"{url}: the stream carried no text")
         return first
 
 
