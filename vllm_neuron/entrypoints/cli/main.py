@@ -1,4 +1,5 @@
-"""`vllm-neuron`: serve | generate | compile | validate-logits | profile | buckets advise | disagg-proxy | epd-proxy | bench serve."""
+"""`vllm-neuron`: serve | generate | compile | validate-logits | profile | buckets advise | disagg-proxy | epd-proxy |
+bench serve."""
 from __future__ import annotations
 
 import argparse
