@@ -32,6 +32,9 @@ def multimodal_processor(config, ckpt, tokenizer) -> "MultiModalProcessor | None
     from vllm_neuron.multimodal.processor import MultiModalProcessor
 
     if "audio" in getattr(resolve_model_class(ckpt.hf_config), "modalities", ()):
+        if config.ec_transfer_config is not None:
+            raise ValueError("ec_transfer_config: encoder-disaggregated serving moves vision embeddings "
+                             "(Qwen3-VL); this audio model encodes its clips itself")
         return audio_processor(config, ckpt)
     enc = config.additional_config.encoder_neuron_config or EncoderNeuronConfig()
     return MultiModalProcessor(ckpt.hf_config, ckpt.path, mm_processor_kwargs=config.mm_processor_kwargs,
