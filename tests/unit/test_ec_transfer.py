@@ -219,6 +219,10 @@ def test_encoder_server_answers_a_failed_write_with_a_500_and_keeps_serving():
         assert 'vllm_neuron:ec_encode_requests_total{outcome="transfer_error"} 1.0' in metrics
         assert "vllm_neuron:ec_bytes_written_total 123.0" in metrics
         assert client.get("/health").status_code == 200
+    with TestClient(build_encoder_app(_Engine(), "m", api_key="k")) as client:
+        assert client.post("/v1/chat/completions", json=body).status_code == 401
+        r = client.post("/v1/chat/completions", json=body, headers={"Authorization": "Bearer k"})
+        assert r.status_code == 500  # past the key: this engine's first write fails
 
 
 def test_proxy_splits_one_encode_job_per_media_part():

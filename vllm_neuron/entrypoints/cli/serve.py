@@ -67,7 +67,7 @@ def run_serve(args: argparse.Namespace) -> int:
     if engine_args.mm_encoder_only:  # an EPD encoder instance: the vision tower behind its own small server
         from vllm_neuron.entrypoints.epd.encoder_server import run_encoder_server
 
-        return run_encoder_server(engine_args, args.host, args.port)
+        return run_encoder_server(engine_args, args)
     if getattr(args, "headless", False):
         if engine_args.nnodes > 1:
             from vllm_neuron.engine.resolve import resolve_engine_config

@@ -42,7 +42,8 @@ class _Metrics:
                                  buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
 
 
-def build_encoder_app(engine: EncoderEngine, served_name: str) -> FastAPI:
+def build_encoder_app(engine: EncoderEngine, served_name: str, api_key: str | None = None) -> FastAPI:
+    """api_key: encode jobs need `Authorization: Bearer KEY` (the epd-proxy passes the client's on)."""
     metrics = _Metrics()
 
     @contextlib.asynccontextmanager
@@ -54,6 +55,8 @@ def build_encoder_app(engine: EncoderEngine, served_name: str) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
+        if api_key is not None and request.headers.get("authorization") != f"Bearer {api_key}":
+            return error_response("Unauthorized: a valid API key is required (Authorization: Bearer KEY)", 401)
         try:
             body = await request.json()
             if not isinstance(body, dict):
@@ -107,15 +110,31 @@ def build_encoder_app(engine: EncoderEngine, served_name: str) -> FastAPI:
     return app
 
 
-def run_encoder_server(engine_args, host: str, port: int) -> int:
+def run_encoder_server(engine_args, args) -> int:
+    """`serve --mm-encoder-only`: the engine, warmed up, behind this server. TLS, the uvicorn log options and the
+    API key apply as to `serve`; the options of the OpenAI server this one does not have are refused."""
+    import os
+
     import uvicorn
 
     from vllm_neuron.engine.resolve import resolve_engine_config
+    from vllm_neuron.entrypoints.cli.serve import check_port_free
+    from vllm_neuron.entrypoints.openai.server_options import HttpOptions
 
+    check_port_free(args.host, args.port)
+    http = HttpOptions.from_args(args)
+    unsupported = {"--root-path": http.root_path, "--enable-log-requests": http.enable_log_requests,
+                   "--headless": getattr(args, "headless", False)}
+    given = [flag for flag, value in unsupported.items() if value]
+    if given:
+        raise ValueError(f"{', '.join(given)} do(es) not apply to an EPD encoder instance (--mm-encoder-only), "
+                         "which serves only the epd-proxy's encode jobs, /health and /metrics")
+    api_key = getattr(args, "api_key", None) or os.environ.get("VLLM_API_KEY")
     config, ckpt = resolve_engine_config(engine_args)
     engine = EncoderEngine(config, ckpt)
     engine.warmup()
     name = config.served_names()[0]
-    logger.info("EPD encoder instance on http://%s:%d (%s)", host, port, config.ec_transfer_config.describe())
-    uvicorn.run(build_encoder_app(engine, name), host=host, port=port, log_level="warning")
+    logger.info("EPD encoder instance on %s://%s:%d (%s)", "https" if http.tls else "http", args.host, args.port,
+                config.ec_transfer_config.describe())
+    uvicorn.run(build_encoder_app(engine, name, api_key), host=args.host, port=args.port, **http.uvicorn_kwargs())
     return 0
