@@ -21,6 +21,7 @@ from vllm_neuron.distributed.ec_transfer.connectors import make_ec_connector
 from vllm_neuron.distributed.ec_transfer.record import model_identity
 from vllm_neuron.engine.input_processor import multimodal_processor
 from vllm_neuron.logger import init_logger
+from vllm_neuron.model.layers.kernel_config import apply_kernel_config, resolve_kernel_config
 from vllm_neuron.model.loader import Checkpoint, load_tokenizer
 from vllm_neuron.model.qwen3_vl.encoder_only import Qwen3VLVisionTower
 from vllm_neuron.model.registry import resolve_model_class
@@ -65,17 +66,22 @@ class EncoderEngine:
                 model = Qwen3VLVisionTower(ckpt.hf_config)
         finally:
             torch.set_default_dtype(prev)
+        # The same layer kernels as a monolithic engine's tower (its numerics, not just its shapes).
+        kernels = resolve_kernel_config(self.device, self.dtype)
+        apply_kernel_config(model, kernels)
         nbytes = model.load_weights(ckpt.iter_weights(self.dtype))
         self.model = model.eval().requires_grad_(False)
         logger.info("Encoder instance: vision tower of %s loaded in %.1f s (%.1f MiB as %s on %s); no language "
                     "model, no KV pool", ckpt.path, time.perf_counter() - t0, nbytes / 2**20, self.dtype, self.device)
-        self.compiler = GraphCompiler(cache_key_parts(ckpt.hf_config.to_dict(), self.dtype, self.device, 1,
-                                                      {"role": "mm_encoder_only"}), backend=config.backend)
         self._graphs = _EncoderGraphs(self.model)
         self._bucket_graphs: dict[int, object] = {}
         # The runner's multimodal state does the packing and bucket choice; it reads no connector here.
         self.state = MultimodalState(dataclasses.replace(config, ec_transfer_config=None), ckpt.hf_config,
                                      self.model, self.dtype, self.device, self._graph)
+        options = {"role": "mm_encoder_only", "encoder_block": self.state.encoder_block,
+                   "kinds": [self.state.graph_options()], "kernels": kernels.graph_options()}
+        self.compiler = GraphCompiler(cache_key_parts(ckpt.hf_config.to_dict(), self.dtype, self.device, 1, options),
+                                      backend=config.backend)
         self.connector = make_ec_connector(config.ec_transfer_config, model_identity(ckpt.hf_config.to_dict(),
                                                                                      config.model))
         self.tokenizer = load_tokenizer(config.tokenizer or ckpt)

@@ -146,7 +146,8 @@ class MultiModalProcessor:
         if missing:
             raise ValueError(f"no encoder instance provided the embeddings of {', '.join(missing)}, and this engine "
                              "has no vision tower (mm_language_model_only): send multimodal requests through "
-                             "`vllm-neuron epd-proxy`")
+                             "`vllm-neuron epd-proxy`, whose encoder instances serve the same model with the same "
+                             "--mm-processor-kwargs")
 
     def _check_frame(self, g: tuple[int, int, int], what: str) -> None:
         if self.max_frame_patches is not None and g[1] * g[2] > self.max_frame_patches:
