@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import pickle
 
 import pytest
@@ -131,16 +132,27 @@ def test_no_async_scheduling_flag():
     assert c.async_scheduling is False
 
 
-@pytest.mark.parametrize("flag, option", [
-    (["--mm-encoder-only"], "mm_encoder_only"),
-    (["--ec-transfer-config", '{"ec_role": "ec_producer"}'], "ec_transfer_config"),
+@pytest.mark.parametrize("flag, needle", [
+    (["--mm-encoder-only"], "mm_encoder_only .* needs --ec-transfer-config"),
+    (["--ec-transfer-config", '{"ec_role": "ec_producer"}'], "ec_transfer_config needs ec_connector"),
 ])
-def test_epd_flags_parse_and_are_refused(flag, option):
+def test_epd_flags_parse_and_are_checked(flag, needle):
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
     args = parser.parse_args(flag)  # not argparse's "unrecognized arguments"
-    with pytest.raises(ValueError, match=f"{option}=.* is not supported yet"):
+    with pytest.raises(ValueError, match=needle):
         engine_args_from_cli(args)
+
+
+def test_epd_flags_are_refused_for_text_models(tmp_path):
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    ec = json.dumps({"ec_connector": "ECSharedStorageConnector", "ec_role": "ec_producer",
+                     "ec_connector_extra_config": {"shared_storage_path": str(tmp_path)}})
+    cfg = engine_args_from_cli(parser.parse_args(["--mm-encoder-only", "--ec-transfer-config", ec]))
+    assert cfg.mm_encoder_only and cfg.ec_transfer_config.ec_connector == "ECSharedStorageConnector"
+    with pytest.raises(ValueError, match=r"encoder-disaggregated serving\) apply to multimodal models only"):
+        resolve(cfg, ModelFacts(2048))
 
 
 def test_multimodal_options_are_validated_and_refused_for_text_models():

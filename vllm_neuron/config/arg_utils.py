@@ -216,9 +216,12 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool =
     g.add_argument("--kv-offloading-backend", default=None, metavar="NAME",
                    help="the second tier's backend: native, a folder (default: native with --kv-offloading-size)")
     g.add_argument("--ec-transfer-config", type=_json_arg, default=None,
-                   help="refused: encoder-disaggregated (EPD) inference is not supported yet (default: none)")
+                   help='encoder-disaggregated serving (EPD): vLLM\'s JSON, e.g. {"ec_connector": '
+                   '"ECSharedStorageConnector", "ec_role": "ec_producer", "ec_connector_extra_config": '
+                   '{"shared_storage_path": "/tmp/ec"}} (default: none)')
     g.add_argument("--mm-encoder-only", action="store_true",
-                   help="refused: encoder-disaggregated (EPD) inference is not supported yet")
+                   help="an EPD encoder instance: the vision tower only, answering the epd-proxy's encode requests "
+                   "(needs --ec-transfer-config with ec_role ec_producer)")
 
     g = arg_group(parser, "multimodal")
     g.add_argument("--limit-mm-per-prompt", type=_json_arg, default=None,

@@ -239,6 +239,9 @@ def _check_model_options(args: EngineArgs, facts: ModelFacts) -> None:
                 raise ValueError(f"{option} applies to multimodal models only; this model takes text only")
         if ac.mm_language_model_only:
             raise ValueError("mm_language_model_only applies to multimodal models only; this model is text only")
+        if args.mm_encoder_only or args.ec_transfer_config is not None:
+            raise ValueError("mm_encoder_only and ec_transfer_config (encoder-disaggregated serving) apply to "
+                             "multimodal models only; this model is text only")
         if ac.encoder_neuron_config is not None:
             raise ValueError("encoder_neuron_config applies to multimodal models only; this model is text only")
     enc = ac.encoder_neuron_config

@@ -85,7 +85,8 @@ class ModelKindState:
 
 def epd_role(config) -> bool:
     """Whether this engine is one half of an encoder-disaggregated (EPD) deployment."""
-    return bool(config.additional_config.mm_language_model_only)
+    return bool(config.additional_config.mm_language_model_only or config.mm_encoder_only
+                or config.ec_transfer_config is not None)
 
 
 class EncoderKindState(ModelKindState):

@@ -24,6 +24,7 @@ from vllm_neuron.model.qwen3_vl.model import MultimodalEmbeds
 from vllm_neuron.model.qwen3_vl.mrope import VisionRun, mrope_positions, rope_positions_for
 from vllm_neuron.model.qwen3_vl.preprocessing import vision_inputs
 from vllm_neuron.step import NewRequestData, ScheduledChunk
+from vllm_neuron.worker.ec_consumer import remote_embeddings
 from vllm_neuron.worker.input_builder import PrefillArrays
 from vllm_neuron.worker.model_kinds.base import EncoderKindState, GraphSpec
 from vllm_neuron.worker.encoder_cache import EncoderCacheLayout
@@ -69,6 +70,7 @@ class MultimodalState(EncoderKindState):
                                     len(vision.deepstack_visual_indexes), dtype)
         budget = max(config.max_num_batched_tokens, self.encoder_buckets[-1] // merge_unit)
         super().__init__(config, layout, budget, DEFAULT_ENCODER_CACHE_BYTES, device)
+        self.remote = remote_embeddings(config, hf_config)  # EPD: embeddings an encoder instance wrote
 
     # -- set-up ---------------------------------------------------------------------------------------
     def graph_specs(self) -> list[GraphSpec]:
@@ -164,6 +166,11 @@ class MultimodalState(EncoderKindState):
         """mm_hash -> (embeds, deepstack) for `items`: from the encoder cache, else from vision-tower calls
         on block-packed groups of the missing ones (one call per group that fits the largest bucket)."""
         out, missing = self.cached(items)
+        if self.remote is not None:
+            found, missing = self.remote.fetch(missing, can_encode=not self.language_model_only)
+            for h, value in found.items():
+                self.encoder_cache.put(h, *value)
+                out[h] = value
         for group in self._encoder_groups(list(missing.values())):
             n_blocks = len(pack_ffd(_frame_sizes(group), self.encoder_block))
             size = B.select_bucket(self.encoder_buckets, n_blocks * self.encoder_block)
@@ -180,6 +187,8 @@ class MultimodalState(EncoderKindState):
                 n = item.num_tokens
                 value = (embeds[start:start + n].clone(), deepstack[:, start:start + n].clone())
                 self.encoder_cache.put(item.mm_hash, *value)
+                if self.remote is not None:
+                    self.remote.computed(item.mm_hash, *value)
                 out[item.mm_hash] = value
                 start += n
         return out
