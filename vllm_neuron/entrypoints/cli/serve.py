@@ -4,41 +4,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import errno
 import os
-import socket
 import time
 
 from vllm_neuron.config.arg_utils import engine_args_from_cli
 from vllm_neuron.entrypoints.openai.request_policy import RequestLimits
-from vllm_neuron.entrypoints.openai.server_options import HttpOptions
+from vllm_neuron.entrypoints.openai.server_options import HttpOptions, check_port_free
 from vllm_neuron.logger import init_logger
 
 logger = init_logger(__name__)
 
 _ENGINE_WATCH_SECONDS = 0.2
-
-
-def check_port_free(host: str, port: int) -> None:
-    """Raises ValueError, before anything loads, when the API server could not listen on host:port (uvicorn
-    would find out only after the engine's warm-up). Binds as uvicorn does (SO_REUSEADDR, every address the
-    host resolves to) and lets go at once."""
-    try:
-        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except socket.gaierror as e:
-        raise ValueError(f"--host {host!r} does not resolve to an address to listen on ({e.strerror})") from None
-    for family, kind, proto, _, address in infos:
-        with socket.socket(family, kind, proto) as sock:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            if family == socket.AF_INET6:
-                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-            try:
-                sock.bind(address)
-            except OSError as e:
-                if e.errno == errno.EADDRINUSE:
-                    raise ValueError(f"port {port} is in use: pass --port with a free one (make run: PORT=...), or "
-                                     f"stop the server listening on {host}:{port}") from None
-                raise ValueError(f"cannot listen on {host}:{port} ({e.strerror}): pass another --host or --port") from None
 
 
 def responses_store_size(args: argparse.Namespace) -> int:

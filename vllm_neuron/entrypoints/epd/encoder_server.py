@@ -118,8 +118,7 @@ def run_encoder_server(engine_args, args) -> int:
     import uvicorn
 
     from vllm_neuron.engine.resolve import resolve_engine_config
-    from vllm_neuron.entrypoints.cli.serve import check_port_free
-    from vllm_neuron.entrypoints.openai.server_options import HttpOptions
+    from vllm_neuron.entrypoints.openai.server_options import HttpOptions, check_port_free
 
     check_port_free(args.host, args.port)
     http = HttpOptions.from_args(args)

@@ -11,8 +11,10 @@ without --enable-log-requests).
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
+import socket
 import ssl
 from dataclasses import dataclass
 from typing import Any
@@ -152,3 +154,25 @@ class HttpOptions:
             kw.update(ssl_certfile=self.ssl_certfile, ssl_keyfile=self.ssl_keyfile, ssl_ca_certs=self.ssl_ca_certs,
                       ssl_cert_reqs=self.ssl_cert_reqs)
         return kw
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Raises ValueError, before anything loads, when the API server could not listen on host:port (uvicorn
+    would find out only after the engine's warm-up). Binds as uvicorn does (SO_REUSEADDR, every address the
+    host resolves to) and lets go at once."""
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise ValueError(f"--host {host!r} does not resolve to an address to listen on ({e.strerror})") from None
+    for family, kind, proto, _, address in infos:
+        with socket.socket(family, kind, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                sock.bind(address)
+            except OSError as e:
+                if e.errno == errno.EADDRINUSE:
+                    raise ValueError(f"port {port} is in use: pass --port with a free one (make run: PORT=...), or "
+                                     f"stop the server listening on {host}:{port}") from None
+                raise ValueError(f"cannot listen on {host}:{port} ({e.strerror}): pass another --host or --port") from None
