@@ -172,7 +172,8 @@ def _pooling_options(args: EngineArgs) -> EngineArgs:
     refused = {"speculative_config": args.speculative_config, "kv_transfer_config": args.kv_transfer_config,
                "kv_offloading_size": args.kv_offloading_size,
                "enable_prompt_embeds": args.enable_prompt_embeds or None, "enable_lora": args.enable_lora or None,
-               "tensor_parallel_size": args.tensor_parallel_size if args.tensor_parallel_size > 1 else None}
+               "tensor_parallel_size": args.tensor_parallel_size if args.tensor_parallel_size > 1 else None,
+               "pipeline_parallel_size": args.pipeline_parallel_size if args.pipeline_parallel_size > 1 else None}
     for option, value in refused.items():
         if value is not None:
             raise V.not_supported(option, value, "a pooling model (--runner pooling) runs without it")

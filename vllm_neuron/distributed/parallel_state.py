@@ -1,6 +1,8 @@
-"""Who this process is in the tensor-parallel group, and the groups themselves (torch.distributed).
+"""Who this process is in the tensor- and pipeline-parallel grid, and the groups themselves (torch.distributed).
 
-One process per rank, gloo on CPU. The model's collectives (all-reduce after row-parallel layers,
+One process per rank, gloo on CPU. With pipeline parallelism (distributed/pipeline.py) the world is
+pp x tp ranks and each stage's ranks form a tensor-parallel group of their own: `ParallelInfo.rank` /
+`world` stay the rank inside that group (what the model's splits read), `pp_rank` / `pp_size` say the stage. The model's collectives (all-reduce after row-parallel layers,
 all-gather of the vocab-parallel logits) run on `model_group`, whose operations time out after
 `timeout_s` (VLLM_NEURON_DIST_TIMEOUT_S): a rank that hangs fails its peers' step. Step inputs travel on
 `control_group`, with no practical timeout, because a follower waits there for as long as the engine is
@@ -18,6 +20,8 @@ from datetime import timedelta
 
 import torch
 
+from vllm_neuron.distributed.pipeline import RankPlace, Stage, rank_place, stage_group_ranks, stage_layers
+
 CONTROL_TIMEOUT = timedelta(days=365)
 JOIN_TIMEOUT = timedelta(minutes=10)
 
@@ -30,6 +34,19 @@ class ParallelInfo:
     rank: int = 0
     world: int = 1
     ep_degree: int = 1
+    pp_rank: int = 0
+    pp_size: int = 1
+
+    @property
+    def global_rank(self) -> int:
+        return self.pp_rank * self.world + self.rank
+
+    def place(self) -> RankPlace:
+        return rank_place(self.global_rank, self.world, self.pp_size)
+
+    def stage(self, num_layers: int) -> Stage:
+        """This rank's pipeline stage of a model with `num_layers` decoder layers (all of them with one stage)."""
+        return stage_layers(num_layers, self.pp_size, self.pp_rank)
 
     @property
     def ep_rank(self) -> int:
@@ -45,6 +62,7 @@ class ParallelInfo:
 _info = ParallelInfo()
 _control = None
 _model = None
+_pipe = None
 
 
 def info() -> ParallelInfo:
@@ -58,19 +76,29 @@ def set_info(value: ParallelInfo) -> None:
 
 
 def init(rank: int, world: int, master_addr: str, master_port: int, *, device_type: str, ep_degree: int,
-         timeout_s: float) -> None:
-    """Joins the process group (rank 0 hosts the TCP store) and records this rank's place."""
+         timeout_s: float, pp_size: int = 1) -> None:
+    """Joins the process group (rank 0 hosts the TCP store) and records this rank's place. `world` counts
+    every rank (tp x pp); each stage's model collectives run on a group of its own, and the activations
+    between stages on `pipe_group` (whole world, the model group's timeout)."""
     import torch.distributed as dist
 
-    global _control, _model
+    global _control, _model, _pipe
     if device_type != "cpu":
         raise ValueError(f"tensor parallelism runs on CPU (gloo) only, not on {device_type} (NCCL with one GPU "
                          "per rank is not built)")
     dist.init_process_group("gloo", init_method=f"tcp://{master_addr}:{master_port}", rank=rank,
                             world_size=world, timeout=JOIN_TIMEOUT)
     _control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
-    _model = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
-    set_info(ParallelInfo(rank, world, ep_degree))
+    tp_size = world // pp_size
+    place = rank_place(rank, tp_size, pp_size)
+    timeout = timedelta(seconds=timeout_s)
+    # Every rank creates every stage's group, in the same order (new_group is collective over the world).
+    for ranks in stage_group_ranks(tp_size, pp_size):
+        group = dist.new_group(ranks, backend="gloo", timeout=timeout)
+        if rank in ranks:
+            _model = group
+    _pipe = dist.new_group(backend="gloo", timeout=timeout) if pp_size > 1 else None
+    set_info(ParallelInfo(place.tp_rank, tp_size, ep_degree, place.pp_rank, pp_size))
 
 
 def control_group():
@@ -81,13 +109,18 @@ def model_group():
     return _model
 
 
+def pipe_group():
+    """The group the activations and logits travel on between stages (None without pipeline parallelism)."""
+    return _pipe
+
+
 def shutdown() -> None:
     import torch.distributed as dist
 
-    global _control, _model
+    global _control, _model, _pipe
     if dist.is_initialized():
         dist.destroy_process_group()
-    _control = _model = None
+    _control = _model = _pipe = None
     set_info(ParallelInfo())
 
 
