@@ -361,9 +361,9 @@ class EngineArgs(EngineOptions):
                                                                self.data_parallel_size)
         world = self.world_size
         if not isinstance(self.nnodes, int) or isinstance(self.nnodes, bool) or self.nnodes < 1 or world % self.nnodes:
-            raise ValueError(f"nnodes must be a positive integer that divides tensor_parallel_size x "
-                             f"pipeline_parallel_size = {world} (each node runs that / nnodes ranks), got "
-                             f"{self.nnodes!r}")
+            raise ValueError(f"nnodes must be a positive integer that divides tensor_parallel_size={tp} x "
+                             f"pipeline_parallel_size={self.pipeline_parallel_size} = {world} ranks (each node runs "
+                             f"world / nnodes of them), got {self.nnodes!r}")
         V.integer("node_rank", self.node_rank, minimum=0, maximum=self.nnodes - 1, context=f"nnodes={self.nnodes}")
         V.port("master_port", self.master_port)
         V.host("master_addr", self.master_addr)
