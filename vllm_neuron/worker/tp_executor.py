@@ -337,8 +337,9 @@ def run_headless_ranks(config: EngineConfig) -> int:
     setup = RankSetup.of(config)
     ranks = setup.node_ranks(config.node_rank)
     procs = [_start_rank(setup, r) for r in ranks]
-    logger.info("Headless node %d: ranks %d..%d of %d (pids %s) join %s:%d", config.node_rank, ranks[0], ranks[-1],
-                setup.world, [p.pid for p in procs], config.master_addr, config.master_port)
+    logger.info("Headless node %d: tensor parallel ranks %d..%d (of %d: %d pipeline stage(s); pids %s) join %s:%d",
+                config.node_rank, ranks[0], ranks[-1], setup.world, setup.pp, [p.pid for p in procs],
+                config.master_addr, config.master_port)
     return max(p.wait() for p in procs)
 
 
