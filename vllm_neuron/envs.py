@@ -389,6 +389,12 @@ _VARS: dict[str, EnvVar] = {
             "the engine reports the rank as hung (a rank that exits fails it at once). Covers the start-up "
             "too, where ranks compile the same bucket at slightly different speeds. Default 120.",
         ),
+        EnvVar(
+            "VLLM_NEURON_PP_MICRO_BATCHES",
+            lambda: _int("VLLM_NEURON_PP_MICRO_BATCHES", None, minimum=1),
+            "Pipeline parallelism: the micro-batches a decode step's rows are split into between stages (each "
+            "re-reads a stage's weights; model/pipeline_stage.py). Default: one per stage.",
+        ),
         # -- metrics --
         EnvVar(
             "VLLM_LOG_STATS_INTERVAL",

@@ -5,12 +5,14 @@ from __future__ import annotations
 import argparse
 
 import pytest
+import torch
 
 from vllm_neuron.config.engine_args import EngineArgs
 from vllm_neuron.distributed import parallel_state as ps
-from vllm_neuron.distributed.pipeline import (check_pipeline_model, node_ranks, rank_place, stage_group_ranks,
-                                              stage_layers)
-from vllm_neuron.model.pipeline_stage import stage_holds_tensor
+from vllm_neuron.distributed.pipeline import (check_pipeline_model, micro_batch_rows, node_ranks, rank_place,
+                                              stage_group_ranks, stage_layers)
+from vllm_neuron.model.layers.attention import AttentionMetadata, decode_mask
+from vllm_neuron.model.pipeline_stage import decode_rows_meta, stage_holds_tensor
 
 
 @pytest.mark.parametrize("layers, pp, expected", [
@@ -126,3 +128,22 @@ def test_cli_takes_pp():
     add_engine_args(p)
     args = engine_args_from_cli(p.parse_args(["-pp", "2", "-tp", "2"]))
     assert (args.pipeline_parallel_size, args.world_size) == (2, 4)
+
+
+@pytest.mark.parametrize("rows, m, expected", [
+    (4, 2, [(0, 2), (2, 4)]), (5, 2, [(0, 3), (3, 5)]), (1, 2, [(0, 1)]), (6, 3, [(0, 2), (2, 4), (4, 6)]),
+    (8, 1, [(0, 8)]),
+])
+def test_micro_batches_split_the_rows_in_order(rows, m, expected):
+    assert micro_batch_rows(rows, m) == expected
+
+
+def test_a_micro_batch_gets_its_rows_of_the_decode_metadata():
+    positions = torch.tensor([5, 9, 2, 30])
+    tables = torch.arange(16).view(4, 4)
+    meta = AttentionMetadata(positions * 10, decode_mask(positions + 1, 64), block_tables=tables, is_decode=True,
+                             positions=positions, query_start=torch.arange(5))
+    part = decode_rows_meta(meta, 2, 4)
+    assert part.slot_mapping.tolist() == [20, 300] and part.positions.tolist() == [2, 30]
+    assert torch.equal(part.block_tables, tables[2:]) and torch.equal(part.mask, meta.mask[2:])
+    assert part.query_start.tolist() == [0, 1, 2]  # its own rows, from 0

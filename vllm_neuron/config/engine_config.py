@@ -83,6 +83,8 @@ class EngineConfig(EngineOptions):
     kv_budget_shared_by: int
     # A pooling engine (--runner pooling): prefill-only steps, pooled outputs; None: a generative engine.
     pooling: PoolingSetup | None = None
+    # Pipeline parallelism: the micro-batches of a decode step (VLLM_NEURON_PP_MICRO_BATCHES; one per stage).
+    pp_micro_batches: int = 1
 
     @property
     def torch_device(self) -> torch.device:
@@ -163,7 +165,8 @@ def resolve(args: EngineArgs, facts: ModelFacts) -> EngineConfig:
         "model_facts": facts, "dtype_reason": dtype_reason,
         "backend": "eager" if args.enforce_eager else envs.VLLM_NEURON_BACKEND,
         "runner_choice": runner_choice, "async_scheduling_reason": async_reason, "kv_budget_shared_by": shared_by,
-        "pooling": facts.pooling})
+        "pooling": facts.pooling,
+        "pp_micro_batches": envs.VLLM_NEURON_PP_MICRO_BATCHES or args.pipeline_parallel_size})
 
 
 def _pooling_options(args: EngineArgs) -> EngineArgs:

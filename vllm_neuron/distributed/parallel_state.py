@@ -36,6 +36,7 @@ class ParallelInfo:
     ep_degree: int = 1
     pp_rank: int = 0
     pp_size: int = 1
+    pp_micro_batches: int = 1  # a decode step's pieces between stages (model/pipeline_stage.py)
 
     @property
     def global_rank(self) -> int:

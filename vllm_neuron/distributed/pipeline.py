@@ -128,3 +128,17 @@ def node_ranks(node_rank: int, world: int, nnodes: int) -> range:
         raise ValueError(f"node_rank={node_rank} is outside 0..{nnodes - 1}")
     per_node = world // nnodes
     return range(node_rank * per_node, (node_rank + 1) * per_node)
+
+
+def micro_batch_rows(rows: int, micro_batches: int) -> list[tuple[int, int]]:
+    """[start, stop) of each micro-batch of a step's `rows` decode rows: `micro_batches` contiguous pieces, sizes
+    differing by at most one (fewer pieces when there are fewer rows)."""
+    m = max(1, min(micro_batches, rows))
+    base, extra = divmod(rows, m)
+    out, start = [], 0
+    for j in range(m):
+        stop = start + base + (1 if j < extra else 0)
+        out.append((start, stop))
+        start = stop
+    return out
+

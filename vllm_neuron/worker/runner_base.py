@@ -306,7 +306,8 @@ class ModelRunnerBase(ProfiledRunner, KVConnectorCalls):
                 # Each tensor-parallel rank compiles its own shard's graphs.
                 "tp_rank": ps.info().rank, "ep_degree": ps.info().ep_degree,
                 # Each pipeline stage compiles its own layers' graphs (and talks to its neighbours in them).
-                **({"pp_rank": ps.info().pp_rank, "pp_size": ps.info().pp_size} if ps.info().pp_size > 1 else {}),
+                **({"pp_rank": ps.info().pp_rank, "pp_size": ps.info().pp_size,
+                    "pp_micro_batches": ps.info().pp_micro_batches} if ps.info().pp_size > 1 else {}),
                 "quantization": self.config.neuron_config.quantization,
                 "decode_cpp_wrapper": self.config.neuron_config.decode_cpp_wrapper,
                 "kinds": [k.graph_options() for k in self.kinds],

@@ -33,6 +33,7 @@ import subprocess
 import sys
 import threading
 import traceback
+import dataclasses
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -172,6 +173,7 @@ class TPExecutor:
         self._watch.start()
         atexit.register(self.shutdown)  # before multiprocessing's exit handler joins the followers
         self._call(_send, (config, device, dtype, backend))
+        _set_micro_batches(config)
         self.runner = create_runner(config, ckpt, device, dtype, backend)
 
     @property
@@ -267,6 +269,10 @@ def _start_rank(setup: RankSetup, rank: int) -> subprocess.Popen:
                              str(rank)], env=env)
 
 
+def _set_micro_batches(config: EngineConfig) -> None:
+    ps.set_info(dataclasses.replace(ps.info(), pp_micro_batches=config.pp_micro_batches))
+
+
 def _check_shardable(hf_config, tp: int) -> None:
     """The head-split rules, before any process starts (parallel_state.local_kv_heads); which models shard at all
     is config/compatibility.py's to say."""
@@ -295,6 +301,8 @@ def follower_main(setup: RankSetup, rank: int) -> None:
     try:
         config, device, dtype, backend = _recv()
         from vllm_neuron.model.loader import load_checkpoint
+
+        _set_micro_batches(config)  # rank 0's choice, whatever this node's environment says
 
 
         runner = create_runner(config, load_checkpoint(config.model), device, dtype, backend)

@@ -22,8 +22,8 @@ from vllm_neuron.model.layers.parallel import (VocabParallelEmbedding, all_reduc
 from vllm_neuron.model.layers.rotary import RotaryEmbedding, apply_rotary
 from vllm_neuron.model.llama.config import LlamaArchConfig
 from vllm_neuron.model.llama.weight_loaders import llama_checkpoint_target
-from vllm_neuron.model.layers.pipeline_ops import recv_hidden, recv_logits, send_hidden, share_logits
-from vllm_neuron.model.pipeline_stage import AbsentLayer, holds_embedding, stage_holds_tensor
+from vllm_neuron.model.layers.pipeline_ops import recv_logits, share_logits
+from vllm_neuron.model.pipeline_stage import AbsentLayer, holds_embedding, stage_forward, stage_holds_tensor
 
 
 class LlamaAttention(nn.Module):
@@ -133,6 +133,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         # Pipeline parallelism: this rank's stage builds its own layers only (model/pipeline_stage.py).
         self.stage = ps.info().stage(cfg.num_layers)
+        self.micro_batches = ps.info().pp_micro_batches  # a decode step's pieces between stages
         self.hidden_size = cfg.hidden_size
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size) \
             if holds_embedding(self.stage, cfg.tie_word_embeddings) else None
@@ -143,26 +144,34 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids, positions, kv_caches, meta, inputs_embeds=None, aux_layers: tuple[int, ...] = (),
                 lora_index=None):
-        stage = self.stage
-        if not stage.is_first:  # the previous stage's output (model/layers/pipeline_ops.py)
-            x = recv_hidden(positions, self.hidden_size, self.norm.weight.dtype)
-        else:
-            x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        if self.stage.pp_size > 1:
+            return self._stage_forward(input_ids, positions, kv_caches, meta, inputs_embeds)
+        x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         cos, sin = self.rotary(positions, x.dtype)
-        # kv_caches (and a per-layer meta list) hold this stage's layers only, in order.
-        metas = meta if isinstance(meta, (list, tuple)) else [meta] * len(stage.layers)
+        metas = meta if isinstance(meta, (list, tuple)) else [meta] * len(self.layers)
         taps = {}
-        for i, kv_cache, m in zip(stage.layers, kv_caches, metas):
-            layer = self.layers[i]
+        for i, (layer, kv_cache, m) in enumerate(zip(self.layers, kv_caches, metas)):
             if i in aux_layers:
                 taps[i] = x
             x = layer(x, cos, sin, kv_cache, m) if lora_index is None else layer(x, cos, sin, kv_cache, m, lora_index)
-        if not stage.is_last:
-            return send_hidden(x)
         taps[len(self.layers)] = x  # tap L: the last layer's output (DFlash's taps are layer outputs)
         if aux_layers:  # EAGLE3 / DFlash: the input hidden states of these layers, side by side
             return self.norm(x), torch.cat([taps[i] for i in aux_layers], dim=-1)
         return self.norm(x)
+
+    def _stage_forward(self, input_ids, positions, kv_caches, meta, inputs_embeds):
+        """A pipeline stage's part (model/pipeline_stage.py): its layers, whose KV caches kv_caches holds in order."""
+        stage, dtype = self.stage, self.norm.weight.dtype
+        cos, sin = self.rotary(positions, dtype)
+
+        def run_layers(x, cos, sin, m):
+            for i, kv_cache in zip(stage.layers, kv_caches):
+                x = self.layers[i](x, cos, sin, kv_cache, m)
+            return x
+
+        x = stage_forward(stage, run_layers, lambda: self.embed_tokens(input_ids) if inputs_embeds is None
+                          else inputs_embeds, positions, cos, sin, meta, self.hidden_size, dtype, self.micro_batches)
+        return self.norm(x) if stage.is_last else x
 
 
 class LlamaForCausalLM(CausalLM):
