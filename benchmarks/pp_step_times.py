@@ -1,5 +1,6 @@
 """Pipeline parallelism on this machine's CPU: decode step times and TTFT of PP=2 (two stages of 15 layers, one
-process each; decode in one piece and in two micro-batches) against TP=2 and TP=1, in the same run.
+process each; decode in one piece and in two micro-batches) against TP=2 and TP=1 (all cores, and one thread), in
+the same run.
 
     python benchmarks/pp_step_times.py [--batch 4 --prompt-len 128 --decode-tokens 16 --reps 2 --compiled]
 
@@ -52,8 +53,12 @@ def main() -> None:
     long_prompt = [torch.randint(100, 40000, (a.prompt_len,), generator=gen).tolist()]
     batch = [torch.randint(100, 40000, (16,), generator=gen).tolist() for _ in range(a.batch)]
     rows = []
-    for name, tp, pp, micro in (("TP=1", 1, 1, None), ("TP=2", 2, 1, None), ("PP=2", 1, 2, 1),
-                                ("PP=2, 2 micro-batches", 1, 2, 2)):
+    # TP=1 on every core and on one (a loaded machine punishes a multi-threaded step: it waits for its slowest
+    # thread); the ranks of TP=2 and PP=2 split the cores.
+    for name, tp, pp, micro, threads in (("TP=1", 1, 1, None, cores), ("TP=1, 1 thread", 1, 1, None, 1),
+                                         ("TP=2", 2, 1, None, cores), ("PP=2", 1, 2, 1, cores),
+                                         ("PP=2, 2 micro-batches", 1, 2, 2, cores)):
+        torch.set_num_threads(threads)
         os.environ["VLLM_NEURON_PP_MICRO_BATCHES"] = str(micro or 1)
         llm = LLM(model, tensor_parallel_size=tp, pipeline_parallel_size=pp, enforce_eager=not a.compiled,
                   dtype=a.dtype, device="cpu", max_model_len=1024, max_num_seqs=a.batch,
