@@ -1,7 +1,8 @@
 """Pipeline parallelism end to end: greedy fp32 tokens with the layers split into stages (PP=2, processes over
 gloo, one thread each) equal transformers' and PP=1's on tiny Llama (3 layers: stages of 2 and 1) and Qwen3 with
 tied embeddings at PP=2 x TP=2, eager, with prompts longer than max_num_batched_tokens (segmented prefill), decode
-steps in two micro-batches, and (PP=2) a second pass from the prefix cache; one compiled PP=2 run (one graph per stage and kind, each stage its own
+steps in two micro-batches, and (PP=2) a second pass from the prefix cache; seeded random sampling, logprobs,
+prompt logprobs and a repetition penalty (host sampling) equal PP=1's; one compiled PP=2 run (one graph per stage and kind, each stage its own
 compile-cache key)."""
 from __future__ import annotations
 
@@ -39,8 +40,19 @@ def models(tmp_path_factory) -> dict[str, tuple[str, list[list[int]]]]:
     return out
 
 
+def _sampled(llm) -> list:
+    """Host-side sampling on the logits the last stage shares: seeded random tokens with logprobs and prompt
+    logprobs (a segmented prompt), a repetition penalty with top-p."""
+    outs = llm.generate([{"prompt_token_ids": _prompts()[2]}, {"prompt_token_ids": _prompts()[0]}],
+                        [SamplingParams(max_tokens=4, prompt_logprobs=2, logprobs=3, temperature=0.8, seed=3),
+                         SamplingParams(max_tokens=4, temperature=1.0, top_p=0.9, seed=4, repetition_penalty=1.3)],
+                        use_tqdm=False)
+    return [(o.outputs[0].token_ids, [sorted(d) for d in (o.prompt_logprobs or [])[1:]],
+             [round(max(v.logprob for v in d.values()), 4) for d in (o.outputs[0].logprobs or [])]) for o in outs]
+
+
 def _generate(model_dir: str, *, pp: int, tp: int = 1, eager: bool = True, cached_pass: bool = True,
-              inspect=None) -> tuple[list[list[int]], list[list[int]], list[int]]:
+              inspect=None, extra: list | None = None) -> tuple[list[list[int]], list[list[int]], list[int]]:
     llm = LLM(model_dir, pipeline_parallel_size=pp, tensor_parallel_size=tp, max_model_len=128, max_num_seqs=4,
               max_num_batched_tokens=32, block_size=16, dtype="float32", device="cpu", num_gpu_blocks_override=64,
               enforce_eager=eager, additional_config={"neuron_config": EAGER_BUCKETS if eager else COMPILED_BUCKETS})
@@ -51,6 +63,8 @@ def _generate(model_dir: str, *, pp: int, tp: int = 1, eager: bool = True, cache
         prompts = [{"prompt_token_ids": p} for p in _prompts()]
         first = llm.generate(prompts, params, use_tqdm=False)
         second = llm.generate(prompts, params, use_tqdm=False) if cached_pass else []
+        if extra is not None:
+            extra.append(_sampled(llm))
     finally:
         llm.llm_engine.shutdown()
     return ([o.outputs[0].token_ids for o in first], [o.outputs[0].token_ids for o in second],
@@ -74,9 +88,12 @@ def test_pp2_eager_equals_transformers_and_pp1(models):
         seen["kv_layers"] = len(runner.kv_caches)
         seen["lm_head"] = runner.model.lm_head
 
-    _check(ref, *_generate(model_dir, pp=2, inspect=inspect))
+    sampled = []
+    _check(ref, *_generate(model_dir, pp=2, inspect=inspect, extra=sampled))
     assert seen == {"absent": [False, False, True], "kv_layers": 2, "lm_head": None}
-    assert _generate(model_dir, pp=1, cached_pass=False)[0] == ref
+    assert _generate(model_dir, pp=1, cached_pass=False, extra=sampled)[0] == ref
+    assert sampled[0] == sampled[1], "host sampling, logprobs or prompt logprobs differ between PP=2 and PP=1"
+    assert len(sampled[0][0][1]) == len(_prompts()[2]) - 1  # every prompt position's logprobs came back
 
 
 def test_pp2_tp2_qwen3_tied_equals_transformers(models):
