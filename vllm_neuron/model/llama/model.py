@@ -165,8 +165,9 @@ class LlamaModel(nn.Module):
         cos, sin = self.rotary(positions, dtype)
 
         def run_layers(x, cos, sin, m):
-            for i, kv_cache in zip(stage.layers, kv_caches):
-                x = self.layers[i](x, cos, sin, kv_cache, m)
+            metas = m if isinstance(m, (list, tuple)) else [m] * len(stage.layers)  # per layer with KV groups
+            for i, kv_cache, layer_meta in zip(stage.layers, kv_caches, metas):
+                x = self.layers[i](x, cos, sin, kv_cache, layer_meta)
             return x
 
         x = stage_forward(stage, run_layers, lambda: self.embed_tokens(input_ids) if inputs_embeds is None
