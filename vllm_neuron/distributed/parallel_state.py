@@ -2,12 +2,14 @@
 
 One process per rank, gloo on CPU. With pipeline parallelism (distributed/pipeline.py) the world is
 pp x tp ranks and each stage's ranks form a tensor-parallel group of their own: `ParallelInfo.rank` /
-`world` stay the rank inside that group (what the model's splits read), `pp_rank` / `pp_size` say the stage. The model's collectives (all-reduce after row-parallel layers,
-all-gather of the vocab-parallel logits) run on `model_group`, whose operations time out after
-`timeout_s` (VLLM_NEURON_DIST_TIMEOUT_S): a rank that hangs fails its peers' step. Step inputs travel on
-`control_group`, with no practical timeout, because a follower waits there for as long as the engine is
-idle. A rank that dies closes its connections, which fails its peers' pending operations at once. The
-world group itself only serves the rendezvous, which waits up to JOIN_TIMEOUT for nodes that start late.
+`world` stay the rank inside that group (what the model's splits read), `pp_rank` / `pp_size` say the
+stage, and the hand-offs between stages travel on `pipe_group`. The model's collectives (all-reduce after
+row-parallel layers, all-gather of the vocab-parallel logits) run on `model_group` (the stage's group),
+whose operations time out after `timeout_s` (VLLM_NEURON_DIST_TIMEOUT_S), like the pipe group's: a rank
+that hangs fails its peers' step. Step inputs travel on `control_group`, with no practical timeout,
+because a follower waits there for as long as the engine is idle. A rank that dies closes its
+connections, which fails its peers' pending operations at once. The world group itself only serves the
+rendezvous, which waits up to JOIN_TIMEOUT for nodes that start late.
 
 The rules on how heads and experts are split are pure functions here, so that the model, the KV
 allocator and the tests agree on them.

@@ -44,8 +44,8 @@ class Stage:
 
 def stage_layers(num_layers: int, pp_size: int, pp_rank: int) -> Stage:
     """The layers of stage `pp_rank` of `pp_size`: contiguous, sizes differing by at most one, the earlier
-    stages taking the extra layers (stage 0 also embeds, the last one also runs the norm and the LM head, so
-    neither end is favoured by more than that one layer)."""
+    stages taking the extra layers (the last stage also runs the LM head, in SmolLM2-135M as many weights as
+    eight of its layers; the first one's embedding is a lookup)."""
     if pp_size < 1 or not 0 <= pp_rank < pp_size:
         raise ValueError(f"pipeline stage {pp_rank} of {pp_size} does not exist")
     check_layers(num_layers, pp_size)
