@@ -2,8 +2,8 @@
 gloo, one thread each) equal transformers' and PP=1's on tiny Llama (3 layers: stages of 2 and 1) and Qwen3 with
 tied embeddings at PP=2 x TP=2, eager, with prompts longer than max_num_batched_tokens (segmented prefill), decode
 steps in two micro-batches, and (PP=2) a second pass from the prefix cache; seeded random sampling, logprobs,
-prompt logprobs and a repetition penalty (host sampling) equal PP=1's; one compiled PP=2 run (one graph per stage and kind, each stage its own
-compile-cache key)."""
+prompt logprobs and a repetition penalty (host sampling) equal PP=1's; one compiled PP=2 run (one graph per
+stage and kind, each stage its own compile-cache key)."""
 from __future__ import annotations
 
 import pytest
