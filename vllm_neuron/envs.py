@@ -391,9 +391,11 @@ _VARS: dict[str, EnvVar] = {
         ),
         EnvVar(
             "VLLM_NEURON_PP_MICRO_BATCHES",
-            lambda: _int("VLLM_NEURON_PP_MICRO_BATCHES", None, minimum=1),
-            "Pipeline parallelism: the micro-batches a decode step's rows are split into between stages (each "
-            "re-reads a stage's weights; model/pipeline_stage.py). Default: one per stage.",
+            lambda: _int("VLLM_NEURON_PP_MICRO_BATCHES", 1, minimum=1),
+            "Pipeline parallelism: the micro-batches a decode step's rows are split into between stages, so "
+            "that stages overlap (model/pipeline_stage.py). Default 1 (one piece): each micro-batch re-reads a "
+            "stage's weights, and on one CPU host that cost more than the overlap saved "
+            "(benchmarks/pp_step_times.py).",
         ),
         # -- metrics --
         EnvVar(

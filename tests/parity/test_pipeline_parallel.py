@@ -1,7 +1,7 @@
 """Pipeline parallelism end to end: greedy fp32 tokens with the layers split into stages (PP=2, processes over
 gloo, one thread each) equal transformers' and PP=1's on tiny Llama (3 layers: stages of 2 and 1) and Qwen3 with
 tied embeddings at PP=2 x TP=2, eager, with prompts longer than max_num_batched_tokens (segmented prefill), decode
-steps in two micro-batches, and (PP=2) a second pass from the prefix cache; seeded random sampling, logprobs,
+steps whole (PP=2) and in two micro-batches (PP=2 x TP=2), and (PP=2) a second pass from the prefix cache; seeded random sampling, logprobs,
 prompt logprobs and a repetition penalty (host sampling) equal PP=1's; one compiled PP=2 run (one graph per
 stage and kind, each stage its own compile-cache key)."""
 from __future__ import annotations
@@ -96,17 +96,20 @@ def test_pp2_eager_equals_transformers_and_pp1(models):
     assert len(sampled[0][0][1]) == len(_prompts()[2]) - 1  # every prompt position's logprobs came back
 
 
-def test_pp2_tp2_qwen3_tied_equals_transformers(models):
+def test_pp2_tp2_qwen3_tied_equals_transformers(models, monkeypatch):
     """Four ranks: two stages of two tensor-parallel ranks each; the last stage's LM head is its (vocab-split)
-    copy of the tied embedding."""
+    copy of the tied embedding; decode steps of 4 rows cross the stages in two micro-batches."""
+    monkeypatch.setenv("VLLM_NEURON_PP_MICRO_BATCHES", "2")
     model_dir, ref = models["qwen3"]
     assert _generate(model_dir, pp=2, tp=2, cached_pass=False)[0] == ref
 
 
 @pytest.mark.slow
 def test_pp2_compiled_equals_transformers(models, tmp_path, monkeypatch):
-    """Compiled bucket graphs with the stage hand-offs inside (MRv2); each stage its own compile-cache key."""
+    """Compiled bucket graphs with the stage hand-offs inside (MRv2), decode in two micro-batches; each stage its
+    own compile-cache key."""
     monkeypatch.setenv("NEURON_COMPILED_ARTIFACTS", str(tmp_path / "cache"))
+    monkeypatch.setenv("VLLM_NEURON_PP_MICRO_BATCHES", "2")
     model_dir, ref = models["llama"]
     first, _, _ = _generate(model_dir, pp=2, eager=False, cached_pass=False)
     assert first == ref

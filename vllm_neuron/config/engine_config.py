@@ -83,7 +83,7 @@ class EngineConfig(EngineOptions):
     kv_budget_shared_by: int
     # A pooling engine (--runner pooling): prefill-only steps, pooled outputs; None: a generative engine.
     pooling: PoolingSetup | None = None
-    # Pipeline parallelism: the micro-batches of a decode step (VLLM_NEURON_PP_MICRO_BATCHES; one per stage).
+    # Pipeline parallelism: the micro-batches of a decode step (VLLM_NEURON_PP_MICRO_BATCHES; 1: one piece).
     pp_micro_batches: int = 1
 
     @property
@@ -166,7 +166,7 @@ def resolve(args: EngineArgs, facts: ModelFacts) -> EngineConfig:
         "backend": "eager" if args.enforce_eager else envs.VLLM_NEURON_BACKEND,
         "runner_choice": runner_choice, "async_scheduling_reason": async_reason, "kv_budget_shared_by": shared_by,
         "pooling": facts.pooling,
-        "pp_micro_batches": envs.VLLM_NEURON_PP_MICRO_BATCHES or args.pipeline_parallel_size})
+        "pp_micro_batches": envs.VLLM_NEURON_PP_MICRO_BATCHES})
 
 
 def _pooling_options(args: EngineArgs) -> EngineArgs:

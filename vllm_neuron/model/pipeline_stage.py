@@ -10,7 +10,9 @@ them, contiguous rows), each handed on as soon as this stage is done with it, so
 j + 1 while stage s + 1 works on micro-batch j. What overlaps and what does not:
 * decode: the stages' layers over different micro-batches, and the hand-offs with the next micro-batch's layers.
   Each micro-batch reads the stage's weights again, so on a CPU whose decode step is bound by the weight stream
-  the overlap must win more than the extra reads cost (benchmarks/pp_step_times.py measures both);
+  the overlap must win more than the extra reads cost (benchmarks/pp_step_times.py measures both). On a 2-core
+  host it did not (decode steps 1.5-2x longer in two micro-batches), hence VLLM_NEURON_PP_MICRO_BATCHES=1 by
+  default;
 * prefill: one piece (a prefill token attends to earlier tokens of its own step, which a later micro-batch would
   have to read back from the KV cache): stages run one after another;
 * the logits: the last stage computes them once for every row, after its last micro-batch, and the earlier

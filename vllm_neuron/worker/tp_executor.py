@@ -13,9 +13,10 @@ the scheduler's block numbers are valid on every rank.
 Pipeline parallelism (distributed/pipeline.py) uses the same protocol over a world of pp x tp ranks: every
 rank replays every call, each stage's runner on a model of its own layers, and the stages hand activations
 and logits to each other inside the graphs (model/layers/pipeline_ops.py), so the engine core, the scheduler
-and the runner see one runner as before. Within a decode step the stages overlap on micro-batches; prefill
-steps, the logits and consecutive steps do not (model/pipeline_stage.py says why). Each stage sizes the KV of
-its own layers; the smallest pool over every rank wins as for TP.
+and the runner see one runner as before. Within a decode step the stages overlap on micro-batches (when
+VLLM_NEURON_PP_MICRO_BATCHES > 1); prefill steps, the logits and consecutive steps do not
+(model/pipeline_stage.py says why). Each stage sizes the KV of its own layers; the smallest pool over every
+rank wins as for TP.
 
 Failure: a follower that exits (watched by a thread) or a collective that fails or times out
 (VLLM_NEURON_DIST_TIMEOUT_S) raises `WorkerRankError`, which the engine core treats as fatal: its
