@@ -52,10 +52,11 @@ def _sampled(llm) -> list:
 
 
 def _generate(model_dir: str, *, pp: int, tp: int = 1, eager: bool = True, cached_pass: bool = True,
-              inspect=None, extra: list | None = None) -> tuple[list[list[int]], list[list[int]], list[int]]:
+              inspect=None, extra: list | None = None, **kw) -> tuple[list[list[int]], list[list[int]], list[int]]:
     llm = LLM(model_dir, pipeline_parallel_size=pp, tensor_parallel_size=tp, max_model_len=128, max_num_seqs=4,
               max_num_batched_tokens=32, block_size=16, dtype="float32", device="cpu", num_gpu_blocks_override=64,
-              enforce_eager=eager, additional_config={"neuron_config": EAGER_BUCKETS if eager else COMPILED_BUCKETS})
+              enforce_eager=eager, additional_config={"neuron_config": EAGER_BUCKETS if eager else COMPILED_BUCKETS},
+              **kw)
     try:
         if inspect is not None:
             inspect(llm.llm_engine.core.runner)
@@ -98,10 +99,11 @@ def test_pp2_eager_equals_transformers_and_pp1(models):
 
 def test_pp2_tp2_qwen3_tied_equals_transformers(models, monkeypatch):
     """Four ranks: two stages of two tensor-parallel ranks each; the last stage's LM head is its (vocab-split)
-    copy of the tied embedding; decode steps of 4 rows cross the stages in two micro-batches."""
+    copy of the tied embedding; decode steps of 4 rows cross the stages in two micro-batches; async scheduling
+    (the engine asks rank 0 for its stats while a step is in flight: no second broadcast may interleave)."""
     monkeypatch.setenv("VLLM_NEURON_PP_MICRO_BATCHES", "2")
     model_dir, ref = models["qwen3"]
-    assert _generate(model_dir, pp=2, tp=2, cached_pass=False)[0] == ref
+    assert _generate(model_dir, pp=2, tp=2, cached_pass=False, async_scheduling=True)[0] == ref
 
 
 @pytest.mark.slow

@@ -52,6 +52,10 @@ logger = init_logger(__name__)
 # per-request state, so a load counts as read only when every rank read its heads; stop_profile: 1 once a rank's
 # trace is written, so rank 0 returns when every rank's is).
 _MIN_REDUCED = ("num_blocks", "kv_poll_loads", "kv_tier_poll", "stop_profile")
+# Read-only queries rank 0 answers alone: the engine core asks some of them from its own thread while a step is in
+# flight on the step thread (async scheduling: the step's stats), and a second broadcast on the control group then
+# would interleave with the step's and corrupt both.
+_RANK0_ONLY = ("encoder_cache_stats", "prefill_needs_context", "request_blocks")
 
 
 class WorkerRankError(RuntimeError):
@@ -220,7 +224,7 @@ class TPExecutor:
 
     def __getattr__(self, name: str):
         attr = getattr(self.runner, name)
-        if not callable(attr):
+        if not callable(attr) or name in _RANK0_ONLY:
             return attr
 
         def on_every_rank(*args):
