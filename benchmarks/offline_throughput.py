@@ -1,19 +1,33 @@
-"""Offline throughput: vllm-neuron's LLM.generate vs transformers' generate, same prompts, same run.
+"""Offline throughput: vllm-neuron's LLM.generate vs transformers' generate and OpenVINO GenAI, same prompts,
+same run.
 
 A fixed random workload (prompt and output lengths drawn with a seed) on the bundled model by default.
-Both engines generate exactly the requested number of tokens per request (ignore EOS); transformers
-runs batches of --hf-batch-size with left padding. Prints output tokens/s for both and the ratio.
+Every engine generates exactly the requested number of tokens per request (ignore EOS, greedy);
+transformers runs batches of --hf-batch-size with left padding; OpenVINO GenAI runs its
+ContinuousBatchingPipeline on the same token ids with the same --max-num-seqs, in its own venv (installed
+on first use under --cache-dir, the model exported there with optimum-intel in the matching weight
+precision: fp16 storage for our bf16 / fp32, int8 or int4 for our neuron_config.quantization). Prints output
+tokens/s of each and our ratio to each.
 
-    python benchmarks/offline_throughput.py [--model PATH] [--num-prompts 64] [--dtype auto]
+    python benchmarks/offline_throughput.py [--model PATH] [--num-prompts 64] [--dtype auto] [--peers transformers,openvino]
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
+import sys
 import time
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from peers.install import default_cache_dir, ensure_installed  # noqa: E402
+from peers.openvino_peer import exported_model, install_openvino_genai, run_offline  # noqa: E402
+
+PEERS = ("transformers", "openvino")
 
 
 def workload(tokenizer, n: int, seed: int, in_range: tuple[int, int], out_range: tuple[int, int]):
@@ -76,6 +90,21 @@ def run_transformers(args, reqs, dtype: torch.dtype) -> tuple[float, int]:
     return time.perf_counter() - t0, total
 
 
+def run_openvino(args, reqs, quantization: str | None) -> tuple[str, float, int]:
+    """(row label, seconds, output tokens) of OpenVINO GenAI on the same requests."""
+    from vllm_neuron.model.loader import bundled_model_path
+
+    weights = args.openvino_weights if args.openvino_weights != "auto" else (quantization or "fp16")
+    inst = ensure_installed("openvino", install_openvino_genai, args.cache_dir)
+    print(f"  openvino: {'installed now' if inst.fresh else 'cached'} ({inst.info['version']}); exporting "
+          f"{weights} weights (first use only) ...", flush=True)
+    model_dir = exported_model(inst.info, os.path.abspath(args.model or bundled_model_path()), weights,
+                               os.path.join(args.cache_dir, "openvino", "export.log"))
+    r = run_offline(inst.info, model_dir, reqs, args.max_num_seqs, len(os.sched_getaffinity(0)))
+    return (f"OpenVINO GenAI ContinuousBatchingPipeline ({inst.info['version'].split()[-1]}, {weights} weights)",
+            r["seconds"], r["output_tokens"])
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="HF dir or .gguf (default: bundled SmolLM2-135M-Instruct)")
@@ -90,8 +119,19 @@ def main() -> None:
     p.add_argument("--additional-config", type=json.loads, default=None,
                    help='e.g. \'{"neuron_config": {"num_seqs_buckets": [1, 4, 16]}}\'')
     p.add_argument("--hf-batch-size", type=int, default=16)
-    p.add_argument("--skip-transformers", action="store_true")
+    p.add_argument("--skip-transformers", action="store_true", help="same as leaving transformers out of --peers")
+    p.add_argument("--peers", default=",".join(PEERS), help="comma list of " + ", ".join(PEERS) + " (or none)")
+    p.add_argument("--openvino-weights", choices=("auto", "fp16", "int8", "int4"), default="auto",
+                   help="OpenVINO's weight format (auto: int8 / int4 as our neuron_config.quantization, else fp16)")
+    p.add_argument("--cache-dir", default=default_cache_dir(), help="peer installs (%(default)s)")
     args = p.parse_args()
+    peers = [x for x in args.peers.split(",") if x and x != "none"]
+    bad = [x for x in peers if x not in PEERS]
+    if bad:
+        p.error(f"--peers: unknown {bad}; valid: {', '.join(PEERS)}")
+    if args.skip_transformers and "transformers" in peers:
+        peers.remove("transformers")
+    quantization = ((args.additional_config or {}).get("neuron_config") or {}).get("quantization")
 
     from vllm_neuron.config.device import resolve_dtype, resolve_device
     from vllm_neuron.model.loader import load_tokenizer
@@ -102,15 +142,20 @@ def main() -> None:
     print(f"workload: {len(reqs)} requests, {sum(len(i) for i, _ in reqs)} prompt tokens, "
           f"{sum(o for _, o in reqs)} output tokens, dtype {dtype}")
     ours_s, ours_tok = run_ours(args, reqs)
-    rows = [("vllm-neuron LLM.generate", ours_s, ours_tok)]
-    if not args.skip_transformers:
+    rows = [(f"vllm-neuron LLM.generate ({quantization or str(dtype).removeprefix('torch.')})", ours_s, ours_tok)]
+    if "transformers" in peers:
         hf_s, hf_tok = run_transformers(args, reqs, dtype)
         rows.append((f"transformers generate (batch {args.hf_batch_size})", hf_s, hf_tok))
-    print(f"\n| engine | time (s) | output tokens | output tok/s |\n| --- | --- | --- | --- |")
+    if "openvino" in peers:
+        try:
+            rows.append(run_openvino(args, reqs, quantization))
+        except Exception as e:  # noqa: BLE001 (a peer that cannot install or run is reported; ours still is)
+            print(f"  openvino: failed: {' '.join(str(e).split())[:400]}", flush=True)
+    print("\n| engine | time (s) | output tokens | output tok/s | vllm-neuron / this |\n| --- | --- | --- | --- | --- |")
+    ours_rate = rows[0][2] / rows[0][1]
     for name, s, tok in rows:
-        print(f"| {name} | {s:.1f} | {tok} | {tok / s:.1f} |")
-    if len(rows) == 2:
-        print(f"\nratio vllm-neuron / transformers: {(rows[0][2] / rows[0][1]) / (rows[1][2] / rows[1][1]):.2f}x")
+        ratio = "-" if name == rows[0][0] else f"{ours_rate / (tok / s):.2f}x"
+        print(f"| {name} | {s:.1f} | {tok} | {tok / s:.1f} | {ratio} |")
 
 
 if __name__ == "__main__":

@@ -11,10 +11,17 @@ median step time next to its bound:
 
 A step's linear FLOPs are 2 x (weights of every linear layer) x (rows of the bucket); its bytes are
 every linear weight once (the embedding's rows are negligible) plus the KV cache the sequences read.
-Attention FLOPs are left out (at most a few percent of the linears' at these lengths), so the bound is
-optimistic.
+Attention FLOPs are left out of these rows (at most a few percent of the linears' at these lengths), so the
+bound is optimistic.
+
+Long context (`--long-context`, default 8192 tokens, 0 skips): one prompt that fills the context but for the
+decode tokens, prefilled in segments and then decoded at batch 1. Prints the prefill against its bound (here
+with the causal attention FLOPs, as large as the linears' at 8k) and attention's share of the decode step at
+that context: (step at long context - step at short context) / step at long context, beside the time its KV
+bytes take at the measured bandwidth.
 
     python benchmarks/step_bounds.py [--quantization int8] [--repeat 5] [--threads 2] [--decode-batches 1,4,16]
+                                     [--long-context 8192]
 """
 from __future__ import annotations
 
@@ -28,7 +35,7 @@ from dataclasses import dataclass
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from peers.report import measure_read_bandwidth  # noqa: E402
-from step_timing import time_steps  # noqa: E402
+from step_timing import steps_of, time_steps  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -42,6 +49,11 @@ def step_cost(linear_params: int, weight_bytes: int, rows: int, kv_bytes_per_tok
     """What one step must do at least: `rows` rows through every linear layer, every weight read once,
     and `context_tokens` cached tokens' K and V read (pure)."""
     return StepCost(flops=2.0 * linear_params * rows, bytes=float(weight_bytes + kv_bytes_per_token * context_tokens))
+
+
+def attention_flops(layers: int, heads: int, head_dim: int, tokens: int) -> float:
+    """FLOPs of causal self-attention over a `tokens`-token prompt: QK^T and PV, half the square each (pure)."""
+    return 2.0 * 2.0 * layers * heads * head_dim * tokens * tokens / 2.0
 
 
 def bound_ms(cost: StepCost, peak_flop_s: float, bandwidth_b_s: float) -> tuple[float, str]:
@@ -106,6 +118,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--eager", action="store_true", help="run the buckets uncompiled")
     p.add_argument("--matmul-size", type=int, default=2048, help="n of the n^3 peak matmul")
     p.add_argument("--bandwidth-gib", type=float, default=1.0, help="GiB summed for the read bandwidth")
+    p.add_argument("--long-context", type=int, default=8192,
+                   help="context of the long-context prefill and decode (0 skips them)")
     args = p.parse_args(argv)
 
     import torch
@@ -172,8 +186,47 @@ def main(argv: list[str] | None = None) -> None:
         b, by = bound_ms(cost, peak, bandwidth)
         med = statistics.median(v) * 1e3
         print(f"| {name} | {len(v)} | {med:.1f} | {b:.1f} | {by} | {med / b:.1f}x |")
+    if args.long_context:
+        _long_context(llm, times, prompt, args, peak, bandwidth, params, weight_bytes, kv_per_token)
     print("\n(Wall time of each step as the runner executes it, host work included; a loaded machine "
           "inflates the medians, not the bounds.)")
+
+
+def _long_context(llm, times, prompt, args, peak: float, bandwidth: float, params: int, weight_bytes: int,
+                  kv_per_token: int) -> None:
+    """The long-context prefill and batch-1 decode against their bounds, and attention's share of the step."""
+    from vllm_neuron import SamplingParams
+
+    runner = llm.llm_engine.core.runner
+    n = args.long_context - args.decode_tokens - 1
+    if n + args.decode_tokens > runner.config.max_model_len:
+        print(f"\nlong context skipped: {args.long_context} tokens exceed max_model_len={runner.config.max_model_len}")
+        return
+    short = statistics.median(steps_of(times, "decode", 1) or [float("nan")])
+    before = {k: len(v) for k, v in times.items()}
+    llm.generate([prompt(n)], SamplingParams(temperature=0.0, max_tokens=args.decode_tokens, ignore_eos=True),
+                 use_tqdm=False)
+    new = {k: v[before.get(k, 0):] for k, v in times.items()}
+    prefill = sum(t for k, v in new.items() if k.startswith("prefill") for t in v)
+    decode = statistics.median([t for k, v in new.items() if k.startswith("decode") for t in v])
+    hf = runner.ckpt.hf_config.get_text_config()
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    attn = attention_flops(hf.num_hidden_layers, hf.num_attention_heads, head_dim, n)
+    pre_cost = StepCost(2.0 * params * n + attn, float(weight_bytes + kv_per_token * n))
+    pre_bound, pre_by = bound_ms(pre_cost, peak, bandwidth)
+    dec_bound, dec_by = bound_ms(step_cost(params, weight_bytes, 1, kv_per_token, n), peak, bandwidth)
+    kv_ms = kv_per_token * n / bandwidth * 1e3
+    print(f"\nLong context: one {n}-token prompt ({args.long_context} with its {args.decode_tokens} output tokens)")
+    print("| step | measured (ms) | bound (ms) | bound by | measured / bound |")
+    print("| --- | --- | --- | --- | --- |")
+    print(f"| prefill of {n} tokens (all segments; attention {attn / pre_cost.flops:.0%} of its FLOPs) | "
+          f"{prefill * 1e3:.0f} | {pre_bound:.0f} | {pre_by} | {prefill * 1e3 / pre_bound:.1f}x |")
+    print(f"| decode_b1 at {n} context (median) | {decode * 1e3:.1f} | {dec_bound:.1f} | {dec_by} | "
+          f"{decode * 1e3 / dec_bound:.1f}x |")
+    share = (decode - short) / decode
+    print(f"Attention's share of the batch-1 decode step at {n} context: {share:.0%} ({(decode - short) * 1e3:.1f} ms "
+          f"of {decode * 1e3:.1f} ms; the step at short context takes {short * 1e3:.1f} ms); its KV bytes "
+          f"({kv_per_token * n / 1e6:.0f} MB) take {kv_ms:.1f} ms at the measured bandwidth")
 
 
 if __name__ == "__main__":

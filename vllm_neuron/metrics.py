@@ -178,6 +178,8 @@ ENCODER_CACHE_HITS = Counter("vllm_neuron:encoder_cache_hits", "Media items whos
                              "encoder cache.", _ME, registry=None)
 ENCODER_CACHE_MISSES = Counter("vllm_neuron:encoder_cache_misses", "Media items the vision encoder ran for.", _ME,
                                registry=None)
+ENCODER_CACHE_EVICTIONS = Counter("vllm_neuron:encoder_cache_evictions", "Media items freed from the encoder cache "
+                                  "to make room (never one within its hold time).", _ME, registry=None)
 # `process`: "api_server" (its grammar compile process) or "engine_<rank>".
 GRAMMAR_CACHE_BYTES = Gauge("vllm_neuron:grammar_cache_bytes", "Bytes of compiled grammars kept for reuse "
                             "(--grammar-cache-bytes), by process.", ["model_name", "process"], registry=None,
@@ -224,7 +226,8 @@ KV_TRANSFER_SERIES: tuple[str, ...] = (
     "vllm_neuron:kv_transfer_hold_expired_total")
 # Only with a multimodal model.
 ENCODER_CACHE_SERIES: tuple[str, ...] = ("vllm_neuron:encoder_cache_hits_total",
-                                         "vllm_neuron:encoder_cache_misses_total")
+                                         "vllm_neuron:encoder_cache_misses_total",
+                                         "vllm_neuron:encoder_cache_evictions_total")
 # Only with --speculative-config (as in vLLM).
 SPEC_DECODE_SERIES: tuple[str, ...] = (
     "vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens_total",
@@ -333,12 +336,13 @@ def record_spec_decode(num_drafts: int, num_draft_tokens: int, num_accepted_toke
         SPEC_DECODE_ACCEPTED_PER_POS.labels(*me, str(pos)).inc(n)
 
 
-def record_encoder_cache(hits: int, misses: int) -> None:
-    """One step's increments of the encoder cache's hits and misses (media items). Called every step with
-    a multimodal model, so the series exist from the start."""
+def record_encoder_cache(hits: int, misses: int, evictions: int) -> None:
+    """One step's increments of the encoder cache's hits, misses and evictions (media items). Called every
+    step with a multimodal model, so the series exist from the start."""
     me = _name(), _engine
     ENCODER_CACHE_HITS.labels(*me).inc(hits)
     ENCODER_CACHE_MISSES.labels(*me).inc(misses)
+    ENCODER_CACHE_EVICTIONS.labels(*me).inc(evictions)
 
 
 def record_kv_transfer(*, held_requests: int, held_blocks: int, expired: int, blocks: int, nbytes: int,

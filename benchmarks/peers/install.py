@@ -204,8 +204,26 @@ def hf_model_dir(model_path: str, models_dir: str) -> str:
 # llama.cpp
 
 
+# An AVX2-class CPU (Haswell .. Zen 3): AVX2, FMA and F16C on, every AVX-512 / AMX / AVX-VNNI path off, so the
+# build runs what such a CPU runs even on a newer one.
+LLAMA_AVX2_FLAGS = ("-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON",
+                    "-DGGML_BMI2=ON", "-DGGML_AVX_VNNI=OFF", "-DGGML_AVX512=OFF", "-DGGML_AVX512_VBMI=OFF",
+                    "-DGGML_AVX512_VNNI=OFF", "-DGGML_AVX512_BF16=OFF", "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF",
+                    "-DGGML_AMX_BF16=OFF")
+
+
 def install_llama_server(ctx: InstallContext) -> dict:
-    """Build llama-server from the llama.cpp tree vendored in llama-cpp-python's sdist."""
+    """Build llama-server (native: every instruction this CPU has) from the llama.cpp tree vendored in
+    llama-cpp-python's sdist."""
+    return _build_llama_server(ctx, ("-DGGML_NATIVE=ON",), "native")
+
+
+def install_llama_server_avx2(ctx: InstallContext) -> dict:
+    """Build llama-server for the AVX2 class only (LLAMA_AVX2_FLAGS)."""
+    return _build_llama_server(ctx, LLAMA_AVX2_FLAGS, "AVX2 only")
+
+
+def _build_llama_server(ctx: InstallContext, isa_flags: tuple[str, ...], label: str) -> dict:
     src = os.path.join(ctx.peer_dir, "src")
     os.makedirs(src, exist_ok=True)
     pkg = f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}"
@@ -222,7 +240,7 @@ def install_llama_server(ctx: InstallContext) -> dict:
     gen = ["-G", "Ninja"] if shutil.which("ninja") else []
     run_logged(["cmake", "-S", llama_cpp, "-B", build, *gen, "-DCMAKE_BUILD_TYPE=Release",
                 "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_BUILD_TESTS=OFF",
-                "-DLLAMA_BUILD_EXAMPLES=OFF", "-DBUILD_SHARED_LIBS=OFF", "-DGGML_NATIVE=ON"],
+                "-DLLAMA_BUILD_EXAMPLES=OFF", "-DBUILD_SHARED_LIBS=OFF", *isa_flags],
                ctx.log_path)
     jobs = str(max(1, os.cpu_count() or 1))
     run_logged(["cmake", "--build", build, "--target", "llama-server", "-j", jobs], ctx.log_path)
@@ -230,4 +248,4 @@ def install_llama_server(ctx: InstallContext) -> dict:
     if not os.access(binary, os.X_OK):
         raise RuntimeError(f"build finished without {binary}")
     run_logged([binary, "--version"], ctx.log_path)
-    return {"binary": binary, "version": f"llama.cpp from llama-cpp-python {LLAMA_CPP_PYTHON_VERSION}"}
+    return {"binary": binary, "version": f"llama.cpp from llama-cpp-python {LLAMA_CPP_PYTHON_VERSION} ({label})"}

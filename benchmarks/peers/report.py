@@ -13,6 +13,8 @@ FIGURES: tuple[tuple[str, bool], ...] = (
     ("p1_mean_ttft_ms", False), ("p1_median_tpot_ms", False),
     ("p2_mean_ttft_ms", False), ("p2_median_tpot_ms", False),
     ("p3_cold_mean_ttft_ms", False), ("p3_warm_mean_ttft_ms", False),
+    ("p4_output_tok_s", True), ("p4_mean_ttft_ms", False), ("p4_median_tpot_ms", False),
+    ("p4_8k_mean_ttft_ms", False), ("p4_8k_median_tpot_ms", False),
 )
 # Table columns: header and the figures shown in it, joined by " / ".
 COLUMNS: tuple[tuple[str, tuple[str, ...]], ...] = (
@@ -20,6 +22,8 @@ COLUMNS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("P1 TTFT / TPOT (ms)", ("p1_mean_ttft_ms", "p1_median_tpot_ms")),
     ("P2 TTFT / TPOT (ms)", ("p2_mean_ttft_ms", "p2_median_tpot_ms")),
     ("P3 TTFT cold / warm (ms)", ("p3_cold_mean_ttft_ms", "p3_warm_mean_ttft_ms")),
+    ("P4 tok/s / TTFT / TPOT (ms)", ("p4_output_tok_s", "p4_mean_ttft_ms", "p4_median_tpot_ms")),
+    ("P4-8k TTFT / TPOT (ms)", ("p4_8k_mean_ttft_ms", "p4_8k_median_tpot_ms")),
 )
 OURS = "ours"
 
@@ -44,19 +48,24 @@ def _fmt(value: float | None) -> str:
     return f"{value:.0f}" if value >= 1000 else f"{value:.1f}"
 
 
+def is_ours(name: str) -> bool:
+    """Our engine, in any of its forms (`ours`, `ours-avx2`); the first one in a run is compared with the peers."""
+    return name == OURS or name.startswith(OURS + "-")
+
+
 def best_peer_ratios(results: list[EngineResult]) -> dict[str, float]:
     """ours / best peer, per figure that ours and at least one peer measured.
 
     The best peer is the highest for throughput and the lowest for times, so a ratio above 1 is
     a win for tok/s and a ratio below 1 is a win for times.
     """
-    ours = next((r for r in results if r.name == OURS), None)
+    ours = next((r for r in results if is_ours(r.name)), None)
     if ours is None:
         return {}
     ratios = {}
     for key, higher in FIGURES:
         peer_values = [r.figures[key] for r in results
-                       if r.name != OURS and r.figures.get(key) is not None]
+                       if not is_ours(r.name) and r.figures.get(key) is not None]
         if key not in ours.figures or not peer_values:
             continue
         best = max(peer_values) if higher else min(peer_values)
@@ -66,16 +75,19 @@ def best_peer_ratios(results: list[EngineResult]) -> dict[str, float]:
 
 
 def format_table(results: list[EngineResult]) -> str:
-    """The markdown table: every engine, then the ratio row when ours ran beside a peer."""
-    header = ["engine", *[c[0] for c in COLUMNS], "status"]
+    """The markdown table: every engine, then the ratio row when ours ran beside a peer. The long-context
+    columns (P4) show only when some engine measured them."""
+    columns = [c for c in COLUMNS if not c[0].startswith("P4") or
+               any(r.figures.get(k) is not None for r in results for k in c[1])]
+    header = ["engine", *[c[0] for c in columns], "status"]
     lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
     for r in results:
-        cells = [" / ".join(_fmt(r.figures.get(k)) for k in keys) for _, keys in COLUMNS]
+        cells = [" / ".join(_fmt(r.figures.get(k)) for k in keys) for _, keys in columns]
         lines.append("| " + " | ".join([r.label, *cells, r.status.replace("|", "/")]) + " |")
     ratios = best_peer_ratios(results)
     if ratios:
         cells = [" / ".join(f"{ratios[k]:.2f}x" if k in ratios else "-" for k in keys)
-                 for _, keys in COLUMNS]
+                 for _, keys in columns]
         lines.append("| " + " | ".join(["ours / best peer", *cells,
                                          ">1 wins for tok/s, <1 wins for times"]) + " |")
     return "\n".join(lines)

@@ -125,13 +125,19 @@ def test_ratio_row_compares_ours_with_the_best_peer(cp):
     assert ratio[1] == "1.50x"           # throughput: against the fastest peer (200)
     assert ratio[3] == "- / 0.80x"       # TPOT: against the lowest peer TPOT (10 ms); TTFT unmeasured
     assert rows["peer c"][-1] == "install failed: x"
+    assert not any(h.startswith("P4") for h in _table_rows(format_table(results))[0])  # not measured: not shown
+    results[0].figures.update(p4_output_tok_s=60.0, p4_8k_median_tpot_ms=9.0)
+    results[1].figures.update(p4_output_tok_s=40.0, p4_8k_median_tpot_ms=12.0)
+    rows = {r[0]: r for r in _table_rows(format_table(results))}
+    assert rows["engine"][-3:-1] == ["P4 tok/s / TTFT / TPOT (ms)", "P4-8k TTFT / TPOT (ms)"]
+    assert rows["ours / best peer"][-3:-1] == ["1.50x / - / -", "- / 0.75x"]
 
 
 def test_bad_options_name_the_valid_values(cp):
     with pytest.raises(ValueError, match="--peers.*ours, vllm, llamacpp"):
         cp.parse_options(["--peers", "ours,tgi"])
-    with pytest.raises(ValueError, match="--workloads.*P1, P2, P3"):
-        cp.parse_options(["--workloads", "P4"])
+    with pytest.raises(ValueError, match="--workloads.*P1, P2, P3, P4, P4-8k"):
+        cp.parse_options(["--workloads", "P5"])
     with pytest.raises(ValueError, match="--num-prompts-scale"):
         cp.parse_options(["--num-prompts-scale", "0"])
 
@@ -142,3 +148,13 @@ def test_vllm_metadata_stub_is_a_distribution_named_vllm(cp, tmp_path):
     write_vllm_metadata_stub(str(tmp_path), "0.32.0+cpu")
     (dist,) = list(importlib.metadata.distributions(path=[str(tmp_path)]))
     assert dist.metadata["Name"] == "vllm" and dist.version == "0.32.0+cpu"
+
+
+def test_openvino_peer_export_options(cp, tmp_path):
+    """OpenVINO's int4 export needs a group size dividing the hidden size (576 for the bundled model: 64), and
+    only the formats optimum-intel offers for our precisions are accepted."""
+    from peers.openvino_peer import exported_model, group_size
+
+    assert (group_size(4096), group_size(576), group_size(48)) == (128, 64, 32)
+    with pytest.raises(ValueError, match="weight format 'bf16': valid fp16, int8, int4"):
+        exported_model({"models_dir": str(tmp_path)}, str(tmp_path), "bf16", str(tmp_path / "log"))

@@ -254,13 +254,11 @@ def test_video_frames_and_metadata_tuple_matches_transformers(eager, tokenizer):
 
 def test_seed_offline_example_configuration(model_dir):
     """Seed 000's Qwen3-VL offline example: neuron_config.quantization "bf16" means unquantized bfloat16
-    weights and runs; its tensor_parallel_size=16 is refused with the reason (the vision tower is not sharded)."""
+    weights and runs (its tensor_parallel_size=16 is a 32B model's; tensor parallelism of a vision model is
+    tested in test_qwen3_vl_parallel.py)."""
     import torch
 
     bf16 = {**BUCKETS, "neuron_config": {**BUCKETS["neuron_config"], "quantization": "bf16"}}
-    with pytest.raises(ValueError, match="tensor_parallel_size=16 is not supported yet by vllm-neuron for "
-                                         "multimodal models \\(the vision tower is not sharded\\)"):
-        LLM(model_dir, tensor_parallel_size=16, device="cpu", max_model_len=256, additional_config=bf16)
     with pytest.raises(ValueError, match="quantization='bf16' asks for unquantized bfloat16 weights, but "
                                          "dtype='float32'"):
         _engine(model_dir, enforce_eager=True, additional_config=bf16)

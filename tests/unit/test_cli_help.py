@@ -126,7 +126,7 @@ def test_help_lists_what_the_engine_accepts():
     assert "refused for a dense model" in _help("enable_expert_parallel")
     assert "-1: the whole vocabulary" in _help("max_logprobs")
     EngineArgs.from_kwargs(max_logprobs=-1)
-    assert "not with a multimodal model)" in _help("tensor_parallel_size")
+    assert "not with an audio model" in _help("tensor_parallel_size")
     assert "tensor-parallel-size 1 only" not in _help("speculative_config")
     EngineArgs.from_kwargs(device="cpu", tensor_parallel_size=2,
                            speculative_config={"method": "ngram", "num_speculative_tokens": 2})

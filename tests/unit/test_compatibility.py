@@ -134,7 +134,7 @@ def test_multimodal_models_get_their_own_reason_and_run_on_mrv2_when_forced():
 @pytest.mark.parametrize("features, use_v2, match", [
     (dict(multimodal=True, speculative="eagle3"), False, "speculative_config='eagle3' .*with a multimodal model.*use "
                                                           "method 'ngram'"),
-    (dict(multimodal=True, tensor_parallel_size=2), False, "tensor_parallel_size=2 .*vision tower is not sharded"),
+    (dict(audio=True, tensor_parallel_size=2), False, "tensor_parallel_size=2 .*audio tower is not sharded"),
     (dict(moe=False, expert_parallel=True), False, "enable_expert_parallel=True cannot apply to this model: it has "
                                                    "no experts"),
     (dict(speculative="eagle3"), True, "VLLM_USE_V2_MODEL_RUNNER=1 cannot serve speculative decoding"),

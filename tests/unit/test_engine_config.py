@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import pickle
 
 import pytest
@@ -134,16 +135,27 @@ def test_no_async_scheduling_flag():
     assert c.async_scheduling is False
 
 
-@pytest.mark.parametrize("flag, option", [
-    (["--mm-encoder-only"], "mm_encoder_only"),
-    (["--ec-transfer-config", '{"ec_role": "ec_producer"}'], "ec_transfer_config"),
+@pytest.mark.parametrize("flag, needle", [
+    (["--mm-encoder-only"], "mm_encoder_only .* needs --ec-transfer-config"),
+    (["--ec-transfer-config", '{"ec_role": "ec_producer"}'], "ec_transfer_config needs ec_connector"),
 ])
-def test_epd_flags_parse_and_are_refused(flag, option):
+def test_epd_flags_parse_and_are_checked(flag, needle):
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
     args = parser.parse_args(flag)  # not argparse's "unrecognized arguments"
-    with pytest.raises(ValueError, match=f"{option}=.* is not supported yet"):
+    with pytest.raises(ValueError, match=needle):
         engine_args_from_cli(args)
+
+
+def test_epd_flags_are_refused_for_text_models(tmp_path):
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    ec = json.dumps({"ec_connector": "ECSharedStorageConnector", "ec_role": "ec_producer",
+                     "ec_connector_extra_config": {"shared_storage_path": str(tmp_path)}})
+    cfg = engine_args_from_cli(parser.parse_args(["--mm-encoder-only", "--ec-transfer-config", ec]))
+    assert cfg.mm_encoder_only and cfg.ec_transfer_config.ec_connector == "ECSharedStorageConnector"
+    with pytest.raises(ValueError, match=r"encoder-disaggregated serving\) apply to multimodal models only"):
+        resolve(cfg, ModelFacts(2048))
 
 
 def test_multimodal_options_are_validated_and_refused_for_text_models():
@@ -172,8 +184,7 @@ def test_encoder_neuron_config_needs_a_multimodal_model_and_one_device():
     with pytest.raises(ValueError, match="tp_size \\* dp_size must equal world_size"):
         resolve(tp, vlm)
     hold = EngineArgs.from_kwargs(additional_config={"encoder_neuron_config": {"encoder_cache_min_hold_time_ms": 5}})
-    with pytest.raises(ValueError, match="encoder_cache_min_hold_time_ms=5.* is not supported yet"):
-        resolve(hold, vlm)
+    assert resolve(hold, vlm).additional_config.encoder_neuron_config.min_hold_time_ms(epd=False) == 5.0
     resolve(EngineArgs.from_kwargs(additional_config={"encoder_neuron_config": {"encoder_attention_block_size": 256}}),
             vlm)
 
@@ -217,6 +228,17 @@ def test_resolved_device_dtype_and_backend_with_the_reason(monkeypatch):
     assert _resolve(device="cpu", dtype=torch.bfloat16).torch_dtype == torch.bfloat16
     monkeypatch.setenv("VLLM_NEURON_BACKEND", "eager")
     assert _resolve(device="cpu").backend == "eager"
+
+
+def test_forcing_the_avx2_class_takes_its_dtype(monkeypatch):
+    """VLLM_NEURON_CPU_ISA=avx2 on an AVX512-BF16 CPU runs it as the AVX2 class: float32 by default, saying why."""
+    from vllm_neuron.config import device as D
+
+    monkeypatch.setattr(D, "_cpuinfo_has_fast_bf16", lambda: True)
+    assert _resolve(device="cpu").dtype == "bfloat16"
+    monkeypatch.setenv("VLLM_NEURON_CPU_ISA", "avx2")
+    c = _resolve(device="cpu")
+    assert c.dtype == "float32" and c.dtype_reason.startswith("auto: VLLM_NEURON_CPU_ISA=avx2 runs this CPU as that")
 
 
 def test_bf16_quantization_is_the_seeds_unquantized_bfloat16(monkeypatch):

@@ -173,8 +173,9 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool =
 
     g = arg_group(parser, "parallel")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
-                   help="tensor parallel ranks (processes, CPU only for now; not with a multimodal model); each "
-                   "node's cores are split between its ranks")
+                   help="tensor parallel ranks (processes, CPU only for now; not with an audio model; a vision "
+                   "model's encoder splits them by encoder_neuron_config tp_size / dp_size); each node's cores are "
+                   "split between its ranks")
     g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
                    help="pipeline stages: the decoder layers split into this many stages of consecutive layers, "
                    "each a process group of --tensor-parallel-size ranks (CPU, Llama and Qwen3); with --nnodes "
@@ -217,9 +218,12 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool =
     g.add_argument("--kv-offloading-backend", default=None, metavar="NAME",
                    help="the second tier's backend: native, a folder (default: native with --kv-offloading-size)")
     g.add_argument("--ec-transfer-config", type=_json_arg, default=None,
-                   help="refused: encoder-disaggregated (EPD) inference is not supported yet (default: none)")
+                   help='encoder-disaggregated serving (EPD): vLLM\'s JSON, e.g. {"ec_connector": '
+                   '"ECSharedStorageConnector", "ec_role": "ec_producer", "ec_connector_extra_config": '
+                   '{"shared_storage_path": "/tmp/ec"}} (default: none)')
     g.add_argument("--mm-encoder-only", action="store_true",
-                   help="refused: encoder-disaggregated (EPD) inference is not supported yet")
+                   help="an EPD encoder instance: the vision tower only, answering the epd-proxy's encode requests "
+                   "(needs --ec-transfer-config with ec_role ec_producer)")
 
     g = arg_group(parser, "multimodal")
     g.add_argument("--limit-mm-per-prompt", type=_json_arg, default=None,

@@ -50,8 +50,8 @@ REFUSED: tuple[Refusal, ...] = (
     *(_refuse("multimodal", f"speculative:{method}", message="speculative_config={speculative!r} is not supported "
               "yet by vllm-neuron with a multimodal model: its draft model reads the target's tapped hidden states, "
               "which the multimodal text tower does not expose; use method 'ngram'") for method in ("eagle3", "dflash")),
-    _refuse("multimodal", "tensor_parallel", message="tensor_parallel_size={tensor_parallel_size} is not supported yet "
-            "by vllm-neuron for multimodal models (the vision tower is not sharded); use tensor_parallel_size=1"),
+    _refuse("audio", "tensor_parallel", message="tensor_parallel_size={tensor_parallel_size} is not supported yet "
+            "by vllm-neuron for audio models (the audio tower is not sharded); use tensor_parallel_size=1"),
     _refuse("expert_parallel", "dense", message="enable_expert_parallel=True cannot apply to this model: it has no "
             "experts (not a mixture-of-experts model), so there is nothing to shard; remove --enable-expert-parallel"),
     # Speculative decoding and sampling
@@ -152,6 +152,7 @@ class Features:
     moe: bool | None = None
     sliding_window: bool | None = None
     multimodal: bool | None = None
+    audio: bool | None = None  # an audio tower (Qwen3-ASR)
     device: str = "cpu"  # the resolved device type
     speculative: str | None = None  # the method
     cpu_sampling: bool = False
@@ -174,7 +175,7 @@ class Features:
     def names(self) -> frozenset[str]:
         flags = {
             "moe": self.moe, "dense": self.moe is False, "sliding_window": self.sliding_window,
-            "multimodal": self.multimodal, "cuda": self.device == "cuda", "speculative": self.speculative is not None,
+            "multimodal": self.multimodal, "audio": self.audio, "cuda": self.device == "cuda", "speculative": self.speculative is not None,
             "cpu_sampling": self.cpu_sampling, "eager": self.enforce_eager, "eager_backend": self.eager_backend,
             "async_scheduling": self.async_scheduling is True, "tensor_parallel": self.tensor_parallel_size > 1,
             "pipeline_parallel": self.pipeline_parallel_size > 1,

@@ -69,9 +69,18 @@ def compiler_id(cxx: str) -> str:
     return f"{path}: {out.splitlines()[0] if out else 'unknown'}"
 
 
-@functools.lru_cache(maxsize=1)
 def cpu_has_fast_bf16() -> bool:
-    """AMX or AVX512-BF16: bf16 matmuls run 3-6x faster than fp32 there (measured on this project's CI CPUs)."""
+    """AMX or AVX512-BF16: bf16 matmuls run 3-6x faster than fp32 there (measured on this project's CI CPUs).
+    VLLM_NEURON_CPU_ISA forcing a lower class (avx2, generic) takes that class's dtype too."""
+    from vllm_neuron import envs
+
+    if envs.VLLM_NEURON_CPU_ISA in ("avx2", "generic"):
+        return False
+    return _cpuinfo_has_fast_bf16()
+
+
+@functools.lru_cache(maxsize=1)
+def _cpuinfo_has_fast_bf16() -> bool:
     try:
         with open("/proc/cpuinfo") as f:
             flags = f.read()
@@ -88,6 +97,11 @@ def dtype_reason(dtype: str | torch.dtype, device: torch.device) -> str:
         return "auto: bfloat16 on CUDA"
     if cpu_has_fast_bf16():
         return "auto: this CPU has AVX512-BF16 or AMX, where bf16 matmuls run 3-6x faster than fp32"
+    from vllm_neuron import envs
+
+    if envs.VLLM_NEURON_CPU_ISA in ("avx2", "generic") and _cpuinfo_has_fast_bf16():
+        return (f"auto: VLLM_NEURON_CPU_ISA={envs.VLLM_NEURON_CPU_ISA} runs this CPU as that class, which has "
+                "neither AVX512-BF16 nor AMX, so float32")
     return ("auto: this CPU has neither AVX512-BF16 nor AMX, so bf16 matmuls would run slower than fp32 "
             "(--dtype bfloat16 halves the weight bytes, and the decode linear kernel reads bf16, but prefill slows)")
 

@@ -25,6 +25,7 @@ from vllm_neuron.config import grammar_limits as GL
 from vllm_neuron.config.generation_config import check_generation_config_arg, parse_override
 from vllm_neuron.config.json_object import parse_json_object
 from vllm_neuron.config.kv_offload import KVOffloadConfig, parse_kv_offloading
+from vllm_neuron.config.ec_transfer import ECTransferConfig, parse_ec_transfer_config
 from vllm_neuron.config.kv_transfer import KVTransferConfig, parse_kv_transfer_config
 from vllm_neuron.config.lora import LoRAConfig, LoRAModulePath, check_lora_options
 from vllm_neuron.config.neuron_config import AdditionalConfig, parse_additional_config
@@ -152,7 +153,7 @@ class EngineOptions:
     kv_offloading_size: float | None = None
     kv_offloading_backend: str | None = None
     kv_offload: KVOffloadConfig | None = None
-    ec_transfer_config: dict | str | None = None
+    ec_transfer_config: dict | str | ECTransferConfig | None = None  # config/ec_transfer.py
     mm_encoder_only: bool = False
     limit_mm_per_prompt: dict | str | None = None  # {"image": N, "video": M}
     mm_processor_kwargs: dict | str | None = None  # the image processor's options, e.g. {"max_pixels": ...}
@@ -261,11 +262,12 @@ class EngineArgs(EngineOptions):
                 load_logits_processor(spec)  # a start-up error naming the entry, before any engine starts
         V.boolean("async_scheduling", self.async_scheduling, allow_none=True)
         self._check_data_parallel()
-        if self.ec_transfer_config:
-            raise V.not_supported("ec_transfer_config", self.ec_transfer_config,
-                                  "encoder-disaggregated (EPD) inference is not supported yet")
+        ec = parse_ec_transfer_config(self.ec_transfer_config)
+        if self.mm_encoder_only and (ec is None or not ec.is_producer):
+            raise ValueError("mm_encoder_only (an EPD encoder instance) needs --ec-transfer-config with ec_role "
+                             "'ec_producer' or 'ec_both': its embeddings must go somewhere")
         if self.mm_encoder_only:
-            raise V.not_supported("mm_encoder_only", True, "encoder-disaggregated (EPD) inference is not supported yet")
+            self._check_encoder_only()
         if self.allowed_local_media_path is not None and not os.path.isdir(self.allowed_local_media_path):
             raise ValueError(f"allowed_local_media_path={self.allowed_local_media_path!r} is not an existing folder")
         check_allowed_media_domains(self.allowed_media_domains)
@@ -279,18 +281,39 @@ class EngineArgs(EngineOptions):
         envs.check_supported()
         parsed = dataclasses.replace(
             self, speculative_config=parse_speculative_config(self.speculative_config),
-            kv_transfer_config=parse_kv_transfer_config(self.kv_transfer_config),
+            kv_transfer_config=parse_kv_transfer_config(self.kv_transfer_config), ec_transfer_config=ec,
             kv_offload=parse_kv_offloading(self.kv_offloading_size, self.kv_offloading_backend,
                                            envs.VLLM_NEURON_KV_OFFLOAD_DIR),
             limit_mm_per_prompt=parse_limit_mm_per_prompt(self.limit_mm_per_prompt),
             mm_processor_kwargs=_json_dict("mm_processor_kwargs", self.mm_processor_kwargs),
             override_generation_config=parse_override(self.override_generation_config),
             pooler_config=parse_pooler_config(self.pooler_config), lora_modules=list(lora_modules) or None,
-            additional_config=parse_additional_config(self.additional_config))
+            additional_config=parse_additional_config(self.additional_config,
+                                                        mm_encoder_only=self.mm_encoder_only))
+        if parsed.additional_config.mm_language_model_only and ec is not None and ec.is_producer:
+            raise ValueError(f"ec_transfer_config.ec_role {ec.ec_role!r}: mm_language_model_only builds no vision "
+                             "tower, so this instance has no embeddings to produce; use 'ec_consumer'")
         parsed._check_parallel()
         parsed._check_neuron_config(device)
         compatibility.check(parsed.features(device))
         return parsed
+
+    def _check_encoder_only(self) -> None:
+        """An EPD encoder instance runs the vision tower in one process: options for the language model or for
+        several processes are refused, not ignored."""
+        scale = "run more encoder instances behind `vllm-neuron epd-proxy` instead"
+        refused = {"tensor_parallel_size": (self.tensor_parallel_size if self.tensor_parallel_size != 1 else None,
+                                            scale),
+                   "data_parallel_size": (self.data_parallel_size if self.data_parallel_size != 1 else None, scale),
+                   "speculative_config": (self.speculative_config, "an encoder instance generates no text"),
+                   "kv_transfer_config": (self.kv_transfer_config, "an encoder instance holds no KV cache"),
+                   "enable_lora": (self.enable_lora or None, "an encoder instance has no language model"),
+                   "enable_prompt_embeds": (self.enable_prompt_embeds or None, "an encoder instance has no language "
+                                                                               "model")}
+        for option, (value, why) in refused.items():
+            if value:
+                raise ValueError(f"{option}={value!r} does not apply to an EPD encoder instance (mm_encoder_only): "
+                                 f"{why}")
 
     def features(self, device: torch.device, **model: bool) -> compatibility.Features:
         """What this (checked) configuration uses, for config/compatibility.py; `model`: the model's facts."""

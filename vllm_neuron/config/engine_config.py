@@ -49,6 +49,7 @@ class ModelFacts:
     moe: bool = False
     sliding_window: bool = False
     multimodal: bool = False
+    audio: bool = False
     # A pooling engine's pooler (config/pooler_config.py; engine/resolve.py reads the checkpoint's files); None
     # for a generative one.
     pooling: PoolingSetup | None = None
@@ -124,7 +125,7 @@ def resolve(args: EngineArgs, facts: ModelFacts) -> EngineConfig:
     args = args.checked(device)
     # Which runner, and the combinations refused with this model, before the options that depend on them.
     runner_choice = select_runner(args.features(device, moe=facts.moe, sliding_window=facts.sliding_window,
-                                                multimodal=facts.multimodal), envs.VLLM_USE_V2_MODEL_RUNNER)
+                                                multimodal=facts.multimodal, audio=facts.audio), envs.VLLM_USE_V2_MODEL_RUNNER)
     _check_model_options(args, facts)
     if facts.pooling is not None:
         args = _pooling_options(args)
@@ -242,16 +243,14 @@ def _check_model_options(args: EngineArgs, facts: ModelFacts) -> None:
                 raise ValueError(f"{option} applies to multimodal models only; this model takes text only")
         if ac.mm_language_model_only:
             raise ValueError("mm_language_model_only applies to multimodal models only; this model is text only")
+        if args.mm_encoder_only or args.ec_transfer_config is not None:
+            raise ValueError("mm_encoder_only and ec_transfer_config (encoder-disaggregated serving) apply to "
+                             "multimodal models only; this model is text only")
         if ac.encoder_neuron_config is not None:
             raise ValueError("encoder_neuron_config applies to multimodal models only; this model is text only")
     enc = ac.encoder_neuron_config
     if enc is not None:
-        if enc.parallel_sizes(args.tensor_parallel_size) != (1, 1):
-            raise V.not_supported("encoder_neuron_config tp_size/dp_size", (enc.tp_size, enc.dp_size),
-                                  "the encoder runs on one device")
-        if enc.encoder_cache_min_hold_time_ms:
-            raise V.not_supported("encoder_neuron_config.encoder_cache_min_hold_time_ms",
-                                  enc.encoder_cache_min_hold_time_ms, "it guards EPD transfers, which are not built")
+        enc.validate(args.tensor_parallel_size)  # tp_size * dp_size must be the world (the seed's rule)
 
 
 def _async_scheduling(args: EngineArgs, nc: NeuronConfig, device: torch.device) -> tuple[bool, str]:

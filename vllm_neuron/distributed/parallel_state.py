@@ -65,6 +65,7 @@ class ParallelInfo:
 _info = ParallelInfo()
 _control = None
 _model = None
+_model_timeout = None
 _pipe = None
 
 
@@ -85,7 +86,7 @@ def init(rank: int, world: int, master_addr: str, master_port: int, *, device_ty
     between stages on `pipe_group` (whole world, the model group's timeout)."""
     import torch.distributed as dist
 
-    global _control, _model, _pipe
+    global _control, _model, _model_timeout, _pipe
     if device_type != "cpu":
         raise ValueError(f"tensor parallelism runs on CPU (gloo) only, not on {device_type} (NCCL with one GPU "
                          "per rank is not built)")
@@ -94,18 +95,34 @@ def init(rank: int, world: int, master_addr: str, master_port: int, *, device_ty
     _control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
     tp_size = world // pp_size
     place = rank_place(rank, tp_size, pp_size)
-    timeout = timedelta(seconds=timeout_s)
+    _model_timeout = timedelta(seconds=timeout_s)
     # Every rank creates every stage's group, in the same order (new_group is collective over the world).
     for ranks in stage_group_ranks(tp_size, pp_size):
-        group = dist.new_group(ranks, backend="gloo", timeout=timeout)
+        group = dist.new_group(ranks, backend="gloo", timeout=_model_timeout)
         if rank in ranks:
             _model = group
-    _pipe = dist.new_group(backend="gloo", timeout=timeout) if pp_size > 1 else None
+    _pipe = dist.new_group(backend="gloo", timeout=_model_timeout) if pp_size > 1 else None
     set_info(ParallelInfo(place.tp_rank, tp_size, ep_degree, place.pp_rank, pp_size))
 
 
 def control_group():
     return _control
+
+
+def new_subgroups(rank_lists: list[list[int]]):
+    """The group of this rank among `rank_lists` (a partition of the world), with the model group's
+    timeout, or None with one process. Every rank must call this with the same lists in the same order
+    (torch.distributed.new_group's rule): the runner's set-up is replayed on every rank, so it is."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return None
+    mine = None
+    for ranks in rank_lists:
+        group = dist.new_group(ranks, backend="gloo", timeout=_model_timeout)
+        if _info.global_rank in ranks:  # (the lists hold world ranks; rank is the one inside a pipeline stage)
+            mine = group
+    return mine
 
 
 def model_group():

@@ -43,6 +43,9 @@ class EngineCore:
         core only loads the checkpoint's weights. on_progress(done, total, how): each graph of warm-up."""
         if not isinstance(config, EngineConfig):
             raise TypeError(f"EngineCore takes a resolved EngineConfig (engine/resolve.py), got {type(config).__name__}")
+        if config.mm_encoder_only:
+            raise ValueError("mm_encoder_only builds an EPD encoder instance, which has no language model to "
+                             "generate with: start it with `vllm-neuron serve MODEL --mm-encoder-only`")
         t0 = time.perf_counter()
         self.config = config
         self.ckpt = checkpoint or load_checkpoint(config.model)

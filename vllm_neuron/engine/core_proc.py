@@ -204,7 +204,7 @@ class _StatsRecorder:
         self.metrics = metrics
         self.prev = (0, 0, 0, 0)
         self.prev_spec = (0, 0, 0, [])
-        self.prev_encoder = (0, 0)
+        self.prev_encoder = (0, 0, 0)
         self.prev_grammar = (-1, 0)  # (cache bytes, compile timeouts) last recorded
         self.prev_kv = (0, 0, 0, 0)  # (expired, blocks read, recomputed, bytes read) last recorded
         self.prev_offload = (0, 0, 0, 0)  # second tier: (blocks read, written, failed reads, bytes read)
@@ -229,8 +229,7 @@ class _StatsRecorder:
                                             [n - (prev_pos[i] if i < len(prev_pos) else 0) for i, n in enumerate(per_pos)])
             self.prev_spec = s.spec_decode
         if s.encoder_cache is not None:
-            (h, m), (ph, pm) = s.encoder_cache, self.prev_encoder
-            self.metrics.record_encoder_cache(h - ph, m - pm)
+            self.metrics.record_encoder_cache(*(n - p for n, p in zip(s.encoder_cache, self.prev_encoder)))
             self.prev_encoder = s.encoder_cache
         grammar = (s.grammar_cache_bytes, s.grammar_compile_timeouts)
         if grammar != self.prev_grammar:

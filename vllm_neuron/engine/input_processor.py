@@ -32,14 +32,56 @@ def multimodal_processor(config, ckpt, tokenizer) -> "MultiModalProcessor | None
     from vllm_neuron.multimodal.processor import MultiModalProcessor
 
     if "audio" in getattr(resolve_model_class(ckpt.hf_config), "modalities", ()):
+        if config.ec_transfer_config is not None:
+            raise ValueError("ec_transfer_config: encoder-disaggregated serving moves vision embeddings "
+                             "(Qwen3-VL); this audio model encodes its clips itself")
         return audio_processor(config, ckpt)
     enc = config.additional_config.encoder_neuron_config or EncoderNeuronConfig()
     return MultiModalProcessor(ckpt.hf_config, ckpt.path, mm_processor_kwargs=config.mm_processor_kwargs,
                                limits=config.limit_mm_per_prompt,
                                allowed_local_media_path=config.allowed_local_media_path,
                                allowed_media_domains=config.allowed_media_domains,
-                               language_model_only=config.additional_config.mm_language_model_only,
-                               max_frame_patches=enc.encoder_attention_block_size, tokenizer=tokenizer)
+                               language_model_only=_media_refused(config),
+                               max_frame_patches=enc.encoder_attention_block_size, tokenizer=tokenizer,
+                               embeddings_available=_encoded_elsewhere(config, ckpt))
+
+
+def _media_refused(config) -> bool:
+    """A text-tower-only engine refuses media, unless an EC connector brings their embeddings (EPD)."""
+    ec = config.ec_transfer_config
+    return config.additional_config.mm_language_model_only and (ec is None or not ec.is_consumer)
+
+
+def _encoded_elsewhere(config, ckpt):
+    """has(mm_hash) of the EC connector of an EPD prefill+decode instance without the vision tower (an existence
+    check only: the runner reads an item when its encoder cache lacks it); None for any other engine."""
+    ec = config.ec_transfer_config
+    if not config.additional_config.mm_language_model_only or ec is None or not ec.is_consumer:
+        return None
+    from vllm_neuron.distributed.ec_transfer.connectors import make_ec_connector
+    from vllm_neuron.distributed.ec_transfer.record import model_identity
+
+    return _Admitted(make_ec_connector(ec, model_identity(ckpt.hf_config.to_dict(), config.model)).has)
+
+
+class _Admitted:
+    """has(mm_hash) remembered once true (the most recent `size` items): an item this instance already took is
+    not asked for again; the runner's encoder cache holds it, or reads it when it evicted it."""
+
+    def __init__(self, has: Callable[[str], bool], size: int = 4096) -> None:
+        self.has, self.size = has, size
+        self.seen: dict[str, None] = {}
+
+    def __call__(self, mm_hash: str) -> bool:
+        if mm_hash in self.seen:
+            self.seen[mm_hash] = self.seen.pop(mm_hash)  # most recent last
+            return True
+        if not self.has(mm_hash):
+            return False
+        self.seen[mm_hash] = None
+        if len(self.seen) > self.size:
+            del self.seen[next(iter(self.seen))]
+        return True
 
 
 def audio_processor(config, ckpt):

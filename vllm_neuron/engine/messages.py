@@ -63,7 +63,7 @@ class SchedulerStats:
     # accepted tokens, accepted tokens per draft position.
     spec_decode: tuple[int, int, int, list[int]] | None = None
     # Encoder cache hits and misses in media items (cumulative; None without a multimodal model).
-    encoder_cache: tuple[int, int] | None = None
+    encoder_cache: tuple[int, int, int] | None = None  # hits, misses, evictions
     grammar_cache_bytes: int = 0  # compiled grammars the structured-output compiler keeps
     grammar_compile_timeouts: int = 0  # cumulative
     # Disaggregated prefill/decode (None without --kv-transfer-config): engine/kv_transfer.py's stats().

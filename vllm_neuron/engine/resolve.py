@@ -102,7 +102,8 @@ def resolve_engine_config(args: EngineArgs, checkpoint: Checkpoint | None = None
     if pooling is not None and pooling.max_seq_length:  # as vLLM: sentence-transformers' limit is the model's
         max_len = min(max_len, pooling.max_seq_length)
     facts = ModelFacts(max_model_len=max_len, moe=spec.is_moe, sliding_window=spec.has_sliding_window,
-                       multimodal=is_multimodal(ckpt.hf_config), pooling=pooling)
+                       multimodal=is_multimodal(ckpt.hf_config), audio=bool(getattr(cls, "audio", False)),
+                       pooling=pooling)
     config = engine_config.resolve(args, facts)
     # The architecture must honour the weight quantization asked for ('bf16' resolved to none).
     check_quantization(cls, spec, config.neuron_config.quantization)

@@ -55,7 +55,10 @@ class MultiModalProcessor:
     def __init__(self, hf_config, model_path: str, *, mm_processor_kwargs: Mapping[str, Any] | None = None,
                  limits: Mapping[str, int] | None = None, allowed_local_media_path: str | None = None,
                  allowed_media_domains: list[str] | None = None,
-                 language_model_only: bool = False, max_frame_patches: int | None = None, tokenizer=None) -> None:
+                 language_model_only: bool = False, max_frame_patches: int | None = None, tokenizer=None,
+                 embeddings_available: Callable[[str], bool] | None = None) -> None:
+        """embeddings_available(mm_hash): an EPD prefill+decode instance without the vision tower, whose media
+        must come encoded (its EC connector holds the item); None: the engine encodes what it lacks."""
         self.image_token_id = hf_config.image_token_id
         self.video_token_id = hf_config.video_token_id
         self.vision_start_token_id = hf_config.vision_start_token_id
@@ -69,6 +72,7 @@ class MultiModalProcessor:
                                         None if allowed_media_domains is None else tuple(allowed_media_domains))
         self.language_model_only = language_model_only
         self.max_frame_patches = max_frame_patches  # encoder_attention_block_size: a frame must fit a block
+        self.embeddings_available = embeddings_available
         kwargs = self.check_kwargs(mm_processor_kwargs or {})
         self.default_fps = float(kwargs.pop("fps", DEFAULT_SAMPLE_FPS))
         self.default_kwargs = kwargs
@@ -131,7 +135,19 @@ class MultiModalProcessor:
                 result.append(MultiModalItem("video", media_hash("video", px, g), px, g, runs))
             else:
                 ids.append(t)
+        if self.embeddings_available is not None:
+            self._check_encoded(result)
         return ids, result
+
+    def _check_encoded(self, items: list[MultiModalItem]) -> None:
+        """Refuses the request here, before the engine, when an item's embeddings were never written."""
+        missing = [f"{i.modality} {n} ({i.mm_hash[:16]})" for n, i in enumerate(items)
+                   if not self.embeddings_available(i.mm_hash)]
+        if missing:
+            raise ValueError(f"no encoder instance provided the embeddings of {', '.join(missing)}, and this engine "
+                             "has no vision tower (mm_language_model_only): send multimodal requests through "
+                             "`vllm-neuron epd-proxy`, whose encoder instances serve the same model with the same "
+                             "--mm-processor-kwargs")
 
     def _check_frame(self, g: tuple[int, int, int], what: str) -> None:
         if self.max_frame_patches is not None and g[1] * g[2] > self.max_frame_patches:

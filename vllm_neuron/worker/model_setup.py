@@ -14,6 +14,8 @@ from tqdm import tqdm
 from vllm_neuron import huge_pages
 from vllm_neuron.config.device import check_weight_quantization
 from vllm_neuron.config.engine_config import EngineConfig
+from vllm_neuron.config.neuron_config import EncoderNeuronConfig
+from vllm_neuron.distributed import parallel_state as ps
 from vllm_neuron.logger import init_logger
 from vllm_neuron.model.base import ModelSpec
 from vllm_neuron.model.layers import kv_quant, quant_error, quant_fp8
@@ -21,6 +23,7 @@ from vllm_neuron.model.layers.kernel_config import KernelConfig, apply_kernel_co
 from vllm_neuron.model.layers.kernels.cpu_caps import describe_copies
 from vllm_neuron.model.layers.linear import make_linears_fp8_, pack_linears_, packed_bytes, quantize_linears_
 from vllm_neuron.model.loader import Checkpoint, gguf_cache
+from vllm_neuron.model.qwen3_vl.vision_parallel import VisionParallel, group_ranks
 from vllm_neuron.worker import gguf_weights, memory
 
 logger = init_logger(__name__)
@@ -52,6 +55,19 @@ def checkpoint_scheme(ckpt: Checkpoint, spec: ModelSpec, config: EngineConfig) -
     return scheme, unquantized
 
 
+def encoder_parallel(config: EngineConfig) -> VisionParallel:
+    """The vision tower's TP / DP place over this engine's tensor-parallel ranks (encoder_neuron_config;
+    full DP when it says nothing), its process groups made here, in the same order on every rank."""
+    info = ps.info()
+    if info.world == 1:
+        return VisionParallel()
+    enc = config.additional_config.encoder_neuron_config or EncoderNeuronConfig()
+    tp, dp = enc.parallel_sizes(info.world)
+    tp_groups, dp_groups = group_ranks(tp, dp)
+    return VisionParallel(tp, dp, info.rank, ps.new_subgroups(tp_groups) if tp > 1 else None,
+                          ps.new_subgroups(dp_groups) if dp > 1 else None)
+
+
 def build_model(cls: type, ckpt: Checkpoint, config: EngineConfig, spec: ModelSpec, dtype: torch.dtype,
                 device: torch.device, kernels: KernelConfig) -> tuple[torch.nn.Module, int]:
     """(the loaded model, bytes of weights loaded)."""
@@ -62,6 +78,8 @@ def build_model(cls: type, ckpt: Checkpoint, config: EngineConfig, spec: ModelSp
         with torch.device(device):
             extra = {"language_model_only": config.additional_config.mm_language_model_only} \
                 if getattr(cls, "multimodal", False) else {}
+            if getattr(cls, "takes_encoder_parallel", False):
+                extra["encoder_parallel"] = encoder_parallel(config)
             if getattr(cls, "takes_max_model_len", False):  # e.g. Phi-3's LongRoPE picks its factors by it
                 extra["max_model_len"] = config.max_model_len
             model = cls(ckpt.hf_config, quantization=config.neuron_config.quantization, **extra)

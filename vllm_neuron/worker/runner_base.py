@@ -555,6 +555,6 @@ class ModelRunnerBase(ProfiledRunner, KVConnectorCalls):
         hidden = self._run_pooling(sched.chunks, size, context)
         return ModelRunnerOutput({}, bucket_name=name, num_padding=padding, pooled=self.pooler.pool(sched.chunks, hidden))
 
-    def encoder_cache_stats(self) -> tuple[int, int] | None:
-        """(hits, misses) of the encoder cache, cumulative; None for a model without one."""
+    def encoder_cache_stats(self) -> tuple[int, int, int] | None:
+        """(hits, misses, evictions) of the encoder cache, cumulative; None for a model without one."""
         return next((s for s in (k.encoder_cache_stats() for k in self.kinds) if s is not None), None)

@@ -42,7 +42,51 @@ class _Hold:
     groups: list[set[int]]
 
 
-class BlockServer:
+class FrameServer:
+    """A ROUTER socket on host:port answered by a daemon thread: each request one JSON header frame, each reply
+    a list of frames from `_answer` (a raised error becomes {ok: false, error}). `what` names the option and
+    the data in the bind error."""
+
+    def __init__(self, host: str, port: int, what: tuple[str, str], thread_name: str) -> None:
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        option, data = what
+        try:
+            self._sock.bind(f"tcp://{host}:{port}")
+        except zmq.ZMQError as e:
+            self._sock.close()
+            raise ValueError(f"{option}: cannot serve {data} on {host}:{port} ({e}); pick another port or "
+                             "address") from e
+        self.address = f"{host}:{port}"
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name=thread_name, daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(2)
+        self._sock.close(linger=0)
+        self._ctx.term()
+
+    def _serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        while not self._stop.is_set():
+            if not poller.poll(100):
+                continue
+            ident, *parts = self._sock.recv_multipart()
+            try:
+                reply = self._answer(json.loads(parts[0]) if parts else {})
+            except Exception as e:  # noqa: BLE001 - a bad request is the reader's failure, never this thread's
+                reply = [json.dumps({"ok": False, "error": f"{type(e).__name__}: {e}"}).encode()]
+            self._sock.send_multipart([ident, *reply], copy=False)
+
+    def _answer(self, req: dict) -> list:
+        raise NotImplementedError
+
+
+class BlockServer(FrameServer):
     """Serves this rank's blocks of the requests it holds (hold / release come from the scheduler's side)."""
 
     def __init__(self, host: str, port: int, kv: KVPairs, block_size: int, engine_id: str,
@@ -53,19 +97,7 @@ class BlockServer:
         self._holds: dict[str, _Hold] = {}
         self._released: list[str] = []
         self._lock = threading.Lock()
-        self._ctx = zmq.Context()
-        self._sock = self._ctx.socket(zmq.ROUTER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        try:
-            self._sock.bind(f"tcp://{host}:{port}")
-        except zmq.ZMQError as e:
-            self._sock.close()
-            raise ValueError(f"kv_transfer_config: cannot serve KV blocks on {host}:{port} ({e}); pick another "
-                             "kv_port or kv_ip") from e
-        self.address = f"{host}:{port}"
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._serve, name="vllm-neuron-kv-server", daemon=True)
-        self._thread.start()
+        super().__init__(host, port, ("kv_transfer_config", "KV blocks"), "vllm-neuron-kv-server")
 
     # -- the scheduler's side ---------------------------------------------------------------------------
     def hold(self, key: str, secret: str, groups: list[list[int]]) -> None:
@@ -81,26 +113,7 @@ class BlockServer:
             out, self._released = self._released, []
         return out
 
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(2)
-        self._sock.close(linger=0)
-        self._ctx.term()
-
     # -- the serving thread ---------------------------------------------------------------------------------
-    def _serve(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._sock, zmq.POLLIN)
-        while not self._stop.is_set():
-            if not poller.poll(100):
-                continue
-            ident, *parts = self._sock.recv_multipart()
-            try:
-                reply = self._answer(json.loads(parts[0]) if parts else {})
-            except Exception as e:  # noqa: BLE001 - a bad request is the reader's failure, never this thread's
-                reply = [json.dumps({"ok": False, "error": f"{type(e).__name__}: {e}"}).encode()]
-            self._sock.send_multipart([ident, *reply], copy=False)
-
     def _answer(self, req: dict) -> list:
         op, key, secret = req.get("op"), req.get("key"), req.get("secret")
         if req.get("engine_id") and req["engine_id"] != self.engine_id:

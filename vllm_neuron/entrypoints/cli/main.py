@@ -1,4 +1,5 @@
-"""`vllm-neuron`: serve | generate | compile | validate-logits | profile | buckets advise | disagg-proxy | bench serve."""
+"""`vllm-neuron`: serve | generate | compile | validate-logits | profile | buckets advise | disagg-proxy | epd-proxy |
+bench serve."""
 from __future__ import annotations
 
 import argparse
@@ -173,6 +174,22 @@ def _parser() -> argparse.ArgumentParser:
     proxy.add_argument("--port", type=int, default=8000, help="port to listen on")
     proxy.add_argument("--timeout", type=float, default=600.0, help="seconds an instance may take to answer")
 
+    epd = sub.add_parser("epd-proxy", help="one OpenAI endpoint in front of EPD encoder instances "
+                         "(--mm-encoder-only) and prefill+decode instances (an ec_consumer)",
+                         usage="vllm-neuron epd-proxy --encode URL [URL ...] --pd URL [URL ...] [--port N]",
+                         formatter_class=HelpFormatter)
+    epd.add_argument("--encode", nargs="+", required=True, metavar="URL", default=argparse.SUPPRESS,
+                     help="encoder instances, e.g. http://127.0.0.1:8200 (default: none; required)")
+    epd.add_argument("--pd", nargs="+", required=True, metavar="URL", default=argparse.SUPPRESS,
+                     help="prefill+decode instances (default: none; required)")
+    epd.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    epd.add_argument("--port", type=int, default=8000, help="port to listen on")
+    epd.add_argument("--timeout", type=float, default=600.0, help="seconds a prefill+decode instance may take")
+    epd.add_argument("--encode-timeout", type=float, default=60.0,
+                     help="seconds an encoder instance may take for one media item before the next is tried")
+    epd.add_argument("--encode-attempts", type=int, default=3,
+                     help="encoder instances tried per media item before the prefill+decode instance is left to it")
+
     bench = sub.add_parser("bench", help="benchmarks")
     bsub = bench.add_subparsers(dest="bench_command", required=True)
     bserve = bsub.add_parser("serve", help="serving benchmark against an OpenAI-compatible server",
@@ -243,6 +260,10 @@ def main(argv: list[str] | None = None) -> int:
             from vllm_neuron.entrypoints.disagg.proxy import run_proxy
 
             return run_proxy(args)
+        if args.command == "epd-proxy":
+            from vllm_neuron.entrypoints.epd.proxy import run_epd_proxy
+
+            return run_epd_proxy(args)
         if args.command == "bench":
             from vllm_neuron.benchmarks.serve import main as bench_main
 

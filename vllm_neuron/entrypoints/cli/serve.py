@@ -64,6 +64,10 @@ def run_serve(args: argparse.Namespace) -> int:
     limits = RequestLimits(args.max_n, args.max_request_body_bytes, args.trust_request_chat_template,
                            args.body_read_timeout)
     engine_args = engine_args_from_cli(args)
+    if engine_args.mm_encoder_only:  # an EPD encoder instance: the vision tower behind its own small server
+        from vllm_neuron.entrypoints.epd.encoder_server import run_encoder_server
+
+        return run_encoder_server(engine_args, args)
     if getattr(args, "headless", False):
         if engine_args.nnodes > 1:
             from vllm_neuron.engine.resolve import resolve_engine_config

@@ -20,7 +20,7 @@ class InstancePool:
     def __init__(self, kind: str, urls: list[str], *, backoff_s: float = 5.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         if not urls:
-            raise ValueError(f"disagg-proxy needs at least one --{kind} URL")
+            raise ValueError(f"the proxy needs at least one --{kind} URL")
         for u in urls:
             if not u.startswith(("http://", "https://")):
                 raise ValueError(f"--{kind} {u!r} is not an http(s) URL (e.g. http://127.0.0.1:8100)")
@@ -29,9 +29,9 @@ class InstancePool:
 
     def order(self) -> list[Instance]:
         """Every instance, best first: those up before those down, fewer outstanding requests, fewer failures,
-        then the given order (so ties spread over the instances as their outstanding counts change)."""
+        fewer requests so far (round robin among idle ones), then the given order."""
         now = self.clock()
-        return sorted(self.instances, key=lambda i: (i.down_until > now, i.outstanding, i.failures))
+        return sorted(self.instances, key=lambda i: (i.down_until > now, i.outstanding, i.failures, i.requests))
 
     def start(self, inst: Instance) -> None:
         inst.outstanding += 1

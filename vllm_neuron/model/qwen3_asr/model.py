@@ -45,6 +45,7 @@ class _Towers(nn.Module):
 
 class Qwen3ASRForConditionalGeneration(CausalLM):
     multimodal = True
+    audio = True
     modalities = ("audio",)
 
     @classmethod

@@ -16,13 +16,16 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
+from vllm_neuron.distributed import parallel_state as ps
 from vllm_neuron.model.base import CausalLM, ModelSpec, Target
 from vllm_neuron.model.layers.linear import Linear
 from vllm_neuron.model.layers.norm import RMSNorm
+from vllm_neuron.model.layers.parallel import VocabParallelEmbedding, gather_last_dim, mark_split, tp_world
 from vllm_neuron.model.llama.model import LlamaDecoderLayer, LlamaModel
 from vllm_neuron.model.llama.weight_loaders import llama_checkpoint_target
 from vllm_neuron.model.qwen3_vl.config import Qwen3VLArchConfig
 from vllm_neuron.model.qwen3_vl.vision import Qwen3VLVisionModel
+from vllm_neuron.model.qwen3_vl.vision_parallel import VisionParallel, shard_vision_tensor
 
 
 @dataclass
@@ -64,7 +67,7 @@ class Qwen3VLTextModel(LlamaModel):
     def __init__(self, arch: Qwen3VLArchConfig) -> None:
         nn.Module.__init__(self)
         cfg = arch.text
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList([LlamaDecoderLayer(cfg, i) for i in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = MRotaryEmbedding(cfg.head_dim, arch.rope_theta, arch.mrope_section)
@@ -84,30 +87,44 @@ class Qwen3VLTextModel(LlamaModel):
 class _Towers(nn.Module):
     """`model.*` of the checkpoint: `language_model` and (unless text only) `visual`."""
 
-    def __init__(self, arch: Qwen3VLArchConfig, language_model_only: bool) -> None:
+    def __init__(self, arch: Qwen3VLArchConfig, language_model_only: bool, vp: VisionParallel) -> None:
         super().__init__()
         self.language_model = Qwen3VLTextModel(arch)
-        self.visual = None if language_model_only else Qwen3VLVisionModel(arch.vision)
+        self.visual = None if language_model_only else Qwen3VLVisionModel(arch.vision, vp)
 
 
 class Qwen3VLForConditionalGeneration(CausalLM):
     multimodal = True
+    takes_encoder_parallel = True  # built with its vision tower's TP / DP place (vision_parallel.py)
 
     @classmethod
     def spec(cls, hf_config) -> ModelSpec:
         t = Qwen3VLArchConfig.from_hf(hf_config).text
         return ModelSpec(t.num_layers, t.num_kv_heads, t.head_dim, (None,) * t.num_layers, quantizations=())
 
-    def __init__(self, hf_config, quantization: str | None = None, language_model_only: bool = False) -> None:
+    def __init__(self, hf_config, quantization: str | None = None, language_model_only: bool = False,
+                 encoder_parallel: VisionParallel = VisionParallel()) -> None:
+        """`encoder_parallel`: the vision tower's TP / DP place and groups (vision_parallel.py)."""
         super().__init__()
+        self.encoder_parallel = encoder_parallel
         self.mm_arch = Qwen3VLArchConfig.from_hf(hf_config)
         self.arch = self.mm_arch.text  # what the Llama-family loader reads (tied embeddings)
         self.model_spec = self.spec(hf_config)
         self.language_model_only = language_model_only
-        self.model = _Towers(self.mm_arch, language_model_only)
-        self.lm_head = Linear(self.arch.hidden_size, self.arch.vocab_size, bias=False)
+        self.model = _Towers(self.mm_arch, language_model_only, encoder_parallel)
+        # Split over the vocabulary like the embedding (layers/parallel.py); logits gathered in compute_logits.
+        self.lm_head = Linear(self.arch.hidden_size, self.model.language_model.embed_tokens.local_vocab, bias=False)
         if self.arch.tie_word_embeddings:
             self.lm_head.weight = self.model.language_model.embed_tokens.weight
+        elif tp_world() > 1:
+            mark_split(self.lm_head.weight)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return gather_last_dim(self.lm_head(hidden), self.arch.vocab_size)
+
+    def kv_cache_spec(self) -> tuple[int, int, int]:
+        s = self.model_spec
+        return s.num_layers, ps.local_kv_heads(s.num_kv_heads, tp_world()), s.head_dim
 
     @property
     def num_deepstack(self) -> int:
@@ -141,5 +158,6 @@ class Qwen3VLForConditionalGeneration(CausalLM):
                 return None
             if name.endswith("patch_embed.proj.weight"):
                 return name, None, lambda t: t.reshape(t.shape[0], -1)
-            return name, None, None
+            return name, None, lambda t: shard_vision_tensor(name, t, self.encoder_parallel,
+                                                             self.mm_arch.vision.num_heads)
         return llama_checkpoint_target(self, name)

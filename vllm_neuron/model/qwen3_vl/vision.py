@@ -14,6 +14,7 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from vllm_neuron.model.qwen3_vl.config import VisionArchConfig
+from vllm_neuron.model.qwen3_vl.vision_parallel import VisionParallel, dp_gather_rows, dp_share, tp_all_reduce
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -22,13 +23,20 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class VisionAttention(nn.Module):
-    def __init__(self, cfg: VisionArchConfig) -> None:
+    """With encoder TP, this rank's heads (vision_parallel.py)."""
+
+    def __init__(self, cfg: VisionArchConfig, vp: VisionParallel) -> None:
         super().__init__()
-        self.num_heads = cfg.num_heads
+        if cfg.num_heads % vp.tp:
+            raise ValueError(f"encoder_neuron_config tp_size={vp.tp} must divide the vision tower's "
+                             f"{cfg.num_heads} attention heads")
+        self.vp = vp
+        self.num_heads = cfg.num_heads // vp.tp
         self.head_dim = cfg.hidden_size // cfg.num_heads
+        local = self.num_heads * self.head_dim
         # The checkpoint stores q, k and v stacked as [Q_all | K_all | V_all]: one matmul, split by rows.
-        self.qkv = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size, bias=True)
-        self.proj = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=True)
+        self.qkv = nn.Linear(cfg.hidden_size, 3 * local, bias=True)
+        self.proj = nn.Linear(local, cfg.hidden_size, bias=True)
 
     def forward(self, x, cos, sin, mask) -> torch.Tensor:
         """x [P, hidden] holding mask.shape[0] blocks of mask.shape[-1] patches; attention within blocks."""
@@ -41,27 +49,31 @@ class VisionAttention(nn.Module):
         k = (k.float() * cos + _rotate_half(k.float()) * sin).to(dtype)
         q, k, v = (t.reshape(blocks, size, self.num_heads, self.head_dim).transpose(1, 2) for t in (q, k, v))
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [blocks, heads, size, head_dim]
-        return self.proj(out.transpose(1, 2).reshape(n, -1))
+        return tp_all_reduce(self.proj(out.transpose(1, 2).reshape(n, -1)), self.vp)
 
 
 class VisionMLP(nn.Module):
-    def __init__(self, cfg: VisionArchConfig) -> None:
+    def __init__(self, cfg: VisionArchConfig, vp: VisionParallel) -> None:
         super().__init__()
-        self.linear_fc1 = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=True)
-        self.linear_fc2 = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=True)
+        if cfg.intermediate_size % vp.tp:
+            raise ValueError(f"encoder_neuron_config tp_size={vp.tp} must divide the vision tower's intermediate "
+                             f"size {cfg.intermediate_size}")
+        self.vp = vp
+        self.linear_fc1 = nn.Linear(cfg.hidden_size, cfg.intermediate_size // vp.tp, bias=True)
+        self.linear_fc2 = nn.Linear(cfg.intermediate_size // vp.tp, cfg.hidden_size, bias=True)
         self.act = ACT2FN[cfg.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear_fc2(self.act(self.linear_fc1(x)))
+        return tp_all_reduce(self.linear_fc2(self.act(self.linear_fc1(x))), self.vp)
 
 
 class VisionBlock(nn.Module):
-    def __init__(self, cfg: VisionArchConfig) -> None:
+    def __init__(self, cfg: VisionArchConfig, vp: VisionParallel) -> None:
         super().__init__()
         self.norm1 = nn.LayerNorm(cfg.hidden_size, eps=1e-6)
         self.norm2 = nn.LayerNorm(cfg.hidden_size, eps=1e-6)
-        self.attn = VisionAttention(cfg)
-        self.mlp = VisionMLP(cfg)
+        self.attn = VisionAttention(cfg, vp)
+        self.mlp = VisionMLP(cfg, vp)
 
     def forward(self, x, cos, sin, mask) -> torch.Tensor:
         x = x + self.attn(self.norm1(x), cos, sin, mask)
@@ -98,12 +110,12 @@ class PatchEmbed(nn.Module):
 
 
 class Qwen3VLVisionModel(nn.Module):
-    def __init__(self, cfg: VisionArchConfig) -> None:
+    def __init__(self, cfg: VisionArchConfig, vp: VisionParallel = VisionParallel()) -> None:
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.vp = cfg, vp
         self.patch_embed = PatchEmbed(cfg)
         self.pos_embed = nn.Embedding(cfg.num_position_embeddings, cfg.hidden_size)
-        self.blocks = nn.ModuleList([VisionBlock(cfg) for _ in range(cfg.depth)])
+        self.blocks = nn.ModuleList([VisionBlock(cfg, vp) for _ in range(cfg.depth)])
         self.merger = PatchMerger(cfg, postshuffle_norm=False)
         self.deepstack_merger_list = nn.ModuleList([PatchMerger(cfg, postshuffle_norm=True)
                                                     for _ in cfg.deepstack_visual_indexes])
@@ -122,7 +134,14 @@ class Qwen3VLVisionModel(nn.Module):
         """pixels [P, patch_dim], interp_idx / interp_w [P, 4] (bilinear taps into pos_embed), rot_pos [P, 2],
         segment [blocks, block_size] (P = blocks x block_size; a patch attends to the patches of its block with
         the same segment id) -> (embeds [P / merge_unit, out_hidden],
-        deepstack [len(deepstack_visual_indexes), P / merge_unit, out_hidden])."""
+        deepstack [len(deepstack_visual_indexes), P / merge_unit, out_hidden]). With encoder DP each rank runs
+        its share of the blocks and the results are gathered."""
+        if self.vp.dp > 1:
+            share = dp_share(segment.shape[0], self.vp)
+            size = segment.shape[1]
+            patches = slice(share.start * size, share.stop * size)
+            pixels, interp_idx, interp_w, rot_pos = (t[patches] for t in (pixels, interp_idx, interp_w, rot_pos))
+            segment = segment[share]
         x = self.patch_embed(pixels.to(self.patch_embed.proj.weight.dtype))
         x = x + (self.pos_embed(interp_idx) * interp_w[..., None].to(x.dtype)).sum(1)
         cos, sin = self.rotary(rot_pos)
@@ -133,5 +152,9 @@ class Qwen3VLVisionModel(nn.Module):
             if i in self.cfg.deepstack_visual_indexes:
                 deepstack.append(self.deepstack_merger_list[self.cfg.deepstack_visual_indexes.index(i)](x))
         embeds = self.merger(x)
+        if self.vp.dp > 1:  # one gather of the embeddings and deepstack rows side by side
+            n, width = embeds.shape
+            rows = dp_gather_rows(torch.cat([embeds, *deepstack], dim=1), self.vp)
+            embeds, deepstack = rows[:, :width], list(rows[:, width:].split(width, dim=1))
         stacked = torch.stack(deepstack) if deepstack else embeds.new_zeros((0,) + tuple(embeds.shape))
         return embeds, stacked

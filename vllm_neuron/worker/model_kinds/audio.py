@@ -21,6 +21,7 @@ from vllm_neuron.model.qwen3_asr.model import AudioEmbeds
 from vllm_neuron.step import NewRequestData, ScheduledChunk
 from vllm_neuron.worker.input_builder import PrefillArrays
 from vllm_neuron.worker.model_kinds.base import EncoderKindState, GraphSpec
+from vllm_neuron.worker.encoder_cache import EncoderCacheLayout
 from vllm_neuron.worker.step_inputs import AudioEncoderInputs
 
 DEFAULT_AUDIO_CACHE_BYTES = 64 * 2**20
@@ -36,11 +37,11 @@ class AudioState(EncoderKindState):
         self.cfg: AudioArchConfig = model.mm_arch.audio
         self.buckets = audio_encoder_buckets(config.additional_config, self.cfg)
         self.clips: dict[str, list] = {}
-        enc = config.additional_config.encoder_neuron_config
-        nbytes = DEFAULT_AUDIO_CACHE_BYTES
-        if enc is not None and enc.encoder_cache_num_blocks:  # a block: one window's embeddings
-            nbytes = enc.encoder_cache_num_blocks * self.cfg.window_tokens * model.arch.hidden_size * dtype.itemsize
-        super().__init__(nbytes, config.additional_config.mm_language_model_only)
+        # A block: one attention window's embeddings; the budget: a prefill step's tokens, or the largest
+        # encoder bucket's output when that is more.
+        layout = EncoderCacheLayout(self.cfg.window_tokens, model.arch.hidden_size, 0, dtype)
+        budget = max(config.max_num_batched_tokens, self.buckets[-1] * self.cfg.window_tokens)
+        super().__init__(config, layout, budget, DEFAULT_AUDIO_CACHE_BYTES, device)
 
     # -- set-up ---------------------------------------------------------------------------------------
     def graph_specs(self) -> list[GraphSpec]:
@@ -110,7 +111,7 @@ class AudioState(EncoderKindState):
             start = 0
             for item in group:
                 value = rows[start:start + item.num_tokens].clone()
-                self.encoder_cache.put(item.mm_hash, value, value.new_zeros(0))
+                self.encoder_cache.put(item.mm_hash, value)
                 out[item.mm_hash] = value
                 start += item.num_tokens
         return out

@@ -21,7 +21,8 @@ import torch
 
 from vllm_neuron.logger import init_logger
 from vllm_neuron.step import NewRequestData, ScheduledChunk
-from vllm_neuron.worker.encoder_cache import EncoderCache
+from vllm_neuron.config.neuron_config import EncoderNeuronConfig
+from vllm_neuron.worker.encoder_cache import EncoderCache, EncoderCacheLayout, encoder_cache_blocks
 from vllm_neuron.worker.input_builder import PrefillArrays
 
 logger = init_logger(__name__)
@@ -77,8 +78,15 @@ class ModelKindState:
     def graph_options(self) -> dict:
         return {}
 
-    def encoder_cache_stats(self) -> tuple[int, int] | None:
+    def encoder_cache_stats(self) -> tuple[int, int, int] | None:
+        """(hits, misses, evictions) of the encoder cache, for a kind that has one."""
         return None
+
+
+def epd_role(config) -> bool:
+    """Whether this engine is one half of an encoder-disaggregated (EPD) deployment."""
+    return bool(config.additional_config.mm_language_model_only or config.mm_encoder_only
+                or config.ec_transfer_config is not None)
 
 
 class EncoderKindState(ModelKindState):
@@ -88,18 +96,28 @@ class EncoderKindState(ModelKindState):
 
     what = "media"  # what the cache holds, for the start-up line
 
-    def __init__(self, cache_bytes: int, language_model_only: bool) -> None:
-        self.encoder_cache = EncoderCache(cache_bytes)
+    def __init__(self, config, layout: EncoderCacheLayout, budget_tokens: int, default_bytes: int,
+                 device: torch.device) -> None:
+        """`budget_tokens`: the most media tokens one step can need (the cache's floor); `default_bytes`: the
+        cache's size when encoder_cache_num_blocks is not given (see encoder_cache.encoder_cache_blocks)."""
+        ac = config.additional_config
+        enc = ac.encoder_neuron_config or EncoderNeuronConfig()
+        blocks, self.cache_sizing = encoder_cache_blocks(enc.encoder_cache_num_blocks, budget_tokens, default_bytes,
+                                                         layout)
+        self.encoder_cache = EncoderCache(layout, blocks, hold_time_ms=enc.min_hold_time_ms(epd_role(config)),
+                                          device=device)
         self.num_encoder_runs = 0
-        self.language_model_only = language_model_only
+        self.language_model_only = ac.mm_language_model_only
 
     def reserved_bytes(self) -> int:
-        logger.info("Encoder cache: up to %.1f MiB of %s embeddings (reserved in the memory budget)",
-                    self.encoder_cache.max_bytes / 2**20, self.what)
-        return self.encoder_cache.max_bytes
+        cache = self.encoder_cache
+        logger.info("Encoder cache: %d blocks of %d %s tokens, %.1f MiB (reserved in the memory budget; %s), "
+                    "hold time %.0f ms", cache.num_blocks, cache.layout.block_tokens, self.what,
+                    cache.max_bytes / 2**20, self.cache_sizing, cache.hold_s * 1000)
+        return cache.max_bytes
 
-    def encoder_cache_stats(self) -> tuple[int, int]:
-        return self.encoder_cache.hits, self.encoder_cache.misses
+    def encoder_cache_stats(self) -> tuple[int, int, int]:
+        return self.encoder_cache.hits, self.encoder_cache.misses, self.encoder_cache.evictions
 
     def cached(self, items: list) -> tuple[dict, dict]:
         """({mm_hash: cached value}, {mm_hash: item the cache lacks}) for `items` (each hash once)."""

@@ -18,13 +18,16 @@ import torch
 
 from vllm_neuron.config import buckets as B
 from vllm_neuron.config.neuron_config import EncoderNeuronConfig
+from vllm_neuron.distributed import parallel_state as ps
 from vllm_neuron.model.qwen3_vl.block_packing import check_buckets, pack_ffd
 from vllm_neuron.model.qwen3_vl.model import MultimodalEmbeds
 from vllm_neuron.model.qwen3_vl.mrope import VisionRun, mrope_positions, rope_positions_for
 from vllm_neuron.model.qwen3_vl.preprocessing import vision_inputs
 from vllm_neuron.step import NewRequestData, ScheduledChunk
+from vllm_neuron.worker.ec_consumer import remote_embeddings
 from vllm_neuron.worker.input_builder import PrefillArrays
 from vllm_neuron.worker.model_kinds.base import EncoderKindState, GraphSpec
+from vllm_neuron.worker.encoder_cache import EncoderCacheLayout
 from vllm_neuron.worker.step_inputs import EncoderInputs
 
 DEFAULT_ENCODER_CACHE_BYTES = 256 * 2**20
@@ -37,13 +40,16 @@ class _Media:
     delta: int
 
 
-def encoder_settings(config, hf_config) -> tuple[int, list[int]]:
-    """(encoder_attention_block_size, encoder input buckets) in patches, from encoder_neuron_config: the
-    default buckets double from the block size up to what max_model_len tokens of media hold."""
+def encoder_settings(config, hf_config, world: int = 1) -> tuple[int, list[int], tuple[int, int]]:
+    """(encoder_attention_block_size, encoder input buckets in patches, encoder (tp, dp) over `world` ranks),
+    from encoder_neuron_config: the default buckets double from the block size up to what max_model_len
+    tokens of media hold; with encoder DP each bucket is rounded up to whole blocks for every DP rank."""
     enc = config.additional_config.encoder_neuron_config or EncoderNeuronConfig()
     block = enc.encoder_attention_block_size
     merge_unit = hf_config.vision_config.spatial_merge_size ** 2
-    return block, check_buckets(enc.input_buckets(config.max_model_len * merge_unit), block)
+    buckets = check_buckets(enc.input_buckets(config.max_model_len * merge_unit), block)
+    tp, dp = enc.parallel_sizes(world)
+    return block, sorted({-(-b // (block * dp)) * block * dp for b in buckets}), (tp, dp)
 
 
 class MultimodalState(EncoderKindState):
@@ -54,14 +60,17 @@ class MultimodalState(EncoderKindState):
         """graph(kind, size, context): the runner's compiled graph of a bucket."""
         self.model, self.dtype, self.device, self.graph = model, dtype, device, graph
         self.media: dict[str, _Media] = {}
-        self.encoder_block, self.encoder_buckets = encoder_settings(config, hf_config)
-        enc = config.additional_config.encoder_neuron_config
-        nbytes = DEFAULT_ENCODER_CACHE_BYTES
-        if enc is not None and enc.encoder_cache_num_blocks:  # a block: one attention block's merged tokens
-            text, vision = hf_config.get_text_config(), hf_config.vision_config
-            per_token = text.hidden_size * (1 + len(vision.deepstack_visual_indexes)) * dtype.itemsize
-            nbytes = enc.encoder_cache_num_blocks * self.encoder_block // vision.spatial_merge_size ** 2 * per_token
-        super().__init__(nbytes, config.additional_config.mm_language_model_only)
+        self.encoder_block, self.encoder_buckets, self.encoder_parallel = encoder_settings(config, hf_config,
+                                                                                           ps.info().world)
+        text, vision = hf_config.get_text_config(), hf_config.vision_config
+        merge_unit = vision.spatial_merge_size ** 2
+        # A block: one encoder attention block's merged tokens; the budget: a prefill step's tokens, or the
+        # largest encoder bucket's output when that is more.
+        layout = EncoderCacheLayout(self.encoder_block // merge_unit, text.hidden_size,
+                                    len(vision.deepstack_visual_indexes), dtype)
+        budget = max(config.max_num_batched_tokens, self.encoder_buckets[-1] // merge_unit)
+        super().__init__(config, layout, budget, DEFAULT_ENCODER_CACHE_BYTES, device)
+        self.remote = remote_embeddings(config, hf_config)  # EPD: embeddings an encoder instance wrote
 
     # -- set-up ---------------------------------------------------------------------------------------
     def graph_specs(self) -> list[GraphSpec]:
@@ -77,7 +86,7 @@ class MultimodalState(EncoderKindState):
                                               torch.zeros(size, 2, dtype=torch.long), seg))
 
     def graph_options(self) -> dict:
-        return {"language_model_only": self.language_model_only}
+        return {"language_model_only": self.language_model_only, "encoder_parallel": self.encoder_parallel}
 
     # -- requests -------------------------------------------------------------------------------------
     def add_request(self, data: NewRequestData) -> None:
@@ -157,6 +166,11 @@ class MultimodalState(EncoderKindState):
         """mm_hash -> (embeds, deepstack) for `items`: from the encoder cache, else from vision-tower calls
         on block-packed groups of the missing ones (one call per group that fits the largest bucket)."""
         out, missing = self.cached(items)
+        if self.remote is not None:
+            found, missing = self.remote.fetch(missing, can_encode=not self.language_model_only)
+            for h, value in found.items():
+                self.encoder_cache.put(h, *value)
+                out[h] = value
         for group in self._encoder_groups(list(missing.values())):
             n_blocks = len(pack_ffd(_frame_sizes(group), self.encoder_block))
             size = B.select_bucket(self.encoder_buckets, n_blocks * self.encoder_block)
@@ -173,6 +187,8 @@ class MultimodalState(EncoderKindState):
                 n = item.num_tokens
                 value = (embeds[start:start + n].clone(), deepstack[:, start:start + n].clone())
                 self.encoder_cache.put(item.mm_hash, *value)
+                if self.remote is not None:
+                    self.remote.computed(item.mm_hash, *value)
                 out[item.mm_hash] = value
                 start += n
         return out

@@ -1,0 +1,1 @@
+"""Encoder-disaggregated (EPD) embedding transfer: records that prove what they hold, and the EC connectors."""

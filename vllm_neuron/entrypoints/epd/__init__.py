@@ -1,0 +1,1 @@
+"""Encoder-disaggregated serving (EPD): the encoder instance's server and the epd-proxy."""
