@@ -389,6 +389,14 @@ _VARS: dict[str, EnvVar] = {
             "the engine reports the rank as hung (a rank that exits fails it at once). Covers the start-up "
             "too, where ranks compile the same bucket at slightly different speeds. Default 120.",
         ),
+        EnvVar(
+            "VLLM_NEURON_PP_MICRO_BATCHES",
+            lambda: _int("VLLM_NEURON_PP_MICRO_BATCHES", 1, minimum=1),
+            "Pipeline parallelism: the micro-batches a decode step's rows are split into between stages, so "
+            "that stages overlap (model/pipeline_stage.py). Default 1 (one piece): each micro-batch re-reads a "
+            "stage's weights, and on one CPU host that cost more than the overlap saved "
+            "(benchmarks/pp_step_times.py).",
+        ),
         # -- metrics --
         EnvVar(
             "VLLM_LOG_STATS_INTERVAL",

@@ -32,7 +32,10 @@ def test_unknown_kwarg_names_the_valid_ones():
 
 @pytest.mark.parametrize("kwargs, match", [
     ({"tensor_parallel_size": 3, "nnodes": 2}, "nnodes must be a positive integer that divides"),
-    ({"pipeline_parallel_size": 2}, "pipeline_parallel_size=2 is not supported yet.*not split into stages"),
+    ({"pipeline_parallel_size": 2, "tensor_parallel_size": 2, "nnodes": 3}, "tensor_parallel_size=2 x "
+     "pipeline_parallel_size=2 = 4 ranks"),
+    ({"pipeline_parallel_size": 2, "speculative_config": {"method": "ngram", "num_speculative_tokens": 2}},
+     "pipeline_parallel_size=2 is not supported yet by vllm-neuron with speculative decoding"),
     ({"decode_context_parallel_size": 2}, "decode_context_parallel_size=2 is not supported yet.*log-sum-exp merge"),
     ({"pipeline_parallel_size": 0}, "pipeline_parallel_size must be a positive integer"),
     ({"kv_cache_dtype": "fp8_inc"}, r"kv_cache_dtype='fp8_inc' is not valid; valid values: \['auto', 'fp8', "),

@@ -177,7 +177,9 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool =
                    "model's encoder splits them by encoder_neuron_config tp_size / dp_size); each node's cores are "
                    "split between its ranks")
     g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
-                   help="pipeline stages: only 1 is supported (layers are not split into stages yet)")
+                   help="pipeline stages: the decoder layers split into this many stages of consecutive layers, "
+                   "each a process group of --tensor-parallel-size ranks (CPU, Llama and Qwen3); with --nnodes "
+                   "the stages spread over nodes")
     g.add_argument("--decode-context-parallel-size", "-dcp", type=int, default=1,
                    help="ranks a sequence's KV is split over in decode: only 1 (on CPU ranks the per-layer merge "
                    "costs more than it saves; docs/features.md says why)")

@@ -74,6 +74,20 @@ REFUSED: tuple[Refusal, ...] = (
             "is not supported yet by vllm-neuron: with tensor_parallel_size={tensor_parallel_size} (each rank "
             "compiles its own shard's graphs; compile workers would have to join the ranks' process group); unset it "
             "or use 1"),
+    # Pipeline parallelism: the stages are built for the plain generative decoder loop (distributed/pipeline.py)
+    *(_refuse("pipeline_parallel", feature, message="pipeline_parallel_size={pipeline_parallel_size} is not supported "
+              f"yet by vllm-neuron with {what}: {why}; use pipeline_parallel_size=1")
+      for feature, what, why in (
+          ("speculative", "speculative decoding", "the draft model reads hidden states tapped across every stage"),
+          ("data_parallel", "data_parallel_size={data_parallel_size}", "replicas of a pipeline are not built"),
+          ("multimodal", "a multimodal model", "the encoder's embeddings enter on the first stage only"),
+          ("lora", "enable_lora=True", "adapters in staged layers are not built"),
+          ("prompt_embeds", "enable_prompt_embeds=True", "prompt embeddings enter on the first stage only"),
+          ("kv_transfer", "kv_transfer_config", "a block holds one stage's layers on each rank"),
+          ("kv_offload", "kv_offloading_size", "the tier's files are per tensor-parallel rank, not per stage"),
+          ("cuda", "--device cuda", "stages talk over gloo on CPU only"),
+          ("parallel_compile", "NEURON_LIBTORCH_PARALLEL_COMPILE_WORKERS={compile_workers}",
+           "each stage compiles its own graphs"))),
     _refuse("multi_node_tp", "data_parallel", message="nnodes={nnodes} is not supported yet by vllm-neuron: with "
             "data_parallel_size={data_parallel_size}: each replica's tensor-parallel ranks run on its own node; "
             "spread replicas over nodes with --data-parallel-size-local and --headless"),
@@ -146,6 +160,7 @@ class Features:
     eager_backend: bool = False  # enforce_eager or VLLM_NEURON_BACKEND=eager: no compiled graphs
     async_scheduling: bool | None = None  # as the user set it (None: the default decides)
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
     nnodes: int = 1
     expert_parallel: bool = False
@@ -163,6 +178,7 @@ class Features:
             "multimodal": self.multimodal, "audio": self.audio, "cuda": self.device == "cuda", "speculative": self.speculative is not None,
             "cpu_sampling": self.cpu_sampling, "eager": self.enforce_eager, "eager_backend": self.eager_backend,
             "async_scheduling": self.async_scheduling is True, "tensor_parallel": self.tensor_parallel_size > 1,
+            "pipeline_parallel": self.pipeline_parallel_size > 1,
             "data_parallel": self.data_parallel_size > 1, "multi_node_tp": self.nnodes > 1,
             "expert_parallel": self.expert_parallel, "decode_cpp_wrapper": self.decode_cpp_wrapper,
             "parallel_compile": self.compile_workers > 1, "kv_transfer": self.kv_transfer,

@@ -109,7 +109,7 @@ class EngineOptions:
     device: str = "auto"
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
-    pipeline_parallel_size: int = 1  # vLLM's; only 1 is built (_check_parallel says why)
+    pipeline_parallel_size: int = 1  # stages of consecutive layers (distributed/pipeline.py), each tp ranks
     decode_context_parallel_size: int = 1  # vLLM's; only 1 is built (_check_parallel says why)
     # Multi-node data parallelism (vLLM's names): replicas on this node, the first one's rank (a
     # --headless node), and the head's address / port that remote replicas connect to.
@@ -194,9 +194,14 @@ class EngineOptions:
                                   self.max_cpu_loras)[1]
 
     @property
+    def world_size(self) -> int:
+        """Ranks of one engine: tensor_parallel_size x pipeline_parallel_size (one process each)."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
     def local_tp_ranks(self) -> int:
-        """Tensor-parallel ranks on this node."""
-        return self.tensor_parallel_size // self.nnodes
+        """Ranks (tensor x pipeline parallel) on this node."""
+        return self.world_size // self.nnodes
 
     @property
     def local_dp_replicas(self) -> int:
@@ -319,6 +324,7 @@ class EngineArgs(EngineOptions):
             cpu_sampling=nc.on_device_sampling_config is None, enforce_eager=self.enforce_eager,
             eager_backend=self.enforce_eager or envs.VLLM_NEURON_BACKEND == "eager",
             async_scheduling=self.async_scheduling, tensor_parallel_size=self.tensor_parallel_size,
+            pipeline_parallel_size=self.pipeline_parallel_size,
             data_parallel_size=self.data_parallel_size, nnodes=self.nnodes,
             expert_parallel=self.enable_expert_parallel, decode_cpp_wrapper=nc.decode_cpp_wrapper,
             kv_transfer=self.kv_transfer_config is not None, kv_offload=self.kv_offloading_size is not None,
@@ -365,10 +371,7 @@ class EngineArgs(EngineOptions):
     def _check_parallel(self) -> None:
         """Tensor / expert parallelism and the multi-node flags (the seeds' EP rules: neuron_config.py)."""
         tp = self.tensor_parallel_size
-        if V.integer("pipeline_parallel_size", self.pipeline_parallel_size, minimum=1) > 1:
-            raise V.not_supported("pipeline_parallel_size", self.pipeline_parallel_size,
-                                  "layers are not split into stages; use --tensor-parallel-size (with --nnodes across "
-                                  "machines) or --data-parallel-size")
+        V.integer("pipeline_parallel_size", self.pipeline_parallel_size, minimum=1)
         if V.integer("decode_context_parallel_size", self.decode_context_parallel_size, minimum=1) > 1:
             raise V.not_supported(
                 "decode_context_parallel_size", self.decode_context_parallel_size,
@@ -379,9 +382,11 @@ class EngineArgs(EngineOptions):
                 "~0.3 ms); use one rank per sequence (--data-parallel-size) for long contexts")
         self.additional_config.neuron_config.validate_parallel(self.enable_expert_parallel, tp,
                                                                self.data_parallel_size)
-        if not isinstance(self.nnodes, int) or isinstance(self.nnodes, bool) or self.nnodes < 1 or tp % self.nnodes:
-            raise ValueError(f"nnodes must be a positive integer that divides tensor_parallel_size={tp} (each node "
-                             f"runs tensor_parallel_size / nnodes ranks), got {self.nnodes!r}")
+        world = self.world_size
+        if not isinstance(self.nnodes, int) or isinstance(self.nnodes, bool) or self.nnodes < 1 or world % self.nnodes:
+            raise ValueError(f"nnodes must be a positive integer that divides tensor_parallel_size={tp} x "
+                             f"pipeline_parallel_size={self.pipeline_parallel_size} = {world} ranks (each node runs "
+                             f"world / nnodes of them), got {self.nnodes!r}")
         V.integer("node_rank", self.node_rank, minimum=0, maximum=self.nnodes - 1, context=f"nnodes={self.nnodes}")
         V.port("master_port", self.master_port)
         V.host("master_addr", self.master_addr)

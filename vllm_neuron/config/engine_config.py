@@ -84,6 +84,8 @@ class EngineConfig(EngineOptions):
     kv_budget_shared_by: int
     # A pooling engine (--runner pooling): prefill-only steps, pooled outputs; None: a generative engine.
     pooling: PoolingSetup | None = None
+    # Pipeline parallelism: the micro-batches of a decode step (VLLM_NEURON_PP_MICRO_BATCHES; 1: one piece).
+    pp_micro_batches: int = 1
 
     @property
     def torch_device(self) -> torch.device:
@@ -164,7 +166,8 @@ def resolve(args: EngineArgs, facts: ModelFacts) -> EngineConfig:
         "model_facts": facts, "dtype_reason": dtype_reason,
         "backend": "eager" if args.enforce_eager else envs.VLLM_NEURON_BACKEND,
         "runner_choice": runner_choice, "async_scheduling_reason": async_reason, "kv_budget_shared_by": shared_by,
-        "pooling": facts.pooling})
+        "pooling": facts.pooling,
+        "pp_micro_batches": envs.VLLM_NEURON_PP_MICRO_BATCHES})
 
 
 def _pooling_options(args: EngineArgs) -> EngineArgs:
@@ -173,7 +176,8 @@ def _pooling_options(args: EngineArgs) -> EngineArgs:
     refused = {"speculative_config": args.speculative_config, "kv_transfer_config": args.kv_transfer_config,
                "kv_offloading_size": args.kv_offloading_size,
                "enable_prompt_embeds": args.enable_prompt_embeds or None, "enable_lora": args.enable_lora or None,
-               "tensor_parallel_size": args.tensor_parallel_size if args.tensor_parallel_size > 1 else None}
+               "tensor_parallel_size": args.tensor_parallel_size if args.tensor_parallel_size > 1 else None,
+               "pipeline_parallel_size": args.pipeline_parallel_size if args.pipeline_parallel_size > 1 else None}
     for option, value in refused.items():
         if value is not None:
             raise V.not_supported(option, value, "a pooling model (--runner pooling) runs without it")

@@ -71,8 +71,8 @@ class EngineCore:
             logger.info("%s", choice.model_reason())
         if config.use_v2_model_runner:
             logger.info("%s", V2_LOG_LINE)
-        if config.tensor_parallel_size > 1:
-            # Rank 0 here; the executor replays every runner call on the other ranks.
+        if config.world_size > 1:
+            # Rank 0 here; the executor replays every runner call on the other ranks (every stage's).
             self.runner = TPExecutor(config, self.ckpt, self.device, self.dtype, backend)
         else:
             self.runner = create_runner(config, self.ckpt, self.device, self.dtype, backend)

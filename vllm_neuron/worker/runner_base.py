@@ -118,12 +118,14 @@ class ModelRunnerBase(ProfiledRunner, KVConnectorCalls):
 
     def _plan_kv_layout(self) -> KVCacheLayout:
         spec = self.model_spec
-        layout = plan_kv_cache_layout(spec.sliding_windows)
+        # A pipeline stage holds the KV of its own layers only.
+        stage = ps.info().stage(spec.num_layers)
+        layout = plan_kv_cache_layout(spec.sliding_windows[stage.start:stage.stop])
         why = self.kv_groups_unsupported() if layout.num_groups > 1 else None
         if why:
             logger.info("KV cache groups: 1 (%s keeps one block table per request: sliding-window layers hold "
                         "the KV of their whole sequence)", why)
-            return single_group_layout(spec.num_layers)
+            return single_group_layout(len(stage.layers))
         logger.info("%s", layout.describe())
         return layout
 
@@ -303,6 +305,9 @@ class ModelRunnerBase(ProfiledRunner, KVConnectorCalls):
                 "paged_decode": self.paged_decode, "kv_segment": self.kv_segment,
                 # Each tensor-parallel rank compiles its own shard's graphs.
                 "tp_rank": ps.info().rank, "ep_degree": ps.info().ep_degree,
+                # Each pipeline stage compiles its own layers' graphs (and talks to its neighbours in them).
+                **({"pp_rank": ps.info().pp_rank, "pp_size": ps.info().pp_size,
+                    "pp_micro_batches": ps.info().pp_micro_batches} if ps.info().pp_size > 1 else {}),
                 "quantization": self.config.neuron_config.quantization,
                 "decode_cpp_wrapper": self.config.neuron_config.decode_cpp_wrapper,
                 "kinds": [k.graph_options() for k in self.kinds],

@@ -1,4 +1,4 @@
-"""Tensor parallelism: one model runner per rank, driven by the engine core through rank 0.
+"""Tensor and pipeline parallelism: one model runner per rank, driven by the engine core through rank 0.
 
 Rank 0 lives in the engine core's process; ranks 1..N-1 are processes of their own (this node's are
 started here, other nodes' by `serve --headless`, `run_headless_ranks`). At start-up rank 0 sends every
@@ -9,6 +9,14 @@ on the same inputs; the graphs' collectives keep them in step. Logits are all-ga
 so every rank samples the same token from the same row; only rank 0's result goes back to the engine.
 KV pools: each rank sizes its own from its own budget and the smallest count wins (an all-reduce), so
 the scheduler's block numbers are valid on every rank.
+
+Pipeline parallelism (distributed/pipeline.py) uses the same protocol over a world of pp x tp ranks: every
+rank replays every call, each stage's runner on a model of its own layers, and the stages hand activations
+and logits to each other inside the graphs (model/layers/pipeline_ops.py), so the engine core, the scheduler
+and the runner see one runner as before. Within a decode step the stages overlap on micro-batches (when
+VLLM_NEURON_PP_MICRO_BATCHES > 1); prefill steps, the logits and consecutive steps do not
+(model/pipeline_stage.py says why). Each stage sizes the KV of its own layers; the smallest pool over every
+rank wins as for TP.
 
 Failure: a follower that exits (watched by a thread) or a collective that fails or times out
 (VLLM_NEURON_DIST_TIMEOUT_S) raises `WorkerRankError`, which the engine core treats as fatal: its
@@ -25,6 +33,7 @@ import subprocess
 import sys
 import threading
 import traceback
+import dataclasses
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -32,6 +41,7 @@ import torch
 
 from vllm_neuron.config.engine_config import EngineConfig
 from vllm_neuron.distributed import parallel_state as ps
+from vllm_neuron.distributed import pipeline
 from vllm_neuron.logger import init_logger
 from vllm_neuron.worker.runner_factory import create_runner
 
@@ -42,6 +52,10 @@ logger = init_logger(__name__)
 # per-request state, so a load counts as read only when every rank read its heads; stop_profile: 1 once a rank's
 # trace is written, so rank 0 returns when every rank's is).
 _MIN_REDUCED = ("num_blocks", "kv_poll_loads", "kv_tier_poll", "stop_profile")
+# Read-only queries rank 0 answers alone: the engine core asks some of them from its own thread while a step is in
+# flight on the step thread (async scheduling: the step's stats), and a second broadcast on the control group then
+# would interleave with the step's and corrupt both.
+_RANK0_ONLY = ("encoder_cache_stats", "prefill_needs_context", "request_blocks")
 
 
 class WorkerRankError(RuntimeError):
@@ -59,10 +73,14 @@ class RankSetup:
     ep_degree: int
     timeout_s: float
     replicas_on_node: int = 1  # data-parallel replicas sharing this node's cores
+    pp: int = 1  # pipeline stages: world = tp x pp
 
     @property
     def local_ranks(self) -> int:
         return self.world // self.nnodes
+
+    def node_ranks(self, node_rank: int) -> range:
+        return pipeline.node_ranks(node_rank, self.world, self.nnodes)
 
     @classmethod
     def of(cls, config: EngineConfig) -> "RankSetup":
@@ -70,8 +88,8 @@ class RankSetup:
 
         # One node: the group meets on a free loopback port (--master-port matters across nodes only).
         addr, port = (config.master_addr, config.master_port) if config.nnodes > 1 else ("127.0.0.1", _free_port())
-        return cls(config.tensor_parallel_size, config.nnodes, addr, port, config.neuron_config.ep_degree or 1,
-                   envs.VLLM_NEURON_DIST_TIMEOUT_S, config.kv_budget_shared_by)
+        return cls(config.world_size, config.nnodes, addr, port, config.neuron_config.ep_degree or 1,
+                   envs.VLLM_NEURON_DIST_TIMEOUT_S, config.kv_budget_shared_by, config.pipeline_parallel_size)
 
 
 def _free_port() -> int:
@@ -85,7 +103,7 @@ def _free_port() -> int:
 def _join(setup: RankSetup, rank: int) -> int:
     threads = ps.set_rank_threads(setup.local_ranks * setup.replicas_on_node)
     ps.init(rank, setup.world, setup.master_addr, setup.master_port, device_type="cpu",
-            ep_degree=setup.ep_degree, timeout_s=setup.timeout_s)
+            ep_degree=setup.ep_degree, timeout_s=setup.timeout_s, pp_size=setup.pp)
     return threads
 
 
@@ -136,9 +154,12 @@ class TPExecutor:
     def __init__(self, config: EngineConfig, ckpt, device: torch.device, dtype: torch.dtype, backend: str) -> None:
         self.setup = RankSetup.of(config)
         self._threads_before = torch.get_num_threads()
-        _check_shardable(ckpt.hf_config, self.setup.world)
+        _check_shardable(ckpt.hf_config, config.tensor_parallel_size)
+        text = ckpt.hf_config.get_text_config()
+        pipeline.check_pipeline_model(self.setup.pp, getattr(ckpt.hf_config, "architectures", None),
+                                      getattr(text, "num_hidden_layers", 0))
         # This node's other ranks (node 0 holds ranks 0 .. local_ranks - 1).
-        self.procs = [_start_rank(self.setup, r) for r in range(1, self.setup.local_ranks)]
+        self.procs = [_start_rank(self.setup, r) for r in self.setup.node_ranks(0)[1:]]
         self._failure: str | None = None
         self._closed = False
         try:
@@ -148,13 +169,15 @@ class TPExecutor:
             raise WorkerRankError(f"tensor parallel group did not form at {self.setup.master_addr}:"
                                   f"{self.setup.master_port}: "
                                   f"{e}") from e
-        logger.info("Tensor parallel: %d ranks (%d node(s), %d on this node, %d thread(s) each; follower pids %s), "
-                    "ep_degree %d, collectives on gloo", self.setup.world, self.setup.nnodes, self.setup.local_ranks,
+        logger.info("Tensor parallel: %d ranks (%d pipeline stage(s) of %d; %d node(s), %d on this node, %d "
+                    "thread(s) each; follower pids %s), ep_degree %d, collectives on gloo", self.setup.world,
+                    self.setup.pp, self.setup.world // self.setup.pp, self.setup.nnodes, self.setup.local_ranks,
                     threads, [p.pid for p in self.procs], self.setup.ep_degree)
         self._watch = threading.Thread(target=self._watch_followers, name="vllm-neuron-tp-watch", daemon=True)
         self._watch.start()
         atexit.register(self.shutdown)  # before multiprocessing's exit handler joins the followers
         self._call(_send, (config, device, dtype, backend))
+        _set_micro_batches(config)
         self.runner = create_runner(config, ckpt, device, dtype, backend)
 
     @property
@@ -201,7 +224,7 @@ class TPExecutor:
 
     def __getattr__(self, name: str):
         attr = getattr(self.runner, name)
-        if not callable(attr):
+        if not callable(attr) or name in _RANK0_ONLY:
             return attr
 
         def on_every_rank(*args):
@@ -250,13 +273,17 @@ def _start_rank(setup: RankSetup, rank: int) -> subprocess.Popen:
                              str(rank)], env=env)
 
 
-def _check_shardable(hf_config, world: int) -> None:
+def _set_micro_batches(config: EngineConfig) -> None:
+    ps.set_info(dataclasses.replace(ps.info(), pp_micro_batches=config.pp_micro_batches))
+
+
+def _check_shardable(hf_config, tp: int) -> None:
     """The head-split rules, before any process starts (parallel_state.local_kv_heads); which models shard at all
     is config/compatibility.py's to say."""
     heads = getattr(hf_config, "num_attention_heads", None)
     if heads:
-        ps.check_tp_divides("the number of attention heads", heads, world)
-        ps.local_kv_heads(getattr(hf_config, "num_key_value_heads", None) or heads, world)
+        ps.check_tp_divides("the number of attention heads", heads, tp)
+        ps.local_kv_heads(getattr(hf_config, "num_key_value_heads", None) or heads, tp)
 
 
 def _is_group_failure(e: BaseException) -> bool:
@@ -279,7 +306,8 @@ def follower_main(setup: RankSetup, rank: int) -> None:
         config, device, dtype, backend = _recv()
         from vllm_neuron.model.loader import load_checkpoint
 
-        ps.set_info(ps.ParallelInfo(rank, setup.world, config.neuron_config.ep_degree or 1))
+        _set_micro_batches(config)  # rank 0's choice, whatever this node's environment says
+
 
         runner = create_runner(config, load_checkpoint(config.model), device, dtype, backend)
         while True:
@@ -319,10 +347,11 @@ def run_headless_ranks(config: EngineConfig) -> int:
         raise ValueError("--headless with tensor parallelism runs the ranks of a follower node: it needs --nnodes > 1 "
                          "and --node-rank >= 1 (node 0 runs the API server)")
     setup = RankSetup.of(config)
-    first = config.node_rank * setup.local_ranks
-    procs = [_start_rank(setup, r) for r in range(first, first + setup.local_ranks)]
-    logger.info("Headless node %d: tensor parallel ranks %d..%d (pids %s) join %s:%d", config.node_rank, first,
-                first + setup.local_ranks - 1, [p.pid for p in procs], config.master_addr, config.master_port)
+    ranks = setup.node_ranks(config.node_rank)
+    procs = [_start_rank(setup, r) for r in ranks]
+    logger.info("Headless node %d: tensor parallel ranks %d..%d (of %d: %d pipeline stage(s); pids %s) join %s:%d",
+                config.node_rank, ranks[0], ranks[-1], setup.world, setup.pp, [p.pid for p in procs],
+                config.master_addr, config.master_port)
     return max(p.wait() for p in procs)
 
 

@@ -22,6 +22,8 @@ from vllm_neuron.model.layers.parallel import (VocabParallelEmbedding, all_reduc
 from vllm_neuron.model.layers.rotary import RotaryEmbedding, apply_rotary
 from vllm_neuron.model.llama.config import LlamaArchConfig
 from vllm_neuron.model.llama.weight_loaders import llama_checkpoint_target
+from vllm_neuron.model.layers.pipeline_ops import recv_logits, share_logits
+from vllm_neuron.model.pipeline_stage import AbsentLayer, holds_embedding, stage_forward, stage_holds_tensor
 
 
 class LlamaAttention(nn.Module):
@@ -129,13 +131,21 @@ def _lora_decoder_layer(layer: LlamaDecoderLayer, x, cos, sin, k_cache, v_cache,
 class LlamaModel(nn.Module):
     def __init__(self, cfg: LlamaArchConfig, hf_config, layer_cls: type[LlamaDecoderLayer]) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList([layer_cls(cfg, i) for i in range(cfg.num_layers)])
+        # Pipeline parallelism: this rank's stage builds its own layers only (model/pipeline_stage.py).
+        self.stage = ps.info().stage(cfg.num_layers)
+        self.micro_batches = ps.info().pp_micro_batches  # a decode step's pieces between stages
+        self.hidden_size = cfg.hidden_size
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size) \
+            if holds_embedding(self.stage, cfg.tie_word_embeddings) else None
+        self.layers = nn.ModuleList([layer_cls(cfg, i) if self.stage.holds(i) else AbsentLayer()
+                                     for i in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(hf_config, cfg.max_position_embeddings)
 
     def forward(self, input_ids, positions, kv_caches, meta, inputs_embeds=None, aux_layers: tuple[int, ...] = (),
                 lora_index=None):
+        if self.stage.pp_size > 1:
+            return self._stage_forward(input_ids, positions, kv_caches, meta, inputs_embeds)
         x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         cos, sin = self.rotary(positions, x.dtype)
         metas = meta if isinstance(meta, (list, tuple)) else [meta] * len(self.layers)
@@ -148,6 +158,21 @@ class LlamaModel(nn.Module):
         if aux_layers:  # EAGLE3 / DFlash: the input hidden states of these layers, side by side
             return self.norm(x), torch.cat([taps[i] for i in aux_layers], dim=-1)
         return self.norm(x)
+
+    def _stage_forward(self, input_ids, positions, kv_caches, meta, inputs_embeds):
+        """A pipeline stage's part (model/pipeline_stage.py): its layers, whose KV caches kv_caches holds in order."""
+        stage, dtype = self.stage, self.norm.weight.dtype
+        cos, sin = self.rotary(positions, dtype)
+
+        def run_layers(x, cos, sin, m):
+            metas = m if isinstance(m, (list, tuple)) else [m] * len(stage.layers)  # per layer with KV groups
+            for i, kv_cache, layer_meta in zip(stage.layers, kv_caches, metas):
+                x = self.layers[i](x, cos, sin, kv_cache, layer_meta)
+            return x
+
+        x = stage_forward(stage, run_layers, lambda: self.embed_tokens(input_ids) if inputs_embeds is None
+                          else inputs_embeds, positions, cos, sin, meta, self.hidden_size, dtype, self.micro_batches)
+        return self.norm(x) if stage.is_last else x
 
 
 class LlamaForCausalLM(CausalLM):
@@ -175,12 +200,15 @@ class LlamaForCausalLM(CausalLM):
         super().__init__()
         self.arch = self.arch_config(hf_config)
         self.model_spec = self.spec(hf_config)
+        self.stage = ps.info().stage(self.arch.num_layers)  # pipeline parallelism (model/pipeline_stage.py)
         self.model = self.model_cls(self.arch, hf_config, self.layer_cls)
         # Split over the vocabulary like the embedding (parallel.py); logits are gathered in compute_logits.
-        self.lm_head = Linear(self.arch.hidden_size, self.model.embed_tokens.local_vocab, bias=False)
-        if self.arch.tie_word_embeddings:
+        # Only the last pipeline stage has one.
+        self.lm_head = Linear(self.arch.hidden_size, -(-self.arch.vocab_size // tp_world()), bias=False) \
+            if self.stage.is_last else None
+        if self.lm_head is not None and self.arch.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        elif tp_world() > 1:
+        elif self.lm_head is not None and tp_world() > 1:
             mark_split(self.lm_head.weight)
 
     def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata, inputs_embeds=None,
@@ -194,11 +222,16 @@ class LlamaForCausalLM(CausalLM):
         return self.model.embed_tokens(input_ids)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return gather_last_dim(self.lm_head(hidden), self.arch.vocab_size)
+        if not self.stage.is_last:  # the last stage's logits of the same rows (pipeline_ops.py)
+            return recv_logits(hidden, self.arch.vocab_size)
+        logits = gather_last_dim(self.lm_head(hidden), self.arch.vocab_size)
+        return logits if self.stage.pp_size == 1 else share_logits(logits)
 
     def kv_cache_spec(self) -> tuple[int, int, int]:
         s = self.model_spec
-        return s.num_layers, ps.local_kv_heads(s.num_kv_heads, tp_world()), s.head_dim
+        return len(self.stage.layers), ps.local_kv_heads(s.num_kv_heads, tp_world()), s.head_dim
 
     def checkpoint_target(self, name: str) -> Target | None:
+        if not stage_holds_tensor(self.stage, name, self.arch.tie_word_embeddings):
+            return None  # another pipeline stage's tensor
         return llama_checkpoint_target(self, name)
