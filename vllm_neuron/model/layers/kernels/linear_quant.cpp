@@ -37,6 +37,9 @@
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #include "int8_vnni.h"
 #endif
+#if defined(__AVX2__) && !defined(__AVX512F__)
+#include "int_dot_avx2.h"
+#endif
 
 namespace {
 
@@ -352,13 +355,89 @@ at::Tensor run(const Q& wt, const at::Tensor& x_in, int64_t N) {
   return y;
 }
 
-at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale) {
+#if defined(__AVX2__) && !defined(__AVX512F__)
+// AVX2: inputs made int8 per block of 32 and integer dot products against the weights as stored
+// (int_dot_avx2.h, which states the rounding). Up to kIntDotRows rows; above, the widening path (run).
+constexpr int64_t kIntDotRows = 16;
+// While a thread's first row block runs against a band, the band kIntAhead on is prefetched (as vnni_rows).
+constexpr int64_t kIntAhead = 2;
+
+// The tile of MB input rows from m0 against the NB-row band at n0 (int_dot_avx2.h), the band at pf prefetched.
+template <int MB, int NB>
+inline void int_tile(const Int8& wt, const vn_idot::Rows& x, int64_t m0, int64_t n0, float* out, int64_t pf) {
+  vn_idot::tile_int8<MB, NB>(wt.w + n0 * x.K, wt.scale + n0, x.at(m0), x.d_at(m0), x.K, out,
+                             pf < 0 ? nullptr : wt.w + pf * x.K);
+}
+template <int MB, int NB>
+inline void int_tile(const Int4& wt, const vn_idot::Rows& x, int64_t m0, int64_t n0, float* out, int64_t pf) {
+  vn_idot::tile_int4<MB, NB>(wt.w + n0 * (x.K / 2), wt.sm + n0 * (x.K / 16), x.at(m0), x.d_at(m0), x.sum_at(m0),
+                             x.K, out, pf < 0 ? nullptr : wt.w + pf * (x.K / 2));
+}
+
+// One band of NB rows at n0 against every input row, four at a time, into y (row stride N); while the first
+// row block runs, the band kIntAhead on (if below nend) is prefetched, as vnni_rows does.
+template <int NB, typename Q, typename T>
+void int_band(const Q& wt, const vn_idot::Rows& x, T* y, int64_t N, int64_t n0, int64_t nend) {
+  const int64_t ahead = n0 + kIntAhead * kBand;
+  float out[4 * NB];
+  vn_idot::row_blocks(x.M, [&](auto mb, int64_t m0) {
+    constexpr int MB = decltype(mb)::value;
+    int_tile<MB, NB>(wt, x, m0, n0, out, m0 == 0 && ahead + NB <= nend ? ahead : -1);
+    for (int i = 0; i < MB; ++i)
+      for (int j = 0; j < NB; ++j) put(y + (m0 + i) * N + n0 + j, out[NB * i + j]);
+  });
+}
+
+template <typename Q>
+at::Tensor int_dot_rows(const Q& wt, const at::Tensor& x_in, int64_t N) {
+  const auto x = x_in.contiguous();
+  auto y = at::empty({x.size(0), N}, x.options());
+  std::vector<float> buf;
+  const vn_idot::Rows xq(fp32_rows(x, buf), x.size(0), x.size(1));
+  const auto go = [&](auto* yp) {
+    const int64_t bands = N / kBand, n_tail = bands * kBand;
+    at::parallel_for(0, bands, 8, [&](int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1; ++b) int_band<kBand>(wt, xq, yp, N, b * kBand, b1 * kBand);
+    });
+    switch (N - n_tail) {
+      case 3: int_band<3>(wt, xq, yp, N, n_tail, N); break;
+      case 2: int_band<2>(wt, xq, yp, N, n_tail, N); break;
+      case 1: int_band<1>(wt, xq, yp, N, n_tail, N); break;
+      default: break;
+    }
+  };
+  switch (x.scalar_type()) {
+    case at::kFloat: go(y.data_ptr<float>()); break;
+    case at::kBFloat16: go(y.data_ptr<at::BFloat16>()); break;
+    default: go(y.data_ptr<at::Half>()); break;  // fp32_rows refused any other dtype
+  }
+  return y;
+}
+#endif
+
+// The int8 weights of linear_int8's arguments, checked.
+Int8 int8_weights(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale) {
   TORCH_CHECK(x.dim() == 2 && q.dim() == 2 && x.size(1) == q.size(1), "x [M, K], q [N, K]");
   TORCH_CHECK(q.scalar_type() == at::kChar && q.is_contiguous(), "q must be contiguous int8");
   TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.numel() == q.size(0) && scale.is_contiguous(),
               "scale must be float32 [N]");
   TORCH_CHECK(x.size(1) % 16 == 0, "K must be a multiple of 16");
-  const Int8 wt{q.data_ptr<int8_t>(), scale.data_ptr<float>()};
+  return Int8{q.data_ptr<int8_t>(), scale.data_ptr<float>()};
+}
+
+// The int4 weights of linear_int4's arguments, checked.
+Int4 int4_weights(const at::Tensor& x, const at::Tensor& q, const at::Tensor& sm) {
+  TORCH_CHECK(x.dim() == 2 && q.dim() == 2 && x.size(1) == 2 * q.size(1), "x [M, K], q [N, K / 2]");
+  TORCH_CHECK(q.scalar_type() == at::kByte && q.is_contiguous(), "q must be contiguous uint8");
+  TORCH_CHECK(x.size(1) % 64 == 0, "K must be a multiple of 64");
+  TORCH_CHECK(sm.scalar_type() == at::kFloat && sm.is_contiguous() && sm.dim() == 3 && sm.size(0) == q.size(0) &&
+                  sm.size(1) == x.size(1) / 32 && sm.size(2) == 2,
+              "scales must be float32 [N, K / 32, 2]");
+  return Int4{q.data_ptr<uint8_t>(), sm.data_ptr<float>()};
+}
+
+at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale) {
+  const Int8 wt = int8_weights(x, q, scale);
 #if defined(__AVX512BF16__)
 #if defined(__AVX512VNNI__)
   if (x.scalar_type() == at::kBFloat16 && x.size(0) <= kVnniRows) return vnni_rows(wt, x.contiguous(), q.size(0));
@@ -366,22 +445,38 @@ at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& q, const at::Tenso
   if (x.scalar_type() == at::kBFloat16 && x.size(0) > 4 && x.size(1) % 32 == 0)
     return bf16_rows(wt, x.contiguous(), q.size(0));
 #endif
+#if defined(__AVX2__) && !defined(__AVX512F__)
+  if (x.size(0) <= kIntDotRows) return int_dot_rows(wt, x, q.size(0));
+#endif
   return run(wt, x, q.size(0));
 }
 
 at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& q, const at::Tensor& sm) {
-  TORCH_CHECK(x.dim() == 2 && q.dim() == 2 && x.size(1) == 2 * q.size(1), "x [M, K], q [N, K / 2]");
-  TORCH_CHECK(q.scalar_type() == at::kByte && q.is_contiguous(), "q must be contiguous uint8");
-  TORCH_CHECK(x.size(1) % 64 == 0, "K must be a multiple of 64");
-  TORCH_CHECK(sm.scalar_type() == at::kFloat && sm.is_contiguous() && sm.dim() == 3 && sm.size(0) == q.size(0) &&
-                  sm.size(1) == x.size(1) / 32 && sm.size(2) == 2,
-              "scales must be float32 [N, K / 32, 2]");
-  const Int4 wt{q.data_ptr<uint8_t>(), sm.data_ptr<float>()};
+  const Int4 wt = int4_weights(x, q, sm);
 #if defined(__AVX512BF16__)
   if (x.scalar_type() == at::kBFloat16 && x.size(0) > 4) return bf16_rows(wt, x.contiguous(), q.size(0));
 #endif
+#if defined(__AVX2__) && !defined(__AVX512F__)
+  if (x.size(0) <= kIntDotRows) return int_dot_rows(wt, x, q.size(0));
+#endif
   return run(wt, x, q.size(0));
 }
+
+#if defined(__AVX2__) && !defined(__AVX512F__)
+// linear_int8 (q int8) or linear_int4 (q uint8) by one named path at any row count, for the A/B benchmark and
+// the tests of each path: "int_dot" (int_dot_avx2.h) or "widened" (weights widened to fp32, run).
+at::Tensor linear_quant_path(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales,
+                             c10::string_view path) {
+  TORCH_CHECK(path == "int_dot" || path == "widened", "path must be 'int_dot' or 'widened', got '", path, "'");
+  const bool int_dot = path == "int_dot";
+  if (q.scalar_type() == at::kChar) {
+    const Int8 wt = int8_weights(x, q, scales);
+    return int_dot ? int_dot_rows(wt, x, q.size(0)) : run(wt, x, q.size(0));
+  }
+  const Int4 wt = int4_weights(x, q, scales);
+  return int_dot ? int_dot_rows(wt, x, q.size(0)) : run(wt, x, q.size(0));
+}
+#endif
 
 // Prefill-sized inputs take oneDNN's matmul on the weight put back in row order in the compute dtype: one
 // pass over the quantized bytes, parallel over bands (torch's unbanding is a transpose and a concatenation,
@@ -484,5 +579,10 @@ TORCH_LIBRARY_IMPL(vllm_neuron, CPU, m) {
   m.impl("unpack_int8", &unpack_int8);
   m.impl("unpack_int4", &unpack_int4);
 }
+
+#if defined(__AVX2__) && !defined(__AVX512F__)
+TORCH_LIBRARY_FRAGMENT(vllm_neuron, m) { m.def("linear_quant_path(Tensor x, Tensor q, Tensor scales, str path) -> Tensor"); }
+TORCH_LIBRARY_IMPL(vllm_neuron, CPU, m) { m.impl("linear_quant_path", &linear_quant_path); }
+#endif
 
 #endif  // AVX-512 or AVX2 + FMA
