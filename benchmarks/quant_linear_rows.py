@@ -5,6 +5,9 @@ For each shape and row count, every variant is timed in turn, --rounds times (so
 load hits each alike); the table holds medians in microseconds, the ratio of the kernel to the cheapest
 alternative that keeps the weights quantized (dequantize + matmul, the path above KERNEL_ROWS), and the
 ratio to the unquantized F.linear. The last row sums every linear of one decoder layer x layers + lm_head.
+Where the build has the AVX2 integer-dot path (`VLLM_NEURON_CPU_ISA=avx2`, or an AVX2-only CPU), the kernels'
+earlier path, weights widened to fp32 ("widened"), and the integer-dot path ("int_dot") run beside them, each
+called as the raw op (no Python wrapper, unlike "kernel"), and the table adds int_dot / widened: the A/B.
 
     python benchmarks/quant_linear_rows.py [--rows 1,4,8,16] [--rounds 30] [--threads N]
 """
@@ -17,6 +20,8 @@ import time
 
 import torch
 import torch.nn.functional as F
+
+from vllm_neuron.model.layers.kernels.ops import has_op
 
 # SmolLM2-135M (the bundled model): hidden 576, 9 q heads / 3 KV heads of 64, intermediate 1536, 30 layers,
 # vocab 49152; fused q/k/v and gate/up as the model holds them.
@@ -39,13 +44,19 @@ def variants(n: int, k: int, rows: int, dtype: torch.dtype) -> dict:
     q8, s8 = quant_int8.quantize(w)
     q4, s4 = quant_int4.quantize(w)
     w_deq = quant_int8.dequantize(q8, s8, dtype)
-    return {
+    out = {
         "int8 kernel": lambda: quant_int8.linear(x, q8, s8, None, use_kernel=True),
         "int8 dequant+matmul": lambda: quant_int8.linear(x, q8, s8, None, use_kernel=False),
         "int4 kernel": lambda: quant_int4.linear(x, q4, s4, None, use_kernel=True),
         "int4 dequant+matmul": lambda: quant_int4.linear(x, q4, s4, None, use_kernel=False),
         "F.linear unquantized": lambda: F.linear(x, w_deq),
     }
+    if has_op("linear_quant_path"):
+        path = torch.ops.vllm_neuron.linear_quant_path
+        for p in ("int_dot", "widened"):
+            out[f"int8 {p}"] = lambda p=p: path(x, q8, s8, p)
+            out[f"int4 {p}"] = lambda p=p: path(x, q4, s4, p)
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -78,12 +89,16 @@ def main(argv: list[str] | None = None) -> None:
         med = {shape: {name: statistics.median(v) for name, v in samples[shape].items()} for shape in SHAPES}
         step = {name: sum(med[s][name] * (1 if s == "lm_head" else LAYERS) for s in SHAPES) for name in names}
         print(f"\nrows {rows}")
+        widened = "int8 widened" in names
         print("| shape [N, K] | " + " | ".join(names) + " | int8 kernel / dequant | int4 kernel / dequant | "
-              "int8 kernel / unquantized | int4 kernel / unquantized |")
-        print("| --- " * (len(names) + 5) + "|")
+              "int8 kernel / unquantized | int4 kernel / unquantized |"
+              + (" int8 int_dot / widened | int4 int_dot / widened |" if widened else ""))
+        print("| --- " * (len(names) + 5 + 2 * widened) + "|")
         for label, m in [*((f"{s} {list(SHAPES[s])}", med[s]) for s in SHAPES), ("one decode step's linears", step)]:
             ratios = [m["int8 kernel"] / m["int8 dequant+matmul"], m["int4 kernel"] / m["int4 dequant+matmul"],
                       m["int8 kernel"] / m["F.linear unquantized"], m["int4 kernel"] / m["F.linear unquantized"]]
+            if widened:
+                ratios += [m["int8 int_dot"] / m["int8 widened"], m["int4 int_dot"] / m["int4 widened"]]
             print(f"| {label} | " + " | ".join(f"{m[n]:.0f}" for n in names) + " | "
                   + " | ".join(f"{r:.2f}" for r in ratios) + " |", flush=True)
 
