@@ -356,9 +356,14 @@ at::Tensor run(const Q& wt, const at::Tensor& x_in, int64_t N) {
 }
 
 #if defined(__AVX2__) && !defined(__AVX512F__)
-// AVX2: inputs made int8 per block of 32 and integer dot products against the weights as stored
-// (int_dot_avx2.h, which states the rounding). Up to kIntDotRows rows; above, the widening path (run).
-constexpr int64_t kIntDotRows = 16;
+// AVX2: inputs made int16 and integer dot products against the weights as stored (int_dot_avx2.h, which
+// states the rounding), up to a row count per scheme; above, the widening path (run). Measured against it in
+// one process, alternating (Zen 5 EPYC with the avx2 build forced, 1 thread, bundled model's gate_up and down,
+// microseconds, noisy shared machine): int8 1 row 29 vs 51, 4 rows 123 vs 170, 16 rows 525 vs 677 (0.56-0.91
+// of it at every row count); int4 1 row 47-51 vs 87-91, 2 rows 0.71-0.77 of it, 3 rows 0.89-0.95, 4 rows
+// 0.92-1.08, 8 and 16 rows 0.85-1.12: past three rows an int4 group's per-row scaling (convert, scale, FMA per
+// 32 weights) costs what the shared widening saves.
+constexpr int64_t kIntDotRowsInt8 = 16, kIntDotRowsInt4 = 3;
 // While a thread's first row block runs against a band, the band kIntAhead on is prefetched (as vnni_rows).
 constexpr int64_t kIntAhead = 2;
 
@@ -393,7 +398,7 @@ at::Tensor int_dot_rows(const Q& wt, const at::Tensor& x_in, int64_t N) {
   const auto x = x_in.contiguous();
   auto y = at::empty({x.size(0), N}, x.options());
   std::vector<float> buf;
-  const vn_idot::Rows xq(fp32_rows(x, buf), x.size(0), x.size(1));
+  const vn_idot::Rows xq(fp32_rows(x, buf), x.size(0), x.size(1), std::is_same_v<Q, Int4>);
   const auto go = [&](auto* yp) {
     const int64_t bands = N / kBand, n_tail = bands * kBand;
     at::parallel_for(0, bands, 8, [&](int64_t b0, int64_t b1) {
@@ -446,7 +451,7 @@ at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& q, const at::Tenso
     return bf16_rows(wt, x.contiguous(), q.size(0));
 #endif
 #if defined(__AVX2__) && !defined(__AVX512F__)
-  if (x.size(0) <= kIntDotRows) return int_dot_rows(wt, x, q.size(0));
+  if (x.size(0) <= kIntDotRowsInt8) return int_dot_rows(wt, x, q.size(0));
 #endif
   return run(wt, x, q.size(0));
 }
@@ -457,7 +462,7 @@ at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& q, const at::Tenso
   if (x.scalar_type() == at::kBFloat16 && x.size(0) > 4) return bf16_rows(wt, x.contiguous(), q.size(0));
 #endif
 #if defined(__AVX2__) && !defined(__AVX512F__)
-  if (x.size(0) <= kIntDotRows) return int_dot_rows(wt, x, q.size(0));
+  if (x.size(0) <= kIntDotRowsInt4) return int_dot_rows(wt, x, q.size(0));
 #endif
   return run(wt, x, q.size(0));
 }
