@@ -1,15 +1,17 @@
 """int8 / int4 decode linears at 1-16 rows: our kernel vs dequantize + matmul vs F.linear on the
 dequantized weight (what the unquantized model runs), on the bundled model's linear shapes, one run.
 
-For each shape and row count, every variant is timed in turn, --rounds times (so that a shared machine's
-load hits each alike); the table holds medians in microseconds, the ratio of the kernel to the cheapest
+For each shape and row count, every variant is timed in turn, --rounds times, each round starting one variant
+later (so that a shared machine's load, and the caches one variant leaves the next, hit each alike);
+--from-memory reads 256 MB before every call, so each reads its weights from memory as a decode step of a
+model larger than the caches does; the table holds medians in microseconds, the ratio of the kernel to the cheapest
 alternative that keeps the weights quantized (dequantize + matmul, the path above KERNEL_ROWS), and the
 ratio to the unquantized F.linear. The last row sums every linear of one decoder layer x layers + lm_head.
 Where the build has the AVX2 integer-dot path (`VLLM_NEURON_CPU_ISA=avx2`, or an AVX2-only CPU), the kernels'
 earlier path, weights widened to fp32 ("widened"), and the integer-dot path ("int_dot") run beside them, each
 called as the raw op (no Python wrapper, unlike "kernel"), and the table adds int_dot / widened: the A/B.
 
-    python benchmarks/quant_linear_rows.py [--rows 1,4,8,16] [--rounds 30] [--threads N]
+    python benchmarks/quant_linear_rows.py [--rows 1,4,8,16] [--rounds 30] [--threads N] [--from-memory]
 """
 from __future__ import annotations
 
@@ -65,6 +67,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rounds", type=int, default=30)
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--from-memory", action="store_true", help="evict the caches before every call")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     from vllm_neuron.model.layers.kernels.cpu_caps import kernel_variant, quant_kernels_available
@@ -72,8 +75,9 @@ def main(argv: list[str] | None = None) -> None:
     if not quant_kernels_available(torch.device("cpu")):
         raise SystemExit("the int8/int4 kernels are not built here (no AVX2, or VLLM_NEURON_DISABLE_NKI_KERNELS=1)")
     dtype = getattr(torch, args.dtype)
+    flush = torch.ones(64 << 20) if args.from_memory else None
     print(f"kernel build {kernel_variant()[0]}, {args.threads} threads, activations {args.dtype}, median of "
-          f"{args.rounds} in turn (microseconds)")
+          f"{args.rounds} in turn (microseconds)" + (", weights read from memory" if flush is not None else ""))
     names = None
     for rows in [int(r) for r in args.rows.split(",")]:
         calls = {shape: variants(n, k, rows, dtype) for shape, (n, k) in SHAPES.items()}
@@ -82,9 +86,12 @@ def main(argv: list[str] | None = None) -> None:
             for fn in fns.values():
                 fn()  # first call: oneDNN's kernel choice, page faults
         samples = {shape: {name: [] for name in names} for shape in SHAPES}
-        for _ in range(args.rounds):
+        for r in range(args.rounds):
             for shape, fns in calls.items():
-                for name, fn in fns.items():
+                order = list(fns.items())
+                for name, fn in order[r % len(order):] + order[:r % len(order)]:
+                    if flush is not None:
+                        flush.sum()
                     samples[shape][name].append(_time_us(fn))
         med = {shape: {name: statistics.median(v) for name, v in samples[shape].items()} for shape in SHAPES}
         step = {name: sum(med[s][name] * (1 if s == "lm_head" else LAYERS) for s in SHAPES) for name in names}

@@ -17,7 +17,7 @@ from vllm_neuron.model.layers.kernels import cpu_caps as caps
 from vllm_neuron.model.layers.kernels.ops import has_op
 
 BLOCK = 256  # inputs per int16 factor (int_dot_avx2.h's kBlock)
-INT_DOT_ROWS = {"int8": 16, "int4": 3}  # up to these row counts linear_int8 / linear_int4 take it (linear_quant.cpp)
+INT_DOT_ROWS = 16  # up to this many rows linear_int8 / linear_int4 take it (linear_quant.cpp's kIntDotRows)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -119,8 +119,7 @@ def test_linear_takes_the_int_dot_path_to_its_largest_row_count_then_the_widened
     op = torch.ops.vllm_neuron.linear_int8 if scheme == "int8" else torch.ops.vllm_neuron.linear_int4
     q, s, _, _ = weights(scheme, 10, 128, seed=7)
     g = torch.Generator().manual_seed(8)
-    last = INT_DOT_ROWS[scheme]
-    for rows, name in ((1, "int_dot"), (last, "int_dot"), (last + 1, "widened"), (16, "widened" if last < 16 else "int_dot")):
+    for rows, name in ((1, "int_dot"), (5, "int_dot"), (INT_DOT_ROWS, "int_dot"), (INT_DOT_ROWS + 1, "widened")):
         x = torch.randn(rows, 128, generator=g)
         assert torch.equal(op(x, q, s), path(x, q, s, name)), rows
     assert not torch.equal(path(x, q, s, "int_dot"), path(x, q, s, "widened"))  # the two paths are told apart

@@ -80,7 +80,7 @@ def _reference(x, w_deq, bias):
 
 def _int_dot_atol(scheme: str, x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> float:
     """0, or where an AVX2 build's kernel makes these rows int16 (int_dot_avx2.h), the most that rounding may add."""
-    if not (ops.has_op("linear_quant_path") and x.shape[0] <= INT_DOT_ROWS[scheme]):
+    if not (ops.has_op("linear_quant_path") and x.shape[0] <= INT_DOT_ROWS):
         return 0.0
     return int_dot_bound(x, codes(scheme, q, s)).max().item()
 

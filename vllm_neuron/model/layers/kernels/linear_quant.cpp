@@ -357,13 +357,15 @@ at::Tensor run(const Q& wt, const at::Tensor& x_in, int64_t N) {
 
 #if defined(__AVX2__) && !defined(__AVX512F__)
 // AVX2: inputs made int16 and integer dot products against the weights as stored (int_dot_avx2.h, which
-// states the rounding), up to a row count per scheme; above, the widening path (run). Measured against it in
-// one process, alternating (Zen 5 EPYC with the avx2 build forced, 1 thread, bundled model's gate_up and down,
-// microseconds, noisy shared machine): int8 1 row 29 vs 51, 4 rows 123 vs 170, 16 rows 525 vs 677 (0.56-0.91
-// of it at every row count); int4 1 row 47-51 vs 87-91, 2 rows 0.71-0.77 of it, 3 rows 0.89-0.95, 4 rows
-// 0.92-1.08, 8 and 16 rows 0.85-1.12: past three rows an int4 group's per-row scaling (convert, scale, FMA per
-// 32 weights) costs what the shared widening saves.
-constexpr int64_t kIntDotRowsInt8 = 16, kIntDotRowsInt4 = 3;
+// states the rounding), up to kIntDotRows rows; above, the widening path (run). Measured against it on a Zen 5
+// EPYC with the avx2 build forced, 1 thread, alternating in one process (a shared, loaded machine), one decode
+// step's linears of the bundled model with every call's weights read from memory (a 256 MB read before each,
+// as a step streams weights that do not fit the caches), ms: int8 1 row 6.9 vs 7.7, 2: 7.5 vs 8.1, 4: 12.4 vs
+// 16.5, 8: 22.9 vs 35.0, 16: 46.7 vs 62.6; int4 1 row 7.0 vs 9.6, 2: 10.1 vs 12.0, 4: 15.1 vs 16.7, 8: 27.4 vs
+// 31.5, 16: 53.0 vs 60.5. With the weights hot in L2 (one shape called in a loop) int8 still won everywhere
+// (0.56-0.91) and int4 from 1 to 3 rows (0.51-0.95), 4 to 16 rows were level (0.92-1.12): an int4 group's
+// per-row scaling (convert, scale, FMA per 32 weights) then costs what the widening shared by the rows saves.
+constexpr int64_t kIntDotRows = 16;
 // While a thread's first row block runs against a band, the band kIntAhead on is prefetched (as vnni_rows).
 constexpr int64_t kIntAhead = 2;
 
@@ -451,7 +453,7 @@ at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& q, const at::Tenso
     return bf16_rows(wt, x.contiguous(), q.size(0));
 #endif
 #if defined(__AVX2__) && !defined(__AVX512F__)
-  if (x.size(0) <= kIntDotRowsInt8) return int_dot_rows(wt, x, q.size(0));
+  if (x.size(0) <= kIntDotRows) return int_dot_rows(wt, x, q.size(0));
 #endif
   return run(wt, x, q.size(0));
 }
@@ -462,7 +464,7 @@ at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& q, const at::Tenso
   if (x.scalar_type() == at::kBFloat16 && x.size(0) > 4) return bf16_rows(wt, x.contiguous(), q.size(0));
 #endif
 #if defined(__AVX2__) && !defined(__AVX512F__)
-  if (x.size(0) <= kIntDotRowsInt4) return int_dot_rows(wt, x, q.size(0));
+  if (x.size(0) <= kIntDotRows) return int_dot_rows(wt, x, q.size(0));
 #endif
   return run(wt, x, q.size(0));
 }
