@@ -39,24 +39,16 @@
 #include <type_traits>
 #include <vector>
 
+#include "simd.h"
+
 namespace vn_idot {
+
+using vn_simd::Vec;  // the 8-lane one: this header is for AVX2 builds without AVX-512
 
 constexpr int64_t kBlock = 256;  // inputs per int16 factor
 constexpr int64_t kGroup = 32;   // inputs per exact sum (an int4 group)
 
 inline int64_t blocks(int64_t K) { return (K + kBlock - 1) / kBlock; }
-
-inline float hmax(__m256 v) {
-  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
-}
-
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
 
 // Rows x [M, K] fp32 (K a multiple of 16) -> xq [M, K] int16, d [M][blocks(K)] (x ~= xq * d) and sum
 // [M][K / 32] (K a multiple of 64 only: int4), each group's exact fp32 sum of x.
@@ -74,7 +66,7 @@ inline void quantize_rows(const float* x, int64_t M, int64_t K, int16_t* xq, flo
         mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v));
         nan |= _mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
       }
-      const float amax = hmax(mx);
+      const float amax = Vec::reduce_max(mx);
       nan |= !std::isfinite(amax);  // an infinite input: NaN outputs too, as its products with 0 would be
       int e = 0;
       std::frexp(amax, &e);  // amax < 2^e
@@ -95,7 +87,7 @@ inline void quantize_rows(const float* x, int64_t M, int64_t K, int16_t* xq, flo
       for (int64_t g = 0; g < K / kGroup; ++g) {
         __m256 s = _mm256_setzero_ps();
         for (int i = 0; i < kGroup; i += 8) s = _mm256_add_ps(s, _mm256_loadu_ps(xr + g * kGroup + i));
-        sum[m * (K / kGroup) + g] = hsum(s);
+        sum[m * (K / kGroup) + g] = Vec::sum(s);
       }
   }
 }
@@ -132,7 +124,7 @@ inline void row_blocks(int64_t M, F&& f) {
 template <int MB, int NB>
 inline void store_sums(__m256 (&acc)[MB][NB], float* out, const float* mul) {
   for (int i = 0; i < MB; ++i)
-    for (int j = 0; j < NB; ++j) out[i * NB + j] = hsum(acc[i][j]) * (mul ? mul[j] : 1.f);
+    for (int j = 0; j < NB; ++j) out[i * NB + j] = Vec::sum(acc[i][j]) * (mul ? mul[j] : 1.f);
 }
 
 // The NB (1..4) rows of the int8 band at `band` against input rows 0 .. MB - 1 (xq rows of stride K, d of stride
@@ -190,11 +182,13 @@ inline void tile_int4(const uint8_t* band, const float* sm, const int16_t* xq, c
       const uint8_t* p = band + sb * NB * 32;
       const float* s = sm + sb * NB * 4;
       if (pf)
-        for (int l = 0; l < NB * 32; l += 64) _mm_prefetch(reinterpret_cast<const char*>(pf + sb * NB * 32 + l), _MM_HINT_T1);
+        for (int l = 0; l < NB * 32; l += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(pf + sb * NB * 32 + l), _MM_HINT_T1);
       for (int j = 0; j < NB; ++j) {
         __m256i w[4];  // weights 0-15, 16-31 (the first group), 32-47, 48-63 (the second)
         for (int h = 0; h < 2; ++h) {
-          const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 32 * j + 16 * h)));
+          const auto* bytes = reinterpret_cast<const __m128i*>(p + 32 * j + 16 * h);
+          const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128(bytes));
           w[h] = _mm256_and_si256(v, low);
           w[2 + h] = _mm256_srli_epi16(v, 4);
         }

@@ -588,7 +588,9 @@ TORCH_LIBRARY_IMPL(vllm_neuron, CPU, m) {
 }
 
 #if defined(__AVX2__) && !defined(__AVX512F__)
-TORCH_LIBRARY_FRAGMENT(vllm_neuron, m) { m.def("linear_quant_path(Tensor x, Tensor q, Tensor scales, str path) -> Tensor"); }
+TORCH_LIBRARY_FRAGMENT(vllm_neuron, m) {
+  m.def("linear_quant_path(Tensor x, Tensor q, Tensor scales, str path) -> Tensor");
+}
 TORCH_LIBRARY_IMPL(vllm_neuron, CPU, m) { m.impl("linear_quant_path", &linear_quant_path); }
 #endif
 
