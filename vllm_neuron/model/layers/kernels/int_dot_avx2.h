@@ -39,6 +39,8 @@
 #include <type_traits>
 #include <vector>
 
+#include <ATen/Parallel.h>
+
 #include "simd.h"
 
 namespace vn_idot {
@@ -116,6 +118,35 @@ inline void row_blocks(int64_t M, F&& f) {
     case 3: f(std::integral_constant<int, 3>{}, m0); break;
     case 2: f(std::integral_constant<int, 2>{}, m0); break;
     case 1: f(std::integral_constant<int, 1>{}, m0); break;
+    default: break;
+  }
+}
+
+// Every input row against every band of B output rows (the last N % B rows a band of their own), bands in
+// contiguous ranges per thread (one sequential weight stream each), four input rows at a time:
+// tile(mb, nb, m0, n0, out, pf) computes out[MB * NB] (mb, nb: integral constants), pf the first row of the band
+// `ahead` bands on (while the first row block runs, if the thread's range holds it) or -1; put(m, n, v) stores.
+template <int B, typename Tile, typename Put>
+void run_bands(int64_t M, int64_t N, int64_t ahead, const Tile& tile, const Put& put) {
+  const auto band = [&](auto nb, int64_t n0, int64_t nend) {
+    constexpr int NB = decltype(nb)::value;
+    float out[4 * NB];
+    const int64_t pf = n0 + ahead * B;
+    row_blocks(M, [&](auto mb, int64_t m0) {
+      constexpr int MB = decltype(mb)::value;
+      tile(mb, nb, m0, n0, out, m0 == 0 && pf + NB <= nend ? pf : -1);
+      for (int i = 0; i < MB; ++i)
+        for (int j = 0; j < NB; ++j) put(m0 + i, n0 + j, out[NB * i + j]);
+    });
+  };
+  const int64_t bands = N / B, n_tail = bands * B;
+  at::parallel_for(0, bands, 8, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) band(std::integral_constant<int, B>{}, b * B, b1 * B);
+  });
+  switch (N - n_tail) {
+    case 3: band(std::integral_constant<int, 3>{}, n_tail, N); break;
+    case 2: band(std::integral_constant<int, 2>{}, n_tail, N); break;
+    case 1: band(std::integral_constant<int, 1>{}, n_tail, N); break;
     default: break;
   }
 }

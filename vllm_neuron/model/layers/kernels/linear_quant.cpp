@@ -10,6 +10,8 @@
 // dequantized matmul's result). The scale is applied once per output after the dot product. With AVX512-BF16,
 // bf16 inputs of five or more rows take bands widened once to bf16 and VDPBF16PS instead, and with
 // AVX512-VNNI: one to four bf16 rows (to 16 on AMX CPUs) against int8 take integer products (int8_vnni.h; below).
+// AVX2 builds (no AVX-512): one to 16 rows of any input dtype take integer products on inputs made int16
+// (int_dot_avx2.h; int_dot_rows below), int8 and int4 alike.
 //
 // One code path per vector width (simd.h), chosen when the library is built: 16 lanes where the compiler
 // targets AVX-512, 8 lanes on AVX2 + FMA. Elsewhere the ops are not registered and callers dequantize and use
@@ -366,52 +368,26 @@ at::Tensor run(const Q& wt, const at::Tensor& x_in, int64_t N) {
 // (0.56-0.91) and int4 from 1 to 3 rows (0.51-0.95), 4 to 16 rows were level (0.92-1.12): an int4 group's
 // per-row scaling (convert, scale, FMA per 32 weights) then costs what the widening shared by the rows saves.
 constexpr int64_t kIntDotRows = 16;
-// While a thread's first row block runs against a band, the band kIntAhead on is prefetched (as vnni_rows).
-constexpr int64_t kIntAhead = 2;
-
-// The tile of MB input rows from m0 against the NB-row band at n0 (int_dot_avx2.h), the band at pf prefetched.
-template <int MB, int NB>
-inline void int_tile(const Int8& wt, const vn_idot::Rows& x, int64_t m0, int64_t n0, float* out, int64_t pf) {
-  vn_idot::tile_int8<MB, NB>(wt.w + n0 * x.K, wt.scale + n0, x.at(m0), x.d_at(m0), x.K, out,
-                             pf < 0 ? nullptr : wt.w + pf * x.K);
-}
-template <int MB, int NB>
-inline void int_tile(const Int4& wt, const vn_idot::Rows& x, int64_t m0, int64_t n0, float* out, int64_t pf) {
-  vn_idot::tile_int4<MB, NB>(wt.w + n0 * (x.K / 2), wt.sm + n0 * (x.K / 16), x.at(m0), x.d_at(m0), x.sum_at(m0),
-                             x.K, out, pf < 0 ? nullptr : wt.w + pf * (x.K / 2));
-}
-
-// One band of NB rows at n0 against every input row, four at a time, into y (row stride N); while the first
-// row block runs, the band kIntAhead on (if below nend) is prefetched, as vnni_rows does.
-template <int NB, typename Q, typename T>
-void int_band(const Q& wt, const vn_idot::Rows& x, T* y, int64_t N, int64_t n0, int64_t nend) {
-  const int64_t ahead = n0 + kIntAhead * kBand;
-  float out[4 * NB];
-  vn_idot::row_blocks(x.M, [&](auto mb, int64_t m0) {
-    constexpr int MB = decltype(mb)::value;
-    int_tile<MB, NB>(wt, x, m0, n0, out, m0 == 0 && ahead + NB <= nend ? ahead : -1);
-    for (int i = 0; i < MB; ++i)
-      for (int j = 0; j < NB; ++j) put(y + (m0 + i) * N + n0 + j, out[NB * i + j]);
-  });
-}
+constexpr int64_t kIntAhead = 2;  // bands ahead prefetched (as vnni_rows)
 
 template <typename Q>
 at::Tensor int_dot_rows(const Q& wt, const at::Tensor& x_in, int64_t N) {
   const auto x = x_in.contiguous();
+  const int64_t K = x.size(1);
   auto y = at::empty({x.size(0), N}, x.options());
   std::vector<float> buf;
-  const vn_idot::Rows xq(fp32_rows(x, buf), x.size(0), x.size(1), std::is_same_v<Q, Int4>);
+  const vn_idot::Rows xq(fp32_rows(x, buf), x.size(0), K, std::is_same_v<Q, Int4>);
+  const auto tile = [&](auto mb, auto nb, int64_t m0, int64_t n0, float* out, int64_t pf) {
+    constexpr int MB = decltype(mb)::value, NB = decltype(nb)::value;
+    if constexpr (std::is_same_v<Q, Int8>)
+      vn_idot::tile_int8<MB, NB>(wt.w + n0 * K, wt.scale + n0, xq.at(m0), xq.d_at(m0), K, out,
+                                 pf < 0 ? nullptr : wt.w + pf * K);
+    else
+      vn_idot::tile_int4<MB, NB>(wt.w + n0 * (K / 2), wt.sm + n0 * (K / 16), xq.at(m0), xq.d_at(m0), xq.sum_at(m0),
+                                 K, out, pf < 0 ? nullptr : wt.w + pf * (K / 2));
+  };
   const auto go = [&](auto* yp) {
-    const int64_t bands = N / kBand, n_tail = bands * kBand;
-    at::parallel_for(0, bands, 8, [&](int64_t b0, int64_t b1) {
-      for (int64_t b = b0; b < b1; ++b) int_band<kBand>(wt, xq, yp, N, b * kBand, b1 * kBand);
-    });
-    switch (N - n_tail) {
-      case 3: int_band<3>(wt, xq, yp, N, n_tail, N); break;
-      case 2: int_band<2>(wt, xq, yp, N, n_tail, N); break;
-      case 1: int_band<1>(wt, xq, yp, N, n_tail, N); break;
-      default: break;
-    }
+    vn_idot::run_bands<kBand>(xq.M, N, kIntAhead, tile, [&](int64_t m, int64_t n, float v) { put(yp + m * N + n, v); });
   };
   switch (x.scalar_type()) {
     case at::kFloat: go(y.data_ptr<float>()); break;
