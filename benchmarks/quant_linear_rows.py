@@ -1,8 +1,9 @@
 """int8 / int4 decode linears at 1-16 rows: our kernel vs dequantize + matmul vs F.linear on the
 dequantized weight (what the unquantized model runs), on the bundled model's linear shapes, one run.
 
-For each shape and row count, every variant is timed in turn, --rounds times, each round starting one variant
-later (so that a shared machine's load, and the caches one variant leaves the next, hit each alike);
+For each shape and row count, every variant is timed in turn, --rounds times, in a new random order each round
+(a shared machine's load, and what one variant leaves in the caches or the core for the next, hit each alike: in a
+fixed order the variant after the unquantized F.linear ran up to 1.8x slower);
 --from-memory reads 256 MB before every call, so each reads its weights from memory as a decode step of a
 model larger than the caches does; the table holds medians in microseconds, the ratio of the kernel to the cheapest
 alternative that keeps the weights quantized (dequantize + matmul, the path above KERNEL_ROWS), and the
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import statistics
 import time
 
@@ -89,7 +91,8 @@ def main(argv: list[str] | None = None) -> None:
         for r in range(args.rounds):
             for shape, fns in calls.items():
                 order = list(fns.items())
-                for name, fn in order[r % len(order):] + order[:r % len(order)]:
+                random.Random(r).shuffle(order)
+                for name, fn in order:
                     if flush is not None:
                         flush.sum()
                     samples[shape][name].append(_time_us(fn))
