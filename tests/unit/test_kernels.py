@@ -426,15 +426,17 @@ def test_variant_detection():
 @pytest.mark.skipif(bool(os.environ.get("VLLM_NEURON_CPU_ISA")), reason="already the forced run")
 def test_forced_avx2_build_passes_the_same_checks(tmp_path):
     """The AVX2 code paths (what an AVX2-only CPU runs), built here by forcing the class, against torch:
-    attention, the bf16/fp32 linear and the int8/int4 linears at every bucket shape.
+    attention, the bf16/fp32 linear and the int8/int4 linears at every bucket shape (both their paths: the
+    integer dot products of test_int_dot_avx2 and the widening one).
     A process of its own: one process loads one build of the ops."""
     if caps.detect_variant(caps.cpu_flags()) == "generic":
         pytest.skip("this CPU has no AVX2")
     if caps.kernel_variant()[0] == "avx2":  # an AVX2-only CPU: a second build would repeat the same checks
         pytest.skip("this process' own build is avx2: the tests above and test_quant_weights are the AVX2 checks")
-    quant = os.path.join(os.path.dirname(__file__), "test_quant_weights.py")
-    proc = _forced_run("avx2", f"not forced and (not test_quant_weights or dequantized_matmul) and {_FORCED_SKIPS}",
-                       tmp_path, quant)
+    quant, int_dot = (os.path.join(os.path.dirname(__file__), f) for f in ("test_quant_weights.py",
+                                                                            "test_int_dot_avx2.py"))
+    proc = _forced_run("avx2", "not forced and (not test_quant_weights or dequantized_matmul or int16_rounding) and "
+                       f"{_FORCED_SKIPS}", tmp_path, quant, int_dot)
     assert "skipped" not in proc.stdout.strip().splitlines()[-1], proc.stdout[-2000:]  # every linear kernel ran
 
 

@@ -1,0 +1,244 @@
+// int8 and int4 weights against activations made int16, by integer dot products (AVX2 without AVX-512).
+//
+// On AVX2 the widening path (linear_quant.cpp) turns every weight into fp32 and FMAs it: 8 products per
+// instruction plus the widening's conversions, compute-bound well before the weight stream is. Here a weight
+// is only widened to int16 (int8 sign-extended, int4 nibbles masked out of the widened bytes, 16 per
+// instruction) and VPMADDWD multiplies 16 of them by 16 int16 inputs and adds the pairs into 8 int32 lanes;
+// the fp32 work is left to once per int4 group or per block of inputs. This is int8_vnni.h's design with
+// AVX2's 8-lane VPMADDWD in place of VPDPWSSD.
+//
+// Why int16 and not int8 inputs (llama.cpp's Q8 blocks, VPMADDUBSW): int8 inputs were tried first (a step of a
+// 127th of each 32-input block's largest) and changed greedy tokens of the fp32 int8 parity test
+// (tests/parity/test_weight_quant_parity.py, 6th token of the first prompt); int16 inputs carry 2^8 times
+// less rounding, and per row cost about the same here: VPMADDUBSW's 32 products need the sign trick and a
+// VPMADDWD by ones after them (three instructions), VPMADDWD's 16 need one, and an int4 group's fp32 scaling
+// costs the same either way.
+//
+// Numerics. Per input row and block of kBlock inputs one power of two puts the block's largest magnitude just
+// under 2^15 (one power more when it would round to 2^15), so every input is rounded to a step of at most
+// 2^-15 of its block's largest magnitude (error <= half a step). A bf16 input carries 8 significant bits,
+// so bf16 inputs within 2^7 of their block's largest are exact, as in int8_vnni.h (the same blocks and steps:
+// bf16 rows get that header's results on AVX-512-VNNI CPUs and this one's on AVX2 alike). The int32 sums are
+// exact (a lane adds kBlock / 8 products of < 2^7 * 2^15: < 2^27), then scaled into fp32 sums once per block
+// (int8) or per group of 32 (int4, its scale; the block's factor once per block). The int4 minimum's term,
+// min * sum(x), takes each group's exact fp32 sum of x, so only the products with the codes carry the rounding.
+// An output is off from the dequantized matmul by at most sum over inputs of step / 2 * |w| (for int4, |q *
+// scale|), plus the fp32 sums' own rounding. A NaN in a block makes its factor NaN, so its row's outputs are NaN
+// (as the fp32 products would be); so does an infinite input.
+//
+// Layouts are the band order of quant_bands.py, read as stored (no repack):
+//   int8: [K / 16][rows][16] per band: 16 weights of one row per load, 8 int32 lanes per row.
+//   int4: [K / 64][rows][32 bytes] per band (byte j: weight j low nibble, j + 32 high), scales [K / 64][rows]
+//         (scale, min, scale, min): bytes 0-15 widen to weights 0-15 and 32-47, bytes 16-31 to 16-31 and 48-63.
+#pragma once
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+#include <vector>
+
+#include <ATen/Parallel.h>
+
+#include "simd.h"
+
+namespace vn_idot {
+
+using vn_simd::Vec;  // the 8-lane one: this header is for AVX2 builds without AVX-512
+
+constexpr int64_t kBlock = 256;  // inputs per int16 factor
+constexpr int64_t kGroup = 32;   // inputs per exact sum (an int4 group)
+
+inline int64_t blocks(int64_t K) { return (K + kBlock - 1) / kBlock; }
+
+// Rows x [M, K] fp32 (K a multiple of 16) -> xq [M, K] int16, d [M][blocks(K)] (x ~= xq * d) and sum
+// [M][K / 32] (K a multiple of 64 only: int4), each group's exact fp32 sum of x.
+inline void quantize_rows(const float* x, int64_t M, int64_t K, int16_t* xq, float* d, float* sum) {
+  const int64_t nb = blocks(K);
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  for (int64_t m = 0; m < M; ++m) {
+    const float* xr = x + m * K;
+    for (int64_t b = 0; b < nb; ++b) {
+      const int64_t k0 = b * kBlock, k1 = std::min(K, k0 + kBlock);
+      __m256 mx = _mm256_setzero_ps();
+      int nan = 0;
+      for (int64_t k = k0; k < k1; k += 8) {
+        const __m256 v = _mm256_loadu_ps(xr + k);
+        mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v));
+        nan |= _mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+      }
+      const float amax = Vec::reduce_max(mx);
+      nan |= !std::isfinite(amax);  // an infinite input: NaN outputs too, as its products with 0 would be
+      int e = 0;
+      std::frexp(amax, &e);  // amax < 2^e
+      if (amax * std::ldexp(1.f, 15 - e) >= 32767.5f) ++e;  // would round to 2^15
+      // Below 2^-100 (or all zeros) the block adds nothing an fp32 output can hold: zeros, factor 0.
+      const bool zero = e < -100 || !(amax > 0.f);
+      const __m256 up = _mm256_set1_ps(zero || nan ? 0.f : std::ldexp(1.f, 15 - e));
+      d[m * nb + b] = nan ? NAN : zero ? 0.f : std::ldexp(1.f, e - 15);
+      for (int64_t k = k0; k < k1; k += 16) {
+        const __m256i lo = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xr + k), up));
+        const __m256i hi = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xr + k + 8), up));
+        // packs works per 128-bit half: [lo 0-3, hi 0-3 | lo 4-7, hi 4-7], put back in order
+        const __m256i v = _mm256_permute4x64_epi64(_mm256_packs_epi32(lo, hi), 0xD8);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + m * K + k), v);
+      }
+    }
+    if (sum)
+      for (int64_t g = 0; g < K / kGroup; ++g) {
+        __m256 s = _mm256_setzero_ps();
+        for (int i = 0; i < kGroup; i += 8) s = _mm256_add_ps(s, _mm256_loadu_ps(xr + g * kGroup + i));
+        sum[m * (K / kGroup) + g] = Vec::sum(s);
+      }
+  }
+}
+
+// Input rows made int16 (quantize_rows), with each block's factor and each group's exact sum.
+struct Rows {
+  int64_t M, K, nb;
+  std::vector<int16_t> q;
+  std::vector<float> d, sum;
+  // with_sums: the groups' exact sums too (int4's minimums; K a multiple of 64)
+  Rows(const float* x, int64_t M_, int64_t K_, bool with_sums)
+      : M(M_), K(K_), nb(blocks(K_)), q(M_ * K_), d(M_ * nb), sum(with_sums ? M_ * (K_ / kGroup) : 0) {
+    quantize_rows(x, M, K, q.data(), d.data(), with_sums ? sum.data() : nullptr);
+  }
+  const int16_t* at(int64_t m) const { return q.data() + m * K; }
+  const float* d_at(int64_t m) const { return d.data() + m * nb; }
+  const float* sum_at(int64_t m) const { return sum.data() + m * (K / kGroup); }
+};
+
+// f(std::integral_constant<int, MB>, m0) over rows 0 .. M - 1 in blocks of four, then the last 1-3.
+template <typename F>
+inline void row_blocks(int64_t M, F&& f) {
+  int64_t m0 = 0;
+  for (; M - m0 >= 4; m0 += 4) f(std::integral_constant<int, 4>{}, m0);
+  switch (M - m0) {
+    case 3: f(std::integral_constant<int, 3>{}, m0); break;
+    case 2: f(std::integral_constant<int, 2>{}, m0); break;
+    case 1: f(std::integral_constant<int, 1>{}, m0); break;
+    default: break;
+  }
+}
+
+// Every input row against every band of B output rows (the last N % B rows a band of their own), bands in
+// contiguous ranges per thread (one sequential weight stream each), four input rows at a time:
+// tile(mb, nb, m0, n0, out, pf) computes out[MB * NB] (mb, nb: integral constants), pf the first row of the band
+// `ahead` bands on (while the first row block runs, if the thread's range holds it) or -1; put(m, n, v) stores.
+template <int B, typename Tile, typename Put>
+void run_bands(int64_t M, int64_t N, int64_t ahead, const Tile& tile, const Put& put) {
+  const auto band = [&](auto nb, int64_t n0, int64_t nend) {
+    constexpr int NB = decltype(nb)::value;
+    float out[4 * NB];
+    const int64_t pf = n0 + ahead * B;
+    row_blocks(M, [&](auto mb, int64_t m0) {
+      constexpr int MB = decltype(mb)::value;
+      tile(mb, nb, m0, n0, out, m0 == 0 && pf + NB <= nend ? pf : -1);
+      for (int i = 0; i < MB; ++i)
+        for (int j = 0; j < NB; ++j) put(m0 + i, n0 + j, out[NB * i + j]);
+    });
+  };
+  const int64_t bands = N / B, n_tail = bands * B;
+  at::parallel_for(0, bands, 8, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) band(std::integral_constant<int, B>{}, b * B, b1 * B);
+  });
+  switch (N - n_tail) {
+    case 3: band(std::integral_constant<int, 3>{}, n_tail, N); break;
+    case 2: band(std::integral_constant<int, 2>{}, n_tail, N); break;
+    case 1: band(std::integral_constant<int, 1>{}, n_tail, N); break;
+    default: break;
+  }
+}
+
+// out[i * NB + j] = the sum of acc[i][j]'s lanes, times mul[j] if given.
+template <int MB, int NB>
+inline void store_sums(__m256 (&acc)[MB][NB], float* out, const float* mul) {
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NB; ++j) out[i * NB + j] = Vec::sum(acc[i][j]) * (mul ? mul[j] : 1.f);
+}
+
+// The NB (1..4) rows of the int8 band at `band` against input rows 0 .. MB - 1 (xq rows of stride K, d of stride
+// blocks(K)): out[i * NB + j] = row i . band row j, times scale[j]. pf: the band to prefetch meanwhile, or null.
+template <int MB, int NB>
+inline void tile_int8(const int8_t* band, const float* scale, const int16_t* xq, const float* d, int64_t K,
+                      float* out, const int8_t* pf) {
+  const int64_t chunks = K / 16, nb = blocks(K);
+  __m256 acc[MB][NB];
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NB; ++j) acc[i][j] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    __m256i s[MB][NB];
+    for (int i = 0; i < MB; ++i)
+      for (int j = 0; j < NB; ++j) s[i][j] = _mm256_setzero_si256();
+    const int64_t c1 = std::min(chunks, (b + 1) * (kBlock / 16));
+    for (int64_t c = b * (kBlock / 16); c < c1; ++c) {
+      const int8_t* p = band + c * 16 * NB;
+      if (pf) _mm_prefetch(reinterpret_cast<const char*>(pf + c * 16 * NB), _MM_HINT_T1);
+      __m256i w[NB];
+      for (int j = 0; j < NB; ++j)
+        w[j] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * j)));
+      for (int i = 0; i < MB; ++i) {
+        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + i * K + c * 16));
+        for (int j = 0; j < NB; ++j) s[i][j] = _mm256_add_epi32(s[i][j], _mm256_madd_epi16(w[j], xv));
+      }
+    }
+    for (int i = 0; i < MB; ++i) {
+      const __m256 f = _mm256_broadcast_ss(d + i * nb + b);
+      for (int j = 0; j < NB; ++j) acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[i][j]), f, acc[i][j]);
+    }
+  }
+  store_sums(acc, out, scale);
+}
+
+// The NB (1..4) rows of the int4 band at `band` (scales at `sm`) against input rows 0 .. MB - 1 (xsum: the
+// groups' exact sums, stride K / 32): out[i * NB + j] = row i . band row j.
+template <int MB, int NB>
+inline void tile_int4(const uint8_t* band, const float* sm, const int16_t* xq, const float* d, const float* xsum,
+                      int64_t K, float* out, const uint8_t* pf) {
+  const int64_t nb = blocks(K), sbs = kBlock / 64;
+  const __m256i low = _mm256_set1_epi16(15);
+  __m256 acc[MB][NB];
+  float mins[MB][NB];
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NB; ++j) {
+      acc[i][j] = _mm256_setzero_ps();
+      mins[i][j] = 0.f;
+    }
+  for (int64_t b = 0; b < nb; ++b) {
+    float f[MB];
+    for (int i = 0; i < MB; ++i) f[i] = d[i * nb + b];
+    const int64_t sb1 = std::min(K / 64, (b + 1) * sbs);
+    for (int64_t sb = b * sbs; sb < sb1; ++sb) {
+      const uint8_t* p = band + sb * NB * 32;
+      const float* s = sm + sb * NB * 4;
+      if (pf)
+        for (int l = 0; l < NB * 32; l += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(pf + sb * NB * 32 + l), _MM_HINT_T1);
+      for (int j = 0; j < NB; ++j) {
+        __m256i w[4];  // weights 0-15, 16-31 (the first group), 32-47, 48-63 (the second)
+        for (int h = 0; h < 2; ++h) {
+          const auto* bytes = reinterpret_cast<const __m128i*>(p + 32 * j + 16 * h);
+          const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128(bytes));
+          w[h] = _mm256_and_si256(v, low);
+          w[2 + h] = _mm256_srli_epi16(v, 4);
+        }
+        for (int i = 0; i < MB; ++i) {
+          const int16_t* xr = xq + i * K + sb * 64;
+          const auto x = [&](int q) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + 16 * q)); };
+          const __m256i g0 = _mm256_add_epi32(_mm256_madd_epi16(w[0], x(0)), _mm256_madd_epi16(w[1], x(1)));
+          const __m256i g1 = _mm256_add_epi32(_mm256_madd_epi16(w[2], x(2)), _mm256_madd_epi16(w[3], x(3)));
+          acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(g0), _mm256_set1_ps(s[4 * j] * f[i]), acc[i][j]);
+          acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(g1), _mm256_set1_ps(s[4 * j + 2] * f[i]), acc[i][j]);
+          const float* si = xsum + i * (K / kGroup) + 2 * sb;
+          mins[i][j] += s[4 * j + 1] * si[0] + s[4 * j + 3] * si[1];
+        }
+      }
+    }
+  }
+  store_sums(acc, out, nullptr);
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NB; ++j) out[i * NB + j] += mins[i][j];
+}
+
+}  // namespace vn_idot
