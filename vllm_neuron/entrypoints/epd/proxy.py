@@ -17,17 +17,16 @@ item (never a hang). A 4xx from an encoder is the request's fault (bad media) an
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import uuid
 
 import httpx
-from fastapi import FastAPI, Request
+from fastapi import Request
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import Counter, generate_latest
+from prometheus_client import Counter
 
 from vllm_neuron.entrypoints.disagg.pool import InstancePool
-from vllm_neuron.entrypoints.disagg.proxy import DisaggProxy, _Metrics
+from vllm_neuron.entrypoints.disagg.proxy import DisaggProxy, _Metrics, build_app
 from vllm_neuron.entrypoints.openai.chat_template import MEDIA_PARTS
 from vllm_neuron.logger import init_logger
 
@@ -139,37 +138,6 @@ class EPDProxy(DisaggProxy):
         return JSONResponse(up, 200 if up["pd"] else 503)
 
 
-def build_app(proxy: EPDProxy) -> FastAPI:
-    @contextlib.asynccontextmanager
-    async def lifespan(_app: FastAPI):
-        yield
-        await proxy.client.aclose()
-
-    app = FastAPI(title="vllm-neuron epd-proxy", lifespan=lifespan)
-
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await proxy.handle("/v1/completions", request)
-
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request) -> Response:
-        return await proxy.handle("/v1/chat/completions", request)
-
-    @app.get("/v1/models")
-    async def models() -> Response:
-        return await proxy.models()
-
-    @app.get("/health")
-    async def health() -> Response:
-        return await proxy.health()
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(generate_latest(proxy.metrics.registry), media_type="text/plain; version=0.0.4")
-
-    return app
-
-
 def run_epd_proxy(args) -> int:
     import uvicorn
 
@@ -177,5 +145,5 @@ def run_epd_proxy(args) -> int:
                      encode_attempts=args.encode_attempts)
     logger.info("epd-proxy on http://%s:%d: encode %s, prefill+decode %s", args.host, args.port,
                 ", ".join(i.url for i in proxy.encode.instances), ", ".join(i.url for i in proxy.decode.instances))
-    uvicorn.run(build_app(proxy), host=args.host, port=args.port, log_level="info")
+    uvicorn.run(build_app(proxy, "vllm-neuron epd-proxy"), host=args.host, port=args.port, log_level="info")
     return 0
