@@ -48,7 +48,6 @@ class RemoteEmbeddings:
         self.computed_here += len(left)
         return found, left
 
-
     def computed(self, mm_hash: str, embeds, deepstack) -> None:
         """An item this engine's tower encoded: written for others when it produces (ec_producer / ec_both); a
         failed write is logged, the request it was computed for goes on."""
