@@ -490,3 +490,17 @@ def test_package_data_ships_every_kernel_source_and_header():
         patterns = tomllib.load(f)["tool"]["setuptools"]["package-data"]["vllm_neuron.model.layers.kernels"]
     missing = [n for n in build.SOURCES + build.HEADERS if not any(fnmatch.fnmatch(n, p) for p in patterns)]
     assert missing == []
+
+
+def test_the_amx_linear_builds_for_an_amx_cpu_with_its_prefetch_rule(tmp_path):
+    """No AMX CPU runs the suite here, so the AMX kernel is built for one (Sapphire Rapids) and its object
+    read: tile instructions, and both prefetch hints of its rule (the next block into L2 up to 16 rows,
+    the block after next into L1 above). A source that stops building for AMX, or a rule that loses a
+    branch, fails here rather than on the first AMX machine."""
+    obj = str(tmp_path / "linear_amx.o")
+    cmd = build.compile_command("linear_amx.cpp", obj, ("-march=sapphirerapids",))
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    asm = subprocess.run(["objdump", "-d", "--no-show-raw-insn", obj], capture_output=True, text=True).stdout
+    for insn in ("tdpbf16ps", "tileloadd", "prefetcht0", "prefetcht1"):
+        assert insn in asm, insn

@@ -65,12 +65,18 @@ def digest(variant: str) -> str:
     return h.hexdigest()[:16]
 
 
-def _compile(out: Path, variant: str) -> None:
+def compile_command(source: str, obj: str, target: tuple[str, ...]) -> list[str]:
+    """The compiler's command line for one of SOURCES into the object `obj`, for the target flags `target`
+    (a VARIANTS value, or any -march a test wants to check the sources against)."""
     from torch.utils import cpp_extension
 
-    torch_lib = Path(torch.__file__).resolve().parent / "lib"
     includes = [f"-I{p}" for p in cpp_extension.include_paths()] + [f"-I{sysconfig.get_paths()['include']}"]
     abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
+    return [cxx(), *_FLAGS, *target, abi, *includes, "-c", str(_HERE / source), "-o", obj]
+
+
+def _compile(out: Path, variant: str) -> None:
+    torch_lib = Path(torch.__file__).resolve().parent / "lib"
     out.parent.mkdir(parents=True, exist_ok=True)
     logger.info("Building the custom CPU kernels, %s build (once per machine and CPU class): %d sources in "
                 "parallel, about %d s on 2 cores; into %s", variant, len(SOURCES), _EXPECTED_BUILD_SECONDS,
@@ -78,8 +84,7 @@ def _compile(out: Path, variant: str) -> None:
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(dir=out.parent) as work:
         objects = [os.path.join(work, s + ".o") for s in SOURCES]
-        procs = {s: subprocess.Popen([cxx(), *_FLAGS, *VARIANTS[variant], abi, *includes, "-c", str(_HERE / s),
-                                      "-o", o], stderr=subprocess.PIPE, text=True)
+        procs = {s: subprocess.Popen(compile_command(s, o, VARIANTS[variant]), stderr=subprocess.PIPE, text=True)
                  for s, o in zip(SOURCES, objects)}
         pending, done = dict(procs), 0
         while pending:

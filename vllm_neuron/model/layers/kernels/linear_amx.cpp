@@ -4,7 +4,7 @@
 // reading the weights once, and oneDNN, even on weights reordered once (packed_weights.py), read them at about
 // half the bandwidth. Here the weights are packed once at load into the order the tile unit takes them: one
 // 1 KiB B tile per 16 output columns x 32 inputs ([N/16][K/32][16 pairs][16 columns][2]), so each thread
-// streams its columns' tiles front to back while the prefetcher pulls the tiles of the block after next. The
+// streams its columns' tiles front to back while the prefetcher pulls the tiles of a block ahead. The
 // inputs (at most 64 rows: four C tiles of 16 rows) stay in L1/L2 and are loaded as A tiles per step. The
 // products are exact and summed in fp32 (TDPBF16PS); the fp32 sums are rounded to bf16 once.
 // Built only where the compiler targets AMX (the avx512bf16 build on such a CPU).
@@ -24,7 +24,19 @@ namespace {
 
 constexpr int64_t kTileN = 16, kTileK = 32, kTileElems = kTileN * kTileK;  // one B tile, in bf16
 constexpr int64_t kMaxRows = 64;                                             // four C tiles of 16 rows
-constexpr int64_t kAheadBlocks = 2;                                          // column blocks prefetched ahead
+// Up to kL2Rows rows (one C tile) the next column block is prefetched into L2 (PREFETCHT1); above, the block
+// after next into L1. The same rule as linear_dot_tiles.cpp, where it was measured on a Zen 5 EPYC: with few
+// rows a block's tiles are each used once and soon, and L1 fetches two blocks on evicted lines still in use
+// (one step's linears 11.2-11.7 vs 12.8-15.6 ms at 4 rows, 15.7-16.9 vs 17.6-20.1 at 16), while from 32 rows
+// on, where each B tile meets several A tiles, L1 two on stayed ahead. Not yet measured on an AMX Xeon (none
+// was at hand): `make bench-bounds` there, decode_b1 / b4 / b16, is the A/B to run.
+constexpr int64_t kL2Rows = 16;
+
+struct Prefetch {
+  int64_t ahead;  // column blocks
+  bool to_l2;
+};
+constexpr Prefetch prefetch_for(int64_t M) { return M <= kL2Rows ? Prefetch{1, true} : Prefetch{2, false}; }
 
 using amx::TileConfig;
 
@@ -48,7 +60,7 @@ TileConfig config_for(int64_t M) {
 
 // One block of 16 output columns for MT C tiles: the block's K/32 B tiles against the inputs' A tiles;
 // sums left in cbuf [MT * 16][16] fp32.
-template <int MT>
+template <int MT, bool ToL2>
 void column_block(const uint16_t* x, int64_t K, const uint16_t* wb, const uint16_t* pf, float* cbuf) {
   const int64_t xs = K * 2;  // A tile row stride in bytes
   _tile_zero(0);
@@ -59,7 +71,8 @@ void column_block(const uint16_t* x, int64_t K, const uint16_t* wb, const uint16
     const uint16_t* b = wb + (k / kTileK) * kTileElems;
     if (pf != nullptr)
       for (int64_t o = 0; o < kTileElems * 2; o += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(pf + (k / kTileK) * kTileElems) + o, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(pf + (k / kTileK) * kTileElems) + o,
+                     ToL2 ? _MM_HINT_T1 : _MM_HINT_T0);
     _tile_loadd(6, b, 64);
     // C tile c += input rows 16 c.. (A tile a) x the B tile. Full A tiles alternate between 4 and 7 so that a
     // load need not wait for the product before it; the last (maybe partial) is 5. Tile numbers must be
@@ -96,6 +109,7 @@ void column_block(const uint16_t* x, int64_t K, const uint16_t* wb, const uint16
 template <int MT>
 void run(const uint16_t* x, const uint16_t* packed, const uint16_t* bias, uint16_t* y, int64_t M, int64_t K,
          int64_t N) {
+  constexpr Prefetch plan = prefetch_for(16 * MT);  // MT C tiles: up to 16 * MT rows
   const int64_t blocks = N / kTileN, block_elems = (K / kTileK) * kTileElems;
   const TileConfig cfg = config_for(M);
   at::parallel_for(0, blocks, 4, [&](int64_t b0, int64_t b1) {
@@ -103,8 +117,8 @@ void run(const uint16_t* x, const uint16_t* packed, const uint16_t* bias, uint16
     alignas(64) float cbuf[kMaxRows * kTileN];
     __m512 bv = _mm512_setzero_ps();
     for (int64_t b = b0; b < b1; ++b) {
-      const uint16_t* pf = b + kAheadBlocks < b1 ? packed + (b + kAheadBlocks) * block_elems : nullptr;
-      column_block<MT>(x, K, packed + b * block_elems, pf, cbuf);
+      const uint16_t* pf = b + plan.ahead < b1 ? packed + (b + plan.ahead) * block_elems : nullptr;
+      column_block<MT, plan.to_l2>(x, K, packed + b * block_elems, pf, cbuf);
       if (bias != nullptr)
         bv = _mm512_castsi512_ps(_mm512_slli_epi32(
             _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bias + b * kTileN))), 16));
