@@ -6,8 +6,13 @@ machines run THP in `madvise` mode, so torch's allocations get 4 KiB pages; memo
 MADV_HUGEPAGE gets 2 MiB ones. Measured on the Zen 5 EPYC VM (2026-12-04, in-process A/B): one step's linears
 at 16 rows 8.04 instead of 8.80 ms (medians of 10 alternating rounds), at 1 row 7.26 instead of 7.42.
 
-The KV pool stays in 4 KiB pages: its pages are backed on first touch, often inside a prefill step, and a
-2 MiB page per K/V tensor there cost P2's one-at-a-time requests 100-300 ms of TTFT (same day, 60 tensors).
+The KV pool goes to huge pages only with VLLM_NEURON_KV_HUGE_PAGES=1 (`kv_wanted`). Decode attention
+reads every sequence's blocks in turn, and in 4 KiB pages a batch of 16 at a 1,500-token context stepped in
+25.5-26.8 ms against 18.1-19.3 in 2 MiB ones (batch 4: 11.8 vs 9.4-10.3; P1 throughput 614 vs 661-687 tok/s;
+Zen 5 EPYC VM, 2026-12-05). But the pool is backed while serving (worker/kv_prefault.py, whose sweeps know
+the page size), and a fresh huge page is where the kernel compacts memory when it has no free 2 MiB run
+(THP defrag `madvise`): one-at-a-time requests lost 20-30 ms of mean TTFT (P2 78-90 -> 96-113 ms, P3 warm
+67-69 -> 99-102), so it stays off by default.
 Small tensors keep torch's allocator: a huge page would be mostly empty. `VLLM_NEURON_HUGE_PAGES=0` turns
 this off; where the kernel has THP off (`never`) or no MADV_HUGEPAGE, nothing changes.
 """
@@ -47,6 +52,11 @@ def available() -> bool:
 def wanted(nbytes: int, device: torch.device) -> bool:
     """Whether a CPU tensor of nbytes goes to huge pages."""
     return device.type == "cpu" and nbytes >= MIN_BYTES and available()
+
+
+def kv_wanted(nbytes: int, device: torch.device) -> bool:
+    """Whether a CPU KV pool tensor of nbytes goes to huge pages (VLLM_NEURON_KV_HUGE_PAGES)."""
+    return envs.VLLM_NEURON_KV_HUGE_PAGES and wanted(nbytes, device)
 
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

@@ -96,3 +96,22 @@ def test_move_parameters_keeps_values_and_ties(monkeypatch):
     for n, p in model.state_dict().items():
         assert torch.equal(p, before[n]), n
 
+
+
+def test_the_kv_pool_goes_to_huge_pages_only_when_asked(monkeypatch):
+    from vllm_neuron.worker.model_setup import zeros
+    cpu = torch.device("cpu")
+    _force(monkeypatch, True)
+    shape = (4 * 4096, 3, 64)  # 6 MiB of bf16: above MIN_BYTES
+    monkeypatch.setenv("VLLM_NEURON_KV_HUGE_PAGES", "0")
+    assert not huge_pages.kv_wanted(6 << 20, cpu)
+    plain = zeros(shape, torch.bfloat16, cpu)
+    assert "hg" not in _vm_flags(plain.data_ptr())
+    monkeypatch.setenv("VLLM_NEURON_KV_HUGE_PAGES", "1")
+    assert huge_pages.kv_wanted(6 << 20, cpu) and not huge_pages.kv_wanted(1 << 20, cpu)
+    assert not huge_pages.kv_wanted(6 << 20, torch.device("meta"))
+    pool = zeros(shape, torch.bfloat16, cpu)
+    assert pool.shape == shape and pool.data_ptr() % huge_pages.PAGE == 0 and not pool.any()
+    assert "hg" in _vm_flags(pool.data_ptr())
+    _force(monkeypatch, False)  # VLLM_NEURON_HUGE_PAGES=0 or THP off wins
+    assert not huge_pages.kv_wanted(6 << 20, cpu)

@@ -38,7 +38,7 @@ def test_sweeps_follow_the_newest_block_and_keep_contents():
     bs, nb = 16, 64
     pool = _pool(nb, bs)
     per_block = sum(t[:bs].nbytes for t in pool)
-    pf = KVPrefaulter(pool, bs, nb, chunk_bytes=8 * per_block)
+    pf = KVPrefaulter(pool, bs, nb, chunk_bytes=8 * per_block, page_bytes=1)  # a page per block at most
     assert pf.chunk == 8
     pool[0][3 * bs + 1].fill_(1.5)  # data in a block below the first sweep's end survives it
     pf.before_step([[1, 2], [3]])
@@ -76,19 +76,27 @@ def test_a_sweep_maps_the_pages_of_the_swept_blocks_and_no_others():
         m.close()
 
 
-def test_idle_sweeps_go_in_small_pieces_up_to_a_bound_ahead_of_the_newest_block():
+def test_idle_sweeps_go_one_tensor_at_a_time_up_to_a_bound_ahead_of_the_newest_block():
     bs, nb = 4, 200
     pool = _pool(nb, bs)
     per_block = sum(t[:bs].nbytes for t in pool)
+    per_tensor = pool[0][:bs].nbytes
     pf = KVPrefaulter(pool, bs, nb, chunk_bytes=8 * per_block, idle_ahead_bytes=16 * per_block,
-                      idle_piece_bytes=2 * per_block)
+                      idle_piece_bytes=8 * per_tensor, page_bytes=1)
+    touched = []
+    real_touch = pf._touch
+    pf._touch = lambda t, start, end: (touched.append(([x is t for x in pool].index(True), start, end)), real_touch(t, start, end))
     pieces = 0
     while pf.sweep_idle():
         pieces += 1
-        assert pf.frontier == 2 * pieces  # a piece at a time
-    assert pf.frontier == 16  # idle_ahead_bytes past "no block seen yet"
+        # a piece is one tensor's 8 blocks; the frontier moves once all four tensors hold them
+        assert touched[-1] == ((pieces - 1) % 4, 8 * ((pieces - 1) // 4), 8 * ((pieces - 1) // 4) + 8)
+        assert pf.frontier == 8 * (pieces // 4)
+    assert pf.frontier == 16 and pieces == 8  # idle_ahead_bytes past "no block seen yet"
+    pf.sweep_idle()
+    pf.sweep_idle()  # two tensors hold blocks 16-23 when a step needs block 40: every tensor is swept
     pf.before_step([[40]])  # a step past the frontier sweeps at least to its newest block
-    assert pf.frontier == 41
+    assert pf.frontier == 41 and touched[-1][1:] == (16, 41)
     while pf.sweep_idle():
         pass
     assert pf.frontier == 41 + 16
@@ -97,3 +105,25 @@ def test_idle_sweeps_go_in_small_pieces_up_to_a_bound_ahead_of_the_newest_block(
     while pf.sweep_idle():
         pass
     assert pf.frontier == nb and torch.all(pool[1][45 * bs] == 2.0)
+
+
+def test_pages_holding_many_blocks_move_the_frontier_to_a_page_boundary():
+    """With the pool in pages of 8 blocks (2 MiB huge pages hold ~170 of the bundled model's), a sweep
+    that needs block 10 backs the whole page 8-15 anyway: the frontier goes to 16, and a step reaching
+    block 15 sweeps nothing."""
+    bs, nb = 4, 100
+    pool = _pool(nb, bs)
+    per_tensor = pool[0][:bs].nbytes
+    pf = KVPrefaulter(pool, bs, nb, chunk_bytes=1, page_bytes=8 * per_tensor, idle_ahead_bytes=1,
+                      idle_piece_bytes=1)
+    assert pf.page_blocks == 8
+    pf.before_step([[10]])
+    assert pf.frontier == 16
+    pf.before_step([[15]])
+    assert pf.frontier == 16
+    assert pf.sweep_idle() and pf._idle_tensor == 1  # an idle piece rounds up to a page too
+    for _ in range(3):
+        pf.sweep_idle()
+    assert pf.frontier == 24
+    pf.before_step([[97]])
+    assert pf.frontier == nb  # never past the pool

@@ -18,10 +18,16 @@ run, whose mean TTFT was 199-229 ms against 137-143 with 8 MiB, 2026-12-04), and
 (`sweep_idle`, called once the engine has been idle a while, engine/core_proc.py), up to `idle_ahead_bytes`
 (512 MiB) past the newest block seen. Its pieces are small (2 MiB): a request that arrives meanwhile waits for
 the piece under way, and 16 MiB pieces added 50-80 ms to the mean TTFT of one-at-a-time requests (P2), 2 MiB
-ones nothing measurable.
+ones nothing measurable. An idle piece is one tensor's: the pool may lie in 2 MiB pages (huge_pages.py), and
+a piece across every tensor would back a page of each, 60 x 2 MiB for the bundled model, in one go.
+
+Pages are backed whole, so where they hold many blocks (`page_bytes`: 2 MiB huge pages against a ~12 KiB
+block of one tensor) a sweep's end is rounded up to the next page's first block: the blocks up to there are
+backed anyway, and the frontier moving to them saves the next steps from sweeping them again.
 """
 from __future__ import annotations
 
+import mmap
 from collections.abc import Iterable
 
 import torch
@@ -43,19 +49,24 @@ def next_sweep(frontier: int, newest: int, chunk: int, num_blocks: int) -> tuple
 
 class KVPrefaulter:
     """Sweeps the pool's K/V tensors ([num_blocks * block_size + extra slots, heads, head_dim] each) ahead
-    of the blocks the steps use. chunk_bytes is the least a sweep writes over all tensors together."""
+    of the blocks the steps use. chunk_bytes is the least a sweep writes over all tensors together; an idle
+    piece writes idle_piece_bytes of one tensor; page_bytes is the size of the pages the pool lies in."""
 
     def __init__(self, tensors: list[torch.Tensor], block_size: int, num_blocks: int, chunk_bytes: int,
-                 idle_ahead_bytes: int = 512 << 20, idle_piece_bytes: int = 2 << 20) -> None:
+                 idle_ahead_bytes: int = 512 << 20, idle_piece_bytes: int = 2 << 20,
+                 page_bytes: int = mmap.PAGESIZE) -> None:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.tensors = tensors
         self.bytes_per_block = sum(t[:block_size].nbytes for t in tensors)
+        tensor_block = max(1, min(t[:block_size].nbytes for t in tensors))
+        self.page_blocks = max(1, page_bytes // tensor_block)  # blocks one page of a tensor holds
         self.chunk = max(1, chunk_bytes // max(1, self.bytes_per_block))
         self.frontier = 0  # blocks below it have been swept (sweeps are contiguous from block 0)
         self.newest_seen = -1
         self.idle_ahead = max(1, idle_ahead_bytes // max(1, self.bytes_per_block))
-        self.idle_chunk = max(1, idle_piece_bytes // max(1, self.bytes_per_block))
+        self.idle_chunk = max(1, idle_piece_bytes // tensor_block)
+        self._idle_tensor = 0  # tensors below it hold the next idle range already
 
     def before_step(self, block_tables: Iterable[list[int]]) -> None:
         """Backs the pages of every block the step's tables reach (each table's last block is its newest)."""
@@ -65,23 +76,35 @@ class KVPrefaulter:
         self.newest_seen = max(self.newest_seen, newest)
         sweep = next_sweep(self.frontier, newest, self.chunk, self.num_blocks)
         if sweep is not None:
-            self._sweep(*sweep)
+            start, end = sweep
+            for t in self.tensors:
+                self._touch(t, start, self._page_end(end))
+            self._advance(self._page_end(end))
 
     def sweep_idle(self) -> bool:
-        """One small sweep while the engine has nothing to run; False once the frontier is far enough ahead
-        of the newest block seen (or at the pool's end), so the caller may block until work arrives."""
+        """One small sweep, of one tensor, while the engine has nothing to run; False once the frontier is far
+        enough ahead of the newest block seen (or at the pool's end), so the caller may block until work
+        arrives. The frontier moves once every tensor holds the piece's blocks."""
         if self.frontier >= min(self.num_blocks, self.newest_seen + 1 + self.idle_ahead):
             return False
-        self._sweep(self.frontier, min(self.num_blocks, self.frontier + self.idle_chunk))
+        end = self._page_end(self.frontier + self.idle_chunk)
+        self._touch(self.tensors[self._idle_tensor], self.frontier, end)
+        self._idle_tensor += 1
+        if self._idle_tensor == len(self.tensors):
+            self._advance(end)
         return True
 
     @property
     def swept_bytes(self) -> int:
         return self.frontier * self.bytes_per_block
 
-    def _sweep(self, start: int, end: int) -> None:
-        lo, hi = start * self.block_size, end * self.block_size
-        for t in self.tensors:
-            t[lo:hi].view(torch.uint8).bitwise_or_(0)
-        self.frontier = end
+    def _page_end(self, end: int) -> int:
+        """`end` moved up to the first block of a page (or the pool's end)."""
+        return min(self.num_blocks, -(-end // self.page_blocks) * self.page_blocks)
+
+    def _touch(self, t: torch.Tensor, start: int, end: int) -> None:
+        t[start * self.block_size:end * self.block_size].view(torch.uint8).bitwise_or_(0)
+
+    def _advance(self, end: int) -> None:
+        start, self.frontier, self._idle_tensor = self.frontier, end, 0
         logger.debug("KV pool: blocks %d-%d backed (%.0f MiB so far)", start, end - 1, self.swept_bytes / 2**20)

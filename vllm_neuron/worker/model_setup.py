@@ -36,10 +36,13 @@ class LoadStats:
 
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Zeroed KV memory. On CPU it comes from calloc through numpy, so the OS maps zero pages lazily
-    and a multi-GiB cache costs nothing until used (torch.zeros would touch every page at start)."""
+    """Zeroed KV memory. On CPU the OS maps it lazily, so a multi-GiB cache costs nothing until used
+    (torch.zeros would touch every page at start): in 2 MiB pages where VLLM_NEURON_KV_HUGE_PAGES asks for
+    them (huge_pages.kv_wanted), else from calloc through numpy."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
+    if huge_pages.kv_wanted(torch.Size(shape).numel() * torch.finfo(dtype).bits // 8, device):
+        return huge_pages.zeros(shape, dtype)
     bits = torch.finfo(dtype).bits
     raw = np.zeros(shape, dtype={8: np.int8, 16: np.int16, 32: np.int32, 64: np.int64}[bits])
     return torch.from_numpy(raw).view(dtype)

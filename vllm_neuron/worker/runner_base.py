@@ -12,6 +12,7 @@ take are one `KernelConfig`, decided here and handed to the model when it is bui
 from __future__ import annotations
 
 import dataclasses
+import mmap
 import time
 from collections.abc import Callable
 from typing import Any
@@ -20,7 +21,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from vllm_neuron import envs
+from vllm_neuron import envs, huge_pages
 from vllm_neuron.config import buckets as B
 from vllm_neuron.config.engine_config import EngineConfig
 from vllm_neuron.distributed import parallel_state as ps
@@ -246,10 +247,12 @@ class ModelRunnerBase(ProfiledRunner, KVConnectorCalls):
                     (1 if shared else 2) * self.kv_caches[0][0][:self.block_size].nbytes * len(every) / 2**20)
         chunk_mib = envs.VLLM_NEURON_KV_PREFAULT_MB
         if self.device.type == "cpu" and chunk_mib > 0:
-            self.kv_prefaulter = KVPrefaulter([t for p in every for t in p], self.block_size, num_blocks,
-                                              chunk_mib * 2**20)
+            pool = [t for p in every for t in p]
+            huge = huge_pages.kv_wanted(pool[0].nbytes, self.device)  # as model_setup.zeros chose  # model_setup.zeros chose the same way
+            self.kv_prefaulter = KVPrefaulter(pool, self.block_size, num_blocks, chunk_mib * 2**20,
+                                              page_bytes=huge_pages.PAGE if huge else mmap.PAGESIZE)
             logger.info("KV pool: pages backed ahead of the blocks in use, %d MiB at a time "
-                        "(VLLM_NEURON_KV_PREFAULT_MB)", chunk_mib)
+                        "(VLLM_NEURON_KV_PREFAULT_MB), in %s pages", chunk_mib, "2 MiB" if huge else "4 KiB")
         self.compiler.set_num_blocks(num_blocks, self._kv_sizing)
         if self.config.kv_transfer is not None:
             self.open_kv_connector(self.config.kv_transfer, self.model_spec.num_kv_heads)
