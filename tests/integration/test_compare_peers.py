@@ -158,3 +158,17 @@ def test_openvino_peer_export_options(cp, tmp_path):
     assert (group_size(4096), group_size(576), group_size(48)) == (128, 64, 32)
     with pytest.raises(ValueError, match="weight format 'bf16': valid fp16, int8, int4"):
         exported_model({"models_dir": str(tmp_path)}, str(tmp_path), "bf16", str(tmp_path / "log"))
+
+
+def test_the_vllm_avx2_peer_loads_vllms_avx2_library_with_its_own_dtype(cp, tmp_path):
+    """vLLM CPU picks _C_AVX2 only where torch says the CPU has no AVX-512: the peer's sitecustomize says so
+    in every process of that server (checked in a fresh interpreter with the peer's environment)."""
+    opts = cp.parse_options(["--peers", "vllm-avx2", "--model", str(tmp_path)])  # an HF folder: no conversion
+    spec = cp.PEERS["vllm-avx2"].spec({"vllm": "vllm", "models_dir": str(tmp_path)}, opts)
+    assert "--dtype" not in spec.argv and spec.argv[:3] == ["vllm", "serve", str(tmp_path)]
+    assert spec.env["ATEN_CPU_CAPABILITY"] == "avx2" and spec.env["ONEDNN_MAX_CPU_ISA"] == "AVX2"
+    assert "VLLM_NEURON_CPU_ISA" not in spec.env and spec.env["VLLM_CPU_KVCACHE_SPACE"]
+    probe = "import torch; print(torch.cpu._is_avx512_supported(), torch.cpu._is_avx512_bf16_supported())"
+    out = subprocess.run([sys.executable, "-c", probe], env={**os.environ, **spec.env}, capture_output=True,
+                         text=True, check=True).stdout.split()
+    assert out == ["False", "False"]
