@@ -6,7 +6,7 @@ For each shape and row count, every variant is timed in turn, --rounds times, in
 fixed order the variant after the unquantized F.linear ran up to 1.8x slower);
 --from-memory reads 256 MB before every call, so each reads its weights from memory as a decode step of a
 model larger than the caches does; the table holds medians in microseconds, the ratio of the kernel to the cheapest
-alternative that keeps the weights quantized (dequantize + matmul, the path above KERNEL_ROWS), and the
+alternative that keeps the weights quantized (dequantize + matmul, the path above the kernel rows, here the torch one), and the
 ratio to the unquantized F.linear. The last row sums every linear of one decoder layer x layers + lm_head.
 Where the build has the AVX2 integer-dot path (`VLLM_NEURON_CPU_ISA=avx2`, or an AVX2-only CPU), the kernels'
 earlier path, weights widened to fp32 ("widened"), and the integer-dot path ("int_dot") run beside them, each
@@ -49,10 +49,10 @@ def variants(n: int, k: int, rows: int, dtype: torch.dtype) -> dict:
     q4, s4 = quant_int4.quantize(w)
     w_deq = quant_int8.dequantize(q8, s8, dtype)
     out = {
-        "int8 kernel": lambda: quant_int8.linear(x, q8, s8, None, use_kernel=True),
-        "int8 dequant+matmul": lambda: quant_int8.linear(x, q8, s8, None, use_kernel=False),
-        "int4 kernel": lambda: quant_int4.linear(x, q4, s4, None, use_kernel=True),
-        "int4 dequant+matmul": lambda: quant_int4.linear(x, q4, s4, None, use_kernel=False),
+        "int8 kernel": lambda: quant_int8.linear(x, q8, s8, None, kernel_rows=rows),
+        "int8 dequant+matmul": lambda: quant_int8.linear(x, q8, s8, None, kernel_rows=0),
+        "int4 kernel": lambda: quant_int4.linear(x, q4, s4, None, kernel_rows=rows),
+        "int4 dequant+matmul": lambda: quant_int4.linear(x, q4, s4, None, kernel_rows=0),
         "F.linear unquantized": lambda: F.linear(x, w_deq),
     }
     if has_op("linear_quant_path"):

@@ -329,6 +329,16 @@ def test_small_batch_rows_per_cpu_class():
     assert caps.small_batch_rows("generic", torch.float32) == 4  # no linear kernel in that build
 
 
+def test_quant_kernel_rows_reach_64_only_where_bf16_bands_run_on_vdpbf16ps(monkeypatch):
+    bf16_bands = caps.has_op("linear_dot_tiles")  # the avx512bf16 build: int8 / int4 bands dequantized into L1
+    assert caps.quant_kernel_rows(CPU, torch.bfloat16) == (64 if bf16_bands else 16)
+    assert caps.quant_kernel_rows(CPU, torch.float32) == 16
+    monkeypatch.setattr(caps, "quant_kernels_available", lambda device: False)
+    assert caps.quant_kernel_rows(CPU, torch.bfloat16) == 0
+    from vllm_neuron.model.layers.kernel_config import resolve_kernel_config
+    assert resolve_kernel_config(CPU, torch.bfloat16).quant_rows == 0
+
+
 def _silu_reference(h: torch.Tensor) -> torch.Tensor:
     gate, up = h.double().chunk(2, dim=-1)
     return F.silu(gate) * up

@@ -99,14 +99,14 @@ def test_kernel_and_prefill_path_match_the_dequantized_matmul_at_every_bucket(sc
     for rows in DECODE_ROWS + PREFILL_ROWS:
         x = torch.randn(rows, k, generator=g).to(dtype)
         ref = _reference(x, w_deq, bias)
-        out = mod.linear(x, qweight, qscale, bias, use_kernel=True)
+        out = mod.linear(x, qweight, qscale, bias, caps.quant_kernel_rows(CPU, dtype))
         assert out.dtype == dtype and out.shape == (rows, n)
         if dtype == torch.float32:
             torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 + _int_dot_atol(scheme, x, qweight, qscale))
         else:  # the output's bf16 rounding, and oneDNN's bf16 matmul on the prefill path (~3e-3 of the max)
             torch.testing.assert_close(out.float(), ref, rtol=2**-7, atol=5e-3 * ref.abs().max().item())
     # The kernel itself, every row count up to its largest, both N tails.
-    for rows in range(1, mod.KERNEL_ROWS + 1):
+    for rows in range(1, caps.quant_kernel_rows(CPU, dtype) + 1):
         x = torch.randn(rows, k, generator=g).to(dtype)
         kernel = ops.linear_int8 if scheme == "int8" else ops.linear_int4
         ref = _reference(x, w_deq, None)
@@ -175,7 +175,7 @@ def test_torch_path_and_leading_dims(scheme, use_kernel):
     qweight, qscale = mod.quantize(_weight())
     x = torch.randn(2, 3, 128)
     ref = F.linear(x, mod.dequantize(qweight, qscale, torch.float32))
-    out = mod.linear(x, qweight, qscale, None, use_kernel)
+    out = mod.linear(x, qweight, qscale, None, caps.quant_kernel_rows(CPU, x.dtype) if use_kernel else 0)
     assert out.shape == (2, 3, 48)
     extra = _int_dot_atol(scheme, x.reshape(6, 128), qweight, qscale) if use_kernel else 0.0
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 + extra)
@@ -186,10 +186,10 @@ def test_torch_path_and_leading_dims(scheme, use_kernel):
 def test_compiled_equals_eager(scheme, rows):
     mod = SCHEMES[scheme]
     qweight, qscale = mod.quantize(_weight())
-    use_kernel = caps.quant_kernels_available(CPU)
+    kernel_rows = caps.quant_kernel_rows(CPU, torch.bfloat16)
     x = torch.randn(rows, 128).bfloat16()
-    fn = torch.compile(lambda a: mod.linear(a, qweight, qscale, None, use_kernel), fullgraph=True, dynamic=False)
-    torch.testing.assert_close(fn(x), mod.linear(x, qweight, qscale, None, use_kernel))
+    fn = torch.compile(lambda a: mod.linear(a, qweight, qscale, None, kernel_rows), fullgraph=True, dynamic=False)
+    torch.testing.assert_close(fn(x), mod.linear(x, qweight, qscale, None, kernel_rows))
 
 
 @pytest.mark.parametrize("scheme, ratio", [("int8", 0.27), ("int4", 0.19)])

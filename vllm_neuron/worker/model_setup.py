@@ -109,7 +109,7 @@ def build_model(cls: type, ckpt: Checkpoint, config: EngineConfig, spec: ModelSp
         check_weight_quantization(scheme, dtype, device)
         layers, before, after = quantize_linears_(model, scheme, errors if ckpt.is_gguf else None, schemes)
         logger.info("Weight-only %s: %d linear layers, %.1f MiB -> %.1f MiB (%s kernel for decode)", scheme,
-                    layers, before / 2**20, after / 2**20, "custom" if kernels.quant else "no")
+                    layers, before / 2**20, after / 2**20, "custom" if kernels.quant_rows else "no")
     if ckpt.is_gguf:
         gguf_weights.log_gguf_weights(ckpt, dtype, scheme, errors, schemes, spec.quantizations,
                                       packed_mxfp4=quantization == "mxfp4")

@@ -23,7 +23,7 @@ class KernelConfig:
     attention: bool = False  # paged attention by the custom kernel (prefill, decode, verify)
     linear_dtypes: frozenset = frozenset()  # input dtypes the weight-streaming linear takes...
     linear_rows: int = 0  # ...up to this many rows
-    quant: bool = False  # the int8 / int4 few-row kernels
+    quant_rows: int = 0  # the int8 / int4 kernels up to this many rows (0: none; cpu_caps.quant_kernel_rows)
     prepacked: bool = False  # bf16 rows above `linear_rows` take weights packed once at load (packed_weights.py)
     tile_rows: int = 0  # ...through the C++ tile-copy lookup up to this many rows (0: the Python lookup only)
     sampler: bool = False  # the grammar mask and greedy argmax kernels on CPU logits
@@ -45,7 +45,7 @@ def resolve_kernel_config(device: torch.device, dtype: torch.dtype) -> KernelCon
     tile = cpu_caps.tile_kernel() if prepacked else None
     tile_rows = tile[1] if tile is not None and has_op("linear_tiles") else 0
     return KernelConfig(attention=True, linear_dtypes=cpu_caps.linear_kernel_dtypes(device), linear_rows=rows,
-                        quant=cpu_caps.quant_kernels_available(device),
+                        quant_rows=cpu_caps.quant_kernel_rows(device, dtype),
                         prepacked=prepacked, tile_rows=tile_rows, sampler=True, activation=True,
                         lora=has_op("lora_delta"))
 

@@ -63,7 +63,7 @@ class Linear(nn.Linear):
         if self.quantization == "fp8":
             return quant_fp8.linear(x, self.weight, self.weight_scale, self.bias)
         if self.quantization is not None:
-            return _scheme(self.quantization).linear(x, self.qweight, self.qscale, self.bias, k.quant)
+            return _scheme(self.quantization).linear(x, self.qweight, self.qscale, self.bias, k.quant_rows)
         if (x.dtype in k.linear_dtypes and x.dim() == 2 and x.shape[0] <= k.linear_rows and self.bias is None
                 and self.weight.dtype == x.dtype and self.in_features % 32 == 0):
             return linear_small_batch(x, self.weight)

@@ -2,8 +2,9 @@
 an fp32 scale and minimum per group (w = q * scale + min, q in 0..15).
 
 A batch-1 decode step streams every weight once, so its time follows the weight bytes: 0.75 bytes per
-weight here against bf16's 2. Up to KERNEL_ROWS rows the project's kernel (kernels/linear_quant.cpp)
-dequantizes in registers and reads each weight byte once; above, a prefill-sized input dequantizes the
+weight here against bf16's 2. Up to `kernel_rows` rows (cpu_caps.quant_kernel_rows) the project's kernel
+(kernels/linear_quant.cpp) dequantizes in registers, or per band into L1, and reads each weight byte once;
+above, a prefill-sized input dequantizes the
 weight to the activation dtype inside the graph (one pass in the kernel library where it is built) and
 takes the ordinary (compute-efficient) matmul.
 
@@ -21,7 +22,6 @@ from vllm_neuron.model.layers.quant_bands import from_bands, to_bands
 
 GROUP_SIZE = 32
 SUPERBLOCK = 2 * GROUP_SIZE
-KERNEL_ROWS = 16  # the kernel up to this many rows, dequantize + matmul above
 
 
 def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,13 +50,15 @@ def dequantize(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
-           use_kernel: bool) -> torch.Tensor:
+           kernel_rows: int) -> torch.Tensor:
+    """x @ W^T (+ bias): the kernel up to `kernel_rows` rows, its one-pass dequantization + matmul above; torch
+    alone where kernel_rows is 0 (no kernel build)."""
     rows = x.reshape(-1, x.shape[-1])
-    if use_kernel and rows.shape[0] <= KERNEL_ROWS:
+    if rows.shape[0] <= kernel_rows:
         y = ops.linear_int4(rows, packed, scales)
         if bias is not None:
             y = y + bias
-    elif use_kernel:
+    elif kernel_rows:
         y = torch.nn.functional.linear(rows, ops.unpack_int4(packed, scales, x.dtype), bias)
     else:
         y = torch.nn.functional.linear(rows, dequantize(packed, scales, x.dtype), bias)

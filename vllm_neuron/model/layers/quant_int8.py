@@ -1,8 +1,8 @@
 """Weight-only int8 for CPU (`neuron_config.quantization: "int8"`): symmetric, one fp32 scale per output
 channel (w = q * scale[n], q in -127..127).
 
-Half of bf16's bytes per weight. Up to KERNEL_ROWS rows the project's kernel (kernels/linear_quant.cpp)
-widens the weights in registers and reads each byte once, in the band order it streams fastest
+Half of bf16's bytes per weight. Up to `kernel_rows` rows (cpu_caps.quant_kernel_rows) the project's kernel
+(kernels/linear_quant.cpp) widens the weights in registers and reads each byte once, in the band order it streams fastest
 (quant_bands.py, chunks of CHUNK weights); prefill-sized inputs multiply by the int8 weight put back in
 row order and converted to the activation dtype (exact; one pass in the kernel library where it is built)
 and scale the output columns, one ordinary matmul.
@@ -14,7 +14,6 @@ import torch
 from vllm_neuron.model.layers.kernels import ops
 from vllm_neuron.model.layers.quant_bands import from_bands, to_bands
 
-KERNEL_ROWS = 16
 CHUNK = 16  # weights of one row per step of the kernel
 
 
@@ -41,11 +40,13 @@ def scaled_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torc
 
 
 def linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
-           use_kernel: bool) -> torch.Tensor:
+           kernel_rows: int) -> torch.Tensor:
+    """x @ W^T (+ bias): the kernel up to `kernel_rows` rows, its one-pass unpacking + matmul above; torch
+    alone where kernel_rows is 0 (no kernel build)."""
     rows = x.reshape(-1, x.shape[-1])
-    if use_kernel and rows.shape[0] <= KERNEL_ROWS:
+    if rows.shape[0] <= kernel_rows:
         y = ops.linear_int8(rows, q, scale)
-    elif use_kernel:
+    elif kernel_rows:
         y = scaled_linear(rows, ops.unpack_int8(q, x.dtype), scale)
     else:
         y = scaled_linear(rows, from_bands(q, CHUNK), scale)

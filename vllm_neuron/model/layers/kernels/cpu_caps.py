@@ -107,6 +107,17 @@ def quant_kernels_available(device: torch.device) -> bool:
     return kernels_enabled(device) and has_op("linear_int8") and has_op("linear_int4")
 
 
+def quant_kernel_rows(device: torch.device, dtype: torch.dtype) -> int:
+    """The most input rows the int8 / int4 kernels take for `dtype` inputs here (0: not built). bf16 rows on
+    AVX512-BF16 builds dequantize each band once into L1 and run VDPBF16PS, which beats dequantizing the whole
+    weight for oneDNN up to 64 rows (Zen 5 EPYC, `benchmarks/step_bounds.py --quantization int4 / int8`, one
+    run each: prefill_s32 27.5 -> 17.1 ms and 34.2 -> 18.3, prefill_s64 36.1 -> 28.6 and 51.0 -> 31.0); the
+    other paths re-widen the weights per block of four rows, so they stop at 16."""
+    if not quant_kernels_available(device):
+        return 0
+    return 64 if dtype == torch.bfloat16 and has_op("linear_dot_tiles") else 16
+
+
 _ROWS_PATHS = ("fp32 vectors", "bf16 dot products", "AMX tiles")
 
 
