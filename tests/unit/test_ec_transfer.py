@@ -94,6 +94,29 @@ def test_shared_storage_round_trip_and_a_file_under_another_key_is_a_miss(tmp_pa
     assert other.load("h3") is None and not other.has("h3")
 
 
+def test_shared_folder_keeps_at_most_hold_bytes_oldest_out_first(tmp_path):
+    def config(hold):
+        return parse_ec_transfer_config({"ec_connector": "ECSharedStorageConnector", "ec_role": "ec_producer",
+                                         "ec_connector_extra_config": {"shared_storage_path": str(tmp_path),
+                                                                       "hold_bytes": hold}})
+    e, d = _tensors()
+    size = ECSharedStorageConnector(config(1 << 30), "m").save("probe", e, d)
+    os.unlink(os.path.join(tmp_path, os.listdir(tmp_path)[0]))
+    a = ECSharedStorageConnector(config(3 * size), "m")
+    b = ECSharedStorageConnector(config(3 * size), "m")  # a second encoder on the same folder
+    for i, c in enumerate([a, b, a, b, a]):
+        c.save(f"h{i}", e, d)
+        os.utime(c.path(f"h{i}"), ns=(i * 10**9, i * 10**9))  # mtimes one second apart, in write order
+    assert [a.has(f"h{i}") for i in range(5)] == [False, False, True, True, True]
+    assert sum(os.path.getsize(os.path.join(tmp_path, f)) for f in os.listdir(tmp_path)) <= 3 * size
+    assert torch.equal(b.load("h4")[0], e)
+    tiny = ECSharedStorageConnector(config(1), "m")  # a cap below one record keeps the newest only
+    tiny.save("h5", e, d)
+    assert os.listdir(tmp_path) == [os.path.basename(tiny.path("h5"))]
+    with pytest.raises(ValueError, match="hold_bytes"):
+        config(0)
+
+
 def test_missing_or_unwritable_folder_is_a_start_up_error(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="is not an existing folder"):
         ECSharedStorageConnector(_shared(tmp_path / "nope"), "m")

@@ -11,7 +11,9 @@ encoder instance; `ec_consumer`: reads them, a prefill+decode instance; `ec_both
   be able to write there, a consumer to read);
 * `ec_ip` / `ec_port` (ECTcpConnector producer): where it serves (default 127.0.0.1:14590);
   `producers` (ECTcpConnector consumer): the "host:port" of every encoder instance, asked in turn;
-  `hold_bytes` (producer): memory for embeddings not yet read, oldest out first (default 1 GiB);
+  `hold_bytes` (producer, both connectors): what it keeps for consumers, oldest out first (default 1 GiB):
+  ECTcpConnector's memory; ECSharedStorageConnector's folder, pruned after each write (every producer
+  sharing a folder prunes it as a whole, so it stays within the smallest cap);
 * `fetch_timeout_s`: how long a consumer waits for one item (default 10).
 """
 from __future__ import annotations
@@ -28,7 +30,7 @@ ROLES = ("ec_producer", "ec_consumer", "ec_both")
 DEFAULT_EC_PORT = 14590
 _EXTRA = {"shared_storage_path": None, "ec_ip": "127.0.0.1", "ec_port": DEFAULT_EC_PORT, "producers": [],
           "hold_bytes": 2**30, "fetch_timeout_s": 10.0}
-_OWN = {"ECSharedStorageConnector": {"shared_storage_path"},
+_OWN = {"ECSharedStorageConnector": {"shared_storage_path", "hold_bytes"},
         "ECTcpConnector": {"ec_ip", "ec_port", "producers", "hold_bytes"}}
 
 

@@ -3,7 +3,9 @@ record proves what it holds).
 
 * `ECSharedStorageConnector`: one file per item, `<folder>/<key>.ec`, written to a temporary name and renamed
   (a reader never sees half a file); a write that fails (a full disk) removes its temporary file and raises
-  `ECTransferError`, which fails that encode request only.
+  `ECTransferError`, which fails that encode request only. After each write the producer removes the folder's
+  oldest records (by modification time) beyond `hold_bytes`: a consumer reads an item within moments of its
+  encode job, and without a cap the folder grew until the disk was full.
 * `ECTcpConnector`: the producer keeps its records in memory (up to `hold_bytes`, oldest out first) and answers
   `has` / `get` on the KV connector's pyzmq transport (tcp.py's FrameServer / BlockClient, JSON headers, the
   record as one frame); the consumer asks each of its `producers` in turn.
@@ -73,7 +75,34 @@ class ECSharedStorageConnector(ECConnector):
             raise ECTransferError(f"cannot write the embeddings of media {mm_hash[:16]} to {self.folder} "
                                   f"({e.strerror or e})") from None
         self.bytes_written += len(data)
+        self.prune(keep=self.path(mm_hash))
         return len(data)
+
+    def prune(self, keep: str = "") -> int:
+        """Removes the oldest records until the folder's records total at most hold_bytes (never `keep`,
+        the record just written); returns how many went. Another producer pruning the same folder at the
+        same time may have removed a file first: that is no error."""
+        records = []
+        with os.scandir(self.folder) as entries:
+            for e in entries:
+                if e.name.endswith(".ec") and e.path != keep:
+                    try:
+                        st = e.stat()
+                    except FileNotFoundError:
+                        continue
+                    records.append((st.st_mtime_ns, st.st_size, e.path))
+        total = sum(size for _, size, _ in records) + (os.path.getsize(keep) if keep else 0)
+        removed = 0
+        for _, size, path in sorted(records):
+            if total <= self.config.hold_bytes:
+                break
+            try:
+                os.unlink(path)
+                removed += 1
+            except FileNotFoundError:
+                pass
+            total -= size
+        return removed
 
     def has(self, mm_hash: str) -> bool:
         return os.path.exists(self.path(mm_hash))
