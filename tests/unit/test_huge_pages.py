@@ -105,12 +105,16 @@ def test_the_kv_pool_goes_to_huge_pages_only_when_asked(monkeypatch):
     shape = (4 * 4096, 3, 64)  # 6 MiB of bf16: above MIN_BYTES
     monkeypatch.setenv("VLLM_NEURON_KV_HUGE_PAGES", "0")
     assert not huge_pages.kv_wanted(6 << 20, cpu)
+    made = []
+    real = huge_pages.zeros
+    monkeypatch.setattr(huge_pages, "zeros", lambda *a: made.append(a) or real(*a))
     plain = zeros(shape, torch.bfloat16, cpu)
-    assert "hg" not in _vm_flags(plain.data_ptr())
+    assert made == [] and plain.shape == shape and not plain.any()  # numpy's calloc, not a huge-page mapping
     monkeypatch.setenv("VLLM_NEURON_KV_HUGE_PAGES", "1")
     assert huge_pages.kv_wanted(6 << 20, cpu) and not huge_pages.kv_wanted(1 << 20, cpu)
     assert not huge_pages.kv_wanted(6 << 20, torch.device("meta"))
     pool = zeros(shape, torch.bfloat16, cpu)
+    assert made == [(shape, torch.bfloat16)]
     assert pool.shape == shape and pool.data_ptr() % huge_pages.PAGE == 0 and not pool.any()
     assert "hg" in _vm_flags(pool.data_ptr())
     _force(monkeypatch, False)  # VLLM_NEURON_HUGE_PAGES=0 or THP off wins
