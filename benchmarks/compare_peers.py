@@ -117,7 +117,8 @@ def _ours_spec(info: dict, opts: Options) -> ServerSpec:
 
 # The AVX2 class on a newer CPU: our kernels' avx2 build, and torch's own kernels (ATen's vectorized ops,
 # oneDNN's matmuls) held to AVX2 too, so the whole process runs what an AVX2-only CPU would.
-AVX2_ENV = {"VLLM_NEURON_CPU_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+TORCH_AVX2_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+AVX2_ENV = {"VLLM_NEURON_CPU_ISA": "avx2", **TORCH_AVX2_ENV}
 
 
 def _ours_avx2_spec(info: dict, opts: Options) -> ServerSpec:
@@ -125,13 +126,14 @@ def _ours_avx2_spec(info: dict, opts: Options) -> ServerSpec:
     return ServerSpec(spec.argv, env={**spec.env, **AVX2_ENV})
 
 
-def _vllm_spec(info: dict, opts: Options) -> ServerSpec:
+def _vllm_spec(info: dict, opts: Options, dtype: str | None = "bfloat16") -> ServerSpec:
+    """vLLM CPU's server; `dtype` None leaves the choice to vLLM."""
     cpus = _cpu_list()
     contiguous = cpus == list(range(cpus[0], cpus[-1] + 1))
     bind = f"{cpus[0]}-{cpus[-1]}" if contiguous else ",".join(map(str, cpus))
     model_dir = hf_model_dir(opts.model, info["models_dir"])
     return ServerSpec([info["vllm"], "serve", model_dir, "--host", "127.0.0.1",
-                       "--port", "{port}", "--dtype", "bfloat16",
+                       "--port", "{port}", *(["--dtype", dtype] if dtype else []),
                        "--served-model-name", _served_name(opts.model)],
                       env={"VLLM_CPU_OMP_THREADS_BIND": bind, "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
                            # A fixed KV space: by default vLLM CPU wants 92% of the NUMA node's
@@ -142,11 +144,9 @@ def _vllm_spec(info: dict, opts: Options) -> ServerSpec:
 def _vllm_avx2_spec(info: dict, opts: Options) -> ServerSpec:
     """vLLM CPU as an AVX2-only CPU runs it: its AVX2 kernel library (peers/avx2_site says how), torch's
     kernels held to AVX2, and the dtype vLLM picks itself (no --dtype bfloat16: such CPUs lack AVX512-BF16)."""
-    spec = _vllm_spec(info, opts)
-    argv = [a for i, a in enumerate(spec.argv) if a != "--dtype" and spec.argv[i - 1] != "--dtype"]
+    spec = _vllm_spec(info, opts, dtype=None)
     site = os.path.join(os.path.dirname(os.path.abspath(__file__)), "peers", "avx2_site")
-    env = {k: v for k, v in AVX2_ENV.items() if not k.startswith("VLLM_NEURON")}
-    return ServerSpec(argv, env={**spec.env, **env, "PYTHONPATH": site})
+    return ServerSpec(spec.argv, env={**spec.env, **TORCH_AVX2_ENV, "PYTHONPATH": site})
 
 
 def _llama_spec(info: dict, opts: Options) -> ServerSpec:

@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import tempfile
 import time
 
 import torch
 
-from tp_step_cost import _model_dir  # the SmolLM2-shaped model (run as a script from benchmarks/)
+from tp_step_cost import scratch_model  # the SmolLM2-shaped model (run as a script from benchmarks/)
 
 
 def _ms(llm, prompts: list[list[int]], max_tokens: int, reps: int) -> float:
@@ -46,9 +45,7 @@ def main() -> None:
     from vllm_neuron import LLM
 
     cores = len(os.sched_getaffinity(0))
-    work = tempfile.mkdtemp(prefix="pp_step_times_")
-    model = _model_dir(os.path.join(work, "model"))
-    os.environ.setdefault("NEURON_COMPILED_ARTIFACTS", os.path.join(work, "cache"))
+    model = scratch_model("pp_step_times_")
     gen = torch.Generator().manual_seed(1)
     long_prompt = [torch.randint(100, 40000, (a.prompt_len,), generator=gen).tolist()]
     batch = [torch.randint(100, 40000, (16,), generator=gen).tolist() for _ in range(a.batch)]

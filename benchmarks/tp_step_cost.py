@@ -22,6 +22,14 @@ import time
 import torch
 
 
+def scratch_model(prefix: str) -> str:
+    """The SmolLM2-shaped model (_model_dir) in a fresh scratch folder, whose compile cache this process then
+    uses unless NEURON_COMPILED_ARTIFACTS says otherwise; returns the model's folder."""
+    work = tempfile.mkdtemp(prefix=prefix)
+    os.environ.setdefault("NEURON_COMPILED_ARTIFACTS", os.path.join(work, "cache"))
+    return _model_dir(os.path.join(work, "model"))
+
+
 def _model_dir(path: str) -> str:
     import sys
     from pathlib import Path
@@ -95,9 +103,7 @@ def main() -> None:
     from vllm_neuron import LLM
 
     cores = len(os.sched_getaffinity(0))
-    work = tempfile.mkdtemp(prefix="tp_step_cost_")
-    model = _model_dir(os.path.join(work, "model"))
-    os.environ.setdefault("NEURON_COMPILED_ARTIFACTS", os.path.join(work, "cache"))
+    model = scratch_model("tp_step_cost_")
     clock = None if a.compiled else _CollectiveClock()
     rows = []
     # TP=1 on every core and on one (a loaded machine punishes multi-threaded steps), TP=2 split by the executor.

@@ -169,6 +169,27 @@ def serving(model: str, args: list[str], tmp_dir: str, timeout: float = 120.0, *
         srv.kill()
 
 
+@contextmanager
+def two_loopback_nodes(model: str, args: list[str], tmp_path, **env: str) -> Iterator[tuple[ServerProcess, subprocess.Popen]]:
+    """`serve` over two "nodes" on loopback: (the head, node 0 with the API server, started; node 1, a
+    `--headless` process tree logging to tmp_path / "node1.log"), both killed afterwards. The caller waits
+    for the head to be healthy."""
+    nodes = ["--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port())]
+    head = ServerProcess(model, args + nodes + ["--node-rank", "0"], str(tmp_path), **env)
+    follower_log = open(tmp_path / "node1.log", "w")
+    follower = subprocess.Popen(cli() + ["serve", model, *args, *nodes, "--node-rank", "1", "--headless"],
+                                env=child_env(str(tmp_path), **env), stdout=follower_log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    try:
+        yield head, follower
+    finally:
+        head.kill()
+        if follower.poll() is None:
+            os.killpg(follower.pid, signal.SIGKILL)
+            follower.wait(10)
+        follower_log.close()
+
+
 def rank_children(pid: int) -> list[int]:
     """The tensor-parallel rank processes `pid` started."""
     out = []

@@ -4,13 +4,11 @@ equal to one process's, and stage 1 killed mid-request fails the request with an
 unhealthy (code 1, "The engine process died"), each in bounded time."""
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
 
 import pytest
 
-from tests.integration.server_utils import ServerProcess, child_env, cli, free_port, rank_children
+from tests.integration.server_utils import rank_children, two_loopback_nodes
 from tests.integration.test_tensor_parallel_server import PROMPT, _complete, _fail_rank_mid_request
 from tests.model_factory import tiny_llm
 from vllm_neuron import SamplingParams
@@ -28,25 +26,12 @@ def test_two_stage_server_on_two_nodes_and_a_dead_stage_fails_fast(tiny_llama_di
         expected = llm.generate(PROMPT["prompt"], params, use_tqdm=False)[0].outputs[0].text
     finally:
         llm.llm_engine.shutdown()
-    env = {"VLLM_NEURON_DIST_TIMEOUT_S": "10"}
-    nodes = ["--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port())]
-    head = ServerProcess(tiny_llama_dir, COMMON + nodes + ["--node-rank", "0"], str(tmp_path), **env)
-    follower_log = open(tmp_path / "node1.log", "w")
-    follower = subprocess.Popen(cli() + ["serve", tiny_llama_dir, *COMMON, *nodes, "--node-rank", "1", "--headless"],
-                                env=child_env(str(tmp_path), **env), stdout=follower_log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-    try:
+    with two_loopback_nodes(tiny_llama_dir, COMMON, tmp_path, VLLM_NEURON_DIST_TIMEOUT_S="10") as (head, follower):
         head.wait_healthy(300)
         assert _complete(head) == expected, "two stages and one gave different greedy text"
         (stage1,) = rank_children(follower.pid)
         # Stage 1 lives in the other process tree: the head learns of its death through the broken pipe only.
         _fail_rank_mid_request(head, stage1, signal.SIGKILL)
-    finally:
-        head.kill()
-        if follower.poll() is None:
-            os.killpg(follower.pid, signal.SIGKILL)
-            follower.wait(10)
-        follower_log.close()
     log = head.log()
     assert "2 pipeline stage(s) of 1" in log, log[-3000:]
     node1 = (tmp_path / "node1.log").read_text(errors="replace")

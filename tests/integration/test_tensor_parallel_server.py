@@ -9,13 +9,12 @@ import pytest
 
 import os
 import signal
-import subprocess
 import threading
 import time
 
 import httpx
 
-from tests.integration.server_utils import ServerProcess, child_env, cli, free_port, rank_children
+from tests.integration.server_utils import ServerProcess, rank_children, two_loopback_nodes
 
 pytestmark = pytest.mark.engine
 
@@ -82,14 +81,7 @@ def test_single_and_multi_node_same_tokens_and_a_dead_rank_fails_fast(tiny_llama
     finally:
         single.kill()
 
-    port = free_port()
-    nodes = ["--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(port)]
-    head = ServerProcess(tiny_llama_dir, COMMON + nodes + ["--node-rank", "0"], str(tmp_path), **env)
-    follower_log = open(tmp_path / "node1.log", "w")
-    follower = subprocess.Popen(cli() + ["serve", tiny_llama_dir, *COMMON, *nodes, "--node-rank", "1", "--headless"],
-                                env=child_env(str(tmp_path), **env), stdout=follower_log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-    try:
+    with two_loopback_nodes(tiny_llama_dir, COMMON, tmp_path, **env) as (head, follower):
         head.wait_healthy(300)
         assert _complete(head) == expected, "two nodes and one node gave different greedy text"
         (remote_rank,) = rank_children(follower.pid)
@@ -97,11 +89,5 @@ def test_single_and_multi_node_same_tokens_and_a_dead_rank_fails_fast(tiny_llama
         # timeout only (VLLM_NEURON_DIST_TIMEOUT_S).
         _fail_rank_mid_request(head, remote_rank, signal.SIGSTOP)
         assert "timed out" in head.log().lower(), head.log()[-3000:]
-    finally:
-        head.kill()
-        if follower.poll() is None:
-            os.killpg(follower.pid, signal.SIGKILL)
-            follower.wait(10)
-        follower_log.close()
     node1 = (tmp_path / "node1.log").read_text(errors="replace")
     assert "Headless node 1: tensor parallel ranks 1..1" in node1, node1[-2000:]

@@ -59,7 +59,8 @@ class KVPrefaulter:
         self.num_blocks = num_blocks
         self.tensors = tensors
         self.bytes_per_block = sum(t[:block_size].nbytes for t in tensors)
-        tensor_block = max(1, min(t[:block_size].nbytes for t in tensors))
+        # The biggest tensors set the page's blocks: a smaller one (a draft model's) may lie in 4 KiB pages.
+        tensor_block = max(1, max(t[:block_size].nbytes for t in tensors))
         self.page_blocks = max(1, page_bytes // tensor_block)  # blocks one page of a tensor holds
         self.chunk = max(1, chunk_bytes // max(1, self.bytes_per_block))
         self.frontier = 0  # blocks below it have been swept (sweeps are contiguous from block 0)
@@ -76,10 +77,10 @@ class KVPrefaulter:
         self.newest_seen = max(self.newest_seen, newest)
         sweep = next_sweep(self.frontier, newest, self.chunk, self.num_blocks)
         if sweep is not None:
-            start, end = sweep
+            start, end = sweep[0], self._page_end(sweep[1])
             for t in self.tensors:
-                self._touch(t, start, self._page_end(end))
-            self._advance(self._page_end(end))
+                self._touch(t, start, end)
+            self._advance(end)
 
     def sweep_idle(self) -> bool:
         """One small sweep, of one tensor, while the engine has nothing to run; False once the frontier is far
