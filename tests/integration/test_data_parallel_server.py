@@ -22,15 +22,16 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 from prometheus_client import CollectorRegistry, generate_latest, multiprocess
 
+from tests.engine_gate import GATE_ENV, gate_paced
 from tests.integration.server_utils import ServerProcess, free_port, wait_for
 from vllm_neuron import LLM, SamplingParams
 
 pytestmark = pytest.mark.engine
 
-# Long enough a context that a stream is still running when the test has seen one on each replica (1,000 tokens:
-# with 240, the two streams' overlap was at times too short for the poll to catch).
+# The engines' steps are slowed while the test waits for a stream on each replica (tests/engine_gate.py): on a
+# fast machine a 1,000-token stream could end before the poll saw it, on a loaded one the two could miss each other.
 ARGS = ["--enforce-eager", "--max-model-len", "1024", "--num-gpu-blocks-override", "128", "--max-num-seqs", "8",
-        "--dtype", "float32"]
+        "--dtype", "float32", "--logits-processors", "tests.engine_gate:EngineGate"]
 PROMPTS = [f"Story {i}: the {w} went" for i, w in enumerate(["cat", "river", "engine", "moon"] * 2)]
 
 
@@ -61,8 +62,9 @@ def test_multi_node_dp_on_loopback_serves_and_reports_a_lost_node_replica(tiny_l
     rpc = free_port()
     common = ["--data-parallel-size", "2", "--data-parallel-size-local", "1", "--data-parallel-address", "127.0.0.1",
               "--data-parallel-rpc-port", str(rpc)]
-    head = ServerProcess(tiny_llama_dir, ARGS + common, tmp)
-    node = ServerProcess(tiny_llama_dir, ARGS + common + ["--headless", "--data-parallel-start-rank", "1"], tmp)
+    gate = {GATE_ENV: os.path.join(tmp, "gate")}
+    head = ServerProcess(tiny_llama_dir, ARGS + common, tmp, **gate)
+    node = ServerProcess(tiny_llama_dir, ARGS + common + ["--headless", "--data-parallel-start-rank", "1"], tmp, **gate)
     try:
         head.wait_healthy(timeout=180)
         assert "Data parallel rank 1 joined" in head.log()
@@ -106,13 +108,14 @@ def test_multi_node_dp_on_loopback_serves_and_reports_a_lost_node_replica(tiny_l
                     _metric(generate_latest(registry).decode(), "vllm:num_requests_running"))
 
         threads = [threading.Thread(target=long_stream, args=(i,)) for i in range(2)]
-        # One per replica (least outstanding work): the second starts once the first runs somewhere, else two
-        # requests arriving together could both see two idle replicas and take the same one.
-        threads[0].start()
-        wait_for(lambda: sum(running()) >= 1, timeout=60, interval=0.05, what="the first request running")
-        threads[1].start()
-        wait_for(lambda: min(running()) >= 1, timeout=60, interval=0.05, what="a request running on each replica")
-        os.kill(_started(node)[1], signal.SIGKILL)
+        with gate_paced(gate[GATE_ENV], 0.05):  # a stream lasts 50 s at least while the test waits
+            # One per replica (least outstanding work): the second starts once the first runs somewhere, else two
+            # requests arriving together could both see two idle replicas and take the same one.
+            threads[0].start()
+            wait_for(lambda: sum(running()) >= 1, timeout=60, interval=0.05, what="the first request running")
+            threads[1].start()
+            wait_for(lambda: min(running()) >= 1, timeout=60, interval=0.05, what="a request running on each replica")
+            os.kill(_started(node)[1], signal.SIGKILL)
         failed = wait_for(lambda: [i for i in (0, 1) if not threads[i].is_alive()
                                    and any("data parallel replica 1 died" in line for line in streams[i])],
                           timeout=45, what="the stream on the dead replica to end with its error")

@@ -9,7 +9,8 @@ the issue-42 probe found harmful, answered now with an OpenAI error object while
   compiling; a schema within every size limit that compiles past --grammar-compile-timeout is a 400 after
   about that long, and a stream running beside it keeps its pace; the caches show in /metrics.
 * Admission: past --max-num-queued-reqs a 503 with Retry-After, counted in /metrics; a client that gives up
-  frees its place.
+  frees its place. The engine is held at a step (tests/engine_gate.py) while the test needs its places taken,
+  so that no request ends early on a fast machine.
 * --api-key-all-routes: /metrics, /tokenize and /openapi.json need the key, /health does not.
 """
 from __future__ import annotations
@@ -22,19 +23,22 @@ import time
 import httpx
 import pytest
 
+from tests.engine_gate import GATE_ENV, gate_closed
 from tests.integration.server_utils import serving, wait_for
 
 pytestmark = pytest.mark.engine
 
 ARGS = ["--enforce-eager", "--dtype", "float32", "--max-model-len", "512", "--num-gpu-blocks-override", "64",
         "--max-num-seqs", "2", "--max-num-queued-reqs", "4", "--grammar-compile-timeout", "2",
-        "--body-read-timeout", "2"]
+        "--body-read-timeout", "2", "--logits-processors", "tests.engine_gate:EngineGate"]
 KEY = "sk-hostile"
 
 
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir, tmp_path_factory):
-    with serving(tiny_llama_dir, ARGS, str(tmp_path_factory.mktemp("hostile"))) as srv:
+    tmp = tmp_path_factory.mktemp("hostile")
+    with serving(tiny_llama_dir, ARGS, str(tmp), **{GATE_ENV: str(tmp / "gate")}) as srv:
+        srv.gate = srv.env[GATE_ENV]
         yield srv
 
 
@@ -188,7 +192,7 @@ def test_a_slow_grammar_is_stopped_at_the_time_limit_and_a_stream_keeps_its_pace
 
 # ---- admission ----------------------------------------------------------------------------------------
 
-def _long(server, results: list, timeout: float = 600, max_tokens: int = 200) -> None:
+def _long(server, results: list, timeout: float = 600, max_tokens: int = 32) -> None:
     try:
         r = httpx.post(server.url + "/v1/completions", timeout=timeout,
                        json={"prompt": "Go on", "max_tokens": max_tokens, "ignore_eos": True})
@@ -197,49 +201,51 @@ def _long(server, results: list, timeout: float = 600, max_tokens: int = 200) ->
         results.append("gave up")
 
 
+def _admitted(server) -> float:
+    return _metric(server.url, "vllm_neuron:num_requests_admitted")
+
+
 def test_past_the_queue_bound_a_503_with_retry_after(server):
     rejected = _metric(server.url, "vllm_neuron:num_requests_rejected_total", 'reason="queue_full"')
     results: list = []
-    # Each takes the whole context (500 tokens): with 200, on a quiet machine the two running ones could end before
-    # the poll saw all four admitted (a CI run timed out so).
-    threads = [threading.Thread(target=_long, args=(server, results, 600, 500)) for _ in range(4)]
+    threads = [threading.Thread(target=_long, args=(server, results)) for _ in range(4)]
+    with gate_closed(server.gate):  # two run, two wait; none ends until the gate opens
+        for t in threads:
+            t.start()
+        wait_for(lambda: _admitted(server) == 4, 30, what="4 admitted")
+        r = httpx.post(server.url + "/v1/chat/completions", timeout=30,
+                       json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+        assert "--max-num-queued-reqs 4" in _error(r, 503)["message"] and int(r.headers["retry-after"]) >= 1
+        r = httpx.post(server.url + "/v1/completions", timeout=30, json={"prompt": "x", "max_tokens": 2, "n": 5})
+        assert "more than the server ever runs or queues" in _error(r, 400)["message"]  # can never fit
+        assert _metric(server.url, "vllm_neuron:num_requests_rejected_total", 'reason="queue_full"') == rejected + 1
+        assert _admitted(server) == 4
     for t in threads:
-        t.start()
-    wait_for(lambda: _metric(server.url, "vllm_neuron:num_requests_admitted") == 4, 30, what="4 admitted")
-    r = httpx.post(server.url + "/v1/chat/completions", timeout=30,
-                   json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
-    assert "--max-num-queued-reqs 4" in _error(r, 503)["message"] and int(r.headers["retry-after"]) >= 1
-    r = httpx.post(server.url + "/v1/completions", timeout=30, json={"prompt": "x", "max_tokens": 2, "n": 5})
-    assert "more than the server ever runs or queues" in _error(r, 400)["message"]  # can never fit
-    assert _metric(server.url, "vllm_neuron:num_requests_rejected_total", 'reason="queue_full"') == rejected + 1
-    for t in threads:
-        t.join(900)
+        t.join(120)
     assert results == [200] * 4
 
 
 def test_a_client_that_gives_up_frees_its_place(server):
     results: list = []
-    # Two run (max_num_seqs 2) for seconds, two wait behind them; the waiting ones' clients give up at once.
-    # The runners take the whole context: on a fast machine 200 tokens end before the poll below sees them.
-    # The second starts once the first is admitted, so the two overlap even when a loaded machine starts a
-    # thread late (a runner alone can finish before a late second one arrives).
-    runners = [threading.Thread(target=_long, args=(server, results, 600, 500)) for _ in range(2)]
-    for i, t in enumerate(runners, 1):
-        t.start()
-        wait_for(lambda: _metric(server.url, "vllm_neuron:num_requests_admitted") == i, 60, what=f"{i} admitted")
-    quitters = [threading.Thread(target=_long, args=(server, results, 0.3)) for _ in range(2)]
-    for t in quitters:
-        t.start()
-    for t in quitters:
-        t.join(30)
-    assert results.count("gave up") == 2
-    # Their places and their engine requests are gone at once, while the runners still run.
-    assert _metric(server.url, "vllm_neuron:num_requests_admitted") <= 2
-    wait_for(lambda: server.log().count("Client disconnected; request aborted") >= 2, 10, what="both aborted")
+    # Two run (max_num_seqs 2), held at a step; two wait behind them and their clients give up at once.
+    runners = [threading.Thread(target=_long, args=(server, results)) for _ in range(2)]
+    with gate_closed(server.gate):
+        for t in runners:
+            t.start()
+        wait_for(lambda: _admitted(server) == 2, 60, what="2 admitted")
+        quitters = [threading.Thread(target=_long, args=(server, results, 0.3)) for _ in range(2)]
+        for t in quitters:
+            t.start()
+        for t in quitters:
+            t.join(30)
+        assert results == ["gave up"] * 2
+        # Their places and their engine requests are gone at once, while the runners still hold theirs.
+        wait_for(lambda: server.log().count("Client disconnected; request aborted") >= 2, 10, what="both aborted")
+        assert _admitted(server) == 2
     r = httpx.post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=120)
     assert r.status_code == 200
     for t in runners:
-        t.join(900)
+        t.join(120)
     assert results.count(200) == 2
 
 
