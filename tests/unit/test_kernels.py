@@ -211,6 +211,29 @@ def _null_out_of_window(tables, starts, positions, window, bs):
     return tables
 
 
+@pytest.mark.parametrize("window", [0, 300])
+def test_bf16_prefill_over_a_long_context_in_key_stretches(window):
+    """bf16 prefill of many rows over a long cached context: the sequence's keys packed once per KV head and
+    shared by its row blocks, each row block visiting the keys a stretch of 256 at a time with its softmax
+    carried between stretches (and, with a sliding window, rows whose windows start in different stretches).
+    The null block holds NaN: a key read outside a window fails the test."""
+    g = torch.Generator().manual_seed(window)
+    heads, kv_heads, d, bs, ctx, new = 9, 3, 64, 32, 900, 150
+    nblocks = (ctx + new) // bs + 2
+    kc = (torch.randn(nblocks * bs, kv_heads, d, generator=g) * 3).bfloat16()
+    vc = torch.randn(nblocks * bs, kv_heads, d, generator=g).bfloat16()
+    kc[:bs] = float("nan")
+    vc[:bs] = float("nan")
+    tables = (torch.randperm(nblocks - 1, generator=g) + 1).view(1, nblocks - 1)
+    starts = torch.tensor([0, new])
+    positions = torch.arange(ctx, ctx + new)
+    tables = _null_out_of_window(tables, starts, positions, window, bs)
+    q = torch.randn(new, heads, d, generator=g).bfloat16()
+    out = ops.paged_attention(q, kc, vc, tables, starts, positions, d ** -0.5, bs, None, window)
+    ref = _reference_sinks_window(q, kc, vc, tables, starts, positions, d ** -0.5, bs, None, window)
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+
+
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float8_e4m3fn, 1e-5)])
 @pytest.mark.parametrize("window, with_sinks", [(0, True), (1, False), (23, True), (40, True), (200, False)])
 def test_paged_attention_sinks_and_window(dtype, tol, window, with_sinks):
@@ -514,3 +537,15 @@ def test_the_amx_linear_builds_for_an_amx_cpu_with_its_prefetch_rule(tmp_path):
     asm = subprocess.run(["objdump", "-d", "--no-show-raw-insn", obj], capture_output=True, text=True).stdout
     for insn in ("tdpbf16ps", "tileloadd", "prefetcht0", "prefetcht1"):
         assert insn in asm, insn
+
+
+def test_the_attention_kernel_builds_for_an_amx_cpu_with_its_tile_path(tmp_path):
+    """The AMX tile path of prefill attention (attention_amx.h, sharing attention_bf16.h's packs and softmax)
+    is compiled only for AMX targets, which no machine of the suite is: built here for Sapphire Rapids, its
+    object must hold tile products."""
+    obj = str(tmp_path / "paged_attention.o")
+    done = subprocess.run(build.compile_command("paged_attention.cpp", obj, ("-march=sapphirerapids",)),
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    asm = subprocess.run(["objdump", "-d", "--no-show-raw-insn", obj], capture_output=True, text=True).stdout
+    assert "tdpbf16ps" in asm and "vdpbf16ps" in asm

@@ -109,9 +109,9 @@ void item_dv(const float* qf, int64_t nq, const int64_t* qpos, const int64_t* ql
       _tile_zero(1);
       for (int64_t c = 0; c < dc; ++c) {
         _tile_loadd(2, qa + c * 32, D * 2);
-        _tile_loadd(3, s.kb.data() + (2 * blk * dc + c) * 256, 64);
+        _tile_loadd(3, s.kbp + (2 * blk * dc + c) * 256, 64);
         _tile_dpbf16ps(0, 2, 3);
-        _tile_loadd(3, s.kb.data() + ((2 * blk + 1) * dc + c) * 256, 64);
+        _tile_loadd(3, s.kbp + ((2 * blk + 1) * dc + c) * 256, 64);
         _tile_dpbf16ps(1, 2, 3);
       }
       _tile_stored(0, &sc[0][0], kKeys * 4);
@@ -127,11 +127,11 @@ void item_dv(const float* qf, int64_t nq, const int64_t* qpos, const int64_t* ql
       }
       _tile_loadd(2, &p[0][0], kKeys * 2);
       if constexpr (DV > 0) {
-        held_pv<DV>(s.vb.data() + blk * DV * 256);
+        held_pv<DV>(s.vbp + blk * DV * 256);
       } else {
         for (int64_t c = 0; c < dv; ++c) {
           _tile_loadd(4, a + c * 16, D * 4);
-          _tile_loadd(3, s.vb.data() + (blk * dv + c) * 256, 64);
+          _tile_loadd(3, s.vbp + (blk * dv + c) * 256, 64);
           _tile_dpbf16ps(4, 2, 3);
           _tile_stored(4, a + c * 16, D * 4);
         }
@@ -140,6 +140,7 @@ void item_dv(const float* qf, int64_t nq, const int64_t* qpos, const int64_t* ql
     if constexpr (DV > 0) held_store<DV>(a, D);
     for (int64_t r = 0; r < rows; ++r) l[rb + r] = _mm512_reduce_add_ps(lv[r]);
   }
+  attn_bf16::natural_max(m, nq);
   _tile_release();
 }
 

@@ -46,6 +46,7 @@
 #endif
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -58,6 +59,15 @@ constexpr int64_t kTile = 32;
 constexpr int64_t kRowBlock = 8;  // the fewest query rows per item
 constexpr int64_t kMaxRowBlock = 64;
 constexpr int64_t kVInL2Bytes = 192 << 10;  // per item, a fraction of a thread's L2 (>= 512 KiB on these CPUs)
+
+// One KV head's keys first..first + n - 1 of sequence `seq`, packed once for all its items (attn_bf16::pack_range):
+// kb, then the values right after.
+struct SharedPack {
+  int64_t seq, head, first, n;
+  size_t offset;  // into the pack store
+  uint32_t* kb = nullptr;
+};
+constexpr int64_t kPackStretch = 256;  // keys per packing job
 
 // Query rows row0.. of sequence `seq`, KV heads head..head + heads - 1 (several heads only for a decode row
 // read in place: a slot holds every head's key side by side, so one item reads each slot whole).
@@ -314,6 +324,39 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::
   const int64_t n_items = static_cast<int64_t>(items.size());
   const int64_t part_nq = split_whole ? H : G, part_stride = attn_split::stride(part_nq, D);
   std::vector<float> partial(parts > 1 ? n_items * part_stride : 0);
+#ifdef VN_ATTENTION_BF16
+  // A sequence whose rows span several row blocks has its keys packed once per KV head, by every thread a
+  // stretch, and its items share that pack: each item packing its own keys re-read the whole context from
+  // memory per row block (a 512-row chunk at 8k tokens: 24 packs of 2 MiB, an eighth of the call).
+  std::vector<SharedPack> shared;
+  std::vector<int64_t> pack_of(S * KV, -1);
+  std::vector<std::array<int64_t, 3>> pack_jobs;  // (shared pack, first key, end key), relative to its first
+  if (amx_rows || dot_rows) {
+    size_t elems = 0;
+    for (int64_t s = 0; s < S; ++s) {
+      const int64_t lo = std::max<int64_t>(0, qs[s]), hi = std::min<int64_t>(N, qs[s + 1]);
+      if (hi - lo <= row_block || (whole_slots && hi - lo == 1) || parts > 1) continue;
+      int64_t first = max_keys, last = 0;
+      for (int64_t r = lo; r < hi; ++r) {
+        const int64_t pr = std::min<int64_t>(std::max<int64_t>(pos[r], 0), max_keys - 1);
+        first = std::min(first, window > 0 ? std::max<int64_t>(0, pr - window + 1) : int64_t{0});
+        last = std::max(last, pr);
+      }
+      const int64_t n = last + 1 - first, padded = (n + attn_bf16::kKeys - 1) / attn_bf16::kKeys * attn_bf16::kKeys;
+      for (int64_t h = 0; h < KV; ++h) {
+        pack_of[s * KV + h] = static_cast<int64_t>(shared.size());
+        for (int64_t jb = 0; jb < padded; jb += kPackStretch)
+          pack_jobs.push_back({static_cast<int64_t>(shared.size()), jb, std::min(padded, jb + kPackStretch)});
+        shared.push_back({s, h, first, n, elems});
+        elems += 2 * static_cast<size_t>(attn_bf16::packed_elems(n, D));
+      }
+    }
+    // Kept between calls (this thread's): a fresh multi-MiB allocation a layer would fault its pages in each time.
+    thread_local std::vector<uint32_t> pack_store;
+    if (pack_store.size() < elems) pack_store.resize(elems);
+    for (auto& sp : shared) sp.kb = pack_store.data() + sp.offset;
+  }
+#endif
 #pragma omp parallel num_threads(at::get_num_threads())
   {
     const int64_t nq_max = std::max(row_block, whole_slots || split_whole ? KV : 1) * G;
@@ -323,6 +366,17 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::
     std::vector<int64_t> qpos(nq_max), qlo(nq_max), slots;
 #ifdef VN_ATTENTION_BF16
     attn_bf16::Scratch bf16_scratch;
+    if (!pack_jobs.empty()) {
+#pragma omp for schedule(dynamic, 1)
+      for (size_t j = 0; j < pack_jobs.size(); ++j) {
+        const auto [i, jb, je] = pack_jobs[j];
+        const SharedPack& sp = shared[i];
+        const int64_t elems = attn_bf16::packed_elems(sp.n, D);
+        attn_bf16::pack_range(reinterpret_cast<const uint16_t*>(kp + sp.head * D),
+                              reinterpret_cast<const uint16_t*>(vp + sp.head * D), bt + sp.seq * nblk, block_size,
+                              slot_stride, sp.first, sp.n, jb, je, D, sp.kb, sp.kb + elems, bf16_scratch.off);
+      }  // the loop's barrier: every pack is whole before any item reads it
+    }
 #endif
 #pragma omp for schedule(dynamic, 1)
     for (int64_t it = 0; it < n_items; ++it) {
@@ -430,8 +484,15 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::
       }
 #ifdef VN_ATTENTION_BF16
       if (amx_rows || dot_rows) {
-        attn_bf16::pack(reinterpret_cast<const uint16_t*>(kp + w.head * D), reinterpret_cast<const uint16_t*>(vp + w.head * D),
-                        table, block_size, slot_stride, first, last + 1 - first, D, bf16_scratch);
+        if (const int64_t i = pack_of[w.seq * KV + w.head]; i >= 0) {
+          first = shared[i].first;
+          bf16_scratch.kbp = shared[i].kb;
+          bf16_scratch.vbp = shared[i].kb + attn_bf16::packed_elems(shared[i].n, D);
+        } else {
+          attn_bf16::pack(reinterpret_cast<const uint16_t*>(kp + w.head * D),
+                          reinterpret_cast<const uint16_t*>(vp + w.head * D), table, block_size, slot_stride, first,
+                          last + 1 - first, D, bf16_scratch);
+        }
 #ifdef VN_ATTENTION_AMX
         if (amx_rows)
           attn_amx::item(qf.data(), nq, qpos.data(), qlo.data(), first, D, bf16_scratch, m.data(), l.data(), acc.data());
