@@ -13,6 +13,9 @@ Policy:
   one by one, e.g. short suffixes after a cached prefix, run back to back), and each kind is served
   first come, first served: prefills in admission then arrival order, never overtaking; every decodable
   request in every decode step.
+* Where prefill is compute-bound (CPU), a waiting prompt joins the step being formed only where that lowers
+  the mean time to first token (core/prefill_batching.py): a few prompts that fill buckets of their own go
+  one step each, small ones fill a bucket's padding, a long queue goes in full steps.
 * A request that asks for prompt logprobs is prefilled in steps with only such requests, and neither
   reads nor fills the prefix cache (see `_wants_prompt_logprobs`).
 * Speculative decoding: a decode chunk carries the request's draft tokens after its last token (capped
@@ -47,6 +50,7 @@ from vllm_neuron.core.kv_tier import KVTierScheduler
 from vllm_neuron.core.kv_transfer import KVTransferScheduler
 from vllm_neuron.core.request import Request, RequestStatus
 from vllm_neuron.core.spec_decode_stats import SpecDecodeStats
+from vllm_neuron.core.prefill_batching import joins_step
 from vllm_neuron.core.spec_policy import SpecPolicy
 from vllm_neuron.core.stop_checker import check_stop
 from vllm_neuron.kv_cache_groups import KVCacheLayout
@@ -89,6 +93,10 @@ class SchedulerConfig:
     # A bidirectional encoder's prompts are never split over steps (they attend both ways, with no KV cache).
     whole_prompts: bool = False
     max_loras: int = 0  # LoRA: distinct adapters the runner can hold at once (0: LoRA off)
+    # Prefill steps (core/prefill_batching.py): the token buckets, and a step's fixed cost in tokens where
+    # prefill is compute-bound (None: every prompt that fits joins the step).
+    prefill_buckets: tuple[int, ...] = ()
+    prefill_step_overhead_tokens: int | None = None
 
 
 def _lora_id(req: Request | None) -> int | None:
@@ -227,7 +235,7 @@ class Scheduler:
         alone = False
         candidates = self._in_policy_order(r for r in self.running if self._can_prefill(r)) + list(self.waiting)
         loras = self._held_loras()
-        for req in candidates:
+        for i, req in enumerate(candidates):
             if budget == 0:
                 break
             admitted = req.status == RequestStatus.RUNNING
@@ -254,6 +262,9 @@ class Scheduler:
             n = min(req.num_tokens - start, budget)
             if whole and n < req.num_tokens - start:
                 break
+            if not joins_step(sum(len(c.token_ids) for c in chunks), len(chunks), n, len(candidates) - i - 1,
+                              cfg.prefill_buckets, cfg.prefill_step_overhead_tokens):
+                break  # it starts the next step: the mean time to first token is lower so
             if not admitted:
                 req.num_computed_tokens = start
             if not self.kv.allocate(req, n, cached):

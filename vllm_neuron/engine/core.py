@@ -11,6 +11,7 @@ from vllm_neuron import envs, profiler
 from vllm_neuron.config import buckets as B
 from vllm_neuron.config.compatibility import V2_LOG_LINE
 from vllm_neuron.config.engine_config import EngineConfig
+from vllm_neuron.core.prefill_batching import step_overhead_tokens
 from vllm_neuron.core.request import Request, RequestStatus
 from vllm_neuron.core.scheduler import Scheduler, SchedulerConfig
 from vllm_neuron.core.kv_tier import KVTierScheduler
@@ -102,9 +103,14 @@ class EngineCore:
             spec_disable_by_batch_size=config.speculative.disable_by_batch_size if config.speculative else None,
             kv_cache_layout=self.runner.kv_layout, policy=config.scheduling_policy,
             whole_prompts=config.pooling is not None and config.pooling.bidirectional,
-            max_loras=config.lora.max_loras if config.lora is not None else 0),
+            max_loras=config.lora.max_loras if config.lora is not None else 0,
+            prefill_buckets=tuple(nc.num_batched_tokens_buckets),
+            prefill_step_overhead_tokens=step_overhead_tokens(self.device.type)),
             kv_transfer=self.kv_transfer.scheduler_side if self.kv_transfer is not None else None,
             kv_tier=KVTierScheduler(self.kv_tier.folder, config.tensor_parallel_size) if self.kv_tier else None)
+        if self.scheduler.config.prefill_step_overhead_tokens is not None:
+            logger.info("Prefill steps: prompts arriving together share a step only where that lowers the mean time "
+                        "to first token (prefill is compute-bound on %s)", self.device.type)
         self.structured = None  # StructuredOutputManager, created with the first grammar request
         self._grammar_wait: dict[str, Request] = {}
         self.async_scheduling = bool(config.async_scheduling)
