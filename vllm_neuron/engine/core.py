@@ -29,6 +29,9 @@ from vllm_neuron.worker.runner_factory import create_runner
 from vllm_neuron.worker.tp_executor import TPExecutor, WorkerRankError
 
 logger = init_logger(__name__)
+# The longest an engine with nothing to run waits on a grammar compile within one step (a message that arrives
+# meanwhile waits as long).
+GRAMMAR_IDLE_WAIT_S = 0.01
 
 BATCH_QUEUE_DEPTH = 2  # seeds: the engine schedules one step ahead of the one executing
 # A request in this many failed steps is failed itself; this many failed steps in a row is an engine
@@ -251,12 +254,19 @@ class EngineCore:
                 self.scheduler.add_request(request)
         return failed
 
+    def _wait_for_grammars(self) -> None:
+        """With nothing to run but requests whose grammars compile, block a little for one of them: a loop of
+        empty steps held a core and the GIL from the compile threads (which run at a lower priority)."""
+        if self._grammar_wait:
+            self.structured.wait_any(self._grammar_wait, GRAMMAR_IDLE_WAIT_S)
+
     def step(self) -> EngineCoreOutputs:
         """Runs (or, with async scheduling, advances the pipeline by) one step; returns what finished."""
         failed = self._admit_compiled_grammars() if self._grammar_wait else []
         if not self.async_scheduling:
             sched = self._schedule()
             if sched is None:
+                self._wait_for_grammars()
                 return EngineCoreOutputs(failed, stats=self._stats(None, None))
             try:
                 result = self.runner.execute(sched)
@@ -277,6 +287,7 @@ class EngineCore:
                     self._queue.append((sched, self._executor.submit(self.runner.execute, sched)))
                     scheduled = True
         if not self._queue:
+            self._wait_for_grammars()
             return EngineCoreOutputs(failed, stats=self._stats(None, None))
         if scheduled and len(self._queue) < BATCH_QUEUE_DEPTH:
             return EngineCoreOutputs(failed, stats=self._stats(None, None))

@@ -14,7 +14,8 @@ from __future__ import annotations
 import os
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Iterable
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -159,6 +160,12 @@ class StructuredOutputManager:
             self._writer = TokenWriter(info.decoded_vocab, set(info.special_token_ids) | set(info.stop_token_ids))
         self._plans[req_id] = ClosingPlan(matcher, self._writer)
         return True, None, None
+
+    def wait_any(self, req_ids: Iterable[str], timeout_s: float) -> None:
+        """Blocks until one of these requests' grammars has compiled or failed, at most `timeout_s`."""
+        futures = [c.future for r in req_ids if (c := self._pending.get(r)) is not None]
+        if futures:
+            wait(futures, timeout=timeout_s, return_when=FIRST_COMPLETED)
 
     def has(self, req_id: str) -> bool:
         return req_id in self._matchers
