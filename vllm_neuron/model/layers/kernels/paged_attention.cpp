@@ -39,14 +39,15 @@
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define VN_ATTENTION_BF16 1
 #include "attention_bf16.h"
+#include "attention_shared_packs.h"
 #endif
 #if defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #define VN_ATTENTION_AMX 1
 #include "attention_amx.h"
 #endif
+#include "attention_fp32_tiles.h"
 
 #include <algorithm>
-#include <array>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -55,19 +56,9 @@
 
 namespace {
 
-constexpr int64_t kTile = 32;
 constexpr int64_t kRowBlock = 8;  // the fewest query rows per item
 constexpr int64_t kMaxRowBlock = 64;
 constexpr int64_t kVInL2Bytes = 192 << 10;  // per item, a fraction of a thread's L2 (>= 512 KiB on these CPUs)
-
-// One KV head's keys first..first + n - 1 of sequence `seq`, packed once for all its items (attn_bf16::pack_range):
-// kb, then the values right after.
-struct SharedPack {
-  int64_t seq, head, first, n;
-  size_t offset;  // into the pack store
-  uint32_t* kb = nullptr;
-};
-constexpr int64_t kPackStretch = 256;  // keys per packing job
 
 // Query rows row0.. of sequence `seq`, KV heads head..head + heads - 1 (several heads only for a decode row
 // read in place: a slot holds every head's key side by side, so one item reads each slot whole).
@@ -76,43 +67,11 @@ struct Item {
   int64_t part = 0;  // of a decode row's keys split into stretches (attention_kernel's `parts`), merged afterwards
 };
 
-// The cache slot of a sequence's key t, through its block table.
-inline int64_t slot_of(const int64_t* table, int64_t block_size, int64_t t) {
-  return table[t / block_size] * block_size + t % block_size;
-}
-
-// kt[i][j] = K[t0 + j][i] for the tile's n keys (zeros past n), so scores run across keys.
-template <typename T>
-inline void load_k_tile(const T* kp, const int64_t* table, int64_t block_size, int64_t slot_stride,
-                        int64_t head_off, int64_t D, int64_t t0, int64_t n, float* kt) {
-  for (int64_t j = 0; j < n; ++j) {
-    const T* ks = kp + slot_of(table, block_size, t0 + j) * slot_stride + head_off;
-    for (int64_t i = 0; i < D; ++i) kt[i * kTile + j] = to_f(ks[i]);
-  }
-  for (int64_t j = n; j < kTile; ++j)
-    for (int64_t i = 0; i < D; ++i) kt[i * kTile + j] = 0.f;
-}
-
-// vt[j][i] = V[t0 + j][i] for the tile's n keys, zeros past n (their probabilities are 0, and 0 times
-// whatever the buffer held could be NaN).
-template <typename T>
-inline void load_v_tile(const T* vp, const int64_t* table, int64_t block_size, int64_t slot_stride,
-                        int64_t head_off, int64_t D, int64_t t0, int64_t n, float* vt) {
-  for (int64_t j = 0; j < n; ++j) {
-    const T* vs = vp + slot_of(table, block_size, t0 + j) * slot_stride + head_off;
-#pragma omp simd
-    for (int64_t i = 0; i < D; ++i) vt[j * D + i] = to_f(vs[i]);
-  }
-  std::fill(vt + n * D, vt + kTile * D, 0.f);
-}
-
-inline void score_tile(const float* qv, const float* kt, int64_t D, float* sc) {
-  for (int64_t i = 0; i < D; ++i) {
-    const float x = qv[i];
-    const float* row = kt + i * kTile;
-#pragma omp simd
-    for (int64_t j = 0; j < kTile; ++j) sc[j] += x * row[j];
-  }
+// The keys a query row at position `pos` sees: [first, last] (its window's start, or 0; its position, clamped
+// into the table's keys).
+inline std::pair<int64_t, int64_t> row_keys(int64_t pos, int64_t window, int64_t max_keys) {
+  const int64_t last = std::min<int64_t>(std::max<int64_t>(pos, 0), max_keys - 1);
+  return {window > 0 ? std::max<int64_t>(0, last - window + 1) : 0, last};
 }
 
 // Sinks: the softmax over [scores, sink] with the sink's column dropped. acc / l hold sums relative to the
@@ -142,87 +101,6 @@ inline void store_rows(T* op, const float* acc, const float* l, const Item& w, i
     }
 }
 
-#ifdef VN_ATTENTION_TILES
-// R query rows q0.. of an item over the key tiles their positions reach, online softmax; kt / vt hold the
-// item's keys from `first` on, widened (zero past the last key).
-template <int R>
-void tiled_rows(const float* qf, int64_t q0, const int64_t* qpos, const int64_t* qlo, int64_t first, const float* kt,
-                const float* vt, int64_t D, float* m, float* l, float* acc) {
-  const auto [lo, hi] = start_rows(qpos, qlo, q0, R, m, l);
-  std::fill(acc + q0 * D, acc + (q0 + R) * D, 0.f);
-  float sc[R][kTile], p[R][kTile];
-  for (int64_t t = (lo - first) / kTile; t <= (hi - first) / kTile; ++t) {
-    const int64_t t0 = first + t * kTile;
-    attn_tiles::score<R, kTile>(qf + q0 * D, D, kt + t * D * kTile, sc);
-    int64_t used = 0;  // keys of the tile any row sees
-    for (int r = 0; r < R; ++r) {
-      const int64_t qi = q0 + r;
-      const int64_t visible = std::min<int64_t>(kTile, qpos[qi] - t0 + 1);  // causal: keys <= position
-      const int64_t j0 = std::max<int64_t>(0, qlo[qi] - t0);               // the window: keys >= its first
-      if (visible <= j0) {
-        std::fill(p[r], p[r] + kTile, 0.f);
-        continue;
-      }
-      float mx = m[qi];
-#pragma omp simd reduction(max : mx)
-      for (int64_t j = 0; j < kTile; ++j) {
-        const float v = (j >= j0 && j < visible) ? sc[r][j] : -std::numeric_limits<float>::infinity();
-        mx = v > mx ? v : mx;
-      }
-      const float corr = exp_nonpositive(m[qi] - mx);  // exp(-inf) -> 0 on the first tile
-      float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-      for (int64_t j = 0; j < kTile; ++j) {
-        const float e = (j >= j0 && j < visible) ? exp_nonpositive(sc[r][j] - mx) : 0.f;
-        p[r][j] = e;
-        sum += e;
-      }
-      l[qi] = l[qi] * corr + sum;
-      m[qi] = mx;
-      float* a = acc + qi * D;
-#pragma omp simd
-      for (int64_t i = 0; i < D; ++i) a[i] *= corr;
-      used = std::max(used, visible);
-    }
-    attn_tiles::pv<R, kTile>(p, used, vt + t * kTile * D, D, acc + q0 * D);
-  }
-}
-
-// Many query rows of one item: keys first..last widened to fp32 once (K transposed per tile, V row-major),
-// then kRows query rows at a time.
-template <typename C>
-void tiled_item(const float* qf, int64_t nq, const int64_t* qpos, const int64_t* qlo, int64_t first, int64_t last,
-                const C* kp, const C* vp, const int64_t* table, int64_t block_size, int64_t slot_stride,
-                int64_t head_off, int64_t D, std::vector<float>& kt, std::vector<float>& vt, float* m, float* l,
-                float* acc) {
-  const int64_t ntiles = (last + 1 - first + kTile - 1) / kTile;
-  kt.resize(ntiles * D * kTile);
-  vt.resize(ntiles * kTile * D);
-  for (int64_t t = 0; t < ntiles; ++t) {
-    const int64_t t0 = first + t * kTile, n = std::min<int64_t>(kTile, last + 1 - t0);
-    for (int64_t u = t0 + kTile; u < t0 + 2 * kTile && u <= last; ++u) {  // the next tile, from memory meanwhile
-      const int64_t off = slot_of(table, block_size, u) * slot_stride + head_off;
-      vn_simd::prefetch(kp + off, D * sizeof(C));
-      vn_simd::prefetch(vp + off, D * sizeof(C));
-    }
-    load_k_tile(kp, table, block_size, slot_stride, head_off, D, t0, n, kt.data() + t * D * kTile);
-    load_v_tile(vp, table, block_size, slot_stride, head_off, D, t0, n, vt.data() + t * kTile * D);
-  }
-  constexpr int RB = attn_tiles::kRows;
-  int64_t q0 = 0;
-  for (; q0 + RB <= nq; q0 += RB) tiled_rows<RB>(qf, q0, qpos, qlo, first, kt.data(), vt.data(), D, m, l, acc);
-  // The rest in blocks of 4, 2, 1: each row scored alone would read the widened keys once per row.
-  if (RB > 4 && q0 + 4 <= nq) {
-    tiled_rows<4>(qf, q0, qpos, qlo, first, kt.data(), vt.data(), D, m, l, acc);
-    q0 += 4;
-  }
-  if (RB > 2 && q0 + 2 <= nq) {
-    tiled_rows<2>(qf, q0, qpos, qlo, first, kt.data(), vt.data(), D, m, l, acc);
-    q0 += 2;
-  }
-  for (; q0 < nq; ++q0) tiled_rows<1>(qf, q0, qpos, qlo, first, kt.data(), vt.data(), D, m, l, acc);
-}
-#endif
 
 // How many-row items of a bf16 cache with this head dim run here: 2 on AMX tiles (the build targets AMX-BF16
 // and the OS hands out tile state), 1 by bf16 dot products in vector registers (AVX512-BF16), 0 in fp32.
@@ -325,36 +203,21 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::
   const int64_t part_nq = split_whole ? H : G, part_stride = attn_split::stride(part_nq, D);
   std::vector<float> partial(parts > 1 ? n_items * part_stride : 0);
 #ifdef VN_ATTENTION_BF16
-  // A sequence whose rows span several row blocks has its keys packed once per KV head, by every thread a
-  // stretch, and its items share that pack: each item packing its own keys re-read the whole context from
-  // memory per row block (a 512-row chunk at 8k tokens: 24 packs of 2 MiB, an eighth of the call).
-  std::vector<SharedPack> shared;
-  std::vector<int64_t> pack_of(S * KV, -1);
-  std::vector<std::array<int64_t, 3>> pack_jobs;  // (shared pack, first key, end key), relative to its first
+  // A sequence whose rows span several row blocks shares one pack of its keys per KV head (attention_shared_packs.h).
+  attn_bf16::SharedPacks shared(S);
   if (amx_rows || dot_rows) {
-    size_t elems = 0;
     for (int64_t s = 0; s < S; ++s) {
       const int64_t lo = std::max<int64_t>(0, qs[s]), hi = std::min<int64_t>(N, qs[s + 1]);
       if (hi - lo <= row_block || (whole_slots && hi - lo == 1) || parts > 1) continue;
       int64_t first = max_keys, last = 0;
       for (int64_t r = lo; r < hi; ++r) {
-        const int64_t pr = std::min<int64_t>(std::max<int64_t>(pos[r], 0), max_keys - 1);
-        first = std::min(first, window > 0 ? std::max<int64_t>(0, pr - window + 1) : int64_t{0});
-        last = std::max(last, pr);
+        const auto [a, b] = row_keys(pos[r], window, max_keys);
+        first = std::min(first, a);
+        last = std::max(last, b);
       }
-      const int64_t n = last + 1 - first, padded = (n + attn_bf16::kKeys - 1) / attn_bf16::kKeys * attn_bf16::kKeys;
-      for (int64_t h = 0; h < KV; ++h) {
-        pack_of[s * KV + h] = static_cast<int64_t>(shared.size());
-        for (int64_t jb = 0; jb < padded; jb += kPackStretch)
-          pack_jobs.push_back({static_cast<int64_t>(shared.size()), jb, std::min(padded, jb + kPackStretch)});
-        shared.push_back({s, h, first, n, elems});
-        elems += 2 * static_cast<size_t>(attn_bf16::packed_elems(n, D));
-      }
+      shared.add(s, KV, first, last, D);
     }
-    // Kept between calls (this thread's): a fresh multi-MiB allocation a layer would fault its pages in each time.
-    thread_local std::vector<uint32_t> pack_store;
-    if (pack_store.size() < elems) pack_store.resize(elems);
-    for (auto& sp : shared) sp.kb = pack_store.data() + sp.offset;
+    shared.place();
   }
 #endif
 #pragma omp parallel num_threads(at::get_num_threads())
@@ -366,16 +229,12 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::
     std::vector<int64_t> qpos(nq_max), qlo(nq_max), slots;
 #ifdef VN_ATTENTION_BF16
     attn_bf16::Scratch bf16_scratch;
-    if (!pack_jobs.empty()) {
+    if (shared.jobs() > 0) {
 #pragma omp for schedule(dynamic, 1)
-      for (size_t j = 0; j < pack_jobs.size(); ++j) {
-        const auto [i, jb, je] = pack_jobs[j];
-        const SharedPack& sp = shared[i];
-        const int64_t elems = attn_bf16::packed_elems(sp.n, D);
-        attn_bf16::pack_range(reinterpret_cast<const uint16_t*>(kp + sp.head * D),
-                              reinterpret_cast<const uint16_t*>(vp + sp.head * D), bt + sp.seq * nblk, block_size,
-                              slot_stride, sp.first, sp.n, jb, je, D, sp.kb, sp.kb + elems, bf16_scratch.off);
-      }  // the loop's barrier: every pack is whole before any item reads it
+      for (size_t j = 0; j < shared.jobs(); ++j)
+        shared.pack(j, reinterpret_cast<const uint16_t*>(kp), reinterpret_cast<const uint16_t*>(vp), bt, nblk,
+                    block_size, slot_stride, D, bf16_scratch.off);
+      // (the loop's barrier: every pack is whole before any item reads it)
     }
 #endif
 #pragma omp for schedule(dynamic, 1)
@@ -386,8 +245,7 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::
       int64_t last = 0, first = max_keys;  // keys first..last are visited
       for (int64_t r = 0; r < w.rows; ++r) {
         const int64_t row = w.row0 + r;
-        const int64_t pr = std::min<int64_t>(std::max<int64_t>(pos[row], 0), max_keys - 1);
-        const int64_t lo = window > 0 ? std::max<int64_t>(0, pr - window + 1) : 0;
+        const auto [lo, pr] = row_keys(pos[row], window, max_keys);
         last = std::max(last, pr);
         first = std::min(first, lo);
         for (int64_t g = 0; g < G * w.heads; ++g) {
@@ -484,11 +342,7 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::
       }
 #ifdef VN_ATTENTION_BF16
       if (amx_rows || dot_rows) {
-        if (const int64_t i = pack_of[w.seq * KV + w.head]; i >= 0) {
-          first = shared[i].first;
-          bf16_scratch.kbp = shared[i].kb;
-          bf16_scratch.vbp = shared[i].kb + attn_bf16::packed_elems(shared[i].n, D);
-        } else {
+        if (!shared.use(w.seq, w.head, KV, D, bf16_scratch, first)) {
           attn_bf16::pack(reinterpret_cast<const uint16_t*>(kp + w.head * D),
                           reinterpret_cast<const uint16_t*>(vp + w.head * D), table, block_size, slot_stride, first,
                           last + 1 - first, D, bf16_scratch);
