@@ -228,6 +228,7 @@ class Scheduler:
         first that does not fit ends the batch (FCFS)."""
         cfg = self.config
         budget = cfg.max_num_batched_tokens if budget is None else budget
+        full_budget = budget
         whole = whole or cfg.whole_prompts
         ctx_budget = cfg.max_prefill_context_tokens or cfg.max_model_len
         chunks: list[ScheduledChunk] = []
@@ -262,7 +263,7 @@ class Scheduler:
             n = min(req.num_tokens - start, budget)
             if whole and n < req.num_tokens - start:
                 break
-            if not joins_step(sum(len(c.token_ids) for c in chunks), len(chunks), n, len(candidates) - i - 1,
+            if not joins_step(full_budget - budget, len(chunks), n, len(candidates) - i - 1,
                               cfg.prefill_buckets, cfg.prefill_step_overhead_tokens):
                 break  # it starts the next step: the mean time to first token is lower so
             if not admitted:
