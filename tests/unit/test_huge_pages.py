@@ -119,3 +119,40 @@ def test_the_kv_pool_goes_to_huge_pages_only_when_asked(monkeypatch):
     assert "hg" in _vm_flags(pool.data_ptr())
     _force(monkeypatch, False)  # VLLM_NEURON_HUGE_PAGES=0 or THP off wins
     assert not huge_pages.kv_wanted(6 << 20, cpu)
+
+
+def test_an_arena_lays_copies_side_by_side_and_hands_back_what_does_not_fit(monkeypatch):
+    _force(monkeypatch, True)
+    a, b = torch.randn(3000, 7), torch.randn(64, 32).t()  # 84,000 bytes; a strided view
+    arena = huge_pages.Arena(huge_pages.Arena.footprint(a) + huge_pages.Arena.footprint(b))
+    pa, pb = arena.place(a), arena.place(b)
+    assert torch.equal(pa, a) and torch.equal(pb, b) and pb.is_contiguous()
+    assert pa.data_ptr() % huge_pages.PAGE == 0
+    assert pb.data_ptr() == pa.data_ptr() + huge_pages.Arena.footprint(a)  # next 4 KiB boundary: 86,016
+    # storages of their own: torch.compile would take two tensors on one storage for aliases
+    assert pa.untyped_storage().data_ptr() != pb.untyped_storage().data_ptr()
+    assert "hg" in _vm_flags(pb.data_ptr())
+    full = torch.randn(4)
+    assert arena.place(full) is full
+    _force(monkeypatch, False)
+    assert huge_pages.Arena(1 << 20).place(a) is a
+
+
+def test_a_models_weights_share_one_mapping_in_order_and_views_keep_their_storage(monkeypatch):
+    _force(monkeypatch, True)
+    layers = nn.ModuleList([nn.Linear(256, 384, bias=True) for _ in range(3)])  # 384 KiB weights: below MIN_BYTES
+    fused = torch.randn(512, 256)
+    layers.register_buffer("q_half", fused[:256])  # a slice of a fused weight keeps sharing it
+    layers[2].weight = layers[0].weight  # tied
+    layers.register_buffer("same", layers[1].weight.data)  # a second tensor on one storage
+    before = {n: p.detach().clone() for n, p in layers.state_dict().items()}
+    bias_ptr, half_ptr = layers[0].bias.data_ptr(), layers.q_half.data_ptr()
+    moved, nbytes = huge_pages.move_parameters_(layers)
+    assert (moved, nbytes) == (2, 2 * 384 * 1024)
+    w0, w1 = layers[0].weight, layers[1].weight
+    assert w0.data_ptr() % huge_pages.PAGE == 0 and w1.data_ptr() == w0.data_ptr() + 384 * 1024
+    assert layers[2].weight is w0 and layers.same.data_ptr() == w1.data_ptr()
+    assert "hg" in _vm_flags(w1.data_ptr())
+    assert layers[0].bias.data_ptr() == bias_ptr and layers.q_half.data_ptr() == half_ptr  # small; a view
+    for n, p in layers.state_dict().items():
+        assert torch.equal(p, before[n]), n

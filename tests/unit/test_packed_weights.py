@@ -284,3 +284,21 @@ def test_traced_layers_look_their_tile_copy_up_in_cpp():
     finally:
         torch._dynamo.reset()
         P.forget(w.data_ptr())
+
+
+@_any_tiles
+def test_the_tile_copies_lie_side_by_side_in_one_huge_page_mapping(monkeypatch):
+    from vllm_neuron import huge_pages
+    monkeypatch.setattr(huge_pages, "available", lambda: True)
+    m = _model()
+    L.pack_linears_(m)
+    try:
+        tiles = [P._packed[w.data_ptr()][2] for w in (m.up.weight, m.down.weight, m.head.weight)]
+        assert tiles[0].data_ptr() % huge_pages.PAGE == 0
+        for a, b in zip(tiles, tiles[1:]):  # in the model's order, each at the next 4 KiB boundary
+            assert b.data_ptr() == a.data_ptr() + huge_pages.Arena.footprint(a)
+        for t, w in zip(tiles, (m.up.weight, m.down.weight, m.head.weight)):
+            torch.testing.assert_close(t, pack_tiles(w, lambda v: v.contiguous()), rtol=0, atol=0)
+    finally:
+        for w in (m.up.weight, m.down.weight, m.head.weight):
+            P.forget(w.data_ptr())

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vllm_neuron import huge_pages
 from vllm_neuron.model.layers import packed_weights, quant_error, quant_fp8, quant_int4, quant_int8
 from vllm_neuron.model.layers.kernel_config import KernelConfig
 from vllm_neuron.model.layers.kernels.ops import linear_small_batch
@@ -126,4 +127,7 @@ def pack_linears_(model: nn.Module) -> tuple[int, int]:
     where a tile kernel is built and takes the shape, oneDNN's reorder for the rows it leaves; returns
     (layers, bytes added)."""
     weights = _packable(model)
-    return len(weights), sum(packed_weights.pack(w) for w in weights)
+    # The tile copies side by side in huge pages: those the decode steps above 4 rows stream (one step's at 16
+    # rows 17.9 -> 16.6 ms against one 4 KiB-page copy each, bundled model, 2-core Zen 4 EPYC, 2026-12-06).
+    arena = huge_pages.Arena(packed_weights.tile_bytes(list({w.data_ptr(): w for w in weights}.values())))
+    return len(weights), sum(packed_weights.pack(w, arena) for w in weights)

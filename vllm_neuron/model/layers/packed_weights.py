@@ -34,6 +34,7 @@ import weakref
 import torch
 import torch.nn.functional as F
 
+from vllm_neuron import huge_pages
 from vllm_neuron.model.layers.kernels import cpu_caps
 from vllm_neuron.model.layers.kernels.ops import pack_tiles
 
@@ -53,18 +54,24 @@ def copies_for(w: torch.Tensor) -> tuple[bool, bool]:
     return not tiles or cpu_caps.tile_kernel()[1] < cpu_caps.UNBOUNDED, tiles
 
 
+def tile_bytes(weights: list[torch.Tensor]) -> int:
+    """The arena `pack` needs for the tile copies of `weights` (distinct, not yet packed)."""
+    return sum(huge_pages.Arena.footprint(w) for w in weights if not is_packed(w) and copies_for(w)[1])
+
+
 def is_packed(w: torch.Tensor) -> bool:
     return w.data_ptr() in _packed
 
 
-def pack(w: torch.Tensor) -> int:
-    """Packs `w`'s copies once (see `copies_for`) and registers them; returns the bytes added."""
+def pack(w: torch.Tensor, arena: huge_pages.Arena | None = None) -> int:
+    """Packs `w`'s copies once (see `copies_for`) and registers them, the tile copy in `arena` where one is
+    given (sized by `tile_bytes`); returns the bytes added."""
     if is_packed(w):
         return 0
     reorder, tiles = copies_for(w)
     op, rows = cpu_caps.tile_kernel() if tiles else (None, 0)
     register(w, torch.ops.mkldnn._reorder_linear_weight(w, _ROWS_HINT) if reorder else None,
-             pack_tiles(w) if tiles else None, op, rows)
+             (pack_tiles(w, arena.place) if arena is not None else pack_tiles(w)) if tiles else None, op, rows)
     weakref.finalize(w, forget, w.data_ptr())
     return w.numel() * w.element_size() * (reorder + tiles)
 

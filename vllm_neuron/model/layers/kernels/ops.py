@@ -115,7 +115,8 @@ def lora_delta(x: torch.Tensor, slot: torch.Tensor, a: torch.Tensor, b_t: torch.
     return torch.ops.vllm_neuron.lora_delta(x, slot, a, b_t)
 
 
-def pack_tiles(w: torch.Tensor) -> torch.Tensor:
-    """w [N, K] in the tile kernels' order: one B tile per 16 columns x 32 inputs, [N/16][K/32][16][16][2]."""
+def pack_tiles(w: torch.Tensor, place=huge_pages.copy) -> torch.Tensor:
+    """w [N, K] in the tile kernels' order: one B tile per 16 columns x 32 inputs, [N/16][K/32][16][16][2],
+    copied by `place` (a strided tensor -> a contiguous copy: huge_pages.copy, or an Arena's place)."""
     n, k = w.shape
-    return huge_pages.copy(w.view(n // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4)).contiguous()
+    return place(w.view(n // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4)).contiguous()
