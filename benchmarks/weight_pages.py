@@ -6,7 +6,7 @@ torch put them and one moved into an arena; each round times one pass over every
 through the weight-streaming kernel (so both see the machine's drift alike), at each row count. Prints the
 medians over the rounds, the weight bytes per second, and arena / 4 KiB.
 
-    python benchmarks/weight_pages.py [--rows 1,4] [--rounds 25]
+    python benchmarks/weight_pages.py [--rows 1,4] [--rounds 25] [--dtype bfloat16|float32]
 """
 from __future__ import annotations
 
@@ -24,31 +24,36 @@ SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
 LAYERS = 30
 
 
-def layer_weights(seed: int) -> list[torch.Tensor]:
+def layer_weights(seed: int, dtype: torch.dtype) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return [torch.randn(n, k, generator=g).bfloat16() for _ in range(LAYERS) for n, k in SHAPES]
+    return [torch.randn(n, k, generator=g).to(dtype) for _ in range(LAYERS) for n, k in SHAPES]
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", default="1,4", help="input rows (the weight-streaming kernel serves 1-4)")
     p.add_argument("--rounds", type=int, default=25)
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                   help="the weights' dtype (float32: the AVX2 class's default)")
     args = p.parse_args()
-    if not kernels_enabled(torch.device("cpu")) or not hasattr(torch.ops.vllm_neuron, "linear_bf16"):
+    dtype = getattr(torch, args.dtype)
+    op_name = "linear_bf16" if dtype == torch.bfloat16 else "linear_f32"
+    if not kernels_enabled(torch.device("cpu")) or not hasattr(torch.ops.vllm_neuron, op_name):
         raise SystemExit("no weight-streaming kernel on this CPU (it needs AVX2 + FMA or AVX-512)")
     if not huge_pages.available():
         raise SystemExit("huge pages are not available here (THP off, or VLLM_NEURON_HUGE_PAGES=0)")
-    plain = layer_weights(0)
-    moved = layer_weights(1)
+    plain = layer_weights(0, dtype)
+    moved = layer_weights(1, dtype)
     arena = huge_pages.Arena(sum(huge_pages.Arena.footprint(w) for w in moved))
     moved = [arena.place(w) for w in moved]
     nbytes = sum(w.numel() * w.element_size() for w in plain)
-    op = torch.ops.vllm_neuron.linear_bf16.default
-    print(f"{len(plain)} linears, {nbytes / 1e6:.0f} MB of bf16 weights a pass; {torch.get_num_threads()} threads")
+    op = getattr(torch.ops.vllm_neuron, op_name).default
+    print(f"{len(plain)} linears, {nbytes / 1e6:.0f} MB of {args.dtype} weights a pass; "
+          f"{torch.get_num_threads()} threads")
     print("| rows | 4 KiB pages (ms) | arena (ms) | GB/s, 4 KiB / arena | arena / 4 KiB |")
     print("| --- | --- | --- | --- | --- |")
     for rows in (int(r) for r in args.rows.split(",")):
-        xs = {k: torch.randn(rows, k).bfloat16() for _, k in SHAPES}
+        xs = {k: torch.randn(rows, k).to(dtype) for _, k in SHAPES}
 
         def one_pass(ws: list[torch.Tensor]) -> float:
             t0 = time.perf_counter()
