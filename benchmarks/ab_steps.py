@@ -5,7 +5,8 @@ slows both alike; every child serves the same offline workload (prefills of 32..
 4 and 16) and reports every step's wall time by bucket graph. A first, untimed round per checkout fills its
 compile cache (each checkout's code has its own cache key). Prints the medians over all timed rounds and B / A.
 
-    python benchmarks/ab_steps.py --a /path/to/old-checkout --b . --rounds 3
+    python benchmarks/ab_steps.py --a /path/to/old-checkout --b . --rounds 3 \
+        [--llm-kwargs '{"additional_config": {"neuron_config": {"quantization": "int4"}}}']
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ sys.path.insert(0, sys.argv[1])  # this script's folder: step_timing.py times bo
 from step_timing import time_steps
 from vllm_neuron import LLM, SamplingParams
 
-llm = LLM(max_model_len=2048)  # the bundled model, default dtype and buckets
+llm = LLM(max_model_len=2048, **json.loads(sys.argv[2]))  # the bundled model, default dtype and buckets
 times = time_steps(llm)
 def prompt(n, seed):
     return {"prompt_token_ids": [1 + (seed * 7919 + i * 104729) % 49000 for i in range(n)]}
@@ -36,11 +37,11 @@ print("AB_RESULT " + json.dumps(times))
 """
 
 
-def run_child(checkout: str, cache_root: str) -> dict[str, list[float]]:
+def run_child(checkout: str, cache_root: str, llm_kwargs: str) -> dict[str, list[float]]:
     env = dict(os.environ, PYTHONPATH=os.path.abspath(checkout), VLLM_CACHE_ROOT=cache_root,
                VLLM_NEURON_LOG_LEVEL="WARNING")
     here = os.path.dirname(os.path.abspath(__file__))
-    proc = subprocess.run([sys.executable, "-c", _CHILD, here], env=env, capture_output=True, text=True, timeout=3600,
+    proc = subprocess.run([sys.executable, "-c", _CHILD, here, llm_kwargs], env=env, capture_output=True, text=True, timeout=3600,
                           cwd=tempfile.gettempdir())
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("AB_RESULT ")), None)
     if proc.returncode or line is None:
@@ -55,18 +56,24 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="timed rounds (each runs A then B; default 3)")
     ap.add_argument("--cache-root", default=os.path.join(tempfile.gettempdir(), "vllm_neuron_ab_cache"),
                     help="VLLM_CACHE_ROOT of the children (kernels, compile caches; kept between runs)")
+    ap.add_argument("--llm-kwargs", default="{}", help="JSON of extra LLM(...) arguments for both children")
     args = ap.parse_args()
+    try:
+        if not isinstance(json.loads(args.llm_kwargs), dict):
+            raise ValueError
+    except ValueError:
+        raise SystemExit(f"--llm-kwargs must be a JSON object, got {args.llm_kwargs!r}") from None
     if args.rounds < 1:
         raise SystemExit(f"--rounds must be at least 1, got {args.rounds}")
     sides = {"A": args.a, "B": args.b}
     print("warm-up round (fills each checkout's compile cache) ...", file=sys.stderr, flush=True)
     for side in sides.values():
-        run_child(side, args.cache_root)
+        run_child(side, args.cache_root, args.llm_kwargs)
     got: dict[str, dict[str, list[float]]] = {"A": {}, "B": {}}
     for r in range(args.rounds):
         for name, checkout in sides.items():
             print(f"round {r + 1}/{args.rounds}: {name} ({checkout}) ...", file=sys.stderr, flush=True)
-            for bucket, ts in run_child(checkout, args.cache_root).items():
+            for bucket, ts in run_child(checkout, args.cache_root, args.llm_kwargs).items():
                 got[name].setdefault(bucket, []).extend(ts)
     buckets = sorted(set(got["A"]) & set(got["B"]), key=lambda b: (not b.startswith("prefill"), len(b), b))
     print(f"A = {args.a}\nB = {args.b}\n")

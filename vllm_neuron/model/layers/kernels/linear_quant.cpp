@@ -11,7 +11,8 @@
 // bf16 inputs of five or more rows take bands widened once to bf16 and VDPBF16PS instead, and with
 // AVX512-VNNI: one to four bf16 rows (to 16 on AMX CPUs) against int8 take integer products (int8_vnni.h; below).
 // AVX2 builds (no AVX-512): one to 16 rows of any input dtype take integer products on inputs made int16
-// (int_dot_avx2.h; int_dot_rows below), int8 and int4 alike.
+// (int_dot_avx2.h; int_dot_rows below), int8 and int4 alike; AVX512-VNNI: one bf16 row against int4 too
+// (int4_vnni.h).
 //
 // One code path per vector width (simd.h), chosen when the library is built: 16 lanes where the compiler
 // targets AVX-512, 8 lanes on AVX2 + FMA. Elsewhere the ops are not registered and callers dequantize and use
@@ -37,6 +38,7 @@
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include "simd.h"
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#include "int4_vnni.h"
 #include "int8_vnni.h"
 #endif
 #if defined(__AVX2__) && !defined(__AVX512F__)
@@ -357,17 +359,31 @@ at::Tensor run(const Q& wt, const at::Tensor& x_in, int64_t N) {
   return y;
 }
 
-#if defined(__AVX2__) && !defined(__AVX512F__)
-// AVX2: inputs made int16 and integer dot products against the weights as stored (int_dot_avx2.h, which
-// states the rounding), up to kIntDotRows rows; above, the widening path (run). Measured against it on a Zen 5
-// EPYC with the avx2 build forced, 1 thread, alternating in one process (a shared, loaded machine), one decode
-// step's linears of the bundled model with every call's weights read from memory (a 256 MB read before each,
-// as a step streams weights that do not fit the caches), ms: int8 1 row 6.9 vs 7.7, 2: 7.5 vs 8.1, 4: 12.4 vs
-// 16.5, 8: 22.9 vs 35.0, 16: 46.7 vs 62.6; int4 1 row 7.0 vs 9.6, 2: 10.1 vs 12.0, 4: 15.1 vs 16.7, 8: 27.4 vs
-// 31.5, 16: 53.0 vs 60.5. With the weights hot in L2 (one shape called in a loop) int8 still won everywhere
-// (0.56-0.91) and int4 from 1 to 3 rows (0.51-0.95), 4 to 16 rows were level (0.92-1.12): an int4 group's
-// per-row scaling (convert, scale, FMA per 32 weights) then costs what the widening shared by the rows saves.
+#if (defined(__AVX2__) && !defined(__AVX512F__)) || (defined(__AVX512VNNI__) && defined(__AVX512BW__))
+#define VN_INT_DOT 1
+#if defined(__AVX512F__)
+// AVX512-VNNI: int4 against one bf16 row (int4_vnni.h, which has the A/B that set kIntDotRows; int8: vnni_rows).
+constexpr int64_t kIntDotRows = 1;
+template <int MB, int NB>
+void int_dot_tile(const Int4& wt, const vn_idot::Rows& xq, int64_t K, int64_t m0, int64_t n0, float* out, int64_t pf) {
+  vn_idot::tile_int4_512<MB, NB>(wt.w + n0 * (K / 2), wt.sm + n0 * (K / 16), xq.at(m0), xq.d_at(m0), xq.sum_at(m0),
+                                 K, out, pf < 0 ? nullptr : wt.w + pf * (K / 2));
+}
+#else
+// AVX2: up to kIntDotRows rows of any dtype, int8 and int4 (int_dot_avx2.h, which has the A/B that set it); above,
+// the widening path (run).
 constexpr int64_t kIntDotRows = 16;
+template <int MB, int NB>
+void int_dot_tile(const Int8& wt, const vn_idot::Rows& xq, int64_t K, int64_t m0, int64_t n0, float* out, int64_t pf) {
+  vn_idot::tile_int8<MB, NB>(wt.w + n0 * K, wt.scale + n0, xq.at(m0), xq.d_at(m0), K, out,
+                             pf < 0 ? nullptr : wt.w + pf * K);
+}
+template <int MB, int NB>
+void int_dot_tile(const Int4& wt, const vn_idot::Rows& xq, int64_t K, int64_t m0, int64_t n0, float* out, int64_t pf) {
+  vn_idot::tile_int4<MB, NB>(wt.w + n0 * (K / 2), wt.sm + n0 * (K / 16), xq.at(m0), xq.d_at(m0), xq.sum_at(m0), K,
+                             out, pf < 0 ? nullptr : wt.w + pf * (K / 2));
+}
+#endif
 constexpr int64_t kIntAhead = 2;  // bands ahead prefetched (as vnni_rows)
 
 template <typename Q>
@@ -378,13 +394,7 @@ at::Tensor int_dot_rows(const Q& wt, const at::Tensor& x_in, int64_t N) {
   std::vector<float> buf;
   const vn_idot::Rows xq(fp32_rows(x, buf), x.size(0), K, std::is_same_v<Q, Int4>);
   const auto tile = [&](auto mb, auto nb, int64_t m0, int64_t n0, float* out, int64_t pf) {
-    constexpr int MB = decltype(mb)::value, NB = decltype(nb)::value;
-    if constexpr (std::is_same_v<Q, Int8>)
-      vn_idot::tile_int8<MB, NB>(wt.w + n0 * K, wt.scale + n0, xq.at(m0), xq.d_at(m0), K, out,
-                                 pf < 0 ? nullptr : wt.w + pf * K);
-    else
-      vn_idot::tile_int4<MB, NB>(wt.w + n0 * (K / 2), wt.sm + n0 * (K / 16), xq.at(m0), xq.d_at(m0), xq.sum_at(m0),
-                                 K, out, pf < 0 ? nullptr : wt.w + pf * (K / 2));
+    int_dot_tile<decltype(mb)::value, decltype(nb)::value>(wt, xq, K, m0, n0, out, pf);
   };
   const auto go = [&](auto* yp) {
     vn_idot::run_bands<kBand>(xq.M, N, kIntAhead, tile, [&](int64_t m, int64_t n, float v) { put(yp + m * N + n, v); });
@@ -439,6 +449,9 @@ at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& q, const at::Tenso
 #if defined(__AVX512BF16__)
   if (x.scalar_type() == at::kBFloat16 && x.size(0) > 4) return bf16_rows(wt, x.contiguous(), q.size(0));
 #endif
+#if defined(VN_INT_DOT) && defined(__AVX512F__)
+  if (x.scalar_type() == at::kBFloat16 && x.size(0) <= kIntDotRows) return int_dot_rows(wt, x, q.size(0));
+#endif
 #if defined(__AVX2__) && !defined(__AVX512F__)
   if (x.size(0) <= kIntDotRows) return int_dot_rows(wt, x, q.size(0));
 #endif
@@ -461,106 +474,16 @@ at::Tensor linear_quant_path(const at::Tensor& x, const at::Tensor& q, const at:
 }
 #endif
 
-// Prefill-sized inputs take oneDNN's matmul on the weight put back in row order in the compute dtype: one
-// pass over the quantized bytes, parallel over bands (torch's unbanding is a transpose and a concatenation,
-// then a conversion: three passes and three allocations, every linear of every prefill step).
-template <typename T, typename F>
-at::Tensor unband(int64_t N, int64_t K, at::ScalarType dtype, F&& rows_of_band) {
-  auto w = at::empty({N, K}, at::TensorOptions().dtype(dtype));
-  T* wp = w.data_ptr<T>();
-  const int64_t bands = (N + kBand - 1) / kBand;
-  at::parallel_for(0, bands, 4, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) rows_of_band(b * kBand, std::min(kBand, N - b * kBand), wp);
-  });
-  return w;
-}
-
-// go(T* tag) with T the element type of `dtype` (a null pointer of that type).
-template <typename Go>
-void by_dtype(at::ScalarType dtype, Go&& go) {
-  switch (dtype) {
-    case at::kFloat: go(static_cast<float*>(nullptr)); break;
-    case at::kBFloat16: go(static_cast<c10::BFloat16*>(nullptr)); break;
-    case at::kHalf: go(static_cast<c10::Half*>(nullptr)); break;
-    default: TORCH_CHECK(false, "dtype must be float32, bfloat16 or float16");
-  }
-}
-
-template <typename T>
-void put_all(T* dst, const float* v, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) put(dst + i, v[i]);
-}
-
-// int8: w[n, k] = q (exact in every compute dtype); the per-row scale stays with the matmul's output.
-at::Tensor unpack_int8(const at::Tensor& q, at::ScalarType dtype) {
-  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar && q.is_contiguous(), "q must be contiguous int8 [N, K]");
-  const int64_t N = q.size(0), K = q.size(1);
-  TORCH_CHECK(K % 16 == 0, "K must be a multiple of 16");
-  const int8_t* qp = q.data_ptr<int8_t>();
-  at::Tensor out;
-  const auto go = [&](auto* tag) {
-    using T = std::remove_pointer_t<decltype(tag)>;
-    out = unband<T>(N, K, dtype, [&](int64_t n0, int64_t rows, T* wp) {
-      const int8_t* band = qp + n0 * K;
-      float v[16];
-      for (int64_t c = 0; c < K / 16; ++c)
-        for (int64_t r = 0; r < rows; ++r) {
-          const int8_t* src = band + (c * rows + r) * 16;
-          for (int i = 0; i < 16; ++i) v[i] = src[i];
-          put_all(wp + (n0 + r) * K + c * 16, v, 16);
-        }
-    });
-  };
-  by_dtype(dtype, go);
-  return out;
-}
-
-// int4: w[n, k] = q * scale + min in fp32, then rounded to the compute dtype.
-at::Tensor unpack_int4(const at::Tensor& q, const at::Tensor& sm, at::ScalarType dtype) {
-  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kByte && q.is_contiguous(), "q must be contiguous uint8");
-  const int64_t N = q.size(0), K = 2 * q.size(1);
-  TORCH_CHECK(K % 64 == 0, "K must be a multiple of 64");
-  TORCH_CHECK(sm.scalar_type() == at::kFloat && sm.is_contiguous() && sm.numel() == N * (K / 16),
-              "scales must be float32 [N, K / 32, 2]");
-  const uint8_t* qp = q.data_ptr<uint8_t>();
-  const float* sp = sm.data_ptr<float>();
-  at::Tensor out;
-  const auto go = [&](auto* tag) {
-    using T = std::remove_pointer_t<decltype(tag)>;
-    out = unband<T>(N, K, dtype, [&](int64_t n0, int64_t rows, T* wp) {
-      const uint8_t* band = qp + n0 * (K / 2);
-      const float* band_sm = sp + n0 * (K / 16);
-      float v[64];
-      for (int64_t c = 0; c < K / 64; ++c)
-        for (int64_t r = 0; r < rows; ++r) {
-          const uint8_t* src = band + (c * rows + r) * 32;
-          const float* s = band_sm + (c * rows + r) * 4;  // scale, min of the first group, then the second
-          for (int i = 0; i < 32; ++i) {
-            v[i] = static_cast<float>(src[i] & 15) * s[0] + s[1];
-            v[32 + i] = static_cast<float>(src[i] >> 4) * s[2] + s[3];
-          }
-          put_all(wp + (n0 + r) * K + c * 64, v, 64);
-        }
-    });
-  };
-  by_dtype(dtype, go);
-  return out;
-}
-
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(vllm_neuron, m) {
   m.def("linear_int8(Tensor x, Tensor q, Tensor scale) -> Tensor");
   m.def("linear_int4(Tensor x, Tensor q, Tensor scales) -> Tensor");
-  m.def("unpack_int8(Tensor q, ScalarType dtype) -> Tensor");
-  m.def("unpack_int4(Tensor q, Tensor scales, ScalarType dtype) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(vllm_neuron, CPU, m) {
   m.impl("linear_int8", &linear_int8);
   m.impl("linear_int4", &linear_int4);
-  m.impl("unpack_int8", &unpack_int8);
-  m.impl("unpack_int4", &unpack_int4);
 }
 
 #if defined(__AVX2__) && !defined(__AVX512F__)
