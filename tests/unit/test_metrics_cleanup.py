@@ -26,9 +26,14 @@ def _start(tmp_path, before_import: str = "") -> tuple[subprocess.Popen, str]:
     return proc, folder
 
 
+# The signals' default actions in the child whatever this process inherited (under nohup SIGHUP arrives ignored,
+# and an ignored signal is a disposition the module leaves alone: see the last test).
+_DEFAULTS = "signal.signal(signal.SIGTERM, signal.SIG_DFL); signal.signal(signal.SIGHUP, signal.SIG_DFL)"
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
 def test_folder_removed_when_killed_by_signal(tmp_path, sig):
-    proc, folder = _start(tmp_path, "")
+    proc, folder = _start(tmp_path, _DEFAULTS)
     proc.send_signal(sig)
     assert proc.wait(30) == -sig  # still dies of the signal, as its default action does
     assert not os.path.exists(folder)
@@ -39,4 +44,15 @@ def test_a_handler_installed_before_is_left_alone(tmp_path):
     proc, folder = _start(tmp_path, "signal.signal(signal.SIGTERM, lambda *a: sys.exit(3))")
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(30) == 3
+    assert not os.path.exists(folder)
+
+
+def test_an_ignored_sighup_stays_ignored(tmp_path):
+    # A process started under nohup keeps running through SIGHUP; SIGTERM still removes the folder.
+    proc, folder = _start(tmp_path, _DEFAULTS + "; signal.signal(signal.SIGHUP, signal.SIG_IGN)")
+    proc.send_signal(signal.SIGHUP)
+    with pytest.raises(subprocess.TimeoutExpired):
+        proc.wait(1)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(30) == -signal.SIGTERM
     assert not os.path.exists(folder)
