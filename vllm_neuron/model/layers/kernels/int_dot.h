@@ -1,6 +1,6 @@
-// Input rows made int16 for integer dot products against int8 / int4 weights, and the band loop those kernels
-// share: the ISA-neutral part of int_dot_avx2.h (the AVX2 build's tiles) and int4_vnni.h (AVX512-VNNI's int4
-// tile). That header's comment states the numerics.
+// Input rows made int16 for integer dot products against int8 / int4 weights, the int4 tile's loop and the band
+// loop those kernels share: the ISA-neutral part of int_dot_avx2.h (the AVX2 build's tiles) and int4_vnni.h
+// (AVX512-VNNI's int4 tile). That header's comment states the numerics.
 #pragma once
 #include <immintrin.h>
 
@@ -77,6 +77,54 @@ struct Rows {
   const float* d_at(int64_t m) const { return d.data() + m * nb; }
   const float* sum_at(int64_t m) const { return sum.data() + m * (K / kGroup); }
 };
+
+// The NB (1..4) rows of the int4 band at `band` (scales at `sm`) against input rows 0 .. MB - 1 (xq rows of
+// stride K, d of stride blocks(K), xsum: the groups' exact sums, stride K / 32): out[i * NB + j] = row i . band
+// row j. pf: the band to prefetch meanwhile, or null. The loop is the same at every vector width; V supplies its
+// steps (int_dot_avx2.h's Int4Avx2, int4_vnni.h's Int4Vnni512): F, the fp32 vector, zero / fma / sum on it;
+// inputs(x): a row's 64 inputs of a superblock (X); weights(p): a row's 32 bytes of codes widened to int16 (W);
+// groups(w, x, g0, g1): each of the superblock's two groups' 32 products, summed exactly and made fp32.
+// Layout (quant_bands.py): per band, [K / 64][rows][32 bytes] (byte j: weight j's code in its low nibble, weight
+// j + 32's in its high one), scales [K / 64][rows][scale, min, scale, min].
+template <typename V, int MB, int NB>
+inline void tile_int4(const uint8_t* band, const float* sm, const int16_t* xq, const float* d, const float* xsum,
+                      int64_t K, float* out, const uint8_t* pf) {
+  const int64_t nb = blocks(K), sbs = kBlock / 64;
+  typename V::F acc[MB][NB];
+  float mins[MB][NB];
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NB; ++j) {
+      acc[i][j] = V::zero();
+      mins[i][j] = 0.f;
+    }
+  for (int64_t b = 0; b < nb; ++b) {
+    float f[MB];
+    for (int i = 0; i < MB; ++i) f[i] = d[i * nb + b];
+    const int64_t sb1 = std::min(K / 64, (b + 1) * sbs);
+    for (int64_t sb = b * sbs; sb < sb1; ++sb) {
+      const uint8_t* p = band + sb * NB * 32;
+      const float* s = sm + sb * NB * 4;
+      if (pf)
+        for (int l = 0; l < NB * 32; l += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(pf + sb * NB * 32 + l), _MM_HINT_T1);
+      typename V::X x[MB];
+      for (int i = 0; i < MB; ++i) x[i] = V::inputs(xq + i * K + sb * 64);
+      for (int j = 0; j < NB; ++j) {
+        const typename V::W w = V::weights(p + 32 * j);
+        for (int i = 0; i < MB; ++i) {
+          typename V::F g0, g1;
+          V::groups(w, x[i], g0, g1);
+          acc[i][j] = V::fma(g0, s[4 * j] * f[i], acc[i][j]);
+          acc[i][j] = V::fma(g1, s[4 * j + 2] * f[i], acc[i][j]);
+          const float* si = xsum + i * (K / kGroup) + 2 * sb;
+          mins[i][j] += s[4 * j + 1] * si[0] + s[4 * j + 3] * si[1];
+        }
+      }
+    }
+  }
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NB; ++j) out[i * NB + j] = V::sum(acc[i][j]) + mins[i][j];
+}
 
 // f(std::integral_constant<int, MB>, m0) over rows 0 .. M - 1 in blocks of four, then the last 1-3.
 template <typename F>

@@ -90,54 +90,32 @@ inline void tile_int8(const int8_t* band, const float* scale, const int16_t* xq,
   store_sums(acc, out, scale);
 }
 
-// The NB (1..4) rows of the int4 band at `band` (scales at `sm`) against input rows 0 .. MB - 1 (xsum: the
-// groups' exact sums, stride K / 32): out[i * NB + j] = row i . band row j.
-template <int MB, int NB>
-inline void tile_int4(const uint8_t* band, const float* sm, const int16_t* xq, const float* d, const float* xsum,
-                      int64_t K, float* out, const uint8_t* pf) {
-  const int64_t nb = blocks(K), sbs = kBlock / 64;
-  const __m256i low = _mm256_set1_epi16(15);
-  __m256 acc[MB][NB];
-  float mins[MB][NB];
-  for (int i = 0; i < MB; ++i)
-    for (int j = 0; j < NB; ++j) {
-      acc[i][j] = _mm256_setzero_ps();
-      mins[i][j] = 0.f;
+// int4 at 8 lanes (int_dot.h's tile_int4 is the loop): VPMADDWD's pairs, two per group of 32 products.
+struct Int4Avx2 {
+  using F = __m256;
+  using X = const int16_t*;  // read where used: four rows' 16 registers of inputs would not stay in AVX2's 16
+  struct W {
+    __m256i w[4];  // weights 0-15, 16-31 (the first group), 32-47, 48-63 (the second)
+  };
+  static F zero() { return _mm256_setzero_ps(); }
+  static X inputs(const int16_t* x) { return x; }
+  static W weights(const uint8_t* p) {
+    const __m256i low = _mm256_set1_epi16(15);
+    W r;
+    for (int h = 0; h < 2; ++h) {
+      const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * h)));
+      r.w[h] = _mm256_and_si256(v, low);
+      r.w[2 + h] = _mm256_srli_epi16(v, 4);
     }
-  for (int64_t b = 0; b < nb; ++b) {
-    float f[MB];
-    for (int i = 0; i < MB; ++i) f[i] = d[i * nb + b];
-    const int64_t sb1 = std::min(K / 64, (b + 1) * sbs);
-    for (int64_t sb = b * sbs; sb < sb1; ++sb) {
-      const uint8_t* p = band + sb * NB * 32;
-      const float* s = sm + sb * NB * 4;
-      if (pf)
-        for (int l = 0; l < NB * 32; l += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(pf + sb * NB * 32 + l), _MM_HINT_T1);
-      for (int j = 0; j < NB; ++j) {
-        __m256i w[4];  // weights 0-15, 16-31 (the first group), 32-47, 48-63 (the second)
-        for (int h = 0; h < 2; ++h) {
-          const auto* bytes = reinterpret_cast<const __m128i*>(p + 32 * j + 16 * h);
-          const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128(bytes));
-          w[h] = _mm256_and_si256(v, low);
-          w[2 + h] = _mm256_srli_epi16(v, 4);
-        }
-        for (int i = 0; i < MB; ++i) {
-          const int16_t* xr = xq + i * K + sb * 64;
-          const auto x = [&](int q) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + 16 * q)); };
-          const __m256i g0 = _mm256_add_epi32(_mm256_madd_epi16(w[0], x(0)), _mm256_madd_epi16(w[1], x(1)));
-          const __m256i g1 = _mm256_add_epi32(_mm256_madd_epi16(w[2], x(2)), _mm256_madd_epi16(w[3], x(3)));
-          acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(g0), _mm256_set1_ps(s[4 * j] * f[i]), acc[i][j]);
-          acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(g1), _mm256_set1_ps(s[4 * j + 2] * f[i]), acc[i][j]);
-          const float* si = xsum + i * (K / kGroup) + 2 * sb;
-          mins[i][j] += s[4 * j + 1] * si[0] + s[4 * j + 3] * si[1];
-        }
-      }
-    }
+    return r;
   }
-  store_sums(acc, out, nullptr);
-  for (int i = 0; i < MB; ++i)
-    for (int j = 0; j < NB; ++j) out[i * NB + j] += mins[i][j];
-}
+  static void groups(const W& w, X xr, F& g0, F& g1) {
+    const auto x = [&](int q) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + 16 * q)); };
+    g0 = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_madd_epi16(w.w[0], x(0)), _mm256_madd_epi16(w.w[1], x(1))));
+    g1 = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_madd_epi16(w.w[2], x(2)), _mm256_madd_epi16(w.w[3], x(3))));
+  }
+  static F fma(F g, float s, F acc) { return _mm256_fmadd_ps(g, _mm256_set1_ps(s), acc); }
+  static float sum(F v) { return Vec::sum(v); }
+};
 
 }  // namespace vn_idot

@@ -366,8 +366,8 @@ at::Tensor run(const Q& wt, const at::Tensor& x_in, int64_t N) {
 constexpr int64_t kIntDotRows = 1;
 template <int MB, int NB>
 void int_dot_tile(const Int4& wt, const vn_idot::Rows& xq, int64_t K, int64_t m0, int64_t n0, float* out, int64_t pf) {
-  vn_idot::tile_int4_512<MB, NB>(wt.w + n0 * (K / 2), wt.sm + n0 * (K / 16), xq.at(m0), xq.d_at(m0), xq.sum_at(m0),
-                                 K, out, pf < 0 ? nullptr : wt.w + pf * (K / 2));
+  vn_idot::tile_int4<vn_idot::Int4Vnni512, MB, NB>(wt.w + n0 * (K / 2), wt.sm + n0 * (K / 16), xq.at(m0), xq.d_at(m0),
+                                                 xq.sum_at(m0), K, out, pf < 0 ? nullptr : wt.w + pf * (K / 2));
 }
 #else
 // AVX2: up to kIntDotRows rows of any dtype, int8 and int4 (int_dot_avx2.h, which has the A/B that set it); above,
@@ -380,8 +380,8 @@ void int_dot_tile(const Int8& wt, const vn_idot::Rows& xq, int64_t K, int64_t m0
 }
 template <int MB, int NB>
 void int_dot_tile(const Int4& wt, const vn_idot::Rows& xq, int64_t K, int64_t m0, int64_t n0, float* out, int64_t pf) {
-  vn_idot::tile_int4<MB, NB>(wt.w + n0 * (K / 2), wt.sm + n0 * (K / 16), xq.at(m0), xq.d_at(m0), xq.sum_at(m0), K,
-                             out, pf < 0 ? nullptr : wt.w + pf * (K / 2));
+  vn_idot::tile_int4<vn_idot::Int4Avx2, MB, NB>(wt.w + n0 * (K / 2), wt.sm + n0 * (K / 16), xq.at(m0), xq.d_at(m0),
+                                              xq.sum_at(m0), K, out, pf < 0 ? nullptr : wt.w + pf * (K / 2));
 }
 #endif
 constexpr int64_t kIntAhead = 2;  // bands ahead prefetched (as vnni_rows)
