@@ -121,6 +121,27 @@ def test_kernel_and_prefill_path_match_the_dequantized_matmul_at_every_bucket(sc
         torch.testing.assert_close(kernel(x, qweight, qscale).float(), ref, **tol)
 
 
+@pytest.mark.parametrize("n, k", [(12, 64), (9, 320), (960, 576), (7, 1536)])
+def test_int4_kernel_from_five_bf16_rows_sees_exactly_the_prefill_paths_weights(n, k):
+    """From 5 bf16 rows the int4 kernel widens each band to bf16 once (on AVX512-BF16 CPUs by a table per
+    superblock) and prefill hands oneDNN unpack_int4's weights: the two must be the same bf16 values, or decode
+    and prefill would run different models. One-hot input rows read single weights back exactly (one product,
+    zeros elsewhere, and a bf16 weight fits the bf16 output), every column of every band and tail row; scales
+    spread over 2^-20..2^20 exercise the rounding."""
+    if not caps.quant_kernels_available(CPU):
+        pytest.skip("no AVX2 here: the torch path serves")
+    g = torch.Generator().manual_seed(n * k)
+    w = torch.randn(n, k, generator=g) * 2.0 ** (torch.randint(-20, 21, (n, 1), generator=g).float())
+    q, sm = Q4.quantize(w)
+    prefill_w = ops.unpack_int4(q, sm, torch.bfloat16)  # [n, k]
+    for lo in range(0, k, 256):  # one-hot rows for columns lo .. lo + 255: 5+ rows each call
+        cols = torch.arange(lo, min(k, lo + 256))
+        x = torch.zeros(len(cols), k, dtype=torch.bfloat16)
+        x[torch.arange(len(cols)), cols] = 1
+        out = ops.linear_int4(x, q, sm)
+        assert torch.equal(out, prefill_w[:, cols].T.contiguous()), f"columns {lo}..{lo + len(cols) - 1}"
+
+
 @pytest.mark.parametrize("n, k", [(12, 48), (9, 272), (960, 576), (8, 1536)])
 def test_int8_kernel_on_bf16_inputs_of_any_range_stays_within_the_int16_rounding(n, k):
     """bf16 inputs meet int8 weights as int16 (VPDPWSSD where the CPU has AVX512-VNNI, VPMADDWD in AVX2 builds):
