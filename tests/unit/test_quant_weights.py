@@ -112,8 +112,8 @@ def test_kernel_and_prefill_path_match_the_dequantized_matmul_at_every_bucket(sc
         ref = _reference(x, w_deq, None)
         if dtype == torch.float32:
             tol = dict(rtol=1e-5, atol=1e-5 + _int_dot_atol(scheme, x, qweight, qscale))
-        elif scheme == "int4" and rows > 4 and caps.kernel_variant()[0] == "avx512bf16":
-            # From 5 rows on, VDPBF16PS over the dequantized weight rounded to bf16 (as prefill's oneDNN
+        elif scheme == "int4" and rows > 1 and caps.kernel_variant()[0] == "avx512bf16":
+            # From 2 rows on, VDPBF16PS over the dequantized weight rounded to bf16 (as prefill's oneDNN
             # path uses it): the prefill tolerance.
             tol = dict(rtol=2**-7, atol=5e-3 * ref.abs().max().item())
         else:  # exact weights (int8 widens exactly to bf16 too): the output's rounding
@@ -122,24 +122,27 @@ def test_kernel_and_prefill_path_match_the_dequantized_matmul_at_every_bucket(sc
 
 
 @pytest.mark.parametrize("n, k", [(12, 64), (9, 320), (960, 576), (7, 1536)])
-def test_int4_kernel_from_five_bf16_rows_sees_exactly_the_prefill_paths_weights(n, k):
-    """From 5 bf16 rows the int4 kernel widens each band to bf16 once (on AVX512-BF16 CPUs by a table per
+def test_int4_kernel_on_bf16_rows_sees_exactly_the_prefill_paths_weights(n, k):
+    """From 2 bf16 rows the int4 kernel widens each band to bf16 once (on AVX512-BF16 CPUs by a table per
     superblock) and prefill hands oneDNN unpack_int4's weights: the two must be the same bf16 values, or decode
     and prefill would run different models. One-hot input rows read single weights back exactly (one product,
-    zeros elsewhere, and a bf16 weight fits the bf16 output), every column of every band and tail row; scales
-    spread over 2^-20..2^20 exercise the rounding."""
+    zeros elsewhere, and a bf16 weight fits the bf16 output), every column of every band and tail row, in calls
+    of 2-4 rows and of up to 256; scales spread over 2^-20..2^20 exercise the rounding."""
     if not caps.quant_kernels_available(CPU):
         pytest.skip("no AVX2 here: the torch path serves")
     g = torch.Generator().manual_seed(n * k)
     w = torch.randn(n, k, generator=g) * 2.0 ** (torch.randint(-20, 21, (n, 1), generator=g).float())
     q, sm = Q4.quantize(w)
     prefill_w = ops.unpack_int4(q, sm, torch.bfloat16)  # [n, k]
-    for lo in range(0, k, 256):  # one-hot rows for columns lo .. lo + 255: 5+ rows each call
-        cols = torch.arange(lo, min(k, lo + 256))
-        x = torch.zeros(len(cols), k, dtype=torch.bfloat16)
-        x[torch.arange(len(cols)), cols] = 1
-        out = ops.linear_int4(x, q, sm)
-        assert torch.equal(out, prefill_w[:, cols].T.contiguous()), f"columns {lo}..{lo + len(cols) - 1}"
+    for rows in (2, 3, 4, 256):  # one-hot rows for columns lo .. lo + rows - 1 per call (the last call: fewer)
+        for lo in range(0, k if rows == 256 else min(k, 96), rows):
+            cols = torch.arange(lo, min(k, lo + rows))
+            if len(cols) < 2:
+                continue  # one row takes the integer-product path, whose rounding differs (test_int4_vnni.py)
+            x = torch.zeros(len(cols), k, dtype=torch.bfloat16)
+            x[torch.arange(len(cols)), cols] = 1
+            out = ops.linear_int4(x, q, sm)
+            assert torch.equal(out, prefill_w[:, cols].T.contiguous()), f"{rows} rows: columns {lo}.."
 
 
 @pytest.mark.parametrize("n, k", [(12, 48), (9, 272), (960, 576), (8, 1536)])
