@@ -7,6 +7,8 @@ compile cache (each checkout's code has its own cache key). Prints the medians o
 
     python benchmarks/ab_steps.py --a /path/to/old-checkout --b . --rounds 3 \
         [--llm-kwargs '{"additional_config": {"neuron_config": {"quantization": "int4"}}}']
+    python benchmarks/ab_steps.py --a . --b . \
+        --b-llm-kwargs '{"additional_config": {"neuron_config": {"decode_cpp_wrapper": true}}}'   # one option's A/B
 """
 from __future__ import annotations
 
@@ -57,26 +59,29 @@ def main() -> None:
     ap.add_argument("--cache-root", default=os.path.join(tempfile.gettempdir(), "vllm_neuron_ab_cache"),
                     help="VLLM_CACHE_ROOT of the children (kernels, compile caches; kept between runs)")
     ap.add_argument("--llm-kwargs", default="{}", help="JSON of extra LLM(...) arguments for both children")
+    ap.add_argument("--b-llm-kwargs", default=None,
+                    help="JSON of B's LLM(...) arguments instead of --llm-kwargs (A/B of an option on one checkout)")
     args = ap.parse_args()
-    try:
-        if not isinstance(json.loads(args.llm_kwargs), dict):
-            raise ValueError
-    except ValueError:
-        raise SystemExit(f"--llm-kwargs must be a JSON object, got {args.llm_kwargs!r}") from None
+    for flag, value in (("--llm-kwargs", args.llm_kwargs), ("--b-llm-kwargs", args.b_llm_kwargs)):
+        try:
+            if value is not None and not isinstance(json.loads(value), dict):
+                raise ValueError
+        except ValueError:
+            raise SystemExit(f"{flag} must be a JSON object, got {value!r}") from None
     if args.rounds < 1:
         raise SystemExit(f"--rounds must be at least 1, got {args.rounds}")
-    sides = {"A": args.a, "B": args.b}
+    sides = {"A": (args.a, args.llm_kwargs), "B": (args.b, args.b_llm_kwargs or args.llm_kwargs)}
     print("warm-up round (fills each checkout's compile cache) ...", file=sys.stderr, flush=True)
-    for side in sides.values():
-        run_child(side, args.cache_root, args.llm_kwargs)
+    for checkout, kwargs in sides.values():
+        run_child(checkout, args.cache_root, kwargs)
     got: dict[str, dict[str, list[float]]] = {"A": {}, "B": {}}
     for r in range(args.rounds):
-        for name, checkout in sides.items():
+        for name, (checkout, kwargs) in sides.items():
             print(f"round {r + 1}/{args.rounds}: {name} ({checkout}) ...", file=sys.stderr, flush=True)
-            for bucket, ts in run_child(checkout, args.cache_root, args.llm_kwargs).items():
+            for bucket, ts in run_child(checkout, args.cache_root, kwargs).items():
                 got[name].setdefault(bucket, []).extend(ts)
     buckets = sorted(set(got["A"]) & set(got["B"]), key=lambda b: (not b.startswith("prefill"), len(b), b))
-    print(f"A = {args.a}\nB = {args.b}\n")
+    print(f"A = {args.a} {sides['A'][1]}\nB = {args.b} {sides['B'][1]}\n")
     print("| bucket graph | steps (A / B) | A median (ms) | B median (ms) | B / A |")
     print("| --- | --- | --- | --- | --- |")
     for b in buckets:

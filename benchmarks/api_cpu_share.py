@@ -1,13 +1,13 @@
 """The API server process's CPU share while the engine serves P1 (issue 17 item 5), in one run.
 
 Starts `vllm-neuron serve` (the bundled model by default), warms it up, then runs `vllm-neuron bench serve`
-with P1 (64 requests x 256 random prompt tokens, 128 output tokens, 16 concurrent) in a process of its
+with P1 (64 requests x 256 random prompt tokens, 128 output tokens, 16 concurrent; --max-concurrency 1 makes it P2-shaped) in a process of its
 own, and reads every process's CPU time (/proc/<pid>/stat utime + stime) before and after: the API server
 (HTTP, tokenization, detokenization, SSE; its threads listed apart), the EngineCore process(es) it
 spawned, the benchmark client, and the whole machine (/proc/stat) - whatever else runs on it. Prints each
 one's CPU seconds, share of the wall time (1.0 = one core busy all the time) and share of the cores.
 
-    python benchmarks/api_cpu_share.py [--server-args='--enforce-eager'] [--num-prompts 64]
+    python benchmarks/api_cpu_share.py [--server-args='--enforce-eager'] [--num-prompts 64] [--max-concurrency 16]
 """
 from __future__ import annotations
 
@@ -119,7 +119,7 @@ def measure(args: argparse.Namespace) -> list[Share]:
               flush=True)
         bench = _exe() + ["bench", "serve", "--base-url", server.base_url, "--dataset-name", "random",
                           "--num-prompts", str(args.num_prompts), "--random-input-len", "256",
-                          "--random-output-len", "128", "--max-concurrency", "16", "--seed", "0",
+                          "--random-output-len", "128", "--max-concurrency", str(args.max_concurrency), "--seed", "0",
                           "--tokenizer", model, "--disable-tqdm"]
         before = {p: cpu_seconds(p) for p in [api, *engines]}
         threads_before = thread_seconds(api)
@@ -150,7 +150,7 @@ def measure(args: argparse.Namespace) -> list[Share]:
     shares += [Share(f"  {label}", s) for label, s in sorted(by_thread.items(), key=lambda kv: -kv[1]) if s > 0]
     shares += [Share(f"{r} (pid {p})", after[p] - before[p]) for p, r in engines.items()]
     shares += [Share("bench serve client (start-up included)", client_s), Share("whole machine (every process)", m1[0] - m0[0])]
-    print(f"\nP1 ({args.num_prompts} x 256 -> 128, 16 concurrent) took {wall:.1f} s wall on {cores} cores; "
+    print(f"\n{args.num_prompts} x 256 -> 128, {args.max_concurrency} concurrent took {wall:.1f} s wall on {cores} cores; "
           f"server args: {args.server_args or '(none)'}")
     print("| process | CPU seconds | share of wall (1.0 = one core) | share of the cores |")
     print("| --- | --- | --- | --- |")
@@ -176,6 +176,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model", default=None, help="model path (default: the bundled model)")
     p.add_argument("--server-args", default="", help="extra `vllm-neuron serve` arguments")
     p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--max-concurrency", type=int, default=16,
+                   help="requests in flight (16 = P1; P2 is --num-prompts 8 --max-concurrency 1)")
     p.add_argument("--ready-timeout", type=float, default=1800.0)
     p.add_argument("--log-dir", default="/tmp")
     measure(p.parse_args(argv))
