@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from tests.unit.test_int_dot_avx2 import INT_DOT_ROWS, codes, int_dot_bound
 from vllm_neuron.config.engine_args import EngineArgs
-from vllm_neuron.model.layers.kernels import build, ops
+from vllm_neuron.model.layers.kernels import ops
 from vllm_neuron.model.layers.kernels import cpu_caps as caps
 from vllm_neuron.model.layers import quant_int4 as Q4
 from vllm_neuron.model.layers import quant_int8 as Q8

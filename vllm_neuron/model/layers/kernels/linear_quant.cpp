@@ -171,11 +171,11 @@ const float* fp32_rows(const at::Tensor& x, std::vector<float>& buf) {
 }
 
 #if defined(__AVX512BF16__)
-// bf16 inputs from five rows on: re-widening a band to fp32 for every four-row block made the step
-// compute-bound (int8 decode_b16 1.9x bf16's). Here each band is widened once to bf16 in an L1 buffer (int8:
-// exact, |q| <= 128 needs 8 significant bits, the scale applied per output; int4: the dequantized weight
-// rounded to bf16, as prefill uses it) and runs VDPBF16PS tiles against the input rows as they are, as the
-// bf16 kernel does: products exact, sums fp32. One to four int8 rows (to 16 on AMX CPUs) take VPDPWSSD instead (vnni_rows).
+// bf16 inputs from five rows on (int4: from two, linear_int4): re-widening a band to fp32 for every four-row
+// block made the step compute-bound (int8 decode_b16 1.9x bf16's). Here each band is widened once to bf16 in an
+// L1 buffer (int8: exact, |q| <= 128 needs 8 significant bits, the scale applied per output; int4: the
+// dequantized weight rounded to bf16, as prefill uses it) and runs VDPBF16PS tiles against the input rows as
+// they are, as the bf16 kernel does: products exact, sums fp32. One to four int8 rows (to 16 on AMX CPUs) take VPDPWSSD instead (vnni_rows).
 template <int MB>
 void bf16_tile(const uint16_t* x, const uint16_t* wb, c10::BFloat16* y, int64_t K, int64_t N, int64_t m0,
                int64_t n0, const float* scale) {
