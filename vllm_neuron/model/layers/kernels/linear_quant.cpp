@@ -37,6 +37,9 @@
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include "simd.h"
+#if defined(__AVX512BF16__)
+#include "int4_table.h"
+#endif
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #include "int4_vnni.h"
 #include "int8_vnni.h"
@@ -205,29 +208,15 @@ inline void widen_band_bf16(const Int8& wt, int64_t n0, int64_t K, uint16_t* wb)
     }
 }
 
-// Band n0's int4 superblocks -> wb[4][K]: q * scale + min in fp32, rounded to bf16 (the weight the prefill
-// path's unpack_int4 gives oneDNN, so decode and prefill see the same weights). A group has only 16 values: the
-// superblock's two groups' 32 are computed once (two FMAs on 0..15, one conversion) into one table that VPERMW
-// reads by code, 32 weights per lookup, where widening each weight took a conversion to fp32, an FMA and a
-// conversion back per 16 of them. The table holds the same fp32 FMA, rounded alike: the same bf16 weights.
+// Band n0's int4 superblocks -> wb[4][K]: q * scale + min in fp32, rounded to bf16 (int4_table.h: the weight the
+// prefill path's unpack_int4 gives oneDNN, so decode and prefill see the same weights).
 inline void widen_band_bf16(const Int4& wt, int64_t n0, int64_t K, uint16_t* wb) {
   const uint8_t* band = wt.w + n0 * (K / 2);
   const float* band_sm = wt.sm + n0 * (K / 16);
-  const __m512 codes = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  const __m512i low = _mm512_set1_epi16(15), second = _mm512_set1_epi16(16);
   for (int64_t kb = 0; kb < K; kb += 64)
-    for (int j = 0; j < kBand; ++j) {
-      const uint8_t* p = band + (kb / 64) * kBand * 32 + 32 * j;
-      const float* sc = band_sm + (kb / 64) * kBand * 4 + 4 * j;
-      const __m512 first_values = _mm512_fmadd_ps(codes, _mm512_set1_ps(sc[0]), _mm512_set1_ps(sc[1]));
-      const __m512 second_values = _mm512_fmadd_ps(codes, _mm512_set1_ps(sc[2]), _mm512_set1_ps(sc[3]));
-      // lanes 0-15: the first group's values by code, 16-31: the second's
-      const __m512i table = (__m512i)_mm512_cvtne2ps_pbh(second_values, first_values);
-      const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-      const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_or_si512(_mm512_srli_epi16(v, 4), second);
-      _mm512_storeu_si512(wb + j * K + kb, _mm512_permutexvar_epi16(lo, table));
-      _mm512_storeu_si512(wb + j * K + kb + 32, _mm512_permutexvar_epi16(hi, table));
-    }
+    for (int j = 0; j < kBand; ++j)
+      vn_int4::superblock_bf16(band + (kb / 64) * kBand * 32 + 32 * j, band_sm + (kb / 64) * kBand * 4 + 4 * j,
+                               wb + j * K + kb);
 }
 
 inline const float* out_scale(const Int8& wt) { return wt.scale; }

@@ -10,6 +10,10 @@
 #include <cstdint>
 #include <type_traits>
 
+#if defined(__AVX512BF16__)
+#include "int4_table.h"
+#endif
+
 // Built with the quantized linears (the same CPU classes); elsewhere callers dequantize in torch.
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 
@@ -95,6 +99,12 @@ at::Tensor unpack_int4(const at::Tensor& q, const at::Tensor& sm, at::ScalarType
         for (int64_t r = 0; r < rows; ++r) {
           const uint8_t* src = band + (c * rows + r) * 32;
           const float* s = band_sm + (c * rows + r) * 4;  // scale, min of the first group, then the second
+#if defined(__AVX512BF16__)
+          if constexpr (std::is_same_v<T, c10::BFloat16>) {  // by table, as the decode kernel's bands
+            vn_int4::superblock_bf16(src, s, reinterpret_cast<uint16_t*>(wp + (n0 + r) * K + c * 64));
+            continue;
+          }
+#endif
           for (int i = 0; i < 32; ++i) {
             v[i] = static_cast<float>(src[i] & 15) * s[0] + s[1];
             v[32 + i] = static_cast<float>(src[i] >> 4) * s[2] + s[3];
