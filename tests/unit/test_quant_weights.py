@@ -134,6 +134,9 @@ def test_int4_kernel_on_bf16_rows_sees_exactly_the_prefill_paths_weights(n, k):
     w = torch.randn(n, k, generator=g) * 2.0 ** (torch.randint(-20, 21, (n, 1), generator=g).float())
     q, sm = Q4.quantize(w)
     prefill_w = ops.unpack_int4(q, sm, torch.bfloat16)  # [n, k]
+    # bf16 unpacks by table (int4_table.h, shared with the kernel's bands); the fp32 unpack widens each weight in
+    # plain code: rounded to bf16, the same values.
+    assert torch.equal(prefill_w, ops.unpack_int4(q, sm, torch.float32).bfloat16())
     for rows in (2, 3, 4, 256):  # one-hot rows for columns lo .. lo + rows - 1 per call (the last call: fewer)
         for lo in range(0, k if rows == 256 else min(k, 96), rows):
             cols = torch.arange(lo, min(k, lo + rows))
