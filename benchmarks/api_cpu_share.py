@@ -1,8 +1,9 @@
 """The API server process's CPU share while the engine serves P1 (issue 17 item 5), in one run.
 
 Starts `vllm-neuron serve` (the bundled model by default), warms it up, then runs `vllm-neuron bench serve`
-with P1 (64 requests x 256 random prompt tokens, 128 output tokens, 16 concurrent; --max-concurrency 1 makes it P2-shaped) in a process of its
-own, and reads every process's CPU time (/proc/<pid>/stat utime + stime) before and after: the API server
+with P1 (64 requests x 256 random prompt tokens, 128 output tokens, 16 concurrent; `--num-prompts 8
+--max-concurrency 1` makes it P2) in a process of its own, and reads every process's CPU time
+(/proc/<pid>/stat utime + stime) before and after: the API server
 (HTTP, tokenization, detokenization, SSE; its threads listed apart), the EngineCore process(es) it
 spawned, the benchmark client, and the whole machine (/proc/stat) - whatever else runs on it. Prints each
 one's CPU seconds, share of the wall time (1.0 = one core busy all the time) and share of the cores.
@@ -150,8 +151,8 @@ def measure(args: argparse.Namespace) -> list[Share]:
     shares += [Share(f"  {label}", s) for label, s in sorted(by_thread.items(), key=lambda kv: -kv[1]) if s > 0]
     shares += [Share(f"{r} (pid {p})", after[p] - before[p]) for p, r in engines.items()]
     shares += [Share("bench serve client (start-up included)", client_s), Share("whole machine (every process)", m1[0] - m0[0])]
-    print(f"\n{args.num_prompts} x 256 -> 128, {args.max_concurrency} concurrent took {wall:.1f} s wall on {cores} cores; "
-          f"server args: {args.server_args or '(none)'}")
+    print(f"\n{args.num_prompts} x 256 -> 128, {args.max_concurrency} concurrent took {wall:.1f} s wall on "
+          f"{cores} cores; server args: {args.server_args or '(none)'}")
     print("| process | CPU seconds | share of wall (1.0 = one core) | share of the cores |")
     print("| --- | --- | --- | --- |")
     for s in shares:

@@ -2,9 +2,10 @@
 //
 // On AVX-512 builds a single input row against int4 weights had only the widening path: every weight
 // unpacked to fp32, scaled and offset by two FMAs and multiplied by a third, compute-bound well before the
-// weight stream (linear_quant.cpp's kIntDotRows says where this one pays). Here the nibbles are only widened to int16 (a superblock's 32 bytes to 32 lanes,
-// masked for its first group, shifted for its second) and each group's 32 products are summed in 16 int32
-// lanes by one VPDPWSSD; the fp32 work is one conversion and one FMA per group and row. The inputs are made
+// weight stream (linear_quant.cpp's kIntDotRows says where this one pays). Here the nibbles are only widened
+// to int16 (a superblock's 32 bytes to 32 lanes, masked for its first group, shifted for its second) and each
+// group's 32 products are summed in 16 int32 lanes by one VPDPWSSD; the fp32 work is one conversion and one
+// FMA per group and row. The inputs are made
 // int16 as int_dot.h does (per block of 256 inputs one power of two; bf16 inputs within 2^7 of their block's
 // largest exact, the rest rounded to 2^-15 of it), and the group minimum's term takes each group's exact fp32
 // sum of the inputs, so the results are int_dot_avx2.h's.
