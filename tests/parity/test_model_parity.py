@@ -17,7 +17,7 @@ import torch
 from tests.model_factory import (build_tiny_gpt_oss_mxfp4, build_tiny_llama, build_tiny_model, hf_greedy_reference,
                                  make_tiny_gguf, make_tiny_gpt_oss_mxfp4, make_tiny_llama, make_tiny_model,
                                  shared_prefix_prompts)
-from tests.parity.parity_utils import LLAMA_ENGINE, assert_tokens, fp32_llm, greedy_outputs
+from tests.parity.parity_utils import LLAMA_ENGINE, assert_tokens, fp32_llm, generate_ids, greedy_outputs
 from vllm_neuron import LLM, SamplingParams
 from vllm_neuron.config.compatibility import V2_LOG_LINE
 from vllm_neuron.worker.model_runner_v2 import ModelRunnerV2
@@ -337,6 +337,37 @@ def test_llama_small_buckets_force_padding_and_segments(llama_dir, llama_referen
                                                              "decode_context_length_buckets": [128, 256]}})
     assert llm.llm_engine.core.runner.kernels.attention == kernels
     _assert_tokens(_llama_run(llm), llama_reference[0], LLAMA_LENGTHS)
+
+
+def test_llama_prompts_alone_split_at_buckets_and_match_transformers(llama_dir, llama_reference):
+    """One prompt at a time (nothing behind it): on CPU with the attention kernel a prompt that would pad much
+    of its bucket is prefilled in bucket-sized segments (core/prefill_batching.first_segment), and its greedy
+    tokens stay those of transformers."""
+    llm = _llama_engine(llama_dir, enforce_eager=True, max_num_batched_tokens=512, enable_prefix_caching=False,
+                        additional_config={"neuron_config": {"num_batched_tokens_buckets": [32, 64, 128, 256, 512]}})
+    runner = llm.llm_engine.core.runner
+    assert runner.kernels.attention and llm.llm_engine.core.scheduler.config.split_prompts_at_buckets
+    prefills: list[int] = []
+    execute = runner.execute
+
+    def recording(sched):
+        if sched.kind == "prefill":
+            prefills.extend(len(c.token_ids) for c in sched.chunks)
+        return execute(sched)
+
+    runner.execute = recording
+    params = SamplingParams(temperature=0.0, max_tokens=LLAMA_MAX_NEW, ignore_eos=True)
+    segments = {}
+    for i, prompt in enumerate(_llama_prompts()):
+        prefills.clear()
+        (out,) = generate_ids(llm, [prompt], params)
+        assert out.outputs[0].token_ids == llama_reference[0][i], f"prompt {i} (length {LLAMA_LENGTHS[i]}) diverged"
+        segments[len(prompt)] = list(prefills)
+    # 129 = 128 + 1 (176 against 264 in the model's token units), 180 = 128 + 52 (208 against 264); 230 stays
+    # whole (128 + 102 would cost 272), so do 100 (64 + 36 would cost 144 against 136) and 33.
+    assert segments[129] == [128, 1] and segments[180] == [128, 52] and segments[65] == [64, 1]
+    assert segments[230] == [230] and segments[100] == [100] and segments[33] == [33]
+    assert all(sum(v) == n for n, v in segments.items())
 
 
 @pytest.mark.parametrize("kernels", [True, False])

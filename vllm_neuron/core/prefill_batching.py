@@ -14,9 +14,16 @@ makes the prompt and the w prompts queued behind it wait for one more step, and 
 (1 + w) * saving: small prompts fill the padding of the bucket the step needs anyway (delay 0), and a long
 queue is served in full steps, while a few prompts that fill buckets of their own go one step each.
 Where prefill is not compute-bound (CUDA: a step's time hardly grows with its tokens) every prompt joins.
+
+The same cost splits a prompt that nothing waits behind (`first_segment`): a step of 160 tokens pads to the
+256 bucket (264 with the overhead), while steps of 128 and 32 cost 176 - the 96 padded tokens were a third
+of the step. The prompt's rest runs in the next prefill step (see the scheduler's policy), reading the first
+segment's KV through the block tables. Prompts of 32-256 tokens cost 13% less prefill this way (uniform
+lengths, buckets 32-512), a 257-token prompt 42% less.
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 # A prefill step's fixed cost in tokens of its bucket, where prefill is compute-bound (CPU). The bundled model's
@@ -49,3 +56,40 @@ def joins_step(step_tokens: int, step_prompts: int, tokens: int, queued_after: i
     delay = cost(step_tokens + tokens) - cost(step_tokens)
     saving = cost(step_tokens) + cost(tokens) - cost(step_tokens + tokens)
     return step_prompts * delay <= (1 + queued_after) * saving
+
+
+@functools.lru_cache(maxsize=8)
+def _own_steps_cost(buckets: tuple[int, ...], overhead_tokens: int) -> tuple[int, ...]:
+    """cost[t]: the least cost of prefilling t tokens in steps of their own, up to the largest bucket. A step
+    takes a bucket's worth (no padding) or the rest (padded to its bucket); bottom-up, so no recursion."""
+    cost = [0] * (buckets[-1] + 1)
+    for t in range(1, len(cost)):
+        best = bucket_tokens(t, buckets) + overhead_tokens
+        for b in buckets:
+            if b >= t:
+                break
+            best = min(best, b + overhead_tokens + cost[t - b])
+        cost[t] = best
+    return tuple(cost)
+
+
+def first_segment(step_tokens: int, tokens: int, buckets: Sequence[int], overhead_tokens: int | None) -> int:
+    """How many of a prompt's `tokens` (the rest of it, all of which the step could take) go in a prefill step
+    holding `step_tokens` tokens, where nothing waits behind the prompt: the first segment of the cheapest
+    split of it over steps, each step costing its bucket plus the overhead (see the module's docstring).
+    A cut fills the step to a bucket exactly, and must save more than one step's overhead (the cost model's
+    least certain part) over taking the whole rest; among equal cuts the largest goes first."""
+    if overhead_tokens is None or not buckets or step_tokens + tokens > buckets[-1]:
+        return tokens
+    rest_cost = _own_steps_cost(tuple(buckets), overhead_tokens)
+    here = bucket_tokens(step_tokens, buckets) + overhead_tokens if step_tokens else 0
+
+    def cost(s: int) -> int:  # this step's added cost, then the rest in steps of its own
+        return bucket_tokens(step_tokens + s, buckets) + overhead_tokens - here + rest_cost[tokens - s]
+
+    best, best_cost = tokens, cost(tokens) - overhead_tokens
+    for b in sorted(buckets, reverse=True):
+        s = b - step_tokens
+        if 0 < s < tokens and cost(s) < best_cost:
+            best, best_cost = s, cost(s)
+    return best

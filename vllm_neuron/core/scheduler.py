@@ -15,7 +15,9 @@ Policy:
   request in every decode step.
 * Where prefill is compute-bound (CPU), a waiting prompt joins the step being formed only where that lowers
   the mean time to first token (core/prefill_batching.py): a few prompts that fill buckets of their own go
-  one step each, small ones fill a bucket's padding, a long queue goes in full steps.
+  one step each, small ones fill a bucket's padding, a long queue goes in full steps. The step's last
+  prompt, when nothing behind it could join (none waits, or no seat is free), is split at a bucket's size
+  where the padding saved outweighs a step's overhead (160 tokens: steps of 128 and 32, not one of 256).
 * A request that asks for prompt logprobs is prefilled in steps with only such requests, and neither
   reads nor fills the prefix cache (see `_wants_prompt_logprobs`).
 * Speculative decoding: a decode chunk carries the request's draft tokens after its last token (capped
@@ -50,7 +52,7 @@ from vllm_neuron.core.kv_tier import KVTierScheduler
 from vllm_neuron.core.kv_transfer import KVTransferScheduler
 from vllm_neuron.core.request import Request, RequestStatus
 from vllm_neuron.core.spec_decode_stats import SpecDecodeStats
-from vllm_neuron.core.prefill_batching import joins_step
+from vllm_neuron.core.prefill_batching import first_segment, joins_step
 from vllm_neuron.core.spec_policy import SpecPolicy
 from vllm_neuron.core.stop_checker import check_stop
 from vllm_neuron.kv_cache_groups import KVCacheLayout
@@ -97,6 +99,9 @@ class SchedulerConfig:
     # prefill is compute-bound (None: every prompt that fits joins the step).
     prefill_buckets: tuple[int, ...] = ()
     prefill_step_overhead_tokens: int | None = None
+    # Split a prompt at bucket sizes where that costs less (prefill_batching.first_segment): only where a later
+    # segment reads the earlier ones through block tables (the attention kernel), not through context buckets.
+    split_prompts_at_buckets: bool = False
 
 
 def _lora_id(req: Request | None) -> int | None:
@@ -263,6 +268,9 @@ class Scheduler:
             n = min(req.num_tokens - start, budget)
             if whole and n < req.num_tokens - start:
                 break
+            if cfg.split_prompts_at_buckets and not cfg.whole_prompts and n == req.num_tokens - start \
+                    and not self._could_join_after(candidates[i + 1:], len(self.running) + (not admitted)):
+                n = first_segment(full_budget - budget, n, cfg.prefill_buckets, cfg.prefill_step_overhead_tokens)
             if not joins_step(full_budget - budget, len(chunks), n, len(candidates) - i - 1,
                               cfg.prefill_buckets, cfg.prefill_step_overhead_tokens):
                 break  # it starts the next step: the mean time to first token is lower so
@@ -294,6 +302,12 @@ class Scheduler:
         if not chunks:
             return None
         return SchedulerOutput("prefill", chunks, new)
+
+    def _could_join_after(self, behind: list[Request], running: int) -> bool:
+        """Whether a request behind the one being placed could still join this step, with `running` requests
+        admitted: one already running (prefilling), or a waiting one while there is room for it."""
+        return any(r.status == RequestStatus.RUNNING for r in behind) or \
+            (running < self.config.max_num_seqs and any(r.status != RequestStatus.RUNNING for r in behind))
 
     def _held_loras(self) -> set[int]:
         """Adapter ids the runner holds slots for: those of requests it has been sent and not told to end."""

@@ -108,7 +108,9 @@ class EngineCore:
             whole_prompts=config.pooling is not None and config.pooling.bidirectional,
             max_loras=config.lora.max_loras if config.lora is not None else 0,
             prefill_buckets=tuple(nc.num_batched_tokens_buckets),
-            prefill_step_overhead_tokens=step_overhead_tokens(self.device.type)),
+            prefill_step_overhead_tokens=step_overhead_tokens(self.device.type),
+            split_prompts_at_buckets=step_overhead_tokens(self.device.type) is not None
+            and self.runner.prefill_reads_block_tables()),
             kv_transfer=self.kv_transfer.scheduler_side if self.kv_transfer is not None else None,
             kv_tier=KVTierScheduler(self.kv_tier.folder, config.tensor_parallel_size) if self.kv_tier else None)
         if self.scheduler.config.prefill_step_overhead_tokens is not None:

@@ -290,6 +290,11 @@ class ModelRunnerBase(ProfiledRunner, KVConnectorCalls):
         (torch path), 0 with the kernel."""
         return self.context_buckets[-1] if num_context_tokens and self.prefill_needs_context() else 0
 
+    def prefill_reads_block_tables(self) -> bool:
+        """A prefill step reads cached context through block tables (the attention kernel): a prompt's later
+        segment costs what its tokens cost, in the plain prefill graph of its bucket."""
+        return self.kernels.attention
+
     def prefill_needs_context(self) -> bool:
         if self.kernels.attention:
             return False  # the kernel reads cached context through block tables: no context buckets

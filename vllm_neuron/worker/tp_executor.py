@@ -55,7 +55,7 @@ _MIN_REDUCED = ("num_blocks", "kv_poll_loads", "kv_tier_poll", "stop_profile")
 # Read-only queries rank 0 answers alone: the engine core asks some of them from its own thread while a step is in
 # flight on the step thread (async scheduling: the step's stats), and a second broadcast on the control group then
 # would interleave with the step's and corrupt both.
-_RANK0_ONLY = ("encoder_cache_stats", "prefill_needs_context", "request_blocks")
+_RANK0_ONLY = ("encoder_cache_stats", "prefill_needs_context", "prefill_reads_block_tables", "request_blocks")
 
 
 class WorkerRankError(RuntimeError):
