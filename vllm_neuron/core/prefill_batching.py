@@ -15,7 +15,7 @@ makes the prompt and the w prompts queued behind it wait for one more step, and 
 queue is served in full steps, while a few prompts that fill buckets of their own go one step each.
 Where prefill is not compute-bound (CUDA: a step's time hardly grows with its tokens) every prompt joins.
 
-The same cost splits a prompt that nothing waits behind (`first_segment`): a step of 160 tokens pads to the
+The same cost splits a prompt that no request behind could join (`first_segment`): a step of 160 tokens pads to the
 256 bucket (264 with the overhead), while steps of 128 and 32 cost 176 - the 96 padded tokens were a third
 of the step. The prompt's rest runs in the next prefill step (see the scheduler's policy), reading the first
 segment's KV through the block tables. Prompts of 32-256 tokens cost 13% less prefill this way (uniform
@@ -75,8 +75,8 @@ def _own_steps_cost(buckets: tuple[int, ...], overhead_tokens: int) -> tuple[int
 
 def first_segment(step_tokens: int, tokens: int, buckets: Sequence[int], overhead_tokens: int | None) -> int:
     """How many of a prompt's `tokens` (the rest of it, all of which the step could take) go in a prefill step
-    holding `step_tokens` tokens, where nothing waits behind the prompt: the first segment of the cheapest
-    split of it over steps, each step costing its bucket plus the overhead (see the module's docstring).
+    holding `step_tokens` tokens, where no request behind the prompt could join the step: the first segment of
+    the cheapest split of it over steps, each step costing its bucket plus the overhead (module docstring).
     A cut fills the step to a bucket exactly, and must save more than one step's overhead (the cost model's
     least certain part) over taking the whole rest; among equal cuts the largest goes first."""
     if overhead_tokens is None or not buckets or step_tokens + tokens > buckets[-1]:

@@ -115,7 +115,9 @@ class EngineCore:
             kv_tier=KVTierScheduler(self.kv_tier.folder, config.tensor_parallel_size) if self.kv_tier else None)
         if self.scheduler.config.prefill_step_overhead_tokens is not None:
             logger.info("Prefill steps: prompts arriving together share a step only where that lowers the mean time "
-                        "to first token (prefill is compute-bound on %s)", self.device.type)
+                        "to first token%s (prefill is compute-bound on %s)",
+                        "; a prompt is split at bucket sizes where that saves padding"
+                        if self.scheduler.config.split_prompts_at_buckets else "", self.device.type)
         self.structured = None  # StructuredOutputManager, created with the first grammar request
         self._grammar_wait: dict[str, Request] = {}
         self.async_scheduling = bool(config.async_scheduling)
