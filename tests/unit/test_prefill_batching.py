@@ -39,7 +39,7 @@ def test_off_the_cpu_and_for_a_step_s_first_prompt_everything_joins():
 
 @pytest.mark.parametrize("step, tokens, first", [
     (0, 160, 128),   # 128 + 32 (176) rather than one 256 step (264)
-    (0, 257, 256),   # 256 + 32 rather than 512
+    (0, 257, 256),   # 256 + 1 (in a 32 step) rather than 512
     (0, 200, 128),   # 128 + 64 + 32 (248) against 264: saves more than a step's overhead
     (0, 65, 64),     # 64 + 32 or 32 + 64 cost the same: the larger first
     (0, 480, 480),   # 256 + 128 + 64 + 32 would save one overhead only: not enough
@@ -93,7 +93,7 @@ def test_the_scheduler_splits_the_last_prompt_at_a_bucket_where_that_pays():
     assert _steps(CPU, [160], split=True) == [[128], [32]]
     assert _steps(CPU, [160], split=False) == [[160]]  # where later segments would need context graphs
     assert _steps(CPU, [250], split=True) == [[250]]
-    # Only the prompt nothing waits behind: the others' padding may be filled by those behind them.
+    # Only the prompt that no request behind could join: the others' padding may be filled by those behind them.
     assert _steps(CPU, [600, 32], split=True) == [[512], [88, 32]]
     assert _steps(CPU, [100, 100], split=True) == [[100, 28], [64], [8]]  # 72 alone: 64 + 32 beats 128
 
@@ -111,3 +111,16 @@ def test_a_split_prompt_is_prefilled_exactly_once_and_samples_at_its_end():
         seen += c.token_ids
         samples.append(c.sample)
     assert seen == prompt and samples == [False, False, True]
+
+
+def test_a_prompt_is_split_when_those_waiting_behind_it_have_no_seat():
+    """A prompt taking the last free seat has the queue behind it, none of which can join: it is split."""
+    s = Scheduler(SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=512, max_model_len=1024, block_size=16,
+                                  num_blocks=64, prefill_buckets=BUCKETS, prefill_step_overhead_tokens=CPU,
+                                  split_prompts_at_buckets=True))
+    for i in range(2):
+        s.add_request(Request(f"r{i}", [5 + i + j for j in range(160)], SamplingParams(max_tokens=4)))
+    steps = []
+    while (out := s._schedule_prefill()) is not None:
+        steps.append([(c.req_id, len(c.token_ids)) for c in out.chunks])
+    assert steps == [[("r0", 128)], [("r0", 32)]]  # r1 waits for the seat

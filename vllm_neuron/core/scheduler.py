@@ -239,7 +239,8 @@ class Scheduler:
         chunks: list[ScheduledChunk] = []
         new: list[NewRequestData] = []
         alone = False
-        candidates = self._in_policy_order(r for r in self.running if self._can_prefill(r)) + list(self.waiting)
+        prefilling = self._in_policy_order(r for r in self.running if self._can_prefill(r))
+        candidates = prefilling + list(self.waiting)
         loras = self._held_loras()
         for i, req in enumerate(candidates):
             if budget == 0:
@@ -269,7 +270,8 @@ class Scheduler:
             if whole and n < req.num_tokens - start:
                 break
             if cfg.split_prompts_at_buckets and not cfg.whole_prompts and n == req.num_tokens - start \
-                    and not self._could_join_after(candidates[i + 1:], len(self.running) + (not admitted)):
+                    and not self._could_join_after(i, len(prefilling), len(candidates),
+                                                   len(self.running) + (not admitted)):
                 n = first_segment(full_budget - budget, n, cfg.prefill_buckets, cfg.prefill_step_overhead_tokens)
             if not joins_step(full_budget - budget, len(chunks), n, len(candidates) - i - 1,
                               cfg.prefill_buckets, cfg.prefill_step_overhead_tokens):
@@ -303,11 +305,11 @@ class Scheduler:
             return None
         return SchedulerOutput("prefill", chunks, new)
 
-    def _could_join_after(self, behind: list[Request], running: int) -> bool:
-        """Whether a request behind the one being placed could still join this step, with `running` requests
-        admitted: one already running (prefilling), or a waiting one while there is room for it."""
-        return any(r.status == RequestStatus.RUNNING for r in behind) or \
-            (running < self.config.max_num_seqs and any(r.status != RequestStatus.RUNNING for r in behind))
+    def _could_join_after(self, i: int, prefilling: int, candidates: int, running: int) -> bool:
+        """Whether a candidate behind the i-th could still join this step, with `running` requests admitted. The
+        candidates are `prefilling` running requests, then the waiting ones: a running one behind always could, a
+        waiting one while there is room for it. Counts only: this runs for every candidate of every step."""
+        return i + 1 < prefilling or (running < self.config.max_num_seqs and candidates > max(i + 1, prefilling))
 
     def _held_loras(self) -> set[int]:
         """Adapter ids the runner holds slots for: those of requests it has been sent and not told to end."""

@@ -98,6 +98,7 @@ class EngineCore:
         if config.kv_offload is not None:
             folder = self.runner.kv_tier_open(config.kv_offload, model_key(config, self.ckpt))
             self.kv_tier = KVTierEngine(config.kv_offload, folder, call=self._runner_call)
+        overhead = step_overhead_tokens(self.device.type)
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=config.max_model_len, block_size=config.block_size, num_blocks=self.num_blocks,
@@ -108,9 +109,8 @@ class EngineCore:
             whole_prompts=config.pooling is not None and config.pooling.bidirectional,
             max_loras=config.lora.max_loras if config.lora is not None else 0,
             prefill_buckets=tuple(nc.num_batched_tokens_buckets),
-            prefill_step_overhead_tokens=step_overhead_tokens(self.device.type),
-            split_prompts_at_buckets=step_overhead_tokens(self.device.type) is not None
-            and self.runner.prefill_reads_block_tables()),
+            prefill_step_overhead_tokens=overhead,
+            split_prompts_at_buckets=overhead is not None and self.runner.prefill_reads_block_tables()),
             kv_transfer=self.kv_transfer.scheduler_side if self.kv_transfer is not None else None,
             kv_tier=KVTierScheduler(self.kv_tier.folder, config.tensor_parallel_size) if self.kv_tier else None)
         if self.scheduler.config.prefill_step_overhead_tokens is not None:
