@@ -100,8 +100,9 @@ def run_openvino(args, reqs, quantization: str | None) -> tuple[str, float, int]
           f"{weights} weights (first use only) ...", flush=True)
     model_dir = exported_model(inst.info, os.path.abspath(args.model or bundled_model_path()), weights,
                                os.path.join(args.cache_dir, "openvino", "export.log"))
-    r = run_offline(inst.info, model_dir, reqs, args.max_num_seqs, len(os.sched_getaffinity(0)))
-    return (f"OpenVINO GenAI ContinuousBatchingPipeline ({inst.info['version'].split()[-1]}, {weights} weights)",
+    r = run_offline(inst.info, model_dir, reqs, args.max_num_seqs, len(os.sched_getaffinity(0)), args.openvino_props)
+    props = "".join(f", {k}={v}" for k, v in args.openvino_props.items())
+    return (f"OpenVINO GenAI ContinuousBatchingPipeline ({inst.info['version'].split()[-1]}, {weights} weights{props})",
             r["seconds"], r["output_tokens"])
 
 
@@ -123,6 +124,10 @@ def main() -> None:
     p.add_argument("--peers", default=",".join(PEERS), help="comma list of " + ", ".join(PEERS) + " (or none)")
     p.add_argument("--openvino-weights", choices=("auto", "fp16", "int8", "int4"), default="auto",
                    help="OpenVINO's weight format (auto: int8 / int4 as our neuron_config.quantization, else fp16)")
+    p.add_argument("--openvino-props", type=json.loads, default={},
+                   help='extra OpenVINO CPU properties, e.g. \'{"DYNAMIC_QUANTIZATION_GROUP_SIZE": 0, '
+                        '"KV_CACHE_PRECISION": "bf16"}\' (its own defaults otherwise)')
+    p.add_argument("--skip-ours", action="store_true", help="run the peers only (their own settings' A/B)")
     p.add_argument("--cache-dir", default=default_cache_dir(), help="peer installs (%(default)s)")
     args = p.parse_args()
     peers = [x for x in args.peers.split(",") if x and x != "none"]
@@ -141,8 +146,10 @@ def main() -> None:
                     tuple(args.output_len_range))
     print(f"workload: {len(reqs)} requests, {sum(len(i) for i, _ in reqs)} prompt tokens, "
           f"{sum(o for _, o in reqs)} output tokens, dtype {dtype}")
-    ours_s, ours_tok = run_ours(args, reqs)
-    rows = [(f"vllm-neuron LLM.generate ({quantization or str(dtype).removeprefix('torch.')})", ours_s, ours_tok)]
+    rows = []
+    if not args.skip_ours:
+        ours_s, ours_tok = run_ours(args, reqs)
+        rows.append((f"vllm-neuron LLM.generate ({quantization or str(dtype).removeprefix('torch.')})", ours_s, ours_tok))
     if "transformers" in peers:
         hf_s, hf_tok = run_transformers(args, reqs, dtype)
         rows.append((f"transformers generate (batch {args.hf_batch_size})", hf_s, hf_tok))
@@ -152,9 +159,9 @@ def main() -> None:
         except Exception as e:  # noqa: BLE001 (a peer that cannot install or run is reported; ours still is)
             print(f"  openvino: failed: {' '.join(str(e).split())[:400]}", flush=True)
     print("\n| engine | time (s) | output tokens | output tok/s | vllm-neuron / this |\n| --- | --- | --- | --- | --- |")
-    ours_rate = rows[0][2] / rows[0][1]
+    ours_rate = None if args.skip_ours else rows[0][2] / rows[0][1]
     for name, s, tok in rows:
-        ratio = "-" if name == rows[0][0] else f"{ours_rate / (tok / s):.2f}x"
+        ratio = "-" if ours_rate is None or name == rows[0][0] else f"{ours_rate / (tok / s):.2f}x"
         print(f"| {name} | {s:.1f} | {tok} | {tok / s:.1f} | {ratio} |")
 
 

@@ -1,5 +1,5 @@
 """Runs in OpenVINO GenAI's own venv (benchmarks/peers/openvino_peer.py): reads a job as JSON on stdin
-({"model_dir", "requests": [[token ids, output length], ...], "max_num_seqs", "threads"}), generates every
+({"model_dir", "requests": [[token ids, output length], ...], "max_num_seqs", "threads", "props"}), generates every
 request greedily with EOS ignored through a ContinuousBatchingPipeline on the CPU, and prints one JSON line:
 {"seconds", "output_tokens", "warmup_seconds"}. Imports nothing of vllm-neuron."""
 import json
@@ -18,6 +18,7 @@ def main() -> None:
     sched.enable_prefix_caching = False  # random prompts share nothing; keep the work the same as ours
     sched.cache_size = 2  # GB of KV
     props = {"INFERENCE_NUM_THREADS": job["threads"]} if job.get("threads") else {}
+    props.update(job.get("props") or {})
     pipe = genai.ContinuousBatchingPipeline(job["model_dir"], sched, "CPU", props)
 
     def configs(lengths):

@@ -62,9 +62,11 @@ def exported_model(info: dict, model_path: str, weight_format: str, log_path: st
 
 
 def run_offline(info: dict, model_dir: str, requests: list[tuple[list[int], int]], max_num_seqs: int,
-                threads: int) -> dict:
-    """{"seconds", "output_tokens", ...} of one timed generate over `requests` (after a warm-up)."""
-    job = {"model_dir": model_dir, "requests": requests, "max_num_seqs": max_num_seqs, "threads": threads}
+                threads: int, props: dict | None = None) -> dict:
+    """{"seconds", "output_tokens", ...} of one timed generate over `requests` (after a warm-up); `props`: extra
+    OpenVINO CPU properties."""
+    job = {"model_dir": model_dir, "requests": requests, "max_num_seqs": max_num_seqs, "threads": threads,
+           "props": props or {}}
     proc = subprocess.run([info["python"], DRIVER], input=json.dumps(job), capture_output=True, text=True,
                           check=False)
     if proc.returncode != 0:

@@ -223,6 +223,9 @@ class NeuronConfig:
     gk_decode: bool = False
     # Decode graphs through inductor's C++ wrapper: a faster step for several times the compile time.
     decode_cpp_wrapper: bool = False
+    # int4 weights against activations made int8 per group of 32 from two rows on (AVX512-VNNI CPUs): None
+    # where built, False never, True or refused where not built.
+    int8_activations: bool | None = None
     # Accuracy debugging (config/tensor_debug.py): module outputs written out, or fed from a file.
     tensor_capture: TensorCaptureConfig | None = None
     tensor_replacement: TensorReplacementConfig | None = None
@@ -234,7 +237,7 @@ class NeuronConfig:
         "num_batched_tokens_buckets", "num_seqs_buckets", "kv_segment_size_buckets",
         "decode_context_length_buckets", "on_device_sampling_config", "quantization",
         "ep_degree", *COMPONENT_DP_OPTIONS, "fp8_packed_kv", "gk_decode", "decode_cpp_wrapper",
-        "tensor_capture", "tensor_replacement",
+        "int8_activations", "tensor_capture", "tensor_replacement",
     )
 
     def __post_init__(self) -> None:
@@ -249,7 +252,12 @@ class NeuronConfig:
                     ep_degree=None if self.ep_degree is None else _integer("ep_degree", self.ep_degree),
                     **{name: _integer(name, getattr(self, name)) for name in COMPONENT_DP_OPTIONS},
                     **{name: V.boolean(name, getattr(self, name))
-                       for name in ("fp8_packed_kv", "gk_decode", "decode_cpp_wrapper")})
+                       for name in ("fp8_packed_kv", "gk_decode", "decode_cpp_wrapper")},
+                    int8_activations=None if self.int8_activations is None
+                    else V.boolean("int8_activations", self.int8_activations))
+        if self.int8_activations and self.quantization != "int4":
+            raise ValueError(f"neuron_config.int8_activations=True applies to int4 weights only; set "
+                             f"neuron_config.quantization='int4' (got {self.quantization!r}) or leave it unset")
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any] | None) -> NeuronConfig:

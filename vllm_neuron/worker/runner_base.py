@@ -98,7 +98,12 @@ class ModelRunnerBase(ProfiledRunner, KVConnectorCalls):
         if self.model_spec.values_are_keys and kv_quant.is_fp8(self.kv_dtype):
             raise ValueError(f"kv_cache_dtype={config.kv_cache_dtype!r} is not supported yet for this model: its "
                              f"attention caches one latent vector per token (MLA); use kv_cache_dtype='auto'")
-        self.kernels = resolve_kernel_config(device, dtype)  # sinks and sliding windows included
+        wanted = config.neuron_config.int8_activations
+        self.kernels = resolve_kernel_config(device, dtype, int8_activations=wanted is not False)
+        if wanted and not self.kernels.int4_tiles:
+            raise ValueError("neuron_config.int8_activations=True needs the W4A8 kernel, built on CPUs with "
+                             f"AVX512-VNNI in bfloat16 or float32 (here: device {device.type}, dtype {dtype}); "
+                             "valid values here: false, or leave it unset")
         logger.info("%s", describe_kernels(device, self.dtype, self.model_spec.head_dim))
         # CUDA: decode attention reads each sequence's real context (Triton), and bucket graphs replay.
         self.paged_decode = not self.kernels.attention and not self.model_spec.has_sinks_or_windows and \

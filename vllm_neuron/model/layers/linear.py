@@ -34,14 +34,20 @@ class Linear(nn.Linear):
     quantization: str | None = None
     kernels = KernelConfig()  # the engine's, set when the model is built (kernel_config.apply_kernel_config)
 
-    def quantize_(self, scheme: str) -> None:
+    def quantize_(self, scheme: str, tiles: bool = False) -> None:
         """Replaces the weight by its `scheme` form (buffers `qweight`, `qscale`; the bias, if any, stays);
-        a tied weight stays with its other owner."""
+        a tied weight stays with its other owner. `tiles` (int4): also the W4A8 kernel's copy (`qtiles`,
+        `qtile_scales`) where the shape takes it."""
         qweight, qscale = _scheme(scheme).quantize(self.weight)
         del self.weight
         self.register_buffer("qweight", qweight)
         self.register_buffer("qscale", qscale)
         self.quantization = scheme
+        if scheme == "int4" and tiles and self.out_features % 16 == 0:
+            # The W4A8 kernel's copy beside the bands the one-row kernel streams (quant_int4.to_tiles).
+            codes, scales = quant_int4.to_tiles(qweight, qscale)
+            self.register_buffer("qtiles", codes)
+            self.register_buffer("qtile_scales", scales)
 
     def make_fp8_(self) -> None:
         """Holds an FP8 checkpoint's weight as it is stored (float8_e4m3fn) with one fp32 scale per output
@@ -63,6 +69,9 @@ class Linear(nn.Linear):
         k = self.kernels
         if self.quantization == "fp8":
             return quant_fp8.linear(x, self.weight, self.weight_scale, self.bias)
+        if self.quantization == "int4" and hasattr(self, "qtiles"):
+            return quant_int4.linear(x, self.qweight, self.qscale, self.bias, k.quant_rows,
+                                     tiles=(self.qtiles, self.qtile_scales))
         if self.quantization is not None:
             return _scheme(self.quantization).linear(x, self.qweight, self.qscale, self.bias, k.quant_rows)
         if (x.dtype in k.linear_dtypes and x.dim() == 2 and x.shape[0] <= k.linear_rows and self.bias is None
@@ -86,22 +95,29 @@ def make_linears_fp8_(model: nn.Module, exclude: list[str]) -> int:
 
 
 def quantize_linears_(model: nn.Module, scheme: str, errors: dict[str, quant_error.QuantError] | None = None,
-                      schemes: dict[str, str] | None = None) -> tuple[int, int, int]:
+                      schemes: dict[str, str] | None = None, tiles: bool = False) -> tuple[int, int, int]:
     """Quantizes every `Linear` of `model` in place to `scheme` (or `schemes[module name]`); (layers, bytes before,
     bytes after). With `errors`, each layer's error against its weight before quantization is recorded there by
-    module name."""
+    module name; `tiles`: int4 layers also get the W4A8 kernel's copy (Linear.quantize_)."""
     layers = before = after = 0
     for name, module in model.named_modules():
         if isinstance(module, Linear) and module.quantization is None:
             weight = module.weight
             before += weight.numel() * weight.element_size()
-            module.quantize_((schemes or {}).get(name, scheme))
-            after += sum(t.numel() * t.element_size() for t in (module.qweight, module.qscale))
+            module.quantize_((schemes or {}).get(name, scheme), tiles=tiles)
+            after += sum(t.numel() * t.element_size() for t in module.buffers(recurse=False))
             layers += 1
             if errors is not None:
                 errors[name] = quant_error.measure(weight, functools.partial(_dequantize_rows, module))
     return layers, before, after
 
+
+
+def int4_tile_bytes(model: nn.Module) -> int:
+    """What the W4A8 copies of `model`'s unquantized Linear weights would take if quantized to int4 (as much
+    again as the int4 bands: half a byte per weight and a (scale, min) pair per 32)."""
+    return sum(m.weight.numel() * 3 // 4 for m in model.modules()
+               if isinstance(m, Linear) and m.quantization is None and m.out_features % 16 == 0)
 
 
 def _dequantize_rows(module: Linear, a: int, b: int) -> torch.Tensor:

@@ -22,6 +22,9 @@ from vllm_neuron.model.layers.quant_bands import from_bands, to_bands
 
 GROUP_SIZE = 32
 SUPERBLOCK = 2 * GROUP_SIZE
+# Where the layer has the W4A8 copy, the rows from which it takes it; one row keeps the band kernel's int16
+# inputs (a batch-1 step streams the weights, where int8 products save nothing).
+TILE_ROWS_FROM = 2
 
 
 def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -49,12 +52,52 @@ def dequantize(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -
     return torch.addcmul(scales[..., 1:], q, scales[..., :1]).reshape(n, -1).to(dtype)
 
 
+def to_tiles(packed: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The W4A8 kernel's copy (kernels/linear_int4_tiles.cpp) of a band-layout weight, N a multiple of 16: codes
+    uint8 [N, K / 2] as [N / 16][K / 8][16 columns][4 bytes], byte b of column c holding input 8o + b in its low
+    nibble and 8o + 4 + b in its high one; scales float32 [N, K / 32, 2] as [N / 16][K / 32][scale, min][16]."""
+    n = packed.shape[0]
+    b = from_bands(packed, SUPERBLOCK // 2).reshape(n, -1, 1, GROUP_SIZE)
+    q = torch.cat([b & 15, b >> 4], 2).reshape(n // 16, 16, -1, 2, 4)  # [block, column, octet, half, byte]
+    codes = (q[:, :, :, 0] | (q[:, :, :, 1] << 4)).permute(0, 2, 1, 3).contiguous()
+    sm = from_bands(scales.reshape(n, -1), 4).reshape(n // 16, 16, -1, 2).permute(0, 2, 3, 1).contiguous()
+    return codes.reshape(n, -1), sm.reshape(n, -1, 2)
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [M, K] made int8 per row and group of 32, as the W4A8 kernel does: (codes int8 [M, K], scales
+    max|x| / 127 [M, K / 32], the groups' exact sums [M, K / 32]), all but the codes float32 (reference)."""
+    g = x.float().reshape(x.shape[0], -1, GROUP_SIZE)
+    amax = g.abs().amax(-1)
+    # torch.div, not `127 / amax`: Tensor.__rtruediv__ multiplies by the reciprocal, rounding twice.
+    inv = torch.where(amax > 0, torch.full_like(amax, 127).div(amax), torch.zeros_like(amax))
+    codes = (g * inv.unsqueeze(-1)).round().clamp(-127, 127).to(torch.int8)
+    return codes.reshape(x.shape), amax / 127, g.sum(-1)
+
+
+def linear_w4a8_reference(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """What the W4A8 kernel computes, in float64 torch (tests): per group, scale * d_x * sum(q * qx) + min *
+    sum(x)."""
+    n, m = packed.shape[0], x.shape[0]
+    b = from_bands(packed, SUPERBLOCK // 2).reshape(n, -1, 1, GROUP_SIZE)
+    q = torch.cat([b & 15, b >> 4], 2).reshape(n, -1, GROUP_SIZE).double()  # [N, G, 32]
+    sm = from_bands(scales.reshape(n, -1), 4).reshape(n, -1, 2).double()  # [N, G, 2]
+    xq, d, sums = quantize_activations(x)
+    dots = torch.einsum("ngk,mgk->mng", q, xq.reshape(m, -1, GROUP_SIZE).double())
+    return (dots * sm[..., 0] * d.double().unsqueeze(1) + sm[..., 1] * sums.double().unsqueeze(1)).sum(-1)
+
+
 def linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
-           kernel_rows: int) -> torch.Tensor:
-    """x @ W^T (+ bias): the kernel up to `kernel_rows` rows, its one-pass dequantization + matmul above; torch
-    alone where kernel_rows is 0 (no kernel build)."""
+           kernel_rows: int, tiles: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """x @ W^T (+ bias): with `tiles` (`to_tiles`' copy) the W4A8 kernel from TILE_ROWS_FROM rows; else the band
+    kernel up to `kernel_rows` rows, its one-pass dequantization + matmul above; torch alone where kernel_rows
+    is 0 (no kernel build)."""
     rows = x.reshape(-1, x.shape[-1])
-    if rows.shape[0] <= kernel_rows:
+    if tiles is not None and rows.shape[0] >= TILE_ROWS_FROM:
+        y = ops.linear_int4_tiles(rows, *tiles)
+        if bias is not None:
+            y = y + bias
+    elif rows.shape[0] <= kernel_rows:
         y = ops.linear_int4(rows, packed, scales)
         if bias is not None:
             y = y + bias

@@ -28,7 +28,7 @@ from vllm_neuron.model.layers.kernels.ops import register_fakes
 logger = init_logger(__name__)
 
 SOURCES = ("paged_attention.cpp", "linear_bf16.cpp", "linear_quant.cpp", "quant_unpack.cpp", "linear_amx.cpp", "linear_dot_tiles.cpp",
-           "token_mask.cpp", "activation.cpp", "linear_tile_copies.cpp", "lora.cpp")
+           "linear_int4_tiles.cpp", "token_mask.cpp", "activation.cpp", "linear_tile_copies.cpp", "lora.cpp")
 HEADERS = ("simd.h", "attention_tiles.h", "int8_vnni.h", "int_dot.h", "int_dot_avx2.h", "int4_vnni.h", "int4_table.h", "online_softmax.h", "amx_tiles.h",
            "attention_bf16.h", "attention_shared_packs.h", "attention_fp32_tiles.h", "attention_amx.h", "attention_decode.h", "attention_split.h", "cache_elems.h",
            "tile_linear_args.h")

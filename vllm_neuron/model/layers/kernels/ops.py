@@ -41,6 +41,9 @@ def register_fakes() -> None:
     for name in ("linear_int8", "linear_int4"):
         if has_op(name):
             torch.library.register_fake(f"vllm_neuron::{name}")(lambda x, q, scale: x.new_empty((x.shape[0], q.shape[0])))
+    if has_op("linear_int4_tiles"):
+        torch.library.register_fake("vllm_neuron::linear_int4_tiles")(
+            lambda x, codes, scales, bias: x.new_empty((x.shape[0], codes.shape[0])))
     if has_op("greedy_argmax"):
         torch.library.register_fake("vllm_neuron::apply_token_bitmask_")(lambda logits, bitmask: None)
         torch.library.register_fake("vllm_neuron::greedy_argmax")(
@@ -90,6 +93,13 @@ def linear_int8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.
 def linear_int4(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """x [M, K] @ W^T, W in quant_int4's packed band layout ([N, K / 2] uint8, [N, K / 32, 2] fp32) -> [M, N]."""
     return torch.ops.vllm_neuron.linear_int4(x, packed, scales)
+
+
+def linear_int4_tiles(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
+                      bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] (bf16 / fp32) @ W^T (+ bias, fp32 [N]) -> [M, N] in x's dtype, W in quant_int4's tile order
+    (`to_tiles`), the activations made int8 per row and group of 32 (kernels/linear_int4_tiles.cpp)."""
+    return torch.ops.vllm_neuron.linear_int4_tiles(x, codes, scales, bias)
 
 
 def unpack_int8(q: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
