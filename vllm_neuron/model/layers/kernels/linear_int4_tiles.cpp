@@ -33,6 +33,7 @@ namespace {
 constexpr int64_t kCols = 16;   // output columns per block (one zmm of sums)
 constexpr int64_t kGroup = 32;  // inputs per weight group and per activation group
 constexpr int kRows = 8;        // input rows per register block
+constexpr int64_t kAhead = 2;   // column blocks ahead prefetched
 
 // The activations of x made int8 per row and group of 32: codes [M][K], scales and exact sums [M][K / 32].
 struct Acts {
@@ -126,7 +127,18 @@ void run(const Acts& a, const uint8_t* codes, const float* scales, const float* 
     const __m512i low = _mm512_set1_epi8(15);
     for (int64_t cb = b0; cb < b1; ++cb) {
       const uint8_t* src = codes + cb * block_bytes;
+      // The block kAhead on into L2 (its codes, K / 8 lines, and scales, K / 16), one or two lines per step
+      // of the unpacking: left to the hardware prefetcher, a step's linears at 16 rows with the weights from
+      // memory took 11.1 ms against 7.3 in cache; with it 9.1-10.4 (bundled model's shapes x 30 layers,
+      // 2 threads, Zen 4 EPYC, a noisy hour).
+      const bool pf = cb + kAhead < b1;
+      const char* pf_codes = reinterpret_cast<const char*>(codes + (cb + kAhead) * block_bytes);
+      const char* pf_scales = reinterpret_cast<const char*>(scales + (cb + kAhead) * block_scales);
       for (int64_t o = 0; o < K / 8; ++o) {  // 8 inputs of 16 columns -> inputs 0-3, then 4-7, as u8
+        if (pf) {
+          _mm_prefetch(pf_codes + o * 64, _MM_HINT_T1);
+          if (o < K / 16) _mm_prefetch(pf_scales + o * 64, _MM_HINT_T1);
+        }
         const __m512i v = _mm512_loadu_si512(src + o * 64);
         _mm512_storeu_si512(w.data() + (2 * o) * 64, _mm512_and_si512(v, low));
         _mm512_storeu_si512(w.data() + (2 * o + 1) * 64, _mm512_and_si512(_mm512_srli_epi16(v, 4), low));
