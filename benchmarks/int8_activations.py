@@ -1,5 +1,5 @@
-"""int4 weights with activations made int8 (W4A8, `neuron_config.int8_activations`, the default where the CPU
-has AVX512-VNNI) against the same int4 weights with full-precision activations (W4A16) and the unquantized
+"""int4 / int8 weights with activations made int8 (W4A8, W8A8: `neuron_config.int8_activations`, the default
+where the CPU has AVX512-VNNI) against the same weights with full-precision activations and the unquantized
 model: teacher-forced quality on English text, one run.
 
 Each configuration scores the same passages (this repository's docs, cut into --tokens-token pieces) through
@@ -22,6 +22,8 @@ CONFIGS = {
     "unquantized": {},
     "int4, W4A16": {"quantization": "int4", "int8_activations": False},
     "int4, W4A8 (default)": {"quantization": "int4"},
+    "int8, W8A16": {"quantization": "int8", "int8_activations": False},
+    "int8, W8A8 (default)": {"quantization": "int8"},
 }
 
 

@@ -1,7 +1,7 @@
-"""int4 weights with int8 activations (neuron_config.int8_activations, on by default where the W4A8 kernel is
-built) in the engine, fp32: every quantized linear of two rows and more computes the W4A8 reference of its
-own inputs (not the full-precision product), compiled graphs give eager's greedy tokens, and the engine's
-log-probabilities stay near a transformers model whose linears compute W4A8.
+"""int4 / int8 weights with int8 activations (neuron_config.int8_activations, on by default where the kernels
+are built) in the engine, fp32: every quantized linear of two rows and more computes the W4A8 / W8A8 reference
+of its own inputs (not the full-precision product), and for int4 compiled graphs give eager's greedy tokens
+and the engine's log-probabilities stay near a transformers model whose linears compute W4A8.
 
 Token equality with transformers is not asked: the int8 rounding is discontinuous, so the last-bit
 differences between our attention and transformers' flip a few codes, which moves near-tied logits of a
@@ -13,7 +13,7 @@ import torch
 
 from tests.model_factory import build_tiny_llama, hf_greedy_reference, make_tiny_llama
 from vllm_neuron import LLM, SamplingParams
-from vllm_neuron.model.layers import quant_int4
+from vllm_neuron.model.layers import quant_int4, quant_int8
 from vllm_neuron.model.layers.kernels import cpu_caps
 from vllm_neuron.model.layers.kernels.ops import has_op
 
@@ -45,10 +45,10 @@ def _reference(int8_activations: bool) -> tuple[list[list[int]], list[torch.Tens
     return hf_greedy_reference(hf, PROMPTS, MAX_NEW)
 
 
-def _engine(model_dir: str, eager: bool) -> LLM:
+def _engine(model_dir: str, eager: bool, scheme: str = "int4") -> LLM:
     return LLM(model_dir, max_model_len=256, max_num_seqs=1, max_num_batched_tokens=64, block_size=16,
                dtype="float32", device="cpu", num_gpu_blocks_override=64, enforce_eager=eager,
-               additional_config={"neuron_config": {"quantization": "int4", "num_batched_tokens_buckets": [64],
+               additional_config={"neuron_config": {"quantization": scheme, "num_batched_tokens_buckets": [64],
                                                     "num_seqs_buckets": [1]}})
 
 
@@ -57,9 +57,12 @@ def model_dir(tmp_path_factory) -> str:
     return make_tiny_llama(str(tmp_path_factory.mktemp("w4a8_llama")), **CFG)
 
 
-def test_each_linear_computes_w4a8_of_its_inputs(model_dir, tmp_path, monkeypatch):
+@pytest.mark.parametrize("scheme", ["int4", "int8"])
+def test_each_linear_computes_int8_activations_of_its_inputs(model_dir, scheme, tmp_path, monkeypatch):
     monkeypatch.setenv("NEURON_COMPILED_ARTIFACTS", str(tmp_path / "cache"))
-    llm = _engine(model_dir, eager=True)
+    llm = _engine(model_dir, eager=True, scheme=scheme)
+    mod_q = {"int4": quant_int4, "int8": quant_int8}[scheme]
+    reference = {"int4": quant_int4.linear_w4a8_reference, "int8": quant_int8.linear_w8a8_reference}[scheme]
     model = llm.llm_engine.core.runner.model
     calls = []
 
@@ -67,8 +70,8 @@ def test_each_linear_computes_w4a8_of_its_inputs(model_dir, tmp_path, monkeypatc
         x = inputs[0].reshape(-1, inputs[0].shape[-1])
         if x.shape[0] >= quant_int4.TILE_ROWS_FROM:
             rows = min(x.shape[0], 8)  # the prompt's rows (the rest pad the bucket)
-            ref = quant_int4.linear_w4a8_reference(x[:rows], mod.qweight, mod.qscale)
-            full = x[:rows].double() @ quant_int4.dequantize(mod.qweight, mod.qscale, torch.float64).T
+            ref = reference(x[:rows], mod.qweight, mod.qscale)
+            full = x[:rows].double() @ mod_q.dequantize(mod.qweight, mod.qscale, torch.float64).T
             got = out.reshape(-1, out.shape[-1])[:rows].double()
             calls.append(((got - ref).abs().max().item(), (got - full).abs().max().item()))
 
@@ -98,14 +101,14 @@ def test_compiled_gives_eager_tokens_and_logprobs_near_transformers_w4a8(model_d
     assert max(off8) < 0.06 and sum(off8) < sum(off16) / 2, (max(off8), sum(off8), sum(off16))
 
 
-def test_int8_activations_refused_without_int4():
-    with pytest.raises(ValueError, match="int8_activations=True applies to int4 weights only"):
+def test_int8_activations_refused_without_int4_or_int8():
+    with pytest.raises(ValueError, match="int8_activations=True applies to int4 and int8 weights only"):
         LLM("unused", additional_config={"neuron_config": {"int8_activations": True}})
     with pytest.raises(ValueError, match="int8_activations"):
         LLM("unused", additional_config={"neuron_config": {"quantization": "int4", "int8_activations": "yes"}})
 
 
 def test_int8_activations_refused_where_the_kernel_does_not_apply(model_dir):
-    with pytest.raises(ValueError, match="int8_activations=True needs the W4A8 kernel"):
+    with pytest.raises(ValueError, match="int8_activations=True needs the int8-activation kernels"):
         LLM(model_dir, max_model_len=256, dtype="float16", device="cpu", enforce_eager=True,
             additional_config={"neuron_config": {"quantization": "int4", "int8_activations": True}})

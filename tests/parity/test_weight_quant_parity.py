@@ -53,8 +53,8 @@ def test_greedy_matches_transformers_with_rounded_weights(model_dir, references,
               dtype="float32", device="cpu", num_gpu_blocks_override=128, enforce_eager=eager,
               additional_config={"neuron_config": {"quantization": scheme, "num_batched_tokens_buckets": [64],
                                                    "num_seqs_buckets": [4],
-                                                   # the weights alone (int4's int8 activations: test_w4a8_engine.py)
-                                                   **({"int8_activations": False} if scheme == "int4" else {})}})
+                                                   # the weights alone (int8 activations: test_w4a8_parity.py)
+                                                   "int8_activations": False}})
     model = llm.llm_engine.core.runner.model
     assert model.lm_head.quantization == scheme and model.model.layers[0].mlp.down_proj.quantization == scheme
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],

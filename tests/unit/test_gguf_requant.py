@@ -114,7 +114,7 @@ def test_a_q4_1_gguf_on_int4_gives_the_dequantized_models_greedy_tokens(tmp_path
     prompts = [[1, 17, 250, 33, 401, 9], [1, 300, 12]]
     want = greedy_reference(ref_model, prompts, 8)
     with caplog.at_level(logging.INFO):
-        # Full-precision activations: the weights are what this test checks (W4A8: test_w4a8_engine.py).
+        # Full-precision activations: the weights are what this test checks (W4A8: test_w4a8_parity.py).
         llm = tiny_llm(path, additional_config={"neuron_config": {"quantization": "int4", "int8_activations": False}},
                        tokenizer=smollm2_tokenizer_dir())
         try:

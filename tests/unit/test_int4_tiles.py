@@ -80,21 +80,21 @@ def test_int8_activations_are_not_the_full_precision_product():
 
 def test_a_linear_takes_the_tiles_from_two_rows_and_the_bands_at_one():
     kernels = resolve_kernel_config(torch.device("cpu"), torch.bfloat16)
-    assert kernels.int4_tiles
+    assert kernels.int8_activations
     torch.manual_seed(0)
     lin = Linear(576, 192, bias=False).bfloat16()
     lin.kernels = kernels
     lin.quantize_("int4", tiles=True)
     assert hasattr(lin, "qtiles") and Q4.TILE_ROWS_FROM == 2
     x = torch.randn(5, 576).bfloat16()
-    torch.testing.assert_close(lin(x), tiles_op(x, lin.qtiles, lin.qtile_scales), rtol=0, atol=0)
+    torch.testing.assert_close(lin(x), tiles_op(x, lin.qtiles, lin.qtile_extra), rtol=0, atol=0)
     one = x[:1]
     torch.testing.assert_close(lin(one), torch.ops.vllm_neuron.linear_int4(one, lin.qweight, lin.qscale), rtol=0, atol=0)
 
 
 def test_without_int8_activations_no_linear_holds_tiles():
-    assert not resolve_kernel_config(torch.device("cpu"), torch.bfloat16, int8_activations=False).int4_tiles
-    assert not KernelConfig().int4_tiles  # layers outside an engine: the bands
+    assert not resolve_kernel_config(torch.device("cpu"), torch.bfloat16, int8_activations=False).int8_activations
+    assert not KernelConfig().int8_activations  # layers outside an engine: the bands
     lin = Linear(576, 192, bias=False).bfloat16()
     lin.quantize_("int4")
     assert not hasattr(lin, "qtiles")
@@ -104,12 +104,14 @@ def test_without_int8_activations_no_linear_holds_tiles():
 
 
 def test_the_copies_are_refused_where_memory_is_short(monkeypatch):
-    from vllm_neuron.model.layers.linear import int4_tile_bytes
+    from vllm_neuron.model.layers.linear import tile_bytes
     from vllm_neuron.worker import model_setup
 
     model = torch.nn.Sequential(Linear(576, 192, bias=False), Linear(64, 40, bias=False))
-    assert int4_tile_bytes(model) == 576 * 192 * 3 // 4  # the unaligned layer gets none
-    monkeypatch.setattr(model_setup.memory, "host_available_bytes", lambda: 2 * int4_tile_bytes(model) - 2)
-    assert not model_setup.int4_tiles_fit(model)
-    monkeypatch.setattr(model_setup.memory, "host_available_bytes", lambda: 2 * int4_tile_bytes(model))
-    assert model_setup.int4_tiles_fit(model)
+    assert tile_bytes(model, "int4") == 576 * 192 * 3 // 4  # the unaligned layer gets none
+    assert tile_bytes(model, "int8") == 576 * 192 * 9 // 8
+    need = tile_bytes(model, "int4")
+    monkeypatch.setattr(model_setup.memory, "host_available_bytes", lambda: 2 * need - 2)
+    assert not model_setup.tiles_fit_memory(model, "int4")
+    monkeypatch.setattr(model_setup.memory, "host_available_bytes", lambda: 2 * need)
+    assert model_setup.tiles_fit_memory(model, "int4")

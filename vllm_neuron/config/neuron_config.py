@@ -223,8 +223,8 @@ class NeuronConfig:
     gk_decode: bool = False
     # Decode graphs through inductor's C++ wrapper: a faster step for several times the compile time.
     decode_cpp_wrapper: bool = False
-    # int4 weights against activations made int8 per group of 32 from two rows on (AVX512-VNNI CPUs): None
-    # where built, False never, True or refused where not built.
+    # int4 / int8 weights against activations made int8 per group of 32 from two rows on (AVX512-VNNI CPUs):
+    # None where built, False never, True or refused where not built.
     int8_activations: bool | None = None
     # Accuracy debugging (config/tensor_debug.py): module outputs written out, or fed from a file.
     tensor_capture: TensorCaptureConfig | None = None
@@ -255,9 +255,10 @@ class NeuronConfig:
                        for name in ("fp8_packed_kv", "gk_decode", "decode_cpp_wrapper")},
                     int8_activations=None if self.int8_activations is None
                     else V.boolean("int8_activations", self.int8_activations))
-        if self.int8_activations and self.quantization != "int4":
-            raise ValueError(f"neuron_config.int8_activations=True applies to int4 weights only; set "
-                             f"neuron_config.quantization='int4' (got {self.quantization!r}) or leave it unset")
+        if self.int8_activations and self.quantization not in ("int4", "int8"):
+            raise ValueError(f"neuron_config.int8_activations=True applies to int4 and int8 weights only; set "
+                             f"neuron_config.quantization to 'int4' or 'int8' (got {self.quantization!r}) or leave "
+                             "it unset")
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any] | None) -> NeuronConfig:

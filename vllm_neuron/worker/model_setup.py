@@ -22,11 +22,11 @@ from vllm_neuron.model.layers import kv_quant, quant_error, quant_fp8
 from vllm_neuron.model.layers.kernel_config import KernelConfig, apply_kernel_config
 from vllm_neuron.model.layers.kernels.cpu_caps import describe_copies
 from vllm_neuron.model.layers.linear import (
-    int4_tile_bytes,
     make_linears_fp8_,
     pack_linears_,
     packed_bytes,
     quantize_linears_,
+    tile_bytes,
 )
 from vllm_neuron.model.loader import Checkpoint, gguf_cache
 from vllm_neuron.model.qwen3_vl.vision_parallel import VisionParallel, group_ranks
@@ -113,17 +113,17 @@ def build_model(cls: type, ckpt: Checkpoint, config: EngineConfig, spec: ModelSp
         if ckpt.is_gguf and scheme else {}
     if scheme is not None:
         check_weight_quantization(scheme, dtype, device)
-        tiles = kernels.int4_tiles and "int4" in (scheme, *schemes.values()) and int4_tiles_fit(model)
+        tiles = kernels.int8_activations and tiles_fit_memory(model, scheme)
         if config.neuron_config.int8_activations and not tiles:
-            raise ValueError("neuron_config.int8_activations=True cannot be honoured: the W4A8 copies of the int4 "
-                             "weights do not fit in half of the host's available memory; set it to false or "
-                             "leave it unset")
+            raise ValueError("neuron_config.int8_activations=True cannot be honoured: the int8-activation copies of "
+                             f"the {scheme} weights do not fit in half of the host's available memory; set it to "
+                             "false or leave it unset")
         layers, before, after = quantize_linears_(model, scheme, errors if ckpt.is_gguf else None, schemes,
                                                   tiles=tiles)
         logger.info("Weight-only %s: %d linear layers, %.1f MiB -> %.1f MiB (%s kernel for decode%s)", scheme,
                     layers, before / 2**20, after / 2**20, "custom" if kernels.quant_rows else "no",
-                    "; int4 from 2 rows on int8 activations (W4A8), a second copy of the int4 weights in tile "
-                    "order" if tiles else "")
+                    f"; from 2 rows on int8 activations, a second copy of the {scheme} weights in tile order"
+                    if tiles else "")
     if ckpt.is_gguf:
         gguf_weights.log_gguf_weights(ckpt, dtype, scheme, errors, schemes, spec.quantizations,
                                       packed_mxfp4=quantization == "mxfp4")
@@ -136,14 +136,14 @@ def build_model(cls: type, ckpt: Checkpoint, config: EngineConfig, spec: ModelSp
     return model, nbytes
 
 
-def int4_tiles_fit(model: torch.nn.Module) -> bool:
-    """Whether the W4A8 kernel's copies of the int4 weights fit: not where they would take more than half the
-    host's available memory (the int4 model then serves every row from its bands, as with
+def tiles_fit_memory(model: torch.nn.Module, scheme: str) -> bool:
+    """Whether the int8-activation kernels' copies of the `scheme` weights fit: not where they would take more
+    than half the host's available memory (the model then serves every row from its bands, as with
     neuron_config.int8_activations=false)."""
-    need, free = int4_tile_bytes(model), memory.host_available_bytes()
+    need, free = tile_bytes(model, scheme), memory.host_available_bytes()
     if need > free // 2:
-        logger.warning("No W4A8 copies of the int4 weights: they (%.1f MiB) would take more than half of the "
-                       "host's available memory (%.1f MiB); int4 keeps full-precision activations",
+        logger.warning("No int8-activation copies of the %s weights: they (%.1f MiB) would take more than half of "
+                       "the host's available memory (%.1f MiB); full-precision activations", scheme,
                        need / 2**20, free / 2**20)
         return False
     return True

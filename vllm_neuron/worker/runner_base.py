@@ -100,8 +100,8 @@ class ModelRunnerBase(ProfiledRunner, KVConnectorCalls):
                              f"attention caches one latent vector per token (MLA); use kv_cache_dtype='auto'")
         wanted = config.neuron_config.int8_activations
         self.kernels = resolve_kernel_config(device, dtype, int8_activations=wanted is not False)
-        if wanted and not self.kernels.int4_tiles:
-            raise ValueError("neuron_config.int8_activations=True needs the W4A8 kernel, built on CPUs with "
+        if wanted and not self.kernels.int8_activations:
+            raise ValueError("neuron_config.int8_activations=True needs the int8-activation kernels, built on CPUs with "
                              f"AVX512-VNNI in bfloat16 or float32 (here: device {device.type}, dtype {dtype}); "
                              "valid values here: false, or leave it unset")
         logger.info("%s", describe_kernels(device, self.dtype, self.model_spec.head_dim))

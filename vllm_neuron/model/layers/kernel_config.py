@@ -29,9 +29,9 @@ class KernelConfig:
     sampler: bool = False  # the grammar mask and greedy argmax kernels on CPU logits
     activation: bool = False  # bf16 silu(gate) * up in one pass
     lora: bool = False  # LoRA's per-token shrink and expand in one op (decode-sized steps)
-    # int4 layers keep a tile-order copy that inputs of two rows and more take, made int8 per group of 32
-    # (kernels/linear_int4_tiles.cpp; neuron_config.int8_activations)
-    int4_tiles: bool = False
+    # int4 / int8 layers keep a tile-order copy that inputs of two rows and more take, made int8 per group
+    # of 32 (kernels/linear_int4_tiles.cpp, linear_int8_tiles.cpp; neuron_config.int8_activations)
+    int8_activations: bool = False
 
     def graph_options(self) -> dict:
         """What of this shapes the traced graphs (part of the compile-cache key)."""
@@ -41,7 +41,8 @@ class KernelConfig:
 
 def resolve_kernel_config(device: torch.device, dtype: torch.dtype, int8_activations: bool = True) -> KernelConfig:
     """The kernels this device and dtype take here (builds the kernels on the first CPU call);
-    `int8_activations` lets int4 layers take the W4A8 kernel where it is built (AVX512-VNNI)."""
+    `int8_activations` lets int4 / int8 layers take the int8-activation kernels where they are built
+    (AVX512-VNNI)."""
     if not cpu_caps.kernels_enabled(device):
         return KernelConfig()
     rows = cpu_caps.linear_kernel_rows(device).get(dtype, 0)
@@ -52,7 +53,7 @@ def resolve_kernel_config(device: torch.device, dtype: torch.dtype, int8_activat
                         quant_rows=cpu_caps.quant_kernel_rows(device, dtype),
                         prepacked=prepacked, tile_rows=tile_rows, sampler=True, activation=True,
                         lora=has_op("lora_delta"),
-                        int4_tiles=int8_activations and has_op("linear_int4_tiles")
+                        int8_activations=int8_activations and has_op("linear_int8_tiles")
                         and dtype in (torch.bfloat16, torch.float32))
 
 

@@ -36,18 +36,18 @@ class Linear(nn.Linear):
 
     def quantize_(self, scheme: str, tiles: bool = False) -> None:
         """Replaces the weight by its `scheme` form (buffers `qweight`, `qscale`; the bias, if any, stays);
-        a tied weight stays with its other owner. `tiles` (int4): also the W4A8 kernel's copy (`qtiles`,
-        `qtile_scales`) where the shape takes it."""
+        a tied weight stays with its other owner. `tiles` (int4, int8): also the int8-activation kernel's copy
+        (`qtiles`, `qtile_extra`) where the shape takes it (`tiles_fit`)."""
         qweight, qscale = _scheme(scheme).quantize(self.weight)
         del self.weight
         self.register_buffer("qweight", qweight)
         self.register_buffer("qscale", qscale)
         self.quantization = scheme
-        if scheme == "int4" and tiles and self.out_features % 16 == 0:
-            # The W4A8 kernel's copy beside the bands the one-row kernel streams (quant_int4.to_tiles).
-            codes, scales = quant_int4.to_tiles(qweight, qscale)
+        if tiles and tiles_fit(self.out_features, self.in_features):
+            # The int8-activation kernel's copy beside the bands the one-row kernels stream (to_tiles).
+            codes, extra = quant_int4.to_tiles(qweight, qscale) if scheme == "int4" else quant_int8.to_tiles(qweight)
             self.register_buffer("qtiles", codes)
-            self.register_buffer("qtile_scales", scales)
+            self.register_buffer("qtile_extra", extra)  # int4: (scale, min) in tile order; int8: group corrections
 
     def make_fp8_(self) -> None:
         """Holds an FP8 checkpoint's weight as it is stored (float8_e4m3fn) with one fp32 scale per output
@@ -69,9 +69,9 @@ class Linear(nn.Linear):
         k = self.kernels
         if self.quantization == "fp8":
             return quant_fp8.linear(x, self.weight, self.weight_scale, self.bias)
-        if self.quantization == "int4" and hasattr(self, "qtiles"):
-            return quant_int4.linear(x, self.qweight, self.qscale, self.bias, k.quant_rows,
-                                     tiles=(self.qtiles, self.qtile_scales))
+        if self.quantization in ("int4", "int8") and hasattr(self, "qtiles"):
+            return _scheme(self.quantization).linear(x, self.qweight, self.qscale, self.bias, k.quant_rows,
+                                                     tiles=(self.qtiles, self.qtile_extra))
         if self.quantization is not None:
             return _scheme(self.quantization).linear(x, self.qweight, self.qscale, self.bias, k.quant_rows)
         if (x.dtype in k.linear_dtypes and x.dim() == 2 and x.shape[0] <= k.linear_rows and self.bias is None
@@ -113,11 +113,19 @@ def quantize_linears_(model: nn.Module, scheme: str, errors: dict[str, quant_err
 
 
 
-def int4_tile_bytes(model: nn.Module) -> int:
-    """What the W4A8 copies of `model`'s unquantized Linear weights would take if quantized to int4 (as much
-    again as the int4 bands: half a byte per weight and a (scale, min) pair per 32)."""
-    return sum(m.weight.numel() * 3 // 4 for m in model.modules()
-               if isinstance(m, Linear) and m.quantization is None and m.out_features % 16 == 0)
+def tiles_fit(n: int, k: int) -> bool:
+    """Whether a [n, k] weight takes the int8-activation kernels' tile order (16 columns x groups of 32; int4
+    asks K % 64 of its own)."""
+    return n % 16 == 0 and k % 32 == 0
+
+
+def tile_bytes(model: nn.Module, scheme: str) -> int:
+    """What the int8-activation copies of `model`'s unquantized Linear weights would take once quantized to
+    `scheme`: int4 as much again as its bands (half a byte per weight and a (scale, min) pair per 32), int8
+    a byte per weight and 4 bytes per column and group of 32."""
+    per_weight = {"int4": 0.75, "int8": 1.125}[scheme]
+    return sum(int(m.weight.numel() * per_weight) for m in model.modules()
+               if isinstance(m, Linear) and m.quantization is None and tiles_fit(m.out_features, m.in_features))
 
 
 def _dequantize_rows(module: Linear, a: int, b: int) -> torch.Tensor:

@@ -55,13 +55,20 @@ def dequantize(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -
 def to_tiles(packed: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The W4A8 kernel's copy (kernels/linear_int4_tiles.cpp) of a band-layout weight, N a multiple of 16: codes
     uint8 [N, K / 2] as [N / 16][K / 8][16 columns][4 bytes], byte b of column c holding input 8o + b in its low
-    nibble and 8o + 4 + b in its high one; scales float32 [N, K / 32, 2] as [N / 16][K / 32][scale, min][16]."""
+    nibble and 8o + 4 + b in its high one; scales float32 [N, K / 32, 2] as [N / 16][K / 32][scale, min +
+    8 * scale][16] (the kernel multiplies the centred codes q - 8)."""
     n = packed.shape[0]
     b = from_bands(packed, SUPERBLOCK // 2).reshape(n, -1, 1, GROUP_SIZE)
     q = torch.cat([b & 15, b >> 4], 2).reshape(n // 16, 16, -1, 2, 4)  # [block, column, octet, half, byte]
     codes = (q[:, :, :, 0] | (q[:, :, :, 1] << 4)).permute(0, 2, 1, 3).contiguous()
-    sm = from_bands(scales.reshape(n, -1), 4).reshape(n // 16, 16, -1, 2).permute(0, 2, 3, 1).contiguous()
+    sm = centred_scales(from_bands(scales.reshape(n, -1), 4).reshape(n, -1, 2))
+    sm = sm.reshape(n // 16, 16, -1, 2).permute(0, 2, 3, 1).contiguous()
     return codes.reshape(n, -1), sm.reshape(n, -1, 2)
+
+
+def centred_scales(sm: torch.Tensor) -> torch.Tensor:
+    """(scale, min) [..., 2] -> (scale, min + 8 * scale) in float32: w = (q - 8) * scale + that."""
+    return torch.stack([sm[..., 0], sm[..., 1] + 8 * sm[..., 0]], -1)
 
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -76,12 +83,12 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
 
 
 def linear_w4a8_reference(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """What the W4A8 kernel computes, in float64 torch (tests): per group, scale * d_x * sum(q * qx) + min *
-    sum(x)."""
+    """What the W4A8 kernel computes, in float64 torch (tests): per group, scale * d_x * sum((q - 8) * qx) +
+    (min + 8 * scale) * sum(x)."""
     n, m = packed.shape[0], x.shape[0]
     b = from_bands(packed, SUPERBLOCK // 2).reshape(n, -1, 1, GROUP_SIZE)
-    q = torch.cat([b & 15, b >> 4], 2).reshape(n, -1, GROUP_SIZE).double()  # [N, G, 32]
-    sm = from_bands(scales.reshape(n, -1), 4).reshape(n, -1, 2).double()  # [N, G, 2]
+    q = torch.cat([b & 15, b >> 4], 2).reshape(n, -1, GROUP_SIZE).double() - 8  # [N, G, 32]
+    sm = centred_scales(from_bands(scales.reshape(n, -1), 4).reshape(n, -1, 2)).double()  # [N, G, 2]
     xq, d, sums = quantize_activations(x)
     dots = torch.einsum("ngk,mgk->mng", q, xq.reshape(m, -1, GROUP_SIZE).double())
     return (dots * sm[..., 0] * d.double().unsqueeze(1) + sm[..., 1] * sums.double().unsqueeze(1)).sum(-1)

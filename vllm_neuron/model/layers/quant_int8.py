@@ -15,6 +15,9 @@ from vllm_neuron.model.layers.kernels import ops
 from vllm_neuron.model.layers.quant_bands import from_bands, to_bands
 
 CHUNK = 16  # weights of one row per step of the kernel
+GROUP_SIZE = 32  # inputs per activation group of the W8A8 kernel
+# Where the layer has the W8A8 copy, the rows from which it takes it (one row: the VNNI kernel's int16 inputs).
+TILE_ROWS_FROM = 2
 
 
 def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -39,12 +42,37 @@ def scaled_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torc
     return (torch.nn.functional.linear(x, q.to(x.dtype)).float() * scale).to(x.dtype)
 
 
+def to_tiles(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The W8A8 kernel's copy (kernels/linear_int8_tiles.cpp) of a band-layout q, N a multiple of 16 and K of
+    32: codes int8 [N, K] as [N / 16][K / 4][16 columns][4], and 128 x each column's sum over each group of 32
+    inputs, int32 [N / 16, K / 32, 16] (the kernel's unsigned activations add it)."""
+    n = q.shape[0]
+    rows = from_bands(q, CHUNK)
+    codes = rows.reshape(n // 16, 16, -1, 4).permute(0, 2, 1, 3).contiguous().reshape(n, -1)
+    corr = rows.reshape(n // 16, 16, -1, GROUP_SIZE).sum(-1, dtype=torch.int32).mul_(128).permute(0, 2, 1)
+    return codes, corr.contiguous()
+
+
+def linear_w8a8_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """What the W8A8 kernel computes, in float64 torch (tests): per group, d_x * sum(q * qx), times the scale."""
+    from vllm_neuron.model.layers.quant_int4 import quantize_activations
+
+    n, m = q.shape[0], x.shape[0]
+    rows = from_bands(q, CHUNK).double().reshape(n, -1, GROUP_SIZE)
+    xq, d, _ = quantize_activations(x)
+    dots = torch.einsum("ngk,mgk->mng", rows, xq.reshape(m, -1, GROUP_SIZE).double())
+    return (dots * d.double().unsqueeze(1)).sum(-1) * scale.double()
+
+
 def linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
-           kernel_rows: int) -> torch.Tensor:
-    """x @ W^T (+ bias): the kernel up to `kernel_rows` rows, its one-pass unpacking + matmul above; torch
-    alone where kernel_rows is 0 (no kernel build)."""
+           kernel_rows: int, tiles: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """x @ W^T (+ bias): with `tiles` (`to_tiles`' copy) the W8A8 kernel from TILE_ROWS_FROM rows; else the
+    kernel up to `kernel_rows` rows, its one-pass unpacking + matmul above; torch alone where kernel_rows is 0
+    (no kernel build)."""
     rows = x.reshape(-1, x.shape[-1])
-    if rows.shape[0] <= kernel_rows:
+    if tiles is not None and rows.shape[0] >= TILE_ROWS_FROM:
+        y = ops.linear_int8_tiles(rows, tiles[0], tiles[1], scale)
+    elif rows.shape[0] <= kernel_rows:
         y = ops.linear_int8(rows, q, scale)
     elif kernel_rows:
         y = scaled_linear(rows, ops.unpack_int8(q, x.dtype), scale)

@@ -28,10 +28,10 @@ from vllm_neuron.model.layers.kernels.ops import register_fakes
 logger = init_logger(__name__)
 
 SOURCES = ("paged_attention.cpp", "linear_bf16.cpp", "linear_quant.cpp", "quant_unpack.cpp", "linear_amx.cpp", "linear_dot_tiles.cpp",
-           "linear_int4_tiles.cpp", "token_mask.cpp", "activation.cpp", "linear_tile_copies.cpp", "lora.cpp")
+           "linear_int4_tiles.cpp", "linear_int8_tiles.cpp", "token_mask.cpp", "activation.cpp", "linear_tile_copies.cpp", "lora.cpp")
 HEADERS = ("simd.h", "attention_tiles.h", "int8_vnni.h", "int_dot.h", "int_dot_avx2.h", "int4_vnni.h", "int4_table.h", "online_softmax.h", "amx_tiles.h",
            "attention_bf16.h", "attention_shared_packs.h", "attention_fp32_tiles.h", "attention_amx.h", "attention_decode.h", "attention_split.h", "cache_elems.h",
-           "tile_linear_args.h")
+           "tile_linear_args.h", "int8_acts.h")
 _FLAGS = ("-O3", "-fopenmp", "-ffast-math", "-fno-finite-math-only", "-fPIC", "-std=c++17")
 # CPU class -> target flags. avx2 is x86-64-v3 (Haswell and later, Zen 1 and later), so a forced avx2
 # build on an AVX-512 machine has no AVX-512 code in it.

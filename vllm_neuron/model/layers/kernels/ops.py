@@ -44,6 +44,8 @@ def register_fakes() -> None:
     if has_op("linear_int4_tiles"):
         torch.library.register_fake("vllm_neuron::linear_int4_tiles")(
             lambda x, codes, scales, bias: x.new_empty((x.shape[0], codes.shape[0])))
+        torch.library.register_fake("vllm_neuron::linear_int8_tiles")(
+            lambda x, codes, corr, scale, bias: x.new_empty((x.shape[0], codes.shape[0])))
     if has_op("greedy_argmax"):
         torch.library.register_fake("vllm_neuron::apply_token_bitmask_")(lambda logits, bitmask: None)
         torch.library.register_fake("vllm_neuron::greedy_argmax")(
@@ -100,6 +102,14 @@ def linear_int4_tiles(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor
     """x [M, K] (bf16 / fp32) @ W^T (+ bias, fp32 [N]) -> [M, N] in x's dtype, W in quant_int4's tile order
     (`to_tiles`), the activations made int8 per row and group of 32 (kernels/linear_int4_tiles.cpp)."""
     return torch.ops.vllm_neuron.linear_int4_tiles(x, codes, scales, bias)
+
+
+def linear_int8_tiles(x: torch.Tensor, codes: torch.Tensor, corr: torch.Tensor, scale: torch.Tensor,
+                      bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] (bf16 / fp32) @ (q * scale)^T (+ bias, fp32 [N]) -> [M, N] in x's dtype, q in quant_int8's tile
+    order with its group corrections (`to_tiles`), the activations made int8 per row and group of 32
+    (kernels/linear_int8_tiles.cpp)."""
+    return torch.ops.vllm_neuron.linear_int8_tiles(x, codes, corr, scale, bias)
 
 
 def unpack_int8(q: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
