@@ -98,7 +98,7 @@ def quantize_linears_(model: nn.Module, scheme: str, errors: dict[str, quant_err
                       schemes: dict[str, str] | None = None, tiles: bool = False) -> tuple[int, int, int]:
     """Quantizes every `Linear` of `model` in place to `scheme` (or `schemes[module name]`); (layers, bytes before,
     bytes after). With `errors`, each layer's error against its weight before quantization is recorded there by
-    module name; `tiles`: int4 layers also get the W4A8 kernel's copy (Linear.quantize_)."""
+    module name; `tiles`: int4 / int8 layers also get the int8-activation kernels' copy (Linear.quantize_)."""
     layers = before = after = 0
     for name, module in model.named_modules():
         if isinstance(module, Linear) and module.quantization is None:
