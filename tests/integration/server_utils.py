@@ -115,16 +115,22 @@ class ServerProcess:
             pass
         return out
 
-    def child_running(self, marker: bytes) -> int | None:
-        """The first child whose command line contains `marker`, or None."""
+    def children_running(self, marker: bytes) -> list[int]:
+        """The children whose command line contains `marker`."""
+        found = []
         for pid in self.children():
             try:
                 with open(f"/proc/{pid}/cmdline", "rb") as c:
                     if marker in c.read():
-                        return pid
+                        found.append(pid)
             except OSError:
                 continue
-        return None
+        return found
+
+    def child_running(self, marker: bytes) -> int | None:
+        """The first child whose command line contains `marker`, or None."""
+        found = self.children_running(marker)
+        return found[0] if found else None
 
     def engine_pid(self) -> int:
         """The EngineCore child: the spawned multiprocessing child (the other one is the
@@ -143,8 +149,20 @@ class ServerProcess:
             code: int | None = self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
             code = None
+            self.dump_stacks()  # what the stuck process waits on, into the log the caller reports
             self.kill()
         return code, time.monotonic() - t0
+
+    def dump_stacks(self, settle: float = 1.0) -> None:
+        """SIGUSR1 to the server and its EngineCores, one at a time (they share the log: dumps at once interleave):
+        each prints its threads' stacks into the log (proc_lifecycle). Not to its other children (the resource
+        tracker, the grammar compiler): SIGUSR1 would end them."""
+        for pid in [self.proc.pid, *self.children_running(b"spawn_main")]:
+            try:
+                os.kill(pid, signal.SIGUSR1)
+            except OSError:
+                continue
+            time.sleep(settle)
 
     def kill(self) -> None:
         """SIGKILL to the server's process group (an orphaned EngineCore would idle forever)."""

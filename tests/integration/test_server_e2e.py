@@ -51,7 +51,7 @@ def _stop(srv: ServerProcess) -> None:
         engine = None
     try:
         code, _ = srv.stop(timeout=15)
-        assert code is not None, f"server did not exit within 15 s of SIGTERM:\n{srv.log()[-8000:]}"
+        assert code is not None, f"server did not exit within 15 s of SIGTERM (stacks at the end):\n{srv.log()[-16000:]}"
         assert code == 0, f"server exited with {code} after SIGTERM:\n{srv.log()[-8000:]}"
         if engine is not None:
             wait_for(lambda: _is_gone(engine), timeout=5, what="the EngineCore to exit with the server")
@@ -616,6 +616,20 @@ def test_profile_endpoints(server, model):
     assert {"schedule", "execute", "build_inputs", "graph", "sample", "output"} <= names[1]
     assert any(n.startswith("bucket:prefill_s") for n in names[1]) and any(n.startswith("bucket:decode_b")
                                                                            for n in names[1])
+
+
+def test_sigusr1_dumps_every_process_stacks_and_serving_goes_on(server, model):
+    """`kill -USR1` on the API server and on its EngineCore: each writes its threads' stacks to the log (what a
+    stuck shutdown is waiting on) and neither stops."""
+    engine = server.engine_pid()
+    before = len(server.log())
+    server.dump_stacks(settle=0.5)
+    wait_for(lambda: server.log()[before:].count("most recent call first") >= 2, timeout=10,
+             what="a stack dump from each process")
+    dumped = server.log()[before:]
+    assert "run_engine_core" in dumped and "run_serve" in dumped, dumped[-4000:]
+    assert server.proc.poll() is None and not _is_gone(engine)
+    _assert_still_serves(server.url, model)
 
 
 def test_step_metrics_and_bucket_advice(server, model, capsys):

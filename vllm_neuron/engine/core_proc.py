@@ -24,6 +24,7 @@ from vllm_neuron import heap
 from vllm_neuron.config.engine_config import EngineConfig
 from vllm_neuron.engine.replica import ReplicaPlacement, apply_placement, engine_identity
 from vllm_neuron.logger import init_logger
+from vllm_neuron.proc_lifecycle import before_exit, install_stack_dumps
 
 logger = init_logger(__name__)
 
@@ -56,6 +57,7 @@ def spawn_replica(config: EngineConfig, address: str, placement: ReplicaPlacemen
 
 def run_engine_core(config: EngineConfig, address: str, placement: ReplicaPlacement, model_name: str) -> None:
     """Process entry point (spawned)."""
+    install_stack_dumps()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the API server process owns Ctrl-C and tells us
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
@@ -90,6 +92,7 @@ def run_engine_core(config: EngineConfig, address: str, placement: ReplicaPlacem
     finally:
         sock.close(linger=1000)
         ctx.term()
+        before_exit()
 
 
 def _loop(core, inp: zmq.Socket, out: zmq.Socket, metrics, log_stats: bool = True) -> None:

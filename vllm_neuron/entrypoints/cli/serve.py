@@ -11,6 +11,7 @@ from vllm_neuron.config.arg_utils import engine_args_from_cli
 from vllm_neuron.entrypoints.openai.request_policy import RequestLimits
 from vllm_neuron.entrypoints.openai.server_options import HttpOptions, check_port_free
 from vllm_neuron.logger import init_logger
+from vllm_neuron.proc_lifecycle import before_exit, install_stack_dumps
 
 logger = init_logger(__name__)
 
@@ -66,7 +67,10 @@ def run_serve(args: argparse.Namespace) -> int:
 
     # Before the event loop: asyncio.run turns the first Ctrl-C into a cancellation a blocking download never sees.
     engine_args = fetch_hub_models(engine_args)
-    return asyncio.run(_serve(engine_args, args, api_key, limits, http, t0))
+    install_stack_dumps()
+    code = asyncio.run(_serve(engine_args, args, api_key, limits, http, t0))
+    before_exit()
+    return code
 
 
 async def _serve(engine_args, args: argparse.Namespace, api_key: str | None, limits: RequestLimits,
