@@ -8,14 +8,14 @@
 // inputs (at most 64 rows: four C tiles of 16 rows) stay in L1/L2 and are loaded as A tiles per step. The
 // products are exact and summed in fp32 (TDPBF16PS); the fp32 sums are rounded to bf16 once.
 // Built only where the compiler targets AMX (the avx512bf16 build on such a CPU).
-#include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
-#include <ATen/Parallel.h>
-#include <torch/library.h>
 
 #include "tile_linear_args.h"
 
 #if defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
 #include <immintrin.h>
 
 #include "amx_tiles.h"

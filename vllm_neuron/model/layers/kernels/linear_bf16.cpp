@@ -13,14 +13,14 @@
 //   AVX-512 / AVX2 + FMA: bf16 widened to fp32 by a 16-bit shift, then FMA (linear_bf16), and fp32 (linear_f32).
 // Elsewhere the ops are not registered and callers use F.linear.
 // The ATen headers used, not ATen/ATen.h: parsing all of that doubles the first start's kernel build.
-#include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
-#include <ATen/Parallel.h>
-#include <torch/library.h>
 
 #include <type_traits>
 
 #if defined(__AVX512BF16__) || (defined(__AVX2__) && defined(__FMA__))
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
 #include "simd.h"
 
 namespace {

@@ -13,16 +13,16 @@
 // at 16 rows (weight-streaming kernel), 8.3 vs 12.1 at 32, 14.9 vs 20.8 at 64 and 27.6 vs 32.9 at 128
 // (oneDNN reordered), 102 vs 109 at 512. The products are exact and summed in fp32; the sums are rounded to
 // bf16 once.
-#include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
-#include <ATen/Parallel.h>
-#include <torch/library.h>
 
 #include "tile_linear_args.h"
 
 #include <type_traits>
 
 #if defined(__AVX512BF16__)
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
 #include <immintrin.h>
 
 #include "simd.h"

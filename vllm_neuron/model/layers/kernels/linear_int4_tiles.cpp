@@ -19,15 +19,15 @@
 // and group as two vectors of 16 floats. A thread takes a contiguous range of column blocks, unpacks each block's
 // codes once into an L1 buffer, and runs every row block of up to 8 rows against it (8 x 16 int32 and 8 x 16
 // fp32 sums in registers).
-#include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
-#include <ATen/Parallel.h>
-#include <torch/library.h>
 
 #include <type_traits>
 #include <vector>
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
 #include <immintrin.h>
 
 #include "int8_acts.h"

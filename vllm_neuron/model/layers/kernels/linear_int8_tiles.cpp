@@ -11,15 +11,15 @@
 //
 // Weights in tile order (quant_int8.to_tiles): per 16 output columns, per 4 inputs, 64 bytes (column c's 4
 // codes in its 4 bytes), read in place (no unpacking); `corr` int32 [N / 16][K / 32][16].
-#include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
-#include <ATen/Parallel.h>
-#include <torch/library.h>
 
 #include <type_traits>
 #include <vector>
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
 #include <immintrin.h>
 
 #include "int8_acts.h"

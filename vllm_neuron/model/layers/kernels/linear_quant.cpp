@@ -25,17 +25,18 @@
 // holds weight j in its low nibble and weight j + 32 in its high nibble, so bytes widen to two vectors of
 // consecutive weights with one AND and one shift; within a band, [K / 64][rows][32 bytes], and the
 // scales [K / 64][rows][4 floats].
-// The ATen headers used, not ATen/ATen.h: parsing all of that doubles the first start's kernel build.
-#include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
-#include <ATen/Parallel.h>
-#include <torch/library.h>
+// The ATen headers used, not ATen/ATen.h: parsing all of that doubles the first start's kernel build; and inside
+// the CPU-class guard, so that a class without these kernels compiles the file in no time.
 
 #include <algorithm>
 #include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
 #include "simd.h"
 #if defined(__AVX512BF16__)
 #include "int4_table.h"

@@ -1,10 +1,7 @@
 // int8 / int4 weights put back in row order in a compute dtype, for the prefill-sized inputs that take oneDNN's
 // matmul (quant_int8.py / quant_int4.py's `linear` above the kernel rows). Layouts: linear_quant.cpp's comment.
-// The ATen headers used, not ATen/ATen.h: parsing all of that doubles the first start's kernel build.
-#include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
-#include <ATen/Parallel.h>
-#include <torch/library.h>
+// The ATen headers used, not ATen/ATen.h: parsing all of that doubles the first start's kernel build; and inside
+// the CPU-class guard, so that a class without these kernels compiles the file in no time.
 
 #include <algorithm>
 #include <cstdint>
@@ -16,6 +13,10 @@
 
 // Built with the quantized linears (the same CPU classes); elsewhere callers dequantize in torch.
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
 
 namespace {
 
