@@ -14,7 +14,7 @@ import time
 
 import httpx
 
-from tests.integration.server_utils import ServerProcess, rank_children, two_loopback_nodes
+from tests.integration.server_utils import ServerProcess, rank_children, two_loopback_nodes, wait_for
 
 pytestmark = pytest.mark.engine
 
@@ -77,6 +77,10 @@ def test_single_and_multi_node_same_tokens_and_a_dead_rank_fails_fast(tiny_llama
         single.wait_healthy(300)
         expected = _complete(single)
         (rank1,) = rank_children(single.engine_pid())
+        # `kill -USR1` on a rank prints where its threads are (a hung collective's first question) and it goes on.
+        os.kill(rank1, signal.SIGUSR1)
+        wait_for(lambda: "follower_main" in single.log(), timeout=10, what="rank 1's stack dump")
+        assert _complete(single) == expected
         _fail_rank_mid_request(single, rank1, signal.SIGKILL)
     finally:
         single.kill()

@@ -43,6 +43,7 @@ from vllm_neuron.config.engine_config import EngineConfig
 from vllm_neuron.distributed import parallel_state as ps
 from vllm_neuron.distributed import pipeline
 from vllm_neuron.logger import init_logger
+from vllm_neuron.proc_lifecycle import before_exit, install_stack_dumps
 from vllm_neuron.worker.runner_factory import create_runner
 
 logger = init_logger(__name__)
@@ -298,6 +299,7 @@ def _is_group_failure(e: BaseException) -> bool:
 
 def follower_main(setup: RankSetup, rank: int) -> None:
     """A rank other than 0: joins, builds its runner from rank 0's config, replays rank 0's calls."""
+    install_stack_dumps()  # a rank stuck in a collective shows where with `kill -USR1`
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the head decides when the group ends
     threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
     os.environ.setdefault("VLLM_NEURON_TP_RANK", str(rank))
@@ -329,6 +331,7 @@ def follower_main(setup: RankSetup, rank: int) -> None:
         raise SystemExit(1) from None
     finally:
         ps.shutdown()
+        before_exit()
 
 
 def _exit_with_parent(parent: int) -> None:
