@@ -93,7 +93,10 @@ def _model_sizes(model) -> tuple[int, int]:
     for m in model.modules():
         if isinstance(m, Linear):
             params += m.in_features * m.out_features
-            held = [m.qweight, m.qscale] if m.quantization in ("int8", "int4") else [m.weight]
+            if m.quantization in ("int8", "int4"):  # the bands, or int4's tile copy where it replaced them
+                held = [m.qweight, m.qscale] if hasattr(m, "qweight") else [m.qtiles, m.qtile_extra]
+            else:
+                held = [m.weight]
             nbytes += sum(t.numel() * t.element_size() for t in held)
     return params, nbytes
 

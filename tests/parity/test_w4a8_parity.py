@@ -1,7 +1,8 @@
 """int4 / int8 weights with int8 activations (neuron_config.int8_activations, on by default where the kernels
-are built) in the engine, fp32: every quantized linear of two rows and more computes the W4A8 / W8A8 reference
-of its own inputs (not the full-precision product), and for int4 compiled graphs give eager's greedy tokens
-and the engine's log-probabilities stay near a transformers model whose linears compute W4A8.
+are built) in the engine, fp32: every int4 linear (one row included: its tile copy replaced the bands) and every
+int8 linear of two rows and more computes the W4A8 / W8A8 reference of its own inputs (not the full-precision
+product), and for int4 compiled graphs give eager's greedy tokens and the engine's log-probabilities stay near a
+transformers model whose linears compute W4A8.
 
 Token equality with transformers is not asked: the int8 rounding is discontinuous, so the last-bit
 differences between our attention and transformers' flip a few codes, which moves near-tied logits of a
@@ -32,12 +33,12 @@ def _reference(int8_activations: bool) -> tuple[list[list[int]], list[torch.Tens
         if isinstance(module, torch.nn.Linear):
             q, s = quant_int4.quantize(module.weight)
             deq = quant_int4.dequantize(q, s, torch.float32)
-            tiles = int8_activations and module.out_features % 16 == 0
+            tiles = quant_int4.to_tiles(q, s) if int8_activations and module.out_features % 16 == 0 else None
 
-            def forward(x, q=q, s=s, deq=deq, tiles=tiles):
+            def forward(x, deq=deq, tiles=tiles):
                 rows = x.reshape(-1, x.shape[-1])
-                if tiles and rows.shape[0] >= quant_int4.TILE_ROWS_FROM:
-                    y = quant_int4.linear_w4a8_reference(rows, q, s).float()
+                if tiles is not None:
+                    y = quant_int4.linear_w4a8_reference(rows, *tiles).float()
                 else:
                     y = rows @ deq.T
                 return y.reshape(*x.shape[:-1], -1)
@@ -68,19 +69,25 @@ def test_each_linear_computes_int8_activations_of_its_inputs(model_dir, scheme, 
 
     def check(mod, inputs, out):
         x = inputs[0].reshape(-1, inputs[0].shape[-1])
-        if x.shape[0] >= quant_int4.TILE_ROWS_FROM:
-            rows = min(x.shape[0], 8)  # the prompt's rows (the rest pad the bucket)
+        rows = min(x.shape[0], 8)  # the prompt's rows (the rest pad the bucket), or the one decode row
+        if scheme == "int4":  # every row count
+            ref = reference(x[:rows], mod.qtiles, mod.qtile_extra)
+            full = x[:rows].double() @ mod_q.dequantize_tiles(mod.qtiles, mod.qtile_extra, torch.float64).T
+        elif x.shape[0] >= quant_int8.TILE_ROWS_FROM:
             ref = reference(x[:rows], mod.qweight, mod.qscale)
             full = x[:rows].double() @ mod_q.dequantize(mod.qweight, mod.qscale, torch.float64).T
-            got = out.reshape(-1, out.shape[-1])[:rows].double()
-            calls.append(((got - ref).abs().max().item(), (got - full).abs().max().item()))
+        else:
+            return
+        got = out.reshape(-1, out.shape[-1])[:rows].double()
+        calls.append((x.shape[0], (got - ref).abs().max().item(), (got - full).abs().max().item()))
 
     handles = [m.register_forward_hook(check) for m in model.modules() if hasattr(m, "qtiles")]
     assert len(handles) >= 4 * len(model.model.layers) // 2  # qkv, o, gate_up, down of each layer
     llm.generate([{"prompt_token_ids": PROMPTS[1]}], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True),
                  use_tqdm=False)
-    assert calls and max(c[0] for c in calls) < 1e-4
-    assert max(c[1] for c in calls) > 100 * max(c[0] for c in calls)  # not the full-precision product
+    assert calls and max(c[1] for c in calls) < 1e-4
+    assert max(c[2] for c in calls) > 100 * max(c[1] for c in calls)  # not the full-precision product
+    assert (1 in {c[0] for c in calls}) == (scheme == "int4")  # the decode step's one row: int4's tiles only
 
 
 def test_compiled_gives_eager_tokens_and_logprobs_near_transformers_w4a8(model_dir, tmp_path, monkeypatch):

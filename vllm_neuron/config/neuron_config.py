@@ -223,7 +223,8 @@ class NeuronConfig:
     gk_decode: bool = False
     # Decode graphs through inductor's C++ wrapper: a faster step for several times the compile time.
     decode_cpp_wrapper: bool = False
-    # int4 / int8 weights against activations made int8 per group of 32 from two rows on (AVX512-VNNI CPUs):
+    # int4 / int8 weights against activations made int8 per group of 32 (AVX512-VNNI CPUs; int4 at every row
+    # count, int8 from two rows on):
     # None where built, False never, True or refused where not built.
     int8_activations: bool | None = None
     # Accuracy debugging (config/tensor_debug.py): module outputs written out, or fed from a file.

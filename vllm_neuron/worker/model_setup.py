@@ -113,7 +113,7 @@ def build_model(cls: type, ckpt: Checkpoint, config: EngineConfig, spec: ModelSp
         if ckpt.is_gguf and scheme else {}
     if scheme is not None:
         check_weight_quantization(scheme, dtype, device)
-        tiles = kernels.int8_activations and tiles_fit_memory(model, scheme)
+        tiles = kernels.int8_activations and tiles_fit_memory(model, scheme, schemes)
         if config.neuron_config.int8_activations and not tiles:
             raise ValueError("neuron_config.int8_activations=True cannot be honoured: the int8-activation copies of "
                              f"the {scheme} weights do not fit in half of the host's available memory; set it to "
@@ -122,8 +122,7 @@ def build_model(cls: type, ckpt: Checkpoint, config: EngineConfig, spec: ModelSp
                                                   tiles=tiles)
         logger.info("Weight-only %s: %d linear layers, %.1f MiB -> %.1f MiB (%s kernel for decode%s)", scheme,
                     layers, before / 2**20, after / 2**20, "custom" if kernels.quant_rows else "no",
-                    f"; from 2 rows on int8 activations, a second copy of the {scheme} weights in tile order"
-                    if tiles else "")
+                    _tiles_note(scheme) if tiles else "")
     if ckpt.is_gguf:
         gguf_weights.log_gguf_weights(ckpt, dtype, scheme, errors, schemes, spec.quantizations,
                                       packed_mxfp4=quantization == "mxfp4")
@@ -136,11 +135,17 @@ def build_model(cls: type, ckpt: Checkpoint, config: EngineConfig, spec: ModelSp
     return model, nbytes
 
 
-def tiles_fit_memory(model: torch.nn.Module, scheme: str) -> bool:
-    """Whether the int8-activation kernels' copies of the `scheme` weights fit: not where they would take more
-    than half the host's available memory (the model then serves every row from its bands, as with
-    neuron_config.int8_activations=false)."""
-    need, free = tile_bytes(model, scheme), memory.host_available_bytes()
+def _tiles_note(scheme: str) -> str:
+    if scheme == "int4":
+        return "; int8 activations at every row count, the int4 weights in tile order"
+    return "; from 2 rows on int8 activations, a second copy of the int8 weights in tile order"
+
+
+def tiles_fit_memory(model: torch.nn.Module, scheme: str, schemes: dict[str, str] | None = None) -> bool:
+    """Whether the int8-activation kernels' copies of the `scheme` (or `schemes[module name]`) weights fit: not
+    where they would add more than half the host's available memory (the model then serves every row from its
+    bands, as with neuron_config.int8_activations=false). int4's copies replace its bands: they always fit."""
+    need, free = tile_bytes(model, scheme, schemes), memory.host_available_bytes()
     if need > free // 2:
         logger.warning("No int8-activation copies of the %s weights: they (%.1f MiB) would take more than half of "
                        "the host's available memory (%.1f MiB); full-precision activations", scheme,

@@ -29,8 +29,9 @@ class KernelConfig:
     sampler: bool = False  # the grammar mask and greedy argmax kernels on CPU logits
     activation: bool = False  # bf16 silu(gate) * up in one pass
     lora: bool = False  # LoRA's per-token shrink and expand in one op (decode-sized steps)
-    # int4 / int8 layers keep a tile-order copy that inputs of two rows and more take, made int8 per group
-    # of 32 (kernels/linear_int4_tiles.cpp, linear_int8_tiles.cpp; neuron_config.int8_activations)
+    # int4 / int8 layers take weights in a tile order of their own against inputs made int8 per group of 32:
+    # int4 at every row count (the copy replaces its bands), int8 from two rows on (beside its bands)
+    # (kernels/linear_int4_tiles.cpp, linear_int8_tiles.cpp; neuron_config.int8_activations)
     int8_activations: bool = False
 
     def graph_options(self) -> dict:

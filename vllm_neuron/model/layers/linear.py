@@ -36,18 +36,20 @@ class Linear(nn.Linear):
 
     def quantize_(self, scheme: str, tiles: bool = False) -> None:
         """Replaces the weight by its `scheme` form (buffers `qweight`, `qscale`; the bias, if any, stays);
-        a tied weight stays with its other owner. `tiles` (int4, int8): also the int8-activation kernel's copy
-        (`qtiles`, `qtile_extra`) where the shape takes it (`tiles_fit`)."""
+        a tied weight stays with its other owner. `tiles` (int4, int8): the int8-activation kernel's copy
+        (`qtiles`, `qtile_extra`) where the shape takes it (`tiles_fit`): int4's replaces the bands (its kernel
+        serves every row count), int8's sits beside the bands its one-row kernel streams (faster there)."""
         qweight, qscale = _scheme(scheme).quantize(self.weight)
         del self.weight
-        self.register_buffer("qweight", qweight)
-        self.register_buffer("qscale", qscale)
         self.quantization = scheme
         if tiles and tiles_fit(self.out_features, self.in_features):
-            # The int8-activation kernel's copy beside the bands the one-row kernels stream (to_tiles).
             codes, extra = quant_int4.to_tiles(qweight, qscale) if scheme == "int4" else quant_int8.to_tiles(qweight)
             self.register_buffer("qtiles", codes)
             self.register_buffer("qtile_extra", extra)  # int4: (scale, min) in tile order; int8: group corrections
+            if scheme == "int4":
+                return
+        self.register_buffer("qweight", qweight)
+        self.register_buffer("qscale", qscale)
 
     def make_fp8_(self) -> None:
         """Holds an FP8 checkpoint's weight as it is stored (float8_e4m3fn) with one fp32 scale per output
@@ -69,9 +71,11 @@ class Linear(nn.Linear):
         k = self.kernels
         if self.quantization == "fp8":
             return quant_fp8.linear(x, self.weight, self.weight_scale, self.bias)
-        if self.quantization in ("int4", "int8") and hasattr(self, "qtiles"):
-            return _scheme(self.quantization).linear(x, self.qweight, self.qscale, self.bias, k.quant_rows,
-                                                     tiles=(self.qtiles, self.qtile_extra))
+        if self.quantization == "int4" and hasattr(self, "qtiles"):
+            return quant_int4.linear(x, None, None, self.bias, k.quant_rows, tiles=(self.qtiles, self.qtile_extra))
+        if self.quantization == "int8" and hasattr(self, "qtiles"):
+            return quant_int8.linear(x, self.qweight, self.qscale, self.bias, k.quant_rows,
+                                     tiles=(self.qtiles, self.qtile_extra))
         if self.quantization is not None:
             return _scheme(self.quantization).linear(x, self.qweight, self.qscale, self.bias, k.quant_rows)
         if (x.dtype in k.linear_dtypes and x.dim() == 2 and x.shape[0] <= k.linear_rows and self.bias is None
@@ -119,17 +123,20 @@ def tiles_fit(n: int, k: int) -> bool:
     return n % 16 == 0 and k % 32 == 0
 
 
-def tile_bytes(model: nn.Module, scheme: str) -> int:
-    """What the int8-activation copies of `model`'s unquantized Linear weights would take once quantized to
-    `scheme`: int4 as much again as its bands (half a byte per weight and a (scale, min) pair per 32), int8
-    a byte per weight and 4 bytes per column and group of 32."""
-    per_weight = {"int4": 0.75, "int8": 1.125}[scheme]
-    return sum(int(m.weight.numel() * per_weight) for m in model.modules()
-               if isinstance(m, Linear) and m.quantization is None and tiles_fit(m.out_features, m.in_features))
+def tile_bytes(model: nn.Module, scheme: str, schemes: dict[str, str] | None = None) -> int:
+    """What the int8-activation copies of `model`'s unquantized Linear weights would add once quantized to
+    `scheme` (or `schemes[module name]`): nothing for int4 (its copy replaces the bands, byte for byte), for int8
+    a byte per weight and 4 bytes per column and group of 32 beside its bands."""
+    return sum(int(m.weight.numel() * 1.125) for name, m in model.named_modules()
+               if isinstance(m, Linear) and m.quantization is None and tiles_fit(m.out_features, m.in_features)
+               and (schemes or {}).get(name, scheme) == "int8")
 
 
 def _dequantize_rows(module: Linear, a: int, b: int) -> torch.Tensor:
-    """Rows a..b of a quantized layer's weight in float32 (whole bands: a and b multiples of 4, or b the end)."""
+    """Rows a..b of a quantized layer's weight in float32 (whole bands or tile blocks: a and b multiples of 16,
+    or b the end)."""
+    if not hasattr(module, "qweight"):  # int4's tile copy alone
+        return quant_int4.dequantize_tiles(module.qtiles[a:b], module.qtile_extra[a:b], torch.float32)
     return _scheme(module.quantization).dequantize(module.qweight[a:b], module.qscale[a:b], torch.float32)
 
 

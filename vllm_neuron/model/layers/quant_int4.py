@@ -12,6 +12,10 @@ Packing: two groups form a 64-weight superblock of 32 bytes whose byte j holds w
 and weight j + 32 (high nibble), the order the kernel widens in one AND and one shift. Bytes and scales
 are stored in the band order the kernel streams fastest (quant_bands.py, one superblock per chunk). GGUF Q4_1
 checkpoints (same 32-wide blocks, w = d * q + m) come back exactly when each block uses its full range.
+
+With int8 activations (AVX512-VNNI CPUs, neuron_config.int8_activations) a layer holds `to_tiles`' copy instead
+of the bands: the W4A8 kernel serves every row count, one row as fast as the band kernel (both stream 0.75
+bytes a weight), so every batch size computes alike.
 """
 from __future__ import annotations
 
@@ -22,9 +26,6 @@ from vllm_neuron.model.layers.quant_bands import from_bands, to_bands
 
 GROUP_SIZE = 32
 SUPERBLOCK = 2 * GROUP_SIZE
-# Where the layer has the W4A8 copy, the rows from which it takes it; one row keeps the band kernel's int16
-# inputs (a batch-1 step streams the weights, where int8 products save nothing).
-TILE_ROWS_FROM = 2
 
 
 def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -66,6 +67,22 @@ def to_tiles(packed: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, 
     return codes.reshape(n, -1), sm.reshape(n, -1, 2)
 
 
+def tile_groups(codes: torch.Tensor, sm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`to_tiles`' copy (or whole 16-column blocks of it: rows a..b of both, a and b multiples of 16) back in
+    row order: codes uint8 [N, K / 32, 32] (0..15) and (scale, min + 8 * scale) float32 [N, K / 32, 2]."""
+    n = codes.shape[0]
+    c = codes.reshape(n // 16, -1, 16, 4).permute(0, 2, 1, 3)  # [block, column, octet, byte]
+    q = torch.stack([c & 15, c >> 4], 3)  # [block, column, octet, half, byte]: input 8o + 4h + b
+    sm = sm.reshape(n // 16, -1, 2, 16).permute(0, 3, 1, 2)
+    return q.reshape(n, -1, GROUP_SIZE), sm.reshape(n, -1, 2)
+
+
+def dequantize_tiles(codes: torch.Tensor, sm: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The [N, K] weight of `to_tiles`' copy (or of whole blocks of it) in `dtype` (computed in float32)."""
+    q, sm = tile_groups(codes, sm)
+    return torch.addcmul(sm[..., 1:], q.float() - 8, sm[..., :1]).reshape(q.shape[0], -1).to(dtype)
+
+
 def centred_scales(sm: torch.Tensor) -> torch.Tensor:
     """(scale, min) [..., 2] -> (scale, min + 8 * scale) in float32: w = (q - 8) * scale + that."""
     return torch.stack([sm[..., 0], sm[..., 1] + 8 * sm[..., 0]], -1)
@@ -82,25 +99,25 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
     return codes.reshape(x.shape), amax / 127, g.sum(-1)
 
 
-def linear_w4a8_reference(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """What the W4A8 kernel computes, in float64 torch (tests): per group, scale * d_x * sum((q - 8) * qx) +
-    (min + 8 * scale) * sum(x)."""
-    n, m = packed.shape[0], x.shape[0]
-    b = from_bands(packed, SUPERBLOCK // 2).reshape(n, -1, 1, GROUP_SIZE)
-    q = torch.cat([b & 15, b >> 4], 2).reshape(n, -1, GROUP_SIZE).double() - 8  # [N, G, 32]
-    sm = centred_scales(from_bands(scales.reshape(n, -1), 4).reshape(n, -1, 2)).double()  # [N, G, 2]
+def linear_w4a8_reference(x: torch.Tensor, codes: torch.Tensor, sm: torch.Tensor) -> torch.Tensor:
+    """What the W4A8 kernel computes from `to_tiles`' copy, in float64 torch (tests): per group, scale * d_x *
+    sum((q - 8) * qx) + (min + 8 * scale) * sum(x)."""
+    m = x.shape[0]
+    q, sm = tile_groups(codes, sm)
+    q, sm = q.double() - 8, sm.double()  # [N, G, 32], [N, G, 2]
     xq, d, sums = quantize_activations(x)
     dots = torch.einsum("ngk,mgk->mng", q, xq.reshape(m, -1, GROUP_SIZE).double())
     return (dots * sm[..., 0] * d.double().unsqueeze(1) + sm[..., 1] * sums.double().unsqueeze(1)).sum(-1)
 
 
-def linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
+def linear(x: torch.Tensor, packed: torch.Tensor | None, scales: torch.Tensor | None, bias: torch.Tensor | None,
            kernel_rows: int, tiles: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """x @ W^T (+ bias): with `tiles` (`to_tiles`' copy) the W4A8 kernel from TILE_ROWS_FROM rows; else the band
-    kernel up to `kernel_rows` rows, its one-pass dequantization + matmul above; torch alone where kernel_rows
-    is 0 (no kernel build)."""
+    """x @ W^T (+ bias): with `tiles` (`to_tiles`' copy, which then replaces the bands: packed and scales None)
+    the W4A8 kernel at every row count, one row included (as fast as the band kernel there: both stream 0.75
+    bytes a weight); else the band kernel up to `kernel_rows` rows, its one-pass dequantization + matmul above;
+    torch alone where kernel_rows is 0 (no kernel build)."""
     rows = x.reshape(-1, x.shape[-1])
-    if tiles is not None and rows.shape[0] >= TILE_ROWS_FROM:
+    if tiles is not None:
         y = ops.linear_int4_tiles(rows, *tiles)
         if bias is not None:
             y = y + bias
