@@ -63,7 +63,7 @@ void block(const uint8_t* w, const float* sc, const Acts& a, int64_t r0, int64_t
     const __m512 scale = _mm512_loadu_ps(sc + g * 32), mn = _mm512_loadu_ps(sc + g * 32 + 16);
     for (int i = 0; i < R; ++i) {
       const int64_t ag = (r0 + i) * G + g;
-      const __m512i centred = _mm512_sub_epi32(isum[i], _mm512_set1_epi32(8 * a.qsum[ag]));
+      const __m512i centred = _mm512_sub_epi32(isum[i], _mm512_set1_epi32(a.qsum8[ag]));
       acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(centred), _mm512_mul_ps(scale, _mm512_set1_ps(a.d[ag])), acc[i]);
       acc[i] = _mm512_fmadd_ps(mn, _mm512_set1_ps(a.sum[ag]), acc[i]);
     }
