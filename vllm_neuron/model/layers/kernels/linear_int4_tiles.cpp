@@ -10,8 +10,9 @@
 // the rounding of the activations meets the centred codes q - 8, while the products stay u8 x s8. With the
 // codes 0..15 as they are its errors summed over weights all of one sign: the bundled model's perplexity on
 // this repository's docs was +2.0% over the unquantized model's, centred +0.4% (int4 alone +0.03%;
-// benchmarks/int8_activations.py). A subtraction, a conversion and two FMAs per group, row and 16
-// columns against 8 VPDPBUSD: 12-13 instructions per 512 products where bf16 takes 16.
+// benchmarks/int8_activations.py). A subtraction, a conversion, a multiply and two FMAs per group, row and
+// 16 columns against 8 VPDPBUSD: 13 instructions per 512 products where bf16 takes 16 (and W8A8 11: its one
+// scale per column is applied once at the end).
 //
 // Weights come in tile order (quant_int4.to_tiles): per 16 output columns, per 8 inputs, 64 bytes, the 4
 // bytes of column c holding its codes for inputs 0-3 (low nibbles) and 4-7 (high nibbles), so one AND and
