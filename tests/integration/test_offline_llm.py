@@ -149,3 +149,31 @@ def test_config_is_resolved_once_and_engine_cores_take_it_resolved(tiny_llama_di
 def test_expert_parallel_on_a_dense_model_is_refused_before_the_engine_starts(tiny_llama_dir):
     with pytest.raises(ValueError, match="enable_expert_parallel=True cannot apply to this model: it has no experts"):
         LLM(tiny_llama_dir, enable_expert_parallel=True, enforce_eager=True, max_model_len=256)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_every_step_runs_under_the_frame_stack_room(tiny_llama_dir, async_scheduling):
+    """Whichever thread runs the steps (the caller's, or the step thread with async scheduling), the runner's
+    execute runs under frame_stack's room frame, where its calls never map and unmap frame memory."""
+    import sys
+
+    from vllm_neuron import frame_stack
+
+    llm = LLM(tiny_llama_dir, enforce_eager=True, max_model_len=512, max_num_seqs=4, dtype="float32",
+              num_gpu_blocks_override=64, block_size=16, async_scheduling=async_scheduling)
+    runner = llm.llm_engine.core.runner
+    execute, under_room = runner.execute, []
+
+    def checked(sched):
+        f = sys._getframe(1)
+        while f is not None and f.f_code is not frame_stack._ROOM.__code__:
+            f = f.f_back
+        under_room.append(f is not None)
+        return execute(sched)
+
+    runner.execute = checked
+    try:
+        llm.generate([[1, 2, 3], [4, 5]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    finally:
+        llm.llm_engine.shutdown()
+    assert len(under_room) >= 4 and all(under_room), under_room

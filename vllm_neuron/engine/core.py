@@ -14,6 +14,7 @@ from vllm_neuron.config.engine_config import EngineConfig
 from vllm_neuron.core.prefill_batching import step_overhead_tokens
 from vllm_neuron.core.request import Request, RequestStatus
 from vllm_neuron.core.scheduler import Scheduler, SchedulerConfig
+from vllm_neuron.frame_stack import call_with_room
 from vllm_neuron.core.kv_tier import KVTierScheduler
 from vllm_neuron.engine.kv_tier import KVTierEngine, model_key
 from vllm_neuron.engine.kv_transfer import KVTransferEngine
@@ -288,7 +289,8 @@ class EngineCore:
             else:
                 sched = self._schedule()
                 if sched is not None:
-                    self._queue.append((sched, self._executor.submit(self.runner.execute, sched)))
+                    # Under a frame stack chunk of its own (frame_stack.py): one mmap a step, not hundreds.
+                    self._queue.append((sched, self._executor.submit(call_with_room, self.runner.execute, sched)))
                     scheduled = True
         if not self._queue:
             self._wait_for_grammars()

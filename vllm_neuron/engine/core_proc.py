@@ -23,6 +23,7 @@ import zmq
 from vllm_neuron import heap
 from vllm_neuron.config.engine_config import EngineConfig
 from vllm_neuron.engine.replica import ReplicaPlacement, apply_placement, engine_identity
+from vllm_neuron.frame_stack import call_with_room
 from vllm_neuron.logger import init_logger
 from vllm_neuron.proc_lifecycle import before_exit, install_stack_dumps
 
@@ -84,7 +85,8 @@ def run_engine_core(config: EngineConfig, address: str, placement: ReplicaPlacem
 
         _send(out, ("ready", {"pid": os.getpid(), "startup_seconds": core.startup_seconds,
                               "num_blocks": core.num_blocks, "threads": torch.get_num_threads()}))
-        _loop(core, inp, out, metrics, log_stats=not config.disable_log_stats)
+        # Under a frame stack chunk of its own: no step maps and unmaps frame memory (frame_stack.py).
+        call_with_room(_loop, core, inp, out, metrics, log_stats=not config.disable_log_stats)
         core.shutdown()
     except Exception as e:  # noqa: BLE001 - the client must learn why the engine died
         logger.error("EngineCore died: %s\n%s", e, traceback.format_exc())

@@ -17,6 +17,7 @@ from vllm_neuron.config.engine_args import EngineArgs
 from vllm_neuron.config.engine_config import EngineConfig
 from vllm_neuron.engine.llm_engine import LLMEngine
 from vllm_neuron.engine.resolve import resolve_engine_config
+from vllm_neuron.frame_stack import call_with_room
 from vllm_neuron.lora.request import LoRARequest
 from vllm_neuron.model.loader import Checkpoint
 from vllm_neuron.entrypoints.openai.chat_template import normalize_messages
@@ -121,7 +122,8 @@ class LLM:
             for rid, prompt, p, prio, *lora in requests:
                 self.llm_engine.add_request(rid, prompt, p, prio, *lora)
                 ids.append(rid)
-            return self._run(ids, use_tqdm)
+            # The loop under a frame stack chunk of its own: no step maps and unmaps frame memory (frame_stack.py).
+            return call_with_room(self._run, ids, use_tqdm)
         except BaseException:
             for rid in ids:
                 self.llm_engine.abort_request(rid)

@@ -42,6 +42,7 @@ import torch
 from vllm_neuron.config.engine_config import EngineConfig
 from vllm_neuron.distributed import parallel_state as ps
 from vllm_neuron.distributed import pipeline
+from vllm_neuron.frame_stack import call_with_room
 from vllm_neuron.logger import init_logger
 from vllm_neuron.proc_lifecycle import before_exit, install_stack_dumps
 from vllm_neuron.worker.runner_factory import create_runner
@@ -297,6 +298,24 @@ def _is_group_failure(e: BaseException) -> bool:
     return any(s in text for s in ("gloo", "connection closed", "connection reset", "timed out", "broken pipe"))
 
 
+def _replay(runner, rank: int) -> None:
+    """Rank 0's runner calls, in order, until it says stop."""
+    while True:
+        msg = _recv()
+        if msg is None:
+            break
+        name, args = msg
+        try:
+            result = getattr(runner, name)(*args)
+        except Exception as e:  # noqa: BLE001 - rank 0 saw the same error; it decides
+            if _is_group_failure(e):
+                raise
+            logger.warning("rank %d: %s failed like on rank 0: %s", rank, name, e)
+            result = [0] * len(args[0]) if name == "kv_poll_loads" else 0
+        if name in _MIN_REDUCED:
+            _min_over_ranks(result)
+
+
 def follower_main(setup: RankSetup, rank: int) -> None:
     """A rank other than 0: joins, builds its runner from rank 0's config, replays rank 0's calls."""
     install_stack_dumps()  # a rank stuck in a collective shows where with `kill -USR1`
@@ -309,23 +328,9 @@ def follower_main(setup: RankSetup, rank: int) -> None:
         from vllm_neuron.model.loader import load_checkpoint
 
         _set_micro_batches(config)  # rank 0's choice, whatever this node's environment says
-
-
         runner = create_runner(config, load_checkpoint(config.model), device, dtype, backend)
-        while True:
-            msg = _recv()
-            if msg is None:
-                break
-            name, args = msg
-            try:
-                result = getattr(runner, name)(*args)
-            except Exception as e:  # noqa: BLE001 - rank 0 saw the same error; it decides
-                if _is_group_failure(e):
-                    raise
-                logger.warning("rank %d: %s failed like on rank 0: %s", rank, name, e)
-                result = [0] * len(args[0]) if name == "kv_poll_loads" else 0
-            if name in _MIN_REDUCED:
-                _min_over_ranks(result)
+        # Under a frame stack chunk of its own: no call maps and unmaps frame memory (frame_stack.py).
+        call_with_room(_replay, runner, rank)
     except Exception as e:  # noqa: BLE001
         logger.error("tensor parallel rank %d stops: %s\n%s", rank, e, traceback.format_exc())
         raise SystemExit(1) from None
