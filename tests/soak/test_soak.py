@@ -14,7 +14,6 @@ import csv
 import json
 import os
 import random
-import statistics
 import threading
 import time
 from collections import Counter
@@ -30,7 +29,7 @@ MINUTES = float(os.environ.get("VLLM_NEURON_SOAK_MINUTES", "1.25"))
 CSV_PATH = os.environ.get("VLLM_NEURON_SOAK_CSV")
 WORKERS = 6  # under --max-num-queued-reqs: a 503 would be a fault here
 WARMUP_FRACTION = 0.4  # the first 40% of the run (at least 30 s) settles caches, arenas and KV pages
-RSS_BOUND_MB = 100  # growth allowed after warm-up, per process (median against median)
+RSS_BOUND_MB = 100  # growth allowed after warm-up, per process (the tail's floor against the early peak)
 CACHE_BYTES = 16 << 20
 ARGS = ["--enforce-eager", "--dtype", "float32", "--max-model-len", "512", "--num-gpu-blocks-override", "64",
         "--max-num-seqs", "4", "--max-num-queued-reqs", "16", "--grammar-cache-bytes", str(CACHE_BYTES),
@@ -196,18 +195,19 @@ def test_soak(server):
         wait_for(lambda name=name: _metric(server.url, name) == 0, 30, what=f"{name} back to 0")
     assert _metric(server.url, "vllm_neuron:grammar_cache_bytes") <= 2 * CACHE_BYTES * 1.1  # API + engine caches
 
-    # RSS levels off: its median over the last fifth of the run within RSS_BOUND_MB of its high-water mark right
-    # after warm-up (the tail's median: a request in flight holds its own memory for a moment, e.g. a 1 MB prompt
-    # tokenized; the base's peak: malloc arenas still swing by tens of MB there on some CPUs, CI saw 730-790 MB
-    # within 20 s). A leak grows with the requests served; what levelled off stays under the early peak.
+    # RSS levels off: its floor over the last third of the run within RSS_BOUND_MB of its high-water mark right
+    # after warm-up. The API server's RSS swings by up to 230 MB for tens of seconds while 1 MB prompts are
+    # tokenized and answered, then drops back at a trim (673 MB at 24 s, 456 six seconds later, here); a
+    # median of the last few samples that fell in such a swing failed CI once (452 -> 627 MB). A leak raises the
+    # floor with the requests served; a swing does not. The base's peak: malloc arenas still swing there too.
     settled = [s for s in samples if s[0] >= warmup]
     assert len(settled) >= 10, f"too few samples after warm-up ({len(samples)} in all)"
     base = settled[:max(5, len(settled) // 10)]
-    tail = settled[-max(5, len(settled) // 5):]
+    tail = settled[-max(5, len(settled) // 3):]
     for col, name in ((1, "API server"), (2, "engine"), (3, "grammar compile process")):
         level = max(s[col] for s in base)
-        end = statistics.median(s[col] for s in tail)
-        assert end <= level + RSS_BOUND_MB, (f"{name} RSS grew from a peak of {level:.0f} MB after warm-up to "
-                                             f"{end:.0f} MB "
+        end = min(s[col] for s in tail)
+        assert end <= level + RSS_BOUND_MB, (f"{name} RSS grew from a peak of {level:.0f} MB after warm-up to a "
+                                             f"floor of {end:.0f} MB over the last third of the run "
                                              f"(bound {RSS_BOUND_MB} MB); samples: {samples[::10]}")
     print(f"soak: {sent[0]} requests in {duration:.0f} s; {dict(statuses)}")
