@@ -14,13 +14,13 @@ from vllm_neuron.config.engine_config import EngineConfig
 from vllm_neuron.core.prefill_batching import step_overhead_tokens
 from vllm_neuron.core.request import Request, RequestStatus
 from vllm_neuron.core.scheduler import Scheduler, SchedulerConfig
-from vllm_neuron.frame_stack import call_with_room
 from vllm_neuron.core.kv_tier import KVTierScheduler
 from vllm_neuron.engine.kv_tier import KVTierEngine, model_key
 from vllm_neuron.engine.kv_transfer import KVTransferEngine
 from vllm_neuron.engine.prompt_embeds import embeds_digest
 from vllm_neuron.engine.served_shapes import SUMMARY_NAME, ServedShapes, engine_limits, engine_lists
 from vllm_neuron.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
+from vllm_neuron.frame_stack import call_with_room
 from vllm_neuron.logger import init_logger
 from vllm_neuron.step import ModelRunnerOutput, SchedulerOutput
 from vllm_neuron.model.loader import Checkpoint, load_checkpoint
