@@ -26,10 +26,11 @@ from peers.report import measure_read_bandwidth  # noqa: E402
 LAYERS, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 30, 9, 3, 64, 32
 
 
-def make_case(batch: int, context: int, huge: bool, seed: int = 0):
+def make_case(batch: int, context: int, huge: bool, seed: int = 0, block: int = BLOCK):
     """(caches per layer, block tables, query_start, positions, q) for `batch` sequences of `context` tokens."""
     from vllm_neuron import huge_pages
 
+    BLOCK = block
     blocks = (context + BLOCK - 1) // BLOCK
     slots = blocks * BLOCK * batch
     place = huge_pages.copy if huge else (lambda t: t)
@@ -46,6 +47,7 @@ def main() -> None:
     p.add_argument("--cases", default="1x8159,16x2048,16x512", help="batch x context, comma-separated")
     p.add_argument("--rounds", type=int, default=12)
     p.add_argument("--huge-pages", action="store_true", help="also the KV pool in 2 MiB pages")
+    p.add_argument("--block-size", type=int, default=BLOCK, help="tokens per KV block (the engine's --block-size)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: every core)")
     a = p.parse_args()
     from vllm_neuron.model.layers.kernels import build, cpu_caps
@@ -62,15 +64,15 @@ def main() -> None:
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for case in a.cases.split(","):
         batch, context = (int(x) for x in case.split("x"))
-        kinds = {"4 KiB": make_case(batch, context, False)}
+        kinds = {"4 KiB": make_case(batch, context, False, block=a.block_size)}
         if a.huge_pages:
-            kinds["2 MiB"] = make_case(batch, context, True)
+            kinds["2 MiB"] = make_case(batch, context, True, block=a.block_size)
         times: dict[str, list[float]] = {k: [] for k in kinds}
 
         def step(c):
             caches, tables, starts, pos, q = c
             for k, v in caches:
-                paged_attention(q, k, v, tables, starts, pos, HEAD_DIM ** -0.5, BLOCK)
+                paged_attention(q, k, v, tables, starts, pos, HEAD_DIM ** -0.5, a.block_size)
 
         for c in kinds.values():
             step(c)  # first touch and warm-up

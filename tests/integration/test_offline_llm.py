@@ -177,3 +177,29 @@ def test_every_step_runs_under_the_frame_stack_room(tiny_llama_dir, async_schedu
     finally:
         llm.llm_engine.shutdown()
     assert len(under_room) >= 4 and all(under_room), under_room
+
+
+def test_freed_blocks_are_reused_before_the_pool_backs_new_memory(tiny_llama_dir, monkeypatch):
+    """Many requests a few at a time: blocks freed by finished requests are handed out again before blocks whose
+    KV pages were never backed, so the pool backs about what the requests hold at once, not every block they
+    ever used (block_pool.py); the output is the same as with an engine that backs every block it takes."""
+    monkeypatch.setenv("VLLM_NEURON_KV_PREFAULT_MB", "1")
+    prompts = [[(7 * i + j) % 250 + 3 for j in range(100)] for i in range(40)]  # 7 blocks of 16 each
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    llm = LLM(tiny_llama_dir, enforce_eager=True, max_model_len=512, max_num_seqs=4, dtype="float32",
+              num_gpu_blocks_override=2048, block_size=16)
+    try:
+        pf = llm.llm_engine.core.runner.kv_prefaulter
+        assert pf is not None and pf.chunk < 40 * 7  # in id order the requests would need several sweeps
+        out = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert pf.frontier == pf.chunk  # the first sweep backed every block the run needed
+    finally:
+        llm.llm_engine.shutdown()
+    core = LLM(tiny_llama_dir, enforce_eager=True, max_model_len=512, max_num_seqs=4, dtype="float32",
+               num_gpu_blocks_override=2048, block_size=16)
+    try:
+        core.llm_engine.core._backed_blocks = lambda: None  # no hint: id order the whole way
+        assert [o.outputs[0].token_ids for o in core.generate(prompts, params, use_tqdm=False)] == out
+        assert core.llm_engine.core.runner.kv_prefaulter.frontier > 40 * 7 * 3 // 4
+    finally:
+        core.llm_engine.shutdown()

@@ -35,6 +35,28 @@ def test_allocation_order_and_null_block_never_handed_out():
     assert seen == {1, 2, 3, 4, 5}
 
 
+def test_backed_line_orders_unused_then_freed_then_unbacked_blocks():
+    """Below the line the runner has backed, never-used blocks go first (they evict nothing); then the least
+    recently freed block, its cached prefix with it; never-used blocks past the line only when none is free."""
+    pool = BlockPool(10)
+    pool.set_backed(4)  # blocks 1-3 have memory behind them
+    a = pool.allocate(2)
+    assert a == [1, 2]
+    pool.cache(1, h(1))
+    pool.release(a)  # freed tail first: 2, then 1
+    assert pool.num_free_blocks == 9
+    assert pool.allocate(2) == [3, 2]  # the last backed never-used block, then the oldest freed one
+    assert pool.lookup(h(1)) == 1  # still cached
+    assert pool.allocate(3) == [1, 4, 5]  # 1 evicted before memory past the line is touched
+    assert pool.lookup(h(1)) is None
+    pool.set_backed(8)  # the runner backed more: 6 and 7 go before anything freed
+    pool.release([4])
+    assert pool.allocate(3) == [6, 7, 4]
+    assert pool.num_free_blocks == 2 and pool.allocate(2) == [8, 9]
+    with pytest.raises(RuntimeError):
+        pool.allocate(1)
+
+
 def test_failed_allocation_changes_nothing():
     pool = BlockPool(4)
     pool.allocate(1)

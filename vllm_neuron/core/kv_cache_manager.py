@@ -63,6 +63,10 @@ class KVCacheManager:
     def usage(self) -> float:
         return self.pool.usage
 
+    def set_backed_blocks(self, blocks: int) -> None:
+        """Blocks below `blocks` have memory behind them: the pool stays below that while it can (block_pool.py)."""
+        self.pool.set_backed(blocks)
+
     def block_table(self, req_id: str, group: int = 0) -> list[int]:
         tables = self.req_blocks.get(req_id)
         return tables[group] if tables else []

@@ -312,6 +312,9 @@ class EngineCore:
             self.kv_transfer.before_schedule(self.scheduler)
         if self.kv_tier is not None:
             self.kv_tier.before_schedule(self.scheduler)
+        backed = self._backed_blocks()
+        if backed is not None:
+            self.scheduler.kv.set_backed_blocks(backed)
         sched = self.scheduler.schedule()
         if self.kv_tier is not None:
             self.kv_tier.after_schedule(self.scheduler)
@@ -458,6 +461,11 @@ class EngineCore:
                          "tokens" if prefill else "seqs", size, size + result.num_padding, sched.max_seq_len,
                          result.execute_seconds * 1e3, result.graph_seconds * 1e3)
         self.served.tick(time.monotonic())
+
+    def _backed_blocks(self) -> int | None:
+        """How far the runner has backed the KV pool's memory (blocks), for the block pool to stay below it; None
+        where it backs nothing ahead (or ranks each back their own, TP)."""
+        return None if isinstance(self.runner, TPExecutor) else self.runner.backed_blocks()
 
     def idle_work(self) -> bool:
         """Runner work that fills idle time (KV pages backed ahead of use); True while some is left. Not with

@@ -253,7 +253,7 @@ class ModelRunnerBase(ProfiledRunner, KVConnectorCalls):
         chunk_mib = envs.VLLM_NEURON_KV_PREFAULT_MB
         if self.device.type == "cpu" and chunk_mib > 0:
             pool = [t for p in every for t in p]
-            huge = huge_pages.kv_wanted(pool[0].nbytes, self.device)  # as model_setup.zeros chose  # model_setup.zeros chose the same way
+            huge = huge_pages.kv_wanted(pool[0].nbytes, self.device)  # as model_setup.zeros chose
             self.kv_prefaulter = KVPrefaulter(pool, self.block_size, num_blocks, chunk_mib * 2**20,
                                               page_bytes=huge_pages.PAGE if huge else mmap.PAGESIZE)
             logger.info("KV pool: pages backed ahead of the blocks in use, %d MiB at a time "
@@ -265,6 +265,10 @@ class ModelRunnerBase(ProfiledRunner, KVConnectorCalls):
     def idle_work(self) -> bool:
         """Work an idle engine may do between polls (backing KV pages ahead); True while some is left."""
         return self.kv_prefaulter.sweep_idle() if self.kv_prefaulter is not None else False
+
+    def backed_blocks(self) -> int | None:
+        """Blocks below this have their KV pages backed; None where pages are not backed ahead of use."""
+        return self.kv_prefaulter.frontier if self.kv_prefaulter is not None else None
 
     def _back_kv_pages(self, sched: SchedulerOutput) -> None:
         """Backs the KV pages the step's blocks reach before the graph writes them (kv_prefault.py says why)."""
