@@ -7,8 +7,8 @@ sweep. A decode step writes each new token into every layer's K and V tensors, o
 tokens of a sequence: a decode_b16 step of the bundled model (16 sequences, 60 K/V tensors) spent ~9.5 of
 its ~28 ms in those faults (AMD EPYC VM, 2026-12-03), and prefill steps pay the same per page.
 
-The block pool hands never-used blocks out in id order (its free list starts as 1..N and takes freed
-blocks at the back), so a frontier in block ids is enough: before a step whose newest block lies at or past
+The block pool hands never-used blocks out in id order (and, told where this frontier stands, freed blocks
+before never-used ones past it: core/block_pool.py), so a frontier in block ids is enough: before a step whose newest block lies at or past
 the frontier, the blocks from the frontier on are swept, at least a chunk of them. The sweep ORs one byte of
 every page with 0: every page is written, and a block that somehow holds data already keeps it.
 
