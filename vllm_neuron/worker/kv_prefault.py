@@ -8,9 +8,10 @@ tokens of a sequence: a decode_b16 step of the bundled model (16 sequences, 60 K
 its ~28 ms in those faults (AMD EPYC VM, 2026-12-03), and prefill steps pay the same per page.
 
 The block pool hands never-used blocks out in id order (and, told where this frontier stands, freed blocks
-before never-used ones past it: core/block_pool.py), so a frontier in block ids is enough: before a step whose newest block lies at or past
-the frontier, the blocks from the frontier on are swept, at least a chunk of them. The sweep ORs one byte of
-every page with 0: every page is written, and a block that somehow holds data already keeps it.
+before never-used ones past it: core/block_pool.py), so a frontier in block ids is enough: before a step
+whose newest block lies at or past the frontier, the blocks from the frontier on are swept, at least a chunk
+of them. The sweep ORs one byte of every page with 0: every page is written, and a block that somehow holds
+data already keeps it.
 
 A sweep inside a step delays that step (64 MiB took 0.1-0.35 s here, 0.25 s on a slow afternoon), so the
 step's chunk is small (8 MiB by default: 64 MiB ones put a quarter second into the first prefill of P3's cold
