@@ -27,12 +27,12 @@ LAYERS, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 30, 9, 3, 64, 32
 
 
 def make_case(batch: int, context: int, huge: bool, seed: int = 0, block: int = BLOCK):
-    """(caches per layer, block tables, query_start, positions, q) for `batch` sequences of `context` tokens."""
+    """(caches per layer, block tables, query_start, positions, q) for `batch` sequences of `context` tokens in
+    blocks of `block` tokens."""
     from vllm_neuron import huge_pages
 
-    BLOCK = block
-    blocks = (context + BLOCK - 1) // BLOCK
-    slots = blocks * BLOCK * batch
+    blocks = (context + block - 1) // block
+    slots = blocks * block * batch
     place = huge_pages.copy if huge else (lambda t: t)
     g = torch.Generator().manual_seed(seed)
     caches = [tuple(place(torch.randn(slots, KV_HEADS, HEAD_DIM, generator=g).bfloat16()) for _ in range(2))

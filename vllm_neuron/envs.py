@@ -308,7 +308,8 @@ _VARS: dict[str, EnvVar] = {
             "On CPU, the KV pool's pages are written in sweeps of at least this many MiB ahead of the "
             "blocks the steps use, instead of one page fault at a time inside the steps (each fault costs "
             "~100 us on a VM); an engine idle for a quarter second sweeps up to 512 MiB ahead in 2 MiB "
-            "pieces. 0 turns it off. Default 8.",
+            "pieces; the block pool reuses freed blocks before it reaches past the backed ones. 0 turns it off "
+            "(blocks then go in id order). Default 8.",
         ),
         EnvVar(
             "VLLM_NEURON_HUGE_PAGES",

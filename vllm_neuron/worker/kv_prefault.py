@@ -48,7 +48,7 @@ def next_sweep(frontier: int, newest: int, chunk: int, num_blocks: int) -> tuple
     return frontier, end
 
 
-def touch_pages(t: torch.Tensor, page: int = mmap.PAGESIZE) -> None:
+def touch_pages(t: torch.Tensor) -> None:
     """Writes one byte of every page a contiguous tensor's memory reaches, ORed with 0 (contents kept).
     Backing a page takes one write; writing every byte read and wrote the whole range besides (64 MiB:
     95 ms against 22 ms, 2-core EPYC VM, 2026-12-07). 4 KiB pages whatever the pool lies in: a huge page
@@ -57,6 +57,7 @@ def touch_pages(t: torch.Tensor, page: int = mmap.PAGESIZE) -> None:
         return
     flat = t.view(-1).view(torch.uint8)  # a view: a copy (of a strided tensor) would back nothing
     flat[:1].bitwise_or_(0)  # the page the range starts in, which may begin before it
+    page = mmap.PAGESIZE
     flat[(-t.data_ptr()) % page::page].bitwise_or_(0)  # every page that begins inside the range
 
 
