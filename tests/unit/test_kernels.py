@@ -528,7 +528,7 @@ def test_package_data_ships_every_kernel_source_and_header():
 
 def test_the_amx_linear_builds_for_an_amx_cpu_with_its_prefetch_rule(tmp_path):
     """No AMX CPU runs the suite here, so the AMX kernel is built for one (Sapphire Rapids) and its object
-    read: tile instructions, and both prefetch hints of its rule (the next block into L2 up to 16 rows,
+    read: tile instructions, and both prefetch hints of its rule (the next block into L2 up to 32 rows,
     the block after next into L1 above). A source that stops building for AMX, or a rule that loses a
     branch, fails here rather than on the first AMX machine."""
     obj = str(tmp_path / "linear_amx.o")

@@ -24,13 +24,14 @@ namespace {
 
 constexpr int64_t kTileN = 16, kTileK = 32, kTileElems = kTileN * kTileK;  // one B tile, in bf16
 constexpr int64_t kMaxRows = 64;                                             // four C tiles of 16 rows
-// Up to kL2Rows rows (one C tile) the next column block is prefetched into L2 (PREFETCHT1); above, the block
-// after next into L1. The same rule as linear_dot_tiles.cpp, where it was measured on a Zen 5 EPYC: with few
-// rows a block's tiles are each used once and soon, and L1 fetches two blocks on evicted lines still in use
-// (one step's linears 11.2-11.7 vs 12.8-15.6 ms at 4 rows, 15.7-16.9 vs 17.6-20.1 at 16), while from 32 rows
-// on, where each B tile meets several A tiles, L1 two on stayed ahead. Not yet measured on an AMX Xeon (none
-// was at hand): `make bench-bounds` there, decode_b1 / b4 / b16, is the A/B to run.
-constexpr int64_t kL2Rows = 16;
+// Up to kL2Rows rows the next column block is prefetched into L2 (PREFETCHT1); above, the block after next
+// into L1. linear_dot_tiles.cpp's rule (measured on a Zen 5 EPYC) switches to L1 above 16 rows; on an AMX
+// Xeon (2-core VM, `benchmarks/ab_steps.py`, 3-4 rounds each, 2026-12-07) L2 one block on won at 16 rows
+// (decode_b16 21.35 -> 18.74 ms against L1 two on) and at 32 too (prefill_s32 23.41 -> 21.32 and 23.75 ->
+// 21.28 ms against the rule at 16), with every other step within noise (no other step reaches these rows):
+// a B tile is read once per K step however many A tiles meet it, and L1 fetches two blocks on evicted lines
+// still in use. The engine gives this kernel at most 32 rows (cpu_caps.AMX_ROWS); 33-64 keep L1 two on.
+constexpr int64_t kL2Rows = 32;
 
 struct Prefetch {
   int64_t ahead;  // column blocks
