@@ -1,14 +1,17 @@
 """int8 weights against int8 activations (kernels/linear_int8_tiles.cpp, quant_int8.to_tiles): the kernel
 against its float64 reference (activations made int8 per row and group of 32, shifted to unsigned and the
 weights' group sums taken back), the tile order read back exactly through one-hot rows, and the rows a quantized
-`Linear` sends there."""
+`Linear` sends there; on AMX-INT8 CPUs the tile-product path against the VNNI one, bit for bit."""
 from __future__ import annotations
+
+import subprocess
 
 import pytest
 import torch
 
 from vllm_neuron.model.layers import quant_int8 as Q8
 from vllm_neuron.model.layers.kernel_config import resolve_kernel_config
+from vllm_neuron.model.layers.kernels import build
 from vllm_neuron.model.layers.kernels import cpu_caps as caps
 from vllm_neuron.model.layers.kernels.ops import has_op
 from vllm_neuron.model.layers.linear import Linear
@@ -73,3 +76,34 @@ def test_a_linear_takes_the_tiles_from_two_rows_and_the_vnni_kernel_at_one():
     plain = Linear(576, 192, bias=False)
     plain.quantize_("int8")
     assert not hasattr(plain, "qtiles")
+
+
+@pytest.mark.skipif(not has_op("linear_int8_amx"), reason="the AMX-INT8 path is built on CPUs with AMX only")
+@pytest.mark.parametrize("rows", [1, 3, 15, 16, 17, 40, 64, 65, 130])
+def test_the_amx_path_gives_the_vnni_paths_bits(rows):
+    """linear_int8_amx (tile products, any row count) against linear_int8_tiles: below 16 rows the latter runs
+    VPDPBUSD, from 16 rows the same tile path; the integer sums are exact either way and the float steps the
+    same, so the bits agree, and both agree with the float64 reference. Rows past 64 take several passes."""
+    q, s, codes, corr = quantized(576, 1536, seed=rows)
+    x = torch.randn(rows, 1536, generator=torch.Generator().manual_seed(rows))
+    bias = torch.randn(576)
+    amx = torch.ops.vllm_neuron.linear_int8_amx(x, codes, corr, s, bias)
+    if rows < 16:
+        torch.testing.assert_close(amx, tiles_op(x, codes, corr, s, bias), rtol=0, atol=0)
+    ref = Q8.linear_w8a8_reference(x, q, s) + bias.double()
+    tol = 1e-5 * (x.abs() @ Q8.dequantize(q, s, torch.float32).abs().T).double() + 1e-5
+    assert ((amx.double() - ref).abs() <= tol).all()
+    xb = x.bfloat16()
+    torch.testing.assert_close(torch.ops.vllm_neuron.linear_int8_amx(xb[:3], codes, corr, s, bias),
+                               tiles_op(xb[:3], codes, corr, s, bias), rtol=0, atol=0)
+
+
+def test_the_int8_kernel_builds_its_tile_path_for_an_amx_cpu(tmp_path):
+    """Built for Sapphire Rapids (an AMX-INT8 target, which the suite's machines need not be), the W8A8 kernel
+    holds tile products beside its VPDPBUSD path."""
+    obj = str(tmp_path / "linear_int8_tiles.o")
+    done = subprocess.run(build.compile_command("linear_int8_tiles.cpp", obj, ("-march=sapphirerapids",)),
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    asm = subprocess.run(["objdump", "-d", "--no-show-raw-insn", obj], capture_output=True, text=True).stdout
+    assert "tdpbusd" in asm and "vpdpbusd" in asm

@@ -11,7 +11,15 @@
 //
 // Weights in tile order (quant_int8.to_tiles): per 16 output columns, per 4 inputs, 64 bytes (column c's 4
 // codes in its 4 bytes), read in place (no unpacking); `corr` int32 [N / 16][K / 32][16].
+//
+// On Xeons with AMX-INT8 that order is also TDPBUSD's B tile: a group's 8 quads of 64 bytes are one B tile
+// (8 rows x 16 columns x 4 codes) against an A tile of 16 rows x the group's 32 unsigned codes, so one tile
+// product replaces 8 VPDPBUSD per row; its int32 sums go through memory (a tile store) to the same
+// subtraction, conversion and FMA per row, in the same order, so both paths give the same bits. The build
+// takes that path from kAmxFromRows rows on where the OS hands out tile state (`linear_int8_amx` runs it at
+// any row count, for tests and benchmarks).
 
+#include <algorithm>
 #include <type_traits>
 #include <vector>
 
@@ -23,6 +31,10 @@
 #include <immintrin.h>
 
 #include "int8_acts.h"
+#if defined(__AMX_INT8__) && defined(__AMX_TILE__)
+#include "amx_tiles.h"
+#define VN_INT8_AMX 1
+#endif
 
 namespace {
 
@@ -85,10 +97,119 @@ void run(const Acts& a, const int8_t* codes, const int32_t* corr, const float* s
   });
 }
 
-// x [M, K] (bf16 or fp32) @ the int8 weight in tile order: codes int8 [N, K], corr int32 [N / 16, K / 32, 16],
-// scale float32 [N] (quant_int8.to_tiles); bias float32 [N] or none; y in x's dtype.
-at::Tensor linear_int8_tiles(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& corr,
-                             const at::Tensor& scale, const c10::optional<at::Tensor>& bias) {
+
+#ifdef VN_INT8_AMX
+// From this many rows the tile path. One step's 120 layer linears of the bundled model (2-core AMX Xeon VM,
+// bf16 inputs, 2026-12-07), VNNI -> tiles: 4.5 -> 4.7 ms at 4 rows, 4.95 -> 5.27 at 8, 7.71 -> 7.26 at 16,
+// 23.1 -> 21.2 at 64, 45.5 -> 38.0 at 128. The tile product is cheap; what stays is the per-group work both
+// paths share (the sums to fp32, times the group's activation scale, added up per row), which groups of 32
+// put after every tile product: accumulating several groups in a tile needs one scale over them.
+constexpr int64_t kAmxFromRows = 16;
+constexpr int64_t kAmxMaxTiles = 4;  // C tiles of 16 rows per pass over a column block (64 rows)
+
+// Tiles: 0..3 the C tiles (int32 sums of 16 rows each, the last maybe partial), 4 and 7 full A tiles, 5 the
+// last (maybe partial) A tile, 6 the group's B tile.
+amx::TileConfig int8_config(int64_t rows) {
+  amx::TileConfig c;
+  const int64_t mt = (rows + 15) / 16, last = rows - 16 * (mt - 1);
+  for (int64_t i = 0; i < mt; ++i) {
+    c.rows[i] = static_cast<uint8_t>(i == mt - 1 ? last : 16);
+    c.colsb[i] = 64;
+  }
+  c.rows[4] = c.rows[7] = 16;
+  c.colsb[4] = c.colsb[7] = kGroup;
+  c.rows[5] = static_cast<uint8_t>(last);
+  c.colsb[5] = kGroup;
+  c.rows[6] = kGroup / 4;
+  c.colsb[6] = 64;
+  return c;
+}
+
+// MT C tiles (rows r0.., `rows` of them) against one column block: per group, the tile products into zeroed C
+// tiles, stored to `sums`, then per row (sum - corr) * d_x + acc, as block() does.
+template <int MT, typename T>
+void amx_block(const int8_t* w, const int32_t* corr, const float* scale, const Acts& a, int64_t r0, int64_t rows,
+               int64_t K, T* y, int64_t N, const float* bias, const char* pf, int64_t pflines) {
+  const int64_t G = K / kGroup;
+  alignas(64) int32_t sums[kAmxMaxTiles * 16 * kCols];
+  alignas(64) float acc[kAmxMaxTiles * 16 * kCols];
+  for (int64_t i = 0; i < rows * kCols; ++i) acc[i] = 0.0f;
+  const uint8_t* xq = reinterpret_cast<const uint8_t*>(a.q.data()) + r0 * K;
+  int64_t line = 0;
+  for (int64_t g = 0; g < G; ++g) {
+    if (pf != nullptr)
+      for (const int64_t end = (g + 1) * pflines / G; line < end; ++line) _mm_prefetch(pf + 64 * line, _MM_HINT_T1);
+    _tile_loadd(6, w + g * kGroup * kCols, 64);
+    const uint8_t* xg = xq + g * kGroup;
+    // Tile numbers must be literals (the intrinsics paste them into the instruction).
+#define VN_INT8_ROWS(c, t)                    \
+  do {                                        \
+    _tile_zero(c);                            \
+    _tile_loadd(t, xg + 16 * (c) * K, K);     \
+    _tile_dpbusd(c, t, 6);                    \
+    _tile_stored(c, sums + (c) * 256, 64);    \
+  } while (0)
+    if constexpr (MT == 1) {
+      VN_INT8_ROWS(0, 5);
+    } else {
+      VN_INT8_ROWS(0, 4);
+      if constexpr (MT == 2) {
+        VN_INT8_ROWS(1, 5);
+      } else {
+        VN_INT8_ROWS(1, 7);
+        if constexpr (MT == 3) {
+          VN_INT8_ROWS(2, 5);
+        } else {
+          VN_INT8_ROWS(2, 4);
+          VN_INT8_ROWS(3, 5);
+        }
+      }
+    }
+#undef VN_INT8_ROWS
+    const __m512i c = _mm512_loadu_si512(corr + g * kCols);
+    for (int64_t i = 0; i < rows; ++i) {
+      const __m512i s = _mm512_load_si512(sums + i * kCols);
+      _mm512_store_ps(acc + i * kCols, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(s, c)),
+                                                       _mm512_set1_ps(a.d[(r0 + i) * G + g]),
+                                                       _mm512_load_ps(acc + i * kCols)));
+    }
+  }
+  const __m512 s = _mm512_loadu_ps(scale), b = bias == nullptr ? _mm512_setzero_ps() : _mm512_loadu_ps(bias);
+  for (int64_t i = 0; i < rows; ++i) vn_acts::store16(y + (r0 + i) * N, _mm512_fmadd_ps(_mm512_load_ps(acc + i * kCols), s, b));
+}
+
+template <typename T>
+void amx_run(const Acts& a, const int8_t* codes, const int32_t* corr, const float* scale, const float* bias, T* y,
+             int64_t M, int64_t K, int64_t N) {
+  const int64_t blocks = N / kCols, G = K / kGroup, block_bytes = K * kCols, lines = block_bytes / 64;
+  const int64_t pass_rows = 16 * kAmxMaxTiles, passes = (M + pass_rows - 1) / pass_rows;
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t p = 0; p < passes; ++p) {
+      const int64_t r0 = p * pass_rows, rows = std::min(pass_rows, M - r0);
+      const amx::TileConfig cfg = int8_config(rows);
+      _tile_loadconfig(&cfg);
+      for (int64_t cb = b0; cb < b1; ++cb) {
+        // The next block into L2, spread over this one's groups (linear_amx.cpp's rule for up to 32 rows).
+        const char* pf = cb + 1 < b1 ? reinterpret_cast<const char*>(codes + (cb + 1) * block_bytes) : nullptr;
+        const int8_t* w = codes + cb * block_bytes;
+        const int32_t* cc = corr + cb * G * kCols;
+        const float* bb = bias == nullptr ? nullptr : bias + cb * kCols;
+        const float* sc = scale + cb * kCols;
+        T* yb = y + cb * kCols;
+        switch ((rows + 15) / 16) {
+          case 1: amx_block<1>(w, cc, sc, a, r0, rows, K, yb, N, bb, pf, lines); break;
+          case 2: amx_block<2>(w, cc, sc, a, r0, rows, K, yb, N, bb, pf, lines); break;
+          case 3: amx_block<3>(w, cc, sc, a, r0, rows, K, yb, N, bb, pf, lines); break;
+          default: amx_block<4>(w, cc, sc, a, r0, rows, K, yb, N, bb, pf, lines); break;
+        }
+      }
+      _tile_release();
+    }
+  });
+}
+#endif  // VN_INT8_AMX
+
+void check_args(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& corr, const at::Tensor& scale) {
   TORCH_CHECK(codes.dim() == 2 && x_in.size(-1) == codes.size(1), "x [M, K], codes [N, K]");
   const int64_t K = x_in.size(-1), N = codes.size(0);
   TORCH_CHECK(K % kGroup == 0 && N % kCols == 0, "K must be a multiple of 32 and N of 16");
@@ -96,18 +217,56 @@ at::Tensor linear_int8_tiles(const at::Tensor& x_in, const at::Tensor& codes, co
   TORCH_CHECK(corr.scalar_type() == at::kInt && corr.is_contiguous() && corr.numel() == N * K / kGroup,
               "corr must be int32 [N / 16, K / 32, 16]");
   TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == N, "scale must be float32 [N]");
+}
+
+// x [M, K] (bf16 or fp32) @ the int8 weight in tile order: codes int8 [N, K], corr int32 [N / 16, K / 32, 16],
+// scale float32 [N] (quant_int8.to_tiles); bias float32 [N] or none; y in x's dtype.
+at::Tensor linear_int8_tiles(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& corr,
+                             const at::Tensor& scale, const c10::optional<at::Tensor>& bias) {
+  check_args(x_in, codes, corr, scale);
+  const int64_t K = x_in.size(-1), N = codes.size(0);
   return vn_acts::with_int8_rows(x_in, N, bias, true, [&](const Acts& a, auto* yp) {
     const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
-    run(a, codes.data_ptr<int8_t>(), corr.data_ptr<int32_t>(), scale.data_ptr<float>(), bp, yp, a.q.size() / K, K, N);
+    const int64_t M = a.q.size() / K;
+#ifdef VN_INT8_AMX
+    if (M >= kAmxFromRows && amx::tiles_permitted()) {
+      amx_run(a, codes.data_ptr<int8_t>(), corr.data_ptr<int32_t>(), scale.data_ptr<float>(), bp, yp, M, K, N);
+      return;
+    }
+#endif
+    run(a, codes.data_ptr<int8_t>(), corr.data_ptr<int32_t>(), scale.data_ptr<float>(), bp, yp, M, K, N);
   });
 }
+
+#ifdef VN_INT8_AMX
+// The tile path at any row count (tests, benchmarks): the same arguments and bits as linear_int8_tiles.
+at::Tensor linear_int8_amx(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& corr,
+                           const at::Tensor& scale, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(amx::tiles_permitted(), "the kernel did not get the AMX tile state from the OS");
+  check_args(x_in, codes, corr, scale);
+  const int64_t K = x_in.size(-1), N = codes.size(0);
+  return vn_acts::with_int8_rows(x_in, N, bias, true, [&](const Acts& a, auto* yp) {
+    const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+    amx_run(a, codes.data_ptr<int8_t>(), corr.data_ptr<int32_t>(), scale.data_ptr<float>(), bp, yp,
+            static_cast<int64_t>(a.q.size() / K), K, N);
+  });
+}
+#endif
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(vllm_neuron, m) {
   m.def("linear_int8_tiles(Tensor x, Tensor codes, Tensor corr, Tensor scale, Tensor? bias) -> Tensor");
+#ifdef VN_INT8_AMX
+  m.def("linear_int8_amx(Tensor x, Tensor codes, Tensor corr, Tensor scale, Tensor? bias) -> Tensor");
+#endif
 }
 
-TORCH_LIBRARY_IMPL(vllm_neuron, CPU, m) { m.impl("linear_int8_tiles", &linear_int8_tiles); }
+TORCH_LIBRARY_IMPL(vllm_neuron, CPU, m) {
+  m.impl("linear_int8_tiles", &linear_int8_tiles);
+#ifdef VN_INT8_AMX
+  m.impl("linear_int8_amx", &linear_int8_amx);
+#endif
+}
 
 #endif  // AVX512-VNNI
