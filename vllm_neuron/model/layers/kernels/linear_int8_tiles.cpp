@@ -100,10 +100,12 @@ void run(const Acts& a, const int8_t* codes, const int32_t* corr, const float* s
 
 #ifdef VN_INT8_AMX
 // From this many rows the tile path. One step's 120 layer linears of the bundled model (2-core AMX Xeon VM,
-// bf16 inputs, 2026-12-07), VNNI -> tiles: 4.5 -> 4.7 ms at 4 rows, 4.95 -> 5.27 at 8, 7.71 -> 7.26 at 16,
-// 23.1 -> 21.2 at 64, 45.5 -> 38.0 at 128. The tile product is cheap; what stays is the per-group work both
-// paths share (the sums to fp32, times the group's activation scale, added up per row), which groups of 32
-// put after every tile product: accumulating several groups in a tile needs one scale over them.
+// bf16 inputs, both paths in one process, three runs, 2026-12-07), tiles / VNNI: 1.05-1.12 at 2-4 rows,
+// 0.96-1.06 at 8, 0.89-0.98 at 16, 0.93-0.97 at 32, 0.87-0.92 at 64, 0.84-0.99 at 128 (7.7 -> 7.3 ms at 16
+// rows in the first run). The tile product is cheap; what stays is the per-group work both paths share (the
+// sums to fp32, times the group's activation scale, added up per row), which groups of 32 put after every tile
+// product: accumulating several groups in a tile needs one scale over them. (Tile products for a chunk of
+// groups first, then the float work with the sum in a register, ran 1.2-1.3x slower.)
 constexpr int64_t kAmxFromRows = 16;
 constexpr int64_t kAmxMaxTiles = 4;  // C tiles of 16 rows per pass over a column block (64 rows)
 
