@@ -4,14 +4,11 @@ weights' group sums taken back), the tile order read back exactly through one-ho
 `Linear` sends there; on AMX-INT8 CPUs the tile-product path against the VNNI one, bit for bit."""
 from __future__ import annotations
 
-import subprocess
-
 import pytest
 import torch
 
 from vllm_neuron.model.layers import quant_int8 as Q8
 from vllm_neuron.model.layers.kernel_config import resolve_kernel_config
-from vllm_neuron.model.layers.kernels import build
 from vllm_neuron.model.layers.kernels import cpu_caps as caps
 from vllm_neuron.model.layers.kernels.ops import has_op
 from vllm_neuron.model.layers.linear import Linear
@@ -97,13 +94,3 @@ def test_the_amx_path_gives_the_vnni_paths_bits(rows):
     torch.testing.assert_close(torch.ops.vllm_neuron.linear_int8_amx(xb[:3], codes, corr, s, bias),
                                tiles_op(xb[:3], codes, corr, s, bias), rtol=0, atol=0)
 
-
-def test_the_int8_kernel_builds_its_tile_path_for_an_amx_cpu(tmp_path):
-    """Built for Sapphire Rapids (an AMX-INT8 target, which the suite's machines need not be), the W8A8 kernel
-    holds tile products beside its VPDPBUSD path."""
-    obj = str(tmp_path / "linear_int8_tiles.o")
-    done = subprocess.run(build.compile_command("linear_int8_tiles.cpp", obj, ("-march=sapphirerapids",)),
-                          capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-2000:]
-    asm = subprocess.run(["objdump", "-d", "--no-show-raw-insn", obj], capture_output=True, text=True).stdout
-    assert "tdpbusd" in asm and "vpdpbusd" in asm

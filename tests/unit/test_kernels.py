@@ -526,27 +526,32 @@ def test_package_data_ships_every_kernel_source_and_header():
     assert missing == []
 
 
+def _amx_object(source: str, tmp_path) -> str:
+    """The disassembly of `source` built for Sapphire Rapids (AMX), whatever CPU runs the suite."""
+    obj = str(tmp_path / (source.removesuffix(".cpp") + ".o"))
+    done = subprocess.run(build.compile_command(source, obj, ("-march=sapphirerapids",)), capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return subprocess.run(["objdump", "-d", "--no-show-raw-insn", obj], capture_output=True, text=True).stdout
+
+
 def test_the_amx_linear_builds_for_an_amx_cpu_with_its_prefetch_rule(tmp_path):
-    """No AMX CPU runs the suite here, so the AMX kernel is built for one (Sapphire Rapids) and its object
+    """No AMX CPU need run the suite, so the AMX kernel is built for one (Sapphire Rapids) and its object
     read: tile instructions, and both prefetch hints of its rule (the next block into L2 up to 32 rows,
     the block after next into L1 above). A source that stops building for AMX, or a rule that loses a
     branch, fails here rather than on the first AMX machine."""
-    obj = str(tmp_path / "linear_amx.o")
-    cmd = build.compile_command("linear_amx.cpp", obj, ("-march=sapphirerapids",))
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-2000:]
-    asm = subprocess.run(["objdump", "-d", "--no-show-raw-insn", obj], capture_output=True, text=True).stdout
+    asm = _amx_object("linear_amx.cpp", tmp_path)
     for insn in ("tdpbf16ps", "tileloadd", "prefetcht0", "prefetcht1"):
         assert insn in asm, insn
 
 
 def test_the_attention_kernel_builds_for_an_amx_cpu_with_its_tile_path(tmp_path):
     """The AMX tile path of prefill attention (attention_amx.h, sharing attention_bf16.h's packs and softmax)
-    is compiled only for AMX targets, which no machine of the suite is: built here for Sapphire Rapids, its
-    object must hold tile products."""
-    obj = str(tmp_path / "paged_attention.o")
-    done = subprocess.run(build.compile_command("paged_attention.cpp", obj, ("-march=sapphirerapids",)),
-                          capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-2000:]
-    asm = subprocess.run(["objdump", "-d", "--no-show-raw-insn", obj], capture_output=True, text=True).stdout
+    is compiled only for AMX targets: built here for Sapphire Rapids, its object must hold tile products."""
+    asm = _amx_object("paged_attention.cpp", tmp_path)
     assert "tdpbf16ps" in asm and "vdpbf16ps" in asm
+
+
+def test_the_int8_kernel_builds_for_an_amx_cpu_with_its_tile_path(tmp_path):
+    """The W8A8 kernel built for an AMX-INT8 target holds tile products beside its VPDPBUSD path."""
+    asm = _amx_object("linear_int8_tiles.cpp", tmp_path)
+    assert "tdpbusd" in asm and "vpdpbusd" in asm

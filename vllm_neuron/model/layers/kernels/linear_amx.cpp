@@ -41,24 +41,6 @@ constexpr Prefetch prefetch_for(int64_t M) { return M <= kL2Rows ? Prefetch{1, t
 
 using amx::TileConfig;
 
-// Tiles: 0..3 the C tiles of 16 input rows each (the last may be partial), 4 and 7 full A tiles, 5 the last
-// (maybe partial) A tile, 6 the B tile.
-TileConfig config_for(int64_t M) {
-  TileConfig c;
-  const int64_t mt = (M + 15) / 16, last = M - 16 * (mt - 1);
-  for (int64_t i = 0; i < mt; ++i) {
-    c.rows[i] = static_cast<uint8_t>(i == mt - 1 ? last : 16);
-    c.colsb[i] = 64;
-  }
-  c.rows[4] = c.rows[7] = 16;
-  c.colsb[4] = c.colsb[7] = 64;
-  c.rows[5] = static_cast<uint8_t>(last);
-  c.colsb[5] = 64;
-  c.rows[6] = 16;
-  c.colsb[6] = 64;
-  return c;
-}
-
 // One block of 16 output columns for MT C tiles: the block's K/32 B tiles against the inputs' A tiles;
 // sums left in cbuf [MT * 16][16] fp32.
 template <int MT, bool ToL2>
@@ -75,30 +57,13 @@ void column_block(const uint16_t* x, int64_t K, const uint16_t* wb, const uint16
         _mm_prefetch(reinterpret_cast<const char*>(pf + (k / kTileK) * kTileElems) + o,
                      ToL2 ? _MM_HINT_T1 : _MM_HINT_T0);
     _tile_loadd(6, b, 64);
-    // C tile c += input rows 16 c.. (A tile a) x the B tile. Full A tiles alternate between 4 and 7 so that a
-    // load need not wait for the product before it; the last (maybe partial) is 5. Tile numbers must be
-    // literals: the intrinsics paste them into the instruction.
-#define VN_ROWS_TIMES_B(c, a)                    \
-  do {                                           \
-    _tile_loadd(a, x + k + 16 * (c) * K, xs);   \
-    _tile_dpbf16ps(c, a, 6);                     \
+    // C tile c += input rows 16 c.. (A tile a) x the B tile.
+#define VN_ROWS_TIMES_B(c, a)                  \
+  do {                                         \
+    _tile_loadd(a, x + k + 16 * (c) * K, xs); \
+    _tile_dpbf16ps(c, a, 6);                   \
   } while (0)
-    if constexpr (MT == 1) {
-      VN_ROWS_TIMES_B(0, 5);
-    } else {
-      VN_ROWS_TIMES_B(0, 4);
-      if constexpr (MT == 2) {
-        VN_ROWS_TIMES_B(1, 5);
-      } else {
-        VN_ROWS_TIMES_B(1, 7);
-        if constexpr (MT == 3) {
-          VN_ROWS_TIMES_B(2, 5);
-        } else {
-          VN_ROWS_TIMES_B(2, 4);
-          VN_ROWS_TIMES_B(3, 5);
-        }
-      }
-    }
+    VN_AMX_ROW_TILES(MT, VN_ROWS_TIMES_B);
 #undef VN_ROWS_TIMES_B
   }
   _tile_stored(0, cbuf, 64);
@@ -112,7 +77,7 @@ void run(const uint16_t* x, const uint16_t* packed, const uint16_t* bias, uint16
          int64_t N) {
   constexpr Prefetch plan = prefetch_for(16 * MT);  // MT C tiles: up to 16 * MT rows
   const int64_t blocks = N / kTileN, block_elems = (K / kTileK) * kTileElems;
-  const TileConfig cfg = config_for(M);
+  const TileConfig cfg = amx::row_tiles_config(M, 64, 16);  // bf16: 32 inputs per A row, 16 pairs per B tile
   at::parallel_for(0, blocks, 4, [&](int64_t b0, int64_t b1) {
     _tile_loadconfig(&cfg);
     alignas(64) float cbuf[kMaxRows * kTileN];

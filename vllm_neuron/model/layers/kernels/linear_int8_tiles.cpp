@@ -109,24 +109,6 @@ void run(const Acts& a, const int8_t* codes, const int32_t* corr, const float* s
 constexpr int64_t kAmxFromRows = 16;
 constexpr int64_t kAmxMaxTiles = 4;  // C tiles of 16 rows per pass over a column block (64 rows)
 
-// Tiles: 0..3 the C tiles (int32 sums of 16 rows each, the last maybe partial), 4 and 7 full A tiles, 5 the
-// last (maybe partial) A tile, 6 the group's B tile.
-amx::TileConfig int8_config(int64_t rows) {
-  amx::TileConfig c;
-  const int64_t mt = (rows + 15) / 16, last = rows - 16 * (mt - 1);
-  for (int64_t i = 0; i < mt; ++i) {
-    c.rows[i] = static_cast<uint8_t>(i == mt - 1 ? last : 16);
-    c.colsb[i] = 64;
-  }
-  c.rows[4] = c.rows[7] = 16;
-  c.colsb[4] = c.colsb[7] = kGroup;
-  c.rows[5] = static_cast<uint8_t>(last);
-  c.colsb[5] = kGroup;
-  c.rows[6] = kGroup / 4;
-  c.colsb[6] = 64;
-  return c;
-}
-
 // MT C tiles (rows r0.., `rows` of them) against one column block: per group, the tile products into zeroed C
 // tiles, stored to `sums`, then per row (sum - corr) * d_x + acc, as block() does.
 template <int MT, typename T>
@@ -143,30 +125,14 @@ void amx_block(const int8_t* w, const int32_t* corr, const float* scale, const A
       for (const int64_t end = (g + 1) * pflines / G; line < end; ++line) _mm_prefetch(pf + 64 * line, _MM_HINT_T1);
     _tile_loadd(6, w + g * kGroup * kCols, 64);
     const uint8_t* xg = xq + g * kGroup;
-    // Tile numbers must be literals (the intrinsics paste them into the instruction).
-#define VN_INT8_ROWS(c, t)                    \
-  do {                                        \
-    _tile_zero(c);                            \
-    _tile_loadd(t, xg + 16 * (c) * K, K);     \
-    _tile_dpbusd(c, t, 6);                    \
-    _tile_stored(c, sums + (c) * 256, 64);    \
+#define VN_INT8_ROWS(c, t)                 \
+  do {                                     \
+    _tile_zero(c);                         \
+    _tile_loadd(t, xg + 16 * (c) * K, K);  \
+    _tile_dpbusd(c, t, 6);                 \
+    _tile_stored(c, sums + (c) * 256, 64); \
   } while (0)
-    if constexpr (MT == 1) {
-      VN_INT8_ROWS(0, 5);
-    } else {
-      VN_INT8_ROWS(0, 4);
-      if constexpr (MT == 2) {
-        VN_INT8_ROWS(1, 5);
-      } else {
-        VN_INT8_ROWS(1, 7);
-        if constexpr (MT == 3) {
-          VN_INT8_ROWS(2, 5);
-        } else {
-          VN_INT8_ROWS(2, 4);
-          VN_INT8_ROWS(3, 5);
-        }
-      }
-    }
+    VN_AMX_ROW_TILES(MT, VN_INT8_ROWS);
 #undef VN_INT8_ROWS
     const __m512i c = _mm512_loadu_si512(corr + g * kCols);
     for (int64_t i = 0; i < rows; ++i) {
@@ -188,7 +154,7 @@ void amx_run(const Acts& a, const int8_t* codes, const int32_t* corr, const floa
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t p = 0; p < passes; ++p) {
       const int64_t r0 = p * pass_rows, rows = std::min(pass_rows, M - r0);
-      const amx::TileConfig cfg = int8_config(rows);
+      const amx::TileConfig cfg = amx::row_tiles_config(rows, kGroup, kGroup / 4);  // a group per A row, its quads per B tile
       _tile_loadconfig(&cfg);
       for (int64_t cb = b0; cb < b1; ++cb) {
         // The next block into L2, spread over this one's groups (linear_amx.cpp's rule for up to 32 rows).
