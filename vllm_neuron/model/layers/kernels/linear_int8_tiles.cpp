@@ -97,12 +97,12 @@ void run(const Acts& a, const int8_t* codes, const int32_t* corr, const float* s
   });
 }
 
-
 #ifdef VN_INT8_AMX
 // From this many rows the tile path. One step's 120 layer linears of the bundled model (2-core AMX Xeon VM,
 // bf16 inputs, both paths in one process, three runs, 2026-12-07), tiles / VNNI: 1.05-1.12 at 2-4 rows,
-// 0.96-1.06 at 8, 0.89-0.98 at 16, 0.93-0.97 at 32, 0.87-0.92 at 64, 0.84-0.99 at 128 (7.7 -> 7.3 ms at 16
-// rows in the first run). The tile product is cheap; what stays is the per-group work both paths share (the
+// 0.96-1.06 at 8, 0.89-0.98 at 16, 0.93-0.97 at 32, 0.87-0.92 at 64, 0.84-0.99 at 128; with every pass of 64
+// rows meeting a block while it is cached (two more runs): 0.91-0.93 at 16, 0.89-0.97 at 64, 0.83-0.88 at 128,
+// 0.83-0.86 at 256. The tile product is cheap; what stays is the per-group work both paths share (the
 // sums to fp32, times the group's activation scale, added up per row), which groups of 32 put after every tile
 // product: accumulating several groups in a tile needs one scale over them. (Tile products for a chunk of
 // groups first, then the float work with the sum in a register, ran 1.2-1.3x slower.)
@@ -152,27 +152,36 @@ void amx_run(const Acts& a, const int8_t* codes, const int32_t* corr, const floa
   const int64_t blocks = N / kCols, G = K / kGroup, block_bytes = K * kCols, lines = block_bytes / 64;
   const int64_t pass_rows = 16 * kAmxMaxTiles, passes = (M + pass_rows - 1) / pass_rows;
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t p = 0; p < passes; ++p) {
-      const int64_t r0 = p * pass_rows, rows = std::min(pass_rows, M - r0);
-      const amx::TileConfig cfg = amx::row_tiles_config(rows, kGroup, kGroup / 4);  // a group per A row, its quads per B tile
-      _tile_loadconfig(&cfg);
-      for (int64_t cb = b0; cb < b1; ++cb) {
-        // The next block into L2, spread over this one's groups (linear_amx.cpp's rule for up to 32 rows).
-        const char* pf = cb + 1 < b1 ? reinterpret_cast<const char*>(codes + (cb + 1) * block_bytes) : nullptr;
-        const int8_t* w = codes + cb * block_bytes;
-        const int32_t* cc = corr + cb * G * kCols;
-        const float* bb = bias == nullptr ? nullptr : bias + cb * kCols;
-        const float* sc = scale + cb * kCols;
-        T* yb = y + cb * kCols;
+    // Every pass of up to 64 rows meets a block while its weights are in L1/L2; the config changes only where
+    // a pass has other rows than the last one configured (the last pass of a partial 64).
+    int64_t configured = 0;
+    for (int64_t cb = b0; cb < b1; ++cb) {
+      // The next block into L2, spread over this one's groups (linear_amx.cpp's rule up to 32 rows, taken here
+      // at every row count).
+      const char* pf = cb + 1 < b1 ? reinterpret_cast<const char*>(codes + (cb + 1) * block_bytes) : nullptr;
+      const int8_t* w = codes + cb * block_bytes;
+      const int32_t* cc = corr + cb * G * kCols;
+      const float* bb = bias == nullptr ? nullptr : bias + cb * kCols;
+      const float* sc = scale + cb * kCols;
+      T* yb = y + cb * kCols;
+      for (int64_t p = 0; p < passes; ++p) {
+        const int64_t r0 = p * pass_rows, rows = std::min(pass_rows, M - r0);
+        if (rows != configured) {
+          // A group per A tile row, its 8 quads per B tile.
+          const amx::TileConfig cfg = amx::row_tiles_config(rows, kGroup, kGroup / 4);
+          _tile_loadconfig(&cfg);
+          configured = rows;
+        }
+        const char* pfp = p == 0 ? pf : nullptr;  // the next block is fetched once, by the first pass
         switch ((rows + 15) / 16) {
-          case 1: amx_block<1>(w, cc, sc, a, r0, rows, K, yb, N, bb, pf, lines); break;
-          case 2: amx_block<2>(w, cc, sc, a, r0, rows, K, yb, N, bb, pf, lines); break;
-          case 3: amx_block<3>(w, cc, sc, a, r0, rows, K, yb, N, bb, pf, lines); break;
-          default: amx_block<4>(w, cc, sc, a, r0, rows, K, yb, N, bb, pf, lines); break;
+          case 1: amx_block<1>(w, cc, sc, a, r0, rows, K, yb, N, bb, pfp, lines); break;
+          case 2: amx_block<2>(w, cc, sc, a, r0, rows, K, yb, N, bb, pfp, lines); break;
+          case 3: amx_block<3>(w, cc, sc, a, r0, rows, K, yb, N, bb, pfp, lines); break;
+          default: amx_block<4>(w, cc, sc, a, r0, rows, K, yb, N, bb, pfp, lines); break;
         }
       }
-      _tile_release();
     }
+    if (configured != 0) _tile_release();
   });
 }
 #endif  // VN_INT8_AMX
