@@ -93,4 +93,3 @@ def test_the_amx_path_gives_the_vnni_paths_bits(rows):
     xb = x.bfloat16()
     torch.testing.assert_close(torch.ops.vllm_neuron.linear_int8_amx(xb[:3], codes, corr, s, bias),
                                tiles_op(xb[:3], codes, corr, s, bias), rtol=0, atol=0)
-
