@@ -28,7 +28,7 @@ run: setup  ## serve the bundled model (OpenAI API on http://$(HOST):$(PORT)/v1;
 	$(BIN)/vllm-neuron serve $(if $(filter --host --host=%,$(ARGS)),,--host $(HOST)) $(if $(filter --port --port=%,$(ARGS)),,--port $(PORT)) $(SERVE_ARGS) $(ARGS)
 
 test: setup  ## the whole test suite (CPU), two workers (each file whole on one): server tests spend much of their time waiting
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=30 $(ARGS)
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=30 $(ARGS)
 
 test-fast: setup  ## the fast tier: every test that builds no engine (pure units, the kernels, the HTTP layer on a fake engine)
 	$(BIN)/python -m pytest -q -m "not engine and not slow and not network and not soak and not gpu" $(ARGS)

@@ -48,11 +48,20 @@ def pytest_configure(config: pytest.Config) -> None:
     torch.set_num_threads(2)
 
 
-# The longest files (minutes each on a 2-core machine) run first: `make test`'s two workers take whole files
-# in collection order, so one of these left for the end would run alone while the other worker idles.
-_LONGEST_FIRST = ("integration/test_compile_cache.py", "parity/test_model_parity.py", "unit/test_kernels.py",
-                  "integration/test_structured_outputs.py", "soak/test_soak.py", "integration/test_openai_limits.py",
-                  "integration/test_setup_install.py", "parity/test_tensor_parallel.py")
+# The longest files run first, longest first (seconds per file on a 2-core machine, measured 2026-12-07): `make
+# test`'s two workers take whole files in collection order (`--no-loadscope-reorder`; xdist's default order, most
+# tests first, left the one-test files of two minutes for the end, run alone while the other worker idled).
+_LONGEST_FIRST = ("parity/test_model_parity.py", "integration/test_compile_cache.py", "unit/test_kernels.py",
+                  "parity/test_tensor_parallel.py", "integration/test_server_logs.py", "soak/test_soak.py",
+                  "integration/test_openai_limits.py", "integration/test_structured_outputs.py",
+                  "integration/test_hostile_input.py", "integration/test_setup_install.py",
+                  "integration/test_harmony_server.py", "parity/test_spec_decode.py", "parity/test_eagle3.py",
+                  "integration/test_server_e2e.py", "parity/test_dflash.py", "parity/test_pipeline_parallel.py",
+                  "parity/test_disagg_parity.py", "integration/test_epd_server.py", "integration/test_disagg_server.py",
+                  "integration/test_cli.py", "integration/test_reasoning_server.py", "integration/test_web_ui_browser.py",
+                  "integration/test_data_parallel.py", "integration/test_disagg_nixl_server.py",
+                  "integration/test_tensor_parallel_server.py", "parity/test_weight_quant_parity.py",
+                  "parity/test_qwen3_asr_parity.py", "parity/test_lora_parity.py", "parity/test_kv_fp8_parity.py")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
