@@ -25,11 +25,8 @@ _SUMMARY_RE = re.compile(r"compile cache (\S+): (\d+) graphs, (\d+) compiled now
 _BUCKET_RE = re.compile(r"Bucket (\w+): compile cache (hit|miss)")
 
 
-def _args(num_seqs_buckets: tuple[int, ...], blocks_override: bool = True, sampling: bool = False) -> list[str]:
-    # The in-graph sampler is ~40% of a tiny model's compile time and nothing the cache does depends on it, so the
-    # graphs here sample on the host, except where a test compares the text of saved, loaded and eager graphs.
-    neuron = {"num_batched_tokens_buckets": [32], "num_seqs_buckets": list(num_seqs_buckets),
-              **({} if sampling else {"on_device_sampling_config": None})}
+def _args(num_seqs_buckets: tuple[int, ...], blocks_override: bool = True) -> list[str]:
+    neuron = {"num_batched_tokens_buckets": [32], "num_seqs_buckets": list(num_seqs_buckets)}
     return ["--additional-config", json.dumps({"neuron_config": neuron}), "--max-num-batched-tokens", "32",
             "--max-num-seqs", "2", "--max-model-len", "128", "--no-enable-prefix-caching",
             *(["--num-gpu-blocks-override", "16"] if blocks_override else [])]
@@ -196,7 +193,7 @@ def test_loaded_graphs_generate_what_eager_generates(model, new_root, tmp_path):
     def generate(*extra: str, **env: str) -> str:
         proc = run_cli(["generate", "--model", model, "--raw", "--max-tokens", "12", "--temperature", "0",
                         "--dtype", "float32",
-                        *_args((2,), sampling=True), *extra, *prompts],
+                        *_args((2,)), *extra, *prompts],
                        str(tmp_path), timeout=300, NEURON_COMPILED_ARTIFACTS=root, **env)
         assert proc.returncode == 0, proc.stdout + proc.stderr
         return proc.stdout.split(">>> ", 1)[1]
@@ -210,7 +207,7 @@ def test_loaded_graphs_generate_what_eager_generates(model, new_root, tmp_path):
     wider = ("--max-model-len", "256")
     proc = run_cli(["generate", "-v", "--model", model, "--raw", "--max-tokens", "12", "--temperature", "0",
                     "--dtype", "float32",
-                    *_args((2,), sampling=True), *wider, *prompts], str(tmp_path), timeout=300, NEURON_COMPILED_ARTIFACTS=root)
+                    *_args((2,)), *wider, *prompts], str(tmp_path), timeout=300, NEURON_COMPILED_ARTIFACTS=root)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "compiled for other input shapes" in proc.stdout + proc.stderr
     assert proc.stdout.split(">>> ", 1)[1] == generate("--enforce-eager", *wider)
