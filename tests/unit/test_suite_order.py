@@ -7,8 +7,7 @@ from types import SimpleNamespace
 
 from tests import conftest
 
-_TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_ROOT = os.path.dirname(_TESTS)
+_TESTS = os.path.join(conftest._ROOT, "tests")
 
 
 def test_every_longest_first_file_exists():
@@ -29,6 +28,6 @@ def test_collection_puts_the_longest_files_first_in_their_order():
 
 def test_make_test_keeps_the_collection_order():
     # xdist's default (--loadscope-reorder) sorts files by their number of tests, which undoes the order above.
-    makefile = open(os.path.join(_ROOT, "Makefile")).read()
+    makefile = open(os.path.join(conftest._ROOT, "Makefile")).read()
     recipe = re.search(r"^test:.*\n\t(.*)$", makefile, re.M).group(1)
     assert "--dist loadfile" in recipe and "--no-loadscope-reorder" in recipe, recipe
