@@ -7,6 +7,7 @@ compile cache (each checkout's code has its own cache key). Prints the medians o
 
     python benchmarks/ab_steps.py --a /path/to/old-checkout --b . --rounds 3 \
         [--llm-kwargs '{"additional_config": {"neuron_config": {"quantization": "int4"}}}']
+    python benchmarks/ab_steps.py --a /path/to/old-checkout --b . --sampled   # decode rows draw, not argmax
     python benchmarks/ab_steps.py --a . --b . \
         --b-llm-kwargs '{"additional_config": {"neuron_config": {"decode_cpp_wrapper": true}}}'   # one option's A/B
 """
@@ -31,19 +32,23 @@ times = time_steps(llm)
 def prompt(n, seed):
     return {"prompt_token_ids": [1 + (seed * 7919 + i * 104729) % 49000 for i in range(n)]}
 greedy = lambda n: SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+# --sampled: the decode batches draw (temperature 0.8, top-p 0.95, seeded): the in-graph sampler's random path.
+sampled = lambda n: [SamplingParams(temperature=0.8, top_p=0.95, seed=s, max_tokens=n, ignore_eos=True)
+                     for s in range(16)]
+decode_params = (lambda n, b: sampled(n)[:b]) if sys.argv[3] == "1" else (lambda n, b: greedy(n))
 for n in (32, 64, 128, 256, 512):  # one prefill bucket each (one output token)
     llm.generate([prompt(n, s) for s in range(3)], greedy(1), use_tqdm=False)
 for batch in (1, 4, 16):  # decode buckets: 48 steps each
-    llm.generate([prompt(24, 100 + s) for s in range(batch)], greedy(48), use_tqdm=False)
+    llm.generate([prompt(24, 100 + s) for s in range(batch)], decode_params(48, batch), use_tqdm=False)
 print("AB_RESULT " + json.dumps(times))
 """
 
 
-def run_child(checkout: str, cache_root: str, llm_kwargs: str) -> dict[str, list[float]]:
+def run_child(checkout: str, cache_root: str, llm_kwargs: str, sampled: bool = False) -> dict[str, list[float]]:
     env = dict(os.environ, PYTHONPATH=os.path.abspath(checkout), VLLM_CACHE_ROOT=cache_root,
                VLLM_NEURON_LOG_LEVEL="WARNING")
     here = os.path.dirname(os.path.abspath(__file__))
-    proc = subprocess.run([sys.executable, "-c", _CHILD, here, llm_kwargs], env=env, capture_output=True, text=True, timeout=3600,
+    proc = subprocess.run([sys.executable, "-c", _CHILD, here, llm_kwargs, "1" if sampled else "0"], env=env, capture_output=True, text=True, timeout=3600,
                           cwd=tempfile.gettempdir())
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("AB_RESULT ")), None)
     if proc.returncode or line is None:
@@ -61,6 +66,8 @@ def main() -> None:
     ap.add_argument("--llm-kwargs", default="{}", help="JSON of extra LLM(...) arguments for both children")
     ap.add_argument("--b-llm-kwargs", default=None,
                     help="JSON of B's LLM(...) arguments instead of --llm-kwargs (A/B of an option on one checkout)")
+    ap.add_argument("--sampled", action="store_true",
+                    help="decode batches sample (temperature 0.8, top-p 0.95, seeded) instead of greedy")
     args = ap.parse_args()
     for flag, value in (("--llm-kwargs", args.llm_kwargs), ("--b-llm-kwargs", args.b_llm_kwargs)):
         try:
@@ -73,12 +80,12 @@ def main() -> None:
     sides = {"A": (args.a, args.llm_kwargs), "B": (args.b, args.b_llm_kwargs or args.llm_kwargs)}
     print("warm-up round (fills each checkout's compile cache) ...", file=sys.stderr, flush=True)
     for checkout, kwargs in sides.values():
-        run_child(checkout, args.cache_root, kwargs)
+        run_child(checkout, args.cache_root, kwargs, args.sampled)
     got: dict[str, dict[str, list[float]]] = {"A": {}, "B": {}}
     for r in range(args.rounds):
         for name, (checkout, kwargs) in sides.items():
             print(f"round {r + 1}/{args.rounds}: {name} ({checkout}) ...", file=sys.stderr, flush=True)
-            for bucket, ts in run_child(checkout, args.cache_root, kwargs).items():
+            for bucket, ts in run_child(checkout, args.cache_root, kwargs, args.sampled).items():
                 got[name].setdefault(bucket, []).extend(ts)
     buckets = sorted(set(got["A"]) & set(got["B"]), key=lambda b: (not b.startswith("prefill"), len(b), b))
     print(f"A = {args.a} {sides['A'][1]}\nB = {args.b} {sides['B'][1]}\n")

@@ -62,6 +62,14 @@ def _expected(logits_row, temperature, top_k, top_p, max_top_k):
     return out
 
 
+@pytest.fixture(params=[False, True], ids=["torch", "kernel"])
+def use_kernels(request):
+    """Both samplers: the torch one (CUDA, kernels off) and the CPU kernel (kernels/sampler.cpp)."""
+    if request.param:
+        request.getfixturevalue("sampler_kernels")
+    return request.param
+
+
 @pytest.mark.parametrize("temperature, top_k, top_p, max_top_k", [
     (1.0, 0, 1.0, 16),   # top_k off: the whole vocabulary
     (1.0, 0, 0.99, 8),   # top_k off: top-p cut at max_top_k tokens
@@ -70,7 +78,7 @@ def _expected(logits_row, temperature, top_k, top_p, max_top_k):
     (1.0, 8, 0.8, 16),
     (1.0, -1, 0.9, 5),
 ])
-def test_empirical_distribution_matches(temperature, top_k, top_p, max_top_k):
+def test_empirical_distribution_matches(temperature, top_k, top_p, max_top_k, use_kernels):
     gen = torch.Generator().manual_seed(3)
     logits_row = torch.randn(40, generator=gen) * 1.5
     n = 20000
@@ -78,32 +86,33 @@ def test_empirical_distribution_matches(temperature, top_k, top_p, max_top_k):
     temp, k, p = _params(n, temperature, top_k, top_p)
     # Evenly spread uniforms: the inverse CDF then reproduces the distribution almost exactly.
     uniform = (torch.arange(n, dtype=torch.float32) + 0.5) / n
-    out = sample_in_graph(logits, temp, k, p, uniform, max_top_k=max_top_k)
+    out = sample_in_graph(logits, temp, k, p, uniform, max_top_k=max_top_k, use_kernels=use_kernels)
     freq = torch.bincount(out, minlength=40).double() / n
     expected = _expected(logits_row, temperature, top_k, top_p, max_top_k)
     assert torch.allclose(freq, expected, atol=2e-3), (freq - expected).abs().max()
     assert set(out.unique().tolist()) == set(torch.nonzero(expected).flatten().tolist())
 
 
-def test_uniform_extremes_stay_in_kept_set():
+def test_uniform_extremes_stay_in_kept_set(use_kernels):
     torch.manual_seed(4)
     logits = torch.randn(3, 100)
     temp, k, p = _params(3, top_k=4, top_p=0.5)
-    lo = sample_in_graph(logits, temp, k, p, torch.zeros(3))
+    lo = sample_in_graph(logits, temp, k, p, torch.zeros(3), use_kernels=use_kernels)
     # u = 0: the first kept token in token-id order.
     assert lo.tolist() == [int(torch.nonzero(_expected(logits[r], 1.0, 4, 0.5, 256))[0]) for r in range(3)]
     # 1.0 is outside the contract, but rounding can make u * mass reach the mass: it must still
     # land on a kept token, never on a masked one or past the end.
     for u in (1.0 - 2 ** -24, 1.0):
-        hi = sample_in_graph(logits, temp, k, p, torch.full((3,), u))
+        hi = sample_in_graph(logits, temp, k, p, torch.full((3,), u), use_kernels=use_kernels)
         for r in range(3):
             assert int(hi[r]) in logits[r].topk(4).indices.tolist()
 
 
-def test_small_vocab_below_max_top_k_and_bf16():
+def test_small_vocab_below_max_top_k_and_bf16(use_kernels):
     logits = torch.tensor([[0.0, 5.0, 1.0]], dtype=torch.bfloat16)
     temp, k, p = _params(1, top_k=-1)
-    outs = {int(sample_in_graph(logits, temp, k, p, torch.tensor([u]))) for u in (0.0, 0.5, 0.999)}
+    outs = {int(sample_in_graph(logits, temp, k, p, torch.tensor([u]), use_kernels=use_kernels))
+            for u in (0.0, 0.5, 0.999)}
     assert 1 in outs and outs <= {0, 1, 2}
 
 
@@ -141,9 +150,9 @@ def test_all_greedy_batch_skips_top_k_top_p_and_cdf_in_the_compiled_graph():
     assert "aten::cumsum" not in greedy_ops
 
 
-def test_host_sampler_and_graph_give_the_same_token_for_the_same_number():
+def test_host_sampler_and_graph_give_the_same_token_for_the_same_number(use_kernels):
     """One seeded scheme on every path: host_sample (temperature, top-k, top-p) picks the graph's token
-    from the same logits and the same counter_uniform number."""
+    from the same logits and the same counter_uniform number (with the kernels on, both take the kernel)."""
     from vllm_neuron.model.layers.in_graph_sampler import counter_uniform
     from vllm_neuron.sampling_params import SamplingParams
     from vllm_neuron.worker.host_sampler import HostSamplingRow, host_sample
@@ -156,10 +165,10 @@ def test_host_sampler_and_graph_give_the_same_token_for_the_same_number():
     top_k = torch.randint(-1, 60, (n,), generator=gen)
     top_p = torch.where(torch.rand(n, generator=gen) < 0.5, torch.ones(n), torch.rand(n, generator=gen) * 0.9 + 0.1)
     u = counter_uniform(torch.arange(n), torch.full((n,), 17))
-    graph = sample_in_graph(logits, temp, top_k, top_p, u, max_top_k=64)
+    graph = sample_in_graph(logits, temp, top_k, top_p, u, max_top_k=64, use_kernels=use_kernels)
     rows = [HostSamplingRow(SamplingParams(temperature=float(temp[i]), top_k=int(top_k[i]), top_p=float(top_p[i])),
                             [1], [], float(u[i])) for i in range(n)]
-    host = host_sample(logits, rows, max_top_k=64).token_ids
+    host = host_sample(logits, rows, max_top_k=64, use_kernels=use_kernels).token_ids
     assert host == graph.tolist()
     assert len(set(host)) > n // 2  # really random rows
 
@@ -221,7 +230,7 @@ def test_eager_calls_take_a_python_branch_not_torch_cond(monkeypatch):
 
 @pytest.fixture
 def sampler_kernels():
-    """The CPU mask and argmax kernels (kernels/token_mask.cpp) built: the tests pass use_kernels=True, as an
+    """The CPU sampler kernels (kernels/sampler.cpp) built: the tests pass use_kernels=True, as an
     engine's KernelConfig.sampler does."""
     from vllm_neuron.model.layers.kernels import cpu_caps
 
@@ -283,3 +292,57 @@ def test_kernel_sampler_matches_the_torch_sampler(sampler_kernels):
                     for t in (temp, torch.zeros(8))]
     assert all(torch.equal(a, b) for a, b in zip(runs[True], runs[False]))
     assert torch.equal(runs[True][1], logits.float().argmax(-1))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_kernel_draw_is_the_torch_draw_on_a_large_vocabulary(sampler_kernels, dtype):
+    """Every kind of row (greedy; top-k below, at and above the search width; top-p with top-k on and off;
+    nothing truncated; tokens the grammar forbade) draws the torch sampler's token from the same number."""
+    g = torch.Generator().manual_seed(12)
+    n, v = 96, 49152
+    logits = (torch.randn(n, v, generator=g) * 2.5).to(dtype)
+    logits[::7, ::3] = float("-inf")  # a grammar's mask on some rows
+    temp = torch.rand(n, generator=g) * 1.6 + 0.1
+    temp[::11] = 0.0
+    top_k = torch.tensor([(0, -1, 1, 5, 40, 256, 300)[i % 7] for i in range(n)])
+    top_p = torch.where(torch.rand(n, generator=g) < 0.5, torch.ones(n), torch.rand(n, generator=g) * 0.95 + 0.02)
+    u = torch.rand(n, generator=g)
+    ref = sample_in_graph(logits, temp, top_k, top_p, u, width=300)
+    got = sample_in_graph(logits, temp, top_k, top_p, u, width=300, use_kernels=True)
+    assert got.tolist() == ref.tolist()
+    assert torch.isfinite(logits.gather(1, got[:, None]).float()).all()
+    assert len(set(got.tolist())) > n // 2  # really random rows
+
+
+def test_kernel_draw_never_takes_a_forbidden_token_at_the_top_end(sampler_kernels):
+    """u at and past the top end: the last token with mass, never a -inf (grammar-forbidden) one after it."""
+    logits = torch.full((2, 500), float("-inf"))
+    logits[:, 100:110] = torch.randn(2, 10)
+    temp, k, p = _params(2)
+    for u in (1.0 - 2 ** -24, 1.0, 0.0):
+        got = sample_in_graph(logits, temp, k, p, torch.full((2,), u), use_kernels=True)
+        assert all(100 <= t < 110 for t in got.tolist()), (u, got)
+
+
+def test_kernel_sampler_compiles_to_one_op_call(sampler_kernels):
+    """In a compiled graph the kernel path is one call: no top-k, cumsum or cond for inductor to generate."""
+    torch.manual_seed(13)
+    logits = torch.randn(4, 300)
+    temp, k, p = torch.tensor([0.0, 0.8, 1.0, 0.5]), torch.tensor([0, 5, 0, 0]), torch.tensor([1.0, 1.0, 0.9, 1.0])
+    compiled = torch.compile(lambda *a: sample_in_graph(*a, max_top_k=32, use_kernels=True), fullgraph=True,
+                             dynamic=False)
+    u = torch.rand(4)
+    out = compiled(logits, temp, k, p, u)
+    with torch.profiler.profile() as prof:
+        again = compiled(logits, temp, k, p, u)
+    names = {e.name for e in prof.events()}
+    assert "vllm_neuron::sample_rows" in names and not names & {"aten::topk", "aten::cumsum", "aten::cond"}
+    assert out.tolist() == again.tolist() == sample_in_graph(logits, temp, k, p, u, max_top_k=32).tolist()
+
+
+def test_kernel_sampler_refuses_mismatched_rows(sampler_kernels):
+    temp, k, p = _params(3)
+    with pytest.raises(RuntimeError, match=r"must be \[rows\]"):
+        torch.ops.vllm_neuron.sample_rows(torch.randn(4, 10), temp, k, p, torch.rand(3), 8, 8)
+    with pytest.raises(RuntimeError, match="must be positive"):
+        torch.ops.vllm_neuron.sample_rows(torch.randn(3, 10), temp, k, p, torch.rand(3), 0, 8)

@@ -23,8 +23,8 @@ import torch
 from vllm_neuron.config.neuron_config import OnDeviceSamplingConfig
 from vllm_neuron.model.layers.attention import (AttentionMetadata, context_positions, decode_mask, prefill_mask,
                                                 verify_mask)
-from vllm_neuron.model.layers.in_graph_sampler import (apply_token_bitmask, counter_uniform, greedy_in_graph,
-                                                       sample_in_graph)
+from vllm_neuron.model.layers.in_graph_sampler import (apply_token_bitmask, greedy_in_graph, sample_in_graph,
+                                                       sample_slots)
 from vllm_neuron.model.layers.kernel_config import KernelConfig
 from vllm_neuron.model.layers.rejection_sampler import rejection_sample
 from vllm_neuron.worker.step_inputs import (AudioEncoderInputs, DecodeInputs, EncoderInputs, PrefillInputs,
@@ -272,13 +272,18 @@ class SlotStepGraphs(GraphBase):
             return greedy_in_graph(logits, self.options.kernels.sampler), logits
         if odsc.all_greedy:
             return self.sample(logits, bitmask, None)
-        s = RowSampling(state.temperature[slots], state.top_k[slots], state.top_p[slots],
-                        counter_uniform(state.seed[slots], sample_pos))
-        return self.sample(logits, bitmask, s)
+        use = self.options.kernels.sampler
+        if bitmask is not None:
+            logits = apply_token_bitmask(logits, bitmask, use)
+        return sample_slots(logits, slots, sample_pos, state.temperature, state.top_k, state.top_p, state.seed,
+                            odsc.top_k, use_kernels=use), logits
 
-    @staticmethod
-    def _write_token_state(slots, tokens, next_pos, state: SlotState) -> None:
+    def _write_token_state(self, slots, tokens, next_pos, state: SlotState) -> None:
         # Padding rows all point at the dummy slot: force its state back to (token 0, position 0).
+        if self.options.kernels.sampler and tokens.device.type == "cpu":
+            # One op call: inductor's code for the two index_copy_ was a kernel of its own in every graph.
+            torch.ops.vllm_neuron.store_token_state_(state.last_token, state.position, slots, tokens, next_pos)
+            return
         dummy = slots == state.last_token.shape[0] - 1
         state.last_token.index_copy_(0, slots, torch.where(dummy, torch.zeros_like(tokens), tokens))
         state.position.index_copy_(0, slots, torch.where(dummy, torch.zeros_like(next_pos), next_pos))

@@ -175,7 +175,8 @@ def _gather_logprobs(raw_logprobs: torch.Tensor, token_ids: list[int],
     return results
 
 
-def _sample_random(x: torch.Tensor, rows: Sequence[HostSamplingRow], max_top_k: int) -> torch.Tensor:
+def _sample_random(x: torch.Tensor, rows: Sequence[HostSamplingRow], max_top_k: int,
+                   use_kernels: bool = False) -> torch.Tensor:
     """top-k -> top-p -> sample, for rows with temperature > 0 whose logits are already scaled."""
     dev = x.device
     vocab = x.shape[1]
@@ -188,7 +189,7 @@ def _sample_random(x: torch.Tensor, rows: Sequence[HostSamplingRow], max_top_k: 
                            torch.tensor(top_k, dtype=torch.long, device=dev),
                            torch.tensor(top_p, dtype=torch.float32, device=dev),
                            torch.tensor([r.uniform for r in rows], dtype=torch.float32, device=dev),
-                           max_top_k=max_top_k, width=width)
+                           max_top_k=max_top_k, width=width, use_kernels=use_kernels)
 
 
 def _processed_logits(x: torch.Tensor, rows: Sequence[HostSamplingRow], max_top_k: int) -> torch.Tensor:
@@ -204,12 +205,14 @@ def _processed_logits(x: torch.Tensor, rows: Sequence[HostSamplingRow], max_top_
 
 def host_sample(logits: torch.Tensor, rows: Sequence[HostSamplingRow], max_top_k: int | None = None,
                 logprobs_mode: str = "raw_logprobs",
-                custom: CustomProcessors | None = None) -> HostSampleResult:
+                custom: CustomProcessors | None = None, use_kernels: bool = False) -> HostSampleResult:
     """Samples one token per row of logits [N, V] with each row's SamplingParams. max_top_k: how many
     tokens top-p looks at when top_k is off (the in-graph sampler's cap; None: the whole vocabulary);
     logprobs_mode: one of config/engine_args.py's LOGPROBS_MODES (vLLM's --logprobs-mode); custom: the custom
     logits processors over every row (worker/logits_processors.py): custom(x, False) applies those that can
-    change the argmax, after the edits; custom(x, True) the argmax-invariant ones, after the temperature."""
+    change the argmax, after the edits; custom(x, True) the argmax-invariant ones, after the temperature;
+    use_kernels: the random rows' draw takes the graphs' CPU kernel (the engine's KernelConfig.sampler), so a
+    seeded row draws the same token here as in the graph."""
     if logits.dim() != 2 or logits.shape[0] != len(rows):
         raise ValueError(f"logits must be [num_rows, vocab] with num_rows={len(rows)}, "
                          f"got shape {tuple(logits.shape)}")
@@ -237,7 +240,7 @@ def host_sample(logits: torch.Tensor, rows: Sequence[HostSamplingRow], max_top_k
     if random_idx:
         _scale_random_rows(x, rows, random_idx, custom)
         cap = x.shape[1] if max_top_k is None else min(max_top_k, x.shape[1])
-        sampled[random_idx] = _sample_random(x[random_idx], [rows[i] for i in random_idx], cap)
+        sampled[random_idx] = _sample_random(x[random_idx], [rows[i] for i in random_idx], cap, use_kernels)
 
     token_ids = sampled.tolist()
     logprobs: list[list[tuple[int, float, int]] | None] = [None] * num_rows

@@ -74,8 +74,6 @@ class ModelRunnerBase(ProfiledRunner, KVConnectorCalls):
         self.context_buckets = nc.context_buckets
         self.kv_segment = nc.kv_segment_size_buckets[0] if nc.kv_segment_size_buckets else 0
         self.odsc = nc.on_device_sampling_config
-        self.sampling = SamplingStates(self.odsc, config.seed, config.logprobs_mode, LogitsProcessorBatch(
-            config.logits_processors, config, torch.device("cpu")) if config.logits_processors else None)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.draft_kv: list[tuple[torch.Tensor, torch.Tensor]] = []  # the speculator's KV layers
         self.kv_prefaulter: KVPrefaulter | None = None
@@ -105,6 +103,9 @@ class ModelRunnerBase(ProfiledRunner, KVConnectorCalls):
                              f"AVX512-VNNI in bfloat16 or float32 (here: device {device.type}, dtype {dtype}); "
                              "valid values here: false, or leave it unset")
         logger.info("%s", describe_kernels(device, self.dtype, self.model_spec.head_dim))
+        self.sampling = SamplingStates(self.odsc, config.seed, config.logprobs_mode, LogitsProcessorBatch(
+            config.logits_processors, config, torch.device("cpu")) if config.logits_processors else None,
+            use_kernels=self.kernels.sampler)
         # CUDA: decode attention reads each sequence's real context (Triton), and bucket graphs replay.
         self.paged_decode = not self.kernels.attention and not self.model_spec.has_sinks_or_windows and \
             paged_decode_available(device.type, self.model_spec.head_dim, self.block_size) and \

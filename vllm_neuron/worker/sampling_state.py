@@ -44,9 +44,11 @@ class RequestState:
 
 class SamplingStates:
     def __init__(self, odsc: OnDeviceSamplingConfig | None, seed: int, logprobs_mode: str = "raw_logprobs",
-                 processors: LogitsProcessorBatch | None = None) -> None:
-        """processors: the custom logits processors (--logits-processors); every request is then host-sampled."""
+                 processors: LogitsProcessorBatch | None = None, use_kernels: bool = False) -> None:
+        """processors: the custom logits processors (--logits-processors); every request is then host-sampled;
+        use_kernels: the host's draw takes the graphs' CPU sampling kernel (the engine's KernelConfig.sampler)."""
         self.odsc = odsc
+        self.use_kernels = use_kernels
         self.logprobs_mode = logprobs_mode
         self.processors = processors
         self.rng = torch.Generator().manual_seed(seed)
@@ -138,7 +140,7 @@ class SamplingStates:
                                                    p._bad_words_token_ids or ()))
             res = host_sample(logits[[rows[i] for i in host_rows]].float().cpu(), host_inputs,
                               max_top_k=self.odsc.top_k if self.odsc is not None else None,
-                              logprobs_mode=self.logprobs_mode,
+                              logprobs_mode=self.logprobs_mode, use_kernels=self.use_kernels,
                               custom=None if self.processors is None else
                               lambda x, invariant: self.processors.apply(x, [req_ids[i] for i in host_rows],
                                                                          invariant))

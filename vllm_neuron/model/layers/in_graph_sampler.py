@@ -15,6 +15,9 @@ Static shapes only (no `.item()`, no Python branch on tensor values): it runs in
 graph of every bucket. A batch whose rows are all greedy skips the top-k, top-p and CDF work
 (`torch.cond`, a real branch in the compiled graph; outside a compiled graph - the host sampler, eager
 execution - a plain Python branch, because an eager `torch.cond` costs ~2 ms a call).
+On CPU with the custom kernels (the engine's KernelConfig.sampler) the whole of `sample_in_graph` is one op,
+`vllm_neuron::sample_rows` (kernels/sampler.cpp: the same algorithm row by row), in the graphs and on the host
+alike: inductor's code for it was about a third of every graph's compile.
 """
 from __future__ import annotations
 
@@ -62,7 +65,7 @@ def _cpu_kernels(logits: torch.Tensor, use_kernels: bool) -> bool:
 def greedy_in_graph(logits: torch.Tensor, use_kernels: bool = False) -> torch.Tensor:
     """[B, V] -> [B] int64 argmax (torch.argmax's: the first largest, a NaN above all), for all-greedy
     configurations; on the logits' own dtype (widening to fp32 changes no order). `use_kernels` (the engine's
-    KernelConfig.sampler): CPU logits take the argmax kernel (kernels/token_mask.cpp)."""
+    KernelConfig.sampler): CPU logits take the argmax kernel (kernels/sampler.cpp)."""
     if _cpu_kernels(logits, use_kernels) and logits.dtype in (torch.bfloat16, torch.float32):  # fp16: no vector path
         return torch.ops.vllm_neuron.greedy_argmax(logits)
     return torch.argmax(logits, dim=-1)
@@ -185,14 +188,30 @@ def sample_in_graph(logits: torch.Tensor, temperature: torch.Tensor, top_k: torc
     logits [B, V]; temperature [B] f32 (0 = greedy); top_k [B] int64 (<= 0: off); top_p [B] f32 in
     (0, 1]; uniform [B] f32 in [0, 1) (`counter_uniform`). max_top_k caps top-p's tokens when top_k
     is off; width (default max_top_k) is how many tokens the threshold search looks at, at least the
-    largest top_k of the batch; use_kernels as in `greedy_in_graph`. Returns [B] int64 token ids.
+    largest top_k of the batch; use_kernels (the engine's KernelConfig.sampler): CPU logits take the
+    `sample_rows` kernel for every row. Returns [B] int64 token ids.
     """
     width = max_top_k if width is None else width
+    if _cpu_kernels(logits, use_kernels) and logits.dtype in (torch.bfloat16, torch.float32):
+        return torch.ops.vllm_neuron.sample_rows(logits, temperature, top_k, top_p, uniform, max_top_k, width)
     all_greedy = (temperature < _GREEDY_EPS).all()
     # Only the sampling side widens to fp32 (the argmax is the same on the model's dtype).
     return _branch(all_greedy, lambda lg, t, k, p, u: greedy_in_graph(lg, use_kernels),
                    lambda lg, t, k, p, u: _sample_rows(lg.to(torch.float32), t, k, p, u, max_top_k, width),
                    (logits, temperature, top_k, top_p, uniform))
+
+
+def sample_slots(logits: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, temperature: torch.Tensor,
+                 top_k: torch.Tensor, top_p: torch.Tensor, seed: torch.Tensor, max_top_k: int = DEFAULT_MAX_TOP_K,
+                 use_kernels: bool = False) -> torch.Tensor:
+    """`sample_in_graph` for rows whose parameters live in per-slot tensors (Model Runner V2's state): row i
+    samples with slot slots[i]'s temperature, top_k, top_p and the number counter_uniform(seed[slot],
+    positions[i]). With `use_kernels` on CPU logits one op does the gathers, the hash and the draw."""
+    if _cpu_kernels(logits, use_kernels) and logits.dtype in (torch.bfloat16, torch.float32):
+        return torch.ops.vllm_neuron.sample_slots(logits, slots, positions, temperature, top_k, top_p, seed,
+                                                  max_top_k, max_top_k)
+    return sample_in_graph(logits, temperature[slots], top_k[slots], top_p[slots],
+                           counter_uniform(seed[slots], positions), max_top_k, use_kernels=use_kernels)
 
 
 def _masked(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:

@@ -28,11 +28,14 @@ from vllm_neuron.model.layers.kernels.ops import register_fakes
 logger = init_logger(__name__)
 
 SOURCES = ("paged_attention.cpp", "linear_bf16.cpp", "linear_quant.cpp", "quant_unpack.cpp", "linear_amx.cpp", "linear_dot_tiles.cpp",
-           "linear_int4_tiles.cpp", "linear_int8_tiles.cpp", "token_mask.cpp", "activation.cpp", "linear_tile_copies.cpp", "lora.cpp")
+           "linear_int4_tiles.cpp", "linear_int8_tiles.cpp", "sampler.cpp", "activation.cpp", "linear_tile_copies.cpp", "lora.cpp")
 HEADERS = ("simd.h", "attention_tiles.h", "int8_vnni.h", "int_dot.h", "int_dot_avx2.h", "int4_vnni.h", "int4_table.h", "online_softmax.h", "amx_tiles.h",
            "attention_bf16.h", "attention_shared_packs.h", "attention_fp32_tiles.h", "attention_amx.h", "attention_decode.h", "attention_split.h", "cache_elems.h",
            "tile_linear_args.h", "int8_acts.h")
 _FLAGS = ("-O3", "-fopenmp", "-ffast-math", "-fno-finite-math-only", "-fPIC", "-std=c++17")
+# Per source, after _FLAGS: the sampler divides by the temperature as torch does (no x * (1 / t)), so a row's
+# scaled logits are the host sampler's to the bit.
+_SOURCE_FLAGS = {"sampler.cpp": ("-fno-reciprocal-math",)}
 # CPU class -> target flags. avx2 is x86-64-v3 (Haswell and later, Zen 1 and later), so a forced avx2
 # build on an AVX-512 machine has no AVX-512 code in it.
 VARIANTS = {
@@ -60,6 +63,7 @@ def digest(variant: str) -> str:
         h.update((_HERE / s).read_bytes())
     h.update(torch.__version__.encode())
     h.update(" ".join((*_FLAGS, variant, *VARIANTS[variant])).encode())
+    h.update(repr(sorted(_SOURCE_FLAGS.items())).encode())
     h.update(compiler_id(cxx()).encode())
     h.update(cpu_isa().encode())
     return h.hexdigest()[:16]
@@ -72,7 +76,8 @@ def compile_command(source: str, obj: str, target: tuple[str, ...]) -> list[str]
 
     includes = [f"-I{p}" for p in cpp_extension.include_paths()] + [f"-I{sysconfig.get_paths()['include']}"]
     abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
-    return [cxx(), *_FLAGS, *target, abi, *includes, "-c", str(_HERE / source), "-o", obj]
+    return [cxx(), *_FLAGS, *_SOURCE_FLAGS.get(source, ()), *target, abi, *includes, "-c", str(_HERE / source),
+            "-o", obj]
 
 
 def _compile(out: Path, variant: str) -> None:

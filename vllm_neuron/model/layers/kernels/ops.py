@@ -50,6 +50,14 @@ def register_fakes() -> None:
         torch.library.register_fake("vllm_neuron::apply_token_bitmask_")(lambda logits, bitmask: None)
         torch.library.register_fake("vllm_neuron::greedy_argmax")(
             lambda logits: logits.new_empty((logits.shape[0],), dtype=torch.long))
+        torch.library.register_fake("vllm_neuron::sample_rows")(
+            lambda logits, temperature, top_k, top_p, uniform, max_top_k, width:
+            logits.new_empty((logits.shape[0],), dtype=torch.long))
+        torch.library.register_fake("vllm_neuron::sample_slots")(
+            lambda logits, slots, positions, temperature, top_k, top_p, seed, max_top_k, width:
+            logits.new_empty((logits.shape[0],), dtype=torch.long))
+        torch.library.register_fake("vllm_neuron::store_token_state_")(
+            lambda last_token, position, slots, tokens, next_pos: None)
     if has_op("lora_delta"):
         torch.library.register_fake("vllm_neuron::lora_delta")(
             lambda x, slot, a, b_t: x.new_empty((x.shape[0], b_t.shape[2])))
