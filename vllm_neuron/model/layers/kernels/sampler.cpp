@@ -8,9 +8,10 @@
 // applied in place, touching only the 32-token words that forbid something (none in an unconstrained batch:
 // one read of the bitmask), and the argmax is a max pass and a find-first pass, both plain vector loops.
 //
-// The seeded draw (temperature, top-k, top-p, inverse CDF) was inductor's code in every bucket's graph: about
-// a third of a first start's graph compiles (the bundled model's 8 graphs: 95 s with it, 63 s without, 2-core
-// AMD EPYC Zen 4, 2026-12-07). As one op it compiles to a call. Its arithmetic is the torch sampler's: the same
+// The seeded draw (temperature, top-k, top-p, inverse CDF), with MRv2's per-slot parameter gathers, counter hash
+// and token write-back, was inductor's code in every bucket's graph: two of a decode graph's 8 generated kernels,
+// each its own codegen and g++ run. As ops the bundled model's 8 graphs compile in 68-71 s instead of 94-100 s
+// (2-core AMD EPYC Zen 4, 2026-12-07). The draw's arithmetic is the torch sampler's: the same
 // divisions (this file is built without reciprocal math), logsumexp as max + log(sum exp), the top-p mass as
 // cumsum - p over the k best values, and the CDF walked in token-id order; only the exp and the order of the
 // sums differ (~1e-7 relative), so a token differs only where the draw falls that close to a CDF step.
