@@ -128,6 +128,39 @@ def test_compile_timeout_names_the_bucket(tmp_path, monkeypatch, caching):
     time.sleep(1.2)
 
 
+def test_compile_timeout_survives_code_that_swallows_exceptions(tmp_path, monkeypatch, caching):
+    """Inductor catches every exception in places: the first signal landing there is lost, the next one still
+    stops the compile; and a compile that swallowed them all fails once it returns past its limit."""
+    monkeypatch.setenv("NEURON_LIBTORCH_COMPILATION_TIMEOUT", "1")
+    compiler = C.GraphCompiler({"t": "timeout"}, root=str(tmp_path))
+    caught = []
+
+    def swallows_once():
+        try:
+            time.sleep(5)
+        except Exception as e:  # noqa: BLE001 - as inductor's ISA probe does
+            caught.append(e)
+        time.sleep(5)
+
+    t0 = time.perf_counter()
+    with pytest.raises(C.CompileTimeout, match="Bucket prefill_s32: "):
+        compiler.warm("prefill_s32", swallows_once)
+    assert time.perf_counter() - t0 < 3 and len(caught) == 1
+
+    def swallows_all():
+        end = time.perf_counter() + 1.5
+        while time.perf_counter() < end:
+            try:
+                time.sleep(0.05)
+            except C.CompileTimeout:
+                pass
+
+    with pytest.raises(C.CompileTimeout, match="Bucket decode_b1: "):
+        compiler.warm("decode_b1", swallows_all)
+    compiler.warm("decode_b2", lambda: None)  # in time: no error, and no timer left behind
+    time.sleep(1.2)
+
+
 def test_remote_folder_serves_graphs_compiled_on_another_machine(tmp_path, monkeypatch, caplog, caching):
     remote = tmp_path / "shared"
     monkeypatch.setenv("NEURON_LIBTORCH_REMOTE_CACHE", str(remote))

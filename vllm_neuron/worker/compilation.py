@@ -160,7 +160,9 @@ def _compile_timeout(e: BaseException, name: str, seconds: int | None) -> Compil
 @contextlib.contextmanager
 def _deadline(name: str, seconds: int | None):
     """Raises CompileTimeout when the block runs longer than `seconds` (None: no limit). A signal timer:
-    compilation is Python code and subprocess waits, which a signal interrupts."""
+    compilation is Python code and subprocess waits, which a signal interrupts. The timer repeats every 0.1 s
+    once expired: inductor catches every exception in places (an ISA probe's `except Exception`, cache lookups),
+    and a single signal landing there was lost, the compile running on to its end."""
     if seconds is None:
         yield
         return
@@ -169,7 +171,7 @@ def _deadline(name: str, seconds: int | None):
         raise CompileTimeout(_timeout_message(name, seconds))
 
     previous = signal.signal(signal.SIGALRM, expired)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
+    signal.setitimer(signal.ITIMER_REAL, seconds, 0.1)
     try:
         yield
     finally:
@@ -448,6 +450,10 @@ class GraphCompiler:
         with _deadline(name, self.timeout if self.backend == "native" else None):
             run()
         seconds = time.perf_counter() - t0
+        if self.backend == "native" and self.timeout is not None and seconds > self.timeout \
+                and self._source != "loaded":
+            # Every signal swallowed: the compile finished, but past its limit all the same.
+            raise CompileTimeout(_timeout_message(name, self.timeout))
         misses = counters["inductor"]["fxgraph_cache_miss"] - misses0
         # A traced bucket counts as a hit when inductor's cache served it; a loaded one always does.
         hit = self.backend == "native" and in_manifest and (
