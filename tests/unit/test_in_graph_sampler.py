@@ -228,15 +228,6 @@ def test_eager_calls_take_a_python_branch_not_torch_cond(monkeypatch):
     assert torch.equal(masked[[0, 1, 3]], logits[[0, 1, 3]])
 
 
-@pytest.fixture
-def sampler_kernels():
-    """The CPU sampler kernels (kernels/sampler.cpp) built: the tests pass use_kernels=True, as an
-    engine's KernelConfig.sampler does."""
-    from vllm_neuron.model.layers.kernels import cpu_caps
-
-    assert cpu_caps.kernels_enabled(torch.device("cpu")), "the custom CPU kernels failed to build (see the log)"
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("vocab", [1, 15, 33, 1000, 49152])
 def test_kernel_argmax_is_torch_argmax_on_ties_nan_and_minus_inf(sampler_kernels, dtype, vocab):

@@ -5,12 +5,7 @@ import torch
 
 from vllm_neuron.model.layers.in_graph_sampler import counter_uniform, fold_seed, sample_in_graph, sample_slots
 
-
-@pytest.fixture(autouse=True)
-def sampler_kernels():
-    from vllm_neuron.model.layers.kernels import cpu_caps
-
-    assert cpu_caps.kernels_enabled(torch.device("cpu")), "the custom CPU kernels failed to build (see the log)"
+pytestmark = pytest.mark.usefixtures("sampler_kernels")  # tests/unit/conftest.py
 
 
 def _state(n: int, g: torch.Generator) -> dict[str, torch.Tensor]:
