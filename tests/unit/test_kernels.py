@@ -514,6 +514,25 @@ def test_build_is_the_forced_variant():
     assert caps.kernel_variant()[0] == (forced or caps.detect_variant(caps.cpu_flags()))
 
 
+def test_only_the_registry_parses_torchs_registration_headers():
+    """torch/library.h, the dispatcher and ATen/ops/*.h cost a source ~3 s of parsing each, a third of a cold
+    build when every source paid it: the ops are registered in op_registry.cpp (linear_tile_copies.cpp needs the
+    dispatcher for its lookup), and every op it registers is declared in op_table.h and defined in a source."""
+    import re
+
+    heavy = re.compile(r'#include <(torch/|ATen/ops/|ATen/core/dispatch/|ATen/ATen\.h)|TORCH_LIBRARY')
+    kernels = os.path.dirname(build.__file__)
+    read = {n: open(os.path.join(kernels, n)).read() for n in build.SOURCES + build.HEADERS}
+    offenders = [n for n, text in read.items() if heavy.search(text)
+                 and n not in ("op_registry.cpp", "linear_tile_copies.cpp")]
+    assert offenders == []
+    registered = set(re.findall(r'm\.def\("(\w+)\(', read["op_registry.cpp"]))
+    assert "paged_attention" in registered and "linear_int8_amx" in registered
+    declared = set(re.findall(r"^\S.*?\b(\w+)\(", read["op_table.h"], re.M))
+    defined = {m for text in read.values() for m in re.findall(r"vn_ops::(\w+)\(", text)}
+    assert registered <= declared and registered <= defined, (registered - declared, registered - defined)
+
+
 def test_package_data_ships_every_kernel_source_and_header():
     """The kernels build from source on first use, so an installed package must carry every file the build
     reads (the headers were once left out of the package data)."""

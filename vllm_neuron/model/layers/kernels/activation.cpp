@@ -7,10 +7,8 @@
 // compiler vectorizes; the product is rounded to bf16 once, as torch's bf16 silu * up rounds it (the
 // two differ at most where the fp32 values straddle a rounding boundary).
 #include <ATen/Parallel.h>
-#include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
+#include "op_table.h"
 #include <c10/util/BFloat16.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
@@ -44,15 +42,17 @@ void silu_rows(const uint16_t* h, uint16_t* out, int64_t rows, int64_t inter) {
   }
 }
 
+}  // namespace
+
 // h [..., 2I] (gate then up, the gate_up projection's layout) -> [..., I].
-at::Tensor silu_and_mul(const at::Tensor& h) {
+at::Tensor vn_ops::silu_and_mul(const at::Tensor& h) {
   TORCH_CHECK(h.scalar_type() == at::kBFloat16, "silu_and_mul takes bf16, got ", h.scalar_type());
   TORCH_CHECK(h.dim() >= 1 && h.size(-1) % 2 == 0, "silu_and_mul needs an even last dimension (gate then up)");
   const auto x = h.contiguous();
   const int64_t inter = x.size(-1) / 2, rows = inter == 0 ? 0 : x.numel() / (2 * inter);
   auto sizes = x.sizes().vec();
   sizes.back() = inter;
-  auto out = at::empty(sizes, x.options());
+  auto out = vn_ops::empty(sizes, x.options());
   if (rows == 0) return out;
   const auto* src = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   auto* dst = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
@@ -62,9 +62,3 @@ at::Tensor silu_and_mul(const at::Tensor& h) {
   });
   return out;
 }
-
-}  // namespace
-
-TORCH_LIBRARY_FRAGMENT(vllm_neuron, m) { m.def("silu_and_mul(Tensor h) -> Tensor"); }
-
-TORCH_LIBRARY_IMPL(vllm_neuron, CPU, m) { m.impl("silu_and_mul", &silu_and_mul); }

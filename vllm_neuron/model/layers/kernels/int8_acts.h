@@ -3,8 +3,7 @@
 // Scale max|x| / 127, codes rounded to nearest even; the group's exact fp32 sum kept beside them (int4's
 // minimums meet it; quant_int4.quantize_activations is the reference), and 8 x the codes' sum (int4's centring).
 #pragma once
-#include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
+#include "op_table.h"
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <immintrin.h>
@@ -102,7 +101,7 @@ inline at::Tensor with_int8_rows(const at::Tensor& x_in, int64_t N, const c10::o
     TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N, "bias must be float32 [N]");
   const auto x = x_in.contiguous();
   const int64_t M = x.size(0), K = x.size(1);
-  auto y = at::empty({M, N}, x.options());
+  auto y = vn_ops::empty({M, N}, x.options());
   if (M == 0) return y;
   Acts a;
   const auto go = [&](const auto* xp, auto* yp) {

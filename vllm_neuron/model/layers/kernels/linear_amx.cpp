@@ -9,13 +9,12 @@
 // products are exact and summed in fp32 (TDPBF16PS); the fp32 sums are rounded to bf16 once.
 // Built only where the compiler targets AMX (the avx512bf16 build on such a CPU).
 
-#include "tile_linear_args.h"
+#include "op_isa.h"
 
-#if defined(__AMX_BF16__) && defined(__AVX512BF16__)
-#include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
+#ifdef VN_OPS_LINEAR_AMX
+#include "op_table.h"
+#include "tile_linear_args.h"
 #include <ATen/Parallel.h>
-#include <torch/library.h>
 #include <immintrin.h>
 
 #include "amx_tiles.h"
@@ -98,14 +97,16 @@ void run(const uint16_t* x, const uint16_t* packed, const uint16_t* bias, uint16
   });
 }
 
-at::Tensor linear_amx(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
-                      int64_t N) {
+}  // namespace
+
+at::Tensor vn_ops::linear_amx(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                              int64_t N) {
   TORCH_CHECK(amx::tiles_permitted(), "the kernel did not get the AMX tile state from the OS");
   check_tile_linear_args(x, packed, bias, N);
   const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(M >= 1 && M <= kMaxRows, "x must have 1 to 64 rows");
   auto xc = x.contiguous();
-  auto y = at::empty({M, N}, xc.options());
+  auto y = vn_ops::empty({M, N}, xc.options());
   const auto* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
   const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
   const auto* bp = bias.has_value() ? reinterpret_cast<const uint16_t*>(bias->data_ptr<at::BFloat16>()) : nullptr;
@@ -118,13 +119,5 @@ at::Tensor linear_amx(const at::Tensor& x, const at::Tensor& packed, const c10::
   }
   return y;
 }
-
-}  // namespace
-
-TORCH_LIBRARY_FRAGMENT(vllm_neuron, m) {
-  m.def("linear_amx(Tensor x, Tensor packed, Tensor? bias, int N) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(vllm_neuron, CPU, m) { m.impl("linear_amx", &linear_amx); }
 
 #endif  // AMX-BF16 and AVX512-BF16

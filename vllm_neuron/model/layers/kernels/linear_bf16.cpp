@@ -16,11 +16,11 @@
 
 #include <type_traits>
 
-#if defined(__AVX512BF16__) || (defined(__AVX2__) && defined(__FMA__))
-#include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
+#include "op_isa.h"
+
+#ifdef VN_OPS_LINEAR_BF16
+#include "op_table.h"
 #include <ATen/Parallel.h>
-#include <torch/library.h>
 #include "simd.h"
 
 namespace {
@@ -166,35 +166,25 @@ void check_args(const at::Tensor& x, const at::Tensor& w, at::ScalarType dtype) 
   TORCH_CHECK(w.is_contiguous(), "w must be contiguous");
 }
 
-at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w) {
+}  // namespace
+
+at::Tensor vn_ops::linear_bf16(const at::Tensor& x, const at::Tensor& w) {
   check_args(x, w, at::kBFloat16);
   auto xc = x.contiguous();
-  auto y = at::empty({xc.size(0), w.size(0)}, xc.options());
+  auto y = vn_ops::empty({xc.size(0), w.size(0)}, xc.options());
   run<Bf16>(reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>()),
             reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()),
             reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()), xc.size(0), xc.size(1), w.size(0));
   return y;
 }
 
-at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& w) {
+at::Tensor vn_ops::linear_f32(const at::Tensor& x, const at::Tensor& w) {
   check_args(x, w, at::kFloat);
   auto xc = x.contiguous();
-  auto y = at::empty({xc.size(0), w.size(0)}, xc.options());
+  auto y = vn_ops::empty({xc.size(0), w.size(0)}, xc.options());
   run<Widen<float>>(xc.data_ptr<float>(), w.data_ptr<float>(), y.data_ptr<float>(), xc.size(0), xc.size(1),
                     w.size(0));
   return y;
-}
-
-}  // namespace
-
-TORCH_LIBRARY_FRAGMENT(vllm_neuron, m) {
-  m.def("linear_bf16(Tensor x, Tensor w) -> Tensor");
-  m.def("linear_f32(Tensor x, Tensor w) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(vllm_neuron, CPU, m) {
-  m.impl("linear_bf16", &linear_bf16);
-  m.impl("linear_f32", &linear_f32);
 }
 
 #endif  // AVX512-BF16 or AVX2 + FMA

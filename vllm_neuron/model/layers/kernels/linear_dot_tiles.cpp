@@ -14,15 +14,14 @@
 // (oneDNN reordered), 102 vs 109 at 512. The products are exact and summed in fp32; the sums are rounded to
 // bf16 once.
 
-#include "tile_linear_args.h"
-
 #include <type_traits>
 
-#if defined(__AVX512BF16__)
-#include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
+#include "op_isa.h"
+
+#ifdef VN_OPS_DOT_TILES
+#include "op_table.h"
+#include "tile_linear_args.h"
 #include <ATen/Parallel.h>
-#include <torch/library.h>
 #include <immintrin.h>
 
 #include "simd.h"
@@ -119,12 +118,14 @@ void run(const uint16_t* x, const uint16_t* packed, const uint16_t* bias, uint16
   });
 }
 
-at::Tensor linear_dot_tiles(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
-                            int64_t N) {
+}  // namespace
+
+at::Tensor vn_ops::linear_dot_tiles(const at::Tensor& x, const at::Tensor& packed,
+                                    const c10::optional<at::Tensor>& bias, int64_t N) {
   check_tile_linear_args(x, packed, bias, N);
   const int64_t M = x.size(0), K = x.size(1);
   auto xc = x.contiguous();
-  auto y = at::empty({M, N}, xc.options());
+  auto y = vn_ops::empty({M, N}, xc.options());
   if (M == 0) return y;
   const auto* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
   const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
@@ -140,13 +141,5 @@ at::Tensor linear_dot_tiles(const at::Tensor& x, const at::Tensor& packed, const
     run<3, false>(xp, wp, bp, yp, M, K, N);
   return y;
 }
-
-}  // namespace
-
-TORCH_LIBRARY_FRAGMENT(vllm_neuron, m) {
-  m.def("linear_dot_tiles(Tensor x, Tensor packed, Tensor? bias, int N) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(vllm_neuron, CPU, m) { m.impl("linear_dot_tiles", &linear_dot_tiles); }
 
 #endif  // AVX512-BF16

@@ -24,11 +24,11 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-#include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
+#include "op_isa.h"
+
+#ifdef VN_OPS_INT_TILES
+#include "op_table.h"
 #include <ATen/Parallel.h>
-#include <torch/library.h>
 #include <immintrin.h>
 
 #include "int8_acts.h"
@@ -108,10 +108,12 @@ void run(const Acts& a, const uint8_t* codes, const float* scales, const float* 
   });
 }
 
+}  // namespace
+
 // x [M, K] (bf16 or fp32) @ the int4 weight in tile order: codes uint8 [N, K / 2], scales float32 [N, K / 32, 2]
 // (quant_int4.to_tiles); bias float32 [N] or none; y in x's dtype.
-at::Tensor linear_int4_tiles(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& scales,
-                             const c10::optional<at::Tensor>& bias) {
+at::Tensor vn_ops::linear_int4_tiles(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& scales,
+                                     const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(codes.dim() == 2 && x_in.size(-1) == 2 * codes.size(1), "x [M, K], codes [N, K / 2]");
   const int64_t K = x_in.size(-1), N = codes.size(0);
   TORCH_CHECK(K % 64 == 0 && N % kCols == 0, "K must be a multiple of 64 and N of 16");
@@ -123,13 +125,5 @@ at::Tensor linear_int4_tiles(const at::Tensor& x_in, const at::Tensor& codes, co
     run(a, codes.data_ptr<uint8_t>(), scales.data_ptr<float>(), bp, yp, a.q.size() / K, K, N);
   });
 }
-
-}  // namespace
-
-TORCH_LIBRARY_FRAGMENT(vllm_neuron, m) {
-  m.def("linear_int4_tiles(Tensor x, Tensor codes, Tensor scales, Tensor? bias) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(vllm_neuron, CPU, m) { m.impl("linear_int4_tiles", &linear_int4_tiles); }
 
 #endif  // AVX512-VNNI

@@ -23,17 +23,16 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-#include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
+#include "op_isa.h"
+
+#ifdef VN_OPS_INT_TILES
+#include "op_table.h"
 #include <ATen/Parallel.h>
-#include <torch/library.h>
 #include <immintrin.h>
 
 #include "int8_acts.h"
-#if defined(__AMX_INT8__) && defined(__AMX_TILE__)
+#ifdef VN_OPS_INT8_AMX
 #include "amx_tiles.h"
-#define VN_INT8_AMX 1
 #endif
 
 namespace {
@@ -97,7 +96,7 @@ void run(const Acts& a, const int8_t* codes, const int32_t* corr, const float* s
   });
 }
 
-#ifdef VN_INT8_AMX
+#ifdef VN_OPS_INT8_AMX
 // From this many rows the tile path. One step's 120 layer linears of the bundled model (2-core AMX Xeon VM,
 // bf16 inputs, both paths in one process, three runs, 2026-12-07), tiles / VNNI: 1.05-1.12 at 2-4 rows,
 // 0.96-1.06 at 8, 0.89-0.98 at 16, 0.93-0.97 at 32, 0.87-0.92 at 64, 0.84-0.99 at 128; with every pass of 64
@@ -184,7 +183,7 @@ void amx_run(const Acts& a, const int8_t* codes, const int32_t* corr, const floa
     if (configured != 0) _tile_release();
   });
 }
-#endif  // VN_INT8_AMX
+#endif  // VN_OPS_INT8_AMX
 
 void check_args(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& corr, const at::Tensor& scale) {
   TORCH_CHECK(codes.dim() == 2 && x_in.size(-1) == codes.size(1), "x [M, K], codes [N, K]");
@@ -196,16 +195,18 @@ void check_args(const at::Tensor& x_in, const at::Tensor& codes, const at::Tenso
   TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == N, "scale must be float32 [N]");
 }
 
+}  // namespace
+
 // x [M, K] (bf16 or fp32) @ the int8 weight in tile order: codes int8 [N, K], corr int32 [N / 16, K / 32, 16],
 // scale float32 [N] (quant_int8.to_tiles); bias float32 [N] or none; y in x's dtype.
-at::Tensor linear_int8_tiles(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& corr,
-                             const at::Tensor& scale, const c10::optional<at::Tensor>& bias) {
+at::Tensor vn_ops::linear_int8_tiles(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& corr,
+                                     const at::Tensor& scale, const c10::optional<at::Tensor>& bias) {
   check_args(x_in, codes, corr, scale);
   const int64_t K = x_in.size(-1), N = codes.size(0);
   return vn_acts::with_int8_rows(x_in, N, bias, true, [&](const Acts& a, auto* yp) {
     const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
     const int64_t M = a.q.size() / K;
-#ifdef VN_INT8_AMX
+#ifdef VN_OPS_INT8_AMX
     if (M >= kAmxFromRows && amx::tiles_permitted()) {
       amx_run(a, codes.data_ptr<int8_t>(), corr.data_ptr<int32_t>(), scale.data_ptr<float>(), bp, yp, M, K, N);
       return;
@@ -215,10 +216,10 @@ at::Tensor linear_int8_tiles(const at::Tensor& x_in, const at::Tensor& codes, co
   });
 }
 
-#ifdef VN_INT8_AMX
+#ifdef VN_OPS_INT8_AMX
 // The tile path at any row count (tests, benchmarks): the same arguments and bits as linear_int8_tiles.
-at::Tensor linear_int8_amx(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& corr,
-                           const at::Tensor& scale, const c10::optional<at::Tensor>& bias) {
+at::Tensor vn_ops::linear_int8_amx(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& corr,
+                                   const at::Tensor& scale, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(amx::tiles_permitted(), "the kernel did not get the AMX tile state from the OS");
   check_args(x_in, codes, corr, scale);
   const int64_t K = x_in.size(-1), N = codes.size(0);
@@ -229,21 +230,5 @@ at::Tensor linear_int8_amx(const at::Tensor& x_in, const at::Tensor& codes, cons
   });
 }
 #endif
-
-}  // namespace
-
-TORCH_LIBRARY_FRAGMENT(vllm_neuron, m) {
-  m.def("linear_int8_tiles(Tensor x, Tensor codes, Tensor corr, Tensor scale, Tensor? bias) -> Tensor");
-#ifdef VN_INT8_AMX
-  m.def("linear_int8_amx(Tensor x, Tensor codes, Tensor corr, Tensor scale, Tensor? bias) -> Tensor");
-#endif
-}
-
-TORCH_LIBRARY_IMPL(vllm_neuron, CPU, m) {
-  m.impl("linear_int8_tiles", &linear_int8_tiles);
-#ifdef VN_INT8_AMX
-  m.impl("linear_int8_amx", &linear_int8_amx);
-#endif
-}
 
 #endif  // AVX512-VNNI

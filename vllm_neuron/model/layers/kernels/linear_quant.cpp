@@ -32,11 +32,11 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-#include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
+#include "op_isa.h"
+
+#ifdef VN_OPS_LINEAR_QUANT
+#include "op_table.h"
 #include <ATen/Parallel.h>
-#include <torch/library.h>
 #include "simd.h"
 #if defined(__AVX512BF16__)
 #include "int4_table.h"
@@ -241,7 +241,7 @@ void tail_rows(const Q& wt, const at::Tensor& x, c10::BFloat16* yp, int64_t N) {
 template <typename Q>
 at::Tensor bf16_rows(const Q& wt, const at::Tensor& x, int64_t N) {
   const int64_t M = x.size(0), K = x.size(1);
-  auto y = at::empty({M, N}, x.options());
+  auto y = vn_ops::empty({M, N}, x.options());
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   auto* yp = y.data_ptr<at::BFloat16>();
   const int64_t bands = N / kBand;
@@ -290,7 +290,7 @@ constexpr int64_t kVnniRows = 4;
 constexpr int64_t kAhead = 2;
 at::Tensor vnni_rows(const Int8& wt, const at::Tensor& x, int64_t N) {
   const int64_t M = x.size(0), K = x.size(1), bands = N / kBand;
-  auto y = at::empty({M, N}, x.options());
+  auto y = vn_ops::empty({M, N}, x.options());
   std::vector<int16_t> xq(M * K * 2);
   std::vector<float> xs(M * vn_vnni::blocks(K));
   vn_vnni::quantize_rows(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), M, K, xq.data(), xs.data());
@@ -330,7 +330,7 @@ template <typename Q>
 at::Tensor run(const Q& wt, const at::Tensor& x_in, int64_t N) {
   const auto x = x_in.contiguous();
   const int64_t M = x.size(0), K = x.size(1);
-  auto y = at::empty({M, N}, x.options());
+  auto y = vn_ops::empty({M, N}, x.options());
   std::vector<float> buf;
   const float* xp = fp32_rows(x, buf);
   const auto go = [&](auto* yp) {
@@ -385,7 +385,7 @@ template <typename Q>
 at::Tensor int_dot_rows(const Q& wt, const at::Tensor& x_in, int64_t N) {
   const auto x = x_in.contiguous();
   const int64_t K = x.size(1);
-  auto y = at::empty({x.size(0), N}, x.options());
+  auto y = vn_ops::empty({x.size(0), N}, x.options());
   std::vector<float> buf;
   const vn_idot::Rows xq(fp32_rows(x, buf), x.size(0), K, std::is_same_v<Q, Int4>);
   const auto tile = [&](auto mb, auto nb, int64_t m0, int64_t n0, float* out, int64_t pf) {
@@ -424,7 +424,9 @@ Int4 int4_weights(const at::Tensor& x, const at::Tensor& q, const at::Tensor& sm
   return Int4{q.data_ptr<uint8_t>(), sm.data_ptr<float>()};
 }
 
-at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale) {
+}  // namespace
+
+at::Tensor vn_ops::linear_int8(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale) {
   const Int8 wt = int8_weights(x, q, scale);
 #if defined(__AVX512BF16__)
 #if defined(__AVX512VNNI__)
@@ -439,7 +441,7 @@ at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& q, const at::Tenso
   return run(wt, x, q.size(0));
 }
 
-at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& q, const at::Tensor& sm) {
+at::Tensor vn_ops::linear_int4(const at::Tensor& x, const at::Tensor& q, const at::Tensor& sm) {
   const Int4 wt = int4_weights(x, q, sm);
 #if defined(__AVX512BF16__)
   // From two rows: the band's table widening (widen_band_bf16) costs less than widening it again in fp32 per row
@@ -456,11 +458,11 @@ at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& q, const at::Tenso
   return run(wt, x, q.size(0));
 }
 
-#if defined(__AVX2__) && !defined(__AVX512F__)
+#ifdef VN_OPS_QUANT_PATH
 // linear_int8 (q int8) or linear_int4 (q uint8) by one named path at any row count, for the A/B benchmark and
 // the tests of each path: "int_dot" (int_dot_avx2.h) or "widened" (weights widened to fp32, run).
-at::Tensor linear_quant_path(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales,
-                             c10::string_view path) {
+at::Tensor vn_ops::linear_quant_path(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales,
+                                     c10::string_view path) {
   TORCH_CHECK(path == "int_dot" || path == "widened", "path must be 'int_dot' or 'widened', got '", path, "'");
   const bool int_dot = path == "int_dot";
   if (q.scalar_type() == at::kChar) {
@@ -470,25 +472,6 @@ at::Tensor linear_quant_path(const at::Tensor& x, const at::Tensor& q, const at:
   const Int4 wt = int4_weights(x, q, scales);
   return int_dot ? int_dot_rows(wt, x, q.size(0)) : run(wt, x, q.size(0));
 }
-#endif
-
-}  // namespace
-
-TORCH_LIBRARY_FRAGMENT(vllm_neuron, m) {
-  m.def("linear_int8(Tensor x, Tensor q, Tensor scale) -> Tensor");
-  m.def("linear_int4(Tensor x, Tensor q, Tensor scales) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(vllm_neuron, CPU, m) {
-  m.impl("linear_int8", &linear_int8);
-  m.impl("linear_int4", &linear_int4);
-}
-
-#if defined(__AVX2__) && !defined(__AVX512F__)
-TORCH_LIBRARY_FRAGMENT(vllm_neuron, m) {
-  m.def("linear_quant_path(Tensor x, Tensor q, Tensor scales, str path) -> Tensor");
-}
-TORCH_LIBRARY_IMPL(vllm_neuron, CPU, m) { m.impl("linear_quant_path", &linear_quant_path); }
 #endif
 
 #endif  // AVX-512 or AVX2 + FMA

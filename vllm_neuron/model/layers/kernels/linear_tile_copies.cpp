@@ -5,10 +5,9 @@
 // ~2.5 us a call more than calling the tile kernel itself (4.4 vs 1.9 us on a tiny shape; 2 cores, AMD EPYC
 // Zen 5, 2026-12-04): 121 calls, ~0.3 ms, of every decode_b16 and prefill step of the bundled model.
 // A weight without a registered copy, of another shape, or rows beyond what its kernel serves takes at::linear.
-#include <ATen/core/Tensor.h>
+#include "op_table.h"
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/linear.h>
-#include <torch/library.h>
 
 #include <cstdint>
 #include <mutex>
@@ -38,7 +37,9 @@ std::shared_mutex& copies_lock() {
   return mu;
 }
 
-void register_tile_copy(const at::Tensor& w, const at::Tensor& tiles, const std::string& kernel, int64_t rows) {
+}  // namespace
+
+void vn_ops::register_tile_copy(const at::Tensor& w, const at::Tensor& tiles, const std::string& kernel, int64_t rows) {
   TORCH_CHECK(w.dim() == 2, "register_tile_copy: the weight must be 2-D");
   auto handle =
       c10::Dispatcher::singleton().findSchemaOrThrow(("vllm_neuron::" + kernel).c_str(), "").typed<TileKernel>();
@@ -46,12 +47,12 @@ void register_tile_copy(const at::Tensor& w, const at::Tensor& tiles, const std:
   copies().insert_or_assign(w.data_ptr(), TileCopy{w.sizes().vec(), tiles, handle, rows});
 }
 
-void forget_tile_copy(int64_t address) {
+void vn_ops::forget_tile_copy(int64_t address) {
   std::unique_lock<std::shared_mutex> g(copies_lock());
   copies().erase(reinterpret_cast<const void*>(address));
 }
 
-at::Tensor linear_tiles(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
+at::Tensor vn_ops::linear_tiles(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
   std::shared_lock<std::shared_mutex> g(copies_lock());
   const auto it = copies().find(w.data_ptr());
   if (it != copies().end() && it->second.shape == w.sizes() && x.dim() == 2 && x.size(0) <= it->second.rows &&
@@ -65,13 +66,3 @@ at::Tensor linear_tiles(const at::Tensor& x, const at::Tensor& w, const std::opt
   g.unlock();
   return at::linear(x, w, bias);
 }
-
-}  // namespace
-
-TORCH_LIBRARY_FRAGMENT(vllm_neuron, m) {
-  m.def("register_tile_copy(Tensor w, Tensor tiles, str kernel, int rows) -> ()", &register_tile_copy);
-  m.def("forget_tile_copy(int address) -> ()", &forget_tile_copy);
-  m.def("linear_tiles(Tensor x, Tensor w, Tensor? bias) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(vllm_neuron, CPU, m) { m.impl("linear_tiles", &linear_tiles); }

@@ -6,10 +6,8 @@
 // rank-16 adapters on every projection. Here a row reads only its slot's rows of A and B (the gathered form
 // without the copies); the sums are fp32, the result rounded once to x's dtype.
 #include <ATen/Parallel.h>
-#include <ATen/core/Tensor.h>
-#include <ATen/ops/zeros.h>
+#include "op_table.h"
 #include <c10/util/BFloat16.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -62,8 +60,10 @@ void delta_rows(const T* x, const int64_t* slot, const T* a, const T* b, T* out,
   });
 }
 
+}  // namespace
+
 // x [n, in], slot [n] int64, a [S, W, in], b_t [S, W, out] -> [n, out] in x's dtype (bf16 or fp32).
-at::Tensor lora_delta(const at::Tensor& x, const at::Tensor& slot, const at::Tensor& a, const at::Tensor& b_t) {
+at::Tensor vn_ops::lora_delta(const at::Tensor& x, const at::Tensor& slot, const at::Tensor& a, const at::Tensor& b_t) {
   TORCH_CHECK(x.dim() == 2 && a.dim() == 3 && b_t.dim() == 3 && slot.dim() == 1, "lora_delta: x [n, in], slot [n], "
               "a [S, W, in], b_t [S, W, out]");
   TORCH_CHECK(x.scalar_type() == a.scalar_type() && x.scalar_type() == b_t.scalar_type(),
@@ -74,7 +74,7 @@ at::Tensor lora_delta(const at::Tensor& x, const at::Tensor& slot, const at::Ten
               "lora_delta: a and b_t disagree with each other or with x");
   const auto xc = x.contiguous(), sc = slot.contiguous(), ac = a.contiguous(), bc = b_t.contiguous();
   const int64_t n = x.size(0), in = x.size(1), width = a.size(1), outd = b_t.size(2);
-  auto out = at::zeros({n, outd}, x.options());
+  auto out = vn_ops::zeros({n, outd}, x.options());
   if (n == 0 || outd == 0) return out;
   if (x.scalar_type() == at::kFloat) {
     delta_rows<float>(xc.data_ptr<float>(), sc.data_ptr<int64_t>(), ac.data_ptr<float>(), bc.data_ptr<float>(),
@@ -86,9 +86,3 @@ at::Tensor lora_delta(const at::Tensor& x, const at::Tensor& slot, const at::Ten
   }
   return out;
 }
-
-}  // namespace
-
-TORCH_LIBRARY_FRAGMENT(vllm_neuron, m) { m.def("lora_delta(Tensor x, Tensor slot, Tensor a, Tensor b_t) -> Tensor"); }
-
-TORCH_LIBRARY_IMPL(vllm_neuron, CPU, m) { m.impl("lora_delta", &lora_delta); }

@@ -21,11 +21,9 @@
 // AMX, many-row items of a bf16 cache run on tiles instead (attention_amx.h).
 // The ATen headers used, not ATen/ATen.h: parsing all of that doubles the first start's kernel build.
 #include <ATen/Dispatch.h>
-#include <ATen/core/Tensor.h>
-#include <ATen/ops/empty_like.h>
+#include "op_table.h"
 #include <ATen/Parallel.h>
 #include <omp.h>
-#include <torch/library.h>
 
 #include "attention_split.h"
 #include "cache_elems.h"
@@ -101,10 +99,9 @@ inline void store_rows(T* op, const float* acc, const float* l, const Item& w, i
     }
 }
 
-
 // How many-row items of a bf16 cache with this head dim run here: 2 on AMX tiles (the build targets AMX-BF16
 // and the OS hands out tile state), 1 by bf16 dot products in vector registers (AVX512-BF16), 0 in fp32.
-int64_t bf16_rows_path(int64_t head_dim) {
+int64_t bf16_path(int64_t head_dim) {
   if (head_dim % 32 != 0) return 0;  // both bf16 paths take whole blocks of 32 dims
 #ifdef VN_ATTENTION_AMX
   if (amx::tiles_permitted()) return 2;
@@ -140,7 +137,7 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::
   // bf16 dot products in vector registers on AVX512-BF16 builds (attention_bf16.h).
   bool amx_rows = false, dot_rows = false;
   if constexpr (std::is_same_v<T, c10::BFloat16> && std::is_same_v<C, c10::BFloat16>) {
-    const int64_t path = bf16_rows_path(D);
+    const int64_t path = bf16_path(D);
     amx_rows = path == 2;
     dot_rows = path == 1;
   }
@@ -458,7 +455,7 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
     sk = sinks->to(at::kFloat).contiguous();
   }
   const float* sp = sinks.has_value() ? sk.data_ptr<float>() : nullptr;
-  auto out = at::empty_like(qc);
+  auto out = vn_ops::empty(qc.sizes(), qc.options());
   const auto ct = k_cache.scalar_type();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
     if (ct == at::kFloat8_e4m3fn)
@@ -473,10 +470,12 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
   return out;
 }
 
-at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                           const at::Tensor& block_tables, const at::Tensor& query_start,
-                           const at::Tensor& positions, double scale, int64_t block_size,
-                           const c10::optional<at::Tensor>& sinks, int64_t window) {
+}  // namespace
+
+at::Tensor vn_ops::paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                   const at::Tensor& block_tables, const at::Tensor& query_start,
+                                   const at::Tensor& positions, double scale, int64_t block_size,
+                                   const c10::optional<at::Tensor>& sinks, int64_t window) {
   TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
               "q and the caches must share a dtype");
   return attend(q, k_cache, v_cache, block_tables, query_start, positions, scale, block_size, sinks, window, 1.f,
@@ -484,11 +483,11 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
 }
 
 // The same over an FP8 cache (kv_cache_dtype fp8 / fp8_e4m3 / fp8_e5m2) holding K / k_scale, V / v_scale.
-at::Tensor paged_attention_fp8(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                               const at::Tensor& block_tables, const at::Tensor& query_start,
-                               const at::Tensor& positions, double scale, int64_t block_size,
-                               const at::Tensor& k_scale, const at::Tensor& v_scale,
-                               const c10::optional<at::Tensor>& sinks, int64_t window) {
+at::Tensor vn_ops::paged_attention_fp8(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                       const at::Tensor& block_tables, const at::Tensor& query_start,
+                                       const at::Tensor& positions, double scale, int64_t block_size,
+                                       const at::Tensor& k_scale, const at::Tensor& v_scale,
+                                       const c10::optional<at::Tensor>& sinks, int64_t window) {
   const auto ct = k_cache.scalar_type();
   TORCH_CHECK((ct == at::kFloat8_e4m3fn || ct == at::kFloat8_e5m2) && v_cache.scalar_type() == ct,
               "the caches must share an FP8 dtype (float8_e4m3fn or float8_e5m2)");
@@ -497,18 +496,4 @@ at::Tensor paged_attention_fp8(const at::Tensor& q, const at::Tensor& k_cache, c
                 k_scale.to(at::kFloat).item<float>(), v_scale.to(at::kFloat).item<float>());
 }
 
-}  // namespace
-
-TORCH_LIBRARY(vllm_neuron, m) {
-  m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor query_start, "
-        "Tensor positions, float scale, int block_size, Tensor? sinks=None, int window=0) -> Tensor");
-  m.def("paged_attention_fp8(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor query_start, "
-        "Tensor positions, float scale, int block_size, Tensor k_scale, Tensor v_scale, Tensor? sinks=None, "
-        "int window=0) -> Tensor");
-  m.def("bf16_rows_path(int head_dim) -> int", &bf16_rows_path);
-}
-
-TORCH_LIBRARY_IMPL(vllm_neuron, CPU, m) {
-  m.impl("paged_attention", &paged_attention);
-  m.impl("paged_attention_fp8", &paged_attention_fp8);
-}
+int64_t vn_ops::bf16_rows_path(int64_t head_dim) { return bf16_path(head_dim); }

@@ -12,11 +12,11 @@
 #endif
 
 // Built with the quantized linears (the same CPU classes); elsewhere callers dequantize in torch.
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-#include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
+#include "op_isa.h"
+
+#ifdef VN_OPS_LINEAR_QUANT
+#include "op_table.h"
 #include <ATen/Parallel.h>
-#include <torch/library.h>
 
 namespace {
 
@@ -31,7 +31,7 @@ inline void put(c10::Half* p, float v) { *p = c10::Half(v); }
 // then a conversion: three passes and three allocations, every linear of every prefill step).
 template <typename T, typename F>
 at::Tensor unband(int64_t N, int64_t K, at::ScalarType dtype, F&& rows_of_band) {
-  auto w = at::empty({N, K}, at::TensorOptions().dtype(dtype));
+  auto w = vn_ops::empty({N, K}, at::TensorOptions().dtype(dtype));
   T* wp = w.data_ptr<T>();
   const int64_t bands = (N + kBand - 1) / kBand;
   at::parallel_for(0, bands, 4, [&](int64_t b0, int64_t b1) {
@@ -56,8 +56,10 @@ void put_all(T* dst, const float* v, int64_t n) {
   for (int64_t i = 0; i < n; ++i) put(dst + i, v[i]);
 }
 
+}  // namespace
+
 // int8: w[n, k] = q (exact in every compute dtype); the per-row scale stays with the matmul's output.
-at::Tensor unpack_int8(const at::Tensor& q, at::ScalarType dtype) {
+at::Tensor vn_ops::unpack_int8(const at::Tensor& q, at::ScalarType dtype) {
   TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar && q.is_contiguous(), "q must be contiguous int8 [N, K]");
   const int64_t N = q.size(0), K = q.size(1);
   TORCH_CHECK(K % 16 == 0, "K must be a multiple of 16");
@@ -81,7 +83,7 @@ at::Tensor unpack_int8(const at::Tensor& q, at::ScalarType dtype) {
 }
 
 // int4: w[n, k] = q * scale + min in fp32, then rounded to the compute dtype.
-at::Tensor unpack_int4(const at::Tensor& q, const at::Tensor& sm, at::ScalarType dtype) {
+at::Tensor vn_ops::unpack_int4(const at::Tensor& q, const at::Tensor& sm, at::ScalarType dtype) {
   TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kByte && q.is_contiguous(), "q must be contiguous uint8");
   const int64_t N = q.size(0), K = 2 * q.size(1);
   TORCH_CHECK(K % 64 == 0, "K must be a multiple of 64");
@@ -116,18 +118,6 @@ at::Tensor unpack_int4(const at::Tensor& q, const at::Tensor& sm, at::ScalarType
   };
   by_dtype(dtype, go);
   return out;
-}
-
-}  // namespace
-
-TORCH_LIBRARY_FRAGMENT(vllm_neuron, m) {
-  m.def("unpack_int8(Tensor q, ScalarType dtype) -> Tensor");
-  m.def("unpack_int4(Tensor q, Tensor scales, ScalarType dtype) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(vllm_neuron, CPU, m) {
-  m.impl("unpack_int8", &unpack_int8);
-  m.impl("unpack_int4", &unpack_int4);
 }
 
 #endif  // AVX-512 or AVX2 + FMA

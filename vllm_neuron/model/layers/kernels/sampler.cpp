@@ -17,9 +17,7 @@
 // sums differ (~1e-7 relative), so a token differs only where the draw falls that close to a CDF step.
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
-#include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
-#include <torch/library.h>
+#include "op_table.h"
 
 #include <algorithm>
 #include <cmath>
@@ -124,7 +122,9 @@ inline int64_t argmax_row(const float* x, int64_t n) { return argmax_row_simd(x,
 inline int64_t argmax_row(const c10::BFloat16* x, int64_t n) { return argmax_row_simd(x, n); }
 #endif
 
-void apply_token_bitmask_(at::Tensor& logits, const at::Tensor& bitmask) {
+}  // namespace
+
+void vn_ops::apply_token_bitmask_(at::Tensor& logits, const at::Tensor& bitmask) {
   TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous(), "logits must be a contiguous [rows, vocab] tensor");
   TORCH_CHECK(bitmask.dim() == 2 && bitmask.scalar_type() == at::kInt && bitmask.is_contiguous(),
               "bitmask must be a contiguous [rows, ceil(vocab / 32)] int32 tensor");
@@ -136,11 +136,11 @@ void apply_token_bitmask_(at::Tensor& logits, const at::Tensor& bitmask) {
   });
 }
 
-at::Tensor greedy_argmax(const at::Tensor& logits) {
+at::Tensor vn_ops::greedy_argmax(const at::Tensor& logits) {
   TORCH_CHECK(logits.dim() == 2 && logits.size(1) > 0, "logits must be [rows, vocab] with vocab > 0");
   auto x = logits.contiguous();
   const int64_t rows = x.size(0), vocab = x.size(1);
-  auto out = at::empty({rows}, x.options().dtype(at::kLong));
+  auto out = vn_ops::empty({rows}, x.options().dtype(at::kLong));
   int64_t* o = out.data_ptr<int64_t>();
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "greedy_argmax", [&] {
     const scalar_t* p = x.data_ptr<scalar_t>();
@@ -151,6 +151,7 @@ at::Tensor greedy_argmax(const at::Tensor& logits) {
   return out;
 }
 
+namespace {
 
 // ---- The seeded draw ----
 
@@ -290,7 +291,7 @@ at::Tensor sample_each_row(const at::Tensor& logits, int64_t max_top_k, int64_t 
   TORCH_CHECK(max_top_k > 0 && width > 0, "max_top_k and width must be positive");
   auto x = logits.contiguous();
   const int64_t rows = x.size(0), vocab = x.size(1);
-  auto out = at::empty({rows}, x.options().dtype(at::kLong));
+  auto out = vn_ops::empty({rows}, x.options().dtype(at::kLong));
   int64_t* o = out.data_ptr<int64_t>();
   const int64_t k = std::min(width, vocab), blocks = (vocab + 63) / 64;
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "sample_rows", [&] {
@@ -314,8 +315,10 @@ void check_logits(const at::Tensor& logits) {
   TORCH_CHECK(logits.dim() == 2 && logits.size(1) > 0, "logits must be [rows, vocab] with vocab > 0");
 }
 
-at::Tensor sample_rows(const at::Tensor& logits, const at::Tensor& temperature, const at::Tensor& top_k,
-                       const at::Tensor& top_p, const at::Tensor& uniform, int64_t max_top_k, int64_t width) {
+}  // namespace
+
+at::Tensor vn_ops::sample_rows(const at::Tensor& logits, const at::Tensor& temperature, const at::Tensor& top_k,
+                               const at::Tensor& top_p, const at::Tensor& uniform, int64_t max_top_k, int64_t width) {
   check_logits(logits);
   const int64_t rows = logits.size(0);
   for (const at::Tensor* t : {&temperature, &top_k, &top_p, &uniform})
@@ -330,9 +333,9 @@ at::Tensor sample_rows(const at::Tensor& logits, const at::Tensor& temperature, 
 
 // Model Runner V2's form: row r's parameters are those of batch slot slots[r] (per-slot state tensors), its number
 // counter_uniform(seed[slot], positions[r]): no gathers or hashing left for the graph to generate code for.
-at::Tensor sample_slots(const at::Tensor& logits, const at::Tensor& slots, const at::Tensor& positions,
-                        const at::Tensor& temperature, const at::Tensor& top_k, const at::Tensor& top_p,
-                        const at::Tensor& seed, int64_t max_top_k, int64_t width) {
+at::Tensor vn_ops::sample_slots(const at::Tensor& logits, const at::Tensor& slots, const at::Tensor& positions,
+                                const at::Tensor& temperature, const at::Tensor& top_k, const at::Tensor& top_p,
+                                const at::Tensor& seed, int64_t max_top_k, int64_t width) {
   check_logits(logits);
   const int64_t rows = logits.size(0), n = temperature.size(0);
   TORCH_CHECK(slots.dim() == 1 && slots.size(0) == rows && positions.dim() == 1 && positions.size(0) == rows,
@@ -354,8 +357,8 @@ at::Tensor sample_slots(const at::Tensor& logits, const at::Tensor& slots, const
 
 // Model Runner V2's write-back: each sampled row's token and next position into its slot, in place; the dummy slot
 // (the last one, where padding rows point) is kept at (token 0, position 0) whatever its rows sampled.
-void store_token_state_(at::Tensor& last_token, at::Tensor& position, const at::Tensor& slots,
-                        const at::Tensor& tokens, const at::Tensor& next_pos) {
+void vn_ops::store_token_state_(at::Tensor& last_token, at::Tensor& position, const at::Tensor& slots,
+                                const at::Tensor& tokens, const at::Tensor& next_pos) {
   TORCH_CHECK(last_token.dim() == 1 && last_token.scalar_type() == at::kLong && last_token.is_contiguous() &&
                   position.dim() == 1 && position.scalar_type() == at::kLong && position.is_contiguous() &&
                   position.size(0) == last_token.size(0),
@@ -377,23 +380,4 @@ void store_token_state_(at::Tensor& last_token, at::Tensor& position, const at::
   }
 }
 
-}  // namespace
 
-TORCH_LIBRARY_FRAGMENT(vllm_neuron, m) {
-  m.def("apply_token_bitmask_(Tensor(a!) logits, Tensor bitmask) -> ()");
-  m.def("greedy_argmax(Tensor logits) -> Tensor");
-  m.def("sample_rows(Tensor logits, Tensor temperature, Tensor top_k, Tensor top_p, Tensor uniform, int max_top_k, "
-        "int width) -> Tensor");
-  m.def("sample_slots(Tensor logits, Tensor slots, Tensor positions, Tensor temperature, Tensor top_k, Tensor top_p, "
-        "Tensor seed, int max_top_k, int width) -> Tensor");
-  m.def("store_token_state_(Tensor(a!) last_token, Tensor(b!) position, Tensor slots, Tensor tokens, "
-        "Tensor next_pos) -> ()");
-}
-
-TORCH_LIBRARY_IMPL(vllm_neuron, CPU, m) {
-  m.impl("apply_token_bitmask_", &apply_token_bitmask_);
-  m.impl("greedy_argmax", &greedy_argmax);
-  m.impl("sample_rows", &sample_rows);
-  m.impl("sample_slots", &sample_slots);
-  m.impl("store_token_state_", &store_token_state_);
-}
