@@ -1,9 +1,12 @@
 """Same-run A/B of two checkouts of this repository: median step time per bucket graph on the bundled model.
 
-Each round runs one child process per checkout, in turn (A, B, A, B, ...), so that a machine whose speed drifts
-slows both alike; every child serves the same offline workload (prefills of 32..512 tokens, decode batches of 1,
-4 and 16) and reports every step's wall time by bucket graph. A first, untimed round per checkout fills its
-compile cache (each checkout's code has its own cache key). Prints the medians over all timed rounds and B / A.
+Each round runs one child process per checkout, in turn (A then B, then B then A the next round, ...), so that a
+machine whose speed drifts slows both alike; every child serves the same offline workload (prefills of 32..512
+tokens, decode batches of 1, 4 and 16) and reports every step's wall time by bucket graph. A first, untimed round
+per checkout fills its compile cache (each checkout's code has its own cache key). Prints the medians over all
+timed rounds and B / A, with the range of the rounds' own B / A and how far A's round medians spread among
+themselves: processes of one checkout differ by a few percent on a VM (an A/A run of the same checkout on a 2-core
+Zen 4 VM, 2026-12-07, gave B / A 0.97-1.09), so a B / A inside A's own spread is not a difference.
 
     python benchmarks/ab_steps.py --a /path/to/old-checkout --b . --rounds 3 \
         [--llm-kwargs '{"additional_config": {"neuron_config": {"quantization": "int4"}}}']
@@ -60,7 +63,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--a", required=True, help="checkout A (the reference)")
     ap.add_argument("--b", required=True, help="checkout B")
-    ap.add_argument("--rounds", type=int, default=3, help="timed rounds (each runs A then B; default 3)")
+    ap.add_argument("--rounds", type=int, default=3, help="timed rounds (each runs both checkouts, the order alternating; default 3)")
     ap.add_argument("--cache-root", default=os.path.join(tempfile.gettempdir(), "vllm_neuron_ab_cache"),
                     help="VLLM_CACHE_ROOT of the children (kernels, compile caches; kept between runs)")
     ap.add_argument("--llm-kwargs", default="{}", help="JSON of extra LLM(...) arguments for both children")
@@ -81,20 +84,34 @@ def main() -> None:
     print("warm-up round (fills each checkout's compile cache) ...", file=sys.stderr, flush=True)
     for checkout, kwargs in sides.values():
         run_child(checkout, args.cache_root, kwargs, args.sampled)
-    got: dict[str, dict[str, list[float]]] = {"A": {}, "B": {}}
+    rounds: list[dict[str, dict[str, list[float]]]] = []
     for r in range(args.rounds):
-        for name, (checkout, kwargs) in sides.items():
+        order = ("A", "B") if r % 2 == 0 else ("B", "A")
+        rounds.append({})
+        for name in order:
+            checkout, kwargs = sides[name]
             print(f"round {r + 1}/{args.rounds}: {name} ({checkout}) ...", file=sys.stderr, flush=True)
-            for bucket, ts in run_child(checkout, args.cache_root, kwargs, args.sampled).items():
-                got[name].setdefault(bucket, []).extend(ts)
-    buckets = sorted(set(got["A"]) & set(got["B"]), key=lambda b: (not b.startswith("prefill"), len(b), b))
+            rounds[-1][name] = run_child(checkout, args.cache_root, kwargs, args.sampled)
     print(f"A = {args.a} {sides['A'][1]}\nB = {args.b} {sides['B'][1]}\n")
-    print("| bucket graph | steps (A / B) | A median (ms) | B median (ms) | B / A |")
-    print("| --- | --- | --- | --- | --- |")
-    for b in buckets:
-        a_ms, b_ms = (statistics.median(got[s][b]) * 1e3 for s in ("A", "B"))
-        print(f"| {b} | {len(got['A'][b])} / {len(got['B'][b])} | {a_ms:.2f} | {b_ms:.2f} | {b_ms / a_ms:.3f} |")
+    print(summary_table(rounds))
 
+
+def summary_table(rounds: list[dict[str, dict[str, list[float]]]]) -> str:
+    """The markdown table of per-round step times ({"A": {bucket: [seconds]}, "B": ...} per round): medians over
+    all rounds, B / A, the range of each round's own B / A, and the largest over the smallest of A's round medians
+    (how far one checkout's processes differ: the noise a B / A must clear)."""
+    buckets = sorted(set.intersection(*(set(r[s]) for r in rounds for s in ("A", "B"))),
+                     key=lambda b: (not b.startswith("prefill"), len(b), b))
+    lines = ["| bucket graph | steps (A / B) | A median (ms) | B median (ms) | B / A | B / A by round | A's rounds, max / min |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for b in buckets:
+        a_all, b_all = ([t for r in rounds for t in r[s][b]] for s in ("A", "B"))
+        a_ms, b_ms = statistics.median(a_all) * 1e3, statistics.median(b_all) * 1e3
+        per_round = [statistics.median(r["B"][b]) / statistics.median(r["A"][b]) for r in rounds]
+        a_rounds = [statistics.median(r["A"][b]) for r in rounds]
+        lines.append(f"| {b} | {len(a_all)} / {len(b_all)} | {a_ms:.2f} | {b_ms:.2f} | {b_ms / a_ms:.3f} | "
+                     f"{min(per_round):.3f}-{max(per_round):.3f} | {max(a_rounds) / min(a_rounds):.3f} |")
+    return "\n".join(lines)
 
 if __name__ == "__main__":
     main()

@@ -1,5 +1,6 @@
-"""The benchmarks' shared helpers: step times grouped by bucket (benchmarks/step_timing.py) and the
-per-process CPU accounting of benchmarks/api_cpu_share.py (/proc readers, process tree, roles)."""
+"""The benchmarks' shared helpers: step times grouped by bucket (benchmarks/step_timing.py), the
+per-process CPU accounting of benchmarks/api_cpu_share.py (/proc readers, process tree, roles) and ab_steps.py's
+summary table."""
 from __future__ import annotations
 
 import multiprocessing
@@ -14,6 +15,7 @@ import pytest
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                                 "benchmarks"))
 
+import ab_steps  # noqa: E402
 import api_cpu_share  # noqa: E402
 import step_timing  # noqa: E402
 
@@ -30,6 +32,19 @@ def _burn(seconds: float) -> None:
     end = time.thread_time() + seconds  # busy CPU in this thread (process time counts every thread)
     while time.thread_time() < end:
         pass
+
+
+def test_ab_summary_reports_each_rounds_ratio_and_a_own_spread():
+    rounds = [{"A": {"decode_b1": [0.010, 0.010], "prefill_s32": [0.1]}, "B": {"decode_b1": [0.009], "prefill_s32": [0.1]}},
+              {"A": {"decode_b1": [0.012]}, "B": {"decode_b1": [0.012, 0.012], "only_b": [1.0]}}]
+    # only buckets every child ran are compared (the second round's A ran no prefill_s32, B an extra bucket)
+    assert [ln.split("|")[1].strip() for ln in ab_steps.summary_table(rounds).splitlines()[2:]] == ["decode_b1"]
+    rounds[1]["A"]["prefill_s32"] = rounds[1]["B"]["prefill_s32"] = [0.2]
+    rows = [[c.strip() for c in ln.strip("|").split("|")] for ln in ab_steps.summary_table(rounds).splitlines()[2:]]
+    assert [r[0] for r in rows] == ["prefill_s32", "decode_b1"]
+    decode = rows[1]
+    assert decode[1] == "3 / 3" and decode[2] == "10.00" and decode[3] == "12.00"
+    assert decode[5] == "0.900-1.000" and decode[6] == "1.200"  # round ratios 0.9 and 1.0; A's rounds 10 and 12 ms
 
 
 def test_cpu_seconds_count_the_thread_that_burned_them():
