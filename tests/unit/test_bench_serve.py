@@ -29,6 +29,8 @@ from vllm_neuron.benchmarks.serve import add_cli_args, arrival_offsets, main  # 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FIRST_DELAY = 0.08   # seconds the fake server waits before its first token
 TOKEN_GAP = 0.02     # seconds between its tokens
+# How late a loaded machine may read the first chunk: a CI run beside a compiling test worker read it 0.87 s late.
+LOAD_SLACK = 3.0
 WORD = " the"        # one token per chunk in the SmolLM2 tokenizer
 
 
@@ -292,13 +294,13 @@ def test_latencies_match_the_servers_pacing(fake, tokenizer):
                  "--metric-percentiles", "50,90")
     n_out = 6
     for ttft, itl, lat in zip(result["ttfts"], result["itls"], result["latencies"]):
-        assert FIRST_DELAY <= ttft < FIRST_DELAY + 0.5
+        assert FIRST_DELAY <= ttft < FIRST_DELAY + LOAD_SLACK and ttft < lat
         assert len(itl) == n_out - 1               # one gap per content chunk after the first
         # A loaded machine may read the first chunk late and the next ones at once (gaps ~0): time moves from
         # the gaps into the TTFT, but the stream never ends sooner than the server paces it.
         assert ttft + sum(itl) >= FIRST_DELAY + (n_out - 1) * TOKEN_GAP * 0.8
         assert lat >= ttft + sum(itl) - 1e-6
-    assert FIRST_DELAY * 1000 <= result["mean_ttft_ms"] < (FIRST_DELAY + 0.5) * 1000
+    assert FIRST_DELAY * 1000 <= result["mean_ttft_ms"] < (FIRST_DELAY + LOAD_SLACK) * 1000
     assert result["median_itl_ms"] <= result["p90_itl_ms"]
     assert result["mean_ttft_ms"] + (n_out - 1) * result["mean_itl_ms"] >= \
         (FIRST_DELAY + (n_out - 1) * TOKEN_GAP * 0.8) * 1000
