@@ -1,8 +1,8 @@
 // The library's ops as C++ functions: defined in the sources, registered with torch in op_registry.cpp (their
 // schemas are there), present where op_isa.h says.
 //
-// Only op_registry.cpp and linear_tile_copies.cpp include torch/library.h, the dispatcher and ATen/ops/*.h:
-// parsing those cost every source ~3 s more than ATen/core/Tensor.h alone, a third of a cold kernel build.
+// Only op_registry.cpp includes torch/library.h and ATen/ops/*.h, and linear_tile_copies.cpp the dispatcher (its
+// lookup): parsing those cost every source ~3 s more than ATen/core/Tensor.h alone, a third of a cold build.
 #pragma once
 
 #include <ATen/core/Tensor.h>
