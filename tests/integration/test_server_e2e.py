@@ -541,8 +541,11 @@ def test_client_disconnect_frees_the_engine(server, model):
                     break
     # Closed a few tokens in, hundreds of steps before the request could end by itself (even an
     # idle machine needs about a second for 400 tokens): only an abort explains an "abort" finish.
-    wait_for(lambda: metric(server.url, "vllm:num_requests_running") == 0
-             and metric(server.url, "vllm:kv_cache_usage_perc") == 0, timeout=10, what="the engine to go idle")
+    # The gauges can still read their value from before the request (a loaded CI run saw them idle at once), so
+    # the wait is for the request's finish, however it ended, and then for the engine to be idle.
+    wait_for(lambda: finished("abort") + finished("length") > aborted0 + length0
+             and metric(server.url, "vllm:num_requests_running") == 0
+             and metric(server.url, "vllm:kv_cache_usage_perc") == 0, timeout=10, what="the request to finish")
     assert finished("abort") == aborted0 + 1
     assert finished("length") == length0, "the request ran to max_tokens although its client went away"
     _assert_still_serves(server.url, model)
