@@ -29,7 +29,7 @@ from vllm_neuron.kv_cache_groups import KVCacheLayout, plan_kv_cache_layout, sin
 from vllm_neuron.logger import init_logger
 from vllm_neuron.model.layers import kv_quant
 from vllm_neuron.model.layers.kernel_config import resolve_kernel_config
-from vllm_neuron.model.layers.kernels.cpu_caps import describe_kernels
+from vllm_neuron.model.layers.kernels.cpu_caps import cpu_flags, describe_kernels, kernel_variant
 from vllm_neuron.model.layers.paged_decode import paged_decode_available
 from vllm_neuron.model.loader import Checkpoint
 from vllm_neuron.model.registry import model_spec, resolve_model_class
@@ -49,6 +49,7 @@ from vllm_neuron.worker.prompt_logprobs import plan_prompt_logprobs, prompt_logp
 from vllm_neuron.worker.sampling_state import SamplingStates
 from vllm_neuron.worker.step_inputs import GroupTables, PrefillInputs, RowSampling, SlotRows, StepOutput
 from vllm_neuron.worker.step_timing import ProfiledRunner, StepClock
+from vllm_neuron.worker.vec_isa_probe import skip_answered_probe
 from vllm_neuron.worker.tensor_debug import TensorDebug
 
 logger = init_logger(__name__)
@@ -103,6 +104,8 @@ class ModelRunnerBase(ProfiledRunner, KVConnectorCalls):
                              f"AVX512-VNNI in bfloat16 or float32 (here: device {device.type}, dtype {dtype}); "
                              "valid values here: false, or leave it unset")
         logger.info("%s", describe_kernels(device, self.dtype, self.model_spec.head_dim))
+        if self.kernels.attention:  # this process built or loaded our kernels for the CPU's class
+            skip_answered_probe(kernel_variant()[0], cpu_flags())
         self.sampling = SamplingStates(self.odsc, config.seed, config.logprobs_mode, LogitsProcessorBatch(
             config.logits_processors, config, torch.device("cpu")) if config.logits_processors else None,
             use_kernels=self.kernels.sampler)
