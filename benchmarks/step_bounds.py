@@ -2,7 +2,9 @@
 
 Measures the machine first, with nothing else of ours running: the matmul peak in the engine's dtype
 (GFLOP/s of torch matmuls on large square shapes, every core: bf16 where the engine runs bf16, fp32 on
-AVX2-only CPUs, where bf16 matmuls are emulated) and the read bandwidth (an fp32 sum of 1 GiB). Then serves
+AVX2-only CPUs, where bf16 matmuls are emulated) and the read bandwidth (an fp32 sum of 1 GiB, in 2 MiB pages like
+the engine's weights, measured again after the steps: the bounds take the higher figure, since a VM's bandwidth
+moves by 2-3x within a minute and a bound the steps could beat bounds nothing). Then serves
 the bundled model offline with the default buckets, times every step the model runner executes
 (prefill at each prefill bucket; decode with 1, 4 and 16 sequences), and prints per step kind our
 median step time next to its bound:
@@ -54,6 +56,11 @@ def step_cost(linear_params: int, weight_bytes: int, rows: int, kv_bytes_per_tok
 def attention_flops(layers: int, heads: int, head_dim: int, tokens: int) -> float:
     """FLOPs of causal self-attention over a `tokens`-token prompt: QK^T and PV, half the square each (pure)."""
     return 2.0 * 2.0 * layers * heads * head_dim * tokens * tokens / 2.0
+
+
+def bandwidth_for_bounds(before_b_s: float, after_b_s: float) -> float:
+    """The read bandwidth the bounds use, of the probes before and after the steps: the higher (pure)."""
+    return max(before_b_s, after_b_s)
 
 
 def bound_ms(cost: StepCost, peak_flop_s: float, bandwidth_b_s: float) -> tuple[float, str]:
@@ -133,7 +140,8 @@ def main(argv: list[str] | None = None) -> None:
     peak = measure_matmul_peak(args.threads, args.matmul_size, dtype=dtype)
     bandwidth = measure_read_bandwidth(args.threads, args.bandwidth_gib)
     print(f"machine: {_SHORT[dtype]} matmul peak {peak / 1e9:.0f} GFLOP/s ({args.matmul_size}^3, torch, {args.threads} "
-          f"threads), read bandwidth {bandwidth / 1e9:.1f} GB/s (fp32 sum of {args.bandwidth_gib:g} GiB)", flush=True)
+          f"threads), read bandwidth {bandwidth / 1e9:.1f} GB/s (fp32 sum of {args.bandwidth_gib:g} GiB, "
+          f"2 MiB pages where available)", flush=True)
 
     from vllm_neuron import LLM, SamplingParams
     from vllm_neuron.config.buckets import parse_bucket_name
@@ -177,6 +185,10 @@ def main(argv: list[str] | None = None) -> None:
             if name.startswith("decode") and len(v) > before.get(name, 0) and name not in context:
                 context[name] = batch * (decode_len + args.decode_tokens // 2)
 
+    after = measure_read_bandwidth(args.threads, args.bandwidth_gib)
+    print(f"read bandwidth after the steps {after / 1e9:.1f} GB/s (before {bandwidth / 1e9:.1f}); the bounds take "
+          f"{bandwidth_for_bounds(bandwidth, after) / 1e9:.1f}", flush=True)
+    bandwidth = bandwidth_for_bounds(bandwidth, after)
     print(f"\n{args.model or 'bundled model'}, {args.quantization or str(runner.dtype).removeprefix('torch.')} weights "
           f"({weight_bytes / 1e6:.0f} MB, {params / 1e6:.0f} M linear weights), medians of every step")
     print("| step (bucket graph) | steps | median (ms) | bound (ms) | bound by | median / bound |")
