@@ -3,7 +3,7 @@
 Before inductor generates or loads CPU code in a process, it asks which vector instruction sets it may use:
 for each one the CPU lists (AVX-512, AVX2) it compiles a test program on ATen's vector headers with that
 set's flags and loads it in a child process. That cost every engine process ~1 s with a warm inductor cache
-(Engine ready 5.5-6.4 -> 5.0-5.4 s on the bundled model, all 8 graphs loaded) and ~7 s with a cold one
+(Engine ready 5.5-6.4 -> 5.0-5.4 s on the bundled model, all 8 graphs loaded) and 5-7 s with a cold one
 (2-core AMD EPYC Zen 4 VM, 2026-12-07). Our kernel build answers the same question first: it compiled
 ATen's headers with this compiler for the CPU's own class. An `avx512bf16` build is `-march=native` on a CPU
 with AVX-512 (every AVX-512 and AVX2 flag inductor passes), an `avx2` build is x86-64-v3 (AVX2, FMA, F16C:
