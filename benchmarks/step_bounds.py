@@ -186,9 +186,9 @@ def main(argv: list[str] | None = None) -> None:
                 context[name] = batch * (decode_len + args.decode_tokens // 2)
 
     after = measure_read_bandwidth(args.threads, args.bandwidth_gib)
-    print(f"read bandwidth after the steps {after / 1e9:.1f} GB/s (before {bandwidth / 1e9:.1f}); the bounds take "
-          f"{bandwidth_for_bounds(bandwidth, after) / 1e9:.1f}", flush=True)
-    bandwidth = bandwidth_for_bounds(bandwidth, after)
+    before, bandwidth = bandwidth, bandwidth_for_bounds(bandwidth, after)
+    print(f"read bandwidth after the steps {after / 1e9:.1f} GB/s (before {before / 1e9:.1f}); the bounds take "
+          f"{bandwidth / 1e9:.1f}", flush=True)
     print(f"\n{args.model or 'bundled model'}, {args.quantization or str(runner.dtype).removeprefix('torch.')} weights "
           f"({weight_bytes / 1e6:.0f} MB, {params / 1e6:.0f} M linear weights), medians of every step")
     print("| step (bucket graph) | steps | median (ms) | bound (ms) | bound by | median / bound |")
