@@ -91,6 +91,26 @@ def test_figures_read_from_bench_serve_table():
     assert api_cpu_share._figure(report, "Mean TPOT (ms):") is None
 
 
+@pytest.mark.parametrize("rows", [1, 3, 65])
+def test_linear_rows_variants_compute_the_same_product(rows):
+    import torch
+
+    import linear_rows
+    from vllm_neuron.model.layers.kernels.cpu_caps import linear_kernel_dtypes
+
+    if len(linear_kernel_dtypes(torch.device("cpu"))) < 2:
+        pytest.skip("no bf16 and fp32 linear kernels in this build")
+    out = {name: fn() for name, fn in linear_rows.variants(rows, torch.Generator().manual_seed(rows)).items()}
+    assert len(out) == 5
+    for name, products in out.items():
+        ref = out["F.linear fp32"]
+        assert [p.shape for p in products] == [(rows, n) for n, _ in linear_rows.SHAPES], name
+        # bf16 inputs: the products of the rounded inputs, summed in fp32 and rounded once (2^-8 relative)
+        tol = dict(rtol=1e-4, atol=1e-3) if "fp32" in name else dict(rtol=2 ** -7, atol=0.5)
+        for p, r in zip(products, ref):
+            torch.testing.assert_close(p.float(), r, **tol, msg=name)
+
+
 def test_quant_linear_rows_variants_compute_the_same_product():
     import torch
 

@@ -343,6 +343,35 @@ def test_linear_layer_takes_the_kernel_only_for_small_batches_of_its_dtypes(monk
     assert calls == [(4, torch.bfloat16), (16, torch.float32)]
 
 
+def test_bf16_rows_above_the_kernel_run_in_fp32_where_the_cpu_has_no_bf16_matmul(monkeypatch):
+    seen = []
+    linear = F.linear
+    monkeypatch.setattr(F, "linear", lambda x, w, b=None: seen.append((x.shape[0], x.dtype, w.dtype)) or linear(x, w, b))
+    layer = L.Linear(64, 32, bias=True).bfloat16()
+    x = torch.randn(9, 64).bfloat16()
+    layer.kernels = KernelConfig(linear_dtypes=frozenset({torch.bfloat16}), linear_rows=4, widen_bf16=True)
+    out = layer(x)
+    assert seen == [(9, torch.float32, torch.float32)]  # weights widened, the product in fp32, rounded once
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out, linear(x.float(), layer.weight.float(), layer.bias.float()).bfloat16())
+    seen.clear()
+    layer.kernels = KernelConfig(linear_dtypes=frozenset({torch.bfloat16}), linear_rows=4)  # bf16 matmul hardware
+    layer(x)
+    assert seen == [(9, torch.bfloat16, torch.bfloat16)]
+    from vllm_neuron.model.layers.kernel_config import resolve_kernel_config
+    # This process's build: the forced avx2 run of this file (test_forced_avx2_build_passes_the_same_checks) widens.
+    assert resolve_kernel_config(CPU, torch.bfloat16).widen_bf16 == (caps.kernel_variant()[0] == "avx2")
+    assert not resolve_kernel_config(CPU, torch.float32).widen_bf16
+
+
+def test_widening_bf16_pays_in_the_avx2_class_only():
+    assert caps.widen_pays(CPU, torch.bfloat16, "avx2")
+    assert not caps.widen_pays(CPU, torch.bfloat16, "avx512bf16")  # VDPBF16PS / AMX tiles multiply bf16 in hardware
+    assert not caps.widen_pays(CPU, torch.bfloat16, "generic")  # no decode kernel: every row would widen
+    assert not caps.widen_pays(CPU, torch.float32, "avx2")
+    assert not caps.widen_pays(torch.device("cuda"), torch.bfloat16, "avx2")
+
+
 def test_small_batch_rows_per_cpu_class():
     # bf16 from 5 rows on: a tile kernel on packed weights (AMX tiles, or VDPBF16PS dot products without AMX)
     assert caps.small_batch_rows("avx512bf16", torch.bfloat16) == 4

@@ -26,6 +26,9 @@ class KernelConfig:
     quant_rows: int = 0  # the int8 / int4 kernels up to this many rows (0: none; cpu_caps.quant_kernel_rows)
     prepacked: bool = False  # bf16 rows above `linear_rows` take weights packed once at load (packed_weights.py)
     tile_rows: int = 0  # ...through the C++ tile-copy lookup up to this many rows (0: the Python lookup only)
+    # bf16 rows above `linear_rows` run in fp32 on the weights widened per call, where the CPU has no bf16 matmul
+    # (AVX2 class: oneDNN emulates bf16 there, 4-5x slower than its fp32; cpu_caps.widen_pays)
+    widen_bf16: bool = False
     sampler: bool = False  # the grammar mask and greedy argmax kernels on CPU logits
     activation: bool = False  # bf16 silu(gate) * up in one pass
     lora: bool = False  # LoRA's per-token shrink and expand in one op (decode-sized steps)
@@ -52,7 +55,9 @@ def resolve_kernel_config(device: torch.device, dtype: torch.dtype, int8_activat
     tile_rows = tile[1] if tile is not None and has_op("linear_tiles") else 0
     return KernelConfig(attention=True, linear_dtypes=cpu_caps.linear_kernel_dtypes(device), linear_rows=rows,
                         quant_rows=cpu_caps.quant_kernel_rows(device, dtype),
-                        prepacked=prepacked, tile_rows=tile_rows, sampler=True, activation=True,
+                        prepacked=prepacked, tile_rows=tile_rows,
+                        widen_bf16=cpu_caps.widen_pays(device, dtype, cpu_caps.kernel_variant()[0]),
+                        sampler=True, activation=True,
                         lora=has_op("lora_delta"),
                         int8_activations=int8_activations and has_op("linear_int8_tiles")
                         and dtype in (torch.bfloat16, torch.float32))

@@ -8,7 +8,8 @@ kernels a layer takes is its `kernels` (a KernelConfig the engine hands to the m
 it as constants, so the choice is made when a bucket is traced. A layer can also be quantized in place to
 weight-only int8 or int4 (quant_int8.py, quant_int4.py), whose few-row kernels the same config switches on.
 On AVX512-BF16 and AMX CPUs the rows above the kernel's take copies of the weights packed once at load
-(packed_weights.py).
+(packed_weights.py); on AVX2 CPUs, which have no bf16 matmul, bf16 rows above the kernel's run in fp32 on the
+weights widened per call (`kernels.widen_bf16`): oneDNN's emulated bf16 took 3.6-3.7x as long for a prefill step.
 With LoRA on, the layer also holds its adapters' slot table (`lora`, model/layers/lora.py) and adds each
 token's adapter delta, computed in the compute dtype beside the (possibly quantized) base matmul.
 """
@@ -83,6 +84,9 @@ class Linear(nn.Linear):
             return linear_small_batch(x, self.weight)
         if k.prepacked and x.dtype == torch.bfloat16 and x.dim() == 2 and self.weight.dtype == x.dtype:
             return packed_weights.linear_prepacked(x, self.weight, self.bias, k.tile_rows)
+        if k.widen_bf16 and x.dtype == torch.bfloat16 and self.weight.dtype == x.dtype:
+            bias = None if self.bias is None else self.bias.float()
+            return F.linear(x.float(), self.weight.float(), bias).to(x.dtype)
         return F.linear(x, self.weight, self.bias)
 
 

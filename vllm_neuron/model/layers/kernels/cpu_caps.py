@@ -142,6 +142,15 @@ def packing_pays(device: torch.device, dtype: torch.dtype, flags: set[str]) -> b
             and torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
+def widen_pays(device: torch.device, dtype: torch.dtype, variant: str) -> bool:
+    """Whether bf16 linears above the weight-streaming kernel's rows run in fp32 on weights widened per call
+    (pure): the avx2 class has no bf16 matmul (neither AVX512-BF16 nor AMX), and oneDNN emulates bf16 there at
+    a fifth to a quarter of its fp32 speed (the bundled model's linears under the forced avx2 build, 30 layers:
+    2,920 ms bf16 against 590 fp32 at 512 rows, 601 widened). The generic build has no kernel for the rows
+    below, where widening the whole weight every step would double what a decode step streams."""
+    return device.type == "cpu" and dtype == torch.bfloat16 and variant == "avx2"
+
+
 @functools.lru_cache(maxsize=1)
 def tile_kernel_built() -> bool:
     """Whether this machine's kernel build has the AMX tile linear (an avx512bf16 build on an AMX CPU) and it

@@ -10,11 +10,14 @@
 // the row blocks while the band after next is prefetched. One code path per instruction set, chosen when
 // the library is built (kernels/__init__.py picks the compiler flags per CPU class):
 //   AVX512-BF16: bf16 pairs multiplied and accumulated in fp32 by VDPBF16PS (linear_bf16);
-//   AVX-512 / AVX2 + FMA: bf16 widened to fp32 by a 16-bit shift, then FMA (linear_bf16), and fp32 (linear_f32).
+//   AVX-512 / AVX2 + FMA: bf16 weights widened to fp32 by a 16-bit shift (the inputs once per call), then FMA
+//   (linear_bf16), and fp32 (linear_f32).
 // Elsewhere the ops are not registered and callers use F.linear.
 // The ATen headers used, not ATen/ATen.h: parsing all of that doubles the first start's kernel build.
 
+#include <cstring>
 #include <type_traits>
+#include <vector>
 
 #include "op_isa.h"
 
@@ -31,13 +34,19 @@ using R = Vec::R;
 inline void put(float* p, float v) { *p = v; }
 inline void put(uint16_t* p, float v) { *p = c10::BFloat16(v).x; }
 
-// How a step of kStep weights of one row meets the same kStep inputs: widened to fp32 and FMA'd.
-template <typename E>
+// How a step of kStep weights of one row meets the same kStep inputs: widened to fp32 and FMA'd. T is the
+// weights' and outputs' type, X the inputs': bf16 weights meet inputs widened to fp32 once per call, so that
+// the inner loop widens each weight vector once and no input vector at all (a block of MB input rows had
+// widened every input vector again for each of its weight rows: at four rows three in four of the loop's
+// widening instructions).
+template <typename E, typename XE = E>
 struct Widen {
   using T = E;
+  using X = XE;
   using L = R;
   static constexpr int kStep = Vec::W;
   static L load(const T* p) { return Vec::load(p); }
+  static L load_x(const X* p) { return Vec::load(p); }
   static R madd(R acc, L x, L w) { return Vec::fma(x, w, acc); }
 };
 
@@ -45,51 +54,66 @@ struct Widen {
 // bf16 pairs multiplied and summed into fp32 lanes in hardware (products exact, as when widened).
 struct DotBf16 {
   using T = uint16_t;
+  using X = T;
   using L = __m512bh;
   static constexpr int kStep = 32;
   static L load(const T* p) { return (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(p)); }
+  static L load_x(const X* p) { return load(p); }
   static R madd(R acc, L x, L w) { return _mm512_dpbf16_ps(acc, x, w); }
 };
 using Bf16 = DotBf16;
 #else
-using Bf16 = Widen<uint16_t>;
+using Bf16 = Widen<uint16_t, float>;
 #endif
 
-// MB input rows (m0..) against NB weight rows (n0..); S interleaved partial sums per output hide the
-// multiply-add latency when MB * NB is small.
+// One step of kStep inputs: the NB weight rows' vectors at k against MB input rows into `acc`, while one line of
+// each of `npf` weight rows at `pf` is pulled into cache (at each line of K).
+template <typename Op, int MB, int NB>
+[[gnu::always_inline]] inline void tile_step(R (&acc)[MB][NB], const typename Op::X* x, const typename Op::T* w,
+                                             int64_t K, int64_t m0, int64_t n0, int64_t k,
+                                             const typename Op::T* pf, int npf) {
+  constexpr int64_t kLine = 64 / sizeof(typename Op::T);
+  typename Op::L wv[NB];
+  for (int j = 0; j < NB; ++j) wv[j] = Op::load(w + (n0 + j) * K + k);
+  if (k % kLine == 0)
+    for (int j = 0; j < npf; ++j) vn_simd::prefetch(pf + j * K + k, 64);
+  for (int i = 0; i < MB; ++i) {
+    const auto xv = Op::load_x(x + (m0 + i) * K + k);
+    for (int j = 0; j < NB; ++j) acc[i][j] = Op::madd(acc[i][j], xv, wv[j]);
+  }
+}
+
+// MB input rows (m0..) against NB weight rows (n0..); with S = 2, two sets of partial sums, alternating steps,
+// hide the multiply-add latency where MB * NB is small.
 // `pf`: `npf` weight rows (row stride K) to pull into cache meanwhile, one 64-byte line of each per line of K.
+// The sums are named arrays, each step an inlined function, and the sums stored from a copy: an array of sets
+// indexed inside a lambda had GCC keep some sums in memory across the loop (a store-to-load chain each step:
+// the four-row loop took twice as long, in every build; the one-row loop carried its second set through the
+// stack too).
 template <typename Op, int MB, int NB, int S>
-void tile(const typename Op::T* x, const typename Op::T* w, typename Op::T* y, int64_t K, int64_t N, int64_t m0,
+void tile(const typename Op::X* x, const typename Op::T* w, typename Op::T* y, int64_t K, int64_t N, int64_t m0,
           int64_t n0, const typename Op::T* pf = nullptr, int npf = 0) {
+  static_assert(S == 1 || S == 2, "one or two sets of partial sums");
   using T = typename Op::T;
   constexpr int kStep = Op::kStep;
-  constexpr int64_t kLine = 64 / sizeof(T);
-  R acc[S][MB][NB];
-  for (int s = 0; s < S; ++s)
-    for (int i = 0; i < MB; ++i)
-      for (int j = 0; j < NB; ++j) acc[s][i][j] = Vec::zero();
-  const auto step = [&](int s, int64_t k) {
-    typename Op::L wv[NB];
-    for (int j = 0; j < NB; ++j) wv[j] = Op::load(w + (n0 + j) * K + k);
-    if (k % kLine == 0)
-      for (int j = 0; j < npf; ++j) vn_simd::prefetch(pf + j * K + k, 64);
-    for (int i = 0; i < MB; ++i) {
-      const auto xv = Op::load(x + (m0 + i) * K + k);
-      for (int j = 0; j < NB; ++j) acc[s][i][j] = Op::madd(acc[s][i][j], xv, wv[j]);
-    }
-  };
+  R a0[MB][NB], a1[MB][NB];
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NB; ++j) a0[i][j] = a1[i][j] = Vec::zero();
   int64_t k = 0;
-  for (; k + S * kStep <= K; k += S * kStep)
-    for (int s = 0; s < S; ++s) step(s, k + s * kStep);
-  for (; k < K; k += kStep) step(0, k);
-  for (int s = 1; s < S; ++s)
-    for (int i = 0; i < MB; ++i)
-      for (int j = 0; j < NB; ++j) acc[0][i][j] = Vec::add(acc[0][i][j], acc[s][i][j]);
-  vn_simd::store_tile(acc[0], y, N, m0, n0, nullptr, [](T* p, float v) { put(p, v); });
+  if constexpr (S == 2)
+    for (; k + 2 * kStep <= K; k += 2 * kStep) {
+      tile_step<Op>(a0, x, w, K, m0, n0, k, pf, npf);
+      tile_step<Op>(a1, x, w, K, m0, n0, k + kStep, pf, npf);
+    }
+  for (; k < K; k += kStep) tile_step<Op>(a0, x, w, K, m0, n0, k, pf, npf);
+  R sum[MB][NB];
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NB; ++j) sum[i][j] = S == 2 ? Vec::add(a0[i][j], a1[i][j]) : a0[i][j];
+  vn_simd::store_tile(sum, y, N, m0, n0, nullptr, [](T* p, float v) { put(p, v); });
 }
 
 template <typename Op, int MB>
-void rows(const typename Op::T* x, const typename Op::T* w, typename Op::T* y, int64_t K, int64_t N) {
+void rows(const typename Op::X* x, const typename Op::T* w, typename Op::T* y, int64_t K, int64_t N) {
   constexpr int S = MB <= 2 ? 2 : 1;
   // The weight row kRowsAhead on is prefetched line by line while this one is read: the hardware prefetcher
   // alone left one step's linears (121 calls, each stream starting cold) at 4.7-6.8 ms for 1 row and 7.0-8.9
@@ -108,7 +132,7 @@ void rows(const typename Op::T* x, const typename Op::T* w, typename Op::T* y, i
 // tiles. Without the prefetch each band waited on memory and then computed with memory idle: at 8-32
 // rows this took 1.4-1.7x longer (AMD EPYC, AVX512-BF16, one decode step's linears).
 template <typename Op, int MB, int NB>
-void band(const typename Op::T* x, const typename Op::T* w, typename Op::T* y, int64_t M, int64_t K, int64_t N,
+void band(const typename Op::X* x, const typename Op::T* w, typename Op::T* y, int64_t M, int64_t K, int64_t N,
           int64_t n0, int64_t nend) {
   constexpr int64_t kAhead = 2;  // bands; one ahead left part of the latency exposed (measured)
   const int64_t tiles = M / MB + (M % MB + 3) / 4;
@@ -133,7 +157,7 @@ void band(const typename Op::T* x, const typename Op::T* w, typename Op::T* y, i
 }
 
 template <typename Op>
-void run(const typename Op::T* x, const typename Op::T* w, typename Op::T* y, int64_t M, int64_t K, int64_t N) {
+void run(const typename Op::X* x, const typename Op::T* w, typename Op::T* y, int64_t M, int64_t K, int64_t N) {
 #if !defined(__AMX_BF16__)
   // On the AMX Xeon the prefetching bands beat this at one to four rows too (one decode step's linears,
   // 2 threads: 15.3-17.2 vs 17.4-19.2 ms at one row, 16.8-19.0 vs 23.8-26.3 at four).
@@ -159,6 +183,22 @@ void run(const typename Op::T* x, const typename Op::T* w, typename Op::T* y, in
   for (int64_t n0 = bands * 4; n0 < N; ++n0) band<Op, 4, 1>(x, w, y, M, K, N, n0, N);
 }
 
+// The bf16 inputs as the op reads them: in place, or widened to fp32 into `buf` (the kernel serves at most 64
+// rows: a few hundred KiB).
+template <typename X>
+const X* inputs_as(const uint16_t* x, int64_t n, std::vector<float>& buf) {
+  if constexpr (std::is_same_v<X, float>) {
+    buf.resize(n);
+    for (int64_t i = 0; i < n; ++i) {
+      const uint32_t bits = uint32_t(x[i]) << 16;
+      std::memcpy(&buf[i], &bits, sizeof(float));
+    }
+    return buf.data();
+  } else {
+    return x;
+  }
+}
+
 void check_args(const at::Tensor& x, const at::Tensor& w, at::ScalarType dtype) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "x [M, K], w [N, K]");
   TORCH_CHECK(x.scalar_type() == dtype && w.scalar_type() == dtype, "x and w must be ", dtype);
@@ -172,9 +212,11 @@ at::Tensor vn_ops::linear_bf16(const at::Tensor& x, const at::Tensor& w) {
   check_args(x, w, at::kBFloat16);
   auto xc = x.contiguous();
   auto y = vn_ops::empty({xc.size(0), w.size(0)}, xc.options());
-  run<Bf16>(reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>()),
+  const int64_t M = xc.size(0), K = xc.size(1);
+  std::vector<float> widened;
+  run<Bf16>(inputs_as<Bf16::X>(reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>()), M * K, widened),
             reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()),
-            reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()), xc.size(0), xc.size(1), w.size(0));
+            reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()), M, K, w.size(0));
   return y;
 }
 
