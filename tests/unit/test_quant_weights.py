@@ -121,6 +121,34 @@ def test_kernel_and_prefill_path_match_the_dequantized_matmul_at_every_bucket(sc
         torch.testing.assert_close(kernel(x, qweight, qscale).float(), ref, **tol)
 
 
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_widened_prefill_path_multiplies_bf16_rows_in_fp32(scheme, monkeypatch):
+    """KernelConfig.widen_bf16 (the avx2 class): bf16 rows above the kernel's are unpacked to fp32 and multiplied
+    there, rounded to bf16 once; without it they go to the matmul in bf16."""
+    if not caps.quant_kernels_available(CPU):
+        pytest.skip("this CPU has no AVX2: the int8/int4 kernels are not built and the torch path serves")
+    mod = SCHEMES[scheme]
+    g = torch.Generator().manual_seed(7)
+    qweight, qscale = mod.quantize(torch.randn(96, 128, generator=g) / 128**0.5)
+    bias = torch.randn(96, generator=g).bfloat16()
+    x = torch.randn(70, 128, generator=g).bfloat16()
+    rows = caps.quant_kernel_rows(CPU, torch.bfloat16)
+    assert 0 < rows < x.shape[0]
+    seen = []
+    linear = F.linear
+    monkeypatch.setattr(F, "linear", lambda a, w, b=None: seen.append((a.dtype, w.dtype)) or linear(a, w, b))
+    out = mod.linear(x, qweight, qscale, bias, rows, widen=True)
+    assert seen == [(torch.float32, torch.float32)] and out.dtype == torch.bfloat16
+    if scheme == "int8":
+        expected = Q8.scaled_linear(x.float(), ops.unpack_int8(qweight, torch.float32), qscale).bfloat16() + bias
+    else:
+        expected = linear(x.float(), ops.unpack_int4(qweight, qscale, torch.float32), bias.float()).bfloat16()
+    assert torch.equal(out, expected)
+    seen.clear()
+    mod.linear(x, qweight, qscale, bias, rows)
+    assert seen == [(torch.bfloat16, torch.bfloat16)]
+
+
 @pytest.mark.parametrize("n, k", [(12, 64), (9, 320), (960, 576), (7, 1536)])
 def test_int4_kernel_on_bf16_rows_sees_exactly_the_prefill_paths_weights(n, k):
     """From 2 bf16 rows the int4 kernel widens each band to bf16 once (on AVX512-BF16 CPUs by a table per

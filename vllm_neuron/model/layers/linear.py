@@ -78,7 +78,8 @@ class Linear(nn.Linear):
             return quant_int8.linear(x, self.qweight, self.qscale, self.bias, k.quant_rows,
                                      tiles=(self.qtiles, self.qtile_extra))
         if self.quantization is not None:
-            return _scheme(self.quantization).linear(x, self.qweight, self.qscale, self.bias, k.quant_rows)
+            return _scheme(self.quantization).linear(x, self.qweight, self.qscale, self.bias, k.quant_rows,
+                                                     widen=k.widen_bf16)
         if (x.dtype in k.linear_dtypes and x.dim() == 2 and x.shape[0] <= k.linear_rows and self.bias is None
                 and self.weight.dtype == x.dtype and self.in_features % 32 == 0):
             return linear_small_batch(x, self.weight)
