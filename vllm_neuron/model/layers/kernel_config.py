@@ -26,8 +26,9 @@ class KernelConfig:
     quant_rows: int = 0  # the int8 / int4 kernels up to this many rows (0: none; cpu_caps.quant_kernel_rows)
     prepacked: bool = False  # bf16 rows above `linear_rows` take weights packed once at load (packed_weights.py)
     tile_rows: int = 0  # ...through the C++ tile-copy lookup up to this many rows (0: the Python lookup only)
-    # bf16 rows above `linear_rows` run in fp32 on the weights widened per call, where the CPU has no bf16 matmul
-    # (AVX2 class: oneDNN emulates bf16 there, 4-5x slower than its fp32; cpu_caps.widen_pays)
+    # bf16 rows above `linear_rows` (`quant_rows` for int8 / int4 layers) run in fp32 on the weights widened (or
+    # unpacked) per call, where the CPU has no bf16 matmul (AVX2 class: oneDNN emulates bf16 there, 4-5x slower
+    # than its fp32; cpu_caps.widen_pays)
     widen_bf16: bool = False
     sampler: bool = False  # the grammar mask and greedy argmax kernels on CPU logits
     activation: bool = False  # bf16 silu(gate) * up in one pass
