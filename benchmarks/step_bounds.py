@@ -92,6 +92,13 @@ def measure_matmul_peak(threads: int, n: int = 2048, repeats: int = 5, dtype: st
 _SHORT = {"bfloat16": "bf16", "float32": "fp32"}
 
 
+def peak_dtype(dtype: str, widens: bool) -> str:
+    """The dtype whose matmul peak bounds the engine's steps (pure): its own, but fp32 where bf16 linears above
+    the kernel's rows run in fp32 on widened weights (`widens`: KernelConfig.widen_bf16, the AVX2 class, where
+    torch's bf16 matmul is emulated at a fraction of the fp32 peak)."""
+    return "float32" if widens and dtype == "bfloat16" else dtype
+
+
 def _model_sizes(model) -> tuple[int, int]:
     """(linear weight elements, their bytes as held) of the loaded model."""
     from vllm_neuron.model.layers.linear import Linear
@@ -136,10 +143,16 @@ def main(argv: list[str] | None = None) -> None:
 
     from vllm_neuron.config.device import resolve_dtype
 
-    dtype = str(resolve_dtype(args.dtype, torch.device("cpu"))).removeprefix("torch.")
-    peak = measure_matmul_peak(args.threads, args.matmul_size, dtype=dtype)
+    from vllm_neuron.model.layers.kernels import cpu_caps
+
+    cpu = torch.device("cpu")
+    dtype = str(resolve_dtype(args.dtype, cpu)).removeprefix("torch.")
+    widens = cpu_caps.kernels_enabled(cpu) and cpu_caps.widen_pays(cpu, getattr(torch, dtype),
+                                                                   cpu_caps.kernel_variant()[0])
+    compute = peak_dtype(dtype, widens)
+    peak = measure_matmul_peak(args.threads, args.matmul_size, dtype=compute)
     bandwidth = measure_read_bandwidth(args.threads, args.bandwidth_gib)
-    print(f"machine: {_SHORT[dtype]} matmul peak {peak / 1e9:.0f} GFLOP/s ({args.matmul_size}^3, torch, {args.threads} "
+    print(f"machine: {_SHORT[compute]} matmul peak {peak / 1e9:.0f} GFLOP/s ({args.matmul_size}^3, torch, {args.threads} "
           f"threads), read bandwidth {bandwidth / 1e9:.1f} GB/s (fp32 sum of {args.bandwidth_gib:g} GiB, "
           f"2 MiB pages where available)", flush=True)
 

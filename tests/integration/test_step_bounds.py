@@ -34,6 +34,13 @@ def test_bounds_take_the_higher_of_the_two_bandwidth_probes(sb):
     assert sb.bandwidth_for_bounds(31e9, 20e9) == 31e9
 
 
+def test_the_peak_is_fp32_where_bf16_linears_run_widened(sb):
+    # The AVX2 class: torch's bf16 matmul is emulated there, and the engine's bf16 linears run in fp32 instead.
+    assert sb.peak_dtype("bfloat16", widens=True) == "float32"
+    assert sb.peak_dtype("bfloat16", widens=False) == "bfloat16"
+    assert sb.peak_dtype("float32", widens=True) == "float32"
+
+
 @pytest.mark.engine
 def test_tiny_model_run_prints_every_step_kind(tiny_llama_dir):
     env = dict(os.environ)  # the tests' cache root (conftest): kernels built once; eager writes no graphs
