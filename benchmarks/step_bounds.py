@@ -143,13 +143,11 @@ def main(argv: list[str] | None = None) -> None:
 
     from vllm_neuron.config.device import resolve_dtype
 
-    from vllm_neuron.model.layers.kernels import cpu_caps
+    from vllm_neuron.model.layers.kernel_config import resolve_kernel_config
 
     cpu = torch.device("cpu")
     dtype = str(resolve_dtype(args.dtype, cpu)).removeprefix("torch.")
-    widens = cpu_caps.kernels_enabled(cpu) and cpu_caps.widen_pays(cpu, getattr(torch, dtype),
-                                                                   cpu_caps.kernel_variant()[0])
-    compute = peak_dtype(dtype, widens)
+    compute = peak_dtype(dtype, resolve_kernel_config(cpu, getattr(torch, dtype)).widen_bf16)
     peak = measure_matmul_peak(args.threads, args.matmul_size, dtype=compute)
     bandwidth = measure_read_bandwidth(args.threads, args.bandwidth_gib)
     print(f"machine: {_SHORT[compute]} matmul peak {peak / 1e9:.0f} GFLOP/s ({args.matmul_size}^3, torch, {args.threads} "

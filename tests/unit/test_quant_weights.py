@@ -123,7 +123,7 @@ def test_kernel_and_prefill_path_match_the_dequantized_matmul_at_every_bucket(sc
 
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
 def test_widened_prefill_path_multiplies_bf16_rows_in_fp32(scheme, monkeypatch):
-    """KernelConfig.widen_bf16 (the avx2 class): bf16 rows above the kernel's are unpacked to fp32 and multiplied
+    """KernelConfig.matmul_dtype under widen_bf16 (the avx2 class): bf16 rows above the kernel's are unpacked to fp32 and multiplied
     there, rounded to bf16 once; without it they go to the matmul in bf16."""
     if not caps.quant_kernels_available(CPU):
         pytest.skip("this CPU has no AVX2: the int8/int4 kernels are not built and the torch path serves")
@@ -137,7 +137,7 @@ def test_widened_prefill_path_multiplies_bf16_rows_in_fp32(scheme, monkeypatch):
     seen = []
     linear = F.linear
     monkeypatch.setattr(F, "linear", lambda a, w, b=None: seen.append((a.dtype, w.dtype)) or linear(a, w, b))
-    out = mod.linear(x, qweight, qscale, bias, rows, widen=True)
+    out = mod.linear(x, qweight, qscale, bias, rows, compute=torch.float32)
     assert seen == [(torch.float32, torch.float32)] and out.dtype == torch.bfloat16
     if scheme == "int8":
         expected = Q8.scaled_linear(x.float(), ops.unpack_int8(qweight, torch.float32), qscale).bfloat16() + bias

@@ -38,6 +38,10 @@ class KernelConfig:
     # (kernels/linear_int4_tiles.cpp, linear_int8_tiles.cpp; neuron_config.int8_activations)
     int8_activations: bool = False
 
+    def matmul_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype a matmul above the kernels' rows runs in, for inputs of `dtype` (`widen_bf16`)."""
+        return torch.float32 if self.widen_bf16 and dtype == torch.bfloat16 else dtype
+
     def graph_options(self) -> dict:
         """What of this shapes the traced graphs (part of the compile-cache key)."""
         return {f.name: sorted(map(str, v)) if isinstance(v, frozenset) else v

@@ -79,15 +79,16 @@ class Linear(nn.Linear):
                                      tiles=(self.qtiles, self.qtile_extra))
         if self.quantization is not None:
             return _scheme(self.quantization).linear(x, self.qweight, self.qscale, self.bias, k.quant_rows,
-                                                     widen=k.widen_bf16)
+                                                     compute=k.matmul_dtype(x.dtype))
         if (x.dtype in k.linear_dtypes and x.dim() == 2 and x.shape[0] <= k.linear_rows and self.bias is None
                 and self.weight.dtype == x.dtype and self.in_features % 32 == 0):
             return linear_small_batch(x, self.weight)
         if k.prepacked and x.dtype == torch.bfloat16 and x.dim() == 2 and self.weight.dtype == x.dtype:
             return packed_weights.linear_prepacked(x, self.weight, self.bias, k.tile_rows)
-        if k.widen_bf16 and x.dtype == torch.bfloat16 and self.weight.dtype == x.dtype:
-            bias = None if self.bias is None else self.bias.float()
-            return F.linear(x.float(), self.weight.float(), bias).to(x.dtype)
+        compute = k.matmul_dtype(x.dtype)
+        if compute != x.dtype and self.weight.dtype == x.dtype:
+            bias = None if self.bias is None else self.bias.to(compute)
+            return F.linear(x.to(compute), self.weight.to(compute), bias).to(x.dtype)
         return F.linear(x, self.weight, self.bias)
 
 

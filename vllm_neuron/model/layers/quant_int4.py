@@ -111,12 +111,13 @@ def linear_w4a8_reference(x: torch.Tensor, codes: torch.Tensor, sm: torch.Tensor
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor | None, scales: torch.Tensor | None, bias: torch.Tensor | None,
-           kernel_rows: int, tiles: tuple[torch.Tensor, torch.Tensor] | None = None, widen: bool = False) -> torch.Tensor:
+           kernel_rows: int, tiles: tuple[torch.Tensor, torch.Tensor] | None = None,
+           compute: torch.dtype | None = None) -> torch.Tensor:
     """x @ W^T (+ bias): with `tiles` (`to_tiles`' copy, which then replaces the bands: packed and scales None)
     the W4A8 kernel at every row count, one row included (as fast as the band kernel there: both stream 0.75
     bytes a weight); else the band kernel up to `kernel_rows` rows, its one-pass dequantization + matmul above
-    (in fp32 for bf16 inputs with `widen`: KernelConfig.widen_bf16); torch alone where kernel_rows is 0 (no
-    kernel build)."""
+    (in `compute`, x's dtype by default: KernelConfig.matmul_dtype); torch alone where kernel_rows is 0 (no kernel
+    build)."""
     rows = x.reshape(-1, x.shape[-1])
     if tiles is not None:
         y = ops.linear_int4_tiles(rows, *tiles)
@@ -127,7 +128,7 @@ def linear(x: torch.Tensor, packed: torch.Tensor | None, scales: torch.Tensor | 
         if bias is not None:
             y = y + bias
     elif kernel_rows:
-        compute = torch.float32 if widen and rows.dtype == torch.bfloat16 else rows.dtype
+        compute = compute or rows.dtype
         y = torch.nn.functional.linear(rows.to(compute), ops.unpack_int4(packed, scales, compute),
                                        None if bias is None else bias.to(compute)).to(rows.dtype)
     else:

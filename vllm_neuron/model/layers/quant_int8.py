@@ -65,17 +65,18 @@ def linear_w8a8_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor)
 
 
 def linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
-           kernel_rows: int, tiles: tuple[torch.Tensor, torch.Tensor] | None = None, widen: bool = False) -> torch.Tensor:
+           kernel_rows: int, tiles: tuple[torch.Tensor, torch.Tensor] | None = None,
+           compute: torch.dtype | None = None) -> torch.Tensor:
     """x @ W^T (+ bias): with `tiles` (`to_tiles`' copy) the W8A8 kernel from TILE_ROWS_FROM rows; else the
-    kernel up to `kernel_rows` rows, its one-pass unpacking + matmul above (in fp32 for bf16 inputs with
-    `widen`: KernelConfig.widen_bf16); torch alone where kernel_rows is 0 (no kernel build)."""
+    kernel up to `kernel_rows` rows, its one-pass unpacking + matmul above (in `compute`, x's dtype by default:
+    KernelConfig.matmul_dtype); torch alone where kernel_rows is 0 (no kernel build)."""
     rows = x.reshape(-1, x.shape[-1])
     if tiles is not None and rows.shape[0] >= TILE_ROWS_FROM:
         y = ops.linear_int8_tiles(rows, tiles[0], tiles[1], scale)
     elif rows.shape[0] <= kernel_rows:
         y = ops.linear_int8(rows, q, scale)
     elif kernel_rows:
-        compute = torch.float32 if widen and rows.dtype == torch.bfloat16 else rows.dtype
+        compute = compute or rows.dtype
         y = scaled_linear(rows.to(compute), ops.unpack_int8(q, compute), scale).to(rows.dtype)
     else:
         y = scaled_linear(rows, from_bands(q, CHUNK), scale)
