@@ -95,16 +95,7 @@ def dtype_reason(dtype: str | torch.dtype, device: torch.device) -> str:
         return "set by --dtype"
     if device.type == "cuda":
         return "auto: bfloat16 on CUDA"
-    if cpu_has_fast_bf16():
-        return "auto: this CPU has AVX512-BF16 or AMX, where bf16 matmuls run 3-6x faster than fp32"
-    from vllm_neuron import envs
-
-    if envs.VLLM_NEURON_CPU_ISA in ("avx2", "generic") and _cpuinfo_has_fast_bf16():
-        return (f"auto: VLLM_NEURON_CPU_ISA={envs.VLLM_NEURON_CPU_ISA} runs this CPU as that class, which has "
-                "neither AVX512-BF16 nor AMX, so float32")
-    return ("auto: this CPU has neither AVX512-BF16 nor AMX, so float32 (--dtype bfloat16 halves the weight bytes: "
-            "batch-1 decode steps about twice as fast, prefill up to a sixth slower, in fp32 on weights widened "
-            "per step)")
+    return _cpu_auto_dtype()[1]
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
@@ -118,7 +109,32 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
         return _DTYPES[dtype]
     if device.type == "cuda":
         return torch.bfloat16
-    return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
+    return _cpu_auto_dtype()[0]
+
+
+def _cpu_auto_dtype() -> tuple[torch.dtype, str]:
+    """`--dtype auto` on this CPU, and why. bfloat16 wherever a kernel build multiplies it at fp32's speed or
+    better: AVX512-BF16 / AMX in hardware, and the AVX2 class, whose kernels widen bf16 weights to fp32 in
+    registers and whose larger matmuls run in fp32 on weights widened per call (half the bytes a decode step
+    streams). float32 where bf16 would be emulated: the generic build, or the kernels switched off."""
+    from vllm_neuron import envs
+
+    if cpu_has_fast_bf16():
+        return torch.bfloat16, "auto: this CPU has AVX512-BF16 or AMX, where bf16 matmuls run 3-6x faster than fp32"
+    from vllm_neuron.model.layers.kernels import cpu_caps
+
+    variant = cpu_caps.kernel_variant()[0]
+    forced = (f"VLLM_NEURON_CPU_ISA={envs.VLLM_NEURON_CPU_ISA} runs this CPU as the {variant} class"
+              if envs.VLLM_NEURON_CPU_ISA in ("avx2", "generic") and _cpuinfo_has_fast_bf16()
+              else f"this CPU has neither AVX512-BF16 nor AMX ({variant} class)")
+    if variant != "avx2":
+        return torch.float32, f"auto: {forced}, where bf16 matmuls are emulated, so float32"
+    if envs.VLLM_NEURON_DISABLE_NKI_KERNELS:
+        return torch.float32, (f"auto: {forced}, and VLLM_NEURON_DISABLE_NKI_KERNELS=1 turns off the kernels that "
+                               "widen bf16 to fp32, so float32")
+    return torch.bfloat16, (f"auto: {forced}: bf16 weights widened to fp32 in the kernels, half the bytes of "
+                            "float32: batch-1 decode steps about twice as fast, prefill up to a sixth slower "
+                            "(--dtype float32 for the other trade)")
 
 
 BF16_WEIGHTS = "bf16"  # neuron_config.quantization's "no quantization, bfloat16 weights"

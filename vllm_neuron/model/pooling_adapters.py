@@ -13,9 +13,9 @@ from __future__ import annotations
 import functools
 
 import torch
-from torch import nn
 
 from vllm_neuron.model.base import CausalLM, Target
+from vllm_neuron.model.layers.linear import EncoderLinear
 
 _OWN_PREFIXES = ("model.", "lm_head.", "score.")
 
@@ -55,7 +55,7 @@ class _ClassifierAdapter(_PoolingAdapter):
         self.from_tokens = bool(getattr(hf_config, "classifier_from_token", None))
         if not self.from_tokens:
             self.lm_head = None
-            self.score = nn.Linear(hf_config.get_text_config().hidden_size, int(hf_config.num_labels), bias=False)
+            self.score = EncoderLinear(hf_config.get_text_config().hidden_size, int(hf_config.num_labels), bias=False)
 
     def checkpoint_target(self, name: str) -> Target | None:
         name = self._pooling_checkpoint_name(name)

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vllm_neuron.model.base import CausalLM, ModelSpec, Target
+from vllm_neuron.model.layers.linear import EncoderLinear
 
 _ACTIVATIONS = {"gelu": lambda x: F.gelu(x), "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
                 "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "relu": F.relu}
@@ -48,7 +49,7 @@ class _SelfAttention(nn.Module):
         super().__init__()
         h = c.hidden_size
         self.heads = c.num_attention_heads
-        self.query, self.key, self.value = nn.Linear(h, h), nn.Linear(h, h), nn.Linear(h, h)
+        self.query, self.key, self.value = EncoderLinear(h, h), EncoderLinear(h, h), EncoderLinear(h, h)
 
 
 class _Dense(nn.Module):
@@ -56,7 +57,7 @@ class _Dense(nn.Module):
 
     def __init__(self, c, d_in: int) -> None:
         super().__init__()
-        self.dense = nn.Linear(d_in, c.hidden_size)
+        self.dense = EncoderLinear(d_in, c.hidden_size)
         self.LayerNorm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
 
     def forward(self, x, residual):
@@ -80,7 +81,7 @@ class _Attention(nn.Module):
 class _Intermediate(nn.Module):
     def __init__(self, c) -> None:
         super().__init__()
-        self.dense = nn.Linear(c.hidden_size, c.intermediate_size)
+        self.dense = EncoderLinear(c.hidden_size, c.intermediate_size)
 
 
 class _Layer(nn.Module):

@@ -85,11 +85,25 @@ class Linear(nn.Linear):
             return linear_small_batch(x, self.weight)
         if k.prepacked and x.dtype == torch.bfloat16 and x.dim() == 2 and self.weight.dtype == x.dtype:
             return packed_weights.linear_prepacked(x, self.weight, self.bias, k.tile_rows)
-        compute = k.matmul_dtype(x.dtype)
-        if compute != x.dtype and self.weight.dtype == x.dtype:
-            bias = None if self.bias is None else self.bias.to(compute)
-            return F.linear(x.to(compute), self.weight.to(compute), bias).to(x.dtype)
-        return F.linear(x, self.weight, self.bias)
+        return _linear_in(x, self.weight, self.bias, k.matmul_dtype(x.dtype))
+
+
+class EncoderLinear(nn.Linear):
+    """nn.Linear for encoders' layers (vision, audio, BERT, pooling heads): none of Linear's few-row kernels,
+    packing or quantization (those serve a decoder's steps), but bf16 runs in the same `kernels.matmul_dtype`
+    (fp32 on weights widened per call on the AVX2 class, where oneDNN emulates bf16 at a fifth of its speed)."""
+    kernels = KernelConfig()  # the engine's, set when the model is built (kernel_config.apply_kernel_config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _linear_in(x, self.weight, self.bias, self.kernels.matmul_dtype(x.dtype))
+
+
+def _linear_in(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, compute: torch.dtype) -> torch.Tensor:
+    """F.linear computed in `compute`, the result in x's dtype."""
+    if compute == x.dtype or weight.dtype != x.dtype:
+        return F.linear(x, weight, bias)
+    bias = None if bias is None else bias.to(compute)
+    return F.linear(x.to(compute), weight.to(compute), bias).to(x.dtype)
 
 
 def make_linears_fp8_(model: nn.Module, exclude: list[str]) -> int:

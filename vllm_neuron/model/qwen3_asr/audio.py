@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
 
+from vllm_neuron.model.layers.linear import EncoderLinear
 from vllm_neuron.model.qwen3_asr.config import AudioArchConfig
 
 
@@ -42,10 +43,10 @@ class AudioAttention(nn.Module):
         super().__init__()
         self.num_heads = cfg.num_heads
         self.head_dim = cfg.d_model // cfg.num_heads
-        self.q_proj = nn.Linear(cfg.d_model, cfg.d_model, bias=True)
-        self.k_proj = nn.Linear(cfg.d_model, cfg.d_model, bias=True)
-        self.v_proj = nn.Linear(cfg.d_model, cfg.d_model, bias=True)
-        self.out_proj = nn.Linear(cfg.d_model, cfg.d_model, bias=True)
+        self.q_proj = EncoderLinear(cfg.d_model, cfg.d_model, bias=True)
+        self.k_proj = EncoderLinear(cfg.d_model, cfg.d_model, bias=True)
+        self.v_proj = EncoderLinear(cfg.d_model, cfg.d_model, bias=True)
+        self.out_proj = EncoderLinear(cfg.d_model, cfg.d_model, bias=True)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """x [blocks, W, d]; mask [blocks, 1, W, W] (True: may attend)."""
@@ -61,8 +62,8 @@ class AudioEncoderLayer(nn.Module):
         super().__init__()
         self.self_attn = AudioAttention(cfg)
         self.self_attn_layer_norm = nn.LayerNorm(cfg.d_model)
-        self.fc1 = nn.Linear(cfg.d_model, cfg.ffn_dim)
-        self.fc2 = nn.Linear(cfg.ffn_dim, cfg.d_model)
+        self.fc1 = EncoderLinear(cfg.d_model, cfg.ffn_dim)
+        self.fc2 = EncoderLinear(cfg.ffn_dim, cfg.d_model)
         self.final_layer_norm = nn.LayerNorm(cfg.d_model)
         self.act = ACT2FN[cfg.activation]
 
@@ -81,7 +82,7 @@ class Qwen3ASRAudioEncoder(nn.Module):
         self.conv2d1 = nn.Conv2d(1, ch, 3, 2, padding=1)
         self.conv2d2 = nn.Conv2d(ch, ch, 3, 2, padding=1)
         self.conv2d3 = nn.Conv2d(ch, ch, 3, 2, padding=1)
-        self.conv_out = nn.Linear(ch * cfg.conv_freq_bins, cfg.d_model, bias=False)
+        self.conv_out = EncoderLinear(ch * cfg.conv_freq_bins, cfg.d_model, bias=False)
         self.layers = nn.ModuleList([AudioEncoderLayer(cfg) for _ in range(cfg.num_layers)])
         self.ln_post = nn.LayerNorm(cfg.d_model)
         self.register_buffer("positional_embedding", sinusoids(cfg.max_position_embeddings, cfg.d_model),
@@ -110,9 +111,9 @@ class Qwen3ASRProjector(nn.Module):
 
     def __init__(self, cfg: AudioArchConfig) -> None:
         super().__init__()
-        self.linear_1 = nn.Linear(cfg.d_model, cfg.d_model)
+        self.linear_1 = EncoderLinear(cfg.d_model, cfg.d_model)
         self.act = ACT2FN[cfg.activation]
-        self.linear_2 = nn.Linear(cfg.d_model, cfg.output_dim)
+        self.linear_2 = EncoderLinear(cfg.d_model, cfg.output_dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear_2(self.act(self.linear_1(x)))

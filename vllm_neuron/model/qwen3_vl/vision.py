@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
 
+from vllm_neuron.model.layers.linear import EncoderLinear
 from vllm_neuron.model.qwen3_vl.config import VisionArchConfig
 from vllm_neuron.model.qwen3_vl.vision_parallel import VisionParallel, dp_gather_rows, dp_share, tp_all_reduce
 
@@ -35,8 +36,8 @@ class VisionAttention(nn.Module):
         self.head_dim = cfg.hidden_size // cfg.num_heads
         local = self.num_heads * self.head_dim
         # The checkpoint stores q, k and v stacked as [Q_all | K_all | V_all]: one matmul, split by rows.
-        self.qkv = nn.Linear(cfg.hidden_size, 3 * local, bias=True)
-        self.proj = nn.Linear(local, cfg.hidden_size, bias=True)
+        self.qkv = EncoderLinear(cfg.hidden_size, 3 * local, bias=True)
+        self.proj = EncoderLinear(local, cfg.hidden_size, bias=True)
 
     def forward(self, x, cos, sin, mask) -> torch.Tensor:
         """x [P, hidden] holding mask.shape[0] blocks of mask.shape[-1] patches; attention within blocks."""
@@ -59,8 +60,8 @@ class VisionMLP(nn.Module):
             raise ValueError(f"encoder_neuron_config tp_size={vp.tp} must divide the vision tower's intermediate "
                              f"size {cfg.intermediate_size}")
         self.vp = vp
-        self.linear_fc1 = nn.Linear(cfg.hidden_size, cfg.intermediate_size // vp.tp, bias=True)
-        self.linear_fc2 = nn.Linear(cfg.intermediate_size // vp.tp, cfg.hidden_size, bias=True)
+        self.linear_fc1 = EncoderLinear(cfg.hidden_size, cfg.intermediate_size // vp.tp, bias=True)
+        self.linear_fc2 = EncoderLinear(cfg.intermediate_size // vp.tp, cfg.hidden_size, bias=True)
         self.act = ACT2FN[cfg.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -89,8 +90,8 @@ class PatchMerger(nn.Module):
         self.merged = cfg.hidden_size * cfg.merge_unit
         self.postshuffle_norm = postshuffle_norm
         self.norm = nn.LayerNorm(self.merged if postshuffle_norm else cfg.hidden_size, eps=1e-6)
-        self.linear_fc1 = nn.Linear(self.merged, self.merged)
-        self.linear_fc2 = nn.Linear(self.merged, cfg.out_hidden_size)
+        self.linear_fc1 = EncoderLinear(self.merged, self.merged)
+        self.linear_fc2 = EncoderLinear(self.merged, cfg.out_hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.norm(x.reshape(-1, self.merged)) if self.postshuffle_norm else self.norm(x).reshape(-1, self.merged)
@@ -103,7 +104,7 @@ class PatchEmbed(nn.Module):
 
     def __init__(self, cfg: VisionArchConfig) -> None:
         super().__init__()
-        self.proj = nn.Linear(cfg.patch_dim, cfg.hidden_size, bias=True)
+        self.proj = EncoderLinear(cfg.patch_dim, cfg.hidden_size, bias=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.proj(x)
