@@ -13,7 +13,7 @@ import torch
 from vllm_neuron.config.arg_utils import add_engine_args, engine_args_from_cli
 from vllm_neuron.config.engine_args import EngineArgs
 from vllm_neuron.config.engine_config import EngineConfig, ModelFacts, resolve
-from vllm_neuron.model.layers.kernels import cpu_caps
+from vllm_neuron.config import cpu_class
 
 
 def _cli(*argv: str) -> EngineArgs:
@@ -223,7 +223,7 @@ def test_resolved_device_dtype_and_backend_with_the_reason(monkeypatch):
     assert (c.torch_device, c.torch_dtype, c.dtype_reason) == (torch.device("cpu"), torch.float32, "set by --dtype")
     monkeypatch.setattr(D, "cpu_has_fast_bf16", lambda: False)
     monkeypatch.setattr(D, "_cpuinfo_has_fast_bf16", lambda: False)
-    monkeypatch.setattr(cpu_caps, "kernel_variant", lambda: ("generic", "detected"))
+    monkeypatch.setattr(cpu_class, "cpu_flags", lambda: {"sse2"})
     auto = _resolve(device="cpu", enforce_eager=True)
     assert (auto.dtype, auto.torch_dtype, auto.backend) == ("float32", torch.float32, "eager")
     assert auto.dtype_reason == ("auto: this CPU has neither AVX512-BF16 nor AMX (generic class), where bf16 "
@@ -240,28 +240,27 @@ def test_forcing_the_avx2_class_takes_its_dtype(monkeypatch):
     from vllm_neuron.config import device as D
 
     monkeypatch.setattr(D, "_cpuinfo_has_fast_bf16", lambda: True)
-    monkeypatch.setattr(cpu_caps, "cpu_flags", lambda: {"avx2", "fma", "f16c", "avx512bw", "avx512_bf16"})
-    cpu_caps.kernel_variant.cache_clear()
-    try:
-        assert _resolve(device="cpu").dtype == "bfloat16"
-        monkeypatch.setenv("VLLM_NEURON_CPU_ISA", "avx2")
-        cpu_caps.kernel_variant.cache_clear()
-        c = _resolve(device="cpu")
-        assert c.dtype == "bfloat16"
-        assert c.dtype_reason.startswith("auto: VLLM_NEURON_CPU_ISA=avx2 runs this CPU as the avx2 class: bf16 "
-                                         "weights widened to fp32 in the kernels")
-        monkeypatch.setenv("VLLM_NEURON_DISABLE_NKI_KERNELS", "1")
-        off = _resolve(device="cpu")
-        assert off.dtype == "float32" and "VLLM_NEURON_DISABLE_NKI_KERNELS=1 turns off" in off.dtype_reason
-        monkeypatch.delenv("VLLM_NEURON_DISABLE_NKI_KERNELS")
-        monkeypatch.setenv("VLLM_NEURON_CPU_ISA", "generic")
-        cpu_caps.kernel_variant.cache_clear()
-        g = _resolve(device="cpu")
-        assert g.dtype == "float32" and g.dtype_reason.startswith(
-            "auto: VLLM_NEURON_CPU_ISA=generic runs this CPU as the generic class, where bf16 matmuls are emulated")
-    finally:
-        monkeypatch.undo()
-        cpu_caps.kernel_variant.cache_clear()
+    monkeypatch.setattr(cpu_class, "cpu_flags", lambda: {"avx2", "fma", "f16c", "avx512bw", "avx512_bf16"})
+    assert _resolve(device="cpu").dtype == "bfloat16"
+    monkeypatch.setenv("VLLM_NEURON_CPU_ISA", "avx2")
+    c = _resolve(device="cpu")
+    assert c.dtype == "bfloat16"
+    assert c.dtype_reason.startswith("auto: VLLM_NEURON_CPU_ISA=avx2 runs this CPU as the avx2 class: bf16 "
+                                     "weights widened to fp32 in the kernels")
+    monkeypatch.setenv("VLLM_NEURON_DISABLE_NKI_KERNELS", "1")
+    off = _resolve(device="cpu")
+    assert off.dtype == "float32" and "VLLM_NEURON_DISABLE_NKI_KERNELS=1 turns off" in off.dtype_reason
+    monkeypatch.delenv("VLLM_NEURON_DISABLE_NKI_KERNELS")
+    monkeypatch.setenv("VLLM_NEURON_CPU_ISA", "generic")
+    g = _resolve(device="cpu")
+    assert g.dtype == "float32" and g.dtype_reason.startswith(
+        "auto: VLLM_NEURON_CPU_ISA=generic runs this CPU as the generic class, where bf16 matmuls are emulated")
+    monkeypatch.setattr(cpu_class, "cpu_flags", lambda: {"avx2", "fma", "f16c"})  # an AVX2-only CPU, nothing forced
+    monkeypatch.setattr(D, "_cpuinfo_has_fast_bf16", lambda: False)
+    monkeypatch.delenv("VLLM_NEURON_CPU_ISA")
+    native = _resolve(device="cpu")
+    assert native.dtype == "bfloat16" and native.dtype_reason.startswith(
+        "auto: this CPU has neither AVX512-BF16 nor AMX (avx2 class): bf16 weights widened")
 
 
 def test_bf16_quantization_is_the_seeds_unquantized_bfloat16(monkeypatch):

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from vllm_neuron.config import cpu_class
 from vllm_neuron.model.layers.kernels import build, ops
 from vllm_neuron.model.layers.kernels import cpu_caps as caps
 from vllm_neuron.model.layers import linear as L
@@ -479,9 +480,10 @@ def test_silu_and_mul_inside_a_compiled_graph():
 
 
 def test_variant_detection():
-    assert caps.detect_variant({"avx512_bf16", "avx512bw", "avx2", "fma", "f16c"}) == "avx512bf16"
-    assert caps.detect_variant({"avx2", "fma", "f16c", "avx512f"}) == "avx2"
-    assert caps.detect_variant({"sse2"}) == "generic"
+    assert cpu_class.detect_variant({"avx512_bf16", "avx512bw", "avx2", "fma", "f16c"}) == "avx512bf16"
+    assert cpu_class.detect_variant({"avx2", "fma", "f16c", "avx512f"}) == "avx2"
+    assert cpu_class.detect_variant({"sse2"}) == "generic"
+    assert tuple(build.VARIANTS) == cpu_class.CLASSES  # one build per class, best first
 
 
 @pytest.mark.slow
@@ -491,7 +493,7 @@ def test_forced_avx2_build_passes_the_same_checks(tmp_path):
     attention, the bf16/fp32 linear and the int8/int4 linears at every bucket shape (both their paths: the
     integer dot products of test_int_dot_avx2 and the widening one).
     A process of its own: one process loads one build of the ops."""
-    if caps.detect_variant(caps.cpu_flags()) == "generic":
+    if cpu_class.detect_variant(caps.cpu_flags()) == "generic":
         pytest.skip("this CPU has no AVX2")
     if caps.kernel_variant()[0] == "avx2":  # an AVX2-only CPU: a second build would repeat the same checks
         pytest.skip("this process' own build is avx2: the tests above and test_quant_weights are the AVX2 checks")
@@ -532,15 +534,15 @@ def _forced_run(variant: str, select: str, tmp_path, *more_files: str) -> subpro
 
 def test_a_variant_the_cpu_cannot_run_is_refused():
     avx2_cpu = {"avx2", "fma", "f16c"}
-    assert caps.choose_variant(avx2_cpu, None) == ("avx2", "detected from /proc/cpuinfo")
-    assert caps.choose_variant(avx2_cpu, "generic")[0] == "generic"
+    assert cpu_class.choose_variant(avx2_cpu, None) == ("avx2", "detected from /proc/cpuinfo")
+    assert cpu_class.choose_variant(avx2_cpu, "generic")[0] == "generic"
     with pytest.raises(ValueError, match="VLLM_NEURON_CPU_ISA=avx512bf16 needs instructions this CPU lacks"):
-        caps.choose_variant(avx2_cpu, "avx512bf16")
+        cpu_class.choose_variant(avx2_cpu, "avx512bf16")
 
 
 def test_build_is_the_forced_variant():
     forced = os.environ.get("VLLM_NEURON_CPU_ISA")
-    assert caps.kernel_variant()[0] == (forced or caps.detect_variant(caps.cpu_flags()))
+    assert caps.kernel_variant()[0] == (forced or cpu_class.detect_variant(caps.cpu_flags()))
 
 
 def test_only_the_registry_parses_torchs_registration_headers():

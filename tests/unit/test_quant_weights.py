@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from tests.unit.test_int_dot_avx2 import INT_DOT_ROWS, codes, int_dot_bound
 from vllm_neuron.config.engine_args import EngineArgs
 from vllm_neuron.model.layers.kernels import ops
+from vllm_neuron.model.layers.kernels.ops import has_op
 from vllm_neuron.model.layers.kernels import cpu_caps as caps
 from vllm_neuron.model.layers import quant_int4 as Q4
 from vllm_neuron.model.layers import quant_int8 as Q8
@@ -155,9 +156,12 @@ def test_int4_kernel_on_bf16_rows_sees_exactly_the_prefill_paths_weights(n, k):
     superblock) and prefill hands oneDNN unpack_int4's weights: the two must be the same bf16 values, or decode
     and prefill would run different models. One-hot input rows read single weights back exactly (one product,
     zeros elsewhere, and a bf16 weight fits the bf16 output), every column of every band and tail row, in calls
-    of 2-4 rows and of up to 256; scales spread over 2^-20..2^20 exercise the rounding."""
+    of 2-4 rows and of up to 256; scales spread over 2^-20..2^20 exercise the rounding. An avx2 build takes
+    integer products up to INT_DOT_ROWS rows (their rounding differs: test_int_dot_avx2.py bounds it), so there
+    the calls above that many rows are checked."""
     if not caps.quant_kernels_available(CPU):
         pytest.skip("no AVX2 here: the torch path serves")
+    integer_rows = INT_DOT_ROWS if has_op("linear_quant_path") else 1  # one row: test_int4_vnni.py
     g = torch.Generator().manual_seed(n * k)
     w = torch.randn(n, k, generator=g) * 2.0 ** (torch.randint(-20, 21, (n, 1), generator=g).float())
     q, sm = Q4.quantize(w)
@@ -168,8 +172,8 @@ def test_int4_kernel_on_bf16_rows_sees_exactly_the_prefill_paths_weights(n, k):
     for rows in (2, 3, 4, 256):  # one-hot rows for columns lo .. lo + rows - 1 per call (the last call: fewer)
         for lo in range(0, k if rows == 256 else min(k, 96), rows):
             cols = torch.arange(lo, min(k, lo + rows))
-            if len(cols) < 2:
-                continue  # one row takes the integer-product path, whose rounding differs (test_int4_vnni.py)
+            if len(cols) <= integer_rows:
+                continue  # the integer-product path, whose rounding differs
             x = torch.zeros(len(cols), k, dtype=torch.bfloat16)
             x[torch.arange(len(cols)), cols] = 1
             out = ops.linear_int4(x, q, sm)

@@ -9,6 +9,7 @@ import sys
 import pytest
 import torch._inductor.config as inductor_config
 
+from vllm_neuron.config import cpu_class
 from vllm_neuron.model.layers.kernels import cpu_caps
 from vllm_neuron.worker import vec_isa_probe
 from vllm_neuron.worker.vec_isa_probe import build_covers_inductor_isas, skip_answered_probe
@@ -66,7 +67,7 @@ _PICK = ("from torch._inductor import cpu_vec_isa as c; p = c.pick_vec_isa(); "
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="inductor probes vector ISAs on x86 only")
 def test_inductor_picks_the_same_isa_and_flags_without_the_probe() -> None:
     """Skipping the probe must not change the code inductor generates or its cache keys on this machine."""
-    if not build_covers_inductor_isas(cpu_caps.detect_variant(cpu_caps.cpu_flags()), cpu_caps.cpu_flags()):
+    if not build_covers_inductor_isas(cpu_class.detect_variant(cpu_caps.cpu_flags()), cpu_caps.cpu_flags()):
         pytest.skip("this CPU's kernel build does not answer the probe: the engine keeps it")
     picks = []
     for ok in (None, "1"):  # unset: the probe runs; 1: skipped (0 would turn vectorization off)
@@ -84,7 +85,7 @@ def test_inductor_picks_the_same_isa_and_flags_without_the_probe() -> None:
 def test_an_engine_with_our_kernels_skips_the_probe(tiny_llama_dir: str) -> None:
     """The runner sets it once the kernels are built for this CPU's class; a user's setting wins."""
     flags = cpu_caps.cpu_flags()
-    variant = cpu_caps.detect_variant(flags)
+    variant = cpu_class.detect_variant(flags)
     if platform.machine() not in ("x86_64", "AMD64") or not build_covers_inductor_isas(variant, flags):
         pytest.skip("this CPU's kernel build does not answer inductor's probe")
     code = ("import torch._inductor.config as c; from vllm_neuron import LLM; "

@@ -9,6 +9,8 @@ import subprocess
 
 import torch
 
+from vllm_neuron.config.cpu_class import cpu_class
+
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 DTYPE_CHOICES = ("auto", "float32", "float", "bfloat16", "float16", "half")
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
@@ -121,9 +123,7 @@ def _cpu_auto_dtype() -> tuple[torch.dtype, str]:
 
     if cpu_has_fast_bf16():
         return torch.bfloat16, "auto: this CPU has AVX512-BF16 or AMX, where bf16 matmuls run 3-6x faster than fp32"
-    from vllm_neuron.model.layers.kernels import cpu_caps
-
-    variant = cpu_caps.kernel_variant()[0]
+    variant = cpu_class()
     forced = (f"VLLM_NEURON_CPU_ISA={envs.VLLM_NEURON_CPU_ISA} runs this CPU as the {variant} class"
               if envs.VLLM_NEURON_CPU_ISA in ("avx2", "generic") and _cpuinfo_has_fast_bf16()
               else f"this CPU has neither AVX512-BF16 nor AMX ({variant} class)")

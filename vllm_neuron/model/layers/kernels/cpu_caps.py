@@ -9,6 +9,7 @@ import functools
 import torch
 
 from vllm_neuron import envs
+from vllm_neuron.config.cpu_class import choose_variant, cpu_flags
 from vllm_neuron.logger import init_logger
 from vllm_neuron.model.layers.kernels import build
 from vllm_neuron.model.layers.kernels.ops import has_op, pack_tiles
@@ -19,39 +20,6 @@ logger = init_logger(__name__)
 # at 64); the VDPBF16PS tile-order kernel serves every row count.
 AMX_ROWS = 32
 UNBOUNDED = 1 << 62
-
-
-def cpu_flags() -> set[str]:
-    """This CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
-def detect_variant(flags: set[str]) -> str:
-    """The best build this CPU runs (pure)."""
-    if "avx512_bf16" in flags and "avx512bw" in flags:
-        return "avx512bf16"
-    if {"avx2", "fma", "f16c"} <= flags:
-        return "avx2"
-    return "generic"
-
-
-def choose_variant(flags: set[str], forced: str | None) -> tuple[str, str]:
-    """(variant, why): `forced` (VLLM_NEURON_CPU_ISA) when this CPU runs it, else the best it runs (pure)."""
-    best = detect_variant(flags)
-    if forced is None:
-        return best, "detected from /proc/cpuinfo"
-    order = list(build.VARIANTS)  # best first
-    if order.index(forced) < order.index(best):
-        raise ValueError(f"VLLM_NEURON_CPU_ISA={forced} needs instructions this CPU lacks (best here: {best}); "
-                         f"valid values: {', '.join(order[order.index(best):])}")
-    return forced, "forced by VLLM_NEURON_CPU_ISA"
 
 
 @functools.lru_cache(maxsize=1)
