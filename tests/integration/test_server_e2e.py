@@ -529,25 +529,30 @@ def test_client_disconnect_frees_the_engine(server, model):
     def finished(reason: str) -> float:
         return metric(server.url, "vllm:request_success_total", f'finished_reason="{reason}"')
 
-    aborted0, length0 = finished("abort"), finished("length")
     body = {"model": model, "prompt": "A long story: ", "max_tokens": 400, "ignore_eos": True, "stream": True}
-    with httpx.Client(timeout=30) as c:
-        with c.stream("POST", server.url + "/v1/completions", json=body) as r:
-            assert r.status_code == 200
-            chunks = 0
-            for line in r.iter_lines():
-                chunks += line.startswith("data: ")
-                if chunks >= 3:
-                    break
-    # Closed a few tokens in, hundreds of steps before the request could end by itself (even an
-    # idle machine needs about a second for 400 tokens): only an abort explains an "abort" finish.
-    # The gauges can still read their value from before the request (a loaded CI run saw them idle at once), so
-    # the wait is for the request's finish, however it ended, and then for the engine to be idle.
-    wait_for(lambda: finished("abort") + finished("length") > aborted0 + length0
-             and metric(server.url, "vllm:num_requests_running") == 0
-             and metric(server.url, "vllm:kv_cache_usage_perc") == 0, timeout=10, what="the request to finish")
-    assert finished("abort") == aborted0 + 1
-    assert finished("length") == length0, "the request ran to max_tokens although its client went away"
+    outcomes = []
+    # A loaded machine can starve the API process while the engine process runs all 400 steps (CI saw a "length"
+    # finish once): such a try tells nothing, so up to three are made; a server that never aborts fails all three.
+    for _ in range(3):
+        aborted0, length0 = finished("abort"), finished("length")
+        with httpx.Client(timeout=30) as c:
+            with c.stream("POST", server.url + "/v1/completions", json=body) as r:
+                assert r.status_code == 200
+                chunks = 0
+                for line in r.iter_lines():
+                    chunks += line.startswith("data: ")
+                    if chunks >= 3:
+                        break
+        # Closed a few tokens in, hundreds of steps before the request could end by itself: only an abort explains
+        # an "abort" finish. The gauges can still read their value from before the request (a loaded CI run saw them
+        # idle at once), so the wait is for the request's finish, however it ended, and then for the engine to be idle.
+        wait_for(lambda: finished("abort") + finished("length") > aborted0 + length0
+                 and metric(server.url, "vllm:num_requests_running") == 0
+                 and metric(server.url, "vllm:kv_cache_usage_perc") == 0, timeout=10, what="the request to finish")
+        outcomes.append((finished("abort") - aborted0, finished("length") - length0))
+        if outcomes[-1] == (1, 0):
+            break
+    assert outcomes[-1] == (1, 0), f"(aborted, ran to max_tokens) per try: {outcomes}: the client went away each time"
     _assert_still_serves(server.url, model)
 
 
