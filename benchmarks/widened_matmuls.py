@@ -9,7 +9,6 @@ VLLM_NEURON_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 (the s
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 from collections.abc import Callable
 
@@ -20,19 +19,22 @@ from vllm_neuron.model.layers.kernel_config import KernelConfig
 from vllm_neuron.model.layers.linear import EncoderLinear
 from vllm_neuron.model.layers.moe import StackedExperts
 
+from step_timing import median_ms
+
 EMULATED, WIDENED = KernelConfig(), KernelConfig(widen_bf16=True)
 EXPERTS = (32, 1024, 512)  # experts, hidden, intermediate (a Qwen3-MoE layer, scaled down)
 VISION = (1024, 1152, 4304)  # patches, hidden, MLP (a Qwen3-VL-2B vision block's linears)
 
 
-def median_ms(fn: Callable[[], object], rounds: int) -> float:
+def timed_ms(fn: Callable[[], object], rounds: int) -> float:
+    """The median of `rounds` calls after one warm-up call, in ms."""
     fn()
     times = []
     for _ in range(rounds):
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+    return median_ms(times)
 
 
 def experts_cases(rounds: int) -> list[tuple[str, float, float, float]]:
@@ -47,10 +49,10 @@ def experts_cases(rounds: int) -> list[tuple[str, float, float, float]]:
     for tokens, path in ((256, "dense"), (4, "gathered")):  # 4 tokens x top-4 <= 32 experts: gathered
         x = torch.randn(tokens, h)
         weights, ids = torch.softmax(torch.randn(tokens, 4), -1), torch.randint(0, e, (tokens, 4))
-        times = [median_ms(lambda: fp32(x, weights, ids), rounds)]
+        times = [timed_ms(lambda: fp32(x, weights, ids), rounds)]
         for kernels in (EMULATED, WIDENED):
             bf16.kernels = kernels
-            times.append(median_ms(lambda: bf16(x.bfloat16(), weights.bfloat16(), ids), rounds))
+            times.append(timed_ms(lambda: bf16(x.bfloat16(), weights.bfloat16(), ids), rounds))
         rows.append((f"experts {e} x {h} x {i}, {tokens} tokens top-4 ({path})", *times))
     return rows
 
@@ -64,13 +66,13 @@ def vision_case(rounds: int) -> tuple[str, float, float, float]:
         for layer, x in zip(layers, inputs):
             layer(x.to(dtype))
 
-    times = [median_ms(lambda: block(torch.float32), rounds)]
+    times = [timed_ms(lambda: block(torch.float32), rounds)]
     for layer in layers:
         layer.bfloat16()
     for kernels in (EMULATED, WIDENED):
         for layer in layers:
             layer.kernels = kernels
-        times.append(median_ms(lambda: block(torch.bfloat16), rounds))
+        times.append(timed_ms(lambda: block(torch.bfloat16), rounds))
     return (f"vision block's 4 linears, {patches} patches x {h} (MLP {m})", *times)
 
 

@@ -9,7 +9,7 @@ import subprocess
 
 import torch
 
-from vllm_neuron.config.cpu_class import cpu_class
+from vllm_neuron.config.cpu_class import cpu_class, cpu_flags
 
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 DTYPE_CHOICES = ("auto", "float32", "float", "bfloat16", "float16", "half")
@@ -81,14 +81,8 @@ def cpu_has_fast_bf16() -> bool:
     return _cpuinfo_has_fast_bf16()
 
 
-@functools.lru_cache(maxsize=1)
 def _cpuinfo_has_fast_bf16() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    except OSError:
-        return False
-    return "amx_bf16" in flags or "avx512_bf16" in flags
+    return bool({"amx_bf16", "avx512_bf16"} & cpu_flags())
 
 
 def dtype_reason(dtype: str | torch.dtype, device: torch.device) -> str:
